@@ -1,0 +1,36 @@
+# Two user-facing set-up commands (see README.md):
+#   make demo   install into .venv and run the main job on the built-in tiny model
+#   make test   install into .venv and run the test suite
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST_ARGS ?= -q
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	# A GPU machine keeps its CUDA torch; a CPU machine gets the CPU wheel (a looser pin pulls a CUDA build).
+	if python3 -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
+		echo "CUDA torch found on the system: linking it into the venv"; \
+		python3 -c "import torch,os; print(os.path.dirname(os.path.dirname(torch.__file__)))" > $$($(PY) -c "import site; print(site.getsitepackages()[0])")/system_torch.pth; \
+	else \
+		$(PY) -m pip install -q torch==2.13.0; \
+	fi
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m runner generate --model tiny-qwen3-moe --data-parallel-size 2 --enable-expert-parallel \
+		--enable-dbo --dbo-decode-token-threshold 4 --dbo-prefill-token-threshold 16 \
+		--emulate-link latency_us=50,gbps=10 --max-tokens 16 --num-prompts 8
+
+test: install
+	OMP_NUM_THREADS=1 $(PY) -m pytest $(PYTEST_ARGS)
+
+bench: install
+	$(PY) benchmarks/report.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

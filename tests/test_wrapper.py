@@ -1,0 +1,134 @@
+"""UBatchWrapper as a library user sees it: argument slicing, output merging, forward context, streams."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from ubatch import (
+    UBatchConfig,
+    UBatchSlice,
+    UBatchWrapper,
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_switch_to_comm,
+    dbo_switch_to_compute,
+    dbo_yield,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
+    get_forward_context,
+    set_forward_context,
+    streams,
+)
+from ubatch.context import DBOError, current_ubatch_context
+from ubatch.wrapper import merge_ubatch_outputs
+
+
+class TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, scale: float = 1.0,
+                table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.proj(torch.nn.functional.one_hot(input_ids, 4).float()) * scale
+        dbo_yield()
+        return h + positions[:, None], table.sum().expand(input_ids.shape[0])
+
+
+def slices(bounds: list[int]) -> list[UBatchSlice]:
+    return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+
+
+def test_ubatched_equals_plain_call_and_passes_other_args_unchanged() -> None:
+    torch.manual_seed(0)
+    model = TwoHeads()
+    ids = torch.tensor([0, 1, 2, 3, 1, 0, 2])
+    pos = torch.arange(7)
+    table = torch.ones(3, 5)  # first dim differs from the token count: never sliced
+    ref = model(ids, pos, scale=2.0, table=table)
+    w = UBatchWrapper(model)
+    with set_forward_context(ubatch_slices=slices([0, 3, 7])):
+        out = w(input_ids=ids, positions=pos, scale=2.0, table=table)
+    assert isinstance(out, tuple) and len(out) == 2
+    torch.testing.assert_close(out[0], ref[0], rtol=0, atol=0)
+    torch.testing.assert_close(out[1], ref[1], rtol=0, atol=0)
+    assert w.num_ubatched_steps == 1
+    w.close()
+
+
+def test_without_slices_the_runnable_is_called_directly() -> None:
+    seen = []
+    w = UBatchWrapper(lambda x: seen.append(dbo_enabled()) or x)
+    x = torch.zeros(3)
+    assert w(x) is x
+    with set_forward_context(attn_metadata=None):
+        assert w(x) is x
+    assert seen == [False, False] and w.num_ubatched_steps == 0
+    w.close()
+
+
+def test_getattr_delegates_to_the_runnable() -> None:
+    model = TwoHeads()
+    w = UBatchWrapper(model)
+    assert w.proj is model.proj and w.unwrap() is model
+    with pytest.raises(AttributeError):
+        _ = w.no_such_attribute
+    w.close()
+
+
+def test_each_ubatch_sees_its_own_forward_context() -> None:
+    seen = {}
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        ctx = get_forward_context()
+        seen[dbo_current_ubatch_id()] = (ctx.ubatch_id, ctx.ubatch_slice, ctx.attn_metadata, ctx.request_tag)
+        dbo_yield()
+        assert get_forward_context() is ctx  # unchanged after the other ubatch ran
+        return x
+
+    w = UBatchWrapper(model, UBatchConfig(num_ubatches=3))
+    sl = slices([0, 2, 4, 6])
+    with set_forward_context(attn_metadata=["m0", "m1", "m2"], ubatch_slices=sl, request_tag="t") as outer:
+        w(torch.zeros(6))
+        assert get_forward_context() is outer
+    assert seen == {i: (i, sl[i], f"m{i}", "t") for i in range(3)}
+    w.close()
+
+
+def test_stream_switching_is_tracked_on_cpu() -> None:
+    w = UBatchWrapper(lambda x: x)
+    log = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        ctx = current_ubatch_context()
+        assert streams.current_stream("cpu") is ctx.compute_stream
+        dbo_yield_and_switch_from_compute_to_comm()
+        log.append(streams.current_stream("cpu") is w.comm_stream)
+        dbo_yield_and_switch_from_comm_to_compute()
+        log.append(streams.current_stream("cpu") is ctx.compute_stream)
+        dbo_switch_to_comm()
+        with pytest.raises(DBOError, match="expected the compute stream"):
+            dbo_yield_and_switch_from_compute_to_comm()
+        dbo_switch_to_compute()
+        return x
+
+    w.runnable = model
+    with set_forward_context(ubatch_slices=slices([0, 2, 4])):
+        w(torch.zeros(4))
+    assert log == [True, True, True, True]
+    w.close()
+
+
+def test_merge_outputs_rejects_unmergeable_types() -> None:
+    assert merge_ubatch_outputs([None, None]) is None
+    with pytest.raises(TypeError, match="cannot merge ubatch outputs of type dict"):
+        merge_ubatch_outputs([{}, {}])
+
+
+def test_slice_count_must_match_config() -> None:
+    w = UBatchWrapper(lambda x: x)
+    with set_forward_context(ubatch_slices=slices([0, 1, 2, 3])):
+        with pytest.raises(ValueError, match="3 ubatch slices but the wrapper runs 2"):
+            w(torch.zeros(3))
+    w.close()
