@@ -49,31 +49,28 @@ class CommonAttentionMetadata:
         Padding follows vLLM: padded requests have query length 0 and seq_len 0, padded tokens write to
         ``PAD_SLOT_ID`` at position 0, so padded slices can be split like real ones.
         """
-        q = [int(x) for x in query_lens]
-        s = [int(x) for x in seq_lens]
-        if len(q) != len(s) or any(qi < 0 or si < qi for qi, si in zip(q, s)):
-            raise ValueError(f"need 0 <= query_len <= seq_len per request, got query_lens={q}, seq_lens={s}")
+        q, s = _as_lens("query_lens", query_lens), _as_lens("seq_lens", seq_lens)
+        if len(q) != len(s) or any(si < qi for qi, si in zip(q, s)):
+            raise ValueError(f"need query_len <= seq_len per request, got query_lens={q}, seq_lens={s}")
         n_reqs = len(q) if num_reqs_padded is None else num_reqs_padded
         n_toks = sum(q) if num_tokens_padded is None else num_tokens_padded
         if n_reqs < len(q) or n_toks < sum(q):
             raise ValueError(f"padding ({n_reqs} reqs, {n_toks} tokens) below the real ({len(q)}, {sum(q)})")
-        q_pad, s_pad = q + [0] * (n_reqs - len(q)), s + [0] * (n_reqs - len(q))
-        qsl = torch.zeros(n_reqs + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(torch.tensor(q_pad, dtype=torch.int32), 0)
-        blocks_per_req = max(1, -(-max(s_pad, default=0) // block_size))
-        block_table = torch.arange(n_reqs * blocks_per_req, dtype=torch.int32).view(n_reqs, blocks_per_req)
-        positions = torch.zeros(n_toks, dtype=torch.int64)
-        slots = torch.full((n_toks,), PAD_SLOT_ID, dtype=torch.int64)
-        for r, (qi, si) in enumerate(zip(q, s)):
-            pos = torch.arange(si - qi, si, dtype=torch.int64)
-            start = int(qsl[r])
-            positions[start:start + qi] = pos
-            slots[start:start + qi] = block_table[r, pos // block_size].long() * block_size + pos % block_size
-        seq = torch.tensor(s_pad, dtype=torch.int32)
+        q_pad = torch.tensor(q + [0] * (n_reqs - len(q)), dtype=torch.int32)
+        seq = torch.tensor(s + [0] * (n_reqs - len(q)), dtype=torch.int32)
+        qsl = torch.cat([torch.zeros(1, dtype=torch.int32), torch.cumsum(q_pad, 0, dtype=torch.int32)])
+        width = max(1, -(-max(s, default=0) // block_size))
+        block_table = torch.arange(n_reqs * width, dtype=torch.int32).view(n_reqs, width)
+        req = torch.repeat_interleave(torch.arange(n_reqs), q_pad.long())  # owning request of each real token
+        pos = (torch.arange(len(req)) - qsl[req] + (seq - q_pad)[req]).long()
+        slots = block_table[req, pos // block_size].long() * block_size + pos % block_size
+        n_pad = n_toks - len(req)
+        positions = torch.cat([pos, torch.zeros(n_pad, dtype=torch.int64)])
+        slot_mapping = torch.cat([slots, torch.full((n_pad,), PAD_SLOT_ID, dtype=torch.int64)])
         return cls(query_start_loc=qsl.to(device), query_start_loc_cpu=qsl, seq_lens=seq.to(device),
-                   seq_lens_cpu=seq, num_reqs=n_reqs, num_actual_tokens=n_toks, max_query_len=max(q_pad, default=0),
-                   max_seq_len=max(s_pad, default=0), block_table=block_table.to(device),
-                   slot_mapping=slots.to(device), positions=positions.to(device))
+                   seq_lens_cpu=seq, num_reqs=n_reqs, num_actual_tokens=n_toks, max_query_len=max(q, default=0),
+                   max_seq_len=max(s, default=0), block_table=block_table.to(device),
+                   slot_mapping=slot_mapping.to(device), positions=positions.to(device))
 
 
 @dataclass
@@ -98,9 +95,6 @@ class UBatchSlice:
 UBatchSlices = list[UBatchSlice]
 
 
-# ---------------------------------------------------------------------------------------------- validation
-
-
 def _require_num_ubatches(num_ubatches: int) -> None:
     if isinstance(num_ubatches, bool) or not isinstance(num_ubatches, (int, np.integer)) or num_ubatches < 2:
         raise ValueError(f"num_ubatches must be an int >= 2, got {num_ubatches!r}")
@@ -111,14 +105,11 @@ def _require_non_negative(name: str, value: int) -> None:
         raise ValueError(f"{name} must be >= 0, got {value}")
 
 
-def _require_threshold(threshold: float) -> None:
-    if not 0.0 <= threshold <= 0.5:
-        raise ValueError(f"threshold must lie in [0, 0.5], got {threshold}")
-
-
-def _require_forward_mode(forward_mode: str) -> None:
+def _require_split_args(forward_mode: str, threshold: float) -> None:
     if forward_mode not in FORWARD_MODES:
         raise ValueError(f"unknown forward_mode {forward_mode!r}; expected one of {FORWARD_MODES}")
+    if not 0.0 <= threshold <= 0.5:
+        raise ValueError(f"threshold must lie in [0, 0.5], got {threshold}")
 
 
 def _as_lens(name: str, lens: Sequence[int] | np.ndarray) -> list[int]:
@@ -131,9 +122,6 @@ def _as_lens(name: str, lens: Sequence[int] | np.ndarray) -> list[int]:
         if x < 0:
             raise ValueError(f"{name}[{i}] = {x} is negative")
     return out
-
-
-# ------------------------------------------------------------------------------------ vLLM token splitting
 
 
 def is_last_ubatch_empty(orig_num_tokens: int, padded_num_tokens: int, num_ubatches: int) -> bool:
@@ -219,9 +207,6 @@ def maybe_create_ubatch_slices(should_ubatch: bool, num_scheduled_tokens: np.nda
     return slices, [*slices[:-1], padded_last]
 
 
-# ------------------------------------------------------------------------------ attention-metadata split
-
-
 def slice_query_start_locs(query_start_loc: torch.Tensor, request_slice: slice) -> torch.Tensor:
     """Re-base cumulative query offsets to the slice's first request; always a fresh tensor, never a view."""
     return query_start_loc[request_slice.start:request_slice.stop + 1] - query_start_loc[request_slice.start]
@@ -261,7 +246,7 @@ def make_metadata_with_slice(ubatch_slice: UBatchSlice, common: CommonAttentionM
     if reqs.start < 0 or reqs.stop > len(locs) - 1:
         raise ValueError(f"request_slice {reqs} outside the batch's {len(locs) - 1} requests")
     first_start, first_end = int(locs[reqs.start]), int(locs[reqs.start + 1])
-    if not first_start <= toks.start < max(first_end, first_start + 1):
+    if not first_start <= toks.start < max(first_end, first_start + 1):  # zero-length: dummy runs
         raise ValueError(f"token_slice start {toks.start} is not inside request {reqs.start} "
                          f"(tokens [{first_start}, {first_end}))")
     skipped_front = toks.start - first_start
@@ -289,9 +274,6 @@ def split_attn_metadata(ubatch_slices: Sequence[UBatchSlice],
                         common: CommonAttentionMetadata) -> list[CommonAttentionMetadata]:
     """One metadata per ubatch, each built fresh so no backend ever shares cached state across ubatches."""
     return [make_metadata_with_slice(s, common) for s in ubatch_slices]
-
-
-# --------------------------------------------------------------------------------- SGLang balanced split
 
 
 def _balanced_seq_index(lens: Sequence[int]) -> int:
@@ -322,7 +304,8 @@ def is_two_chunk_split(extend_lens: Sequence[int], threshold: float = 0.48) -> b
     ``threshold == 0`` disables it. Guard from newer SGLang: if child A would get more sequences than
     tokens (tiny batches such as ``[1]`` or ``[1, 2]``) keep the plain split.
     """
-    _require_threshold(threshold)
+    _require_split_args("extend", threshold)
+    extend_lens = _as_lens("extend_lens", extend_lens)
     total = sum(extend_lens)
     left = sum(extend_lens[:_balanced_seq_index(extend_lens)])
     wanted = left < total * threshold or left > total * (1 - threshold)
@@ -350,8 +333,7 @@ def compute_split_seq_index(forward_mode: str, num_tokens: int, extend_lens: Seq
 
     Decode and verify put ``floor(bs / 2)`` sequences in child A, so ``bs == 1`` leaves A empty, as upstream.
     """
-    _require_forward_mode(forward_mode)
-    _require_threshold(threshold)
+    _require_split_args(forward_mode, threshold)
     _require_non_negative("num_tokens", num_tokens)
     if forward_mode == "extend":
         lens = _extend_lens(extend_lens)
@@ -371,8 +353,7 @@ def compute_split_seq_index(forward_mode: str, num_tokens: int, extend_lens: Seq
 def compute_split_token_index(split_seq_index: int, forward_mode: str, extend_lens: Sequence[int] | None,
                               token_num_per_seq: int | None, threshold: float = 0.48) -> int:
     """Token boundary between the children: ``total // 2`` in two-chunk mode, else the sequence boundary."""
-    _require_forward_mode(forward_mode)
-    _require_threshold(threshold)
+    _require_split_args(forward_mode, threshold)
     _require_non_negative("split_seq_index", split_seq_index)
     if forward_mode == "idle":
         return 0
@@ -427,7 +408,7 @@ def balanced_split_points(num_scheduled_tokens: np.ndarray | Sequence[int], forw
     A two-chunk cut lands inside a request, which the slicer then places in both ubatches.
     """
     lens = _as_lens("num_scheduled_tokens", num_scheduled_tokens)
-    _require_forward_mode(forward_mode)
+    _require_split_args(forward_mode, threshold)
     if forward_mode in ("decode", "target_verify"):
         tnps = _tokens_per_seq(forward_mode, token_num_per_seq)
         if any(n != tnps for n in lens):

@@ -130,13 +130,6 @@ class BaseMoEConfig:
         self.rope = RopeConfig.from_hf(d, self.max_position_embeddings)
         self.rope_theta = self.rope.rope_theta
 
-    def to_dict(self) -> dict[str, Any]:
-        """HF-style dict (what a config.json would hold)."""
-        out = {k: v for k, v in dataclasses.asdict(self).items() if k != "rope"}
-        rope = {k: v for k, v in dataclasses.asdict(self.rope).items() if v is not None and k != "truncate"}
-        out["rope_parameters"] = rope
-        return out
-
 
 @dataclass
 class Qwen3MoeConfig(BaseMoEConfig):
@@ -186,6 +179,7 @@ class DeepseekV2Config(BaseMoEConfig):
     scoring_func: str | None = None
     rope_interleave: bool | None = None
     num_nextn_predict_layers: int = 0
+    mlp_bias: bool = False
 
     @property
     def is_v3(self) -> bool:

@@ -81,7 +81,10 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
 
 
 def yarn_softmax_mscale(rope: RopeConfig) -> float:
-    """DeepSeek's extra softmax-scale factor under yarn (HF ``yarn_apply_mscale``): ``mscale(factor, mscale_all_dim)^2``."""
+    """DeepSeek's extra softmax-scale factor under yarn (HF ``yarn_apply_mscale``).
+
+    ``mscale(factor, mscale_all_dim) ** 2``; 1 without yarn.
+    """
     if rope.rope_type == "default" or not rope.mscale_all_dim or rope.factor is None or rope.factor <= 1:
         return 1.0
     m = 0.1 * rope.mscale_all_dim * math.log(rope.factor) + 1.0

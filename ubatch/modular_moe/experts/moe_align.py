@@ -25,7 +25,9 @@ def max_num_tokens_padded(numel: int, block_size: int, num_experts: int) -> int:
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_size: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``(sorted_token_ids int32 [P], expert_ids int32 [cdiv(P, block_size)], num_tokens_post_padded int32 [1])``.
+    """Returns ``(sorted_token_ids int32 [P], expert_ids int32 [cdiv(P, B)], num_tokens_post_padded int32 [1])``.
+
+    ``P = max_num_tokens_padded(topk_ids.numel(), B, num_experts)`` with ``B = block_size``.
 
     ``sorted_token_ids`` holds flat route indices (``t * top_k + k``) grouped by expert in ascending expert
     order and, within an expert, ascending route order; pad slots hold ``topk_ids.numel()`` so a kernel can

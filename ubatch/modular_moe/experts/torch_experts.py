@@ -40,7 +40,8 @@ def check_expert_weights(tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tens
         if tokens.hidden.dim() != 2:
             raise ValueError(f"contiguous hidden must be 2-D [M, H], got {tuple(tokens.hidden.shape)}")
         rows = tokens.hidden.shape[0]
-        if tokens.topk_ids.shape != tokens.topk_weights.shape or tokens.topk_ids.dim() != 2 or tokens.topk_ids.shape[0] != rows:
+        ids, weights = tokens.topk_ids, tokens.topk_weights
+        if ids.shape != weights.shape or ids.dim() != 2 or ids.shape[0] != rows:
             raise ValueError(
                 f"topk_ids {tuple(tokens.topk_ids.shape)} and topk_weights {tuple(tokens.topk_weights.shape)} "
                 f"must both be [{rows}, top_k]"

@@ -1,0 +1,173 @@
+"""Paged KV cache: per-layer cache specs, a block allocator, cache tensors and block-table helpers.
+
+Layout (one tensor per layer, ``[num_blocks, block_size, *spec.per_token_shape]``):
+- MHA/GQA: per token ``(2, num_kv_heads, head_size)`` — key at index 0, value at index 1;
+- MLA: per token ``(kv_lora_rank + qk_rope_head_dim,)`` — the normalised latent followed by the rotated
+  rope key (vLLM's MLA layout), 1/(2*H) of an expanded MHA cache.
+A token at position ``p`` of a request lives in slot ``block_table[req, p // block_size] * block_size +
+p % block_size``; slot ``-1`` marks a padding token whose KV is never written.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from ubatch.slicing import CommonAttentionMetadata
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What one layer caches per token. ``kind`` is ``"mha"`` (K and V heads) or ``"mla"`` (latent)."""
+
+    kind: str
+    per_token_shape: tuple[int, ...]
+
+    @classmethod
+    def mha(cls, num_kv_heads: int, head_size: int) -> "KVCacheSpec":
+        return cls("mha", (2, num_kv_heads, head_size))
+
+    @classmethod
+    def mla(cls, kv_lora_rank: int, qk_rope_head_dim: int) -> "KVCacheSpec":
+        return cls("mla", (kv_lora_rank + qk_rope_head_dim,))
+
+    def numel_per_token(self) -> int:
+        n = 1
+        for d in self.per_token_shape:
+            n *= d
+        return n
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        return self.numel_per_token() * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+class OutOfKVBlocksError(RuntimeError):
+    """Raised when an allocation asks for more blocks than are free (the scheduler should preempt)."""
+
+
+class BlockAllocator:
+    """Free-list allocator over ``num_blocks`` block ids.
+
+    Blocks are handed out lowest-id first (a sorted free list would cost O(n log n); a stack of ids pushed
+    in reverse gives the same deterministic order for a fresh allocator and O(1) operations). Double frees
+    and foreign ids raise, because a block freed twice would later be shared by two requests and silently
+    corrupt both.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._used: set[int] = set()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} blocks")
+        if n > len(self._free):
+            raise OutOfKVBlocksError(
+                f"out of KV-cache blocks: requested {n}, free {len(self._free)} of {self.num_blocks}")
+        blocks = [self._free.pop() for _ in range(n)]
+        self._used.update(blocks)
+        return blocks
+
+    def free(self, blocks: Sequence[int]) -> None:
+        for b in blocks:
+            if b not in self._used:
+                raise ValueError(f"block {b} is not allocated (double free or foreign id)")
+            self._used.remove(b)
+            self._free.append(b)
+
+
+def blocks_needed(num_tokens: int, block_size: int) -> int:
+    return -(-num_tokens // block_size)
+
+
+def allocate_kv_caches(specs: Sequence[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                       device: torch.device | str = "cpu") -> list[torch.Tensor]:
+    """One zero-initialised ``[num_blocks, block_size, *per_token_shape]`` tensor per layer."""
+    return [torch.zeros((num_blocks, block_size, *s.per_token_shape), dtype=dtype, device=device) for s in specs]
+
+
+def make_block_table(block_lists: Sequence[Sequence[int]], max_blocks: int | None = None,
+                     device: torch.device | str = "cpu") -> torch.Tensor:
+    """Per-request block lists -> int32 ``[num_reqs, max_blocks]`` padded with 0 (never read: seq_lens bound it)."""
+    width = max([len(b) for b in block_lists], default=0)
+    if max_blocks is not None:
+        if width > max_blocks:
+            raise ValueError(f"a request holds {width} blocks, more than max_blocks={max_blocks}")
+        width = max_blocks
+    table = torch.zeros((len(block_lists), max(width, 1)), dtype=torch.int32)
+    for i, blocks in enumerate(block_lists):
+        if blocks:
+            table[i, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32)
+    return table.to(device)
+
+
+def compute_slot_mapping(block_table: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
+                         block_size: int) -> torch.Tensor:
+    """Slot of each token: ``block_table[req(t), pos // bs] * bs + pos % bs`` (int64 ``[T]``).
+
+    Tokens past ``query_start_loc[-1]`` (padding) get slot ``-1``.
+    """
+    qsl = query_start_loc.to(torch.int64)
+    num_tokens = positions.shape[0]
+    num_actual = int(qsl[-1])
+    lens = qsl[1:] - qsl[:-1]
+    req = torch.repeat_interleave(torch.arange(lens.shape[0], device=positions.device), lens.to(positions.device))
+    pos = positions[:num_actual].to(torch.int64)
+    blocks = block_table.to(positions.device)[req, pos // block_size].to(torch.int64)
+    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=positions.device)
+    slots[:num_actual] = blocks * block_size + pos % block_size
+    return slots
+
+
+def build_attention_metadata(context_lens: Sequence[int], query_lens: Sequence[int],
+                             block_lists: Sequence[Sequence[int]], block_size: int,
+                             device: torch.device | str = "cpu", num_padded_tokens: int | None = None,
+                             max_blocks: int | None = None) -> CommonAttentionMetadata:
+    """Metadata for a batch where request ``i`` has ``context_lens[i]`` cached tokens and computes
+    ``query_lens[i]`` new ones at positions ``context..context+query-1``.
+
+    Covers prefill (context 0), decode (query 1), chunked prefill and the second half of a split request
+    (context = tokens already written by the previous chunk/ubatch). ``num_padded_tokens`` appends padding
+    tokens (slot -1, position 0) for graph-sized batches.
+    """
+    if not (len(context_lens) == len(query_lens) == len(block_lists)):
+        raise ValueError("context_lens, query_lens and block_lists must have one entry per request")
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    for i, (s, blocks) in enumerate(zip(seq_lens, block_lists)):
+        if blocks_needed(s, block_size) > len(blocks):
+            raise ValueError(f"request {i} needs {blocks_needed(s, block_size)} blocks for {s} tokens, "
+                             f"has {len(blocks)}")
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    num_actual = qsl[-1]
+    num_tokens = num_actual if num_padded_tokens is None else num_padded_tokens
+    if num_tokens < num_actual:
+        raise ValueError(f"num_padded_tokens={num_padded_tokens} < actual tokens {num_actual}")
+    positions = torch.zeros(num_tokens, dtype=torch.int64)
+    if num_actual:
+        positions[:num_actual] = torch.cat(
+            [torch.arange(c, c + q, dtype=torch.int64) for c, q in zip(context_lens, query_lens)])
+    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+    seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
+    block_table = make_block_table(block_lists, max_blocks)
+    slot_mapping = compute_slot_mapping(block_table, qsl_cpu, positions, block_size)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu,
+        seq_lens=seq_cpu.to(device), seq_lens_cpu=seq_cpu,
+        num_reqs=len(query_lens), num_actual_tokens=num_actual,
+        max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
+        block_table=block_table.to(device), slot_mapping=slot_mapping.to(device),
+        positions=positions.to(device), causal=True,
+    )

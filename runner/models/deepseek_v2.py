@@ -1,0 +1,232 @@
+"""DeepSeek-V2 / -V3 (MLA attention, shared + routed experts) with HF-compatible names and numerics.
+
+One class body serves both; the config says which router and RoPE layout apply:
+- V3: sigmoid scores + ``e_score_correction_bias`` + group-limited top-k (group score = sum of its top-2),
+  ``norm_topk_prob`` renormalisation, ``routed_scaling_factor``; RoPE on interleaved pairs when
+  ``rope_interleave`` (HF default) else neox.
+- V2: softmax scores, ``greedy`` top-k; RoPE on interleaved pairs. ``norm_topk_prob`` is honoured as in
+  DeepSeek's original code and vLLM (HF 5.23's V2 router ignores it; all released V2 configs set it false).
+  ``group_limited_greedy`` (group score = group max) is rejected: FusedMoE's grouped router scores groups
+  by top-2 sum (V3 rule) and would route differently.
+
+The MLA cache holds ``[latent | rotated rope key]`` per token; attention uses absorbed ``kv_b_proj``
+weights (see ``runner/attention.py``). Softmax scale = ``qk_head_dim ** -0.5``, times yarn's
+``mscale(factor, mscale_all_dim) ** 2`` only when yarn RoPE is configured.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.attention import paged_mla_attention, write_kv
+from runner.kv_cache import KVCacheSpec
+from runner.models.configs import DeepseekV2Config
+from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
+from runner.models.qwen3_moe import check_and_bind, current_attn_metadata
+from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
+from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.modular_moe.layer import FusedMoE
+
+# HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
+_LORA_NORM_EPS = 1e-6
+
+
+class DeepseekV2Attention(nn.Module):
+    """Multi-head latent attention over a paged latent cache."""
+
+    def __init__(self, config: DeepseekV2Config, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        c = config
+        h, nh = c.hidden_size, c.num_attention_heads
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = nh, c.q_lora_rank, c.kv_lora_rank
+        self.qk_nope_head_dim, self.qk_rope_head_dim = c.qk_nope_head_dim, c.qk_rope_head_dim
+        self.v_head_dim = c.v_head_dim
+        qk = c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * qk, bias=False, dtype=dtype)
+        else:
+            self.q_a_proj = nn.Linear(h, c.q_lora_rank, bias=c.attention_bias, dtype=dtype)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, _LORA_NORM_EPS, dtype)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, nh * qk, bias=False, dtype=dtype)
+        self.kv_a_proj_with_mqa = nn.Linear(h, c.kv_lora_rank + c.qk_rope_head_dim, bias=c.attention_bias, dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, _LORA_NORM_EPS, dtype)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, nh * (c.qk_nope_head_dim + c.v_head_dim), bias=False, dtype=dtype)
+        self.o_proj = nn.Linear(nh * c.v_head_dim, h, bias=c.attention_bias, dtype=dtype)
+        self.scaling = qk ** -0.5 * yarn_softmax_mscale(c.rope)
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound; call bind_kv_caches() first")
+        meta = current_attn_metadata()
+        t = hidden.shape[0]
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q_nope, q_rope = q.view(t, self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rope, k_rope = rope.apply(q_rope, cos, sin), rope.apply(k_rope, cos, sin)
+        write_kv(self.kv_cache, meta.slot_mapping, torch.cat((latent, k_rope), dim=-1))
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
+        out = paged_mla_attention(q_nope, q_rope, self.kv_cache, meta, self.scaling, w_uk, w_uv, positions)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class DeepseekV2MoE(nn.Module):
+    """fp32 gate logits (as HF) -> FusedMoE, which routes and overlaps the shared experts with comm."""
+
+    def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        c = config
+        if c.topk_method == "group_limited_greedy":
+            raise NotImplementedError(
+                "DeepSeek-V2 topk_method='group_limited_greedy' (group score = max) is not supported by "
+                "FusedMoE's grouped router (group score = top-2 sum, the V3 rule)")
+        self.gate = nn.Linear(c.hidden_size, c.n_routed_experts, bias=False, dtype=dtype)
+        self.shared_experts = DenseMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, dtype,
+                                       bias=c.mlp_bias) if c.n_shared_experts else None
+        grouped = c.topk_method == "noaux_tc"
+        self.experts = FusedMoE(
+            c.n_routed_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
+            renormalize=bool(c.norm_topk_prob), scoring_func=c.scoring_func,
+            num_expert_group=c.n_group if grouped else None, topk_group=c.topk_group if grouped else None,
+            use_correction_bias=grouped, routed_scaling_factor=c.routed_scaling_factor,
+            shared_experts=self.shared_experts, parallel=parallel, params_dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden.float(), self.gate.weight.float())
+        return self.experts(hidden, logits)
+
+
+class DeepseekV2DecoderLayer(nn.Module):
+    def __init__(self, config: DeepseekV2Config, layer_idx: int, parallel: MoEParallelConfig,
+                 dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.self_attn = DeepseekV2Attention(config, dtype)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_idx):
+            self.mlp = DeepseekV2MoE(config, parallel, dtype)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, bias=config.mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DeepseekV2Model(nn.Module):
+    def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, parallel, dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class DeepseekV2ForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
+
+    def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.parallel = parallel or MoEParallelConfig()
+        self.model = DeepseekV2Model(config, self.parallel, dtype)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope,
+                                          interleaved=bool(config.rope_interleave))
+        self._spec: WeightSpec | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden, self.rotary_emb, cos, sin)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        c = self.config
+        return [KVCacheSpec.mla(c.kv_lora_rank, c.qk_rope_head_dim)] * c.num_hidden_layers
+
+    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        check_and_bind(list(self.model.layers), caches, self.kv_cache_specs())
+
+    def weight_spec(self) -> WeightSpec:
+        if self._spec is None:
+            self._spec = self._build_spec()
+        return self._spec
+
+    def _build_spec(self) -> WeightSpec:
+        c = self.config
+        h, nh = c.hidden_size, c.num_attention_heads
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, h)
+        rename: dict[str, str] = {}
+        moe_layers = {}
+
+        def mlp(prefix: str, inter: int) -> None:
+            for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
+                shapes[f"{prefix}{name}.weight"] = shape
+                if c.mlp_bias:
+                    shapes[f"{prefix}{name}.bias"] = (shape[0],)
+
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}."
+            a = f"{p}self_attn."
+            if c.q_lora_rank is None:
+                shapes[f"{a}q_proj.weight"] = (nh * c.qk_head_dim, h)
+            else:
+                shapes[f"{a}q_a_proj.weight"] = (c.q_lora_rank, h)
+                shapes[f"{a}q_a_layernorm.weight"] = (c.q_lora_rank,)
+                shapes[f"{a}q_b_proj.weight"] = (nh * c.qk_head_dim, c.q_lora_rank)
+                if c.attention_bias:
+                    shapes[f"{a}q_a_proj.bias"] = (c.q_lora_rank,)
+            shapes[f"{a}kv_a_proj_with_mqa.weight"] = (c.kv_lora_rank + c.qk_rope_head_dim, h)
+            shapes[f"{a}kv_a_layernorm.weight"] = (c.kv_lora_rank,)
+            shapes[f"{a}kv_b_proj.weight"] = (nh * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank)
+            shapes[f"{a}o_proj.weight"] = (h, nh * c.v_head_dim)
+            if c.attention_bias:
+                shapes[f"{a}kv_a_proj_with_mqa.bias"] = (c.kv_lora_rank + c.qk_rope_head_dim,)
+                shapes[f"{a}o_proj.bias"] = (h,)
+            shapes[f"{p}input_layernorm.weight"] = (h,)
+            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+            if isinstance(layer.mlp, DeepseekV2MoE):
+                shapes[f"{p}mlp.gate.weight"] = (c.n_routed_experts, h)
+                if getattr(layer.mlp.experts, "e_score_correction_bias", None) is not None:
+                    shapes[f"{p}mlp.gate.e_score_correction_bias"] = (c.n_routed_experts,)
+                    rename[f"{p}mlp.gate.e_score_correction_bias"] = f"{p}mlp.experts.e_score_correction_bias"
+                if c.n_shared_experts:
+                    mlp(f"{p}mlp.shared_experts.", c.moe_intermediate_size * c.n_shared_experts)
+                moe_layers[i] = layer.mlp.experts
+            else:
+                mlp(f"{p}mlp.", c.intermediate_size)
+        return WeightSpec(shapes=shapes, num_hidden_layers=c.num_hidden_layers, num_experts=c.n_routed_experts,
+                          moe_intermediate_size=c.moe_intermediate_size, hidden_size=h, moe_layers=moe_layers,
+                          local_experts=self.parallel.local_expert_range(c.n_routed_experts),
+                          num_extra_layers=c.num_nextn_predict_layers, tied_lm_head=c.tie_word_embeddings,
+                          rename=rename)
+
+    def wants_weight(self, name: str) -> bool:
+        """Lets the loader skip reading tensors this EP rank does not keep (and MTP layers)."""
+        return wants_weight(self.weight_spec(), name)
+
+    def load_weights(self, weights) -> None:  # noqa: ANN001 - Iterable[tuple[str, torch.Tensor]]
+        load_hf_weights(self, self.weight_spec(), weights)
+
+
+class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):
+    """Same body; V3 behaviour comes from the config (``model_type='deepseek_v3'``)."""

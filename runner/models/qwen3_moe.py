@@ -1,0 +1,189 @@
+"""Qwen3-MoE on the paged-attention runner (HF ``Qwen3MoeForCausalLM``-compatible names and numerics).
+
+Tokens are flattened (``[T]``, all requests of the (micro)batch back to back); attention reads its batch
+layout from ``get_forward_context().attn_metadata`` on every call — never from module state — because the
+two DBO ubatch threads run these same module objects alternately, each with its own metadata.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.attention import paged_attention, write_kv
+from runner.kv_cache import KVCacheSpec
+from runner.models.configs import Qwen3MoeConfig
+from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
+from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
+from ubatch.forward_context import get_forward_context
+from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.modular_moe.layer import FusedMoE
+
+
+def current_attn_metadata():  # noqa: ANN201 - CommonAttentionMetadata, kept loose for custom backends
+    """This (micro)batch's attention metadata; a clear error when a model is called outside a step."""
+    meta = get_forward_context().attn_metadata
+    if meta is None:
+        raise RuntimeError("the forward context has no attn_metadata; build one per (micro)batch")
+    return meta
+
+
+def check_and_bind(layers: list[nn.Module], caches: list[torch.Tensor], specs: list[KVCacheSpec]) -> None:
+    """Attach one cache tensor per layer after checking its per-token shape against the layer's spec."""
+    if len(caches) != len(layers):
+        raise ValueError(f"got {len(caches)} KV caches for {len(layers)} layers")
+    for i, (layer, cache, spec) in enumerate(zip(layers, caches, specs)):
+        if tuple(cache.shape[2:]) != spec.per_token_shape:
+            raise ValueError(f"KV cache {i} has per-token shape {tuple(cache.shape[2:])}, "
+                             f"expected {spec.per_token_shape}")
+        layer.self_attn.kv_cache = cache
+
+
+class Qwen3MoeAttention(nn.Module):
+    """GQA with per-head RMSNorm on q and k (before RoPE), neox-style RoPE, paged KV cache."""
+
+    def __init__(self, config: Qwen3MoeConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        bias = config.attention_bias
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias, dtype=dtype)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, dtype=dtype)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias, dtype=dtype)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps, dtype)
+        self.scaling = d ** -0.5
+        self.kv_cache: torch.Tensor | None = None
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound; call bind_kv_caches() first")
+        meta = current_attn_metadata()
+        t = hidden.shape[0]
+        q = self.q_norm(self.q_proj(hidden).view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        write_kv(self.kv_cache, meta.slot_mapping, k, v)
+        out = paged_attention(q, self.kv_cache, meta, self.scaling, positions)
+        return self.o_proj(out.reshape(t, -1))
+
+
+class Qwen3MoeSparseMoeBlock(nn.Module):
+    """Gate (HF: logits in the activation dtype, softmax in fp32 inside the router) + FusedMoE."""
+
+    def __init__(self, config: Qwen3MoeConfig, parallel: MoEParallelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False, dtype=dtype)
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size, renormalize=config.norm_topk_prob,
+                                scoring_func="softmax", parallel=parallel, params_dtype=dtype)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden, self.gate(hidden).float())
+
+
+class Qwen3MoeDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3MoeConfig, layer_idx: int, parallel: MoEParallelConfig,
+                 dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.self_attn = Qwen3MoeAttention(config, dtype)
+        self.mlp: nn.Module
+        if config.is_moe_layer(layer_idx):
+            self.mlp = Qwen3MoeSparseMoeBlock(config, parallel, dtype)
+        else:
+            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class Qwen3MoeModel(nn.Module):
+    def __init__(self, config: Qwen3MoeConfig, parallel: MoEParallelConfig, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, parallel, dtype)
+                                    for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
+
+    def __init__(self, config: Qwen3MoeConfig, parallel: MoEParallelConfig | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        self.parallel = parallel or MoEParallelConfig()
+        self.model = Qwen3MoeModel(config, self.parallel, dtype)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, interleaved=False)
+        self._spec: WeightSpec | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden, self.rotary_emb, cos, sin)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        c = self.config
+        return [KVCacheSpec.mha(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers
+
+    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        check_and_bind(list(self.model.layers), caches, self.kv_cache_specs())
+
+    def weight_spec(self) -> WeightSpec:
+        if self._spec is None:
+            self._spec = self._build_spec()
+        return self._spec
+
+    def _build_spec(self) -> WeightSpec:
+        c = self.config
+        h, d = c.hidden_size, c.head_dim
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, h)
+        moe_layers = {}
+        for i, layer in enumerate(self.model.layers):
+            p = f"model.layers.{i}."
+            attn = {"q_proj": (c.num_attention_heads * d, h), "k_proj": (c.num_key_value_heads * d, h),
+                    "v_proj": (c.num_key_value_heads * d, h), "o_proj": (h, c.num_attention_heads * d)}
+            for name, shape in attn.items():
+                shapes[f"{p}self_attn.{name}.weight"] = shape
+                if c.attention_bias:
+                    shapes[f"{p}self_attn.{name}.bias"] = (shape[0],)
+            shapes[f"{p}self_attn.q_norm.weight"] = (d,)
+            shapes[f"{p}self_attn.k_norm.weight"] = (d,)
+            shapes[f"{p}input_layernorm.weight"] = (h,)
+            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+            if isinstance(layer.mlp, Qwen3MoeSparseMoeBlock):
+                shapes[f"{p}mlp.gate.weight"] = (c.num_experts, h)
+                moe_layers[i] = layer.mlp.experts
+            else:
+                i_size = c.intermediate_size
+                shapes.update({f"{p}mlp.gate_proj.weight": (i_size, h), f"{p}mlp.up_proj.weight": (i_size, h),
+                               f"{p}mlp.down_proj.weight": (h, i_size)})
+        return WeightSpec(shapes=shapes, num_hidden_layers=c.num_hidden_layers, num_experts=c.num_experts,
+                          moe_intermediate_size=c.moe_intermediate_size, hidden_size=h, moe_layers=moe_layers,
+                          local_experts=self.parallel.local_expert_range(c.num_experts),
+                          tied_lm_head=c.tie_word_embeddings)
+
+    def wants_weight(self, name: str) -> bool:
+        """Lets the loader skip reading tensors this EP rank does not keep."""
+        return wants_weight(self.weight_spec(), name)
+
+    def load_weights(self, weights) -> None:  # noqa: ANN001 - Iterable[tuple[str, torch.Tensor]]
+        load_hf_weights(self, self.weight_spec(), weights)

@@ -1,0 +1,49 @@
+"""``config.json``'s ``architectures[0]`` -> (model class, config class).
+
+Classes are imported lazily so that parsing a config (or listing what is supported) does not import the
+MoE kernel stack.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from runner.models.configs import BaseMoEConfig, DeepseekV2Config, Qwen3MoeConfig
+
+# architecture -> (module, class name, config class)
+_MODELS: dict[str, tuple[str, str, type[BaseMoEConfig]]] = {
+    "Qwen3MoeForCausalLM": ("runner.models.qwen3_moe", "Qwen3MoeForCausalLM", Qwen3MoeConfig),
+    "DeepseekV2ForCausalLM": ("runner.models.deepseek_v2", "DeepseekV2ForCausalLM", DeepseekV2Config),
+    "DeepseekV3ForCausalLM": ("runner.models.deepseek_v2", "DeepseekV3ForCausalLM", DeepseekV2Config),
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(_MODELS)
+
+
+def architecture_of(config_dict: dict[str, Any]) -> str:
+    archs = config_dict.get("architectures") or []
+    if not archs:
+        raise ValueError(f"config.json has no 'architectures' entry; supported: {', '.join(supported_architectures())}")
+    return archs[0]
+
+
+def _entry(arch: str) -> tuple[str, str, type[BaseMoEConfig]]:
+    if arch not in _MODELS:
+        raise ValueError(f"unknown model architecture {arch!r}; supported: {', '.join(supported_architectures())}")
+    return _MODELS[arch]
+
+
+def get_model_class(arch: str) -> type:
+    module, name, _ = _entry(arch)
+    return getattr(importlib.import_module(module), name)
+
+
+def parse_config(config_dict: dict[str, Any]) -> BaseMoEConfig:
+    """Pick the config class from ``architectures[0]`` and parse (unknown keys ignored)."""
+    arch = architecture_of(config_dict)
+    cfg = _entry(arch)[2].from_dict(config_dict)
+    if not cfg.architectures:
+        cfg.architectures = [arch]
+    return cfg

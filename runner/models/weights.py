@@ -1,0 +1,142 @@
+"""Hugging Face tensor names -> model parameters, with expert-parallel filtering and strict checking.
+
+Every model describes its checkpoint with a :class:`WeightSpec` (the exact HF names and shapes), which is the
+single source of truth for three things: where each tensor goes, which tensors a rank must see (missing ->
+error naming the tensor), and what a built-in tiny checkpoint contains. Strictness is deliberate: a silently
+skipped or mis-mapped tensor produces a model that runs and emits garbage.
+
+Expert formats accepted (both reach ``FusedMoE.load_expert_weight`` one expert at a time, so each EP rank
+keeps only its local experts):
+- per expert: ``model.layers.N.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight`` — what original
+  checkpoints hold and what ``save_pretrained`` writes in transformers 5.23 (it converts back on save);
+- fused: ``model.layers.N.mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and
+  ``model.layers.N.mlp.experts.down_proj [E, H, I]`` — transformers 5's in-memory layout (``state_dict()``).
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import nn
+
+EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+SHARD_OF = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+ALWAYS_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+@dataclass
+class WeightSpec:
+    """What a model's HF checkpoint holds (non-expert tensors by name; experts by rule)."""
+
+    shapes: dict[str, tuple[int, ...]]
+    num_hidden_layers: int
+    num_experts: int
+    moe_intermediate_size: int
+    hidden_size: int
+    moe_layers: dict[int, nn.Module]
+    local_experts: range
+    num_extra_layers: int = 0
+    tied_lm_head: bool = False
+    rename: dict[str, str] = field(default_factory=dict)
+
+    def expert_shape(self, proj: str) -> tuple[int, int]:
+        i, h = self.moe_intermediate_size, self.hidden_size
+        return (h, i) if proj == "down_proj" else (i, h)
+
+    def all_names(self) -> Iterator[tuple[str, tuple[int, ...]]]:
+        """Every tensor of a full (all-experts, per-expert format) checkpoint, with its shape."""
+        yield from self.shapes.items()
+        for layer in sorted(self.moe_layers):
+            for e in range(self.num_experts):
+                for proj in ("gate_proj", "up_proj", "down_proj"):
+                    yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", self.expert_shape(proj)
+
+
+def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"weight {name!r} has shape {tuple(got)}, expected {tuple(want)}")
+
+
+def wants_weight(spec: WeightSpec, name: str) -> bool:
+    """False for tensors this rank can skip without reading (other ranks' experts, MTP layers, buffers)."""
+    if ALWAYS_IGNORED.search(name) or (spec.tied_lm_head and name == "lm_head.weight"):
+        return False
+    m = LAYER_RE.match(name)
+    if m and spec.num_hidden_layers <= int(m.group(1)) < spec.num_hidden_layers + spec.num_extra_layers:
+        return False
+    m = EXPERT_RE.match(name)
+    if m and int(m.group(1)) in spec.moe_layers and int(m.group(2)) < spec.num_experts:
+        return int(m.group(2)) in spec.local_experts
+    return True
+
+
+def expand_fused(spec: WeightSpec, name: str, shape: tuple[int, ...],
+                 read_rows: Callable[[int, int], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Turn a fused expert tensor into per-expert (name, tensor) pairs, reading only local experts' rows."""
+    m = FUSED_RE.match(name)
+    assert m is not None
+    layer, kind = int(m.group(1)), m.group(2)
+    if layer not in spec.moe_layers:
+        raise ValueError(f"unexpected weight {name!r}: layer {layer} is not an MoE layer")
+    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    _check_shape(name, shape, (e, 2 * i, h) if kind == "gate_up_proj" else (e, h, i))
+    r = spec.local_experts
+    rows = read_rows(r.start, r.stop)
+    prefix = f"model.layers.{layer}.mlp.experts"
+    for k, expert in enumerate(r):
+        if kind == "gate_up_proj":
+            yield f"{prefix}.{expert}.gate_proj.weight", rows[k, :i]
+            yield f"{prefix}.{expert}.up_proj.weight", rows[k, i:]
+        else:
+            yield f"{prefix}.{expert}.down_proj.weight", rows[k]
+
+
+def load_hf_weights(model: nn.Module, spec: WeightSpec, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into ``model``; raise on unexpected, mis-shaped or missing tensors."""
+    params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
+    params.update(dict(model.named_buffers(remove_duplicate=False)))
+    loaded: set[str] = set()
+    loaded_experts: set[tuple[int, int, str]] = set()
+
+    def load_one(name: str, tensor: torch.Tensor) -> None:
+        if not wants_weight(spec, name):
+            if EXPERT_RE.match(name):
+                _check_shape(name, tensor.shape, spec.expert_shape(EXPERT_RE.match(name).group(3)))
+            return
+        m = EXPERT_RE.match(name)
+        if m and int(m.group(1)) in spec.moe_layers and int(m.group(2)) < spec.num_experts:
+            layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
+            _check_shape(name, tensor.shape, spec.expert_shape(proj))
+            if spec.moe_layers[layer].load_expert_weight(expert, SHARD_OF[proj], tensor):
+                loaded_experts.add((layer, expert, proj))
+            return
+        if name not in spec.shapes:
+            raise ValueError(f"unexpected weight {name!r} (not part of this {type(model).__name__} checkpoint)")
+        _check_shape(name, tensor.shape, spec.shapes[name])
+        target = params.get(spec.rename.get(name, name))
+        if target is None:
+            raise RuntimeError(f"internal: no parameter for weight {name!r}")
+        with torch.no_grad():
+            target.copy_(tensor)
+        loaded.add(name)
+
+    for name, tensor in weights:
+        if FUSED_RE.match(name):
+            for sub_name, sub in expand_fused(spec, name, tuple(tensor.shape), lambda a, b: tensor[a:b]):
+                load_one(sub_name, sub)
+        else:
+            load_one(name, tensor)
+
+    missing = [n for n in spec.shapes if n not in loaded]
+    for layer in sorted(spec.moe_layers):
+        for e in spec.local_experts:
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                if (layer, e, proj) not in loaded_experts:
+                    missing.append(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"missing weights: {', '.join(repr(n) for n in missing[:5])}{more}")

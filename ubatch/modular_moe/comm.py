@@ -1,0 +1,59 @@
+"""Asynchronous all-to-all over a process group, as the torch backends use it.
+
+``alltoall_base`` is called on the ProcessGroup object itself, so the same code serves groups made by
+``dist.new_group`` under torchrun (gloo or NCCL) and raw ``ProcessGroupGloo`` objects that tests build
+for ranks-as-threads in one process.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, Sequence
+
+import torch
+import torch.distributed as dist
+
+
+class Handle(Protocol):
+    def wait(self) -> None: ...
+
+
+class DoneHandle:
+    """A transfer that already completed (local copies)."""
+
+    def wait(self) -> None:
+        return None
+
+
+class WorkHandle:
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self) -> None:
+        self.work.wait()
+
+
+class AllToAll:
+    """One rank's end of an all-to-all over ``group``; every rank must call in the same order."""
+
+    def __init__(self, group: Any) -> None:
+        if group is None:
+            raise ValueError("an all-to-all backend needs a process group; got None")
+        self.group = group
+        self.rank = group.rank()
+        self.world_size = group.size()
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_split_sizes: Sequence[int] | None = None,
+                   input_split_sizes: Sequence[int] | None = None) -> Handle:
+        """Start ``output = all_to_all(input)`` (row splits; ``None`` = equal) and return at once."""
+        out_splits = list(output_split_sizes) if output_split_sizes is not None else []
+        in_splits = list(input_split_sizes) if input_split_sizes is not None else []
+        work = self.group.alltoall_base(output, input.contiguous(), out_splits, in_splits, dist.AllToAllOptions())
+        return WorkHandle(work)
+
+    def off_rank_bytes(self, input: torch.Tensor, input_split_sizes: Sequence[int] | None) -> int:
+        """Bytes that leave this rank (the part an interconnect would carry)."""
+        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
+        if input_split_sizes is None:
+            rows = input.shape[0] - input.shape[0] // self.world_size
+        else:
+            rows = sum(s for r, s in enumerate(input_split_sizes) if r != self.rank)
+        return rows * row_bytes

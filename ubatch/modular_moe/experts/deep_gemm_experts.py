@@ -1,0 +1,187 @@
+"""DeepGEMM fp8 experts for the masked (DeepEP low-latency) layout.
+
+DeepEP's low-latency dispatch hands over exactly what ``m_grouped_fp8_gemm_nt_masked`` consumes -- a
+``[E_local, capacity, H]`` buffer plus per-expert counts -- so decode steps need no permute and no host sync.
+DeepGEMM is fp8-only on this path: activations use per-token 1x128 scales, weights per-block 128x128 scales.
+The quantisation helpers are plain torch (``torch.float8_e4m3fn`` exists on CPU) so they are unit-tested
+without a GPU; ``deep_gemm`` itself is imported only when a ``DeepGemmExperts`` is constructed.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+from ubatch.modular_moe.experts.base import MoEExperts
+from ubatch.modular_moe.experts.torch_experts import check_expert_weights
+from ubatch.modular_moe.types import ExpertTokens, Layout
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+QUANT_BLOCK = 128  # DeepGEMM's scaling granularity along K (and N for weights)
+# Current name first, then the pre-2.0 aliases, so one backend spans DeepGEMM releases.
+_MASKED_GEMM_NAMES: tuple[str, ...] = (
+    "m_grouped_fp8_gemm_nt_masked",
+    "fp8_m_grouped_gemm_nt_masked",
+    "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
+)
+
+_Fp8Pair = tuple[torch.Tensor, torch.Tensor]  # (fp8 values, fp32 scales): DeepGEMM's operand format
+
+
+def ceil_to_ue8m0(sf: torch.Tensor) -> torch.Tensor:
+    """Round scales up to a power of two: SM100 stores them as bare 8-bit exponents (UE8M0)."""
+    return torch.exp2(torch.ceil(torch.log2(sf.abs().float())))
+
+
+def _pad_dim(x: torch.Tensor, dim: int, multiple: int) -> torch.Tensor:
+    size = x.shape[dim]
+    extra = -size % multiple
+    if extra == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 1 - dim % x.dim()) + [0, extra]
+    return F.pad(x, pad)
+
+
+def per_token_cast_to_fp8(
+    x: torch.Tensor, use_ue8m0: bool = False, group: int = QUANT_BLOCK
+) -> _Fp8Pair:
+    """``x [..., K]`` -> ``(fp8 [..., K], fp32 scales [..., cdiv(K, group)])``, one scale per 1 x group slice.
+
+    Same recipe as DeepGEMM's ``per_token_cast_to_fp8`` (amax clamped at 1e-4 so all-zero rows stay finite),
+    batched over leading dims so a whole masked buffer is quantised in one call.
+    """
+    k = x.shape[-1]
+    padded = _pad_dim(x, -1, group)
+    view = padded.reshape(*x.shape[:-1], padded.shape[-1] // group, group)
+    amax = view.abs().float().amax(dim=-1).clamp(min=1e-4)
+    sf = amax / FP8_MAX
+    if use_ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    q = (view.float() * (1.0 / sf.unsqueeze(-1))).to(FP8_DTYPE)
+    return q.reshape(padded.shape)[..., :k].contiguous(), sf
+
+
+def per_block_cast_to_fp8(
+    w: torch.Tensor, use_ue8m0: bool = False, block: int = QUANT_BLOCK
+) -> _Fp8Pair:
+    """``w [..., N, K]`` -> ``(fp8 [..., N, K], fp32 scales [..., cdiv(N, block), cdiv(K, block)])``.
+
+    Weights get square blocks (DeepGEMM's ``per_block_cast_to_fp8``) so the scale of a weight tile does not
+    depend on which token rows it meets; the leading expert dim is batched instead of looped.
+    """
+    n, k = w.shape[-2:]
+    padded = _pad_dim(_pad_dim(w, -2, block), -1, block)
+    lead = w.shape[:-2]
+    nb, kb = padded.shape[-2] // block, padded.shape[-1] // block
+    view = padded.reshape(*lead, nb, block, kb, block)
+    amax = view.abs().float().amax(dim=(-3, -1), keepdim=True).clamp(min=1e-4)
+    sf = amax / FP8_MAX
+    if use_ue8m0:
+        sf = ceil_to_ue8m0(sf)
+    q = (view.float() * (1.0 / sf)).to(FP8_DTYPE)
+    q = q.reshape(padded.shape)[..., :n, :k].contiguous()
+    return q, sf.reshape(*lead, nb, kb)
+
+
+def per_token_dequant(q: torch.Tensor, sf: torch.Tensor, group: int = QUANT_BLOCK) -> torch.Tensor:
+    """Inverse of ``per_token_cast_to_fp8`` (fp32), for tests and debugging."""
+    scale = sf.repeat_interleave(group, dim=-1)[..., : q.shape[-1]]
+    return q.float() * scale
+
+
+def per_block_dequant(q: torch.Tensor, sf: torch.Tensor, block: int = QUANT_BLOCK) -> torch.Tensor:
+    """Inverse of ``per_block_cast_to_fp8`` (fp32), for tests and debugging."""
+    n, k = q.shape[-2:]
+    scale = sf.repeat_interleave(block, dim=-2)[..., :n, :].repeat_interleave(block, dim=-1)[..., :k]
+    return q.float() * scale
+
+
+def _import_deep_gemm() -> Any:
+    try:
+        import deep_gemm
+    except ImportError as exc:
+        raise ImportError(
+            "The 'deep_gemm' experts backend needs DeepGEMM (an SM90/SM100 GPU, CUDA >= 12.3) and it is not "
+            "importable. It has no usable PyPI release: build it from github.com/deepseek-ai/DeepGEMM "
+            "(./install.sh), or use make_experts('triton') / make_experts('torch')."
+        ) from exc
+    return deep_gemm
+
+
+def _resolve_masked_gemm(deep_gemm: Any) -> Callable[..., None]:
+    for name in _MASKED_GEMM_NAMES:
+        fn = getattr(deep_gemm, name, None)
+        if fn is not None:
+            return fn
+    raise ImportError(f"this deep_gemm build has none of {_MASKED_GEMM_NAMES}; upgrade DeepGEMM")
+
+
+class DeepGemmExperts(MoEExperts):
+    """fp8 grouped GEMMs for the masked layout; SiLU-and-mul and re-quantisation run in torch between them.
+
+    ``expected_m`` is DeepGEMM's tuning hint for tokens per expert (defaults to the buffer capacity, as vLLM
+    does). ``use_ue8m0`` defaults to True on SM100+ where power-of-two scales are required. bf16 weights are
+    quantised on first use and cached per (storage, version): weights are static during inference.
+    """
+
+    name = "deep_gemm"
+    supported_layouts: tuple[Layout, ...] = ("masked",)
+
+    def __init__(self, expected_m: int | None = None, use_ue8m0: bool | None = None) -> None:
+        self._deep_gemm = _import_deep_gemm()
+        self._masked_gemm = _resolve_masked_gemm(self._deep_gemm)
+        self.expected_m = expected_m
+        self.use_ue8m0 = use_ue8m0
+        self._weight_cache: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], _Fp8Pair]] = {}
+
+    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        if tokens.layout != "masked":
+            raise ValueError(
+                f"DeepGemmExperts supports only the masked layout, got {tokens.layout!r}; use 'triton' or 'torch'"
+            )
+        num_experts, hidden_size, inter = check_expert_weights(tokens, w13, w2)
+        for label, dim in (("hidden size", hidden_size), ("intermediate size", inter)):
+            if dim % QUANT_BLOCK:
+                raise ValueError(f"DeepGEMM needs the {label} ({dim}) to be a multiple of {QUANT_BLOCK}")
+        hidden = tokens.hidden
+        assert tokens.expert_num_tokens is not None
+        if hidden.device.type != "cuda":
+            raise RuntimeError(f"DeepGemmExperts needs CUDA tensors, got {hidden.device}")
+        use_ue8m0 = self._ue8m0(hidden.device)
+        capacity = hidden.shape[1]
+        # Grouped masked GEMMs want the per-group row count to be a whole number of M blocks.
+        a = _pad_dim(hidden, 1, QUANT_BLOCK) if capacity % QUANT_BLOCK else hidden
+        max_m = a.shape[1]
+        masked_m = tokens.expert_num_tokens.to(device=hidden.device, dtype=torch.int32)
+        expected_m = self.expected_m if self.expected_m is not None else capacity
+        w13_q = self._quantized(w13, use_ue8m0)
+        w2_q = self._quantized(w2, use_ue8m0)
+
+        gate_up = torch.empty((num_experts, max_m, 2 * inter), dtype=torch.bfloat16, device=hidden.device)
+        self._masked_gemm(per_token_cast_to_fp8(a, use_ue8m0), w13_q, gate_up, masked_m, expected_m)
+        gate_up_f = gate_up.float()
+        act = F.silu(gate_up_f[..., :inter]) * gate_up_f[..., inter:]
+        out = torch.empty((num_experts, max_m, hidden_size), dtype=torch.bfloat16, device=hidden.device)
+        self._masked_gemm(per_token_cast_to_fp8(act, use_ue8m0), w2_q, out, masked_m, expected_m)
+
+        # Rows past expert_num_tokens are never written by the kernel; the contract says they are zeros.
+        valid = torch.arange(max_m, device=hidden.device).unsqueeze(0) < masked_m.unsqueeze(1)
+        out = out.masked_fill(~valid.unsqueeze(-1), 0)
+        return out[:, :capacity].to(hidden.dtype)
+
+    def _ue8m0(self, device: torch.device) -> bool:
+        if self.use_ue8m0 is not None:
+            return self.use_ue8m0
+        return torch.cuda.get_device_capability(device)[0] >= 10
+
+    def _quantized(self, w: torch.Tensor, use_ue8m0: bool) -> _Fp8Pair:
+        key = (w.data_ptr(), tuple(w.shape), w.dtype, w.device, w._version, use_ue8m0)
+        entry = self._weight_cache.get(key)
+        # The weakref guards against a freed weight whose address (and version 0) got reused.
+        if entry is None or entry[0]() is not w:
+            entry = (weakref.ref(w), per_block_cast_to_fp8(w, use_ue8m0))
+            self._weight_cache[key] = entry
+        return entry[1]

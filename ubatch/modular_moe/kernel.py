@@ -1,0 +1,70 @@
+"""FusedMoEModularKernel: prepare (dispatch) -> experts -> finalize (combine), with the DBO yields.
+
+The yield placement is what makes two ubatches overlap: each ubatch starts its all-to-all, parks the
+receive half on the other ubatch and yields; the other ubatch runs that receive just before its own send.
+So while A's tokens are on the wire, B computes. The shared experts run while the combine flies.
+
+Invariant: every ubatch hits exactly the same yields whatever its data, including a rank that receives
+no tokens (the experts step simply has nothing to do), or a GPU capture deadlocks.
+"""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from ubatch import trace
+from ubatch.context import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
+from ubatch.modular_moe.experts.base import MoEExperts
+from ubatch.modular_moe.prepare_finalize.base import Hook, PrepareFinalize
+
+
+def _complete(hook: Hook | None) -> None:
+    """Under DBO hand the receive to the next ubatch and yield; outside DBO receive inline."""
+    if hook is None:
+        return
+    if dbo_enabled():
+        dbo_register_recv_hook(hook)
+        dbo_yield()
+    else:
+        hook()
+
+
+class FusedMoEModularKernel:
+    def __init__(self, prepare_finalize: PrepareFinalize, experts: MoEExperts,
+                 shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+        if prepare_finalize.layout not in experts.supported_layouts:
+            raise ValueError(f"experts backend {experts.name!r} cannot consume the {prepare_finalize.layout!r} layout "
+                             f"produced by all2all backend {prepare_finalize.name!r}")
+        self.prepare_finalize = prepare_finalize
+        self.experts = experts
+        self.shared_experts = shared_experts
+
+    def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                 topk_ids: torch.Tensor) -> torch.Tensor:
+        pf = self.prepare_finalize
+        rec = trace.active()
+        t0 = time.perf_counter() if rec is not None else 0.0
+
+        dbo_maybe_run_recv_hook()  # the other ubatch's pending receive goes ahead of our send
+        hook, receive_tokens = pf.prepare_async(hidden, topk_weights, topk_ids)
+        _complete(hook)
+        tokens, state = receive_tokens()
+
+        t1 = time.perf_counter() if rec is not None else 0.0
+        expert_out = self.experts.apply(tokens, w13, w2)
+        if rec is not None:
+            rec.span("experts", "compute", dbo_current_ubatch_id(), t1, time.perf_counter(), phase="E")
+
+        dbo_maybe_run_recv_hook()
+        hook, receive_output = pf.finalize_async(expert_out, state)
+        t2 = time.perf_counter() if rec is not None else 0.0
+        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
+        if rec is not None and shared is not None:
+            rec.span("shared_experts", "compute", dbo_current_ubatch_id(), t2, time.perf_counter(), phase="S")
+        _complete(hook)
+        out = receive_output()
+        if rec is not None:
+            rec.instant("moe_done", "moe", dbo_current_ubatch_id(), since=t0)
+        return out if shared is None else out + shared

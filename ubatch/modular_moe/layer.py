@@ -1,0 +1,87 @@
+"""FusedMoE: one MoE layer's expert weights (this EP rank's share), its routing and its modular kernel."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ubatch.modular_moe.config import MoEParallelConfig, get_prepare_finalize
+from ubatch.modular_moe.experts import make_experts
+from ubatch.modular_moe.kernel import FusedMoEModularKernel
+from ubatch.modular_moe.router import select_experts
+
+_SHARDS = ("gate", "up", "down")
+
+
+class FusedMoE(nn.Module):
+    def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
+                 renormalize: bool = True, scoring_func: str = "softmax", num_expert_group: int | None = None,
+                 topk_group: int | None = None, use_correction_bias: bool = False,
+                 routed_scaling_factor: float = 1.0, shared_experts: nn.Module | None = None,
+                 parallel: MoEParallelConfig | None = None, params_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if top_k < 1 or top_k > num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        self.parallel = parallel or MoEParallelConfig()
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.renormalize = renormalize
+        self.scoring_func = scoring_func
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.routed_scaling_factor = routed_scaling_factor
+        self.local_expert_range = self.parallel.local_expert_range(num_experts)
+        dtype = params_dtype or torch.get_default_dtype()
+        n_local = len(self.local_expert_range)
+        self.w13_weight = nn.Parameter(torch.zeros(n_local, 2 * intermediate_size, hidden_size, dtype=dtype),
+                                       requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.zeros(n_local, hidden_size, intermediate_size, dtype=dtype),
+                                      requires_grad=False)
+        if use_correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+        else:
+            self.e_score_correction_bias = None
+        self.shared_experts = shared_experts
+        self._kernel: FusedMoEModularKernel | None = None
+
+    @property
+    def kernel(self) -> FusedMoEModularKernel:
+        """Built on first use: the backend needs the process groups, which exist only once ranks are up."""
+        if self._kernel is None:
+            pf = get_prepare_finalize(self.parallel, self.num_experts, self.hidden_size, self.w13_weight.device)
+            self._kernel = FusedMoEModularKernel(pf, make_experts(self.parallel.experts_backend), self.shared_experts)
+        return self._kernel
+
+    def load_expert_weight(self, global_expert_id: int, shard: str, weight: torch.Tensor) -> bool:
+        if shard not in _SHARDS:
+            raise ValueError(f"unknown expert weight shard {shard!r}; expected one of {_SHARDS}")
+        if not 0 <= global_expert_id < self.num_experts:
+            raise ValueError(f"expert id {global_expert_id} out of range [0, {self.num_experts})")
+        if global_expert_id not in self.local_expert_range:
+            return False
+        local = global_expert_id - self.local_expert_range.start
+        i = self.intermediate_size
+        target = {"gate": self.w13_weight[local, :i], "up": self.w13_weight[local, i:],
+                  "down": self.w2_weight[local]}[shard]
+        if tuple(weight.shape) != tuple(target.shape):
+            raise ValueError(f"expert {global_expert_id} {shard} weight has shape {tuple(weight.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(weight)
+        return True
+
+    def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = select_experts(
+            router_logits, self.top_k, self.renormalize, scoring_func=self.scoring_func,
+            num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+            e_score_correction_bias=self.e_score_correction_bias,
+            routed_scaling_factor=self.routed_scaling_factor)
+        return self.kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+
+    def extra_repr(self) -> str:
+        r = self.local_expert_range
+        return (f"experts={self.num_experts} (local {r.start}..{r.stop - 1}), top_k={self.top_k}, "
+                f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
+                f"all2all={self.parallel.all2all_backend}, experts_backend={self.parallel.experts_backend}")

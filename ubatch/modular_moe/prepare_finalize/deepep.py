@@ -1,0 +1,114 @@
+"""Real DeepEP backends (``deepep_low_latency``, ``deepep_high_throughput``); imported only when selected.
+
+``deep_ep`` needs CUDA, NVSHMEM and NVLink/RDMA, and at least two GPUs for high-throughput mode; it
+cannot be installed on a CPU machine. Selecting these backends without it raises a clear ImportError
+instead of falling back to something else.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from ubatch.context import (
+    dbo_current_ubatch_id, dbo_get_previous_event, dbo_num_ubatches, dbo_switch_to_comm, dbo_switch_to_compute,
+    dbo_switch_to_compute_sync, dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm,
+)
+from ubatch.modular_moe.prepare_finalize.base import FinalizeReceiver, Hook, PrepareFinalize, PrepareReceiver
+from ubatch.modular_moe.types import ExpertTokens
+
+
+def import_deep_ep() -> Any:
+    try:
+        import deep_ep  # type: ignore[import-not-found]
+    except ImportError as exc:
+        raise ImportError(
+            "the DeepEP all2all backends need the 'deep_ep' package (CUDA + NVSHMEM; see "
+            "https://github.com/deepseek-ai/DeepEP), which is not installed here; choose "
+            "--all2all-backend torch_ll or torch_ht instead") from exc
+    if not torch.cuda.is_available():
+        raise RuntimeError("the DeepEP all2all backends need CUDA GPUs; none is available")
+    return deep_ep
+
+
+class DeepEPLowLatency(PrepareFinalize):
+    """DeepEP LL: sends only, receive in the hook; one handle per ubatch (the RDMA buffer has two slots)."""
+
+    name = "deepep_low_latency"
+    layout = "masked"
+    dbo_yields_per_layer = 2
+
+    def __init__(self, num_experts: int, ep_rank: int, ep_size: int, groups: Sequence[Any], hidden_size: int,
+                 max_dispatch_tokens_per_rank: int, link: Any = None) -> None:
+        super().__init__(num_experts, ep_rank, ep_size, link)
+        deep_ep = import_deep_ep()
+        self.capacity = max_dispatch_tokens_per_rank
+        rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(self.capacity, hidden_size, ep_size, num_experts)
+        self.buffer = deep_ep.Buffer(groups[0], num_nvl_bytes=0, num_rdma_bytes=rdma_bytes, low_latency_mode=True,
+                                     num_qps_per_rank=self.num_local_experts)
+        self.handles: list[Any] = [None, None]
+
+    def prepare_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> tuple[Hook | None, PrepareReceiver]:
+        if dbo_num_ubatches() > 2:
+            raise ValueError("DeepEP low-latency mode holds at most two ubatches in flight (two RDMA buffer slots)")
+        if hidden.shape[0] > self.capacity:
+            raise ValueError(f"deepep_low_latency: {hidden.shape[0]} tokens exceed "
+                             f"num_max_dispatch_tokens_per_rank={self.capacity}")
+        recv_x, recv_count, handle, _event, hook = self.buffer.low_latency_dispatch(
+            hidden, topk_ids, self.capacity, self.num_experts, use_fp8=False, async_finish=False,
+            return_recv_hook=True)
+        self.handles[dbo_current_ubatch_id()] = handle
+        state = (topk_ids, topk_weights, dbo_current_ubatch_id())
+        return hook, lambda: (ExpertTokens("masked", recv_x, expert_num_tokens=recv_count), state)
+
+    def finalize_async(self, expert_output: torch.Tensor, state: Any) -> tuple[Hook | None, FinalizeReceiver]:
+        topk_ids, topk_weights, ubatch = state
+        combined, _event, hook = self.buffer.low_latency_combine(
+            expert_output, topk_ids, topk_weights, self.handles[ubatch], async_finish=False, return_recv_hook=True)
+        return hook, lambda: combined
+
+
+class DeepEPHighThroughput(PrepareFinalize):
+    """DeepEP HT: explicit stream choreography, ``previous_event`` captured *before* the yield (vLLM #38451)."""
+
+    name = "deepep_high_throughput"
+    layout = "contiguous"
+    dbo_yields_per_layer = 3
+
+    def __init__(self, num_experts: int, ep_rank: int, ep_size: int, groups: Sequence[Any], hidden_size: int,
+                 link: Any = None, num_nvl_bytes: int = 1 << 30) -> None:
+        super().__init__(num_experts, ep_rank, ep_size, link)
+        deep_ep = import_deep_ep()
+        self.buffer = deep_ep.Buffer(groups[0], num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=0)
+        self.handles: list[Any] = [None] * 2
+
+    def prepare_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> tuple[Hook | None, PrepareReceiver]:
+        previous_event = dbo_get_previous_event(self.buffer.capture)
+        dbo_yield_and_switch_from_compute_to_comm()
+        per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
+            topk_ids, self.num_experts, previous_event=previous_event, async_finish=False)
+        recv_x, recv_ids, recv_w, _counts, handle, _ = self.buffer.dispatch(
+            hidden, topk_idx=topk_ids, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
+            num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            previous_event=previous_event, async_finish=False)
+        ubatch = dbo_current_ubatch_id()
+        self.handles[ubatch] = handle
+        dbo_switch_to_compute_sync()
+        return None, lambda: (ExpertTokens("contiguous", recv_x, recv_ids, recv_w), (hidden.shape, ubatch))
+
+    def finalize_async(self, expert_output: torch.Tensor, state: Any) -> tuple[Hook | None, FinalizeReceiver]:
+        _shape, ubatch = state
+        previous_event = dbo_get_previous_event(self.buffer.capture)
+        dbo_yield_and_switch_from_compute_to_comm()
+        combined, _w, _event = self.buffer.combine(expert_output, self.handles[ubatch],
+                                                   previous_event=previous_event, async_finish=False)
+        dbo_switch_to_compute()
+
+        def receiver() -> torch.Tensor:
+            dbo_switch_to_comm()
+            dbo_yield_and_switch_from_comm_to_compute()
+            return combined
+
+        return None, receiver

@@ -1,0 +1,157 @@
+"""A modelled interconnect: each transfer completes at ``start + latency + bytes / bandwidth``.
+
+Its in-flight time uses no CPU (the waiter sleeps until the deadline), like a NIC moving data while the
+cores compute, so overlap can be measured honestly on a single machine where real loopback gloo burns CPU
+for every byte. Transfers on one rank share the link: a transfer starts when the previous one has left
+(``busy_until``), so two ubatches cannot both get the full bandwidth. The real transfer still happens
+underneath (so results stay exact); the model only decides *when* it may be observed.
+
+On a GPU the delay is a ``torch.cuda._sleep`` kernel on a side stream joined by an event, which keeps the
+step CUDA-graph capturable.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from ubatch import streams, trace
+from ubatch.modular_moe.comm import Handle
+
+
+@dataclass(frozen=True)
+class LinkSpec:
+    latency_us: float = 0.0
+    gbps: float = float("inf")  # gigabytes per second
+
+    def __post_init__(self) -> None:
+        if self.latency_us < 0:
+            raise ValueError(f"emulated link latency_us must be >= 0, got {self.latency_us}")
+        if self.gbps <= 0:
+            raise ValueError(f"emulated link gbps must be > 0, got {self.gbps}")
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_us * 1e-6 + nbytes / (self.gbps * 1e9)
+
+    @classmethod
+    def parse(cls, text: str) -> "LinkSpec":
+        """``"latency_us=50,gbps=10"`` (the ``--emulate-link`` syntax); both keys optional."""
+        values: dict[str, float] = {}
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            key, sep, raw = part.partition("=")
+            if not sep or key.strip() not in ("latency_us", "gbps"):
+                raise ValueError(f"bad --emulate-link item {part!r}; expected latency_us=<float>,gbps=<float>")
+            try:
+                values[key.strip()] = float(raw)
+            except ValueError:
+                raise ValueError(f"bad --emulate-link value {raw!r} for {key.strip()}; expected a number") from None
+        if not values:
+            raise ValueError(f"empty --emulate-link spec {text!r}; expected latency_us=<float>,gbps=<float>")
+        return cls(**values)
+
+
+class _DeadlineHandle:
+    def __init__(self, inner: Handle | None, deadline: float, on_done: Callable[[float], None] | None) -> None:
+        self.inner, self.deadline, self.on_done = inner, deadline, on_done
+
+    def wait(self) -> None:
+        if self.inner is not None:
+            self.inner.wait()
+        remaining = self.deadline - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        if self.on_done is not None:
+            self.on_done(self.deadline)
+
+
+class _CudaSleepHandle:
+    def __init__(self, inner: Handle | None, done_event: Any) -> None:
+        self.inner, self.done_event = inner, done_event
+
+    def wait(self) -> None:
+        if self.inner is not None:
+            self.inner.wait()
+        torch.cuda.current_stream().wait_event(self.done_event)
+
+
+_cycles_per_second: float | None = None
+
+
+def _gpu_cycles_per_second() -> float:
+    """Calibrate ``torch.cuda._sleep`` once (its argument is in GPU clock cycles)."""
+    global _cycles_per_second
+    if _cycles_per_second is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        cycles = 10_000_000
+        torch.cuda._sleep(cycles)  # warm-up
+        start.record()
+        torch.cuda._sleep(cycles)
+        end.record()
+        end.synchronize()
+        _cycles_per_second = cycles / (start.elapsed_time(end) * 1e-3)
+    return _cycles_per_second
+
+
+class EmulatedLink:
+    """Per-rank link model shared by every ubatch and layer of that rank."""
+
+    def __init__(self, spec: LinkSpec, device: torch.device | str | None = None) -> None:
+        self.spec = spec
+        self.device = streams.resolve_device(device)
+        self._lock = threading.Lock()
+        self._busy_until = 0.0
+        self._side_stream = streams.new_stream(self.device, name="emulated-link") if self.device.type == "cuda" else None
+        self.total_bytes = 0
+        self.num_transfers = 0
+
+    def transfer(self, nbytes: int, inner: Handle | None = None, label: str = "a2a") -> Handle:
+        """Model sending ``nbytes`` now; ``inner`` is the real transfer to complete underneath."""
+        now = time.perf_counter()
+        with self._lock:
+            start = max(now, self._busy_until)
+            wire_done = start + nbytes / (self.spec.gbps * 1e9)
+            self._busy_until = wire_done
+            self.total_bytes += nbytes
+            self.num_transfers += 1
+        deadline = wire_done + self.spec.latency_us * 1e-6
+        if self._side_stream is not None:
+            return self._cuda_transfer(deadline - now, inner)
+        rec = trace.active()
+        on_done = None
+        if rec is not None:
+            from ubatch.context import dbo_current_ubatch_id  # local: context imports nothing from here
+
+            track = f"comm{dbo_current_ubatch_id()}"
+            on_done = lambda end: rec.span(label, "comm", track, now, end, bytes=nbytes)  # noqa: E731
+        return _DeadlineHandle(inner, deadline, on_done)
+
+    def _cuda_transfer(self, seconds: float, inner: Handle | None) -> Handle:
+        ready = torch.cuda.Event()
+        ready.record()
+        done = torch.cuda.Event()
+        with torch.cuda.stream(self._side_stream):
+            self._side_stream.wait_event(ready)
+            torch.cuda._sleep(max(1, int(seconds * _gpu_cycles_per_second())))
+            done.record()
+        return _CudaSleepHandle(inner, done)
+
+
+def parse_link(spec: str | LinkSpec | None) -> LinkSpec | None:
+    if spec is None or isinstance(spec, LinkSpec):
+        return spec
+    return LinkSpec.parse(spec)
+
+
+def off_rank_bytes_equal_splits(t: torch.Tensor, world_size: int) -> int:
+    return (t.numel() - t.numel() // world_size) * t.element_size() if world_size > 1 else t.numel() * t.element_size()
+
+
+def sum_handles(handles: Sequence[Handle]) -> Handle:
+    class _All:
+        def wait(self) -> None:
+            for h in handles:
+                h.wait()
+    return _All()
