@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -259,6 +260,29 @@ def test_triton_all_routes_remote_gives_zeros(triton_experts: MoEExperts) -> Non
         "contiguous", torch.randn(3, H), topk_ids=torch.full((3, K), -1), topk_weights=torch.ones(3, K)
     )
     assert torch.equal(triton_experts.apply(tokens, w13, w2), torch.zeros(3, H))
+
+
+def test_triton_concurrent_threads(triton_experts: MoEExperts) -> None:
+    """Ranks-as-threads launch at once; the interpreter patches triton.language per launch, so launches from
+    two threads must be serialised or one sees the other's un-patching."""
+    w13, w2 = _weights(torch.float32)
+    cases = [_contiguous_tokens(torch.float32, seed=10), _masked_tokens(torch.float32, seed=11)]
+    expected = [TorchExperts().apply(c, w13, w2) for c in cases]
+    errors: list[BaseException] = []
+
+    def worker(tokens: ExpertTokens, ref: torch.Tensor) -> None:
+        try:
+            for _ in range(3):
+                torch.testing.assert_close(triton_experts.apply(tokens, w13, w2), ref, rtol=1e-5, atol=1e-6)
+        except BaseException as exc:  # surfaced in the main thread below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=pair) for pair in zip(cases, expected)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
 
 
 def test_triton_needs_gpu_or_interpreter(monkeypatch: pytest.MonkeyPatch) -> None:

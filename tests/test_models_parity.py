@@ -54,18 +54,18 @@ def make_hf(variant: str, seed: int = 0) -> torch.nn.Module:
     return model
 
 
-_SAVED: dict[str, tuple[torch.nn.Module, Path]] = {}
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory):
+    """``saved(variant) -> (hf_model, checkpoint_dir)``, each variant built and saved once per module."""
+    cache: dict[str, tuple[torch.nn.Module, Path]] = {}
+
     def get(variant: str) -> tuple[torch.nn.Module, Path]:
-        if variant not in _SAVED:
+        if variant not in cache:
             hf = make_hf(variant)
             path = tmp_path_factory.mktemp(variant)
             hf.save_pretrained(path)
-            _SAVED[variant] = (hf, path)
-        return _SAVED[variant]
+            cache[variant] = (hf, path)
+        return cache[variant]
     return get
 
 
@@ -258,11 +258,46 @@ def test_builtin_tiny_models_cache_and_run(tmp_path: Path, name: str) -> None:
     assert load_tokenizer(name, cache_dir=tmp_path) is None
 
 
-def test_tokenizer_loaded_when_present(saved) -> None:
+def test_tokenizer_loaded_when_present(tmp_path: Path) -> None:
     tokenizers = pytest.importorskip("tokenizers")
-    _, path = saved("qwen3")
+    path = tmp_path
+    (path / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}))
     tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"hello": 0, "[UNK]": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     tok.save(str(path / "tokenizer.json"))
     loaded = load_tokenizer(str(path))
     assert loaded.encode("hello there").ids == [0, 1]
+
+
+@pytest.mark.parametrize("variant", ["qwen3", "dsv3"])
+def test_dbo_two_ubatch_threads_match_plain_forward(saved, variant: str) -> None:
+    """Real DBO: two ubatch threads share the modules; the straddling request's halves meet through the cache."""
+    from ubatch.slicing import maybe_create_ubatch_slices
+    from ubatch.wrapper import UBatchWrapper
+
+    _, path = saved(variant)
+    model, _ = load_model(str(path))
+    lens = [len(p) for p in PROMPTS]
+    alloc = fresh_cache(model)
+    blocks = [alloc.allocate(blocks_needed(n + 2, BLOCK)) for n in lens]
+    plain = run_step(model, sum(PROMPTS, []), [0, 0, 0], lens, blocks)
+    wrapper = UBatchWrapper(model)
+    try:
+        steps = [(sum(PROMPTS, []), [0, 0, 0], lens), ([1, 2, 3], lens, [1, 1, 1])]  # prefill, then a decode
+        for step, (ids, ctx, qlen) in enumerate(steps):
+            meta = build_attention_metadata(ctx, qlen, blocks, BLOCK)
+            slices, _ = maybe_create_ubatch_slices(True, qlen, sum(qlen), len(qlen))
+            if step == 0:
+                assert slices[0].request_slice.stop > slices[1].request_slice.start  # request 1 straddles
+                for layer in model.model.layers:  # ubatch 1 must find ubatch 0's KV, not the plain run's
+                    layer.self_attn.kv_cache.zero_()
+            with torch.no_grad(), set_forward_context(meta, ubatch_slices=slices):
+                logits = model.compute_logits(wrapper(torch.tensor(ids), meta.positions))
+            with torch.no_grad(), set_forward_context(meta):
+                ref = model.compute_logits(model(torch.tensor(ids), meta.positions))
+            torch.testing.assert_close(logits, ref, atol=1e-5, rtol=1e-5)
+            if step == 0:
+                torch.testing.assert_close(logits, plain, atol=1e-5, rtol=1e-5)
+        assert wrapper.num_ubatched_steps == 2
+    finally:
+        wrapper.close()

@@ -22,6 +22,11 @@ from ubatch import (
 )
 
 
+@pytest.fixture(params=["greenlet", "threads"])
+def executor(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
 def even_slices(num_tokens: int, n: int) -> list[UBatchSlice]:
     step = num_tokens // n
     bounds = [i * step for i in range(n)] + [num_tokens]
@@ -34,7 +39,7 @@ def run(wrapper: UBatchWrapper, x: torch.Tensor, **kwargs: object) -> object:
 
 
 @pytest.mark.parametrize("n,yields", [(2, 1), (2, 4), (3, 1), (3, 3), (4, 2)])
-def test_ring_order(n: int, yields: int) -> None:
+def test_ring_order(n: int, yields: int, executor: str) -> None:
     trace: list[tuple[int, int]] = []
 
     def model(x: torch.Tensor) -> torch.Tensor:
@@ -44,7 +49,7 @@ def test_ring_order(n: int, yields: int) -> None:
         trace.append((dbo_current_ubatch_id(), yields))
         return x * 2
 
-    w = UBatchWrapper(model, UBatchConfig(num_ubatches=n))
+    w = UBatchWrapper(model, UBatchConfig(num_ubatches=n, executor=executor))
     x = torch.arange(12.0)
     out = run(w, x)
     assert torch.equal(out, x * 2)
@@ -53,7 +58,7 @@ def test_ring_order(n: int, yields: int) -> None:
     w.close()
 
 
-def test_only_one_ubatch_runs_at_a_time() -> None:
+def test_only_one_ubatch_runs_at_a_time(executor: str) -> None:
     running = []
     overlap = []
 
@@ -67,13 +72,13 @@ def test_only_one_ubatch_runs_at_a_time() -> None:
             dbo_yield()
         return x
 
-    w = UBatchWrapper(model, UBatchConfig(num_ubatches=3))
+    w = UBatchWrapper(model, UBatchConfig(num_ubatches=3, executor=executor))
     run(w, torch.zeros(9))
     assert overlap == []
     w.close()
 
 
-def test_recv_hook_runs_in_next_ubatch_before_its_send() -> None:
+def test_recv_hook_runs_in_next_ubatch_before_its_send(executor: str) -> None:
     events: list[tuple[str, int, int]] = []
 
     def model(x: torch.Tensor) -> torch.Tensor:
@@ -86,7 +91,7 @@ def test_recv_hook_runs_in_next_ubatch_before_its_send() -> None:
             events.append(("use", me, layer))
         return x
 
-    w = UBatchWrapper(model)
+    w = UBatchWrapper(model, UBatchConfig(executor=executor))
     run(w, torch.zeros(4))
     # ubatch 0's receive is launched by ubatch 1 right before ubatch 1's own send ...
     assert events[:3] == [("send", 0, 0), ("recv", 0, 0), ("send", 1, 0)]
@@ -97,7 +102,7 @@ def test_recv_hook_runs_in_next_ubatch_before_its_send() -> None:
     w.close()
 
 
-def test_hook_thread_is_the_peer() -> None:
+def test_hook_thread_is_the_peer(executor: str) -> None:
     ran_in: list[int] = []
 
     def model(x: torch.Tensor) -> torch.Tensor:
@@ -105,7 +110,7 @@ def test_hook_thread_is_the_peer() -> None:
         dbo_yield()
         return x
 
-    w = UBatchWrapper(model)
+    w = UBatchWrapper(model, UBatchConfig(executor=executor))
     run(w, torch.zeros(4))
     # ubatch 0 resumes first and drains ubatch 1's hook on exit; then ubatch 1 drains ubatch 0's
     assert ran_in == [0, 1]
@@ -113,7 +118,7 @@ def test_hook_thread_is_the_peer() -> None:
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_exception_at_every_yield_position_surfaces_and_next_call_works(n: int) -> None:
+def test_exception_at_every_yield_position_surfaces_and_next_call_works(n: int, executor: str) -> None:
     yields = 3
     plan: dict[str, int] = {}
 
@@ -126,7 +131,7 @@ def test_exception_at_every_yield_position_surfaces_and_next_call_works(n: int) 
                 dbo_yield()
         return x + 1
 
-    w = UBatchWrapper(model, UBatchConfig(num_ubatches=n, handoff_timeout_s=30))
+    w = UBatchWrapper(model, UBatchConfig(num_ubatches=n, handoff_timeout_s=30, executor=executor))
     x = torch.arange(6.0)
     for u in range(n):
         for at in range(yields + 1):
@@ -141,7 +146,7 @@ def test_exception_at_every_yield_position_surfaces_and_next_call_works(n: int) 
     w.close()
 
 
-def test_missing_peer_times_out_with_diagnostic() -> None:
+def test_missing_peer_times_out_with_diagnostic(executor: str) -> None:
     release = threading.Event()
 
     def model(x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +155,7 @@ def test_missing_peer_times_out_with_diagnostic() -> None:
         dbo_yield()
         return x
 
-    w = UBatchWrapper(model, UBatchConfig(handoff_timeout_s=0.3))
+    w = UBatchWrapper(model, UBatchConfig(handoff_timeout_s=0.3, executor=executor))
     with pytest.raises(DBOTimeoutError, match=r"ubatch 0 waited 0\.3s at yield #1 for control back from ubatch 1"):
         run(w, torch.zeros(4))
     release.set()
@@ -159,42 +164,42 @@ def test_missing_peer_times_out_with_diagnostic() -> None:
     w.close()
 
 
-def test_yield_count_mismatch_is_reported() -> None:
+def test_yield_count_mismatch_is_reported(executor: str) -> None:
     def model(x: torch.Tensor) -> torch.Tensor:
         for _ in range(1 + dbo_current_ubatch_id()):
             dbo_yield()
         return x
 
-    w = UBatchWrapper(model, UBatchConfig(handoff_timeout_s=5))
+    w = UBatchWrapper(model, UBatchConfig(handoff_timeout_s=5, executor=executor))
     with pytest.raises(DBOYieldMismatchError, match=r"\[1, 2\]"):
         run(w, torch.zeros(4))
     w.close()
 
 
-def test_no_thread_leak_over_10000_calls() -> None:
+def test_no_thread_leak_over_10000_calls(executor: str) -> None:
     def model(x: torch.Tensor) -> torch.Tensor:
         dbo_yield()
         return x
 
     before = threading.active_count()
-    w = UBatchWrapper(model)
+    w = UBatchWrapper(model, UBatchConfig(executor=executor))
     x = torch.zeros(4)
     with set_forward_context(ubatch_slices=even_slices(4, 2)):
         for _ in range(10_000):
             w(x)
-        assert threading.active_count() == before + 2
+        assert threading.active_count() == before + (2 if executor == "threads" else 1)
     w.close()
     assert threading.active_count() == before
 
 
-def test_threads_set_their_torch_thread_count() -> None:
+def test_threads_set_their_torch_thread_count(executor: str) -> None:
     seen: list[int] = []
 
     def model(x: torch.Tensor) -> torch.Tensor:
         seen.append(torch.get_num_threads())
         return x
 
-    w = UBatchWrapper(model, UBatchConfig(num_threads_per_ubatch=1))
+    w = UBatchWrapper(model, UBatchConfig(num_threads_per_ubatch=1, executor=executor))
     run(w, torch.zeros(4))
     assert seen == [1, 1]
     w.close()
@@ -215,3 +220,5 @@ def test_bad_config_raises() -> None:
         UBatchConfig(num_ubatches=1)
     with pytest.raises(ValueError, match="handoff_timeout_s must be > 0, got -1"):
         UBatchConfig(handoff_timeout_s=-1)
+    with pytest.raises(ValueError, match="unknown ubatch executor 'fibers'"):
+        UBatchConfig(executor="fibers")

@@ -21,6 +21,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ubatch import streams, trace
+from ubatch.forward_context import _local as _fc_local
 
 _local = threading.local()
 
@@ -42,10 +43,11 @@ class DBOYieldMismatchError(DBOError):
 
 
 class StepState:
-    """What the ubatches of one step share: who finished, the first error, yield counts, completion."""
+    """What the ubatches of one step share: who finished, the first error, yield counts, progress."""
 
-    def __init__(self, num_ubatches: int) -> None:
+    def __init__(self, num_ubatches: int, executor: str) -> None:
         self.num_ubatches = num_ubatches
+        self.executor = executor
         self.lock = threading.Lock()
         self.finished = [False] * num_ubatches
         self.yield_counts = [0] * num_ubatches
@@ -53,6 +55,10 @@ class StepState:
         self.error_ubatch: int | None = None
         self.aborted = False
         self.contexts: list[UBatchContext] = []
+        self.running: int | None = None  # who holds control now
+        self.handed_by: int | None = None  # who handed it over (and now waits)
+        self.progress = 0  # bumped at every resume; the caller watches it to detect a stall
+        self.last_finished = 0
         self._remaining = num_ubatches
         self._all_done = threading.Event()
 
@@ -64,8 +70,10 @@ class StepState:
             if self.aborted:
                 return
             self.aborted = True
-        for ctx in self.contexts:
-            ctx._wake_up()
+        if self.executor == "threads":
+            for ctx in self.contexts:
+                ctx._wake_up()
+        # greenlet executor: the driver throws into the parked greenlets (run_greenlet_step)
 
     def mark_done(self) -> None:
         with self.lock:
@@ -74,15 +82,30 @@ class StepState:
         if done:
             self._all_done.set()
 
+    def mark_all_done(self) -> None:
+        self._all_done.set()
+
     def wait_done(self, timeout_s: float) -> bool:
-        """Wait for every ubatch; once an error is recorded, give the others a short grace to unwind."""
-        deadline = time.monotonic() + timeout_s
-        while not self._all_done.wait(timeout=min(0.05, max(0.0, deadline - time.monotonic()))):
+        """Wait for the step; give up only after ``timeout_s`` without a single handoff (a long step with
+        steady progress is fine). Once an error is recorded, give the others a short grace to unwind."""
+        seen, since = self.progress, time.monotonic()
+        while not self._all_done.wait(timeout=0.05):
             if self.aborted:
-                return self._all_done.wait(timeout=min(2.0, max(0.0, deadline - time.monotonic())))
-            if time.monotonic() >= deadline:
+                return self._all_done.wait(timeout=min(2.0, timeout_s))
+            now = time.monotonic()
+            if self.progress != seen:
+                seen, since = self.progress, now
+            elif now - since > timeout_s + 0.5:
                 return False
         return True
+
+    def stall_message(self, timeout_s: float) -> str:
+        waiter, runner = self.handed_by, self.running
+        if waiter is None or runner is None:
+            return f"ubatched step made no progress for {timeout_s:.1f}s (yield counts {self.yield_counts})"
+        return (f"ubatch {waiter} waited {timeout_s:.1f}s at yield #{self.yield_counts[waiter]} for control back "
+                f"from ubatch {runner}; ubatch {runner} never handed control back (stuck in a collective, or a "
+                f"yield on one side only?) - yield counts {self.yield_counts}")
 
     def next_unfinished(self, after: int) -> int:
         """Ring successor of ``after`` that has not finished yet (``after`` itself if all others have)."""
@@ -95,7 +118,12 @@ class StepState:
 
 
 class UBatchContext:
-    """One micro-batch's view of the step: its turn lock, streams, events, forward context and recv hooks."""
+    """One micro-batch's view of the step: its turn, streams, events, forward context and recv hooks.
+
+    Two executors share this protocol. ``threads``: each ubatch is an OS thread parked on its own Lock
+    (vLLM's model). ``greenlet``: every ubatch is a greenlet on one OS thread and a handoff is a direct
+    stack switch, ~30x cheaper than waking another thread (benchmarks/bench_handoff.py).
+    """
 
     def __init__(self, id: int, step: StepState, compute_stream: streams.Stream, comm_stream: streams.Stream,
                  forward_context: Any, handoff_timeout_s: float) -> None:
@@ -106,11 +134,16 @@ class UBatchContext:
         self.current_stream = compute_stream
         self.forward_context = forward_context
         self.handoff_timeout_s = handoff_timeout_s
-        self.gpu_compute_done_event = streams.new_event("cpu" if isinstance(compute_stream, streams.NullStream) else None)
-        self.gpu_comm_done_event = streams.new_event("cpu" if isinstance(compute_stream, streams.NullStream) else None)
+        device = "cpu" if isinstance(compute_stream, streams.NullStream) else compute_stream.device
+        self.gpu_compute_done_event = streams.new_event(device)
+        self.gpu_comm_done_event = streams.new_event(device)
+        self._get_current_stream = streams.stream_getter(compute_stream)
         self.recv_hooks: list[Callable[[], Any]] = []
+        self.glet: Any = None  # this ubatch's greenlet (greenlet executor)
+        self._ring_next = (id + 1) % step.num_ubatches
+        self._set_stream = streams.stream_setter(compute_stream)
         self._turn = threading.Lock()
-        self._turn.acquire()  # acquired == "not my turn"
+        self._turn.acquire()  # acquired == "not my turn" (threads executor)
 
     # ---- control transfer -------------------------------------------------------------------------
     def _wake_up(self) -> None:
@@ -119,35 +152,56 @@ class UBatchContext:
         except RuntimeError:  # already released: a handoff and an abort raced, both mean "run"
             pass
 
-    def _wait_for_turn(self, what: str) -> None:
-        rec = trace.active()
+    def _resume(self) -> None:
+        """Back in control: re-check the abort flag and re-install this ubatch's per-thread state."""
+        step = self.step
+        if step.aborted:
+            raise DBOAbortedError(f"ubatch {self.id} aborted because ubatch {step.error_ubatch} failed")
+        step.running = self.id
+        step.progress += 1
+        self._set_stream(self.current_stream)
+        _local.ctx = self
+        _fc_local.ctx = self.forward_context
+
+    def _handoff(self) -> None:
+        """Give control to the next unfinished ubatch and return when it is our turn again."""
+        step = self.step
+        target = self._ring_next
+        if step.finished[target]:
+            target = step.next_unfinished(self.id)
+            if target == self.id:
+                return  # every peer already finished: nobody to hand to
+        rec = trace._ACTIVE
         start = time.perf_counter() if rec is not None else 0.0
-        got_it = self._turn.acquire(timeout=self.handoff_timeout_s)
+        step.handed_by = self.id
+        peer = step.contexts[target]
+        if step.executor == "greenlet":
+            peer.glet.switch()
+        else:
+            peer._wake_up()
+            self._wait_turn(f"control back from ubatch {target}")
         if rec is not None:
-            rec.span("wait", "wait", self.id, start, time.perf_counter(), what=what)
-        if self.step.aborted:
-            raise DBOAbortedError(f"ubatch {self.id} aborted because ubatch {self.step.error_ubatch} failed")
-        if not got_it:
+            rec.span("wait", "wait", self.id, start, time.perf_counter(), peer=target)
+        self._resume()
+
+    def _wait_turn(self, what: str) -> None:
+        got_it = self._turn.acquire(timeout=self.handoff_timeout_s)
+        if not got_it and not self.step.aborted:
             raise DBOTimeoutError(
                 f"ubatch {self.id} waited {self.handoff_timeout_s:.1f}s at yield #{self.step.yield_counts[self.id]} "
-                f"for {what}; the peer never handed control back (stuck collective, or a yield on one side only?)")
-        streams.set_current_stream(self.current_stream)
-        _local.ctx = self
-
-    def _pass_control(self) -> int:
-        target = self.step.next_unfinished(self.id)
-        if target != self.id:
-            self.step.contexts[target]._wake_up()
-        return target
+                f"for {what}; the peer never handed control back (stuck in a collective, or a yield on one side "
+                f"only?) - yield counts {self.step.yield_counts}")
 
     def start(self) -> None:
-        """Give this ubatch the first turn (called by the launcher, not by a ubatch thread)."""
+        """Give this ubatch the first turn (threads executor; called by the launcher, not a ubatch thread)."""
         self._wake_up()
 
     def __enter__(self) -> "UBatchContext":
         _local.ctx = self
         self.current_stream = self.compute_stream
-        self._wait_for_turn("its first turn")
+        if self.step.executor == "threads":
+            self._wait_turn("its first turn")
+        self._resume()
         return self
 
     def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
@@ -156,25 +210,26 @@ class UBatchContext:
                 self.maybe_run_recv_hook()  # drain the previous ubatch's last all-to-all
         finally:
             _local.ctx = None
-            with self.step.lock:
-                self.step.finished[self.id] = True
-            if exc is None and not self.step.aborted:
-                self._pass_control()
+            step = self.step
+            with step.lock:
+                step.finished[self.id] = True
+                step.last_finished = self.id
+            step.progress += 1
+            if exc is None and not step.aborted and step.executor == "threads":
+                target = step.next_unfinished(self.id)
+                if target != self.id:
+                    step.contexts[target]._wake_up()
 
     # ---- the protocol -----------------------------------------------------------------------------
     def yield_(self) -> None:
         if self.step.aborted:
             raise DBOAbortedError(f"ubatch {self.id} aborted because ubatch {self.step.error_ubatch} failed")
         self.step.yield_counts[self.id] += 1
-        self.current_stream = streams.current_stream("cpu" if isinstance(self.compute_stream, streams.NullStream)
-                                                     else self.compute_stream.device)
-        rec = trace.active()
+        self.current_stream = self._get_current_stream()
+        rec = trace._ACTIVE
         if rec is not None:
             rec.instant("yield", "yield", self.id, n=self.step.yield_counts[self.id])
-        target = self._pass_control()
-        if target == self.id:
-            return  # every peer already finished: nobody to hand to
-        self._wait_for_turn(f"control back from ubatch {(self.id - 1) % self.step.num_ubatches}")
+        self._handoff()
 
     def register_recv_hook(self, hook: Callable[[], Any]) -> None:
         """Park ``hook`` on the next ubatch, which runs it just before its own send (or on exit)."""
@@ -240,19 +295,56 @@ class UBatchContext:
             raise DBOError(f"ubatch {self.id}: expected the {name} stream to be current, found {self.current_stream!r}")
 
 
+EXECUTORS = ("greenlet", "threads")
+
+
 def make_ubatch_contexts(num_micro_batches: int, compute_stream: streams.Stream, comm_stream: streams.Stream,
-                         forward_contexts: Sequence[Any], handoff_timeout_s: float = 300.0) -> list[UBatchContext]:
-    """Fresh contexts for one step (cheap: a lock each). Ubatch 0 runs first once ``contexts[0].start()``."""
+                         forward_contexts: Sequence[Any], handoff_timeout_s: float = 300.0,
+                         executor: str = "threads") -> list[UBatchContext]:
+    """Fresh contexts for one step (cheap: a lock each). Ubatch 0 runs first: ``contexts[0].start()`` for
+    the threads executor, :func:`run_greenlet_step` for the greenlet one."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown ubatch executor {executor!r}; choose one of {EXECUTORS}")
     if num_micro_batches < 2:
         raise ValueError(f"num_micro_batches must be >= 2, got {num_micro_batches}")
     if len(forward_contexts) != num_micro_batches:
         raise ValueError(f"got {len(forward_contexts)} forward contexts for {num_micro_batches} micro-batches")
     if handoff_timeout_s <= 0:
         raise ValueError(f"handoff_timeout_s must be > 0, got {handoff_timeout_s}")
-    step = StepState(num_micro_batches)
+    step = StepState(num_micro_batches, executor)
     step.contexts = [UBatchContext(i, step, compute_stream, comm_stream, forward_contexts[i], handoff_timeout_s)
                      for i in range(num_micro_batches)]
     return step.contexts
+
+
+def run_greenlet_step(contexts: Sequence[UBatchContext], bodies: Sequence[Callable[[], None]]) -> None:
+    """Drive one step on the calling thread: ubatch ``i`` runs ``bodies[i]`` in its own greenlet.
+
+    A body that finishes returns control here and the next unfinished ubatch (ring order) continues, just
+    as a finishing thread wakes its successor. After a failure every parked greenlet gets a
+    :class:`DBOAbortedError` thrown in at its handoff, so its ``finally`` blocks run.
+    """
+    from greenlet import getcurrent, greenlet
+
+    step = contexts[0].step
+    driver = getcurrent()
+    for ctx, body in zip(contexts, bodies):
+        ctx.glet = greenlet(body, parent=driver)
+    try:
+        contexts[0].glet.switch()
+        while not all(step.finished) and not step.aborted:
+            nxt = step.next_unfinished(step.last_finished)
+            if step.finished[nxt]:
+                break
+            contexts[nxt].glet.switch()
+        if step.aborted:
+            for ctx in contexts:
+                if ctx.glet:  # started and suspended
+                    ctx.glet.throw(DBOAbortedError(f"ubatch {ctx.id} aborted because ubatch {step.error_ubatch} failed"))
+    finally:
+        for ctx in contexts:
+            ctx.glet = None
+        step.mark_all_done()
 
 
 # ---- free functions: vLLM's names; all are cheap no-ops outside a ubatch thread -----------------------
@@ -285,7 +377,13 @@ def _on_context(method: Callable[..., Any]) -> Callable[..., None]:
     return call
 
 
-dbo_yield = _on_context(UBatchContext.yield_)
+def dbo_yield() -> None:
+    """Hand control to the next ubatch and block until it comes back (no-op outside DBO); the hot path."""
+    ctx = getattr(_local, "ctx", None)
+    if ctx is not None:
+        ctx.yield_()
+
+
 dbo_maybe_run_recv_hook = _on_context(UBatchContext.maybe_run_recv_hook)
 dbo_switch_to_comm = _on_context(UBatchContext.switch_to_comm)
 dbo_switch_to_compute = _on_context(UBatchContext.switch_to_compute)

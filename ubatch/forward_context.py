@@ -41,6 +41,11 @@ def maybe_get_forward_context() -> ForwardContext | None:
     return getattr(_local, "ctx", None)
 
 
+def set_thread_forward_context(ctx: ForwardContext | None) -> None:
+    """Install ``ctx`` for this thread without restoring anything (a ubatch resuming after a handoff)."""
+    _local.ctx = ctx
+
+
 @contextlib.contextmanager
 def override_forward_context(ctx: ForwardContext | None) -> Iterator[None]:
     previous = getattr(_local, "ctx", None)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Iterator, Union
+from typing import Callable, Iterator, Union
 
 import torch
 
@@ -101,6 +101,23 @@ def current_stream(device: torch.device | str | None = None) -> Stream:
     if dev.type == "cuda":
         return torch.cuda.current_stream(dev)
     return getattr(_cpu_state, "stream", _DEFAULT_CPU_STREAM)
+
+
+def stream_getter(like: Stream) -> "Callable[[], Stream]":
+    """A cheap zero-argument ``current_stream`` for the device of ``like`` (the yield path calls it)."""
+    if isinstance(like, NullStream):
+        return lambda: getattr(_cpu_state, "stream", _DEFAULT_CPU_STREAM)
+    device = like.device
+    return lambda: torch.cuda.current_stream(device)
+
+
+def stream_setter(like: Stream) -> "Callable[[Stream], None]":
+    """A cheap ``set_current_stream`` specialised for the device of ``like`` (the yield path calls it)."""
+    if isinstance(like, NullStream):
+        def set_cpu(s: Stream) -> None:
+            _cpu_state.stream = s
+        return set_cpu
+    return torch.cuda.set_stream
 
 
 def set_current_stream(s: Stream) -> None:

@@ -1,27 +1,45 @@
 """Opt-in timeline recorder for DBO steps: per-ubatch compute, waits, yields and all-to-alls in flight.
 
-Off by default and near-free when off: instrumented code does one module-global read (``active()``) and
-allocates nothing. Timestamps are ``time.perf_counter()`` seconds (CPU wall clock).
+Off by default and near-free when off: instrumented code does one module-global read (``active()``, or
+``compute_span`` returning a shared null context) and allocates nothing. Metrics live in
+``ubatch.trace_metrics``, the picture in ``ubatch.plot``; this file only records and exports.
+
+Time stamps ("stamps") are either ``time.perf_counter()`` seconds (CPU wall clock, the default and what
+the runtime's own hooks record) or, with ``TraceRecorder(clock="cuda")``, CUDA events recorded on the
+current stream by ``rec.now()``. Events are resolved to seconds only at export, so recording never
+synchronises the GPU; they are placed on the CPU clock through a reference event recorded right after a
+``torch.cuda.synchronize()`` when the recorder is created (so GPU and CPU time agree at ``t0``).
+
+Several thread ranks in one process share the active recorder; each span carries ``pid`` (the rank),
+read from the forward context's ``trace_rank`` extra (``set_forward_context(..., trace_rank=r)``; the
+ubatch threads inherit it), 0 when unset. Under torchrun every process has its own recorder anyway.
 """
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Iterator
+
+from ubatch.forward_context import maybe_get_forward_context
 
 _ACTIVE: "TraceRecorder | None" = None
+
+Stamp = Any  # float seconds on the perf_counter clock, or an event with record/synchronize/elapsed_time
 
 
 @dataclass
 class Span:
     name: str
-    cat: str
-    track: str
-    start: float
-    end: float
+    cat: str  # "compute", "comm", "wait", "hook": what trace_metrics and the plot key on
+    track: str  # "ubatch0", "comm0", ...: one Chrome-trace thread each
+    start: Stamp
+    end: Stamp
     args: dict[str, Any] = field(default_factory=dict)
+    pid: int = 0
 
 
 @dataclass
@@ -29,8 +47,9 @@ class Instant:
     name: str
     cat: str
     track: str
-    ts: float
+    ts: Stamp
     args: dict[str, Any] = field(default_factory=dict)
+    pid: int = 0
 
 
 def track_name(ubatch: int | str) -> str:
@@ -38,23 +57,89 @@ def track_name(ubatch: int | str) -> str:
     return ubatch if isinstance(ubatch, str) else f"ubatch{ubatch}"
 
 
-class TraceRecorder:
-    """Collects spans from every thread; appends are guarded by a lock (they happen at yield granularity)."""
+def ubatch_of_track(track: str) -> int | None:
+    """``"ubatch1"``/``"comm1"`` -> 1; ``None`` for tracks that belong to no ubatch."""
+    digits = track[len(track.rstrip("0123456789")):]
+    return int(digits) if digits and track[: -len(digits)] in ("ubatch", "comm") else None
 
-    def __init__(self) -> None:
+
+def current_pid() -> int:
+    """The rank whose spans this thread records (see the module docstring)."""
+    fc = maybe_get_forward_context()
+    return int(fc.extra.get("trace_rank", 0)) if fc is not None else 0
+
+
+class TraceRecorder:
+    """Collects spans from every thread; appends are guarded by a lock (they happen at yield granularity).
+
+    ``clock="cuda"`` makes ``now()`` return CUDA events; ``event_factory`` replaces
+    ``torch.cuda.Event(enable_timing=True)`` (tests pass a fake, so the resolution logic runs on CPU).
+    """
+
+    def __init__(self, clock: str = "cpu", event_factory: Callable[[], Any] | None = None) -> None:
+        if clock not in ("cpu", "cuda"):
+            raise ValueError(f"trace clock must be 'cpu' or 'cuda', got {clock!r}")
+        self.clock = clock
         self.spans: list[Span] = []
         self.instants: list[Instant] = []
-        self.t0 = time.perf_counter()
         self._lock = threading.Lock()
+        self._layers: dict[tuple[int, int], int] = {}  # (pid, ubatch) -> layer it is in, for the "layer" arg
+        self._event_factory = event_factory
+        self._ref_event: Any = None
+        if clock == "cuda":
+            if event_factory is None:
+                import torch
 
-    def span(self, name: str, cat: str, ubatch: int | str, start: float, end: float, **args: Any) -> None:
+                torch.cuda.synchronize()  # the GPU is idle: the reference event fires at (almost) t0
+                self._event_factory = lambda: torch.cuda.Event(enable_timing=True)
+            self._ref_event = self.now()
+        self.t0 = time.perf_counter()
+
+    def now(self) -> Stamp:
+        """A stamp for "now": CPU seconds, or an event on the current CUDA stream (compute time, not issue time)."""
+        if self._event_factory is None:
+            return time.perf_counter()
+        event = self._event_factory()
+        event.record()
+        return event
+
+    def span(self, name: str, cat: str, ubatch: int | str, start: Stamp, end: Stamp, **args: Any) -> None:
+        track = track_name(ubatch)
+        pid = current_pid()
+        if "layer" not in args:
+            layer = self._layers.get((pid, ubatch_of_track(track)))  # type: ignore[arg-type]
+            if layer is not None:
+                args["layer"] = layer
         with self._lock:
-            self.spans.append(Span(name, cat, track_name(ubatch), start, end, args))
+            self.spans.append(Span(name, cat, track, start, end, args, pid))
 
     def instant(self, name: str, cat: str, ubatch: int | str, **args: Any) -> None:
         ts = time.perf_counter()
+        pid = current_pid()
         with self._lock:
-            self.instants.append(Instant(name, cat, track_name(ubatch), ts, args))
+            self.instants.append(Instant(name, cat, track_name(ubatch), ts, args, pid))
+
+    def set_layer(self, ubatch: int, layer: int) -> None:
+        """Spans of this ubatch (and its comm track) recorded from now on carry ``layer`` unless they name one."""
+        self._layers[(current_pid(), ubatch)] = layer
+
+    def resolve(self, stamp: Stamp) -> float:
+        """A stamp in perf_counter seconds; a CUDA event must have completed (``resolved`` synchronises)."""
+        if isinstance(stamp, (int, float)):
+            return float(stamp)
+        if self._ref_event is None:
+            raise ValueError("an event stamp was recorded by a recorder without clock='cuda'")
+        return self.t0 + self._ref_event.elapsed_time(stamp) * 1e-3
+
+    def resolved(self) -> tuple[list[Span], list[Instant]]:
+        """Copies of the spans and instants with every stamp in seconds (waits for pending GPU events)."""
+        with self._lock:
+            spans, instants = list(self.spans), list(self.instants)
+        for s in spans:
+            if not isinstance(s.end, (int, float)):
+                s.end.synchronize()
+        return ([replace(s, start=self.resolve(s.start), end=self.resolve(s.end)) for s in spans],
+                [replace(i, ts=self.resolve(i.ts)) for i in instants])
 
 
 def active() -> TraceRecorder | None:
@@ -71,3 +156,129 @@ def recording(recorder: TraceRecorder | None = None) -> Iterator[TraceRecorder]:
         yield rec
     finally:
         _ACTIVE = previous
+
+
+# ---- compute spans from model code -------------------------------------------------------------------
+class _NullSpan:
+    """Shared, stateless: what ``compute_span`` returns while tracing is off (no allocation per call)."""
+
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        return False
+
+
+_NULL_SPAN = _NullSpan()
+
+
+class _ComputeSpan:
+    __slots__ = ("rec", "name", "phase", "layer", "ubatch", "start")
+
+    def __init__(self, rec: TraceRecorder, name: str, phase: str, layer: int | None) -> None:
+        self.rec, self.name, self.phase, self.layer = rec, name, phase, layer
+
+    def __enter__(self) -> None:
+        from ubatch.context import dbo_current_ubatch_id  # local: context imports this module
+
+        self.ubatch = dbo_current_ubatch_id()
+        if self.layer is not None:
+            self.rec.set_layer(self.ubatch, self.layer)
+        self.start = self.rec.now()
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+        end = self.rec.now()
+        if self.layer is None:
+            self.rec.span(self.name, "compute", self.ubatch, self.start, end, phase=self.phase)
+        else:
+            self.rec.span(self.name, "compute", self.ubatch, self.start, end, phase=self.phase, layer=self.layer)
+        return False
+
+
+def compute_span(name: str, phase: str, layer: int | None = None) -> Any:
+    """``with trace.compute_span("attention", "A", layer=i): ...`` marks a compute segment of this ubatch.
+
+    ``phase`` is the schedule letter (A attention, E experts, S shared experts, ...). Giving ``layer`` also
+    tags the ubatch's later spans (experts, its dispatch/combine) with that layer until the next one, which
+    is what the per-layer breakdown of ``trace_metrics`` groups by. Off: returns one shared null context.
+    """
+    rec = _ACTIVE
+    if rec is None:
+        return _NULL_SPAN
+    return _ComputeSpan(rec, name, phase, layer)
+
+
+# ---- Chrome trace export (chrome://tracing, https://ui.perfetto.dev) ----------------------------------
+def _track_order(track: str) -> tuple[int, int, str]:
+    """Each ubatch's compute row directly above its comm row, like the DBO schedule diagram."""
+    u = ubatch_of_track(track)
+    kind = 0 if track.startswith("ubatch") else 1 if track.startswith("comm") else 2
+    return (u if u is not None else 1 << 30, kind, track)
+
+
+def _jsonable(args: dict[str, Any]) -> dict[str, Any]:
+    return {k: v if isinstance(v, (bool, int, float, str)) or v is None else str(v) for k, v in args.items()}
+
+
+def to_chrome_trace(rec: TraceRecorder, pid: int | None = None) -> dict[str, Any]:
+    """Trace Event Format dict: "X" spans and "i" instants (µs since the first event), "M" names.
+
+    One process per rank (``pid``; ``pid=`` keeps one rank), one thread per track, ordered ubatch0,
+    comm0, ubatch1, comm1, ... Span args (``phase``, ``layer``, ``bytes``, ...) are kept as event args.
+    """
+    spans, instants = rec.resolved()
+    if pid is not None:
+        spans, instants = [s for s in spans if s.pid == pid], [i for i in instants if i.pid == pid]
+    events: list[dict[str, Any]] = []
+    stamps = [s.start for s in spans] + [i.ts for i in instants]
+    first = min(stamps) if stamps else 0.0
+
+    def us(t: float) -> float:
+        return round((t - first) * 1e6, 3)
+
+    tracks: dict[int, set[str]] = {}
+    for item in [*spans, *instants]:
+        tracks.setdefault(item.pid, set()).add(item.track)
+    tids: dict[tuple[int, str], int] = {}
+    for p in sorted(tracks):
+        events.append({"name": "process_name", "ph": "M", "pid": p, "tid": 0, "args": {"name": f"rank {p}"}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": p, "tid": 0, "args": {"sort_index": p}})
+        for tid, track in enumerate(sorted(tracks[p], key=_track_order), start=1):
+            tids[(p, track)] = tid
+            events.append({"name": "thread_name", "ph": "M", "pid": p, "tid": tid, "args": {"name": track}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": p, "tid": tid,
+                           "args": {"sort_index": tid}})
+    for s in sorted(spans, key=lambda s: s.start):
+        ts = us(s.start)
+        events.append({"name": s.name, "cat": s.cat, "ph": "X", "ts": ts, "dur": max(0.0, round(us(s.end) - ts, 3)),
+                       "pid": s.pid, "tid": tids[(s.pid, s.track)], "args": _jsonable(s.args)})
+    for i in sorted(instants, key=lambda i: i.ts):
+        events.append({"name": i.name, "cat": i.cat, "ph": "i", "s": "t", "ts": us(i.ts), "pid": i.pid,
+                       "tid": tids[(i.pid, i.track)], "args": _jsonable(i.args)})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def save(rec: TraceRecorder, path: str | os.PathLike[str], pid: int | None = None) -> str:
+    """Write ``to_chrome_trace(rec, pid)`` as JSON (parent folders created); returns the path."""
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(to_chrome_trace(rec, pid), f)
+    return path
+
+
+def load(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a Chrome trace written by ``save`` (or any JSON-object trace); clear errors for anything else."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"trace file {path!r} not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{path!r} is not a Chrome trace: not JSON ({exc})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
+        raise ValueError(f"{path!r} is not a Chrome trace: expected a JSON object with a 'traceEvents' list")
+    return data

@@ -42,8 +42,4 @@ def get_model_class(arch: str) -> type:
 
 def parse_config(config_dict: dict[str, Any]) -> BaseMoEConfig:
     """Pick the config class from ``architectures[0]`` and parse (unknown keys ignored)."""
-    arch = architecture_of(config_dict)
-    cfg = _entry(arch)[2].from_dict(config_dict)
-    if not cfg.architectures:
-        cfg.architectures = [arch]
-    return cfg
+    return _entry(architecture_of(config_dict))[2].from_dict(config_dict)

@@ -14,7 +14,9 @@ reads ``TRITON_INTERPRET``, and the package must import without Triton installed
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from typing import Any
 
 import torch
@@ -31,6 +33,11 @@ tl: Any = None
 _KERNELS: dict[bool, tuple[Any, Any]] = {}
 
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on", "y"})
+# The interpreter is not thread-safe: each launch monkey-patches triton.language for its duration and
+# un-patches at exit, and it ast-parses kernel source on first use. Two ranks-as-threads launching at
+# once break each other ("Did you forget to add @triton.jit ?", "AST constructor recursion depth
+# mismatch"). Launches only compute, never wait on another thread, so serialising them cannot deadlock.
+_INTERPRETER_LOCK = threading.Lock()
 
 
 def interpreter_enabled() -> bool:
@@ -256,25 +263,26 @@ class TritonExperts(MoEExperts):
         inter: int,
     ) -> None:
         """Launch both GEMMs; ``out`` must be zero-initialised (rows of non-local routes are never written)."""
-        hidden_size = a.shape[1]
         intermediate = torch.empty((num_routes, inter), dtype=torch.float32, device=a.device)
-        num_m_blocks = expert_ids.numel()
         launch = dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k)
         if not self.interpret:
             launch.update(num_warps=self.num_warps, num_stages=self.num_stages)
-        self._w13_kernel[(num_m_blocks, _cdiv(inter, self.block_n))](
-            a, w13, intermediate, sorted_ids, expert_ids, num_post_pad,
-            num_routes, inter, hidden_size, top_k,
-            a.stride(0), a.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
-            intermediate.stride(0), intermediate.stride(1),
-            **launch,
-        )
-        self._w2_kernel[(num_m_blocks, _cdiv(hidden_size, self.block_n))](
-            intermediate, w2, out, weights if weights is not None else intermediate,
-            sorted_ids, expert_ids, num_post_pad,
-            num_routes, hidden_size, inter,
-            intermediate.stride(0), intermediate.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
-            out.stride(0), out.stride(1),
-            MUL_ROUTED_WEIGHT=weights is not None,
-            **launch,
-        )
+        hidden_size = a.shape[1]
+        num_m_blocks = expert_ids.numel()
+        with _INTERPRETER_LOCK if self.interpret else contextlib.nullcontext():
+            self._w13_kernel[(num_m_blocks, _cdiv(inter, self.block_n))](
+                a, w13, intermediate, sorted_ids, expert_ids, num_post_pad,
+                num_routes, inter, hidden_size, top_k,
+                a.stride(0), a.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
+                intermediate.stride(0), intermediate.stride(1),
+                **launch,
+            )
+            self._w2_kernel[(num_m_blocks, _cdiv(hidden_size, self.block_n))](
+                intermediate, w2, out, weights if weights is not None else intermediate,
+                sorted_ids, expert_ids, num_post_pad,
+                num_routes, hidden_size, inter,
+                intermediate.stride(0), intermediate.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
+                out.stride(0), out.stride(1),
+                MUL_ROUTED_WEIGHT=weights is not None,
+                **launch,
+            )

@@ -1,0 +1,171 @@
+"""RunnerConfig: every engine setting the CLI exposes, under vLLM's names, validated in one place.
+
+Validation lives here (not in argparse) so the Python API (``LLM(**kwargs)``) and the CLI reject the same
+bad values with the same message. Errors are :class:`ConfigError` (a ``ValueError``) carrying the field name,
+which the CLI turns into an argparse-style ``argument --flag-name: ...`` message with exit code 2.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+UBATCH_SPLITS = ("tokens", "balanced")
+# vLLM accepts these spellings for --dtype; they are normalised to "auto" (the checkpoint's torch_dtype) or a
+# name such that ``getattr(torch, cfg.dtype)`` works.
+DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
+                 "bfloat16": "bfloat16", "bf16": "bfloat16",
+                 "float16": "float16", "half": "float16", "fp16": "float16"}
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# DP > 1 with expert parallelism needs a real all-to-all; this is what the CLI and LLM() pick when unset.
+DEFAULT_EP_ALL2ALL_BACKEND = "torch_ll"
+
+
+def all2all_backends() -> tuple[str, ...]:
+    from ubatch.modular_moe.prepare_finalize import ALL2ALL_BACKENDS  # imports torch: keep it out of module load
+
+    return tuple(ALL2ALL_BACKENDS)
+
+
+def experts_backends() -> tuple[str, ...]:
+    from ubatch.modular_moe.experts import EXPERTS_BACKENDS
+
+    return tuple(EXPERTS_BACKENDS)
+
+
+class ConfigError(ValueError):
+    """A bad setting; ``field`` is the RunnerConfig field (``flag`` its CLI spelling) so callers can point at it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.field.replace("_", "-")
+
+
+def _int(name: str, value: Any, minimum: int, optional: bool = False) -> None:
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(name, f"{name} must be an integer, got {value!r}")
+    if value < minimum:
+        raise ConfigError(name, f"{name} must be >= {minimum}, got {value}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(name, f"{name} must be one of {', '.join(choices)}; got {value!r}")
+
+
+@dataclass
+class RunnerConfig:
+    """Everything one engine rank needs; field names are vLLM's flag names with ``_`` for ``-``."""
+
+    model: str = "tiny-qwen3-moe"
+    dtype: str = "float32"
+    data_parallel_size: int = 1
+    enable_expert_parallel: bool = False
+    enable_dbo: bool = False
+    dbo_decode_token_threshold: int = 32
+    dbo_prefill_token_threshold: int = 512
+    ubatch_split: str = "tokens"  # "tokens" (vLLM: cut at padded // 2) | "balanced" (SGLang TBO)
+    tbo_token_distribution_threshold: float = 0.48
+    all2all_backend: str = "none"
+    experts_backend: str = "torch"
+    emulate_link: str | None = None
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: enough for max_num_seqs * max_model_len
+    max_dispatch_tokens_per_rank: int | None = None  # None: derived from max_num_batched_tokens
+    enforce_eager: bool = False
+    disable_overlap_schedule: bool = False
+    enable_single_batch_overlap: bool = False
+    dist_timeout_s: float = 120.0
+    seed: int = 0
+    cache_dir: str | None = None
+    trace_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("model", f"model must be a non-empty name or directory, got {self.model!r}")
+        dtype = DTYPE_ALIASES.get(str(self.dtype).lower()) if isinstance(self.dtype, str) else None
+        if dtype is None:
+            raise ConfigError("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        self.dtype = dtype
+        for name in ("data_parallel_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold",
+                     "max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _int(name, getattr(self, name), 1)
+        for name in ("max_model_len", "num_kv_blocks", "max_dispatch_tokens_per_rank"):
+            _int(name, getattr(self, name), 1, optional=True)
+        _int("seed", self.seed, 0)
+        for name in ("enable_expert_parallel", "enable_dbo", "enforce_eager", "disable_overlap_schedule",
+                     "enable_single_batch_overlap"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
+        _choice("ubatch_split", self.ubatch_split, UBATCH_SPLITS)
+        t = self.tbo_token_distribution_threshold
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 0.5:
+            raise ConfigError("tbo_token_distribution_threshold",
+                              f"tbo_token_distribution_threshold must lie in [0, 0.5] (0 disables the two-chunk "
+                              f"split), got {t!r}")
+        _choice("all2all_backend", self.all2all_backend, all2all_backends())
+        _choice("experts_backend", self.experts_backend, experts_backends())
+        if self.emulate_link is not None:
+            from ubatch.modular_moe.prepare_finalize.emulated_link import parse_link
+
+            try:
+                parse_link(self.emulate_link)
+            except ValueError as e:
+                raise ConfigError("emulate_link", f"emulate_link {self.emulate_link!r}: {e}") from None
+        d = self.dist_timeout_s
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0:
+            raise ConfigError("dist_timeout_s", f"dist_timeout_s must be > 0 seconds, got {d!r}")
+        if self.data_parallel_size > 1 and self.enable_expert_parallel and self.all2all_backend == "none":
+            raise ConfigError(
+                "all2all_backend",
+                f"all2all_backend 'none' cannot move tokens between {self.data_parallel_size} expert-parallel "
+                f"ranks; pick one of {', '.join(b for b in all2all_backends() if b != 'none')} "
+                f"(e.g. '{DEFAULT_EP_ALL2ALL_BACKEND}'), or drop enable_expert_parallel")
+
+    @property
+    def ep_size(self) -> int:
+        """Experts are spread over the DP ranks only with --enable-expert-parallel (vLLM semantics)."""
+        return self.data_parallel_size if self.enable_expert_parallel else 1
+
+    @property
+    def dispatch_tokens_per_rank(self) -> int:
+        """Capacity of the fixed-size all-to-all buffers: a step never has more tokens than the budget."""
+        return self.max_dispatch_tokens_per_rank or self.max_num_batched_tokens
+
+    def replace(self, **changes: Any) -> "RunnerConfig":
+        """A validated copy with ``changes`` applied (e.g. ``cfg.replace(enable_dbo=True)`` for a bench)."""
+        return dataclasses.replace(self, **changes)
+
+
+def config_fields() -> list[str]:
+    return [f.name for f in dataclasses.fields(RunnerConfig)]
+
+
+def make_config(**kwargs: Any) -> RunnerConfig:
+    """RunnerConfig from keyword arguments, with the defaults that depend on other fields.
+
+    Unknown names raise ``TypeError`` with the closest field; ``all2all_backend`` not given with DP > 1 and
+    expert parallelism becomes ``torch_ll`` (the CLI applies the same rule), since 'none' cannot work there.
+    """
+    fields = config_fields()
+    for key in kwargs:
+        if key not in fields:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"unknown engine argument {key!r}{hint}")
+    if (kwargs.get("all2all_backend") is None and kwargs.get("enable_expert_parallel")
+            and isinstance(kwargs.get("data_parallel_size"), int) and kwargs["data_parallel_size"] > 1):
+        kwargs["all2all_backend"] = DEFAULT_EP_ALL2ALL_BACKEND
+    elif kwargs.get("all2all_backend") is None:
+        kwargs.pop("all2all_backend", None)
+    return RunnerConfig(**kwargs)

@@ -1,0 +1,182 @@
+"""ModelRunner: one rank's forward step — inputs, attention metadata, the DBO decision, sampling.
+
+Per step: build flat inputs from the scheduled chunks into persistent buffers; vote locally on ubatching
+(thresholds), settle it with the other DP ranks in one all-reduce (``dp.py``), pad to the agreed size,
+split into ubatch slices (``--ubatch-split tokens|balanced``) and call the model through
+``UBatchWrapper``; then sample one token for each chunk that reached the end of its known tokens.
+A rank with nothing scheduled while its peers work runs a one-token dummy step so the MoE all-to-alls
+stay matched.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from runner.dp import DPDecision, coordinate_batch_across_dp, local_decision
+from runner.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata
+from runner.models.loader import load_model
+from runner.sampling import sample
+from runner.scheduler import SchedulerOutput
+from ubatch.distributed import new_ep_groups
+from ubatch.forward_context import set_forward_context
+from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.slicing import balanced_split_points, check_ubatch_thresholds, maybe_create_ubatch_slices
+from ubatch.wrapper import UBatchConfig, UBatchWrapper
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+NUM_UBATCHES = 2
+DEFAULT_MAX_MODEL_LEN = 2048
+
+
+def resolve_dtype(name: str) -> torch.dtype | None:
+    if name == "auto":
+        return None
+    if name not in DTYPES:
+        raise ValueError(f"unknown --dtype {name!r}; choose auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class ModelRunner:
+    def __init__(self, cfg: Any, rank: int = 0, world_size: int = 1) -> None:
+        self.cfg = cfg
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+        if world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(f"world_size={world_size} but torch.distributed is not initialised "
+                               "(launch with torchrun or --data-parallel-size)")
+        self.dp_group = self._dp_group()
+        parallel = self._moe_parallel_config()
+        torch.manual_seed(cfg.seed)
+        self.model, self.model_config = load_model(cfg.model, parallel, resolve_dtype(cfg.dtype), cfg.cache_dir,
+                                                   self.device)
+        mc = self.model_config
+        self.vocab_size = mc.vocab_size
+        eos = getattr(mc, "eos_token_id", None)
+        self.eos_token_ids: set[int] = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
+        self.max_model_len = cfg.max_model_len or min(getattr(mc, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN),
+                                                     DEFAULT_MAX_MODEL_LEN)
+        self.block_size = cfg.block_size
+        self.num_kv_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * blocks_needed(min(self.max_model_len, 1024),
+                                                                                     self.block_size)
+        dtype = next(self.model.parameters()).dtype
+        self.model.bind_kv_caches(allocate_kv_caches(self.model.kv_cache_specs(), self.num_kv_blocks,
+                                                     self.block_size, dtype, self.device))
+        self.wrapper = UBatchWrapper(self.model, UBatchConfig(NUM_UBATCHES, handoff_timeout_s=cfg.dist_timeout_s),
+                                     self.device) if cfg.enable_dbo else None
+        self.max_tokens_per_step = cfg.max_num_batched_tokens
+        self.input_ids = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
+        self.positions = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
+        self.num_steps = 0
+        self.num_ubatched_steps = 0
+        self.num_dummy_steps = 0
+
+    # ---- set-up ----------------------------------------------------------------------------------
+    def _dp_group(self) -> Any:
+        if self.world_size == 1:
+            return None
+        from datetime import timedelta
+        # The vote is read on the CPU: a gloo group avoids a device sync even when the model runs on NCCL.
+        return dist.new_group(backend="gloo", timeout=timedelta(seconds=self.cfg.dist_timeout_s))
+
+    def _moe_parallel_config(self) -> MoEParallelConfig:
+        cfg = self.cfg
+        capacity = cfg.max_dispatch_tokens_per_rank or cfg.max_num_batched_tokens
+        if cfg.enable_expert_parallel and self.world_size > 1:
+            groups = new_ep_groups(NUM_UBATCHES, timeout_s=cfg.dist_timeout_s)
+            return MoEParallelConfig(ep_rank=self.rank, ep_size=self.world_size, all2all_backend=cfg.all2all_backend,
+                                     experts_backend=cfg.experts_backend, ep_groups=groups,
+                                     max_dispatch_tokens_per_rank=capacity, emulate_link=cfg.emulate_link)
+        if cfg.all2all_backend != "none":
+            raise ValueError(f"--all2all-backend {cfg.all2all_backend} moves tokens between expert-parallel ranks; "
+                             "it needs --enable-expert-parallel and --data-parallel-size > 1 (or use 'none')")
+        return MoEParallelConfig(experts_backend=cfg.experts_backend, max_dispatch_tokens_per_rank=capacity,
+                                 emulate_link=cfg.emulate_link)
+
+    # ---- one step ----------------------------------------------------------------------------------
+    def _vote(self, sched: SchedulerOutput) -> tuple[bool, list[int] | int | None]:
+        cfg = self.cfg
+        n = sched.num_tokens
+        if not cfg.enable_dbo or n == 0:
+            return False, None
+        if not check_ubatch_thresholds(n, sched.is_uniform_decode, cfg.dbo_decode_token_threshold,
+                                       cfg.dbo_prefill_token_threshold):
+            return False, None
+        if cfg.ubatch_split == "balanced":
+            lens = [len(c.token_ids) for c in sched.chunks]
+            points = balanced_split_points(lens, "decode" if sched.is_uniform_decode else "extend",
+                                           threshold=cfg.tbo_token_distribution_threshold)
+            return (points is not None), points
+        return True, None
+
+    def decide(self, sched: SchedulerOutput) -> tuple[DPDecision, list[int] | int | None]:
+        vote, split_point = self._vote(sched)
+        n = sched.num_tokens
+        if self.dp_group is None:
+            return local_decision(n, vote, NUM_UBATCHES), split_point
+        return coordinate_batch_across_dp(n, vote, self.dp_group, NUM_UBATCHES), split_point
+
+    @torch.inference_mode()
+    def step(self, sched: SchedulerOutput) -> list[int | None] | None:
+        decision, split_point = self.decide(sched)
+        if not decision.any_work:
+            return None
+        self.num_steps += 1
+        if sched.num_tokens == 0:
+            self._dummy_step()
+            return []
+        hidden, meta = self._forward(sched, decision, split_point)
+        return self._sample(sched, hidden, meta)
+
+    def _forward(self, sched: SchedulerOutput, decision: DPDecision,
+                 split_point: list[int] | int | None) -> tuple[torch.Tensor, Any]:
+        chunks = sched.chunks
+        n, padded = sched.num_tokens, decision.num_tokens_padded
+        if padded > self.max_tokens_per_step:
+            raise ValueError(f"step of {padded} tokens exceeds --max-num-batched-tokens={self.max_tokens_per_step}")
+        query_lens = [len(c.token_ids) for c in chunks]
+        meta = build_attention_metadata([c.num_computed_tokens for c in chunks], query_lens,
+                                        [c.block_ids for c in chunks], self.block_size, self.device,
+                                        num_padded_tokens=padded)
+        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+        self.input_ids[:padded].zero_()
+        self.input_ids[:n].copy_(ids)
+        self.positions[:padded].copy_(meta.positions)
+        slices = None
+        if decision.should_ubatch:
+            _, slices = maybe_create_ubatch_slices(True, np.asarray(query_lens), padded, len(chunks), NUM_UBATCHES,
+                                                   split_point)
+        model = self.wrapper if self.wrapper is not None else self.model
+        with set_forward_context(attn_metadata=meta, ubatch_slices=slices):
+            hidden = model(input_ids=self.input_ids[:padded], positions=self.positions[:padded])
+        if slices is not None:
+            self.num_ubatched_steps += 1
+        return hidden, meta
+
+    def _dummy_step(self) -> None:
+        """One padding token, no request: keeps this idle rank's all-to-alls matched with busy peers."""
+        self.num_dummy_steps += 1
+        meta = build_attention_metadata([], [], [], self.block_size, self.device, num_padded_tokens=1)
+        with set_forward_context(attn_metadata=meta, ubatch_slices=None):
+            self.model(input_ids=self.input_ids[:1].zero_(), positions=self.positions[:1].zero_())
+
+    def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: Any) -> list[int | None]:
+        qsl = meta.query_start_loc_cpu.tolist()
+        picks = [i for i, c in enumerate(sched.chunks) if c.sample]
+        if not picks:
+            return [None] * len(sched.chunks)
+        rows = torch.tensor([qsl[i + 1] - 1 for i in picks], device=hidden.device)
+        logits = self.model.compute_logits(hidden[rows])
+        tokens = sample(logits, [sched.chunks[i].sampling for i in picks], [sched.chunks[i].generator for i in picks])
+        out: list[int | None] = [None] * len(sched.chunks)
+        for i, tok in zip(picks, tokens):
+            out[i] = tok
+        return out
+
+    def close(self) -> None:
+        if self.wrapper is not None:
+            self.wrapper.close()
+

@@ -1,0 +1,323 @@
+"""Continuous batching with chunked prefill over a paged KV cache (vLLM-V1 style, one rank).
+
+Each :meth:`Scheduler.schedule` builds one step under two budgets: at most ``max_num_seqs`` running requests
+and at most ``max_num_batched_tokens`` tokens. Running requests come first — decodes (one token each), then
+prefills that were chunked in an earlier step — and only then are waiting requests admitted, each with as
+much of its prompt as the remaining token budget allows (a long prompt is split across steps).
+
+KV blocks are allocated as a request grows and freed the moment it finishes, so nothing leaks. When a
+running request needs a block and none is free, the most recently admitted request not yet scheduled in this
+step is *preempted by recompute*: its blocks are freed, it goes back to the front of the waiting queue and
+later recomputes prompt + generated tokens as one prefill (its sampled tokens and RNG state are kept, so its
+output does not change). Admission never preempts: a waiting request waits until blocks free up. FCFS order
+guarantees progress because the oldest request can always reclaim every block, and a request that could not
+fit even in an empty cache is rejected up front with an error.
+
+Requests that cannot run (empty prompt, token id outside the vocabulary, prompt + 1 > max_model_len, cache too
+small) finish immediately with ``finish_reason == "error"`` and a message; the other requests are unaffected.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Sequence
+
+import torch
+
+from runner.kv_cache import BlockAllocator, blocks_needed
+from runner.sampling import SamplingParams
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+FINISH_REASONS = ("stop", "length", "error")
+
+
+@dataclass
+class ScheduledChunk:
+    """The tokens one request computes in this step, at positions ``num_computed_tokens ..``."""
+
+    req_id: int
+    token_ids: list[int]
+    num_computed_tokens: int
+    block_ids: list[int]  # every block the request holds (a copy): enough for num_computed + len(token_ids)
+    sample: bool  # this chunk reaches the end of the known tokens -> sample one token
+    sampling: SamplingParams
+    generator: torch.Generator | None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        return len(self.token_ids) == 1 and self.num_computed_tokens > 0
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk]
+    finished_req_ids: list[int] = field(default_factory=list)  # finished since the previous schedule()
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+    @property
+    def num_scheduled_tokens(self) -> list[int]:
+        return [len(c.token_ids) for c in self.chunks]
+
+    @property
+    def is_uniform_decode(self) -> bool:
+        """Every chunk is one token on top of cached context (the decode-threshold case); False when empty."""
+        return bool(self.chunks) and all(c.is_decode for c in self.chunks)
+
+    @property
+    def has_prefill(self) -> bool:
+        return any(not c.is_decode for c in self.chunks)
+
+    def __len__(self) -> int:
+        return len(self.chunks)
+
+
+@dataclass(eq=False)  # identity semantics: requests live in lists that are searched and removed from
+class Request:
+    req_id: int
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    status: str = WAITING
+    finish_reason: str | None = None
+    error: str | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, stop: int) -> list[int]:
+        p = len(self.prompt_token_ids)
+        if stop <= p:
+            return self.prompt_token_ids[start:stop]
+        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == FINISHED
+
+
+def _check_prompt(prompt: Any, vocab_size: int, max_model_len: int) -> str | None:
+    """Why this prompt cannot run, or None."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        return f"prompt must be a list of token ids, got {type(prompt).__name__}"
+    if len(prompt) == 0:
+        return "prompt is empty: at least one token is needed"
+    for i, t in enumerate(prompt):
+        if isinstance(t, bool) or not isinstance(t, int):
+            return f"prompt token at position {i} is {t!r}, not an integer token id"
+        if not 0 <= t < vocab_size:
+            return f"prompt token id {t} at position {i} is outside the vocabulary [0, {vocab_size})"
+    if len(prompt) + 1 > max_model_len:
+        return (f"prompt has {len(prompt)} tokens but max_model_len is {max_model_len}: prompt + 1 generated "
+                f"token must fit (prompt length <= {max_model_len - 1})")
+    return None
+
+
+class Scheduler:
+    """One rank's request queue, token budget and KV-block bookkeeping."""
+
+    def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, num_kv_blocks: int,
+                 max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
+        for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
+                        ("block_size", block_size), ("num_kv_blocks", num_kv_blocks),
+                        ("max_model_len", max_model_len), ("vocab_size", vocab_size)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        if max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (one prompt token + one generated), got {max_model_len}")
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.allocator = BlockAllocator(num_kv_blocks)
+        self.requests: dict[int, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._finished_since_schedule: list[int] = []
+        self._next_id = 0
+
+    @classmethod
+    def from_runner(cls, cfg: Any, runner: Any) -> "Scheduler":
+        """Budgets from the config; cache geometry, vocabulary and EOS from the model runner."""
+        return cls(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                   block_size=runner.block_size, num_kv_blocks=runner.num_kv_blocks,
+                   max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
+                   eos_token_ids=runner.eos_token_ids)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
+                    generator: torch.Generator | None = None, req_id: int | None = None) -> Request:
+        """Queue a request; a bad one is returned already finished with ``finish_reason == "error"``."""
+        if req_id is None:
+            req_id = self._next_id
+        if req_id in self.requests:
+            raise ValueError(f"request id {req_id} is already in use")
+        self._next_id = max(self._next_id, req_id + 1)
+        sampling = sampling or SamplingParams()
+        prompt = list(prompt_token_ids) if isinstance(prompt_token_ids, Sequence) \
+            and not isinstance(prompt_token_ids, (str, bytes)) else prompt_token_ids
+        req = Request(req_id, prompt if isinstance(prompt, list) else [], sampling, generator)
+        self.requests[req_id] = req
+        error = _check_prompt(prompt, self.vocab_size, self.max_model_len)
+        if error is None:
+            # KV positions ever written: every token but the last sampled one.
+            longest = min(self.max_model_len, len(prompt) + sampling.max_tokens) - 1
+            need = blocks_needed(longest, self.block_size)
+            if need > self.allocator.num_blocks:
+                error = (f"request may grow to {longest + 1} tokens, which needs {need} KV-cache blocks of "
+                         f"{self.block_size} tokens but the cache has only {self.allocator.num_blocks}; raise "
+                         "--num-kv-blocks or lower max_tokens / --max-model-len")
+        if error is not None:
+            self._finish(req, "error", error)
+        else:
+            self.waiting.append(req)
+        return req
+
+    def abort_request(self, req_id: int, message: str = "aborted") -> None:
+        req = self.requests[req_id]
+        if not req.is_finished:
+            self._finish(req, "error", message)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free_blocks
+
+    # ------------------------------------------------------------------ scheduling
+    def schedule(self) -> SchedulerOutput:
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        scheduled: set[int] = set()
+        preemptions_before = self.num_preemptions
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes + prefills:
+            if budget == 0:
+                break
+            if req.status != RUNNING:  # preempted (or failed) earlier in this loop
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if not self._grow(req, n, scheduled):
+                continue
+            chunks.append(self._chunk(req, n))
+            scheduled.add(req.req_id)
+            budget -= n
+        if self.num_preemptions == preemptions_before:  # like vLLM: admitting right after a preemption thrashes
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                n = min(req.num_tokens - req.num_computed_tokens, budget)
+                need = blocks_needed(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
+                if not self.allocator.can_allocate(need):
+                    break
+                self.waiting.popleft()
+                req.block_ids.extend(self.allocator.allocate(need))
+                req.status = RUNNING
+                self.running.append(req)
+                chunks.append(self._chunk(req, n))
+                scheduled.add(req.req_id)
+                budget -= n
+        finished, self._finished_since_schedule = self._finished_since_schedule, []
+        return SchedulerOutput(chunks, finished)
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        return ScheduledChunk(req_id=req.req_id, token_ids=req.token_slice(start, start + n),
+                              num_computed_tokens=start, block_ids=list(req.block_ids),
+                              sample=start + n == req.num_tokens, sampling=req.sampling, generator=req.generator)
+
+    def _grow(self, req: Request, n: int, scheduled: set[int]) -> bool:
+        """Give ``req`` blocks for ``n`` more tokens, preempting later unscheduled requests; False if ``req``
+        itself had to be preempted (or failed)."""
+        need_total = blocks_needed(req.num_computed_tokens + n, self.block_size)
+        if need_total > self.allocator.num_blocks:  # cannot happen after add_request's check; never livelock
+            self._finish(req, "error", f"request needs {need_total} KV-cache blocks, more than the whole cache "
+                                       f"({self.allocator.num_blocks}); raise --num-kv-blocks")
+            return False
+        while not self.allocator.can_allocate(need_total - len(req.block_ids)):
+            victim = next((r for r in reversed(self.running) if r.req_id not in scheduled), None)
+            assert victim is not None  # req itself is running and unscheduled
+            self._preempt(victim)
+            if victim is req:
+                return False
+        req.block_ids.extend(self.allocator.allocate(need_total - len(req.block_ids)))
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        self.allocator.free(req.block_ids)
+        req.block_ids = []
+        req.num_computed_tokens = 0
+        req.status = WAITING
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.running.remove(req)
+        self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ results
+    def update(self, sched: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
+        """Advance every scheduled request by its chunk; append sampled tokens; return requests that finished."""
+        if len(sampled) != len(sched.chunks):
+            raise ValueError(f"model runner returned {len(sampled)} results for {len(sched.chunks)} chunks")
+        done: list[Request] = []
+        for chunk, token in zip(sched.chunks, sampled):
+            req = self.requests[chunk.req_id]
+            if req.is_finished:  # aborted while the step ran
+                continue
+            if req.num_computed_tokens != chunk.num_computed_tokens:
+                raise RuntimeError(f"request {req.req_id}: chunk computed from {chunk.num_computed_tokens} but the "
+                                   f"request is at {req.num_computed_tokens} (update() called twice?)")
+            req.num_computed_tokens += len(chunk.token_ids)
+            if not chunk.sample:
+                continue
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
+                raise RuntimeError(f"request {req.req_id}: model runner sampled {token!r}, expected a token id in "
+                                   f"[0, {self.vocab_size})")
+            req.output_token_ids.append(token)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+                done.append(req)
+        return done
+
+    def _stop_reason(self, req: Request, token: int) -> str | None:
+        """vLLM's order: EOS, then stop_token_ids ("stop"), then max_tokens / max_model_len ("length")."""
+        s = req.sampling
+        if not s.ignore_eos and token in self.eos_token_ids:
+            return "stop"
+        if s.stop_token_ids and token in s.stop_token_ids:
+            return "stop"
+        if len(req.output_token_ids) >= s.max_tokens or req.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.block_ids:
+            self.allocator.free(req.block_ids)
+            req.block_ids = []
+        if req in self.running:
+            self.running.remove(req)
+        if req.status == WAITING and req in self.waiting:
+            self.waiting.remove(req)
+        req.status = FINISHED
+        req.finish_reason = reason
+        req.error = error
+        self._finished_since_schedule.append(req.req_id)

@@ -1,0 +1,115 @@
+"""Draw a recorded DBO step like the schedule diagram of the design doc: a compute and a comm row per ubatch.
+
+    python -m ubatch.plot TRACE.json -o timeline.png [--pid 0] [--title "..."]
+
+Segments are coloured by schedule letter (A attention, E experts, S shared experts, D dispatch, C combine),
+handoff waits and recv-hook stalls are hatched, and the title carries the hidden-comm share from
+``trace_metrics``, so one picture answers "did the all-to-all hide behind the other ubatch's compute?".
+Uses the Agg backend: no display needed.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Sequence
+
+from ubatch import trace
+from ubatch.trace_metrics import TimedSpan, overlap_metrics, spans_from_chrome, trace_pids
+
+COLORS = {"A": "#4C72B0", "E": "#DD8452", "S": "#55A868", "D": "#8172B3", "C": "#C44E52", "compute": "#8C8C8C"}
+HATCHED = {"wait": ("//", "#BBBBBB"), "recv": ("xx", "#937860")}
+LEGEND = [("A", "attention"), ("E", "experts"), ("S", "shared experts"), ("D", "dispatch in flight"),
+          ("C", "combine in flight"), ("wait", "waiting for its turn"), ("recv", "recv hook (blocked on link)")]
+_SUB = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
+
+
+def phase_of(span: TimedSpan) -> str:
+    """The diagram letter of a span: its ``phase`` arg, else inferred from its name/category."""
+    if span.args.get("phase"):
+        return str(span.args["phase"])
+    if span.cat == "comm":
+        return "D" if span.name.startswith("dispatch") else "C" if span.name.startswith("combine") else "comm"
+    return {"wait": "wait", "hook": "recv"}.get(span.cat, span.cat or "compute")
+
+
+def _rows(spans: Sequence[TimedSpan]) -> list[str]:
+    """ubatch0, comm0, ubatch1, comm1, ...; then any other track."""
+    tracks = {s.track for s in spans}
+    ubatches = sorted({trace.ubatch_of_track(t) for t in tracks} - {None})  # type: ignore[type-var]
+    rows = [r for u in ubatches for r in (f"ubatch{u}", f"comm{u}")]
+    return rows + sorted(tracks - set(rows))
+
+
+def render(chrome: dict[str, Any], out_path: str, pid: int | None = None, title_prefix: str | None = None) -> str:
+    """Write the timeline PNG of rank ``pid`` (default: the lowest) of a Chrome-trace dict; returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if pid is None:
+        pids = trace_pids(chrome)
+        pid = pids[0] if pids else None
+    pid, spans = spans_from_chrome(chrome, pid)
+    if not spans:
+        raise ValueError("the trace has no spans to draw (was anything run inside trace.recording()?)")
+    metrics = overlap_metrics(chrome, pid)
+    rows = _rows(spans)
+    fig, ax = plt.subplots(figsize=(13, 1.4 + 0.65 * len(rows)))
+    total_ms = max(s.end for s in spans) / 1000
+    for y, row in enumerate(rows):
+        for s in (s for s in spans if s.track == row):
+            phase, left, width = phase_of(s), s.start / 1000, (s.end - s.start) / 1000
+            if phase in HATCHED:
+                hatch, edge = HATCHED[phase]
+                ax.barh(y, width, left=left, height=0.5, color="white", edgecolor=edge, hatch=hatch, linewidth=0.5)
+                continue
+            ax.barh(y, width, left=left, height=0.7, color=COLORS.get(phase, COLORS["compute"]),
+                    edgecolor="black", linewidth=0.5)
+            if width > 0.025 * total_ms:
+                u = trace.ubatch_of_track(s.track)
+                label = phase + (str(u).translate(_SUB) if u is not None else "")
+                if "layer" in s.args and width > 0.05 * total_ms:
+                    label += f" L{s.args['layer']}"
+                ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=8, color="white")
+    ax.set_yticks(range(len(rows)), [r.replace("ubatch", "ubatch ").replace("comm", "comm ") for r in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("time since first event (ms)")
+    ax.set_xlim(0, total_ms * 1.01)
+    ax.grid(axis="x", alpha=0.3)
+    hidden = f"{metrics.hidden_pct:.0f}% of comm hidden behind compute" if metrics.comm_us else "no comm recorded"
+    title = (f"rank {pid}: {hidden}; exposed comm {metrics.exposed_us / 1000:.3f} ms, "
+             f"bubble {100 * metrics.bubble_us / metrics.wall_us:.0f}% of {metrics.wall_us / 1000:.3f} ms")
+    ax.set_title(f"{title_prefix}\n{title}" if title_prefix else f"DBO timeline, {title}", fontsize=10)
+    handles = [Patch(facecolor="white", edgecolor=HATCHED[k][1], hatch=HATCHED[k][0], label=text) if k in HATCHED
+               else Patch(facecolor=COLORS[k], edgecolor="black", label=f"{k}: {text}") for k, text in LEGEND]
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / max(1, len(rows) / 4)),
+              ncol=4, fontsize=8, frameon=False)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+    fig.savefig(out_path, dpi=130)
+    plt.close(fig)
+    return out_path
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m ubatch.plot", description="Draw a DBO Chrome trace as a timeline PNG.")
+    p.add_argument("trace", help="Chrome trace JSON written by ubatch.trace.save")
+    p.add_argument("-o", "--output", help="PNG path (default: the trace path with .png)")
+    p.add_argument("--pid", type=int, help="rank to draw (default: the lowest in the trace)")
+    p.add_argument("--title", help="first title line")
+    args = p.parse_args(argv)
+    out = args.output or os.path.splitext(args.trace)[0] + ".png"
+    try:
+        render(trace.load(args.trace), out, args.pid, args.title)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"python -m ubatch.plot: error: {exc}", file=sys.stderr)
+        return 2
+    print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
