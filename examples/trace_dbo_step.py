@@ -1,13 +1,15 @@
 """Trace one DBO step of a tiny 2-layer MoE model on 2 thread ranks and draw its timeline.
 
-    python examples/trace_dbo_step.py --emulate-link latency_us=150,gbps=2
+    python examples/trace_dbo_step.py --emulate-link latency_us=1000,gbps=1
 
 Each rank runs ``attention -> router -> FusedMoE (+ shared experts)`` per layer, split into two ubatches
 by ``UBatchWrapper``; the all-to-alls go through the emulated link, whose in-flight time uses no CPU, so
 the overlap seen here is the overlap DBO would get from a real interconnect of that latency/bandwidth.
-The model marks its attention with ``trace.compute_span("attention", "A", layer=i)``; the MoE kernel and
-the link record experts (E), shared experts (S), dispatch (D) and combine (C) themselves. Writes the
-rank-0 Chrome trace (open it in https://ui.perfetto.dev) and ``docs/dbo_timeline.png``, prints metrics.
+CPU compute is ~100x slower than a GPU's, so the default link is scaled to match: per ubatch and layer
+the compute (A+E+S) and the link time (D+C) are both about 2 ms. The model marks its attention with
+``trace.compute_span("attention", "A", layer=i)``; the MoE kernel and the link record experts (E),
+shared experts (S), dispatch (D) and combine (C) themselves. Writes the rank-0 Chrome trace (open it in
+https://ui.perfetto.dev) and ``docs/dbo_timeline.png``, and prints the overlap metrics.
 """
 from __future__ import annotations
 
@@ -53,7 +55,8 @@ class TinyMoEModel(nn.Module):
         self.gates = [torch.randn(experts, hidden, generator=g) for _ in range(layers)]
         self.moe = nn.ModuleList()
         for _ in range(layers):
-            layer = FusedMoE(experts, top_k, hidden, inter, parallel=parallel, shared_experts=SharedMLP(hidden, inter, g))
+            layer = FusedMoE(experts, top_k, hidden, inter, parallel=parallel,
+                             shared_experts=SharedMLP(hidden, inter, g))
             for e in range(experts):
                 for shard, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
                     layer.load_expert_weight(e, shard, torch.randn(*shape, generator=g) * shape[1] ** -0.5)
@@ -78,8 +81,8 @@ def run(args: argparse.Namespace) -> trace.TraceRecorder:
                                      emulate_link=args.emulate_link)
         model = TinyMoEModel(parallel, args.layers, args.hidden, args.inter, args.experts, args.top_k, args.attn_width)
         x = torch.randn(args.tokens, args.hidden, generator=torch.Generator().manual_seed(rank))
-        mid = args.tokens // 2
-        slices = [UBatchSlice(slice(0, mid), slice(0, mid)), UBatchSlice(slice(mid, args.tokens), slice(mid, args.tokens))]
+        mid, end = args.tokens // 2, args.tokens
+        slices = [UBatchSlice(slice(0, mid), slice(0, mid)), UBatchSlice(slice(mid, end), slice(mid, end))]
         wrapper = UBatchWrapper(model, UBatchConfig(num_ubatches=2, handoff_timeout_s=60))
         try:
             with torch.no_grad(), set_forward_context(ubatch_slices=slices, trace_rank=rank):
@@ -101,11 +104,11 @@ def run(args: argparse.Namespace) -> trace.TraceRecorder:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--emulate-link", default="latency_us=150,gbps=2", help="latency_us=<float>,gbps=<float>")
+    p.add_argument("--emulate-link", default="latency_us=1000,gbps=1", help="latency_us=<float>,gbps=<float>")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--tokens", type=int, default=64, help="tokens per rank (two ubatches of half)")
-    p.add_argument("--hidden", type=int, default=512)
+    p.add_argument("--tokens", type=int, default=32, help="tokens per rank (two ubatches of half)")
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--inter", type=int, default=256)
     p.add_argument("--attn-width", type=int, default=1024)
     p.add_argument("--experts", type=int, default=8)
@@ -124,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_metrics(overlap_metrics(chrome)))
     from ubatch.plot import render
 
-    render(chrome, args.png_out, title_prefix=f"2-layer MoE, {args.ranks} ranks, link {args.emulate_link}")
+    render(chrome, args.png_out, title_prefix=f"{args.layers}-layer MoE, {args.ranks} ranks, link {args.emulate_link}")
     print(f"timeline: {args.png_out}")
     return 0
 

@@ -99,12 +99,13 @@ def _child_main(fn: Callable[..., Any], args: Sequence[Any], rank: int, world_si
         result = fn(*args)
         conn.send(("ok", result))
     except BaseException as exc:  # noqa: BLE001 - report every failure, including KeyboardInterrupt
+        failed_at = time.time()
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
         sys.stderr.flush()
         try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}"))
+            conn.send(("error", f"{type(exc).__name__}: {exc}", failed_at))
         except (OSError, ValueError):
             pass
     finally:
@@ -173,6 +174,7 @@ def _supervise(procs: list[Any], conns: list[Connection], grace_s: float) -> lis
     results: list[Any] = [None] * n
     messages: list[tuple[str, Any] | None] = [None] * n
     failures: list[tuple[int, str]] = []
+    failed_at: dict[int, float] = {}  # when each failure happened: the earliest is the likely root cause
     done: set[int] = set()
 
     def receive(rank: int) -> None:
@@ -180,7 +182,7 @@ def _supervise(procs: list[Any], conns: list[Connection], grace_s: float) -> lis
             try:
                 messages[rank] = conns[rank].recv()
             except (EOFError, OSError):
-                messages[rank] = ("error", "closed its result pipe without a result")
+                messages[rank] = ("eof", None)  # died before sending: its exit status tells why
 
     def reap(rank: int) -> None:
         p = procs[rank]
@@ -188,10 +190,11 @@ def _supervise(procs: list[Any], conns: list[Connection], grace_s: float) -> lis
         receive(rank)
         done.add(rank)
         msg = messages[rank]
+        failed_at[rank] = msg[2] if msg and msg[0] == "error" else time.time()
         if p.exitcode != 0:
             detail = f": {msg[1]}" if msg and msg[0] == "error" else ""
             failures.append((rank, describe_exit(p.exitcode) + detail))
-        elif msg is None:
+        elif msg is None or msg[0] == "eof":
             failures.append((rank, "exited with code 0 without sending a result"))
         elif msg[0] == "error":
             failures.append((rank, f"failed: {msg[1]}"))
@@ -214,14 +217,14 @@ def _supervise(procs: list[Any], conns: list[Connection], grace_s: float) -> lis
             reap(rank)
     if failures:
         # Peers of a dead rank usually fail a moment later on the closed connection: collect those briefly, then
-        # put deaths by signal (the likely root cause) first.
+        # put deaths by signal first (they send no report), then the others by when they failed.
         deadline = time.monotonic() + min(grace_s, 1.0)
         while time.monotonic() < deadline and len(done) < n:
             for rank in range(n):
                 if rank not in done and procs[rank].exitcode is not None:
                     reap(rank)
             time.sleep(0.05)
-        failures.sort(key=lambda f: 0 if "signal" in f[1] else 1)
+        failures.sort(key=lambda f: (0 if (procs[f[0]].exitcode or 0) < 0 else 1, failed_at[f[0]]))
         raise RankFailedError(failures)
     return results
 

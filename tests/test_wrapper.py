@@ -132,3 +132,22 @@ def test_slice_count_must_match_config() -> None:
         with pytest.raises(ValueError, match="3 ubatch slices but the wrapper runs 2"):
             w(torch.zeros(3))
     w.close()
+
+
+@pytest.mark.parametrize("mode", ["inference", "no_grad", "grad"])
+def test_caller_autograd_mode_reaches_the_ubatches(mode: str) -> None:
+    lin = nn.Linear(4, 4)
+    seen = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        seen.append((torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return lin(x)
+
+    w = UBatchWrapper(model)
+    ctx = {"inference": torch.inference_mode(), "no_grad": torch.no_grad(), "grad": torch.enable_grad()}[mode]
+    with ctx, set_forward_context(ubatch_slices=slices([0, 2, 4])):
+        out = w(torch.ones(4, 4))
+    expected = {"inference": (True, False), "no_grad": (False, False), "grad": (False, True)}[mode]
+    assert seen == [expected, expected]
+    assert out.requires_grad == (mode == "grad")
+    w.close()

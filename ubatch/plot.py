@@ -20,7 +20,7 @@ from ubatch.trace_metrics import TimedSpan, overlap_metrics, spans_from_chrome, 
 COLORS = {"A": "#4C72B0", "E": "#DD8452", "S": "#55A868", "D": "#8172B3", "C": "#C44E52", "compute": "#8C8C8C"}
 HATCHED = {"wait": ("//", "#BBBBBB"), "recv": ("xx", "#937860")}
 LEGEND = [("A", "attention"), ("E", "experts"), ("S", "shared experts"), ("D", "dispatch in flight"),
-          ("C", "combine in flight"), ("wait", "waiting for its turn"), ("recv", "recv hook (blocked on link)")]
+          ("C", "combine in flight"), ("wait", "waiting for its turn"), ("recv", "recv hook (waiting for an all-to-all)")]
 _SUB = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
 
 
@@ -41,23 +41,33 @@ def _rows(spans: Sequence[TimedSpan]) -> list[str]:
     return rows + sorted(tracks - set(rows))
 
 
+def _layer_starts(spans: Sequence[TimedSpan]) -> dict[int, float]:
+    """Where each layer's first compute segment starts (µs): the dotted separators of the picture."""
+    starts: dict[int, float] = {}
+    for s in spans:
+        layer = s.args.get("layer")
+        if s.cat == "compute" and isinstance(layer, int):
+            starts[layer] = min(starts.get(layer, s.start), s.start)
+    return starts
+
+
 def render(chrome: dict[str, Any], out_path: str, pid: int | None = None, title_prefix: str | None = None) -> str:
     """Write the timeline PNG of rank ``pid`` (default: the lowest) of a Chrome-trace dict; returns the path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
     if pid is None:
         pids = trace_pids(chrome)
         pid = pids[0] if pids else None
     pid, spans = spans_from_chrome(chrome, pid)
     if not spans:
         raise ValueError("the trace has no spans to draw (was anything run inside trace.recording()?)")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
     metrics = overlap_metrics(chrome, pid)
     rows = _rows(spans)
-    fig, ax = plt.subplots(figsize=(13, 1.4 + 0.65 * len(rows)))
+    fig, ax = plt.subplots(figsize=(13, 1.0 + 0.6 * len(rows)))
     total_ms = max(s.end for s in spans) / 1000
     for y, row in enumerate(rows):
         for s in (s for s in spans if s.track == row):
@@ -68,14 +78,15 @@ def render(chrome: dict[str, Any], out_path: str, pid: int | None = None, title_
                 continue
             ax.barh(y, width, left=left, height=0.7, color=COLORS.get(phase, COLORS["compute"]),
                     edgecolor="black", linewidth=0.5)
-            if width > 0.025 * total_ms:
+            if width > 0.02 * total_ms:
                 u = trace.ubatch_of_track(s.track)
                 label = phase + (str(u).translate(_SUB) if u is not None else "")
-                if "layer" in s.args and width > 0.05 * total_ms:
-                    label += f" L{s.args['layer']}"
                 ax.text(left + width / 2, y, label, ha="center", va="center", fontsize=8, color="white")
+    for layer, start in _layer_starts(spans).items():
+        ax.axvline(start / 1000, color="black", linestyle=":", linewidth=0.8)
+        ax.text(start / 1000, -0.85, f" layer {layer}", fontsize=8, va="top")
     ax.set_yticks(range(len(rows)), [r.replace("ubatch", "ubatch ").replace("comm", "comm ") for r in rows])
-    ax.invert_yaxis()
+    ax.set_ylim(len(rows) - 0.5, -0.9)  # inverted (first row on top), headroom for the layer labels
     ax.set_xlabel("time since first event (ms)")
     ax.set_xlim(0, total_ms * 1.01)
     ax.grid(axis="x", alpha=0.3)
@@ -85,11 +96,10 @@ def render(chrome: dict[str, Any], out_path: str, pid: int | None = None, title_
     ax.set_title(f"{title_prefix}\n{title}" if title_prefix else f"DBO timeline, {title}", fontsize=10)
     handles = [Patch(facecolor="white", edgecolor=HATCHED[k][1], hatch=HATCHED[k][0], label=text) if k in HATCHED
                else Patch(facecolor=COLORS[k], edgecolor="black", label=f"{k}: {text}") for k, text in LEGEND]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.1 / max(1, len(rows) / 4)),
-              ncol=4, fontsize=8, frameon=False)
-    fig.tight_layout()
+    handles.append(Patch(facecolor="white", edgecolor="none", label="blank: untraced CPU work (routing, packing)"))
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=4, fontsize=8, frameon=False)
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    fig.savefig(out_path, dpi=130)
+    fig.savefig(out_path, dpi=130, bbox_inches="tight")
     plt.close(fig)
     return out_path
 

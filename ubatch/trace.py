@@ -8,7 +8,8 @@ Time stamps ("stamps") are either ``time.perf_counter()`` seconds (CPU wall cloc
 the runtime's own hooks record) or, with ``TraceRecorder(clock="cuda")``, CUDA events recorded on the
 current stream by ``rec.now()``. Events are resolved to seconds only at export, so recording never
 synchronises the GPU; they are placed on the CPU clock through a reference event recorded right after a
-``torch.cuda.synchronize()`` when the recorder is created (so GPU and CPU time agree at ``t0``).
+``torch.cuda.synchronize()`` when the recorder is created (so GPU and CPU time agree at ``t0``). Do not
+record with the cuda clock inside a CUDA-graph capture: timing events cannot be captured.
 
 Several thread ranks in one process share the active recorder; each span carries ``pid`` (the rank),
 read from the forward context's ``trace_rank`` extra (``set_forward_context(..., trace_rank=r)``; the
@@ -31,7 +32,7 @@ _ACTIVE: "TraceRecorder | None" = None
 Stamp = Any  # float seconds on the perf_counter clock, or an event with record/synchronize/elapsed_time
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     name: str
     cat: str  # "compute", "comm", "wait", "hook": what trace_metrics and the plot key on
@@ -42,7 +43,7 @@ class Span:
     pid: int = 0
 
 
-@dataclass
+@dataclass(slots=True)
 class Instant:
     name: str
     cat: str
@@ -52,9 +53,14 @@ class Instant:
     pid: int = 0
 
 
+_UBATCH_TRACKS = tuple(f"ubatch{i}" for i in range(16))  # no string formatting on the recording path
+
+
 def track_name(ubatch: int | str) -> str:
     """``0`` -> ``"ubatch0"``; a string is taken as the track name itself (e.g. ``"comm0"``)."""
-    return ubatch if isinstance(ubatch, str) else f"ubatch{ubatch}"
+    if isinstance(ubatch, str):
+        return ubatch
+    return _UBATCH_TRACKS[ubatch] if 0 <= ubatch < 16 else f"ubatch{ubatch}"
 
 
 def ubatch_of_track(track: str) -> int | None:
@@ -63,14 +69,31 @@ def ubatch_of_track(track: str) -> int | None:
     return int(digits) if digits and track[: -len(digits)] in ("ubatch", "comm") else None
 
 
+class _ThreadPid(threading.local):
+    pid = 0  # a class default: reading it never raises (a missing attribute costs an exception)
+
+
+_thread_pid = _ThreadPid()
+
+
 def current_pid() -> int:
-    """The rank whose spans this thread records (see the module docstring)."""
+    """The rank whose spans this thread records (see the module docstring).
+
+    Remembered per OS thread once seen: a ubatch worker thread only ever serves one rank's wrapper, and a
+    span may be recorded in a moment without a forward context (a greenlet resuming before it reinstalls
+    its own, right after a finished peer cleared the thread's).
+    """
     fc = maybe_get_forward_context()
-    return int(fc.extra.get("trace_rank", 0)) if fc is not None else 0
+    rank = fc.extra.get("trace_rank") if fc is not None else None
+    if rank is None:
+        return _thread_pid.pid
+    _thread_pid.pid = rank = int(rank)
+    return rank
 
 
 class TraceRecorder:
-    """Collects spans from every thread; appends are guarded by a lock (they happen at yield granularity).
+    """Collects spans from every thread. No lock: ``list.append`` and ``list(...)`` are atomic in CPython
+    (the GIL, or per-object locks in free-threaded builds), and a lock pair would cost more than the record.
 
     ``clock="cuda"`` makes ``now()`` return CUDA events; ``event_factory`` replaces
     ``torch.cuda.Event(enable_timing=True)`` (tests pass a fake, so the resolution logic runs on CPU).
@@ -82,8 +105,7 @@ class TraceRecorder:
         self.clock = clock
         self.spans: list[Span] = []
         self.instants: list[Instant] = []
-        self._lock = threading.Lock()
-        self._layers: dict[tuple[int, int], int] = {}  # (pid, ubatch) -> layer it is in, for the "layer" arg
+        self._layers: dict[tuple[int, str], int] = {}  # (pid, track) -> layer its ubatch is in, for "layer"
         self._event_factory = event_factory
         self._ref_event: Any = None
         if clock == "cuda":
@@ -104,24 +126,23 @@ class TraceRecorder:
         return event
 
     def span(self, name: str, cat: str, ubatch: int | str, start: Stamp, end: Stamp, **args: Any) -> None:
-        track = track_name(ubatch)
-        pid = current_pid()
+        self._add(name, cat, track_name(ubatch), start, end, args, current_pid())
+
+    def _add(self, name: str, cat: str, track: str, start: Stamp, end: Stamp, args: dict[str, Any], pid: int) -> None:
         if "layer" not in args:
-            layer = self._layers.get((pid, ubatch_of_track(track)))  # type: ignore[arg-type]
+            layer = self._layers.get((pid, track))
             if layer is not None:
                 args["layer"] = layer
-        with self._lock:
-            self.spans.append(Span(name, cat, track, start, end, args, pid))
+        self.spans.append(Span(name, cat, track, start, end, args, pid))
 
     def instant(self, name: str, cat: str, ubatch: int | str, **args: Any) -> None:
-        ts = time.perf_counter()
-        pid = current_pid()
-        with self._lock:
-            self.instants.append(Instant(name, cat, track_name(ubatch), ts, args, pid))
+        ts = time.perf_counter()  # always the CPU clock: an instant marks a host-side moment (a yield)
+        self.instants.append(Instant(name, cat, track_name(ubatch), ts, args, current_pid()))
 
-    def set_layer(self, ubatch: int, layer: int) -> None:
+    def set_layer(self, ubatch: int, layer: int, pid: int | None = None) -> None:
         """Spans of this ubatch (and its comm track) recorded from now on carry ``layer`` unless they name one."""
-        self._layers[(current_pid(), ubatch)] = layer
+        pid = current_pid() if pid is None else pid
+        self._layers[(pid, f"ubatch{ubatch}")] = self._layers[(pid, f"comm{ubatch}")] = layer
 
     def resolve(self, stamp: Stamp) -> float:
         """A stamp in perf_counter seconds; a CUDA event must have completed (``resolved`` synchronises)."""
@@ -133,8 +154,7 @@ class TraceRecorder:
 
     def resolved(self) -> tuple[list[Span], list[Instant]]:
         """Copies of the spans and instants with every stamp in seconds (waits for pending GPU events)."""
-        with self._lock:
-            spans, instants = list(self.spans), list(self.instants)
+        spans, instants = list(self.spans), list(self.instants)
         for s in spans:
             if not isinstance(s.end, (int, float)):
                 s.end.synchronize()
@@ -174,26 +194,33 @@ class _NullSpan:
 _NULL_SPAN = _NullSpan()
 
 
+_ubatch_id: Callable[[], int] | None = None  # ubatch.context.dbo_current_ubatch_id, bound on first use
+
+
 class _ComputeSpan:
-    __slots__ = ("rec", "name", "phase", "layer", "ubatch", "start")
+    __slots__ = ("rec", "name", "phase", "layer", "pid", "track", "start")
 
     def __init__(self, rec: TraceRecorder, name: str, phase: str, layer: int | None) -> None:
         self.rec, self.name, self.phase, self.layer = rec, name, phase, layer
 
     def __enter__(self) -> None:
-        from ubatch.context import dbo_current_ubatch_id  # local: context imports this module
+        global _ubatch_id
+        if _ubatch_id is None:
+            from ubatch.context import dbo_current_ubatch_id  # not at import time: context imports this module
 
-        self.ubatch = dbo_current_ubatch_id()
+            _ubatch_id = dbo_current_ubatch_id
+        ubatch = _ubatch_id()
+        self.pid, self.track = current_pid(), track_name(ubatch)
         if self.layer is not None:
-            self.rec.set_layer(self.ubatch, self.layer)
+            self.rec.set_layer(ubatch, self.layer, self.pid)
         self.start = self.rec.now()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
         end = self.rec.now()
-        if self.layer is None:
-            self.rec.span(self.name, "compute", self.ubatch, self.start, end, phase=self.phase)
-        else:
-            self.rec.span(self.name, "compute", self.ubatch, self.start, end, phase=self.phase, layer=self.layer)
+        args: dict[str, Any] = {"phase": self.phase}
+        if self.layer is not None:
+            args["layer"] = self.layer
+        self.rec._add(self.name, "compute", self.track, self.start, end, args, self.pid)
         return False
 
 

@@ -202,7 +202,8 @@ def format_metrics(m: OverlapMetrics) -> str:
              f"  comm hidden          {ms(m.hidden_us)}  {hidden}",
              f"  comm exposed         {ms(m.exposed_us)}",
              f"  bubble (no compute)  {ms(m.bubble_us)}  {pct(m.bubble_us, m.wall_us)} of wall",
-             f"    in recv hooks      {ms(m.recv_wait_us)}"]
+             f"    in recv hooks      {ms(m.recv_wait_us)}  (blocked on an all-to-all)",
+             f"    elsewhere          {ms(m.bubble_us - m.recv_wait_us)}  (untraced CPU work, handoffs)"]
     if m.layers:
         lines.append("  layer  compute_ms  comm_ms  hidden_ms  exposed_ms  hidden%")
         for layer, lo in m.layers.items():

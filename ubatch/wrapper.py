@@ -242,12 +242,15 @@ class UBatchWrapper:
     def _make_body(self, ctx: UBatchContext, args: tuple[Any, ...], kwargs: dict[str, Any],
                    results: list[Any]) -> Callable[[], None]:
         runnable = self.runnable
+        # Autograd modes are thread-local in torch: carry the caller's into the ubatch worker.
+        inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
         def body() -> None:
             try:
-                with override_forward_context(ctx.forward_context):
-                    with ctx:
-                        results[ctx.id] = runnable(*args, **kwargs)
+                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                    with override_forward_context(ctx.forward_context):
+                        with ctx:
+                            results[ctx.id] = runnable(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
                 ctx.step.fail(ctx.id, exc)
 

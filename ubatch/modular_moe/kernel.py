@@ -4,6 +4,10 @@ The yield placement is what makes two ubatches overlap: each ubatch starts its a
 receive half on the other ubatch and yields; the other ubatch runs that receive just before its own send.
 So while A's tokens are on the wire, B computes. The shared experts run while the combine flies.
 
+Single-batch overlap (``ubatch.sbo``, composable with DBO) only moves work between those points, never a
+yield: ``dispatch_shared_experts`` runs the shared experts between the dispatch send and its receive hook
+(instead of beside the combine); the two-stream modes launch the combine on the SBO alternate stream.
+
 Invariant: every ubatch hits exactly the same yields whatever its data, including a rank that receives
 no tokens (the experts step simply has nothing to do), or a GPU capture deadlocks.
 """
@@ -18,6 +22,7 @@ from ubatch import trace
 from ubatch.context import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.prepare_finalize.base import Hook, PrepareFinalize
+from ubatch.sbo import SBO_OFF, SboFlags, TwoStreamCombine
 
 
 def _complete(hook: Hook | None) -> None:
@@ -33,38 +38,65 @@ def _complete(hook: Hook | None) -> None:
 
 class FusedMoEModularKernel:
     def __init__(self, prepare_finalize: PrepareFinalize, experts: MoEExperts,
-                 shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None) -> None:
+                 shared_experts: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 sbo: SboFlags | None = None) -> None:
         if prepare_finalize.layout not in experts.supported_layouts:
             raise ValueError(f"experts backend {experts.name!r} cannot consume the {prepare_finalize.layout!r} layout "
                              f"produced by all2all backend {prepare_finalize.name!r}")
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.shared_experts = shared_experts
+        self.sbo = sbo if sbo is not None else SBO_OFF  # a config-level choice: identical for every ubatch
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:
         pf = self.prepare_finalize
+        sbo = self.sbo
         rec = trace.active()
         t0 = time.perf_counter() if rec is not None else 0.0
 
         dbo_maybe_run_recv_hook()  # the other ubatch's pending receive goes ahead of our send
         hook, receive_tokens = pf.prepare_async(hidden, topk_weights, topk_ids)
+        shared = None
+        if self.shared_experts is not None and sbo.dispatch_shared_experts:
+            shared = self._shared(hidden, rec, "dispatch", None)  # our dispatch is in flight, unreceived
         _complete(hook)
         tokens, state = receive_tokens()
 
+        two = TwoStreamCombine(sbo, pf, self.experts, tokens, hidden.device) if sbo.two_stream else None
         t1 = time.perf_counter() if rec is not None else 0.0
-        expert_out = self.experts.apply(tokens, w13, w2)
+        if two is None:
+            expert_out = self.experts.apply(tokens, w13, w2)
+        else:
+            expert_out = two.run_experts(lambda: self.experts.apply(tokens, w13, w2))
         if rec is not None:
             rec.span("experts", "compute", dbo_current_ubatch_id(), t1, time.perf_counter(), phase="E")
 
         dbo_maybe_run_recv_hook()
-        hook, receive_output = pf.finalize_async(expert_out, state)
-        t2 = time.perf_counter() if rec is not None else 0.0
-        shared = self.shared_experts(hidden) if self.shared_experts is not None else None
-        if rec is not None and shared is not None:
-            rec.span("shared_experts", "compute", dbo_current_ubatch_id(), t2, time.perf_counter(), phase="S")
+        if two is None:
+            hook, receive_output = pf.finalize_async(expert_out, state)
+        else:
+            hook, receive_output = two.launch_combine(lambda: pf.finalize_async(expert_out, state))
+        if self.shared_experts is not None and shared is None:
+            shared = self._shared(hidden, rec, "combine", two)
+        if two is not None:
+            two.before_receive()
         _complete(hook)
+        if two is not None:
+            two.after_receive()
         out = receive_output()
         if rec is not None:
             rec.instant("moe_done", "moe", dbo_current_ubatch_id(), since=t0)
         return out if shared is None else out + shared
+
+    def _shared(self, hidden: torch.Tensor, rec: trace.TraceRecorder | None, overlaps: str,
+                two: TwoStreamCombine | None) -> torch.Tensor:
+        """The shared experts, recorded as compute that overlaps the dispatch or the combine."""
+        assert self.shared_experts is not None
+        t = time.perf_counter() if rec is not None else 0.0
+        fn = self.shared_experts
+        shared = fn(hidden) if two is None else two.run_shared(lambda: fn(hidden))
+        if rec is not None:
+            rec.span("shared_experts", "compute", dbo_current_ubatch_id(), t, time.perf_counter(), phase="S",
+                     overlaps=overlaps)
+        return shared

@@ -1,0 +1,281 @@
+"""``python -m runner generate|bench``: vLLM-style flags over RunnerConfig, SamplingParams and a workload.
+
+Flags default to ``None`` so "not given" is visible: RunnerConfig's own defaults apply, and
+``--all2all-backend`` becomes ``torch_ll`` when DP > 1 with expert parallelism. Every bad value — argparse's
+or RunnerConfig's validation — exits with code 2 and ``argument --flag: ...``.
+
+Launch modes: under ``torchrun`` every process runs the job and rank 0 reports; otherwise
+``--data-parallel-size N > 1`` spawns N ranks with :func:`runner.launch.launch` and the parent reports.
+A dead rank makes the run exit 1 naming it.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import os
+import random
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+from runner.config import DTYPES, UBATCH_SPLITS, ConfigError, RunnerConfig, all2all_backends, config_fields, \
+    experts_backends, make_config
+from runner.sampling import SamplingParams
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine (vLLM names)")
+    add = g.add_argument
+    add("--model", help="built-in tiny model (tiny-qwen3-moe, tiny-deepseek-v3) or a local HF directory")
+    add("--dtype", choices=sorted(set(DTYPES) | {"half", "float", "bf16", "fp16", "fp32"}))
+    add("--data-parallel-size", "-dp", type=int, metavar="N", help="DP ranks (spawned here unless under torchrun)")
+    add("--enable-expert-parallel", action="store_true", default=None, help="spread experts over the DP ranks")
+    add("--enable-dbo", action="store_true", default=None, help="dual-batch overlap: run steps as two ubatches")
+    add("--dbo-decode-token-threshold", type=int, metavar="N")
+    add("--dbo-prefill-token-threshold", type=int, metavar="N")
+    add("--ubatch-split", choices=UBATCH_SPLITS)
+    add("--tbo-token-distribution-threshold", type=float, metavar="T")
+    add("--all2all-backend", choices=all2all_backends(),
+        help="default: torch_ll with DP > 1 and --enable-expert-parallel, else none")
+    add("--experts-backend", choices=experts_backends())
+    add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10")
+    add("--max-num-seqs", type=int, metavar="N")
+    add("--max-num-batched-tokens", type=int, metavar="N")
+    add("--max-model-len", type=int, metavar="N")
+    add("--block-size", type=int, metavar="N")
+    add("--num-kv-blocks", type=int, metavar="N")
+    add("--max-dispatch-tokens-per-rank", type=int, metavar="N")
+    add("--enforce-eager", action="store_true", default=None)
+    add("--disable-overlap-schedule", action="store_true", default=None)
+    add("--enable-single-batch-overlap", action="store_true", default=None)
+    add("--dist-timeout-s", type=float, metavar="S", help="timeout of every collective (a dead peer's detection)")
+    add("--seed", type=int)
+    add("--cache-dir", metavar="DIR")
+    add("--trace-file", metavar="PATH")
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload and sampling")
+    add = g.add_argument
+    add("--prompts-file", metavar="JSONL", help='one {"prompt": str} or {"prompt_token_ids": [int]} per line')
+    add("--num-prompts", type=int, default=8, metavar="N", help="random prompts when no --prompts-file (default 8)")
+    add("--random-prompt-len", type=int, default=16, metavar="N", help="tokens per random prompt (default 16)")
+    add("--random-range-ratio", type=float, default=0.0, metavar="R",
+        help="random prompt lengths vary uniformly in [len*(1-R), len*(1+R)] (default 0: all equal)")
+    add("--max-tokens", type=int, default=16, metavar="N")
+    add("--temperature", type=float, default=0.0)
+    add("--top-p", type=float, default=1.0)
+    add("--ignore-eos", action="store_true")
+    add("--output-json", metavar="PATH", help="write a JSON list of results in input order")
+    add("--disable-tqdm", action="store_true", help="no progress bar (it is also off when stderr is not a TTY)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m runner", description="ubatch reference engine")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench}")
+    gen = sub.add_parser("generate", help="generate for a prompt file or random prompts, print a summary")
+    bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed and outputs")
+    for p in (gen, bench):
+        _engine_args(p)
+        _workload_args(p)
+        p.set_defaults(subparser=p)  # so errors print the subcommand's usage
+    bench.add_argument("--output-csv", metavar="PATH", help="write the comparison table as CSV")
+    return parser
+
+
+@dataclass
+class Job:
+    """Everything a rank needs (picklable: it travels to spawned ranks)."""
+
+    command: str
+    cfg: RunnerConfig
+    prompts: list[Any]
+    sampling: SamplingParams
+    disable_tqdm: bool
+
+
+def _read_prompts(path: str) -> list[Any]:
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise ValueError(f"cannot read {path!r}: {e.strerror or e}") from None
+    prompts: list[Any] = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict) or not ("prompt" in obj or "prompt_token_ids" in obj):
+            raise ValueError(f'{path}:{n}: expected {{"prompt": str}} or {{"prompt_token_ids": [int, ...]}}')
+        if "prompt_token_ids" in obj:
+            ids = obj["prompt_token_ids"]
+            if not isinstance(ids, list):
+                raise ValueError(f"{path}:{n}: prompt_token_ids must be a list of ints")
+            prompts.append(ids)  # bad ids are per-request errors, reported in the results
+        elif isinstance(obj["prompt"], str):
+            prompts.append(obj["prompt"])
+        else:
+            raise ValueError(f"{path}:{n}: prompt must be a string")
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+def _vocab_size(cfg: RunnerConfig) -> int:
+    from runner.models.loader import resolve_model_path
+
+    path = resolve_model_path(cfg.model, cfg.cache_dir)
+    return int(json.loads((path / "config.json").read_text())["vocab_size"])
+
+
+def random_prompts(num: int, length: int, range_ratio: float, vocab_size: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    lo, hi = max(1, round(length * (1 - range_ratio))), max(1, round(length * (1 + range_ratio)))
+    return [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
+
+
+def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
+    """Validate everything before any process starts; errors go through ``parser.error`` (exit 2)."""
+    engine = {k: v for k, v in vars(args).items() if k in config_fields() and v is not None}
+    if "data_parallel_size" not in engine and os.environ.get("WORLD_SIZE", "1").isdigit() \
+            and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        engine["data_parallel_size"] = int(os.environ["WORLD_SIZE"])  # under torchrun: one DP rank per process
+    try:
+        cfg = make_config(**engine)
+    except ConfigError as e:
+        parser.error(f"argument {e.flag}: {e}")
+    for flag, value, minimum in (("--num-prompts", args.num_prompts, 1), ("--random-prompt-len", args.random_prompt_len, 1)):
+        if value < minimum:
+            parser.error(f"argument {flag}: must be >= {minimum}, got {value}")
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        parser.error(f"argument --random-range-ratio: must lie in [0, 1), got {args.random_range_ratio}")
+    try:
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                  seed=None, ignore_eos=args.ignore_eos)
+    except ValueError as e:
+        field = str(e).split()[0]
+        parser.error(f"argument --{field.replace('_', '-')}: {e}")
+    try:
+        vocab = _vocab_size(cfg)
+    except (OSError, KeyError, ValueError) as e:
+        parser.error(f"argument --model: {e}")
+    if args.prompts_file:
+        try:
+            prompts = _read_prompts(args.prompts_file)
+        except ValueError as e:
+            parser.error(f"argument --prompts-file: {e}")
+    else:
+        prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio, vocab, cfg.seed)
+    return Job(args.command, cfg, prompts, sampling, args.disable_tqdm)
+
+
+# ---------------------------------------------------------------------------------------------- rank side
+def run_job(job: Job) -> dict[str, Any] | None:
+    """One rank's work (spawned, torchrun or in-process). Rank 0 returns the results; other ranks None."""
+    from runner.engine import LLM
+
+    runs = []
+    variants = [job.cfg] if job.command == "generate" else [job.cfg.replace(enable_dbo=False),
+                                                             job.cfg.replace(enable_dbo=True)]
+    rank = 0
+    for cfg in variants:
+        llm = LLM(cfg)
+        rank = llm.rank
+        try:
+            if job.command == "bench":  # warm-up: first-call costs must not count against either variant
+                llm.generate(job.prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), disable_progress=True)
+            outputs = llm.generate(job.prompts, job.sampling, disable_progress=job.disable_tqdm)
+            runs.append({"dbo": cfg.enable_dbo, "outputs": [o.to_json() for o in outputs],
+                         "stats": asdict(llm.last_stats), "summary": llm.last_stats.summary()})
+        finally:
+            llm.close()
+            del llm
+            gc.collect()
+    return {"runs": runs} if rank == 0 else None
+
+
+# ---------------------------------------------------------------------------------------------- reporting
+def _report_generate(result: dict[str, Any], output_json: str | None) -> None:
+    run = result["runs"][0]
+    outputs = run["outputs"]
+    for o in outputs[:4]:
+        shown = " ".join(map(str, o["token_ids"][:12])) + (" ..." if len(o["token_ids"]) > 12 else "")
+        text = f" {o['text']!r}" if o.get("text") else ""
+        print(f"[{o['index']}] {o['finish_reason']}: {shown}{text}")
+    if len(outputs) > 4:
+        print(f"... {len(outputs) - 4} more")
+    for o in [o for o in outputs if o["error"]][:10]:
+        print(f"request {o['index']}: error: {o['error']}", file=sys.stderr)
+    if output_json:
+        Path(output_json).write_text(json.dumps(outputs, indent=1) + "\n")
+    print(run["summary"])
+
+
+def compare_outputs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str | None:
+    """None when token outputs are identical, else where they first differ."""
+    diffs = [(x["index"], x["token_ids"], y["token_ids"]) for x, y in zip(a, b) if x["token_ids"] != y["token_ids"]]
+    if len(a) != len(b):
+        return f"{len(a)} vs {len(b)} results"
+    if not diffs:
+        return None
+    idx, x, y = diffs[0]
+    pos = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    return f"{len(diffs)} of {len(a)} requests differ (first: request {idx} at output token {pos})"
+
+
+def _report_bench(result: dict[str, Any], output_csv: str | None) -> None:
+    off, on = result["runs"]
+    rows = [("output tok/s", lambda s: f"{s['num_output_tokens'] / s['elapsed_s']:.1f}" if s["elapsed_s"] else "0"),
+            ("total time (s)", lambda s: f"{s['elapsed_s']:.3f}"),
+            ("output tokens", lambda s: str(s["num_output_tokens"])),
+            ("steps", lambda s: str(s["num_steps"])),
+            ("ubatched steps", lambda s: str(s["num_ubatched_steps"]))]
+    print(f"{'':<16}{'DBO off':>12}{'DBO on':>12}")
+    for name, fmt in rows:
+        print(f"{name:<16}{fmt(off['stats']):>12}{fmt(on['stats']):>12}")
+    diff = compare_outputs(off["outputs"], on["outputs"])
+    verdict = f"identical ({len(on['outputs'])} requests)" if diff is None else f"DIFFERENT: {diff}"
+    print(f"token outputs DBO off vs on: {verdict}")
+    if output_csv:
+        with open(output_csv, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["dbo", "output_tok_per_s", "total_time_s", "output_tokens", "steps", "ubatched_steps",
+                        "outputs_identical"])
+            for run in (off, on):
+                s = run["stats"]
+                w.writerow([run["dbo"], round(s["num_output_tokens"] / s["elapsed_s"], 3) if s["elapsed_s"] else 0,
+                            round(s["elapsed_s"], 4), s["num_output_tokens"], s["num_steps"],
+                            s["num_ubatched_steps"], diff is None])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    job = job_from_args(args, args.subparser)
+    from runner.launch import RankFailedError, launch, torchrun_env_present
+
+    try:
+        if torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1:
+            result = run_job(job)  # LLM joins the torchrun world; only rank 0 gets a result
+        elif job.cfg.data_parallel_size > 1:
+            result = launch(run_job, job.cfg.data_parallel_size, args=(job,), timeout_s=job.cfg.dist_timeout_s)[0]
+        else:
+            result = run_job(job)
+    except RankFailedError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    if result is None:
+        return 0
+    if job.command == "generate":
+        _report_generate(result, args.output_json)
+    else:
+        _report_bench(result, args.output_csv)
+    return 0

@@ -1,0 +1,291 @@
+"""LLM: the offline Python API (vLLM's ``LLM.generate`` shape), one instance per DP rank.
+
+Every rank calls ``generate`` with the *same* prompt list (SPMD). Prompt ``i`` runs on DP rank
+``i % data_parallel_size``; each rank loops ``schedule -> runner.step -> update`` until the runner reports
+that no rank has work left (idle ranks run dummy steps meanwhile, so the MoE collectives stay matched), then
+the outputs are all-gathered so every rank returns the full list in input order.
+
+Random sampling without an explicit seed uses seed ``cfg.seed * 1_000_003 + i`` for prompt ``i``: a request's
+tokens then depend only on its own prompt, seed and logits — not on which rank ran it, what else was in its
+batch, or whether DBO split the step.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from runner.config import RunnerConfig, make_config
+from runner.sampling import SamplingParams, make_generator
+from runner.scheduler import Request, Scheduler
+
+# Fault-injection hook for tests: the rank named here kills itself with SIGKILL at the given step.
+KILL_RANK_ENV, KILL_STEP_ENV = "UBATCH_TEST_KILL_RANK", "UBATCH_TEST_KILL_AT_STEP"
+
+
+@dataclass
+class RequestOutput:
+    index: int  # position in the prompt list given to generate()
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str  # "stop" | "length" | "error"
+    error: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        d = {"index": self.index, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
+             "error": self.error}
+        if self.text is not None:
+            d["text"] = self.text
+        return d
+
+
+@dataclass
+class GenerationStats:
+    """One generate() call over all DP ranks (steps are global: DP ranks step in lockstep)."""
+
+    num_requests: int
+    num_errors: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    elapsed_s: float
+    num_steps: int
+    num_ubatched_steps: int
+    num_preemptions: int
+    enable_dbo: bool = False
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.num_output_tokens / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    def summary(self) -> str:
+        parts = [f"requests: {self.num_requests} ({self.num_errors} errors)",
+                 f"prompt tokens: {self.num_prompt_tokens}", f"output tokens: {self.num_output_tokens}",
+                 f"time: {self.elapsed_s:.2f} s", f"{self.output_tokens_per_s:.1f} output tok/s",
+                 f"steps: {self.num_steps}"]
+        if self.enable_dbo:
+            parts.append(f"ubatched steps: {self.num_ubatched_steps}/{self.num_steps} (DBO)")
+        if self.num_preemptions:
+            parts.append(f"preemptions: {self.num_preemptions}")
+        return " | ".join(parts)
+
+
+def resolve_world(cfg: RunnerConfig) -> tuple[int, int]:
+    """(rank, world size) for this process; joins a torchrun world if its environment is set."""
+    import torch.distributed as dist
+
+    from runner.launch import init_distributed, torchrun_env_present
+
+    if dist.is_initialized():
+        rank, world = dist.get_rank(), dist.get_world_size()
+    elif torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1:
+        rank, world = init_distributed(cfg.dist_timeout_s)
+    else:
+        rank, world = 0, 1
+    if world != cfg.data_parallel_size:
+        if world == 1:
+            raise RuntimeError(
+                f"data_parallel_size={cfg.data_parallel_size} needs one process per DP rank: launch with "
+                f"`torchrun --nproc-per-node {cfg.data_parallel_size} ...`, `python -m runner generate "
+                f"--data-parallel-size {cfg.data_parallel_size} ...`, or runner.launch.launch(fn, "
+                f"{cfg.data_parallel_size})")
+        raise RuntimeError(f"this torch.distributed world has {world} ranks but data_parallel_size="
+                           f"{cfg.data_parallel_size}; they must match")
+    return rank, world
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    enc = tokenizer.encode(text)
+    return list(enc.ids) if hasattr(enc, "ids") else list(enc)  # tokenizers.Tokenizer vs transformers
+
+
+def _decode(tokenizer: Any, ids: list[int]) -> str:
+    try:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    except TypeError:
+        return tokenizer.decode(ids)
+
+
+class LLM:
+    """``LLM(cfg)``, ``LLM(model=..., enable_dbo=True, ...)`` or ``LLM("tiny-qwen3-moe")``.
+
+    ``runner`` injects a model runner (tests); ``tokenizer`` overrides the one found next to the model
+    (``tokenizer.json``), which is loaded only when a text prompt needs it.
+    """
+
+    def __init__(self, cfg: RunnerConfig | str | None = None, /, *, runner: Any = None, tokenizer: Any = None,
+                 **kwargs: Any) -> None:
+        if isinstance(cfg, str):
+            kwargs.setdefault("model", cfg)
+            cfg = None
+        if cfg is None:
+            cfg = make_config(**kwargs)
+        elif kwargs:
+            make_config(**kwargs)  # names checked
+            cfg = cfg.replace(**kwargs)
+        self.cfg = cfg
+        self.rank, self.world_size = resolve_world(cfg) if runner is None else (
+            getattr(runner, "rank", 0), getattr(runner, "world_size", 1))
+        if runner is None:
+            from runner.model_runner import ModelRunner
+
+            runner = ModelRunner(cfg, self.rank, self.world_size)
+        self.runner = runner
+        self._tokenizer = tokenizer
+        self._tokenizer_loaded = tokenizer is not None
+        self.last_stats: GenerationStats | None = None
+
+    # ------------------------------------------------------------------ helpers
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer, or None when the model directory has no ``tokenizer.json``."""
+        if not self._tokenizer_loaded:
+            from runner.models.loader import load_tokenizer
+
+            self._tokenizer = load_tokenizer(self.cfg.model, self.cfg.cache_dir)
+            self._tokenizer_loaded = True
+        return self._tokenizer
+
+    def close(self) -> None:
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
+
+    def _prompt_ids(self, prompts: Any) -> list[Any]:
+        """Token-id lists (or the raw bad value, which the scheduler rejects per request) in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        if not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
+        if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            raise TypeError("prompts is a flat list of ints; pass a list of prompts, e.g. [[1, 2, 3]] for one "
+                            "token-id prompt")
+        texts = [i for i, p in enumerate(prompts)
+                 if isinstance(p, str) or (isinstance(p, dict) and "prompt" in p)]
+        tokenizer = self.get_tokenizer() if texts else None
+        if texts and tokenizer is None:
+            raise ValueError(f"prompt {texts[0]} is text but model {self.cfg.model!r} has no tokenizer.json; pass "
+                             "token-id lists instead (or give LLM(..., tokenizer=...))")
+        out: list[Any] = []
+        for i, p in enumerate(prompts):
+            if isinstance(p, dict):
+                if "prompt_token_ids" in p:
+                    p = p["prompt_token_ids"]
+                elif "prompt" in p:
+                    p = p["prompt"]
+                else:
+                    raise TypeError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
+            if isinstance(p, str):
+                p = _encode(tokenizer, p) if (i % self.world_size) == self.rank else []
+            elif not isinstance(p, Sequence):
+                raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
+            out.append(p)
+        return out
+
+    @staticmethod
+    def _params(sampling_params: Any, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * n
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one, or one per prompt")
+        for i, p in enumerate(params):
+            if not isinstance(p, SamplingParams):
+                raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, not SamplingParams")
+        return params
+
+    # ------------------------------------------------------------------ generate
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, disable_progress: bool = False) -> list[RequestOutput]:
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order, on every rank."""
+        prompt_ids = self._prompt_ids(prompts)
+        params = self._params(sampling_params, len(prompt_ids))
+        start = time.perf_counter()
+        steps0 = getattr(self.runner, "num_steps", 0)
+        ubatched0 = getattr(self.runner, "num_ubatched_steps", 0)
+        sched = Scheduler.from_runner(self.cfg, self.runner)
+        local = list(range(self.rank, len(prompt_ids), self.world_size))
+        for i in local:
+            sched.add_request(prompt_ids[i], params[i], make_generator(params[i], self.cfg.seed * 1_000_003 + i),
+                              req_id=i)
+        self._run_loop(sched, len(local), disable_progress)
+        if sched.allocator.num_free_blocks != sched.allocator.num_blocks:  # a leak would starve later calls
+            raise RuntimeError(f"KV blocks leaked: {sched.allocator.num_blocks - sched.allocator.num_free_blocks} "
+                               "still allocated after every request finished")
+        tokenizer = self._tokenizer if self._tokenizer_loaded else None
+        outputs = [self._output(sched.requests[i], tokenizer) for i in local]
+        elapsed = time.perf_counter() - start
+        mine = (outputs, sched.num_preemptions, elapsed)
+        gathered = self._all_gather(mine)
+        outputs = sorted((o for g in gathered for o in g[0]), key=lambda o: o.index)
+        self.last_stats = GenerationStats(
+            num_requests=len(outputs), num_errors=sum(o.finish_reason == "error" for o in outputs),
+            num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+            num_output_tokens=sum(len(o.token_ids) for o in outputs),
+            elapsed_s=max(time.perf_counter() - start, max(g[2] for g in gathered)),
+            num_steps=getattr(self.runner, "num_steps", 0) - steps0,
+            num_ubatched_steps=getattr(self.runner, "num_ubatched_steps", 0) - ubatched0,
+            num_preemptions=sum(g[1] for g in gathered), enable_dbo=self.cfg.enable_dbo)
+        return outputs
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if self.world_size == 1:
+            return [obj]
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    @staticmethod
+    def _output(req: Request, tokenizer: Any) -> RequestOutput:
+        text = _decode(tokenizer, req.output_token_ids) if tokenizer is not None and req.finish_reason != "error" \
+            else None
+        return RequestOutput(index=req.req_id, prompt_token_ids=list(req.prompt_token_ids),
+                             token_ids=list(req.output_token_ids), text=text, finish_reason=req.finish_reason or "error",
+                             error=req.error)
+
+    def _run_loop(self, sched: Scheduler, num_local: int, disable_progress: bool) -> None:
+        kill_rank, kill_step = os.environ.get(KILL_RANK_ENV), os.environ.get(KILL_STEP_ENV)
+        kill_at = int(kill_step) if kill_rank is not None and kill_step is not None \
+            and int(kill_rank) == self.rank else None
+        bar = self._progress_bar(num_local, disable_progress)
+        finished = sum(r.is_finished for r in sched.requests.values())
+        out_tokens, t0 = 0, time.perf_counter()
+        if bar is not None:
+            bar.update(finished)
+        step = 0
+        try:
+            while True:
+                if kill_at is not None and step == kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                out = sched.schedule()
+                sampled = self.runner.step(out)
+                if sampled is None:  # no DP rank had work: every rank leaves the loop in this same step
+                    break
+                step += 1
+                done = sched.update(out, sampled)
+                if bar is not None:
+                    out_tokens += sum(t is not None for t in sampled)
+                    if done:
+                        bar.update(len(done))
+                    bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s",
+                                        refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+        for req in list(sched.running) + list(sched.waiting):  # only if the runner stopped early: never silent
+            sched.abort_request(req.req_id, "engine stopped before the request finished (model runner reported "
+                                            "no work while this request was still queued)")
+
+    def _progress_bar(self, total: int, disable: bool) -> Any:
+        if disable or self.rank != 0 or not sys.stderr.isatty():
+            return None
+        from tqdm import tqdm
+
+        desc = "Processed prompts" if self.world_size == 1 else f"Processed prompts (DP rank 0 of {self.world_size})"
+        return tqdm(total=total, desc=desc, unit="req", dynamic_ncols=True, file=sys.stderr)

@@ -1,0 +1,74 @@
+"""A model runner stand-in that checks the scheduler's bookkeeping while it "generates".
+
+Its "KV cache" stores token ids in the slots the scheduler's block tables point at, and its "model" reads a
+request's whole history back *from those slots*: a wrong block table, a block shared by two live requests or
+a wrong position therefore changes the output, which the tests compare with :func:`reference_generate` (the
+same function applied to the true history). Logits are a deterministic function of the history and go
+through the real sampler.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Sequence
+
+import torch
+
+from runner.sampling import SamplingParams, make_generator, sample
+from runner.scheduler import SchedulerOutput
+
+
+def logits_for(history: Sequence[int], vocab_size: int) -> torch.Tensor:
+    seed = zlib.crc32(bytes(str(list(history)), "ascii"))
+    return torch.randn(vocab_size, generator=torch.Generator().manual_seed(seed)) * 3.0
+
+
+def reference_generate(prompt: list[int], params: SamplingParams, vocab_size: int, seed: int,
+                       eos: set[int] = frozenset(), max_model_len: int = 10**9) -> tuple[list[int], str]:
+    gen = make_generator(params, seed)
+    history, out = list(prompt), []
+    while True:
+        tok = sample(logits_for(history, vocab_size)[None], [params], [gen])[0]
+        out.append(tok)
+        history.append(tok)
+        if (not params.ignore_eos and tok in eos) or tok in (params.stop_token_ids or []):
+            return out, "stop"
+        if len(out) >= params.max_tokens or len(history) >= max_model_len:
+            return out, "length"
+
+
+class FakeRunner:
+    rank, world_size = 0, 1
+
+    def __init__(self, vocab_size: int = 64, block_size: int = 4, num_kv_blocks: int = 64,
+                 max_model_len: int = 256, eos_token_ids: Sequence[int] = ()) -> None:
+        self.vocab_size, self.block_size, self.num_kv_blocks = vocab_size, block_size, num_kv_blocks
+        self.max_model_len = max_model_len
+        self.eos_token_ids = set(eos_token_ids)
+        self.cache = [-1] * (num_kv_blocks * block_size)
+        self.num_steps = self.num_ubatched_steps = 0
+        self.steps: list[SchedulerOutput] = []
+
+    def step(self, sched: SchedulerOutput) -> list[int | None] | None:
+        if not sched.chunks:
+            return None
+        self.steps.append(sched)
+        self.num_steps += 1
+        owners: dict[int, int] = {}
+        for c in sched.chunks:
+            for b in c.block_ids:
+                assert owners.setdefault(b, c.req_id) == c.req_id, f"block {b} shared by {owners[b]} and {c.req_id}"
+        results: list[int | None] = []
+        for c in sched.chunks:
+            end = c.num_computed_tokens + len(c.token_ids)
+            assert len(c.block_ids) * self.block_size >= end, "not enough blocks for the chunk"
+            for i, tok in enumerate(c.token_ids):
+                self.cache[self._slot(c.block_ids, c.num_computed_tokens + i)] = tok
+            if not c.sample:
+                results.append(None)
+                continue
+            history = [self.cache[self._slot(c.block_ids, p)] for p in range(end)]
+            results.append(sample(logits_for(history, self.vocab_size)[None], [c.sampling], [c.generator])[0])
+        return results
+
+    def _slot(self, blocks: list[int], pos: int) -> int:
+        return blocks[pos // self.block_size] * self.block_size + pos % self.block_size

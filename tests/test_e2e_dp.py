@@ -1,0 +1,117 @@
+"""End to end over DP=2 real processes (built-in spawner, gloo, torch_ll): DBO on == DBO off, token for token.
+
+Launches are the expensive part (~3 s each), so one launch runs every workload under three engines (DBO off,
+DBO with the ``tokens`` split, DBO with the ``balanced`` split); then one CLI ``bench`` run and one fault run.
+Thresholds are tiny so the tiny batches really ubatch, and each DBO run must report ubatched steps.
+"""
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.launch import launch
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ll",
+            dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dist_timeout_s=60.0)
+VARIANTS = {"off": dict(enable_dbo=False), "tokens": dict(enable_dbo=True, ubatch_split="tokens"),
+            "balanced": dict(enable_dbo=True, ubatch_split="balanced")}
+
+
+def _env(**extra: str) -> dict[str, str]:
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def _prompts(lengths: list[int], salt: int) -> list[list[int]]:
+    return [[(salt * 131 + 17 * i + 29 * j) % 509 for j in range(n)] for i, n in enumerate(lengths)]
+
+
+# name -> (engine settings, prompts, max_tokens per prompt)
+WORKLOADS = {
+    # prefill step, then pure uniform-decode steps (4 decodes per rank >= threshold 2)
+    "decode": (dict(max_num_batched_tokens=64), _prompts([2] * 8, 1), [8] * 8),
+    # one token each: every step is a prefill (27 vs 45 tokens per rank: DP pads to 45, and the last ubatch of the
+    # smaller rank must stay non-empty, 45 // 2 < 27, or no rank ubatches)
+    "prefill": (dict(max_num_batched_tokens=64), _prompts([5, 9, 12, 10, 7, 15, 3, 11], 2), [1] * 8),
+    # one 24-token prompt per rank: the token split (12) and the balanced two-chunk split both cut inside it
+    "straddle": (dict(max_num_batched_tokens=64), _prompts([24, 24], 3), [4, 4]),
+    # two seats per rank, different lengths: new prefills join running decodes
+    "mixed": (dict(max_num_seqs=2, max_num_batched_tokens=16), _prompts([3, 6, 2, 9, 4, 5, 7, 2], 4),
+              [2, 8, 3, 5, 8, 2, 6, 4]),
+    # prompts longer than the 16-token budget: prefill is chunked across steps
+    "chunked": (dict(max_num_seqs=2, max_num_batched_tokens=16), _prompts([30, 21, 40, 18], 5), [4, 6, 3, 5]),
+}
+
+
+def run_workloads() -> dict | None:
+    """Rank body: every workload under every variant; rank 0 returns tokens and step counts."""
+    from runner.engine import LLM
+    from runner.sampling import SamplingParams
+
+    results: dict = {}
+    settings = {tuple(sorted(w[0].items())) for w in WORKLOADS.values()}
+    rank = 0
+    for variant, v in VARIANTS.items():
+        for setting in sorted(settings):
+            llm = LLM(**BASE, **v, **dict(setting))
+            rank = llm.rank
+            for name, (eng, prompts, max_tokens) in WORKLOADS.items():
+                if tuple(sorted(eng.items())) != setting:
+                    continue
+                outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
+                st = llm.last_stats
+                results[(variant, name)] = {"token_ids": [o.token_ids for o in outs],
+                                            "reasons": [o.finish_reason for o in outs],
+                                            "steps": st.num_steps, "ubatched": st.num_ubatched_steps}
+            llm.close()
+    return results if rank == 0 else None
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return launch(run_workloads, 2, timeout_s=120)[0]
+
+
+@pytest.mark.parametrize("name", list(WORKLOADS))
+@pytest.mark.parametrize("variant", ["tokens", "balanced"])
+def test_dbo_matches_no_dbo(results: dict, name: str, variant: str) -> None:
+    off, on = results[("off", name)], results[(variant, name)]
+    assert on["token_ids"] == off["token_ids"]
+    assert [len(t) for t in off["token_ids"]] == WORKLOADS[name][2]
+    assert off["ubatched"] == 0
+    assert on["ubatched"] > 0, f"{name}/{variant}: no step ran ubatched ({on['steps']} steps)"
+
+
+def test_bench_cli_reports_identical_outputs(tmp_path: Path) -> None:
+    csv_path = tmp_path / "bench.csv"
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "bench", "--data-parallel-size", "2", "--enable-expert-parallel",
+         "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8", "--num-prompts", "6",
+         "--random-prompt-len", "10", "--random-range-ratio", "0.5", "--max-tokens", "6", "--ignore-eos",
+         "--output-csv", str(csv_path)],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "token outputs DBO off vs on: identical (6 requests)" in proc.stdout, proc.stdout
+    m = re.search(r"ubatched steps\s+(\d+)\s+(\d+)", proc.stdout)
+    assert m and int(m.group(1)) == 0 and int(m.group(2)) > 0, proc.stdout
+    assert csv_path.read_text().splitlines()[0].startswith("dbo,output_tok_per_s")
+
+
+def test_killed_rank_fails_the_run_fast_and_is_named() -> None:
+    env = _env(UBATCH_TEST_KILL_RANK="1", UBATCH_TEST_KILL_AT_STEP="3")
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "runner", "generate", "--data-parallel-size", "2", "--enable-expert-parallel",
+         "--enable-dbo", "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8",
+         "--num-prompts", "4", "--max-tokens", "8", "--ignore-eos", "--dist-timeout-s", "20"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert time.monotonic() - start < 20 + 15
+    assert "error: rank 1 exited with signal SIGKILL" in proc.stderr, proc.stderr[-3000:]

@@ -1,0 +1,104 @@
+"""LLM.generate over a fake model runner: ordering, outputs, errors per request, prompts forms, stats."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from fake_runner import FakeRunner, reference_generate
+from runner.config import RunnerConfig
+from runner.engine import LLM, GenerationStats
+from runner.sampling import SamplingParams
+
+VOCAB = 64
+
+
+class ToyTokenizer:
+    """Characters -> ids (mod vocab), ids -> letters: enough to see text round-trip through the engine."""
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) % VOCAB for ch in text]
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+
+def make_llm(**cfg) -> LLM:
+    cfg.setdefault("max_num_batched_tokens", 16)
+    runner = FakeRunner(vocab_size=VOCAB, num_kv_blocks=128, max_model_len=cfg.get("max_model_len") or 256)
+    return LLM(RunnerConfig(**cfg), runner=runner, tokenizer=ToyTokenizer())
+
+
+def test_outputs_in_input_order_match_reference_and_stats() -> None:
+    llm = make_llm(max_num_seqs=3, seed=5)
+    prompts = [[1, 2, 3], list(range(20)), [7], [9, 9, 9, 9]]
+    params = [SamplingParams(max_tokens=4), SamplingParams(max_tokens=2, temperature=1.0),
+              SamplingParams(max_tokens=5, temperature=0.7, top_p=0.5, seed=3), SamplingParams(max_tokens=1)]
+    outs = llm.generate(prompts, params, disable_progress=True)
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    for i, (o, p, s) in enumerate(zip(outs, prompts, params)):
+        assert o.prompt_token_ids == p and o.error is None
+        assert (o.token_ids, o.finish_reason) == reference_generate(p, s, VOCAB, 5 * 1_000_003 + i)
+        assert o.text == ToyTokenizer().decode(o.token_ids)
+    st = llm.last_stats
+    assert isinstance(st, GenerationStats)
+    assert (st.num_requests, st.num_errors, st.num_prompt_tokens, st.num_output_tokens) == (4, 0, 28, 12)
+    assert st.num_steps == llm.runner.num_steps > 0 and "requests: 4 (0 errors)" in st.summary()
+    again = llm.generate(prompts, params, disable_progress=True)  # state fully released between calls
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+
+
+def test_bad_prompt_is_an_error_output_others_run() -> None:
+    llm = make_llm(max_model_len=10)
+    outs = llm.generate([[1, 2], [], [1, 99], list(range(10)), [3]], SamplingParams(max_tokens=2))
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
+    assert "empty" in outs[1].error and "outside the vocabulary" in outs[2].error
+    assert "max_model_len is 10" in outs[3].error and outs[1].text is None
+    assert llm.last_stats.num_errors == 3
+
+
+def test_prompt_forms() -> None:
+    llm = make_llm()
+    outs = llm.generate(["hi", {"prompt": "yo"}, {"prompt_token_ids": [4, 5]}, [4, 5]],
+                        SamplingParams(max_tokens=3))
+    assert outs[0].prompt_token_ids == ToyTokenizer().encode("hi")
+    assert outs[2].token_ids == outs[3].token_ids
+    assert len(llm.generate("hello", SamplingParams(max_tokens=1))) == 1  # a single string is one prompt
+    with pytest.raises(TypeError, match=r"flat list of ints; pass a list of prompts, e.g. \[\[1, 2, 3\]\]"):
+        llm.generate([1, 2, 3])
+    with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
+        llm.generate([[1], [2]], [SamplingParams()])
+    with pytest.raises(TypeError, match="prompt 1 must be a string or a list of token ids, got float"):
+        llm.generate([[1], 2.5])
+
+
+def test_text_prompt_without_tokenizer_is_a_clear_error() -> None:
+    llm = LLM(RunnerConfig(), runner=FakeRunner(vocab_size=VOCAB))
+    llm._tokenizer_loaded = True  # what load_tokenizer returns for the built-in models: no tokenizer.json
+    with pytest.raises(ValueError, match="prompt 1 is text but model 'tiny-qwen3-moe' has no tokenizer.json"):
+        llm.generate([[1, 2], "hello"])
+
+
+def test_dp_without_launcher_explains_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(RuntimeError, match="data_parallel_size=2 needs one process per DP rank.*torchrun"):
+        LLM(data_parallel_size=2)
+    with pytest.raises(TypeError, match="did you mean 'max_num_seqs'"):
+        LLM(max_num_seq=4)
+
+
+def test_progress_bar_only_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
+    llm = make_llm()
+    assert llm._progress_bar(3, disable=False) is None  # pytest captures stderr: not a TTY
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr("sys.stderr", Tty())
+    bar = llm._progress_bar(3, disable=False)
+    assert bar is not None and bar.total == 3
+    bar.close()
+    assert llm._progress_bar(3, disable=True) is None
+    llm.generate([[1, 2]], SamplingParams(max_tokens=2))  # the loop drives the bar without errors

@@ -1,0 +1,85 @@
+"""Sampler: greedy, top-p support, seeded reproducibility independent of the batch, parameter validation."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from runner.sampling import SamplingParams, make_generator, sample
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def test_greedy_is_argmax_first_on_ties() -> None:
+    logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 1.0, 2.0, 0.0]])
+    assert sample(logits, [SamplingParams()] * 2, [None, None]) == [1, 0]
+    assert sample(logits[:1], [SamplingParams(temperature=1e-7)], [gen(0)]) == [1]  # below eps: greedy
+    assert sample(torch.zeros(0, 4), [], []) == []
+
+
+def test_seeded_row_does_not_depend_on_batch() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50)
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
+    alone = [sample(logits[2:3], [p], [gen(7)])[0] for _ in range(1)]
+    others = [SamplingParams(temperature=0.5, seed=i) for i in range(5)]
+    params = others[:2] + [p] + others[3:]
+    in_batch = sample(logits, params, [gen(i) for i in range(2)] + [gen(7)] + [gen(i) for i in range(3, 5)])
+    assert in_batch[2] == alone[0]
+    g1, g2 = gen(3), gen(3)  # same seed -> same sequence of draws
+    seq1 = [sample(logits[i:i + 1], [p], [g1])[0] for i in range(5)]
+    seq2 = [sample(logits[i:i + 1], [p], [g2])[0] for i in range(5)]
+    assert seq1 == seq2
+
+
+def test_top_p_keeps_smallest_prefix_reaching_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log()[None]
+    g = gen(0)
+    drawn = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.8)], [g])[0] for _ in range(300)}
+    assert drawn == {0, 1}
+    drawn = {sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)], [g])[0] for _ in range(50)}
+    assert drawn == {0}
+
+
+def test_temperature_one_matches_softmax() -> None:
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log()[None]
+    g, n = gen(1), 4000
+    counts = [0] * 4
+    for _ in range(n):
+        counts[sample(logits, [SamplingParams(temperature=1.0)], [g])[0]] += 1
+    for c, p in zip(counts, probs.tolist()):
+        assert abs(c / n - p) < 4 * math.sqrt(p * (1 - p) / n) + 1e-3
+
+
+def test_make_generator() -> None:
+    assert make_generator(SamplingParams(), 5) is None  # greedy needs no RNG
+    a = make_generator(SamplingParams(temperature=1.0, seed=11), 5)
+    b = make_generator(SamplingParams(temperature=1.0), 11)
+    assert torch.rand(3, generator=a).tolist() == torch.rand(3, generator=b).tolist()
+
+
+@pytest.mark.parametrize("kwargs,msg", [
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+    ({"temperature": -1}, "temperature must be a finite number >= 0"),
+    ({"temperature": float("nan")}, "temperature must be"),
+    ({"top_p": 0.0}, r"top_p must lie in \(0, 1\], got 0.0"),
+    ({"top_p": 1.5}, "top_p must lie in"),
+    ({"seed": "x"}, "seed must be an integer or None"),
+    ({"stop_token_ids": [1, -2]}, "stop_token_ids must be non-negative integers, got -2"),
+    ({"ignore_eos": 1}, "ignore_eos must be True or False"),
+])
+def test_sampling_params_validation(kwargs: dict, msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kwargs)
+
+
+def test_sample_shape_errors() -> None:
+    with pytest.raises(ValueError, match="got 2 logit rows but 1 sampling params"):
+        sample(torch.zeros(2, 3), [SamplingParams()], [None])
+    with pytest.raises(ValueError, match=r"logits must be \[num_rows, vocab\]"):
+        sample(torch.zeros(3), [SamplingParams()], [None])
