@@ -30,8 +30,22 @@ from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
 from ubatch.modular_moe.layer import FusedMoE  # noqa: E402
 from ubatch.modular_moe.prepare_finalize.base import routed_bytes  # noqa: E402
 from ubatch import trace  # noqa: E402
+from ubatch.sbo import SboFlags  # noqa: E402
 
 RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)
+
+
+class SharedExpert(torch.nn.Module):
+    """DeepSeek-style shared expert: the work SBO overlaps with the dispatch."""
+
+    def __init__(self, hidden: int, inter: int, g: torch.Generator) -> None:
+        super().__init__()
+        self.w13 = torch.randn(2 * inter, hidden, generator=g) * hidden ** -0.5
+        self.w2 = torch.randn(hidden, inter, generator=g) * inter ** -0.5
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = (x @ self.w13.t()).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ self.w2.t()
 
 
 class Stack(torch.nn.Module):
@@ -43,7 +57,8 @@ class Stack(torch.nn.Module):
         self.gates = [torch.randn(e, h, generator=g) for _ in range(args.layers)]
         self.moes = torch.nn.ModuleList()
         for _ in range(args.layers):
-            moe = FusedMoE(e, args.top_k, h, args.inter, parallel=parallel)
+            shared = SharedExpert(h, args.shared_inter, g) if args.shared_inter else None
+            moe = FusedMoE(e, args.top_k, h, args.inter, parallel=parallel, shared_experts=shared)
             with torch.no_grad():
                 moe.w13_weight.normal_(0, h ** -0.5, generator=g)
                 moe.w2_weight.normal_(0, args.inter ** -0.5, generator=g)
@@ -82,12 +97,13 @@ def rank_main(rank: int, groups: list[Any], args: argparse.Namespace) -> dict[st
         if world > 1:
             groups[-1].allreduce([torch.zeros(1)]).wait()
 
-    def build(link: str | None, dbo: bool) -> tuple[Any, Stack]:
+    def build(link: str | None, dbo: bool, sbo: bool = False) -> tuple[Any, Stack]:
         cap = args.tokens // 2 if dbo else args.tokens  # same bytes through gloo in both modes
+        extra = {"sbo": SboFlags(dispatch_shared_experts=True)} if sbo else {}
         parallel = MoEParallelConfig(ep_rank=rank, ep_size=world, all2all_backend="torch_ll" if world > 1 else "none",
                                      ep_groups=groups[:2] if world > 1 else None,
                                      max_dispatch_tokens_per_rank=cap, emulate_link=link,
-                                     extra=dict(args.moe_extra))
+                                     extra=extra)
         stack = Stack(args, parallel)
         if not dbo:
             return stack, stack
@@ -109,22 +125,32 @@ def rank_main(rank: int, groups: list[Any], args: argparse.Namespace) -> dict[st
     for ratio in args.ratios:
         comm_s = compute_s / ratio
         link = link_for(comm_s, args)
-        plain, _ = build(link, dbo=False)
-        dbo_model, _ = build(link, dbo=True)
-        once(plain, dbo=False)
-        once(dbo_model, dbo=True)
-        samples: dict[str, list[float]] = {"compute": [], "plain": [], "dbo": []}
-        for _ in range(args.repeats):  # interleaved, so all three see the same machine conditions
+        modes = {"no_dbo": (False, False), "dbo": (True, False)}
+        if args.shared_inter:
+            modes.update({"sbo": (False, True), "dbo_sbo": (True, True)})
+        models = {name: build(link, dbo=d, sbo=b)[0] for name, (d, b) in modes.items()}
+        for name, model in models.items():
+            once(model, dbo=modes[name][0])  # warm-up
+        samples: dict[str, list[float]] = {"compute": [], **{name: [] for name in modes}}
+        for _ in range(args.repeats):  # interleaved, so every mode sees the same machine conditions
             samples["compute"].append(once(compute_model, dbo=False))
-            samples["plain"].append(once(plain, dbo=False))
-            samples["dbo"].append(once(dbo_model, dbo=True))
-        dbo_model.close()
-        c, t_plain, t_dbo = (statistics.median(samples[k]) for k in ("compute", "plain", "dbo"))
+            for name, model in models.items():
+                samples[name].append(once(model, dbo=modes[name][0]))
+        for name, model in models.items():
+            if modes[name][0]:
+                model.close()
+        med = {k: statistics.median(v) for k, v in samples.items()}
+        c, t_plain, t_dbo = med["compute"], med["no_dbo"], med["dbo"]
         ideal, hideable = max(c, comm_s), min(c, comm_s)
-        rows.append({"target_ratio": ratio, "compute_over_comm": c / comm_s, "compute_ms": c * 1e3, "comm_ms": comm_s * 1e3,
-                     "no_dbo_ms": t_plain * 1e3, "dbo_ms": t_dbo * 1e3, "ideal_ms": ideal * 1e3,
-                     "speedup": t_plain / t_dbo, "hidden_pct": 100 * (t_plain - t_dbo) / hideable,
-                     "dbo_over_ideal": t_dbo / ideal, "link": link})
+        row = {"target_ratio": ratio, "compute_over_comm": c / comm_s, "compute_ms": c * 1e3,
+               "comm_ms": comm_s * 1e3, "ideal_ms": ideal * 1e3}
+        row.update({f"{name}_ms": med[name] * 1e3 for name in modes})
+        row.update({"speedup": t_plain / t_dbo, "hidden_pct": 100 * (t_plain - t_dbo) / hideable,
+                    "dbo_over_ideal": t_dbo / ideal, "link": link})
+        if args.shared_inter:
+            row["dbo_sbo_speedup"] = t_plain / med["dbo_sbo"]
+            row["dbo_sbo_hidden_pct"] = 100 * (t_plain - med["dbo_sbo"]) / hideable
+        rows.append(row)
     return {"rows": rows}
 
 
@@ -171,6 +197,8 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=8)
     ap.add_argument("--top-k", type=int, default=2)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--shared-inter", type=int, default=128,
+                    help="shared expert width (0: none, and no SBO rows)")
     ap.add_argument("--matmuls", type=int, default=6, help="matmuls in each layer's attention stand-in")
     ap.add_argument("--latency-us", type=float, default=20.0)
     ap.add_argument("--ratios", type=float, nargs="+", default=list(RATIOS))
@@ -180,7 +208,6 @@ def main() -> None:
     ap.add_argument("--csv", default=str(Path(__file__).parent / "results" / "moe_overlap.csv"))
     ap.add_argument("--png", default=str(Path(__file__).parent / "results" / "moe_overlap.png"))
     args = ap.parse_args()
-    args.moe_extra = {}
     if args.world_size == 1:
         suffix = "_ws1"
         args.csv = args.csv.replace(".csv", suffix + ".csv")
@@ -190,12 +217,16 @@ def main() -> None:
     where = "2 ranks (processes, gloo), torch_ll" if args.world_size > 1 else "1 rank, 'none' backend"
     print(f"MoE stack over {where} + emulated link; {args.tokens} tokens/rank, hidden "
           f"{args.hidden}, {args.experts} experts top-{args.top_k}, {args.layers} layers; median of {args.repeats}")
-    head = (f"{'compute/comm':>12s} | {'compute ms':>10s} | {'comm ms':>8s} | {'no-DBO ms':>9s} | {'DBO ms':>7s} | "
-            f"{'ideal ms':>8s} | {'speed-up':>8s} | {'hidden %':>8s}")
-    print(head + "\n" + "-" * len(head))
+    cols = [("compute/comm", "compute_over_comm", "{:.2f}"), ("compute ms", "compute_ms", "{:.2f}"),
+            ("comm ms", "comm_ms", "{:.2f}"), ("no-DBO ms", "no_dbo_ms", "{:.2f}"), ("DBO ms", "dbo_ms", "{:.2f}"),
+            ("ideal ms", "ideal_ms", "{:.2f}"), ("DBO speed-up", "speedup", "{:.2f}x"),
+            ("DBO hidden %", "hidden_pct", "{:.1f}%")]
+    if "sbo_ms" in rows[0]:
+        cols += [("SBO ms", "sbo_ms", "{:.2f}"), ("DBO+SBO ms", "dbo_sbo_ms", "{:.2f}"),
+                 ("DBO+SBO hidden %", "dbo_sbo_hidden_pct", "{:.1f}%")]
+    print(" | ".join(f"{h:>{max(len(h), 8)}s}" for h, _, _ in cols))
     for r in rows:
-        print(f"{r['compute_over_comm']:12.2f} | {r['compute_ms']:10.2f} | {r['comm_ms']:8.2f} | {r['no_dbo_ms']:9.2f} | "
-              f"{r['dbo_ms']:7.2f} | {r['ideal_ms']:8.2f} | {r['speedup']:7.2f}x | {r['hidden_pct']:7.1f}%")
+        print(" | ".join(f"{fmt.format(r[k]):>{max(len(h), 8)}s}" for h, k, fmt in cols))
     Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
     with open(args.csv, "w", newline="") as fh:
         writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
@@ -213,7 +244,10 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
 
     x = [r["compute_over_comm"] for r in rows]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for key, label in [("no_dbo_ms", "no DBO"), ("dbo_ms", "DBO"), ("ideal_ms", "ideal max(compute, comm)")]:
+    for key, label in [("no_dbo_ms", "no DBO"), ("dbo_ms", "DBO"), ("dbo_sbo_ms", "DBO + SBO"),
+                       ("ideal_ms", "ideal max(compute, comm)")]:
+        if key not in rows[0]:
+            continue
         ax1.plot(x, [r[key] for r in rows], marker="o", label=label)
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("compute / comm")

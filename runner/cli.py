@@ -44,20 +44,26 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10")
     add("--max-num-seqs", type=int, metavar="N")
     add("--max-num-batched-tokens", type=int, metavar="N")
-    add("--max-model-len", type=int, metavar="N")
+    add("--max-model-len", type=int, metavar="N", help="default: from the model's config")
     add("--block-size", type=int, metavar="N")
-    add("--num-kv-blocks", type=int, metavar="N")
-    add("--max-dispatch-tokens-per-rank", type=int, metavar="N")
+    add("--num-kv-blocks", type=int, metavar="N", help="default: sized for --max-num-seqs requests")
+    add("--max-dispatch-tokens-per-rank", type=int, metavar="N", help="default: --max-num-batched-tokens")
     add("--enforce-eager", action="store_true", default=None)
     add("--disable-overlap-schedule", action="store_true", default=None)
     add("--enable-single-batch-overlap", action="store_true", default=None)
     add("--dist-timeout-s", type=float, metavar="S", help="timeout of every collective (a dead peer's detection)")
     add("--seed", type=int)
-    add("--cache-dir", metavar="DIR")
-    add("--trace-file", metavar="PATH")
+    add("--cache-dir", metavar="DIR", help="where built-in models are written; default: $UBATCH_CACHE_DIR or "
+        "~/.cache/ubatch")
+    add("--trace-file", metavar="PATH", help="write a per-ubatch timeline (Chrome trace JSON)")
+    defaults = RunnerConfig()
+    for action in g._group_actions:  # show RunnerConfig's defaults (argparse's own are None: "not given")
+        value = getattr(defaults, action.dest, None)
+        if value is not None and action.dest != "all2all_backend" and not isinstance(value, bool):
+            action.help = f"{action.help + '; ' if action.help else ''}default: {value}"
 
 
-def _workload_args(p: argparse.ArgumentParser) -> None:
+def _workload_args(p: argparse.ArgumentParser, with_output_json: bool) -> None:
     g = p.add_argument_group("workload and sampling")
     add = g.add_argument
     add("--prompts-file", metavar="JSONL", help='one {"prompt": str} or {"prompt_token_ids": [int]} per line')
@@ -69,7 +75,8 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
     add("--temperature", type=float, default=0.0)
     add("--top-p", type=float, default=1.0)
     add("--ignore-eos", action="store_true")
-    add("--output-json", metavar="PATH", help="write a JSON list of results in input order")
+    if with_output_json:
+        add("--output-json", metavar="PATH", help="write a JSON list of results in input order")
     add("--disable-tqdm", action="store_true", help="no progress bar (it is also off when stderr is not a TTY)")
 
 
@@ -80,7 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed and outputs")
     for p in (gen, bench):
         _engine_args(p)
-        _workload_args(p)
+        _workload_args(p, with_output_json=p is gen)
         p.set_defaults(subparser=p)  # so errors print the subcommand's usage
     bench.add_argument("--output-csv", metavar="PATH", help="write the comparison table as CSV")
     return parser
@@ -141,10 +148,14 @@ def random_prompts(num: int, length: int, range_ratio: float, vocab_size: int, s
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
     """Validate everything before any process starts; errors go through ``parser.error`` (exit 2)."""
+    from runner.launch import torchrun_env_present
+
     engine = {k: v for k, v in vars(args).items() if k in config_fields() and v is not None}
-    if "data_parallel_size" not in engine and os.environ.get("WORLD_SIZE", "1").isdigit() \
-            and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        engine["data_parallel_size"] = int(os.environ["WORLD_SIZE"])  # under torchrun: one DP rank per process
+    if torchrun_env_present():  # under torchrun: one DP rank per process
+        world = int(os.environ["WORLD_SIZE"])
+        if engine.setdefault("data_parallel_size", world) != world:
+            parser.error(f"argument --data-parallel-size: {engine['data_parallel_size']} does not match torchrun's "
+                         f"WORLD_SIZE={world} (omit it under torchrun)")
     try:
         cfg = make_config(**engine)
     except ConfigError as e:

@@ -151,11 +151,12 @@ def config_fields() -> list[str]:
     return [f.name for f in dataclasses.fields(RunnerConfig)]
 
 
-def make_config(**kwargs: Any) -> RunnerConfig:
-    """RunnerConfig from keyword arguments, with the defaults that depend on other fields.
+def make_config(base: RunnerConfig | None = None, **kwargs: Any) -> RunnerConfig:
+    """RunnerConfig from keyword arguments (on top of ``base`` if given), with defaults that depend on other fields.
 
-    Unknown names raise ``TypeError`` with the closest field; ``all2all_backend`` not given with DP > 1 and
-    expert parallelism becomes ``torch_ll`` (the CLI applies the same rule), since 'none' cannot work there.
+    Unknown names raise ``TypeError`` with the closest field. An ``all2all_backend`` left unset (absent or None,
+    and 'none' in ``base``) becomes ``torch_ll`` when DP > 1 with expert parallelism — the CLI's rule too —
+    since 'none' cannot move tokens between ranks.
     """
     fields = config_fields()
     for key in kwargs:
@@ -163,9 +164,10 @@ def make_config(**kwargs: Any) -> RunnerConfig:
             close = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
             raise TypeError(f"unknown engine argument {key!r}{hint}")
-    if (kwargs.get("all2all_backend") is None and kwargs.get("enable_expert_parallel")
-            and isinstance(kwargs.get("data_parallel_size"), int) and kwargs["data_parallel_size"] > 1):
-        kwargs["all2all_backend"] = DEFAULT_EP_ALL2ALL_BACKEND
-    elif kwargs.get("all2all_backend") is None:
-        kwargs.pop("all2all_backend", None)
-    return RunnerConfig(**kwargs)
+    merged = {f: getattr(base, f) for f in fields} if base is not None else {}
+    backend_given = kwargs.get("all2all_backend") is not None or merged.get("all2all_backend", "none") != "none"
+    merged.update({k: v for k, v in kwargs.items() if not (k == "all2all_backend" and v is None)})
+    dp = merged.get("data_parallel_size", 1)
+    if not backend_given and merged.get("enable_expert_parallel") and isinstance(dp, int) and dp > 1:
+        merged["all2all_backend"] = DEFAULT_EP_ALL2ALL_BACKEND
+    return RunnerConfig(**merged)

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from ubatch.slicing import is_last_ubatch_empty
 
@@ -53,11 +52,11 @@ def coordinate_batch_across_dp(num_tokens: int, vote_ubatch: bool, group: Any, n
     padded = num_tokens if num_tokens_padded is None else num_tokens_padded
     if padded < num_tokens:
         raise ValueError(f"num_tokens_padded={padded} is smaller than num_tokens={num_tokens}")
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    rank, world = group.rank(), group.size()
     table = torch.zeros(4, world, dtype=torch.int64)
     table[:, rank] = torch.tensor([num_tokens, padded, int(vote_ubatch), int(num_tokens > 0)])
     try:
-        dist.all_reduce(table, group=group)
+        group.allreduce([table]).wait()  # the group object itself: works for torchrun and thread-rank groups
     except RuntimeError as exc:
         raise DPCollectiveError(f"DP rank {rank}: the per-step all-reduce over {world} ranks failed; a peer rank "
                                 f"probably exited or timed out ({exc})") from exc

@@ -121,11 +121,8 @@ class LLM:
         if isinstance(cfg, str):
             kwargs.setdefault("model", cfg)
             cfg = None
-        if cfg is None:
-            cfg = make_config(**kwargs)
-        elif kwargs:
-            make_config(**kwargs)  # names checked
-            cfg = cfg.replace(**kwargs)
+        if cfg is None or kwargs:
+            cfg = make_config(cfg, **kwargs)
         self.cfg = cfg
         self.rank, self.world_size = resolve_world(cfg) if runner is None else (
             getattr(runner, "rank", 0), getattr(runner, "world_size", 1))
@@ -216,7 +213,10 @@ class LLM:
         if sched.allocator.num_free_blocks != sched.allocator.num_blocks:  # a leak would starve later calls
             raise RuntimeError(f"KV blocks leaked: {sched.allocator.num_blocks - sched.allocator.num_free_blocks} "
                                "still allocated after every request finished")
-        tokenizer = self._tokenizer if self._tokenizer_loaded else None
+        try:  # detokenize whenever the model ships a tokenizer, whatever form the prompts came in
+            tokenizer = self.get_tokenizer()
+        except ImportError:
+            tokenizer = None
         outputs = [self._output(sched.requests[i], tokenizer) for i in local]
         elapsed = time.perf_counter() - start
         mine = (outputs, sched.num_preemptions, elapsed)

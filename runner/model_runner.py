@@ -23,6 +23,7 @@ from runner.scheduler import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import set_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.sbo import enable_sbo
 from ubatch.slicing import balanced_split_points, check_ubatch_thresholds, maybe_create_ubatch_slices
 from ubatch.wrapper import UBatchConfig, UBatchWrapper
 
@@ -50,6 +51,8 @@ class ModelRunner:
                                "(launch with torchrun or --data-parallel-size)")
         self.dp_group = self._dp_group()
         parallel = self._moe_parallel_config()
+        if cfg.enable_single_batch_overlap:
+            enable_sbo(parallel, device=self.device)
         torch.manual_seed(cfg.seed)
         self.model, self.model_config = load_model(cfg.model, parallel, resolve_dtype(cfg.dtype), cfg.cache_dir,
                                                    self.device)

@@ -124,3 +124,12 @@ def test_generate_subprocess_writes_json(tmp_path: Path) -> None:
         assert len(r["token_ids"]) == 4 and r["finish_reason"] == "length" and r["error"] is None
         assert all(isinstance(t, int) and 0 <= t < 512 for t in r["token_ids"])
     assert "requests: 2 (0 errors)" in proc.stdout and "output tokens: 8" in proc.stdout
+
+
+def test_torchrun_world_sets_dp(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(k, v)
+    j = job(["generate", "--enable-expert-parallel"])
+    assert (j.cfg.data_parallel_size, j.cfg.all2all_backend) == (2, "torch_ll")
+    assert "--data-parallel-size: 4 does not match torchrun's WORLD_SIZE=2" in usage_error(["generate", "-dp", "4"],
+                                                                                             capsys)

@@ -53,3 +53,12 @@ def test_make_config_defaults_and_unknown_names() -> None:
     assert make_config(all2all_backend=None).all2all_backend == "none"
     with pytest.raises(TypeError, match="unknown engine argument 'enable_dbo_'; did you mean 'enable_dbo'"):
         make_config(enable_dbo_=True)
+
+
+def test_make_config_on_top_of_a_base() -> None:
+    base = RunnerConfig(max_num_seqs=4)
+    cfg = make_config(base, data_parallel_size=2, enable_expert_parallel=True)
+    assert (cfg.max_num_seqs, cfg.all2all_backend) == (4, "torch_ll")
+    explicit = RunnerConfig(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ht")
+    assert make_config(explicit, enable_dbo=True).all2all_backend == "torch_ht"
+    assert base.max_num_seqs == 4 and base.all2all_backend == "none"  # the base is not modified

@@ -47,7 +47,10 @@ WORKLOADS = {
               [2, 8, 3, 5, 8, 2, 6, 4]),
     # prompts longer than the 16-token budget: prefill is chunked across steps
     "chunked": (dict(max_num_seqs=2, max_num_batched_tokens=16), _prompts([30, 21, 40, 18], 5), [4, 6, 3, 5]),
+    # temperature + top-p with each request's own generator: batch composition must not matter either
+    "sampled": (dict(max_num_batched_tokens=64), _prompts([4, 6, 5, 3, 7, 4], 6), [6] * 6),
 }
+SAMPLING = {"sampled": dict(temperature=0.8, top_p=0.9)}
 
 
 def run_workloads() -> dict | None:
@@ -65,7 +68,9 @@ def run_workloads() -> dict | None:
             for name, (eng, prompts, max_tokens) in WORKLOADS.items():
                 if tuple(sorted(eng.items())) != setting:
                     continue
-                outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens])
+                extra = SAMPLING.get(name, {})
+                outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True, **extra)
+                                              for m in max_tokens])
                 st = llm.last_stats
                 results[(variant, name)] = {"token_ids": [o.token_ids for o in outs],
                                             "reasons": [o.finish_reason for o in outs],

@@ -180,9 +180,10 @@ class UBatchContext:
         else:
             peer._wake_up()
             self._wait_turn(f"control back from ubatch {target}")
+        end = time.perf_counter() if rec is not None else 0.0
+        self._resume()  # first: the span must be filed under this ubatch's restored rank/forward context
         if rec is not None:
-            rec.span("wait", "wait", self.id, start, time.perf_counter(), peer=target)
-        self._resume()
+            rec.span("wait", "wait", self.id, start, end, peer=target)
 
     def _wait_turn(self, what: str) -> None:
         got_it = self._turn.acquire(timeout=self.handoff_timeout_s)

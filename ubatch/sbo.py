@@ -291,7 +291,9 @@ _alt_lock = threading.Lock()
 def alt_stream(device: torch.device | str | None = None) -> streams.Stream:
     """One SBO alternate stream per device, shared by layers and ubatches (like SGLang's ``alt_stream``)."""
     dev = streams.resolve_device(device)
-    key = str(dev) if dev.type == "cpu" else f"cuda:{dev.index if dev.index is not None else torch.cuda.current_device()}"
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    key = str(dev)
     with _alt_lock:
         if key not in _alt_streams:
             _alt_streams[key] = streams.new_stream(dev, name="sbo-alt")

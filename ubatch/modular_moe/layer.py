@@ -8,6 +8,7 @@ from ubatch.modular_moe.config import MoEParallelConfig, get_prepare_finalize
 from ubatch.modular_moe.experts import make_experts
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.router import select_experts
+from ubatch.sbo import sbo_flags
 
 _SHARDS = ("gate", "up", "down")
 
@@ -51,7 +52,8 @@ class FusedMoE(nn.Module):
         """Built on first use: the backend needs the process groups, which exist only once ranks are up."""
         if self._kernel is None:
             pf = get_prepare_finalize(self.parallel, self.num_experts, self.hidden_size, self.w13_weight.device)
-            self._kernel = FusedMoEModularKernel(pf, make_experts(self.parallel.experts_backend), self.shared_experts)
+            self._kernel = FusedMoEModularKernel(pf, make_experts(self.parallel.experts_backend), self.shared_experts,
+                                                 sbo=sbo_flags(self.parallel))
         return self._kernel
 
     def load_expert_weight(self, global_expert_id: int, shard: str, weight: torch.Tensor) -> bool:

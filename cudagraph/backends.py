@@ -1,0 +1,146 @@
+"""Graph backends and the capture-time helpers that have to run on the right thread or object.
+
+``CudaGraphBackend`` is the real thing; ``EagerReplayBackend`` is a CPU test double whose "replay" re-runs
+the captured step, so the manager's plumbing (buffers, metadata views, attention routing, dispatch) is
+tested without a GPU. ``warm_ubatch_threads`` touches cuBLAS on the ubatch worker threads before a capture;
+``deepep_ll_counter`` counts DeepEP low-latency calls so their capture rules can be checked.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+import torch
+
+from ubatch.forward_context import ForwardContext
+from ubatch.slicing import UBatchSlice
+
+
+class GraphBackend(Protocol):
+    """What the manager needs from a graph implementation (CUDA, or the eager test double below)."""
+
+    def new_pool(self) -> Any: ...
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tuple[Any, torch.Tensor]: ...
+    def replay(self, graph: Any) -> None: ...
+    def release(self, graph: Any) -> None: ...
+    def synchronize(self) -> None: ...
+    def free_memory(self) -> int: ...
+
+
+class CudaGraphBackend:
+    def new_pool(self) -> Any:
+        return torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            out = fn()
+        return graph, out
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+    def release(self, graph: Any) -> None:
+        graph.reset()
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def free_memory(self) -> int:
+        return torch.cuda.mem_get_info()[0]
+
+
+class EagerReplayBackend:
+    """Test/debug double: "replay" re-runs the captured callable and copies into the static output.
+
+    It exercises everything but the graph itself (buffers, metadata views, attention routing, dispatch),
+    so the plumbing is tested on CPU. It is *not* a graph: a replay still runs Python and hands off.
+    """
+
+    def new_pool(self) -> Any:
+        return None
+
+    def capture(self, fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
+        out = fn()
+        return (fn, out), out
+
+    def replay(self, graph: Any) -> None:
+        fn, out = graph
+        out.copy_(fn())
+
+    def release(self, graph: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def free_memory(self) -> int:
+        return 0
+
+
+def warm_ubatch_threads(wrapper: Any, stream_list: Sequence[Any]) -> set[int]:
+    """Touch cuBLAS (handle + workspace) on every ubatch worker thread for every stream in ``stream_list``.
+
+    Runs a tiny job through the wrapper's own ubatched path (swapping ``runnable`` for one step) so it
+    lands on exactly the threads that will launch during capture. Returns their thread ids.
+    """
+    seen: set[int] = set()
+    device = wrapper.device
+
+    def warm(*_: Any, **__: Any) -> torch.Tensor:
+        seen.add(threading.get_ident())
+        if device.type == "cuda":
+            for s in stream_list:
+                with torch.cuda.stream(s):
+                    torch.cuda.current_blas_handle()
+                    a = torch.ones(16, 16, device=device)
+                    a @ a  # cuBLAS
+                    b = a.bfloat16()
+                    torch.nn.functional.linear(b, b, b[0])  # cuBLASLt (bias epilogue) and its workspace
+        return torch.zeros(1, device=device)
+
+    n = wrapper.config.num_ubatches
+    slices = [UBatchSlice(slice(i, i + 1), slice(i, i + 1)) for i in range(n)]
+    original, wrapper.runnable = wrapper.runnable, warm
+    try:
+        wrapper.run_ubatched(ForwardContext(ubatch_slices=slices), slices, (), {})
+    finally:
+        wrapper.runnable = original
+    return seen
+
+
+class _LLCounter:
+    def __init__(self, num_backends: int, num_handles: int) -> None:
+        self.num_backends, self.num_handles, self.calls = num_backends, num_handles, 0
+
+
+@contextlib.contextmanager
+def deepep_ll_counter(model: torch.nn.Module) -> Iterator[_LLCounter]:
+    """Count DeepEP low-latency dispatch/combine calls made inside the block (for the capture rules)."""
+    pfs = {}
+    for m in model.modules():
+        pf = getattr(getattr(m, "kernel", None), "prepare_finalize", None)
+        if getattr(pf, "name", None) == "deepep_low_latency":
+            pfs[id(pf)] = pf
+    counter = _LLCounter(len(pfs), min((len(pf.handles) for pf in pfs.values()), default=0))
+    patched = []
+    for pf in pfs.values():
+        for name in ("low_latency_dispatch", "low_latency_combine"):
+            had_own = name in vars(pf.buffer)
+            original = getattr(pf.buffer, name)
+
+            def counted(*args: Any, _fn: Any = original, **kwargs: Any) -> Any:
+                counter.calls += 1
+                return _fn(*args, **kwargs)
+
+            setattr(pf.buffer, name, counted)
+            patched.append((pf.buffer, name, had_own, original))
+    try:
+        yield counter
+    finally:
+        for buf, name, had_own, original in patched:
+            if had_own:
+                setattr(buf, name, original)
+            else:
+                delattr(buf, name)
