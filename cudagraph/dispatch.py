@@ -64,13 +64,18 @@ def plan_captures(sizes: Sequence[int], *, dbo_enabled: bool, decode_threshold: 
 
     A size ubatches when DBO is on, it reaches ``--dbo-decode-token-threshold`` and every ubatch gets at
     least one token — the same vote the runner takes at run time, so the common case finds its graph.
+    The runner votes on the *real* token count, so a batch just below the threshold (25..31 with the
+    default ladder and threshold 32) would pad into a DBO-only size and run eager; a plain graph at
+    ``threshold - 1`` is added so those batches replay too.
     """
-    keys = []
-    for size in sorted(set(sizes)):
-        ubatch = (dbo_enabled and size >= decode_threshold and size // num_ubatches > 0
-                  and not is_last_ubatch_empty(size, size, num_ubatches))
-        keys.append(GraphKey(size, token_split(size, num_ubatches) if ubatch else ()))
-    return keys
+    def ubatches(size: int) -> bool:
+        return (dbo_enabled and size >= decode_threshold and size // num_ubatches > 0
+                and not is_last_ubatch_empty(size, size, num_ubatches))
+
+    wanted = set(sizes)
+    if any(ubatches(s) for s in wanted) and decode_threshold > 1:
+        wanted.add(decode_threshold - 1)
+    return [GraphKey(s, token_split(s, num_ubatches) if ubatches(s) else ()) for s in sorted(wanted)]
 
 
 class Why(str, enum.Enum):

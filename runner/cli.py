@@ -133,11 +133,12 @@ def _read_prompts(path: str) -> list[Any]:
     return prompts
 
 
-def _vocab_size(cfg: RunnerConfig) -> int:
+def _model_info(cfg: RunnerConfig) -> tuple[int, bool]:
+    """(vocab size, has tokenizer.json) without loading weights: checked before any rank starts."""
     from runner.models.loader import resolve_model_path
 
     path = resolve_model_path(cfg.model, cfg.cache_dir)
-    return int(json.loads((path / "config.json").read_text())["vocab_size"])
+    return int(json.loads((path / "config.json").read_text())["vocab_size"]), (path / "tokenizer.json").is_file()
 
 
 def random_prompts(num: int, length: int, range_ratio: float, vocab_size: int, seed: int) -> list[list[int]]:
@@ -160,9 +161,9 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         cfg = make_config(**engine)
     except ConfigError as e:
         parser.error(f"argument {e.flag}: {e}")
-    for flag, value, minimum in (("--num-prompts", args.num_prompts, 1), ("--random-prompt-len", args.random_prompt_len, 1)):
-        if value < minimum:
-            parser.error(f"argument {flag}: must be >= {minimum}, got {value}")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--random-prompt-len", args.random_prompt_len)):
+        if value < 1:
+            parser.error(f"argument {flag}: must be >= 1, got {value}")
     if not 0.0 <= args.random_range_ratio < 1.0:
         parser.error(f"argument --random-range-ratio: must lie in [0, 1), got {args.random_range_ratio}")
     try:
@@ -172,7 +173,7 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         field = str(e).split()[0]
         parser.error(f"argument --{field.replace('_', '-')}: {e}")
     try:
-        vocab = _vocab_size(cfg)
+        vocab, has_tokenizer = _model_info(cfg)
     except (OSError, KeyError, ValueError) as e:
         parser.error(f"argument --model: {e}")
     if args.prompts_file:
@@ -180,6 +181,10 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             prompts = _read_prompts(args.prompts_file)
         except ValueError as e:
             parser.error(f"argument --prompts-file: {e}")
+        text = next((i for i, p in enumerate(prompts) if isinstance(p, str)), None)
+        if text is not None and not has_tokenizer:
+            parser.error(f"argument --prompts-file: prompt {text} is text but model {cfg.model!r} has no "
+                         "tokenizer.json; use {\"prompt_token_ids\": [...]} lines")
     else:
         prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio, vocab, cfg.seed)
     return Job(args.command, cfg, prompts, sampling, args.disable_tqdm)
@@ -211,6 +216,11 @@ def run_job(job: Job) -> dict[str, Any] | None:
 
 
 # ---------------------------------------------------------------------------------------------- reporting
+NO_UBATCH_HINT = ("note: DBO was on but no step ran ubatched: each DP rank's batch stayed below "
+                  "--dbo-decode-token-threshold / --dbo-prefill-token-threshold (or a rank's second ubatch would "
+                  "have been empty); lower the thresholds or send more prompts")
+
+
 def _report_generate(result: dict[str, Any], output_json: str | None) -> None:
     run = result["runs"][0]
     outputs = run["outputs"]
@@ -225,6 +235,8 @@ def _report_generate(result: dict[str, Any], output_json: str | None) -> None:
     if output_json:
         Path(output_json).write_text(json.dumps(outputs, indent=1) + "\n")
     print(run["summary"])
+    if run["dbo"] and run["stats"]["num_steps"] and not run["stats"]["num_ubatched_steps"]:
+        print(NO_UBATCH_HINT, file=sys.stderr)
 
 
 def compare_outputs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str | None:
@@ -252,6 +264,8 @@ def _report_bench(result: dict[str, Any], output_csv: str | None) -> None:
     diff = compare_outputs(off["outputs"], on["outputs"])
     verdict = f"identical ({len(on['outputs'])} requests)" if diff is None else f"DIFFERENT: {diff}"
     print(f"token outputs DBO off vs on: {verdict}")
+    if on["stats"]["num_steps"] and not on["stats"]["num_ubatched_steps"]:
+        print(NO_UBATCH_HINT, file=sys.stderr)
     if output_csv:
         with open(output_csv, "w", newline="") as fh:
             w = csv.writer(fh)
@@ -268,7 +282,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     job = job_from_args(args, args.subparser)
-    from runner.launch import RankFailedError, launch, torchrun_env_present
+    from runner.launch import LaunchError, launch, torchrun_env_present
 
     try:
         if torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1:
@@ -277,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = launch(run_job, job.cfg.data_parallel_size, args=(job,), timeout_s=job.cfg.dist_timeout_s)[0]
         else:
             result = run_job(job)
-    except RankFailedError as e:
+    except LaunchError as e:  # a rank died or could not start: name it, no parent traceback
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -246,7 +246,8 @@ class LLM:
         text = _decode(tokenizer, req.output_token_ids) if tokenizer is not None and req.finish_reason != "error" \
             else None
         return RequestOutput(index=req.req_id, prompt_token_ids=list(req.prompt_token_ids),
-                             token_ids=list(req.output_token_ids), text=text, finish_reason=req.finish_reason or "error",
+                             token_ids=list(req.output_token_ids), text=text,
+                             finish_reason=req.finish_reason or "error",
                              error=req.error)
 
     def _run_loop(self, sched: Scheduler, num_local: int, disable_progress: bool) -> None:

@@ -26,7 +26,11 @@ from typing import Any, Callable, Sequence
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-class RankFailedError(RuntimeError):
+class LaunchError(RuntimeError):
+    """The ranks could not be started or did not all finish; the message says which and why."""
+
+
+class RankFailedError(LaunchError):
     """One or more spawned ranks died; ``failures`` is ``[(rank, description), ...]``, root cause first."""
 
     def __init__(self, failures: list[tuple[int, str]]) -> None:
@@ -42,6 +46,18 @@ def default_backend() -> str:
     import torch
 
     return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def check_gpus(backend: str, ranks_on_this_host: int) -> None:
+    """NCCL needs one GPU per rank; two ranks on one GPU fail deep inside NCCL init, so say it up front."""
+    if backend != "nccl":
+        return
+    import torch
+
+    n = torch.cuda.device_count()
+    if n < ranks_on_this_host:
+        raise LaunchError(f"{ranks_on_this_host} ranks on this host need {ranks_on_this_host} GPUs with NCCL, found "
+                           f"{n}; lower --data-parallel-size, or run on CPU (CUDA_VISIBLE_DEVICES= , gloo)")
 
 
 def _set_cuda_device(local_rank: int) -> None:
@@ -62,6 +78,7 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None) -> tu
                                "torchrun, or use the built-in spawner (--data-parallel-size N / runner.launch.launch)")
         backend = backend or default_backend()
         if backend == "nccl":
+            check_gpus(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             _set_cuda_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
@@ -130,6 +147,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, tim
     import torch.distributed as dist
 
     backend = backend or default_backend()
+    check_gpus(backend, nprocs)
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                           timeout=timedelta(seconds=timeout_s))
     ctx = mp.get_context(start_method)

@@ -54,10 +54,13 @@ def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], expected: str, ca
 def test_bad_prompts_file_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt": 3}\n')
-    assert f"argument --prompts-file: {f}:2: prompt must be a string" in usage_error(["bench", "--prompts-file", str(f)],
-                                                                                   capsys)
+    err = usage_error(["bench", "--prompts-file", str(f)], capsys)
+    assert f"argument --prompts-file: {f}:2: prompt must be a string" in err
     f.write_text('{"prompt_token_ids": [1, 2]}\nnot json\n')
     assert f"{f}:2: not valid JSON" in usage_error(["generate", "--prompts-file", str(f)], capsys)
+    f.write_text('{"prompt": "hello"}\n')
+    assert "prompt 0 is text but model 'tiny-qwen3-moe' has no tokenizer.json" in usage_error(
+        ["generate", "--prompts-file", str(f)], capsys)
     f.write_text('{"text": "x"}\n')
     assert 'expected {"prompt": str} or {"prompt_token_ids"' in usage_error(["generate", "--prompts-file", str(f)],
                                                                             capsys)
@@ -75,13 +78,14 @@ def test_defaults_and_vllm_names(tmp_path: Path) -> None:
     c = j.cfg
     assert (c.data_parallel_size, c.all2all_backend, c.enable_dbo, c.ubatch_split, c.dtype) == (2, "none", True,
                                                                                               "balanced", "float16")
-    assert (c.dbo_decode_token_threshold, c.dbo_prefill_token_threshold, c.max_num_seqs, c.max_model_len) == (2, 8, 4, 128)
+    assert (c.dbo_decode_token_threshold, c.dbo_prefill_token_threshold) == (2, 8)
+    assert (c.max_num_seqs, c.max_model_len) == (4, 128)
     assert c.enforce_eager and c.disable_overlap_schedule and c.enable_single_batch_overlap
     assert (j.sampling.max_tokens, j.sampling.temperature, j.sampling.ignore_eos) == (3, 0.5, True)
     assert len(j.prompts) == 8 and all(len(p) == 16 for p in j.prompts)  # random prompt defaults
     f = tmp_path / "p.jsonl"
-    f.write_text('{"prompt": "hello"}\n\n{"prompt_token_ids": [5, 6]}\n')
-    assert job(["generate", "--prompts-file", str(f)]).prompts == ["hello", [5, 6]]
+    f.write_text('{"prompt_token_ids": [4]}\n\n{"prompt_token_ids": [5, 6]}\n')
+    assert job(["generate", "--prompts-file", str(f)]).prompts == [[4], [5, 6]]
 
 
 def test_random_prompts_deterministic_and_in_vocab() -> None:

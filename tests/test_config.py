@@ -37,7 +37,8 @@ def test_validation(kwargs: dict, field: str, msg: str) -> None:
 
 def test_defaults_and_normalisation() -> None:
     cfg = RunnerConfig()
-    assert (cfg.model, cfg.all2all_backend, cfg.ep_size, cfg.dispatch_tokens_per_rank) == ("tiny-qwen3-moe", "none", 1, 512)
+    assert (cfg.model, cfg.all2all_backend, cfg.ep_size) == ("tiny-qwen3-moe", "none", 1)
+    assert cfg.dispatch_tokens_per_rank == 512  # derived from max_num_batched_tokens
     assert RunnerConfig(dtype="half").dtype == "float16" and RunnerConfig(dtype="bf16").dtype == "bfloat16"
     assert RunnerConfig(data_parallel_size=2).all2all_backend == "none"  # DP without EP replicates experts
     assert RunnerConfig(emulate_link="latency_us=5,gbps=10").emulate_link == "latency_us=5,gbps=10"

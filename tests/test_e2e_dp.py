@@ -53,18 +53,16 @@ WORKLOADS = {
 SAMPLING = {"sampled": dict(temperature=0.8, top_p=0.9)}
 
 
-def run_workloads() -> dict | None:
-    """Rank body: every workload under every variant; rank 0 returns tokens and step counts."""
+def run_workloads() -> dict:
+    """Rank body: every workload under every variant; tokens and step counts as this rank sees them."""
     from runner.engine import LLM
     from runner.sampling import SamplingParams
 
     results: dict = {}
     settings = {tuple(sorted(w[0].items())) for w in WORKLOADS.values()}
-    rank = 0
     for variant, v in VARIANTS.items():
         for setting in sorted(settings):
             llm = LLM(**BASE, **v, **dict(setting))
-            rank = llm.rank
             for name, (eng, prompts, max_tokens) in WORKLOADS.items():
                 if tuple(sorted(eng.items())) != setting:
                     continue
@@ -76,12 +74,22 @@ def run_workloads() -> dict | None:
                                             "reasons": [o.finish_reason for o in outs],
                                             "steps": st.num_steps, "ubatched": st.num_ubatched_steps}
             llm.close()
-    return results if rank == 0 else None
+    return results
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return launch(run_workloads, 2, timeout_s=120)[0]
+def per_rank() -> list[dict]:
+    return launch(run_workloads, 2, timeout_s=120)
+
+
+@pytest.fixture(scope="module")
+def results(per_rank: list[dict]) -> dict:
+    return per_rank[0]
+
+
+def test_every_rank_gets_every_result_in_input_order(per_rank: list[dict]) -> None:
+    assert per_rank[0] == per_rank[1]
+    assert all(len(per_rank[0][(v, n)]["token_ids"]) == len(w[1]) for v in VARIANTS for n, w in WORKLOADS.items())
 
 
 @pytest.mark.parametrize("name", list(WORKLOADS))

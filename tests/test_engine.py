@@ -102,3 +102,31 @@ def test_progress_bar_only_on_a_tty(monkeypatch: pytest.MonkeyPatch) -> None:
     bar.close()
     assert llm._progress_bar(3, disable=True) is None
     llm.generate([[1, 2]], SamplingParams(max_tokens=2))  # the loop drives the bar without errors
+
+
+def test_text_prompts_with_a_real_tokenizer_and_model(tmp_path) -> None:
+    """A local model directory with tokenizer.json: text in, text out, through the real model runner."""
+    import shutil
+
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from runner.models.loader import resolve_model_path
+
+    src = resolve_model_path("tiny-qwen3-moe")
+    model_dir = tmp_path / "tiny-with-tokenizer"
+    model_dir.mkdir()
+    for f in ("config.json", "model.safetensors"):
+        shutil.copy(src / f, model_dir / f)
+    words = ["[UNK]", "the", "quick", "brown", "fox", "jumps"] + [f"w{i}" for i in range(100)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(model_dir / "tokenizer.json"))
+    llm = LLM(model=str(model_dir))
+    outs = llm.generate(["the quick brown fox", "jumps"], SamplingParams(max_tokens=3), disable_progress=True)
+    assert outs[0].prompt_token_ids == [1, 2, 3, 4] and outs[1].prompt_token_ids == [5]
+    for o in outs:
+        assert len(o.token_ids) == 3 and isinstance(o.text, str)
+        assert o.text == tok.decode(o.token_ids)
+    by_ids = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3))[0]
+    assert by_ids.token_ids == outs[0].token_ids and by_ids.text == outs[0].text  # ids in, text out too
+    llm.close()

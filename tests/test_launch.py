@@ -58,3 +58,15 @@ def test_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
     assert torchrun_env_present()
     monkeypatch.delenv("MASTER_PORT")
     assert not torchrun_env_present()
+
+
+def test_nccl_needs_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from runner.launch import check_gpus
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    check_gpus("gloo", 4)  # CPU ranks share the machine
+    check_gpus("nccl", 1)
+    with pytest.raises(RuntimeError, match="2 ranks on this host need 2 GPUs with NCCL, found 1"):
+        check_gpus("nccl", 2)

@@ -1,0 +1,143 @@
+"""CUDA graphs on one GPU: replay equals eager (DBO and plain graphs, with and without the emulated link),
+a replay makes zero ubatch handoffs, repeated capture/clear with the threads executor does not leak, and
+torch_ll over NCCL (one rank) captures with and without DBO. Skipped without a GPU (tests/conftest.py)."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+import cudagraph.manager as manager
+from cudagraph import Why
+from test_cudagraph_dispatch import DecodeBatches, make_runner
+from ubatch.context import UBatchContext
+
+pytestmark = pytest.mark.cuda
+
+LINK = "latency_us=20,gbps=100"
+GPU = dict(experts_backend="triton", max_num_seqs=16, dbo_decode_token_threshold=4, max_model_len=128,
+           block_size=16, num_kv_blocks=16 * 8)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def triton_on_the_gpu():
+    """conftest selects Triton's CPU interpreter for the CPU tests; graphs need the compiled kernels."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRITON_INTERPRET", "0")
+        yield
+
+
+def captured(link: str | None, dbo: bool = True, executor: str = "greenlet"):
+    runner = make_runner(executor, emulate_link=link, enable_dbo=dbo, **GPU)
+    batches = DecodeBatches(runner)
+    graph_runner = manager.maybe_make_graph_runner(runner)  # the real entry point: captures here
+    assert graph_runner is not None
+    return runner, batches, graph_runner
+
+
+@pytest.mark.parametrize("link", [None, LINK], ids=["none", "emulated"])
+@pytest.mark.parametrize("dbo", [True, False], ids=["dbo", "no-dbo"])
+def test_replay_equals_eager(link: str | None, dbo: bool) -> None:
+    runner, batches, gr = captured(link, dbo)
+    try:
+        assert any(k.ubatched for k in gr.graphs) is dbo
+        sizes = (1, 3, 4, 6, 8, 13, 16)
+        for n in sizes:
+            _, ref = batches.step(n)
+            padded, out = batches.step(n, gr)
+            assert padded >= n
+            torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3, msg=lambda m: f"{n} tokens: {m}")
+        assert gr.stats[Why.REPLAY] == len(sizes), dict(gr.stats)
+    finally:
+        gr.clear()
+        runner.close()
+
+
+def test_a_dbo_replay_makes_no_handoffs(monkeypatch: pytest.MonkeyPatch) -> None:
+    runner, batches, gr = captured(LINK)
+    try:
+        yields = {"n": 0}
+        original = UBatchContext.yield_
+
+        def counting(self: UBatchContext) -> None:
+            yields["n"] += 1
+            original(self)
+
+        monkeypatch.setattr(UBatchContext, "yield_", counting)
+        steps = runner.wrapper.num_ubatched_steps
+        batches.step(8, gr)
+        torch.cuda.synchronize()
+        assert gr.stats[Why.REPLAY] == 1
+        assert yields["n"] == 0 and runner.wrapper.num_ubatched_steps == steps
+        batches.step(8)  # the same step eager: the counter does see handoffs
+        assert yields["n"] > 0 and runner.wrapper.num_ubatched_steps == steps + 1
+    finally:
+        gr.clear()
+        runner.close()
+
+
+def test_capture_clear_cycles_with_threads_do_not_leak() -> None:
+    runner = make_runner("threads", emulate_link=LINK, **GPU)
+    try:
+        batches = DecodeBatches(runner)
+        gr = manager.make_graph_runner(runner, sizes=[2, 8], progress=False)
+        allocated = []
+        for _ in range(4):
+            gr.capture()
+            assert len(gr.warmed_threads) == 2
+            batches.step(8, gr)
+            gr.clear()
+            gc.collect()
+            torch.cuda.synchronize()
+            allocated.append(torch.cuda.memory_allocated())
+        assert allocated[1] == allocated[2] == allocated[3], allocated  # the first cycle may warm caches
+    finally:
+        runner.close()
+
+
+def test_torch_ll_over_nccl_is_capturable_with_and_without_dbo() -> None:
+    import torch.distributed as dist
+
+    from ubatch import UBatchSlice, UBatchWrapper, set_forward_context
+    from ubatch.distributed import new_ep_groups
+    from ubatch.forward_context import ForwardContext
+    from ubatch.modular_moe.config import MoEParallelConfig
+    from ubatch.modular_moe.layer import FusedMoE
+
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        parallel = MoEParallelConfig(all2all_backend="torch_ll", experts_backend="triton", ep_groups=new_ep_groups(2),
+                                     max_dispatch_tokens_per_rank=32)
+        layer = FusedMoE(8, 2, 64, 32, parallel=parallel).cuda()
+        g = torch.Generator(device="cuda").manual_seed(0)
+        for w in (layer.w13_weight, layer.w2_weight):
+            w.copy_(torch.randn(w.shape, generator=g, device="cuda") * 0.1)
+        x, logits = torch.randn(16, 64, device="cuda", generator=g), torch.randn(16, 8, device="cuda", generator=g)
+        wrapper = UBatchWrapper(layer)
+        slices = [UBatchSlice(slice(0, 8), slice(0, 8)), UBatchSlice(slice(8, 16), slice(8, 16))]
+
+        def plain() -> torch.Tensor:
+            return layer(x, logits)
+
+        def dbo() -> torch.Tensor:
+            return wrapper.run_ubatched(ForwardContext(ubatch_slices=slices), slices, (x, logits), {})
+
+        for fn in (plain, dbo):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()
+                fn()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = fn()
+            x.copy_(torch.randn(16, 64, device="cuda", generator=g))
+            graph.replay()
+            with set_forward_context():
+                ref = layer(x, logits)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{fn.__name__}: {m}")
+        wrapper.close()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,467 @@
+"""CUDA-graph logic that needs no GPU: capture sizes, padding, dispatch rules, capture rules, and the
+manager's plumbing run end to end on CPU with the eager replay double (buffers, per-ubatch metadata views,
+attention routing), compared against the eager runner."""
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+import cudagraph.manager as manager
+from cudagraph import (
+    BatchKind, CaptureRuleError, GraphKey, Why, capture_blocker, check_deepep_ll_rules, check_replay,
+    classify_batch, default_capture_sizes, pad_to_capture_size, parse_cuda_graph_sizes, plan_captures,
+    resolve_capture_sizes, select_graph, token_split,
+)
+from cudagraph.backends import EagerReplayBackend, deepep_ll_counter
+from runner import attention as eager_attention
+from runner import attention_graph as ga
+from runner.config import RunnerConfig
+from runner.dp import local_decision
+from runner.kv_cache import build_attention_metadata
+from ubatch.context import UBatchContext
+from ubatch.forward_context import set_forward_context
+from ubatch.slicing import maybe_create_ubatch_slices
+from ubatch.wrapper import UBatchConfig, UBatchWrapper
+
+REPO = Path(__file__).resolve().parents[1]
+UD, MIXED, DUMMY = BatchKind.UNIFORM_DECODE, BatchKind.MIXED, BatchKind.DUMMY
+
+
+# ---- sizes ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("max_size, expected", [
+    (1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]), (20, [1, 2, 4, 8, 16, 20]),
+    (40, [1, 2, 4, 8, 16, 24, 32, 40]),
+])
+def test_default_ladder(max_size: int, expected: list[int]) -> None:
+    assert default_capture_sizes(max_size) == expected
+
+
+def test_default_ladder_steps_by_16_past_256() -> None:
+    sizes = default_capture_sizes(300)
+    assert sizes[-5:] == [248, 256, 272, 288, 300] and sizes[:5] == [1, 2, 4, 8, 16]
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("1,2,4", [1, 2, 4]), ("4 2 2 1", [1, 2, 4]), (" 8, 1 ,2 ", [1, 2, 8]), ("16", [1, 2, 4, 8, 16]),
+])
+def test_parse_cuda_graph_sizes(text: str, expected: list[int]) -> None:
+    assert parse_cuda_graph_sizes(text) == expected
+
+
+@pytest.mark.parametrize("text, named", [("1,2,x", "'x'"), ("1,0", "0"), ("-3", "-3"), ("", "no sizes"),
+                                         ("2,1.5", "'1.5'")])
+def test_parse_cuda_graph_sizes_names_the_bad_value(text: str, named: str) -> None:
+    with pytest.raises(ValueError, match=named.replace(".", r"\.")):
+        parse_cuda_graph_sizes(text)
+
+
+def test_resolve_capture_sizes_clips_to_what_a_step_holds(caplog: pytest.LogCaptureFixture) -> None:
+    assert resolve_capture_sizes(None, max_num_seqs=20, max_num_batched_tokens=512) == [1, 2, 4, 8, 16, 20]
+    assert resolve_capture_sizes(None, max_num_seqs=64, max_num_batched_tokens=10) == [1, 2, 4, 8, 10]
+    with caplog.at_level(logging.WARNING, logger="ubatch.cudagraph"):
+        assert resolve_capture_sizes([4, 64, 1, 4], max_num_seqs=16, max_num_batched_tokens=512) == [1, 4]
+    assert "dropping CUDA graph sizes [64]" in caplog.text
+    assert resolve_capture_sizes("1,2", max_num_seqs=16, max_num_batched_tokens=512) == [1, 2]
+    with pytest.raises(ValueError, match="every size exceeds"):
+        resolve_capture_sizes([32, 64], max_num_seqs=16, max_num_batched_tokens=512)
+
+
+@pytest.mark.parametrize("n, padded", [(0, None), (1, 1), (3, 4), (4, 4), (5, 8), (17, 24), (32, 32), (33, None)])
+def test_pad_to_capture_size(n: int, padded: int | None) -> None:
+    assert pad_to_capture_size(n, [1, 2, 4, 8, 16, 24, 32]) == padded
+
+
+# ---- descriptors and plan ------------------------------------------------------------------------------
+@pytest.mark.parametrize("reqs, tokens, max_q, kind", [
+    (0, 1, 0, DUMMY), (4, 4, 1, UD), (1, 1, 1, UD), (4, 7, 4, MIXED), (3, 3, 2, MIXED)])
+def test_classify_batch(reqs: int, tokens: int, max_q: int, kind: BatchKind) -> None:
+    assert classify_batch(reqs, tokens, max_q) is kind
+
+
+@pytest.mark.parametrize("n, u, split", [(8, 2, (4, 4)), (9, 2, (4, 5)), (9, 3, (3, 3, 3)), (10, 3, (3, 3, 4))])
+def test_token_split_matches_the_runner_slicing(n: int, u: int, split: tuple[int, ...]) -> None:
+    assert token_split(n, u) == split
+    real = max(1, n - 1)
+    _, padded = maybe_create_ubatch_slices(True, [1] * real, n, real, u)
+    assert tuple(s.num_tokens for s in padded) == split
+
+
+def test_plan_one_graph_per_shape() -> None:
+    plain = plan_captures([1, 2, 4, 8], dbo_enabled=False, decode_threshold=4)
+    assert plain == [GraphKey(1), GraphKey(2), GraphKey(4), GraphKey(8)]
+    dbo = plan_captures([1, 2, 4, 8], dbo_enabled=True, decode_threshold=4)
+    # threshold - 1 is added so that 3 decode tokens (which do not ubatch) do not pad into a DBO-only graph
+    assert dbo == [GraphKey(1), GraphKey(2), GraphKey(3), GraphKey(4, (2, 2)), GraphKey(8, (4, 4))]
+    assert plan_captures([1, 2], dbo_enabled=True, decode_threshold=1) == [GraphKey(1), GraphKey(2, (1, 1))]
+    assert plan_captures([1, 2], dbo_enabled=True, decode_threshold=32) == [GraphKey(1), GraphKey(2)]
+
+
+# ---- dispatch rules ------------------------------------------------------------------------------------
+LADDER = plan_captures([1, 2, 4, 8, 16, 24, 32, 40, 48], dbo_enabled=True, decode_threshold=32)
+PLAIN_ONLY = plan_captures([8, 16], dbo_enabled=False, decode_threshold=32)
+
+
+@pytest.mark.parametrize("kind, n, ubatch, captured, min_real, why, key, padded", [
+    (UD, 5, False, LADDER, None, Why.REPLAY, GraphKey(8), 8),
+    (UD, 28, False, LADDER, None, Why.REPLAY, GraphKey(31), 31),  # just below the DBO threshold
+    (UD, 33, True, LADDER, None, Why.REPLAY, GraphKey(40, (20, 20)), 40),
+    (UD, 40, True, LADDER, 21, Why.REPLAY, GraphKey(40, (20, 20)), 40),
+    (MIXED, 8, False, LADDER, None, Why.MIXED, None, 8),  # vLLM #25625: never a decode graph for a mixed batch
+    (MIXED, 40, True, LADDER, None, Why.MIXED, None, 40),
+    (DUMMY, 1, False, LADDER, None, Why.DUMMY, None, 1),
+    (UD, 49, True, LADDER, None, Why.TOO_LARGE, None, 49),
+    (UD, 3, False, [], None, Why.TOO_LARGE, None, 3),
+    (UD, 33, False, LADDER, None, Why.DBO_ONLY, None, 33),  # DP aborted ubatching: eager, not a DBO graph
+    (UD, 8, True, PLAIN_ONLY, None, Why.NO_DBO_GRAPH, None, 8),
+    (UD, 32, True, LADDER, 16, Why.LAST_UBATCH_EMPTY, None, 32),  # another DP rank has only 16 real tokens
+])
+def test_select_graph(kind: BatchKind, n: int, ubatch: bool, captured: list[GraphKey], min_real: int | None,
+                      why: Why, key: GraphKey | None, padded: int) -> None:
+    d = select_graph(kind, n, ubatch, captured, min_real_tokens=min_real)
+    assert (d.why, d.key, d.num_tokens, d.replay) == (why, key, padded, key is not None)
+    assert d.detail
+
+
+def test_select_graph_disabled() -> None:
+    d = select_graph(UD, 8, False, LADDER, enabled=False)
+    assert (d.why, d.key, d.num_tokens) == (Why.DISABLED, None, 8)
+
+
+@pytest.mark.parametrize("key, n, sizes, why", [
+    (GraphKey(8), 8, None, None),
+    (GraphKey(8, (4, 4)), 8, (4, 4), None),
+    (GraphKey(8), 7, None, Why.NOT_PADDED),
+    (GraphKey(24, (12, 12)), 24, (10, 14), Why.SPLIT_MISMATCH),  # --ubatch-split balanced cut elsewhere
+    (GraphKey(8), 8, (4, 4), Why.SPLIT_MISMATCH),
+    (GraphKey(8, (4, 4)), 8, None, Why.SPLIT_MISMATCH),
+])
+def test_check_replay(key: GraphKey, n: int, sizes: tuple[int, ...] | None, why: Why | None) -> None:
+    d = check_replay(key, n, sizes)
+    assert (d.why if d else None) is why and (d is None or d.key is None)
+
+
+@pytest.mark.parametrize("a2a, experts, blocked", [
+    ("none", "triton", False), ("torch_ll", "triton", False), ("deepep_low_latency", "deep_gemm", False),
+    ("torch_ht", "triton", True), ("deepep_high_throughput", "triton", True), ("none", "torch", True)])
+def test_capture_blocker(a2a: str, experts: str, blocked: bool) -> None:
+    assert (capture_blocker(a2a, experts) is not None) is blocked
+
+
+@pytest.mark.parametrize("calls, ubatches, handles, error", [
+    (8, 2, 2, None), (4, 1, 2, None), (0, 2, 2, None), (7, 2, 2, "odd"), (8, 3, 3, "at most 2"),
+    (8, 2, 1, "one dispatch handle per ubatch")])
+def test_deepep_ll_capture_rules(calls: int, ubatches: int, handles: int, error: str | None) -> None:
+    if error is None:
+        check_deepep_ll_rules(calls, ubatches, handles)
+    else:
+        with pytest.raises(CaptureRuleError, match=error):
+            check_deepep_ll_rules(calls, ubatches, handles)
+
+
+def test_deepep_ll_counter_counts_and_restores() -> None:
+    class Buffer:
+        def low_latency_dispatch(self, x: int) -> int:
+            return x + 1
+
+        def low_latency_combine(self, x: int) -> int:
+            return x - 1
+
+    pf = SimpleNamespace(name="deepep_low_latency", buffer=Buffer(), handles=[None, None])
+    layer = torch.nn.Module()
+    layer.kernel = SimpleNamespace(prepare_finalize=pf)
+    model = torch.nn.Sequential(layer, torch.nn.Linear(2, 2))
+    with deepep_ll_counter(model) as ll:
+        assert pf.buffer.low_latency_dispatch(1) == 2 and pf.buffer.low_latency_combine(1) == 0
+        pf.buffer.low_latency_dispatch(5)
+    assert (ll.num_backends, ll.num_handles, ll.calls) == (1, 2, 3)
+    assert "low_latency_dispatch" not in vars(pf.buffer)  # the class method is back
+
+
+# ---- capturable attention vs the eager backend -----------------------------------------------------------
+def _decode_case(kv_shape: tuple[int, ...], n: int, padded: int, bs: int = 4, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = 40
+    cache = torch.randn((num_blocks + 1, bs, *kv_shape), generator=g)
+    ctx = torch.randint(1, 20, (n,), generator=g).tolist()
+    blocks = [list(range(i * 6, i * 6 + 6)) for i in range(n)]
+    meta = build_attention_metadata(ctx, [1] * n, blocks, bs, num_padded_tokens=padded)
+    buffers = ga.DecodeMetadataBuffers(16, 8, bs, null_block=num_blocks, device="cpu")
+    buffers.fill(meta, padded)
+    return cache, meta, buffers
+
+
+def test_graph_attention_equals_eager_on_real_rows_and_is_finite_on_padding() -> None:
+    cache, meta, buffers = _decode_case((2, 2, 8), n=5, padded=8)
+    q = torch.randn(8, 4, 8, generator=torch.Generator().manual_seed(1))
+    ref = eager_attention.paged_attention(q, cache, meta, 0.3)
+    out = ga.graph_paged_attention(q, cache, buffers.views(8)[0], 0.3)
+    torch.testing.assert_close(out[:5], ref[:5], rtol=1e-5, atol=1e-6)
+    assert torch.isfinite(out).all()
+    halves = [ga.graph_paged_attention(q[a:b], cache, m, 0.3) for (a, b), m in zip([(0, 4), (4, 8)],
+                                                                                   buffers.views(8, (4, 4)))]
+    torch.testing.assert_close(torch.cat(halves), out, rtol=0, atol=0)
+
+
+def test_graph_mla_attention_equals_eager() -> None:
+    lat, rope, heads, dn, dv = 16, 4, 2, 8, 8
+    cache, meta, buffers = _decode_case((lat + rope,), n=3, padded=4)
+    g = torch.Generator().manual_seed(2)
+    q_nope, q_rope = torch.randn(4, heads, dn, generator=g), torch.randn(4, heads, rope, generator=g)
+    w_uk, w_uv = torch.randn(heads, dn, lat, generator=g), torch.randn(heads, dv, lat, generator=g)
+    ref = eager_attention.paged_mla_attention(q_nope, q_rope, cache, meta, 0.2, w_uk, w_uv)
+    out = ga.graph_paged_mla_attention(q_nope, q_rope, cache, buffers.views(4)[0], 0.2, w_uk, w_uv)
+    torch.testing.assert_close(out[:3], ref[:3], rtol=1e-5, atol=1e-5)
+
+
+def test_padding_tokens_write_into_the_null_block_only() -> None:
+    cache, meta, buffers = _decode_case((2, 2, 8), n=3, padded=6)
+    before = cache.clone()
+    k = torch.randn(6, 2, 8)
+    ga.graph_write_kv(cache, buffers.slot_mapping[:6], k, k)
+    changed = (cache != before).flatten(1).any(dim=1).nonzero().flatten().tolist()
+    real_blocks = {int(s) // 4 for s in meta.slot_mapping[:3]}
+    assert set(changed) == real_blocks | {buffers.null_block}
+
+
+def test_decode_buffers_reject_what_a_graph_cannot_serve() -> None:
+    buffers = ga.DecodeMetadataBuffers(8, 4, 4, null_block=50, device="cpu")
+    prefill = build_attention_metadata([0], [3], [[0]], 4)
+    with pytest.raises(ValueError, match="not a uniform-decode batch"):
+        buffers.fill(prefill, 4)
+    decode = build_attention_metadata([2, 2], [1, 1], [[0], [1]], 4)
+    with pytest.raises(ValueError, match="cannot pad 2"):
+        buffers.fill(decode, 9)
+    with pytest.raises(ValueError, match="do not add up"):
+        buffers.views(8, (3, 4))
+
+
+def test_capturable_attention_restores_the_model_modules_on_error() -> None:
+    import runner.models.qwen3_moe as qwen
+
+    class Probe(torch.nn.Module):
+        pass
+
+    Probe.__module__ = qwen.__name__  # a layer "defined" in the model module that calls runner.attention
+    model = torch.nn.Sequential(Probe())
+    write_kv, paged_attention = eager_attention.write_kv, eager_attention.paged_attention
+    with pytest.raises(KeyError):
+        with ga.capturable_attention(model) as rerouted:  # qwen3_moe's two names + runner.attention's three
+            assert rerouted == 5 and qwen.write_kv is not write_kv and eager_attention.write_kv is not write_kv
+            raise KeyError("boom")
+    assert qwen.write_kv is write_kv and qwen.paged_attention is paged_attention
+    assert eager_attention.write_kv is write_kv
+
+
+# ---- the manager end to end on CPU (eager replay double) -------------------------------------------------
+def make_runner(executor: str = "greenlet", **overrides):
+    from runner.model_runner import ModelRunner
+
+    cfg = dict(enable_dbo=True, dbo_decode_token_threshold=4, max_num_seqs=16, max_model_len=64,
+               max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16)
+    cfg.update(overrides)
+    runner = ModelRunner(RunnerConfig(**cfg))
+    if executor != "greenlet" and runner.wrapper is not None:
+        runner.wrapper.close()
+        runner.wrapper = UBatchWrapper(runner.model, UBatchConfig(2, executor=executor), runner.device)
+    return runner
+
+
+class DecodeBatches:
+    """Requests with random context already in the KV cache; builds decode steps the way the runner does."""
+
+    def __init__(self, runner, num_reqs: int = 12, seed: int = 0) -> None:
+        self.runner, bs = runner, runner.block_size
+        per = runner.max_model_len // bs
+        self.blocks = [list(range(i * per, (i + 1) * per)) for i in range(num_reqs)]
+        g = torch.Generator().manual_seed(seed)
+        self.ctx = torch.randint(3, runner.max_model_len // 2, (num_reqs,), generator=g).tolist()
+        for i, c in enumerate(self.ctx):
+            meta = build_attention_metadata([0], [c], [self.blocks[i]], bs, runner.device)
+            with set_forward_context(attn_metadata=meta):
+                runner.model(input_ids=torch.randint(0, 500, (c,), generator=g).to(runner.device),
+                             positions=meta.positions)
+
+    def step(self, n: int, graph_runner=None, ubatch: bool | None = None, split_point=None):
+        """(padded tokens, hidden[:n]) — exactly the integration lines proposed for ModelRunner._forward."""
+        r = self.runner
+        vote = r.cfg.enable_dbo and n >= r.cfg.dbo_decode_token_threshold if ubatch is None else ubatch
+        decision = local_decision(n, vote, 2)
+        padded = decision.num_tokens_padded if graph_runner is None else \
+            graph_runner.padded_num_tokens(n, True, decision)
+        meta = build_attention_metadata(self.ctx[:n], [1] * n, self.blocks[:n], r.block_size, r.device,
+                                        num_padded_tokens=padded)
+        r.input_ids[:padded].zero_()
+        r.input_ids[:n].copy_(torch.arange(7, 7 + n))
+        r.positions[:padded].copy_(meta.positions)
+        slices = None
+        if decision.should_ubatch:
+            _, slices = maybe_create_ubatch_slices(True, np.ones(n, dtype=np.int64), padded, n, 2, split_point)
+        model = r.wrapper if r.wrapper is not None else r.model
+        with set_forward_context(attn_metadata=meta, ubatch_slices=slices):
+            hidden = NotImplemented if graph_runner is None else \
+                graph_runner.try_replay(meta, slices, r.input_ids[:padded], r.positions[:padded])
+            if hidden is NotImplemented:
+                hidden = model(input_ids=r.input_ids[:padded], positions=r.positions[:padded])
+        return padded, hidden[:n].clone()
+
+
+@pytest.fixture(scope="module")
+def qwen_runner():
+    runner = make_runner()
+    yield runner, DecodeBatches(runner)
+    runner.close()
+
+
+def test_replay_plumbing_matches_eager_with_and_without_dbo(qwen_runner, caplog) -> None:
+    runner, batches = qwen_runner
+    gr = manager.make_graph_runner(runner, sizes=[1, 2, 4, 8, 12], backend=EagerReplayBackend(), num_warmups=1,
+                                   progress=False)
+    calls = {"graph": 0}
+    original = ga.graph_paged_attention
+
+    def counting(*args, **kwargs):
+        calls["graph"] += 1
+        return original(*args, **kwargs)
+
+    ga.graph_paged_attention = counting
+    try:
+        with caplog.at_level(logging.INFO, logger="ubatch.cudagraph"):
+            report = gr.capture()
+    finally:
+        ga.graph_paged_attention = original
+    assert "captured 6 CUDA graphs (decode sizes [1, 2, 3], DBO sizes [4, 8, 12])" in caplog.text
+    assert report.keys == sorted(gr.graphs) and calls["graph"] > 0
+    assert len(gr.warmed_threads) == 1  # greenlet executor: every ubatch launches from one worker thread
+    for n, padded in [(1, 1), (3, 3), (4, 4), (5, 8), (8, 8), (9, 12), (12, 12)]:
+        _, ref = batches.step(n)
+        got_padded, out = batches.step(n, gr)
+        assert got_padded == padded
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert gr.stats == {Why.REPLAY: 7}
+    # 8 decode tokens that DP did not agree to ubatch: size 8 only has a DBO graph -> eager (vLLM downgrade)
+    _, ref = batches.step(8, ubatch=False)
+    padded, out = batches.step(8, gr, ubatch=False)
+    assert padded == 8 and gr.stats[Why.DBO_ONLY] == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # a balanced split that cuts elsewhere than the captured graph runs eager
+    _, out = batches.step(8, gr, split_point=[3])
+    assert gr.stats[Why.SPLIT_MISMATCH] == 1
+    gr.clear()
+    assert not gr.graphs
+
+
+def test_mixed_batches_never_replay_and_the_wrapper_hook_replays_dbo(qwen_runner) -> None:
+    runner, batches = qwen_runner
+    gr = manager.make_graph_runner(runner, sizes=[4, 8], backend=EagerReplayBackend(), num_warmups=0,
+                                   progress=False)
+    gr.capture()
+    mixed = build_attention_metadata([0, 5], [3, 1], batches.blocks[:2], runner.block_size, num_padded_tokens=4)
+    assert gr.try_replay(mixed, None, runner.input_ids[:4], runner.positions[:4]) is NotImplemented
+    assert gr.stats[Why.MIXED] == 1
+    _, ref = batches.step(8)
+    runner.wrapper.graph_runner = gr.wrapper_hook
+    try:
+        _, out = batches.step(8)  # no explicit try_replay: the wrapper consults its hook
+    finally:
+        runner.wrapper.graph_runner = None
+    assert gr.stats[Why.REPLAY] == 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_capture_names_the_graph_and_leaves_nothing_behind(qwen_runner) -> None:
+    runner, _ = qwen_runner
+
+    class FailSecond(EagerReplayBackend):
+        calls = 0
+
+        def capture(self, fn, pool, stream):
+            FailSecond.calls += 1
+            if FailSecond.calls == 2:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            return super().capture(fn, pool, stream)
+
+    gr = manager.make_graph_runner(runner, sizes=[1, 8], backend=FailSecond(), num_warmups=0, progress=False)
+    with pytest.raises(RuntimeError, match=r"graph for 3 failed: operation not permitted.*--enforce-eager"):
+        gr.capture()
+    assert not gr.graphs
+    gr.backend = EagerReplayBackend()
+    gr.capture()
+    with pytest.raises(RuntimeError, match="already captured"):
+        gr.capture()
+
+
+def test_threads_executor_warms_every_ubatch_thread_and_replays_mla() -> None:
+    runner = make_runner("threads", model="tiny-deepseek-v3")
+    try:
+        batches = DecodeBatches(runner, num_reqs=8)
+        gr = manager.make_graph_runner(runner, sizes=[2, 8], backend=EagerReplayBackend(), num_warmups=0,
+                                       progress=False)
+        gr.capture()
+        assert len(gr.warmed_threads) == 2
+        for n in (2, 6, 8):
+            _, ref = batches.step(n)
+            _, out = batches.step(n, gr)
+            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert gr.stats == {Why.REPLAY: 3}
+    finally:
+        runner.close()
+
+
+def test_eager_dbo_handoffs_are_countable(qwen_runner, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counter the CUDA test uses to prove a replay does zero handoffs does see eager ones."""
+    runner, batches = qwen_runner
+    count = {"yields": 0}
+    original = UBatchContext.yield_
+
+    def counting(self):
+        count["yields"] += 1
+        return original(self)
+
+    monkeypatch.setattr(UBatchContext, "yield_", counting)
+    steps = runner.wrapper.num_ubatched_steps
+    batches.step(8)
+    assert count["yields"] > 0 and runner.wrapper.num_ubatched_steps == steps + 1
+
+
+def test_null_block_is_reserved_past_the_scheduler_range(qwen_runner) -> None:
+    runner, _ = qwen_runner
+    block = manager.ensure_null_block(runner)
+    assert block == runner.num_kv_blocks
+    assert all(m.kv_cache.shape[0] == runner.num_kv_blocks + 1
+               for m in runner.model.modules() if isinstance(getattr(m, "kv_cache", None), torch.Tensor))
+
+
+# ---- runner integration entry point --------------------------------------------------------------------
+def test_maybe_make_graph_runner_is_eager_on_cpu_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
+    manager._LOGGED.clear()
+    fake = SimpleNamespace(cfg=RunnerConfig(), device=torch.device("cpu"))
+    with caplog.at_level(logging.INFO, logger="ubatch.cudagraph"):
+        assert manager.maybe_make_graph_runner(fake) is None
+        assert manager.maybe_make_graph_runner(fake) is None
+        assert manager.maybe_make_graph_runner(SimpleNamespace(cfg=RunnerConfig(enforce_eager=True),
+                                                               device=torch.device("cpu"))) is None
+    assert [r.getMessage() for r in caplog.records] == ["CUDA graphs need a GPU: running eager"]
+
+
+def test_maybe_make_graph_runner_refuses_uncapturable_backends(caplog: pytest.LogCaptureFixture) -> None:
+    manager._LOGGED.clear()
+    fake = SimpleNamespace(cfg=RunnerConfig(experts_backend="torch"), device=torch.device("cuda", 0))
+    with caplog.at_level(logging.WARNING, logger="ubatch.cudagraph"):
+        assert manager.maybe_make_graph_runner(fake) is None
+    assert "CUDA graphs disabled: experts backend torch" in caplog.text and "nonzero" in caplog.text
+
+
+def test_bench_exits_with_a_clear_message_without_a_gpu() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("has a GPU")
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_cudagraph.py")], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode != 0 and "needs a CUDA GPU" in proc.stderr
+    assert "Traceback" not in proc.stderr
