@@ -7,7 +7,6 @@ the other. Usage: ``python benchmarks/bench_handoff.py [--handoffs 20000] [--rep
 from __future__ import annotations
 
 import argparse
-import csv
 import multiprocessing as mp
 import os
 import statistics
@@ -20,6 +19,9 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import write_csv  # noqa: E402
 
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, dbo_yield, set_forward_context  # noqa: E402
 
@@ -155,12 +157,7 @@ def main() -> None:
             rows.append({"mechanism": name, "condition": cond, "us_per_handoff": round(us, 3),
                          "event_pair_over_this": round(ratio, 2)})
             print(f"{name:36s} | {cond:15s} | {us:10.2f} | {ratio:16.1f}x")
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.csv}")
+    write_csv(rows, args.csv)
 
 
 if __name__ == "__main__":

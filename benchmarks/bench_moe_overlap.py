@@ -14,7 +14,6 @@ Usage: ``python benchmarks/bench_moe_overlap.py [--tokens 256] [--layers 4] [--r
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -24,6 +23,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import write_csv  # noqa: E402
 
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context  # noqa: E402
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
@@ -227,11 +229,7 @@ def main() -> None:
     print(" | ".join(f"{h:>{max(len(h), 8)}s}" for h, _, _ in cols))
     for r in rows:
         print(" | ".join(f"{fmt.format(r[k]):>{max(len(h), 8)}s}" for h, k, fmt in cols))
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write_csv(rows, args.csv)
     plot(rows, args.png)
     print(f"wrote {args.csv} and {args.png}")
 

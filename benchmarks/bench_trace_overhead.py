@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import os
 import statistics
 import sys
@@ -21,6 +20,9 @@ from typing import Callable
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import write_csv  # noqa: E402
 
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, dbo_yield, set_forward_context, trace  # noqa: E402
 
@@ -101,12 +103,7 @@ def main() -> None:
         rows.append({"what": name, "off_us": round(off, 3), "on_us": round(on, 3), "added_us": round(on - off, 3),
                      "on_over_off": round(on / off, 2)})
         print(f"{name:28s} | {off:8.3f} | {on:8.3f} | {on - off:11.3f} | {on / off:7.2f}x")
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {args.csv}")
+    write_csv(rows, args.csv)
 
 
 if __name__ == "__main__":

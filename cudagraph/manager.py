@@ -60,7 +60,12 @@ class CaptureReport:
 
 
 class GraphRunner:
-    """Owns the capture sizes, the persistent metadata buffers, one memory pool and the graphs."""
+    """Owns the capture plan, the persistent metadata buffers, one memory pool and the graphs.
+
+    Per step the runner calls :meth:`padded_num_tokens` (how many tokens to build the step with) and then
+    :meth:`try_replay` (the output, or ``NotImplemented`` to run eager). Input ids and positions are the
+    runner's own persistent buffers, so a replay copies nothing but the attention metadata.
+    """
 
     def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, *,
                  block_size: int, max_model_len: int, null_block: int, sizes: Sequence[int],
@@ -90,6 +95,12 @@ class GraphRunner:
 
     # ---- capture ---------------------------------------------------------------------------------------
     def capture(self) -> CaptureReport:
+        """Capture every planned graph (tqdm bar; one INFO line with sizes, seconds and graph memory).
+
+        Run it before serving: it temporarily reroutes the model's attention functions, so it must not
+        overlap an eager step on another thread. With DP every rank captures the same plan in the same
+        order, so the collectives inside warm-ups and captures pair up.
+        """
         if self.graphs:
             raise RuntimeError("graphs are already captured; call clear() first")
         from tqdm import tqdm
@@ -199,6 +210,7 @@ class GraphRunner:
                             min_real_tokens=min_real, num_ubatches=self.num_ubatches).num_tokens
 
     def dispatch(self, meta: Any, slices: Sequence[UBatchSlice] | None, num_tokens: int) -> Dispatch:
+        """The decision for a step already built with ``num_tokens`` tokens (kind read from its metadata)."""
         if not isinstance(meta, CommonAttentionMetadata):
             return Dispatch(None, num_tokens, Why.MIXED, "no common attention metadata to refill the graph from")
         kind = classify_batch(meta.num_reqs, meta.num_actual_tokens, meta.max_query_len)

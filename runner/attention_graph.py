@@ -105,13 +105,13 @@ class DecodeMetadataBuffers:
                              f"max_query_len={meta.max_query_len}")
         if not n <= num_tokens <= self.max_reqs:
             raise ValueError(f"cannot pad {n} decode requests to {num_tokens} rows (buffers hold {self.max_reqs})")
-        width = meta.block_table.shape[1]
-        if width > self.max_blocks:
-            raise ValueError(f"a request holds {width} blocks; the graph buffers allow {self.max_blocks} "
-                             "(max_model_len / block_size)")
+        if meta.max_seq_len > self.max_blocks * self.block_size:
+            raise ValueError(f"a request of {meta.max_seq_len} tokens exceeds the graph buffers' "
+                             f"{self.max_blocks * self.block_size} (max_model_len)")
+        width = min(meta.block_table.shape[1], self.max_blocks)  # columns past the longest request are unread
         self.seq_lens[:n].copy_(meta.seq_lens[:n])
         self.seq_lens[n:num_tokens].fill_(1)
-        self.block_table[:n, :width].copy_(meta.block_table[:n])
+        self.block_table[:n, :width].copy_(meta.block_table[:n, :width])
         self.block_table[:n, width:].fill_(self.null_block)
         self.block_table[n:num_tokens].fill_(self.null_block)
         self.slot_mapping[:n].copy_(meta.slot_mapping[:n])

@@ -24,6 +24,14 @@ from typing import Any, Sequence
 from runner.config import DTYPES, UBATCH_SPLITS, ConfigError, RunnerConfig, all2all_backends, config_fields, \
     experts_backends, make_config
 from runner.sampling import SamplingParams
+from cudagraph.sizes import parse_cuda_graph_sizes
+
+
+def _cuda_graph_sizes(text: str) -> list[int]:
+    try:
+        return parse_cuda_graph_sizes(text)
+    except ValueError as e:  # argparse would print only "invalid value" for a plain ValueError
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +57,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add("--num-kv-blocks", type=int, metavar="N", help="default: sized for --max-num-seqs requests")
     add("--max-dispatch-tokens-per-rank", type=int, metavar="N", help="default: --max-num-batched-tokens")
     add("--enforce-eager", action="store_true", default=None)
+    add("--cuda-graph-sizes", type=_cuda_graph_sizes, metavar="SIZES",
+        help="decode batch sizes to capture, e.g. '1,2,4,8' (one value N: the ladder up to N); GPU only")
     add("--disable-overlap-schedule", action="store_true", default=None)
     add("--enable-single-batch-overlap", action="store_true", default=None)
     add("--dist-timeout-s", type=float, metavar="S", help="timeout of every collective (a dead peer's detection)")

@@ -83,6 +83,7 @@ class RunnerConfig:
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs * max_model_len
     max_dispatch_tokens_per_rank: int | None = None  # None: derived from max_num_batched_tokens
     enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None  # None: a vLLM-like ladder up to --max-num-seqs
     disable_overlap_schedule: bool = False
     enable_single_batch_overlap: bool = False
     dist_timeout_s: float = 120.0
@@ -103,6 +104,12 @@ class RunnerConfig:
         for name in ("max_model_len", "num_kv_blocks", "max_dispatch_tokens_per_rank"):
             _int(name, getattr(self, name), 1, optional=True)
         _int("seed", self.seed, 0)
+        if self.cuda_graph_sizes is not None:
+            sizes = self.cuda_graph_sizes
+            if not isinstance(sizes, (list, tuple)) or not sizes or any(
+                    isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in sizes):
+                raise ConfigError("cuda_graph_sizes", f"cuda_graph_sizes must be a non-empty list of positive "
+                                                      f"integers, got {sizes!r}")
         for name in ("enable_expert_parallel", "enable_dbo", "enforce_eager", "disable_overlap_schedule",
                      "enable_single_batch_overlap"):
             if not isinstance(getattr(self, name), bool):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from cudagraph import maybe_make_graph_runner
 from runner.dp import DPDecision, coordinate_batch_across_dp, local_decision
 from runner.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata
 from runner.models.loader import load_model
@@ -66,7 +67,8 @@ class ModelRunner:
         self.num_kv_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * blocks_needed(min(self.max_model_len, 1024),
                                                                                      self.block_size)
         dtype = next(self.model.parameters()).dtype
-        self.model.bind_kv_caches(allocate_kv_caches(self.model.kv_cache_specs(), self.num_kv_blocks,
+        # One block more than the scheduler hands out: the null block that padded graph slots write to.
+        self.model.bind_kv_caches(allocate_kv_caches(self.model.kv_cache_specs(), self.num_kv_blocks + 1,
                                                      self.block_size, dtype, self.device))
         self.wrapper = UBatchWrapper(self.model, UBatchConfig(NUM_UBATCHES, handoff_timeout_s=cfg.dist_timeout_s),
                                      self.device) if cfg.enable_dbo else None
@@ -76,6 +78,7 @@ class ModelRunner:
         self.num_steps = 0
         self.num_ubatched_steps = 0
         self.num_dummy_steps = 0
+        self.graph_runner = maybe_make_graph_runner(self)  # None on CPU / --enforce-eager; captures on GPU
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _dp_group(self) -> Any:
@@ -137,7 +140,9 @@ class ModelRunner:
     def _forward(self, sched: SchedulerOutput, decision: DPDecision,
                  split_point: list[int] | int | None) -> tuple[torch.Tensor, Any]:
         chunks = sched.chunks
-        n, padded = sched.num_tokens, decision.num_tokens_padded
+        n = sched.num_tokens
+        padded = decision.num_tokens_padded if self.graph_runner is None else \
+            self.graph_runner.padded_num_tokens(n, sched.is_uniform_decode, decision)
         if padded > self.max_tokens_per_step:
             raise ValueError(f"step of {padded} tokens exceeds --max-num-batched-tokens={self.max_tokens_per_step}")
         query_lens = [len(c.token_ids) for c in chunks]
@@ -154,7 +159,10 @@ class ModelRunner:
                                                    split_point)
         model = self.wrapper if self.wrapper is not None else self.model
         with set_forward_context(attn_metadata=meta, ubatch_slices=slices):
-            hidden = model(input_ids=self.input_ids[:padded], positions=self.positions[:padded])
+            hidden = NotImplemented if self.graph_runner is None else self.graph_runner.try_replay(
+                meta, slices, self.input_ids[:padded], self.positions[:padded])
+            if hidden is NotImplemented:
+                hidden = model(input_ids=self.input_ids[:padded], positions=self.positions[:padded])
         if slices is not None:
             self.num_ubatched_steps += 1
         return hidden, meta
@@ -180,6 +188,8 @@ class ModelRunner:
         return out
 
     def close(self) -> None:
+        if self.graph_runner is not None:
+            self.graph_runner.clear()
         if self.wrapper is not None:
             self.wrapper.close()
 

@@ -59,10 +59,7 @@ class MoEStack(torch.nn.Module):
         self.layers = torch.nn.ModuleList()
         for w13, w2 in zip(weights.w13, weights.w2):
             layer = FusedMoE(experts, weights.top_k, hidden, inter, parallel=parallel)
-            for e in range(experts):
-                layer.load_expert_weight(e, "gate", w13[e, :inter])
-                layer.load_expert_weight(e, "up", w13[e, inter:])
-                layer.load_expert_weight(e, "down", w2[e])
+            layer.load_fused_experts(w13, w2)
             self.layers.append(layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

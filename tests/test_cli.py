@@ -44,6 +44,7 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     (["--random-range-ratio", "1.5"], "argument --random-range-ratio:"),
     (["--model", "no-such-model"], "argument --model: model 'no-such-model' is neither a local directory"),
     (["--prompts-file", "/nonexistent/p.jsonl"], "argument --prompts-file: cannot read '/nonexistent/p.jsonl'"),
+    (["--cuda-graph-sizes", "1,2,x"], "argument --cuda-graph-sizes: --cuda-graph-sizes: 'x' is not an integer"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], expected: str, capsys: pytest.CaptureFixture) -> None:
     err = usage_error(["generate", *argv], capsys)

@@ -181,10 +181,7 @@ class SharedMoEStack(torch.nn.Module):
         for w13, w2, (gu, down) in zip(weights.w13, weights.w2, shared):
             layer = FusedMoE(experts, weights.top_k, hidden, inter, parallel=parallel,
                              shared_experts=SharedMLP(gu, down, log))
-            for e in range(experts):
-                layer.load_expert_weight(e, "gate", w13[e, :inter])
-                layer.load_expert_weight(e, "up", w13[e, inter:])
-                layer.load_expert_weight(e, "down", w2[e])
+            layer.load_fused_experts(w13, w2)
             self.layers.append(layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -40,10 +40,7 @@ class AttnMoE(nn.Module):
         for w13, w2 in zip(weights.w13, weights.w2):
             shared = nn.Linear(hidden, hidden, bias=False)
             layer = FusedMoE(experts, weights.top_k, hidden, inter, parallel=parallel, shared_experts=shared)
-            for e in range(experts):
-                layer.load_expert_weight(e, "gate", w13[e, :inter])
-                layer.load_expert_weight(e, "up", w13[e, inter:])
-                layer.load_expert_weight(e, "down", w2[e])
+            layer.load_fused_experts(w13, w2)
             self.layers.append(layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,8 @@ from runner.attention import paged_mla_attention, write_kv
 from runner.kv_cache import KVCacheSpec
 from runner.models.configs import DeepseekV2Config
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
-from runner.models.qwen3_moe import check_and_bind, current_attn_metadata
-from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
+from runner.models.base import MoECausalLM, current_attn_metadata
+from runner.models.weights import WeightSpec
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
 
@@ -131,43 +131,19 @@ class DeepseekV2Model(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
-class DeepseekV2ForCausalLM(nn.Module):
+class DeepseekV2ForCausalLM(MoECausalLM):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
 
     def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.config = config
-        self.parallel = parallel or MoEParallelConfig()
+        super().__init__(config, parallel, dtype)
         self.model = DeepseekV2Model(config, self.parallel, dtype)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope,
                                           interleaved=bool(config.rope_interleave))
-        self._spec: WeightSpec | None = None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(positions, hidden, self.rotary_emb, cos, sin)
-        return self.model.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         c = self.config
         return [KVCacheSpec.mla(c.kv_lora_rank, c.qk_rope_head_dim)] * c.num_hidden_layers
-
-    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        check_and_bind(list(self.model.layers), caches, self.kv_cache_specs())
-
-    def weight_spec(self) -> WeightSpec:
-        if self._spec is None:
-            self._spec = self._build_spec()
-        return self._spec
 
     def _build_spec(self) -> WeightSpec:
         c = self.config
@@ -220,12 +196,6 @@ class DeepseekV2ForCausalLM(nn.Module):
                           num_extra_layers=c.num_nextn_predict_layers, tied_lm_head=c.tie_word_embeddings,
                           rename=rename)
 
-    def wants_weight(self, name: str) -> bool:
-        """Lets the loader skip reading tensors this EP rank does not keep (and MTP layers)."""
-        return wants_weight(self.weight_spec(), name)
-
-    def load_weights(self, weights) -> None:  # noqa: ANN001 - Iterable[tuple[str, torch.Tensor]]
-        load_hf_weights(self, self.weight_spec(), weights)
 
 
 class DeepseekV3ForCausalLM(DeepseekV2ForCausalLM):

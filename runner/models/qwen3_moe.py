@@ -7,36 +7,16 @@ two DBO ubatch threads run these same module objects alternately, each with its 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from runner.attention import paged_attention, write_kv
 from runner.kv_cache import KVCacheSpec
 from runner.models.configs import Qwen3MoeConfig
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
-from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
-from ubatch.forward_context import get_forward_context
+from runner.models.base import MoECausalLM, current_attn_metadata
+from runner.models.weights import WeightSpec
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
-
-
-def current_attn_metadata():  # noqa: ANN201 - CommonAttentionMetadata, kept loose for custom backends
-    """This (micro)batch's attention metadata; a clear error when a model is called outside a step."""
-    meta = get_forward_context().attn_metadata
-    if meta is None:
-        raise RuntimeError("the forward context has no attn_metadata; build one per (micro)batch")
-    return meta
-
-
-def check_and_bind(layers: list[nn.Module], caches: list[torch.Tensor], specs: list[KVCacheSpec]) -> None:
-    """Attach one cache tensor per layer after checking its per-token shape against the layer's spec."""
-    if len(caches) != len(layers):
-        raise ValueError(f"got {len(caches)} KV caches for {len(layers)} layers")
-    for i, (layer, cache, spec) in enumerate(zip(layers, caches, specs)):
-        if tuple(cache.shape[2:]) != spec.per_token_shape:
-            raise ValueError(f"KV cache {i} has per-token shape {tuple(cache.shape[2:])}, "
-                             f"expected {spec.per_token_shape}")
-        layer.self_attn.kv_cache = cache
 
 
 class Qwen3MoeAttention(nn.Module):
@@ -113,42 +93,18 @@ class Qwen3MoeModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
-class Qwen3MoeForCausalLM(nn.Module):
+class Qwen3MoeForCausalLM(MoECausalLM):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
 
     def __init__(self, config: Qwen3MoeConfig, parallel: MoEParallelConfig | None = None,
                  dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.config = config
-        self.parallel = parallel or MoEParallelConfig()
+        super().__init__(config, parallel, dtype)
         self.model = Qwen3MoeModel(config, self.parallel, dtype)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
-            config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, interleaved=False)
-        self._spec: WeightSpec | None = None
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
-        for layer in self.model.layers:
-            hidden = layer(positions, hidden, self.rotary_emb, cos, sin)
-        return self.model.norm(hidden)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         c = self.config
         return [KVCacheSpec.mha(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers
-
-    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
-        check_and_bind(list(self.model.layers), caches, self.kv_cache_specs())
-
-    def weight_spec(self) -> WeightSpec:
-        if self._spec is None:
-            self._spec = self._build_spec()
-        return self._spec
 
     def _build_spec(self) -> WeightSpec:
         c = self.config
@@ -180,10 +136,3 @@ class Qwen3MoeForCausalLM(nn.Module):
                           moe_intermediate_size=c.moe_intermediate_size, hidden_size=h, moe_layers=moe_layers,
                           local_experts=self.parallel.local_expert_range(c.num_experts),
                           tied_lm_head=c.tie_word_embeddings)
-
-    def wants_weight(self, name: str) -> bool:
-        """Lets the loader skip reading tensors this EP rank does not keep."""
-        return wants_weight(self.weight_spec(), name)
-
-    def load_weights(self, weights) -> None:  # noqa: ANN001 - Iterable[tuple[str, torch.Tensor]]
-        load_hf_weights(self, self.weight_spec(), weights)

@@ -74,6 +74,17 @@ class FusedMoE(nn.Module):
             target.copy_(weight)
         return True
 
+    def load_fused_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Load every expert from full fused tensors ``w13 [E, 2I, H]``, ``w2 [E, H, I]``; keeps the local ones."""
+        if w13.shape[0] != self.num_experts or w2.shape[0] != self.num_experts:
+            raise ValueError(f"expected weights for {self.num_experts} experts, got w13 {tuple(w13.shape)} and "
+                             f"w2 {tuple(w2.shape)}")
+        i = self.intermediate_size
+        for e in self.local_expert_range:
+            self.load_expert_weight(e, "gate", w13[e, :i])
+            self.load_expert_weight(e, "up", w13[e, i:])
+            self.load_expert_weight(e, "down", w2[e])
+
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         topk_weights, topk_ids = select_experts(
             router_logits, self.top_k, self.renormalize, scoring_func=self.scoring_func,

@@ -51,7 +51,9 @@ def moe_align_block_size(
     order = torch.sort(key, stable=True)[1]
     sorted_key = key[order]
 
-    counts = torch.bincount(key, minlength=num_experts + 1)[:num_experts]
+    # scatter_add, not bincount: bincount reads min/max on the host, which breaks CUDA-graph capture.
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=key.device).scatter_add_(
+        0, key, torch.ones_like(key))[:num_experts]
     padded_counts = (counts + block_size - 1) // block_size * block_size
     raw_starts = torch.cumsum(counts, 0) - counts
     padded_ends = torch.cumsum(padded_counts, 0)

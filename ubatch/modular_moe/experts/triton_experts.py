@@ -242,7 +242,7 @@ class TritonExperts(MoEExperts):
         in_use = slot.unsqueeze(0) < counts.unsqueeze(1)
         sorted_ids = torch.where(in_use, flat_ids, num_slots).to(torch.int32).reshape(-1)
         expert_ids = torch.arange(num_experts, device=device, dtype=torch.int32).repeat_interleave(blocks_per_expert)
-        num_post_pad = torch.tensor([sorted_ids.numel()], dtype=torch.int32, device=device)
+        num_post_pad = torch.full((1,), sorted_ids.numel(), dtype=torch.int32, device=device)  # no H2D copy
         out = torch.zeros((num_slots, hidden_size), dtype=hidden.dtype, device=device)
         self._run(hidden.reshape(num_slots, hidden_size), 1, w13, w2, None, out,
                   sorted_ids, expert_ids, num_post_pad, num_slots, inter)

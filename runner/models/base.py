@@ -1,0 +1,86 @@
+"""What every causal-LM shell here shares: embed -> decoder layers -> norm, logits, KV binding, weight loading.
+
+A subclass builds ``self.model`` (with ``embed_tokens``, ``layers``, ``norm``) and ``self.rotary_emb``, and says
+what differs: its per-layer KV-cache shape (``kv_cache_specs``) and its checkpoint layout (``_build_spec``).
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runner.kv_cache import KVCacheSpec
+from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
+from ubatch.forward_context import get_forward_context
+from ubatch.modular_moe.config import MoEParallelConfig
+
+
+def current_attn_metadata() -> Any:
+    """This (micro)batch's attention metadata; a clear error when a model is called outside a step.
+
+    Read on every call, never cached on a module: the DBO ubatches run the same modules alternately.
+    """
+    meta = get_forward_context().attn_metadata
+    if meta is None:
+        raise RuntimeError("the forward context has no attn_metadata; build one per (micro)batch")
+    return meta
+
+
+def check_and_bind(layers: list[nn.Module], caches: list[torch.Tensor], specs: list[KVCacheSpec]) -> None:
+    """Attach one cache tensor per layer after checking its per-token shape against the layer's spec."""
+    if len(caches) != len(layers):
+        raise ValueError(f"got {len(caches)} KV caches for {len(layers)} layers")
+    for i, (layer, cache, spec) in enumerate(zip(layers, caches, specs)):
+        if tuple(cache.shape[2:]) != spec.per_token_shape:
+            raise ValueError(f"KV cache {i} has per-token shape {tuple(cache.shape[2:])}, "
+                             f"expected {spec.per_token_shape}")
+        layer.self_attn.kv_cache = cache
+
+
+class MoECausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
+
+    model: nn.Module
+    rotary_emb: Any
+
+    def __init__(self, config: Any, parallel: MoEParallelConfig | None, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.config = config
+        self.parallel = parallel or MoEParallelConfig()
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(
+            config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
+        self._spec: WeightSpec | None = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        hidden = self.model.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        for layer in self.model.layers:
+            hidden = layer(positions, hidden, self.rotary_emb, cos, sin)
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        raise NotImplementedError
+
+    def _build_spec(self) -> WeightSpec:
+        raise NotImplementedError
+
+    def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
+        check_and_bind(list(self.model.layers), caches, self.kv_cache_specs())
+
+    def weight_spec(self) -> WeightSpec:
+        if self._spec is None:
+            self._spec = self._build_spec()
+        return self._spec
+
+    def wants_weight(self, name: str) -> bool:
+        """Lets the loader skip reading tensors this EP rank does not keep."""
+        return wants_weight(self.weight_spec(), name)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        load_hf_weights(self, self.weight_spec(), weights)
