@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import sys
 import time
@@ -114,7 +115,9 @@ def _child_main(fn: Callable[..., Any], args: Sequence[Any], rank: int, world_si
         dist.init_process_group(backend, store=dist.PrefixStore("ubatch", store), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         result = fn(*args)
-        conn.send(("ok", result))
+        # Plain pickle, not the Pipe's ForkingPickler: torch's reductions would hand tensors over as
+        # shared-memory handles that die with this process (os._exit below) before the parent reads them.
+        conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as exc:  # noqa: BLE001 - report every failure, including KeyboardInterrupt
         failed_at = time.time()
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
@@ -122,7 +125,7 @@ def _child_main(fn: Callable[..., Any], args: Sequence[Any], rank: int, world_si
         sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
         sys.stderr.flush()
         try:
-            conn.send(("error", f"{type(exc).__name__}: {exc}", failed_at))
+            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", failed_at)))
         except (OSError, ValueError):
             pass
     finally:
@@ -198,7 +201,7 @@ def _supervise(procs: list[Any], conns: list[Connection], grace_s: float) -> lis
     def receive(rank: int) -> None:
         if messages[rank] is None and conns[rank].poll():
             try:
-                messages[rank] = conns[rank].recv()
+                messages[rank] = pickle.loads(conns[rank].recv_bytes())
             except (EOFError, OSError):
                 messages[rank] = ("eof", None)  # died before sending: its exit status tells why
 

@@ -96,3 +96,24 @@ def run_ep(weights: StackWeights, inputs: list[torch.Tensor], backend: str, expe
             wrapper.close()
 
     return run_thread_ranks(world, rank_main, num_groups=2, timeout_s=60)
+
+
+def process_rank_main(weights: StackWeights, inputs: list[torch.Tensor], backend: str, dbo: bool) -> torch.Tensor:
+    """Body of one real rank process (under ``runner.launch.launch``): EP groups from the default world."""
+    import torch.distributed as dist
+
+    from ubatch.distributed import new_ep_groups
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    parallel = MoEParallelConfig(ep_rank=rank, ep_size=world, all2all_backend=backend, ep_groups=new_ep_groups(2),
+                                 max_dispatch_tokens_per_rank=64)
+    model = MoEStack(weights, parallel)
+    x = inputs[rank]
+    if not dbo:
+        return model(x)
+    wrapper = UBatchWrapper(model)
+    try:
+        with set_forward_context(ubatch_slices=halves(x.shape[0])):
+            return wrapper(x)
+    finally:
+        wrapper.close()

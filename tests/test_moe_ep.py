@@ -100,3 +100,14 @@ def test_link_spec_parsing() -> None:
                      ("gbps=0", "gbps must be > 0, got 0.0"), ("", "empty --emulate-link spec")]:
         with pytest.raises(ValueError, match=msg):
             LinkSpec.parse(bad)
+
+
+@pytest.mark.parametrize("backend", ["torch_ll", "torch_ht"])
+def test_ep_equals_dense_over_real_processes(backend: str) -> None:
+    from moe_harness import process_rank_main
+    from runner.launch import launch
+
+    weights = StackWeights.random()
+    inputs = rank_inputs([7, 4])
+    outs = launch(process_rank_main, 2, (weights, inputs, backend, True), timeout_s=60)
+    check(weights, inputs, [{"out": o} for o in outs])
