@@ -59,13 +59,17 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add("--enforce-eager", action="store_true", default=None)
     add("--cuda-graph-sizes", type=_cuda_graph_sizes, metavar="SIZES",
         help="decode batch sizes to capture, e.g. '1,2,4,8' (one value N: the ladder up to N); GPU only")
-    add("--disable-overlap-schedule", action="store_true", default=None)
+    add("--disable-overlap-schedule", action="store_true", default=None,
+        help="run one step at a time (default: the CPU schedules step N+1 while step N runs)")
+    add("--disable-consecutive-prefill-overlap", action="store_true", default=None,
+        help="a prefill step waits for the previous prefill step's results (time to first token)")
     add("--enable-single-batch-overlap", action="store_true", default=None)
     add("--dist-timeout-s", type=float, metavar="S", help="timeout of every collective (a dead peer's detection)")
     add("--seed", type=int)
     add("--cache-dir", metavar="DIR", help="where built-in models are written; default: $UBATCH_CACHE_DIR or "
         "~/.cache/ubatch")
-    add("--trace-file", metavar="PATH", help="write a per-ubatch timeline (Chrome trace JSON)")
+    add("--trace-file", metavar="PATH", help="write a per-ubatch timeline (Chrome trace JSON, one pid per DP rank) "
+        "and print its overlap metrics; with bench, of the DBO-on run")
     defaults = RunnerConfig()
     for action in g._group_actions:  # show RunnerConfig's defaults (argparse's own are None: "not given")
         value = getattr(defaults, action.dest, None)
@@ -204,9 +208,10 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 def run_job(job: Job) -> dict[str, Any] | None:
     """One rank's work (spawned, torchrun or in-process). Rank 0 returns the results; other ranks None."""
     from runner.engine import LLM
+    from runner.tracing import result_to_json
 
     runs = []
-    variants = [job.cfg] if job.command == "generate" else [job.cfg.replace(enable_dbo=False),
+    variants = [job.cfg] if job.command == "generate" else [job.cfg.replace(enable_dbo=False, trace_file=None),
                                                              job.cfg.replace(enable_dbo=True)]
     rank = 0
     for cfg in variants:
@@ -217,7 +222,8 @@ def run_job(job: Job) -> dict[str, Any] | None:
                 llm.generate(job.prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), disable_progress=True)
             outputs = llm.generate(job.prompts, job.sampling, disable_progress=job.disable_tqdm)
             runs.append({"dbo": cfg.enable_dbo, "outputs": [o.to_json() for o in outputs],
-                         "stats": asdict(llm.last_stats), "summary": llm.last_stats.summary()})
+                         "stats": asdict(llm.last_stats), "summary": llm.last_stats.summary(),
+                         "trace": result_to_json(llm.last_trace)})
         finally:
             llm.close()
             del llm
@@ -247,6 +253,12 @@ def _report_generate(result: dict[str, Any], output_json: str | None) -> None:
     print(run["summary"])
     if run["dbo"] and run["stats"]["num_steps"] and not run["stats"]["num_ubatched_steps"]:
         print(NO_UBATCH_HINT, file=sys.stderr)
+    _report_trace(run)
+
+
+def _report_trace(run: dict[str, Any]) -> None:
+    if run.get("trace"):
+        print(run["trace"]["report"])
 
 
 def compare_outputs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str | None:
@@ -276,6 +288,7 @@ def _report_bench(result: dict[str, Any], output_csv: str | None) -> None:
     print(f"token outputs DBO off vs on: {verdict}")
     if on["stats"]["num_steps"] and not on["stats"]["num_ubatched_steps"]:
         print(NO_UBATCH_HINT, file=sys.stderr)
+    _report_trace(on)
     if output_csv:
         with open(output_csv, "w", newline="") as fh:
             w = csv.writer(fh)

@@ -84,7 +84,8 @@ class RunnerConfig:
     max_dispatch_tokens_per_rank: int | None = None  # None: derived from max_num_batched_tokens
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # None: a vLLM-like ladder up to --max-num-seqs
-    disable_overlap_schedule: bool = False
+    disable_overlap_schedule: bool = False  # True: one step at a time (no CPU/forward overlap loop)
+    disable_consecutive_prefill_overlap: bool = False  # a prefill step waits for the previous prefill's results
     enable_single_batch_overlap: bool = False
     dist_timeout_s: float = 120.0
     seed: int = 0
@@ -111,6 +112,7 @@ class RunnerConfig:
                 raise ConfigError("cuda_graph_sizes", f"cuda_graph_sizes must be a non-empty list of positive "
                                                       f"integers, got {sizes!r}")
         for name in ("enable_expert_parallel", "enable_dbo", "enforce_eager", "disable_overlap_schedule",
+                     "disable_consecutive_prefill_overlap",
                      "enable_single_batch_overlap"):
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"{name} must be True or False, got {getattr(self, name)!r}")

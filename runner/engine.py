@@ -5,6 +5,10 @@ Every rank calls ``generate`` with the *same* prompt list (SPMD). Prompt ``i`` r
 that no rank has work left (idle ranks run dummy steps meanwhile, so the MoE collectives stay matched), then
 the outputs are all-gathered so every rank returns the full list in input order.
 
+The loop itself is ``runner/overlap_loop.py``: by default the CPU processes step N-1 and schedules N+1 while
+step N runs on a forward executor thread (``--disable-overlap-schedule``: one step at a time, in this thread).
+With ``trace_file`` set, each call is recorded and written as a Chrome trace (``runner/tracing.py``).
+
 Random sampling without an explicit seed uses seed ``cfg.seed * 1_000_003 + i`` for prompt ``i``: a request's
 tokens then depend only on its own prompt, seed and logits — not on which rank ran it, what else was in its
 batch, or whether DBO split the step.
@@ -18,7 +22,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from runner import tracing
 from runner.config import RunnerConfig, make_config
+from runner.overlap_loop import ForwardExecutor, LoopStats, run_steps
 from runner.sampling import SamplingParams, make_generator
 from runner.scheduler import Request, Scheduler
 
@@ -134,6 +140,9 @@ class LLM:
         self._tokenizer = tokenizer
         self._tokenizer_loaded = tokenizer is not None
         self.last_stats: GenerationStats | None = None
+        self.last_loop_stats: LoopStats | None = None
+        self.last_trace: Any = None  # runner.tracing.TraceResult of the last generate() with trace_file set
+        self._executor: ForwardExecutor | None = None
 
     # ------------------------------------------------------------------ helpers
     def get_tokenizer(self) -> Any:
@@ -146,6 +155,9 @@ class LLM:
         return self._tokenizer
 
     def close(self) -> None:
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -209,7 +221,8 @@ class LLM:
         for i in local:
             sched.add_request(prompt_ids[i], params[i], make_generator(params[i], self.cfg.seed * 1_000_003 + i),
                               req_id=i)
-        self._run_loop(sched, len(local), disable_progress)
+        with tracing.record(self.cfg.trace_file) as rec:
+            self._run_loop(sched, len(local), disable_progress)
         if sched.allocator.num_free_blocks != sched.allocator.num_blocks:  # a leak would starve later calls
             raise RuntimeError(f"KV blocks leaked: {sched.allocator.num_blocks - sched.allocator.num_free_blocks} "
                                "still allocated after every request finished")
@@ -219,8 +232,10 @@ class LLM:
             tokenizer = None
         outputs = [self._output(sched.requests[i], tokenizer) for i in local]
         elapsed = time.perf_counter() - start
-        mine = (outputs, sched.num_preemptions, elapsed)
+        mine = (outputs, sched.num_preemptions, elapsed, tracing.local_spans(rec))
         gathered = self._all_gather(mine)
+        if rec is not None:
+            self.last_trace = tracing.export(self.cfg.trace_file, [g[3] for g in gathered], self.rank)
         outputs = sorted((o for g in gathered for o in g[0]), key=lambda o: o.index)
         self.last_stats = GenerationStats(
             num_requests=len(outputs), num_errors=sum(o.finish_reason == "error" for o in outputs),
@@ -255,33 +270,39 @@ class LLM:
         kill_at = int(kill_step) if kill_rank is not None and kill_step is not None \
             and int(kill_rank) == self.rank else None
         bar = self._progress_bar(num_local, disable_progress)
-        finished = sum(r.is_finished for r in sched.requests.values())
         out_tokens, t0 = 0, time.perf_counter()
         if bar is not None:
-            bar.update(finished)
-        step = 0
+            bar.update(sum(r.is_finished for r in sched.requests.values()))
+
+        def before_launch(step: int) -> None:
+            if kill_at is not None and step == kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        def on_results(out: Any, sampled: Sequence[int | None], done: list[Request]) -> None:
+            nonlocal out_tokens
+            out_tokens += sum(t is not None for t in sampled)
+            if done:
+                bar.update(len(done))
+            bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s", refresh=False)
+
         try:
-            while True:
-                if kill_at is not None and step == kill_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                out = sched.schedule()
-                sampled = self.runner.step(out)
-                if sampled is None:  # no DP rank had work: every rank leaves the loop in this same step
-                    break
-                step += 1
-                done = sched.update(out, sampled)
-                if bar is not None:
-                    out_tokens += sum(t is not None for t in sampled)
-                    if done:
-                        bar.update(len(done))
-                    bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s",
-                                        refresh=False)
+            self.last_loop_stats = run_steps(
+                sched, self.runner, executor=None if self.cfg.disable_overlap_schedule else self._forward_executor(),
+                consecutive_prefill_overlap=not self.cfg.disable_consecutive_prefill_overlap,
+                before_launch=before_launch if kill_at is not None else None,
+                on_results=on_results if bar is not None else None)
         finally:
             if bar is not None:
                 bar.close()
         for req in list(sched.running) + list(sched.waiting):  # only if the runner stopped early: never silent
             sched.abort_request(req.req_id, "engine stopped before the request finished (model runner reported "
                                             "no work while this request was still queued)")
+
+    def _forward_executor(self) -> ForwardExecutor:
+        """The persistent thread steps run on with the overlap loop (created on first use, closed by close())."""
+        if self._executor is None:
+            self._executor = ForwardExecutor(device=getattr(self.runner, "device", None))
+        return self._executor
 
     def _progress_bar(self, total: int, disable: bool) -> Any:
         if disable or self.rank != 0 or not sys.stderr.isatty():

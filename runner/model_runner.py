@@ -158,7 +158,7 @@ class ModelRunner:
             _, slices = maybe_create_ubatch_slices(True, np.asarray(query_lens), padded, len(chunks), NUM_UBATCHES,
                                                    split_point)
         model = self.wrapper if self.wrapper is not None else self.model
-        with set_forward_context(attn_metadata=meta, ubatch_slices=slices):
+        with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank):
             hidden = NotImplemented if self.graph_runner is None else self.graph_runner.try_replay(
                 meta, slices, self.input_ids[:padded], self.positions[:padded])
             if hidden is NotImplemented:
@@ -171,7 +171,7 @@ class ModelRunner:
         """One padding token, no request: keeps this idle rank's all-to-alls matched with busy peers."""
         self.num_dummy_steps += 1
         meta = build_attention_metadata([], [], [], self.block_size, self.device, num_padded_tokens=1)
-        with set_forward_context(attn_metadata=meta, ubatch_slices=None):
+        with set_forward_context(attn_metadata=meta, ubatch_slices=None, trace_rank=self.rank):
             self.model(input_ids=self.input_ids[:1].zero_(), positions=self.positions[:1].zero_())
 
     def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: Any) -> list[int | None]:

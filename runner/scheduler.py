@@ -15,6 +15,24 @@ fit even in an empty cache is rejected up front with an error.
 
 Requests that cannot run (empty prompt, token id outside the vocabulary, prompt + 1 > max_model_len, cache too
 small) finish immediately with ``finish_reason == "error"`` and a message; the other requests are unaffected.
+
+**Results may lag one step** (the overlap loop, ``runner/overlap_loop.py``). ``schedule()`` advances each
+scheduled request at once, as if its step had already run: ``num_computed_tokens`` moves forward and a
+sampling chunk appends a *placeholder* output (``future_map.placeholder(slot)``); ``update()`` later
+replaces the oldest placeholder with the real token and runs the stop checks. So step N+1 can be scheduled
+before step N's results are in: a request decoding in both feeds N+1 the placeholder, which the forward
+side resolves from the future-token map. Called in lock-step (schedule, step, update), this is exactly the
+synchronous scheduler. With a step in flight:
+- a request whose last token is already in flight (max_tokens / max_model_len reached counting placeholders)
+  is not scheduled again: that is known in advance; its seat goes to a waiting request right away;
+- a stop token is not known in advance, so the request may be scheduled once more; when ``update()`` of
+  the earlier step finishes it, the speculative placeholder is dropped, the later step's token is discarded,
+  and its KV blocks and slot are released only once every step it is in has been updated (that step is
+  still reading and writing them);
+- no preemption: victims could be requests whose state is speculative. A request that would need one is
+  left out of the step and ``wants_sync`` asks the loop to process the in-flight results first.
+Every request holds a *slot* (allocated at admission, freed at finish or preemption) that names its entry
+in the future-token map for its whole life.
 """
 from __future__ import annotations
 
@@ -24,6 +42,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
+from runner.future_map import SlotPool, placeholder
 from runner.kv_cache import BlockAllocator, blocks_needed
 from runner.sampling import SamplingParams
 
@@ -42,6 +61,7 @@ class ScheduledChunk:
     sample: bool  # this chunk reaches the end of the known tokens -> sample one token
     sampling: SamplingParams
     generator: torch.Generator | None
+    slot: int = -1  # the request's future-map slot: where the sampled token is stored for the next step
 
     @property
     def num_tokens(self) -> int:
@@ -56,6 +76,7 @@ class ScheduledChunk:
 class SchedulerOutput:
     chunks: list[ScheduledChunk]
     finished_req_ids: list[int] = field(default_factory=list)  # finished since the previous schedule()
+    step_id: int = -1  # schedule() numbers its outputs: update() must see them in this order
 
     @property
     def num_tokens(self) -> int:
@@ -91,6 +112,9 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
+    slot: int = -1  # future-token-map slot while admitted
+    num_pending: int = 0  # trailing outputs that are still placeholders (their step is in flight)
+    inflight: deque[int] = field(default_factory=deque)  # step ids scheduled but not yet updated, oldest first
 
     @property
     def num_tokens(self) -> int:
@@ -143,6 +167,12 @@ class Scheduler:
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = BlockAllocator(num_kv_blocks)
+        # Slots: scheduled requests (<= max_num_seqs), requests whose last token is in flight (they already
+        # gave up their seat, < max_num_seqs) and finished ones still in a step in flight (< max_num_seqs).
+        self.slots = SlotPool(3 * max_num_seqs)
+        self.num_inflight_steps = 0  # scheduled, non-empty outputs not yet updated
+        self.wants_sync = False  # the last schedule() left a request out rather than preempt with a step in flight
+        self._step_seq = 0
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -209,6 +239,7 @@ class Scheduler:
         chunks: list[ScheduledChunk] = []
         scheduled: set[int] = set()
         preemptions_before = self.num_preemptions
+        self.wants_sync = False
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes + prefills:
@@ -216,14 +247,19 @@ class Scheduler:
                 break
             if req.status != RUNNING:  # preempted (or failed) earlier in this loop
                 continue
+            if self._last_token_in_flight(req):
+                continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             if not self._grow(req, n, scheduled):
                 continue
             chunks.append(self._chunk(req, n))
             scheduled.add(req.req_id)
             budget -= n
-        if self.num_preemptions == preemptions_before:  # like vLLM: admitting right after a preemption thrashes
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        # Like vLLM: admitting right after a preemption (or instead of one) thrashes. A request whose last token
+        # is in flight gives up its seat now, as it would have finished before this step in a synchronous loop.
+        leaving = sum(self._last_token_in_flight(r) for r in self.running) if self.num_inflight_steps else 0
+        if self.num_preemptions == preemptions_before and not self.wants_sync:
+            while self.waiting and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
                 req = self.waiting[0]
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
                 need = blocks_needed(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
@@ -231,19 +267,43 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 req.block_ids.extend(self.allocator.allocate(need))
+                req.slot = self.slots.alloc()
                 req.status = RUNNING
                 self.running.append(req)
                 chunks.append(self._chunk(req, n))
                 scheduled.add(req.req_id)
                 budget -= n
         finished, self._finished_since_schedule = self._finished_since_schedule, []
-        return SchedulerOutput(chunks, finished)
+        self._step_seq += 1
+        out = SchedulerOutput(chunks, finished, step_id=self._step_seq)
+        self._advance(out)
+        return out
 
     def _chunk(self, req: Request, n: int) -> ScheduledChunk:
         start = req.num_computed_tokens
         return ScheduledChunk(req_id=req.req_id, token_ids=req.token_slice(start, start + n),
                               num_computed_tokens=start, block_ids=list(req.block_ids),
-                              sample=start + n == req.num_tokens, sampling=req.sampling, generator=req.generator)
+                              sample=start + n == req.num_tokens, sampling=req.sampling, generator=req.generator,
+                              slot=req.slot)
+
+    def _advance(self, out: SchedulerOutput) -> None:
+        """Move every scheduled request past its chunk now; a sampling chunk's token is a placeholder until
+        ``update()`` (see the module docstring)."""
+        if not out.chunks:
+            return
+        self.num_inflight_steps += 1
+        for c in out.chunks:
+            req = self.requests[c.req_id]
+            req.num_computed_tokens += len(c.token_ids)
+            req.inflight.append(out.step_id)
+            if c.sample:
+                req.output_token_ids.append(placeholder(req.slot))
+                req.num_pending += 1
+
+    def _last_token_in_flight(self, req: Request) -> bool:
+        """The request's final token (by max_tokens / max_model_len) is already scheduled: it is done."""
+        return req.num_pending > 0 and (len(req.output_token_ids) >= req.sampling.max_tokens
+                                        or req.num_tokens >= self.max_model_len)
 
     def _grow(self, req: Request, n: int, scheduled: set[int]) -> bool:
         """Give ``req`` blocks for ``n`` more tokens, preempting later unscheduled requests; False if ``req``
@@ -254,6 +314,9 @@ class Scheduler:
                                        f"({self.allocator.num_blocks}); raise --num-kv-blocks")
             return False
         while not self.allocator.can_allocate(need_total - len(req.block_ids)):
+            if self.num_inflight_steps:  # victims' state may be speculative: leave req out, sync first
+                self.wants_sync = True
+                return False
             victim = next((r for r in reversed(self.running) if r.req_id not in scheduled), None)
             assert victim is not None  # req itself is running and unscheduled
             self._preempt(victim)
@@ -263,8 +326,11 @@ class Scheduler:
         return True
 
     def _preempt(self, req: Request) -> None:
+        assert not req.inflight, "preemption with a step in flight (the scheduler syncs first)"
         self.allocator.free(req.block_ids)
         req.block_ids = []
+        self.slots.free(req.slot)
+        req.slot = -1
         req.num_computed_tokens = 0
         req.status = WAITING
         req.num_preemptions += 1
@@ -274,45 +340,67 @@ class Scheduler:
 
     # ------------------------------------------------------------------ results
     def update(self, sched: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
-        """Advance every scheduled request by its chunk; append sampled tokens; return requests that finished."""
+        """Apply the results of ``sched`` (outputs must come back in schedule order): fill in each sampled
+        token, run the stop checks; return the requests that finished."""
         if len(sampled) != len(sched.chunks):
             raise ValueError(f"model runner returned {len(sampled)} results for {len(sched.chunks)} chunks")
+        for chunk, token in zip(sched.chunks, sampled):
+            req = self.requests[chunk.req_id]
+            if not req.inflight or req.inflight[0] != sched.step_id:
+                raise RuntimeError(f"request {req.req_id}: results of step {sched.step_id} arrive out of order "
+                                   f"(update() called twice?)")
+            if chunk.sample and not req.is_finished and (
+                    isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size):
+                raise RuntimeError(f"request {req.req_id}: model runner sampled {token!r}, expected a token id in "
+                                   f"[0, {self.vocab_size})")
+        if sched.chunks:
+            self.num_inflight_steps -= 1
         done: list[Request] = []
         for chunk, token in zip(sched.chunks, sampled):
             req = self.requests[chunk.req_id]
-            if req.is_finished:  # aborted while the step ran
+            req.inflight.popleft()
+            if req.is_finished:  # stopped or aborted while this step ran: its token is discarded
+                self._release_if_idle(req)
                 continue
-            if req.num_computed_tokens != chunk.num_computed_tokens:
-                raise RuntimeError(f"request {req.req_id}: chunk computed from {chunk.num_computed_tokens} but the "
-                                   f"request is at {req.num_computed_tokens} (update() called twice?)")
-            req.num_computed_tokens += len(chunk.token_ids)
             if not chunk.sample:
                 continue
-            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size:
-                raise RuntimeError(f"request {req.req_id}: model runner sampled {token!r}, expected a token id in "
-                                   f"[0, {self.vocab_size})")
-            req.output_token_ids.append(token)
-            reason = self._stop_reason(req, token)
+            assert isinstance(token, int)
+            i = len(req.output_token_ids) - req.num_pending
+            req.output_token_ids[i] = token
+            req.num_pending -= 1
+            reason = self._stop_reason(req, token, i + 1)
             if reason is not None:
                 self._finish(req, reason)
                 done.append(req)
         return done
 
-    def _stop_reason(self, req: Request, token: int) -> str | None:
-        """vLLM's order: EOS, then stop_token_ids ("stop"), then max_tokens / max_model_len ("length")."""
+    def _stop_reason(self, req: Request, token: int, num_outputs: int) -> str | None:
+        """vLLM's order: EOS, then stop_token_ids ("stop"), then max_tokens / max_model_len ("length"), for the
+        request's ``num_outputs``-th output (later outputs may be placeholders of steps still in flight)."""
         s = req.sampling
         if not s.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if s.stop_token_ids and token in s.stop_token_ids:
             return "stop"
-        if len(req.output_token_ids) >= s.max_tokens or req.num_tokens >= self.max_model_len:
+        if num_outputs >= s.max_tokens or len(req.prompt_token_ids) + num_outputs >= self.max_model_len:
             return "length"
         return None
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+    def _release_if_idle(self, req: Request) -> None:
+        """Free a finished request's KV blocks and slot once no step in flight reads or writes them."""
+        if req.inflight:
+            return
         if req.block_ids:
             self.allocator.free(req.block_ids)
             req.block_ids = []
+        if req.slot >= 0:
+            self.slots.free(req.slot)
+            req.slot = -1
+
+    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+        if req.num_pending:  # outputs of steps still in flight, past the finishing token: discarded
+            del req.output_token_ids[len(req.output_token_ids) - req.num_pending:]
+            req.num_pending = 0
         if req in self.running:
             self.running.remove(req)
         if req.status == WAITING and req in self.waiting:
@@ -320,4 +408,5 @@ class Scheduler:
         req.status = FINISHED
         req.finish_reason = reason
         req.error = error
+        self._release_if_idle(req)
         self._finished_since_schedule.append(req.req_id)

@@ -1,11 +1,15 @@
-"""End to end over DP=2 real processes (built-in spawner, gloo, torch_ll): DBO on == DBO off, token for token.
+"""End to end over DP=2 real processes (built-in spawner, gloo, torch_ll): DBO on == DBO off, token for token,
+and the overlap loop (the default) == the synchronous loop (``disable_overlap_schedule``).
 
-Launches are the expensive part (~3 s each), so one launch runs every workload under three engines (DBO off,
-DBO with the ``tokens`` split, DBO with the ``balanced`` split); then one CLI ``bench`` run and one fault run.
+Launches are the expensive part (~3 s each), so one launch runs every workload under four engines (DBO off,
+DBO with the ``tokens`` split, DBO with the ``balanced`` split, all with the overlap loop; and DBO ``tokens``
+with the synchronous loop); then one CLI ``bench`` run (which also writes a merged two-rank trace) and one
+fault run.
 Thresholds are tiny so the tiny batches really ubatch, and each DBO run must report ubatched steps.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -21,7 +25,8 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ll",
             dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dist_timeout_s=60.0)
 VARIANTS = {"off": dict(enable_dbo=False), "tokens": dict(enable_dbo=True, ubatch_split="tokens"),
-            "balanced": dict(enable_dbo=True, ubatch_split="balanced")}
+            "balanced": dict(enable_dbo=True, ubatch_split="balanced"),
+            "sync": dict(enable_dbo=True, ubatch_split="tokens", disable_overlap_schedule=True)}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -72,7 +77,8 @@ def run_workloads() -> dict:
                 st = llm.last_stats
                 results[(variant, name)] = {"token_ids": [o.token_ids for o in outs],
                                             "reasons": [o.finish_reason for o in outs],
-                                            "steps": st.num_steps, "ubatched": st.num_ubatched_steps}
+                                            "steps": st.num_steps, "ubatched": st.num_ubatched_steps,
+                                            "overlapped": llm.last_loop_stats.num_overlapped_steps}
             llm.close()
     return results
 
@@ -87,8 +93,13 @@ def results(per_rank: list[dict]) -> dict:
     return per_rank[0]
 
 
+def _global(results: dict) -> dict:
+    """What every rank must agree on (the overlapped-step count is a rank's own loop statistic)."""
+    return {k: {f: v for f, v in r.items() if f != "overlapped"} for k, r in results.items()}
+
+
 def test_every_rank_gets_every_result_in_input_order(per_rank: list[dict]) -> None:
-    assert per_rank[0] == per_rank[1]
+    assert _global(per_rank[0]) == _global(per_rank[1])
     assert all(len(per_rank[0][(v, n)]["token_ids"]) == len(w[1]) for v in VARIANTS for n, w in WORKLOADS.items())
 
 
@@ -102,19 +113,33 @@ def test_dbo_matches_no_dbo(results: dict, name: str, variant: str) -> None:
     assert on["ubatched"] > 0, f"{name}/{variant}: no step ran ubatched ({on['steps']} steps)"
 
 
+@pytest.mark.parametrize("name", list(WORKLOADS))
+def test_overlap_loop_matches_synchronous_loop(per_rank: list[dict], name: str) -> None:
+    for rank, results in enumerate(per_rank):
+        sync, overlapped = results[("sync", name)], results[("tokens", name)]
+        assert overlapped["token_ids"] == sync["token_ids"] and overlapped["reasons"] == sync["reasons"]
+        assert sync["overlapped"] == 0 and sync["ubatched"] > 0
+        if name != "prefill":  # one token per request: a single step, nothing to overlap it with
+            assert overlapped["overlapped"] > 0, f"{name}, rank {rank}: no step overlapped ({overlapped['steps']})"
+
+
 def test_bench_cli_reports_identical_outputs(tmp_path: Path) -> None:
-    csv_path = tmp_path / "bench.csv"
+    csv_path, trace_path = tmp_path / "bench.csv", tmp_path / "trace.json"
     proc = subprocess.run(
         [sys.executable, "-m", "runner", "bench", "--data-parallel-size", "2", "--enable-expert-parallel",
          "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8", "--num-prompts", "6",
          "--random-prompt-len", "10", "--random-range-ratio", "0.5", "--max-tokens", "6", "--ignore-eos",
-         "--output-csv", str(csv_path)],
+         "--output-csv", str(csv_path), "--trace-file", str(trace_path)],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "token outputs DBO off vs on: identical (6 requests)" in proc.stdout, proc.stdout
     m = re.search(r"ubatched steps\s+(\d+)\s+(\d+)", proc.stdout)
     assert m and int(m.group(1)) == 0 and int(m.group(2)) > 0, proc.stdout
     assert csv_path.read_text().splitlines()[0].startswith("dbo,output_tok_per_s")
+    # --trace-file traces the DBO-on run: one Chrome trace, one process per rank, metrics printed for each
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}
+    assert "DBO overlap, rank 0" in proc.stdout and "DBO overlap, rank 1" in proc.stdout, proc.stdout
 
 
 def test_killed_rank_fails_the_run_fast_and_is_named() -> None:

@@ -1,0 +1,280 @@
+"""The engine's step loop, with scheduler-level CPU/forward overlap (SGLang's overlap scheduler) or without.
+
+Synchronous (``--disable-overlap-schedule``): schedule N, run N, process N's results, repeat. The forward
+side idles while the CPU appends tokens, checks stops, frees KV blocks, streams outputs and schedules.
+
+Overlapped (the default)::
+
+    schedule N+1 -> launch N+1 -> wait copy_done(N) -> process N -> schedule N+2 -> launch N+2 -> ...
+
+Steps run on one persistent executor thread, the CPU's "forward stream" (``ForwardExecutor``), in launch
+order. While it runs step N, the CPU thread processes N-1's results (tokens, stop checks, KV frees, progress),
+then schedules N+1 and queues it behind N, then waits for N. So the forward side never waits for the CPU as
+long as the CPU's per-step work is shorter than a forward. Step N+1 is scheduled before N's tokens are
+known: its inputs name them by placeholders, which the executor resolves from the future-token map
+(``runner/future_map.py``) right before N+1's forward, after N stored them.
+
+- ``copy_done`` (the step's ``Future``) is the only CPU wait. It bounds the look-ahead to one step: the
+  CPU schedules N+2 only after N's results are processed, so the scheduler's speculative state is at most
+  one step ahead, a request has at most two unresolved outputs, and exactly one step executes at a time
+  (the next one waits in the queue, ready to start the moment the current one ends).
+- Inputs are built fresh per step (the chunks' token/block lists are copies; placeholder resolution
+  makes new chunk objects) and the runner's persistent ``input_ids``/``positions`` buffers are written
+  by the executor only, so nothing a running step reads is mutated in place.
+- DP: ``runner.step`` does the DP all-reduce and the MoE all-to-alls. They all run on the executor thread,
+  one step after the other, so every rank issues its collectives in step order; each loop iteration
+  launches exactly one step per rank, which keeps the k-th steps of all ranks paired.
+
+**When a step is not overlapped** (the in-flight step's results are processed before the next launch):
+- *nothing to schedule*: every remaining request's next input depends on the in-flight step (its last
+  token is in flight, or it waits for blocks that step's finishers will free). An empty step is never
+  launched speculatively; in particular ranks only leave the loop together (the runner returns None when
+  no rank has work) after every rank has processed everything.
+- *preemption*: the scheduler never preempts while a step is in flight (a victim's tokens and blocks may
+  still be in use, its state speculative); it leaves the request out and sets ``wants_sync``, and the loop
+  processes the in-flight results before scheduling again, so preemption/recompute decisions see real state.
+- *consecutive prefill* with ``--disable-consecutive-prefill-overlap``: a prefill step following a
+  prefill step waits for the first one's results, so its first tokens are out before the next prefill runs
+  (time to first token) instead of one step later.
+- dummy steps (this DP rank has nothing, peers do) run synchronously: there is nothing to overlap.
+What needs nothing special: a request whose prefill finishes in N decodes in N+1 with a placeholder; a
+request whose last token (max_tokens / max_model_len) is in N is not scheduled in N+1 and frees its seat for
+an admission in N+1, as it would have in the synchronous loop (its blocks are freed when N is processed); a
+chunked prefill's next chunk is prompt tokens, known in advance; max_tokens / max_model_len are known in
+advance, so a request is never scheduled past them; a stop token found in N for a request already in N+1
+discards N+1's token and delays freeing its KV blocks and slot until N+1 is processed; seeded sampling:
+each request's generator is advanced only by its own steps, in order, and the one speculative draw after
+its final token never matters.
+"""
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+
+from runner.future_map import FutureTokenMap
+from runner.scheduler import Request, Scheduler, SchedulerOutput
+
+OnResults = Callable[[SchedulerOutput, Sequence[Any], list[Request]], None]
+
+
+class ForwardExecutor:
+    """One persistent thread that runs submitted steps in order: the CPU's forward stream.
+
+    A new Python thread ignores the process's ``torch.set_num_threads`` (and, on CUDA, the current device),
+    so both are set inside it. ``busy_s`` accumulates the time spent running steps.
+    """
+
+    def __init__(self, num_threads: int | None = None, device: Any = None, name: str = "ubatch-forward") -> None:
+        self.num_threads = num_threads if num_threads is not None else torch.get_num_threads()
+        self.device = device
+        self.busy_s = 0.0
+        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        torch.set_num_threads(self.num_threads)
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fn, fut = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            t0 = time.perf_counter()
+            try:
+                result = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting CPU thread
+                self.busy_s += time.perf_counter() - t0
+                fut.set_exception(exc)
+            else:
+                self.busy_s += time.perf_counter() - t0  # before the result: a waiter then sees the total
+                fut.set_result(result)
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        if not self._thread.is_alive():
+            raise RuntimeError("the forward executor is closed")
+        fut: Future = Future()
+        self._queue.put((fn, fut))
+        return fut
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout=30)
+
+
+@dataclass
+class LoopStats:
+    """One generate() call's loop. ``forward_idle_fraction``: share of the wall time the forward side was not
+    running a step (waiting for the CPU to schedule / process), ``1 - forward_busy_s / wall_s``."""
+
+    overlap: bool
+    wall_s: float = 0.0
+    forward_busy_s: float = 0.0
+    cpu_work_s: float = 0.0  # CPU thread: schedule + process results (not waiting for copy_done)
+    copy_wait_s: float = 0.0  # CPU thread blocked on copy_done
+    num_steps: int = 0  # launched steps with work somewhere (including this rank's dummy steps)
+    num_overlapped_steps: int = 0  # launched while the previous step's results were still unprocessed
+    num_placeholders_resolved: int = 0  # inputs taken from the future-token map on the forward side
+    sync_reasons: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def forward_idle_s(self) -> float:
+        return max(0.0, self.wall_s - self.forward_busy_s)
+
+    @property
+    def forward_idle_fraction(self) -> float:
+        return self.forward_idle_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+def run_steps(sched: Scheduler, runner: Any, *, executor: ForwardExecutor | None = None,
+              consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
+              on_results: OnResults | None = None) -> LoopStats:
+    """Step ``sched`` to completion through ``runner.step``: overlapped on ``executor``, or synchronously in
+    this thread when it is None. ``before_launch(k)`` runs before the k-th step is scheduled;
+    ``on_results(out, sampled, finished)`` after each step's results are applied (progress, streaming)."""
+    if executor is None:
+        return _run_sync(sched, runner, before_launch, on_results)
+    return _OverlapLoop(sched, runner, executor, consecutive_prefill_overlap, before_launch, on_results).run()
+
+
+def _run_sync(sched: Scheduler, runner: Any, before_launch: Callable[[int], None] | None,
+              on_results: OnResults | None) -> LoopStats:
+    stats = LoopStats(overlap=False)
+    start = time.perf_counter()
+    try:
+        while True:
+            if before_launch is not None:
+                before_launch(stats.num_steps)
+            t0 = time.perf_counter()
+            out = sched.schedule()
+            t1 = time.perf_counter()
+            sampled = runner.step(out)
+            t2 = time.perf_counter()
+            stats.forward_busy_s += t2 - t1
+            if sampled is None:  # no DP rank had work: every rank leaves the loop in this same step
+                stats.cpu_work_s += t1 - t0
+                break
+            stats.num_steps += 1
+            done = sched.update(out, sampled)
+            if on_results is not None:
+                on_results(out, sampled, done)
+            stats.cpu_work_s += (t1 - t0) + (time.perf_counter() - t2)
+    finally:
+        stats.wall_s = time.perf_counter() - start
+    return stats
+
+
+def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> list[int | None] | None:
+    """The forward side of one step: resolve ``out``'s placeholders, run it, store what it sampled under each
+    request's slot for the next step. Runs on the executor thread only."""
+    sampled = runner.step(future_map.resolve(out))
+    if sampled:
+        picks = [(c.req_id, c.slot, t) for c, t in zip(out.chunks, sampled) if t is not None and c.slot >= 0]
+        if picks:
+            req_ids, slots, tokens = zip(*picks)
+            future_map.store(req_ids, slots, tokens)
+    return sampled
+
+
+@dataclass
+class _Launched:
+    out: SchedulerOutput
+    copy_done: Future  # set by the executor once the step's sampled tokens are on the CPU side
+
+
+class _OverlapLoop:
+    def __init__(self, sched: Scheduler, runner: Any, executor: ForwardExecutor, consecutive_prefill_overlap: bool,
+                 before_launch: Callable[[int], None] | None, on_results: OnResults | None) -> None:
+        self.sched, self.runner, self.executor = sched, runner, executor
+        self.consecutive_prefill_overlap = consecutive_prefill_overlap
+        self.before_launch, self.on_results = before_launch, on_results
+        self.future_map = FutureTokenMap(sched.slots.capacity)
+        self.stats = LoopStats(overlap=True)
+
+    def _launch(self, out: SchedulerOutput) -> _Launched:
+        return _Launched(out, self.executor.submit(lambda: forward_step(self.runner, self.future_map, out)))
+
+    def _process(self, launched: _Launched) -> None:
+        t0 = time.perf_counter()
+        sampled = launched.copy_done.result()  # the only CPU wait
+        t1 = time.perf_counter()
+        self.stats.copy_wait_s += t1 - t0
+        if sampled is None:
+            raise RuntimeError(f"model runner reported no work for a step of {len(launched.out.chunks)} chunks")
+        done = self.sched.update(launched.out, sampled)
+        if self.on_results is not None:
+            self.on_results(launched.out, sampled, done)
+        self.stats.cpu_work_s += time.perf_counter() - t1
+
+    def _schedule(self) -> SchedulerOutput:
+        t0 = time.perf_counter()
+        out = self.sched.schedule()
+        self.stats.cpu_work_s += time.perf_counter() - t0
+        return out
+
+    def run(self) -> LoopStats:
+        stats, sched = self.stats, self.sched
+        busy0, start = self.executor.busy_s, time.perf_counter()
+        inflight: _Launched | None = None
+        launched: _Launched | None = None
+        try:
+            while True:
+                if self.before_launch is not None:
+                    self.before_launch(stats.num_steps)
+                if inflight is not None and sched.wants_sync:
+                    self._process(inflight)
+                    inflight = None
+                    stats.sync_reasons["preemption"] += 1
+                out = self._schedule()
+                if inflight is not None and not out.chunks:
+                    self._process(inflight)
+                    inflight = None
+                    stats.sync_reasons["nothing_to_schedule"] += 1
+                    carried = out.finished_req_ids
+                    out = self._schedule()
+                    out.finished_req_ids[:0] = carried
+                elif inflight is not None and not self.consecutive_prefill_overlap and out.has_prefill \
+                        and inflight.out.has_prefill:
+                    self._process(inflight)
+                    inflight = None
+                    stats.sync_reasons["consecutive_prefill"] += 1
+                launched = self._launch(out)
+                if inflight is not None:
+                    stats.num_overlapped_steps += 1
+                    self._process(inflight)  # N-1's results while N runs
+                    inflight = None
+                if out.chunks:
+                    inflight, launched = launched, None
+                    stats.num_steps += 1
+                    continue
+                # Empty here (dummy step, or the end): nothing is in flight, nothing to overlap.
+                sampled = launched.copy_done.result()
+                launched = None
+                if sampled is None:
+                    break
+                stats.num_steps += 1
+                stats.sync_reasons["dummy"] += 1
+                sched.update(out, sampled)
+        finally:
+            # On an error, let the steps already handed to the executor finish before anyone reuses the runner.
+            for pending in (inflight, launched):
+                if pending is not None:
+                    try:
+                        pending.copy_done.result()
+                    except BaseException:  # noqa: BLE001 - the original error is the one to report
+                        pass
+            stats.wall_s = time.perf_counter() - start
+            stats.forward_busy_s = self.executor.busy_s - busy0
+            stats.num_placeholders_resolved = self.future_map.num_resolved
+        return stats
