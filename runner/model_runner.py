@@ -132,7 +132,7 @@ class ModelRunner:
             return None
         self.num_steps += 1
         if sched.num_tokens == 0:
-            self._dummy_step()
+            self._dummy_step(decision)
             return []
         hidden, meta = self._forward(sched, decision, split_point)
         return self._sample(sched, hidden, meta)
@@ -158,7 +158,8 @@ class ModelRunner:
             _, slices = maybe_create_ubatch_slices(True, np.asarray(query_lens), padded, len(chunks), NUM_UBATCHES,
                                                    split_point)
         model = self.wrapper if self.wrapper is not None else self.model
-        with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank):
+        with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
+                                 **self._dp_bound(decision)):
             hidden = NotImplemented if self.graph_runner is None else self.graph_runner.try_replay(
                 meta, slices, self.input_ids[:padded], self.positions[:padded])
             if hidden is NotImplemented:
@@ -167,11 +168,21 @@ class ModelRunner:
             self.num_ubatched_steps += 1
         return hidden, meta
 
-    def _dummy_step(self) -> None:
+    def _dp_bound(self, decision: DPDecision) -> dict[str, int]:
+        """The step's max token count over DP ranks (same on every rank): lets torch_ll shrink its buffers.
+
+        Not under CUDA graphs, whose captured all-to-alls keep the fixed capacity.
+        """
+        if self.graph_runner is not None:
+            return {}
+        return {"max_tokens_across_dp": max(decision.num_tokens_across_dp)}
+
+    def _dummy_step(self, decision: DPDecision) -> None:
         """One padding token, no request: keeps this idle rank's all-to-alls matched with busy peers."""
         self.num_dummy_steps += 1
         meta = build_attention_metadata([], [], [], self.block_size, self.device, num_padded_tokens=1)
-        with set_forward_context(attn_metadata=meta, ubatch_slices=None, trace_rank=self.rank):
+        with set_forward_context(attn_metadata=meta, ubatch_slices=None, trace_rank=self.rank,
+                                 **self._dp_bound(decision)):
             self.model(input_ids=self.input_ids[:1].zero_(), positions=self.positions[:1].zero_())
 
     def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: Any) -> list[int | None]:

@@ -74,7 +74,8 @@ def halves(num_tokens: int) -> list[UBatchSlice]:
 
 
 def run_ep(weights: StackWeights, inputs: list[torch.Tensor], backend: str, experts: str = "torch",
-           dbo: bool = False, capacity: int = 64, emulate_link: str | None = None) -> list[dict[str, Any]]:
+           dbo: bool = False, capacity: int = 64, emulate_link: str | None = None,
+           dp_bound: int | None = None) -> list[dict[str, Any]]:
     """Every rank runs the stack on its own tokens; returns per-rank output and yield counts."""
     world = len(inputs)
 
@@ -84,11 +85,13 @@ def run_ep(weights: StackWeights, inputs: list[torch.Tensor], backend: str, expe
                                      emulate_link=emulate_link)
         model = MoEStack(weights, parallel)
         x = inputs[rank]
+        extra = {} if dp_bound is None else {"max_tokens_across_dp": dp_bound}
         if not dbo:
-            return {"out": model(x), "yields": []}
+            with set_forward_context(**extra):
+                return {"out": model(x), "yields": []}
         wrapper = UBatchWrapper(model, UBatchConfig(num_ubatches=2, handoff_timeout_s=60))
         try:
-            with set_forward_context(ubatch_slices=halves(x.shape[0])):
+            with set_forward_context(ubatch_slices=halves(x.shape[0]), **extra):
                 out = wrapper(x)
             return {"out": out, "yields": wrapper.last_yield_counts,
                     "per_layer": model.layers[0].kernel.prepare_finalize.dbo_yields_per_layer}

@@ -111,3 +111,24 @@ def test_ep_equals_dense_over_real_processes(backend: str) -> None:
     inputs = rank_inputs([7, 4])
     outs = launch(process_rank_main, 2, (weights, inputs, backend, True), timeout_s=60)
     check(weights, inputs, [{"out": o} for o in outs])
+
+
+@pytest.mark.parametrize("dbo", [False, True], ids=["no-dbo", "dbo"])
+def test_torch_ll_with_the_dp_token_bound_equals_dense(dbo: bool) -> None:
+    weights = StackWeights.random()
+    inputs = rank_inputs([7, 12])
+    check(weights, inputs, run_ep(weights, inputs, "torch_ll", dbo=dbo, capacity=64, dp_bound=12))
+
+
+def test_torch_ll_step_capacity() -> None:
+    from ubatch import set_forward_context
+    from ubatch.modular_moe.prepare_finalize.torch_ll import TorchLowLatency
+
+    pf = TorchLowLatency(8, 0, 2, groups=[None, None], max_dispatch_tokens_per_rank=64)
+    assert pf.step_capacity(5) == 64  # no forward context: the configured capacity
+    for bound, expected in [(1, 1), (3, 4), (20, 32), (64, 64), (100, 64)]:
+        with set_forward_context(max_tokens_across_dp=bound):
+            assert pf.step_capacity(1) == expected
+    with set_forward_context(max_tokens_across_dp=4):
+        with pytest.raises(ValueError, match="5 tokens exceed the step's max_tokens_across_dp=4"):
+            pf.step_capacity(5)

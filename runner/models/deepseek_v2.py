@@ -25,6 +25,7 @@ from runner.models.configs import DeepseekV2Config
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
 from runner.models.base import MoECausalLM, current_attn_metadata
 from runner.models.weights import WeightSpec
+from ubatch import trace
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
 
@@ -107,6 +108,7 @@ class DeepseekV2DecoderLayer(nn.Module):
     def __init__(self, config: DeepseekV2Config, layer_idx: int, parallel: MoEParallelConfig,
                  dtype: torch.dtype | None) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.self_attn = DeepseekV2Attention(config, dtype)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_idx):
@@ -118,7 +120,8 @@ class DeepseekV2DecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
+        with trace.compute_span("attention", "A", layer=self.layer_idx):
+            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

@@ -15,6 +15,7 @@ from runner.models.configs import Qwen3MoeConfig
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from runner.models.base import MoECausalLM, current_attn_metadata
 from runner.models.weights import WeightSpec
+from ubatch import trace
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
 
@@ -69,6 +70,7 @@ class Qwen3MoeDecoderLayer(nn.Module):
     def __init__(self, config: Qwen3MoeConfig, layer_idx: int, parallel: MoEParallelConfig,
                  dtype: torch.dtype | None) -> None:
         super().__init__()
+        self.layer_idx = layer_idx
         self.self_attn = Qwen3MoeAttention(config, dtype)
         self.mlp: nn.Module
         if config.is_moe_layer(layer_idx):
@@ -80,7 +82,8 @@ class Qwen3MoeDecoderLayer(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
+        with trace.compute_span("attention", "A", layer=self.layer_idx):
+            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 

@@ -1,7 +1,10 @@
 """Low-latency all-to-all in plain torch.distributed: the DeepEP-LL shape without DeepEP.
 
 Every rank sends a fixed-capacity buffer ``[E, Nmax, H]`` (``Nmax = num_max_dispatch_tokens_per_rank``)
-with one equal-split ``all_to_all_single`` per direction, plus the per-expert counts. All index math
+with one equal-split ``all_to_all_single`` per direction, plus the per-expert counts. When the step's
+forward context carries ``max_tokens_across_dp`` (known on the CPU from the DP vote, identical on every
+rank), the buffer shrinks to that bound rounded up to a power of two: equal on every rank, still no sync,
+and a sender no longer pays for 512 empty rows per expert on a 32-token decode step. All index math
 runs on the device (one-hot cumsum for slots, a stable argsort to pack), with no ``.item()`` and no
 data-dependent shapes, so on NCCL the whole step is CUDA-graph capturable. Receivers get the masked
 layout ``[E_local, R*Nmax, H]`` with valid tokens packed at the front of each expert and
@@ -15,6 +18,7 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
+from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.comm import AllToAll
 from ubatch.modular_moe.prepare_finalize.base import (
     FinalizeReceiver, Hook, PrepareFinalize, PrepareReceiver, pick_group, routed_bytes,
@@ -30,6 +34,7 @@ class _LLState:
     topk_weights: torch.Tensor
     slots: torch.Tensor  # [T, K] position of each routed copy in its expert's send block
     pack_order: torch.Tensor  # [E_local, R*Nmax] received row -> packed row permutation
+    capacity: int
     hidden_like: torch.Tensor  # the dispatched [T,H] input: sizes the combine on the emulated link
 
 
@@ -44,6 +49,16 @@ class TorchLowLatency(PrepareFinalize):
         self.groups = list(groups)
         self.capacity = max_dispatch_tokens_per_rank
 
+    def step_capacity(self, num_tokens: int) -> int:
+        """Rows per expert block this step: the configured capacity, or less when the DP bound allows."""
+        fc = maybe_get_forward_context()
+        bound = fc.extra.get("max_tokens_across_dp") if fc is not None else None
+        if not bound:
+            return self.capacity
+        if bound < num_tokens:
+            raise ValueError(f"torch_ll: {num_tokens} tokens exceed the step's max_tokens_across_dp={bound}")
+        return min(self.capacity, 1 << (int(bound) - 1).bit_length())
+
     def prepare_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> tuple[Hook | None, PrepareReceiver]:
         num_tokens, hidden_size = hidden.shape
@@ -52,7 +67,7 @@ class TorchLowLatency(PrepareFinalize):
                              f"num_max_dispatch_tokens_per_rank={self.capacity}; raise the capacity "
                              "(--max-dispatch-tokens-per-rank) - tokens are never dropped silently")
         comm = AllToAll(pick_group(self.groups))
-        e, cap = self.num_experts, self.capacity
+        e, cap = self.num_experts, self.step_capacity(num_tokens)
         membership = F.one_hot(topk_ids, e).sum(dim=1)  # [T, E]: 1 where the token picked the expert
         slots = torch.gather(membership.cumsum(dim=0) - 1, 1, topk_ids)  # [T, K]
         send = hidden.new_zeros(e, cap, hidden_size)
@@ -71,12 +86,12 @@ class TorchLowLatency(PrepareFinalize):
             order = torch.argsort((~valid).reshape(e_loc, r * cap).to(torch.int8), dim=1, stable=True)
             packed = torch.gather(by_expert, 1, order.unsqueeze(-1).expand(-1, -1, hidden_size))
             tokens = ExpertTokens("masked", packed, expert_num_tokens=per_src.sum(dim=1))
-            return tokens, _LLState(comm, topk_ids, topk_weights, slots, order, hidden)
+            return tokens, _LLState(comm, topk_ids, topk_weights, slots, order, cap, hidden)
 
         return handle.wait, receiver
 
     def finalize_async(self, expert_output: torch.Tensor, state: _LLState) -> tuple[Hook | None, FinalizeReceiver]:
-        r, e_loc, cap = self.ep_size, self.num_local_experts, self.capacity
+        r, e_loc, cap = self.ep_size, self.num_local_experts, state.capacity
         hidden_size = expert_output.shape[-1]
         unpacked = torch.empty_like(expert_output).scatter_(
             1, state.pack_order.unsqueeze(-1).expand(-1, -1, hidden_size), expert_output)
