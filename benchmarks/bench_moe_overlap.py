@@ -7,7 +7,11 @@ link's bandwidth is then set so that comm = compute / ratio for each compute/com
 
 For every ratio the table compares, side by side in one run (medians of repeated runs):
   no-DBO (compute + comm), DBO (2 ubatches), and the ideal ``max(compute, comm)`` per layer;
-  hidden % = (no-DBO - DBO) / min(compute, comm), the share of the hideable communication DBO hid.
+  hidden % = (no-DBO - DBO) / min(compute, comm): the end-to-end saving against the best possible one;
+  comm hidden (trace) % = all-to-all time a traced DBO run spent behind compute, over min(comm, compute) of
+  that same run (the most that could hide);
+  split overhead % = DBO with no link against no-DBO compute: what running two half-size ubatches costs.
+The end-to-end hidden % is the trace % minus what the split costs.
 
 Usage: ``python benchmarks/bench_moe_overlap.py [--tokens 256] [--layers 4] [--repeats 5]``
 """
@@ -33,6 +37,7 @@ from ubatch.modular_moe.layer import FusedMoE  # noqa: E402
 from ubatch.modular_moe.prepare_finalize.base import routed_bytes  # noqa: E402
 from ubatch import trace  # noqa: E402
 from ubatch.sbo import SboFlags  # noqa: E402
+from ubatch.trace_metrics import overlap_metrics  # noqa: E402
 
 RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)
 
@@ -123,6 +128,10 @@ def rank_main(rank: int, groups: list[Any], args: argparse.Namespace) -> dict[st
     compute_model, _ = build(None, dbo=False)
     once(compute_model, dbo=False)  # warm-up
     compute_s = statistics.median(once(compute_model, dbo=False) for _ in range(args.repeats))
+    split_model, _ = build(None, dbo=True)  # DBO with no link: what splitting the step costs by itself
+    once(split_model, dbo=True)
+    split_s = statistics.median(once(split_model, dbo=True) for _ in range(args.repeats))
+    split_model.close()
     rows = []
     for ratio in args.ratios:
         comm_s = compute_s / ratio
@@ -138,6 +147,9 @@ def rank_main(rank: int, groups: list[Any], args: argparse.Namespace) -> dict[st
             samples["compute"].append(once(compute_model, dbo=False))
             for name, model in models.items():
                 samples[name].append(once(model, dbo=modes[name][0]))
+        with trace.recording() as rec:  # one extra DBO run, traced: how much comm sat behind compute
+            once(models["dbo"], dbo=True)
+        traced = overlap_metrics(rec)
         for name, model in models.items():
             if modes[name][0]:
                 model.close()
@@ -148,7 +160,10 @@ def rank_main(rank: int, groups: list[Any], args: argparse.Namespace) -> dict[st
                "comm_ms": comm_s * 1e3, "ideal_ms": ideal * 1e3}
         row.update({f"{name}_ms": med[name] * 1e3 for name in modes})
         row.update({"speedup": t_plain / t_dbo, "hidden_pct": 100 * (t_plain - t_dbo) / hideable,
-                    "dbo_over_ideal": t_dbo / ideal, "link": link})
+                    "dbo_over_ideal": t_dbo / ideal,
+                    "trace_hidden_pct": 100 * traced.hidden_us / min(traced.comm_us, traced.compute_us)
+                    if traced.comm_us else 0.0,
+                    "split_overhead_pct": 100 * (split_s / c - 1), "link": link})
         if args.shared_inter:
             row["dbo_sbo_speedup"] = t_plain / med["dbo_sbo"]
             row["dbo_sbo_hidden_pct"] = 100 * (t_plain - med["dbo_sbo"]) / hideable
@@ -222,7 +237,8 @@ def main() -> None:
     cols = [("compute/comm", "compute_over_comm", "{:.2f}"), ("compute ms", "compute_ms", "{:.2f}"),
             ("comm ms", "comm_ms", "{:.2f}"), ("no-DBO ms", "no_dbo_ms", "{:.2f}"), ("DBO ms", "dbo_ms", "{:.2f}"),
             ("ideal ms", "ideal_ms", "{:.2f}"), ("DBO speed-up", "speedup", "{:.2f}x"),
-            ("DBO hidden %", "hidden_pct", "{:.1f}%")]
+            ("DBO hidden %", "hidden_pct", "{:.1f}%"), ("comm hidden (trace) %", "trace_hidden_pct", "{:.1f}%"),
+            ("split overhead %", "split_overhead_pct", "{:.1f}%")]
     if "sbo_ms" in rows[0]:
         cols += [("SBO ms", "sbo_ms", "{:.2f}"), ("DBO+SBO ms", "dbo_sbo_ms", "{:.2f}"),
                  ("DBO+SBO hidden %", "dbo_sbo_hidden_pct", "{:.1f}%")]
