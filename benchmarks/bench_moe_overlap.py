@@ -268,7 +268,9 @@ def plot(rows: list[dict[str, Any]], path: str) -> None:
     ax1.set_ylabel("ms per layer")
     ax1.legend()
     ax1.set_title("Step time per layer")
-    ax2.plot(x, [r["hidden_pct"] for r in rows], marker="o", color="tab:green")
+    ax2.plot(x, [r["hidden_pct"] for r in rows], marker="o", color="tab:green", label="end to end (no-DBO - DBO)")
+    ax2.plot(x, [r["trace_hidden_pct"] for r in rows], marker="s", color="tab:purple",
+             label="comm behind compute (traced)")
     ax2.axhline(80, ls="--", color="grey", label="goal 80%")
     ax2.set_xscale("log", base=2)
     ax2.set_ylim(0, 110)
