@@ -309,7 +309,8 @@ def maybe_make_graph_runner(model_runner: Any, *, capture: bool = True) -> Graph
     if cfg.enforce_eager:
         return None
     if torch.device(model_runner.device).type != "cuda":
-        _log_once(logging.WARNING, "CUDA graphs need a GPU: running eager")
+        if getattr(model_runner, "rank", 0) == 0:  # said once for the whole run, not once per DP rank
+            _log_once(logging.WARNING, "CUDA graphs need a GPU: running eager")
         return None
     blocker = capture_blocker(cfg.all2all_backend, cfg.experts_backend)
     if blocker is not None:
