@@ -5,14 +5,16 @@ what differs: its per-layer KV-cache shape (``kv_cache_specs``) and its checkpoi
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from runner.kv_cache import KVCacheSpec
+from runner.models.layers import RMSNorm, RotaryEmbedding
 from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
+from ubatch import trace
 from ubatch.forward_context import get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
 
@@ -37,6 +39,35 @@ def check_and_bind(layers: list[nn.Module], caches: list[torch.Tensor], specs: l
             raise ValueError(f"KV cache {i} has per-token shape {tuple(cache.shape[2:])}, "
                              f"expected {spec.per_token_shape}")
         layer.self_attn.kv_cache = cache
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm residual block (attention, then MLP or MoE) with Hugging Face's parameter names."""
+
+    def __init__(self, layer_idx: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
+                 dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
+        self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype)
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        with trace.compute_span("attention", "A", layer=self.layer_idx):
+            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    """``model.embed_tokens`` / ``model.layers.{i}`` / ``model.norm``: the HF layout both families share."""
+
+    def __init__(self, config: Any, make_layer: Callable[[int], nn.Module], dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class MoECausalLM(nn.Module):

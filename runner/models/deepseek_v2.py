@@ -23,9 +23,8 @@ from runner.attention import paged_mla_attention, write_kv
 from runner.kv_cache import KVCacheSpec
 from runner.models.configs import DeepseekV2Config
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
-from runner.models.base import MoECausalLM, current_attn_metadata
+from runner.models.base import DecoderLayer, DecoderModel, MoECausalLM, current_attn_metadata
 from runner.models.weights import WeightSpec
-from ubatch import trace
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
 
@@ -104,34 +103,14 @@ class DeepseekV2MoE(nn.Module):
         return self.experts(hidden, logits)
 
 
-class DeepseekV2DecoderLayer(nn.Module):
-    def __init__(self, config: DeepseekV2Config, layer_idx: int, parallel: MoEParallelConfig,
-                 dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.self_attn = DeepseekV2Attention(config, dtype)
-        self.mlp: nn.Module
-        if config.is_moe_layer(layer_idx):
-            self.mlp = DeepseekV2MoE(config, parallel, dtype)
-        else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, bias=config.mlp_bias)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        with trace.compute_span("attention", "A", layer=self.layer_idx):
-            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class DeepseekV2Model(nn.Module):
-    def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig, dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(DeepseekV2DecoderLayer(config, i, parallel, dtype)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+def deepseek_v2_layer(config: DeepseekV2Config, layer_idx: int, parallel: MoEParallelConfig,
+                      dtype: torch.dtype | None) -> DecoderLayer:
+    mlp: nn.Module
+    if config.is_moe_layer(layer_idx):
+        mlp = DeepseekV2MoE(config, parallel, dtype)
+    else:
+        mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, bias=config.mlp_bias)
+    return DecoderLayer(layer_idx, DeepseekV2Attention(config, dtype), mlp, config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):
@@ -140,7 +119,7 @@ class DeepseekV2ForCausalLM(MoECausalLM):
     def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(config, parallel, dtype)
-        self.model = DeepseekV2Model(config, self.parallel, dtype)
+        self.model = DecoderModel(config, lambda i: deepseek_v2_layer(config, i, self.parallel, dtype), dtype)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope,
                                           interleaved=bool(config.rope_interleave))
 

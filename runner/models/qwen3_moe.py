@@ -13,9 +13,8 @@ from runner.attention import paged_attention, write_kv
 from runner.kv_cache import KVCacheSpec
 from runner.models.configs import Qwen3MoeConfig
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
-from runner.models.base import MoECausalLM, current_attn_metadata
+from runner.models.base import DecoderLayer, DecoderModel, MoECausalLM, current_attn_metadata
 from runner.models.weights import WeightSpec
-from ubatch import trace
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
 
@@ -66,34 +65,14 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return self.experts(hidden, self.gate(hidden).float())
 
 
-class Qwen3MoeDecoderLayer(nn.Module):
-    def __init__(self, config: Qwen3MoeConfig, layer_idx: int, parallel: MoEParallelConfig,
-                 dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.self_attn = Qwen3MoeAttention(config, dtype)
-        self.mlp: nn.Module
-        if config.is_moe_layer(layer_idx):
-            self.mlp = Qwen3MoeSparseMoeBlock(config, parallel, dtype)
-        else:
-            self.mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        with trace.compute_span("attention", "A", layer=self.layer_idx):
-            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
-class Qwen3MoeModel(nn.Module):
-    def __init__(self, config: Qwen3MoeConfig, parallel: MoEParallelConfig, dtype: torch.dtype | None) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(Qwen3MoeDecoderLayer(config, i, parallel, dtype)
-                                    for i in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+def qwen3_moe_layer(config: Qwen3MoeConfig, layer_idx: int, parallel: MoEParallelConfig,
+                    dtype: torch.dtype | None) -> DecoderLayer:
+    mlp: nn.Module
+    if config.is_moe_layer(layer_idx):
+        mlp = Qwen3MoeSparseMoeBlock(config, parallel, dtype)
+    else:
+        mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
+    return DecoderLayer(layer_idx, Qwen3MoeAttention(config, dtype), mlp, config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):
@@ -102,7 +81,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
     def __init__(self, config: Qwen3MoeConfig, parallel: MoEParallelConfig | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(config, parallel, dtype)
-        self.model = Qwen3MoeModel(config, self.parallel, dtype)
+        self.model = DecoderModel(config, lambda i: qwen3_moe_layer(config, i, self.parallel, dtype), dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, interleaved=False)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
