@@ -39,6 +39,9 @@ VARIANTS = {
                                                                   "rope_parameters": YARN}),
     "dsv2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**{k: v for k, v in DSV3.items() if k not in (
         "n_group", "topk_group")}, "q_lora_rank": None, "n_shared_experts": 2, "routed_scaling_factor": 1.0}),
+    "dsv2-grouped": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {**DSV3, "q_lora_rank": None,
+                                                                    "topk_method": "group_limited_greedy",
+                                                                    "routed_scaling_factor": 1.0}),
 }
 
 
@@ -141,7 +144,7 @@ def greedy_generate(model: torch.nn.Module, prompts: list[list[int]], max_new: i
     return [t[len(p):] for t, p in zip(tokens, prompts)]
 
 
-@pytest.mark.parametrize("variant", ["qwen3", "dsv3"])
+@pytest.mark.parametrize("variant", ["qwen3", "dsv3", "dsv2-grouped"])
 def test_greedy_generation_matches_hf(saved, variant: str) -> None:
     hf, path = saved(variant)
     model, _ = load_model(str(path))
@@ -234,10 +237,6 @@ def test_unknown_architecture_and_bad_paths(tmp_path: Path) -> None:
         load_model(str(tmp_path.parent))
     with pytest.raises(ValueError, match="unsupported RoPE scaling type 'llama3'"):
         parse_config({"architectures": ["Qwen3MoeForCausalLM"], "rope_scaling": {"rope_type": "llama3"}})
-    v2 = parse_config({"architectures": ["DeepseekV2ForCausalLM"], "topk_method": "group_limited_greedy",
-                       "n_group": 2, "topk_group": 1, "hidden_size": 16, "num_hidden_layers": 1})
-    with pytest.raises(NotImplementedError, match="group_limited_greedy"):
-        get_model_class("DeepseekV2ForCausalLM")(v2)
     with pytest.raises(ValueError, match="quantized checkpoints"):
         parse_config({"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}})
 

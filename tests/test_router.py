@@ -140,3 +140,24 @@ def test_bad_arguments_raise(kwargs: dict, match: str) -> None:
 def test_non_2d_logits_raise() -> None:
     with pytest.raises(ValueError, match="2-D"):
         select_experts(torch.randn(2, 3, 8), 2, renormalize=False)
+
+
+def test_group_scoring_max_matches_hf_deepseek_v2_group_limited_greedy() -> None:
+    from transformers import DeepseekV2Config
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+
+    torch.manual_seed(0)
+    cfg = DeepseekV2Config(n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2, hidden_size=32,
+                           topk_method="group_limited_greedy", routed_scaling_factor=1.5)
+    gate = DeepseekV2TopkRouter(cfg)
+    torch.nn.init.normal_(gate.weight)
+    x = torch.randn(64, 32)
+    _, hf_w, hf_ids = gate(x)
+    logits = x @ gate.weight.t()
+    w, ids = select_experts(logits, 3, False, num_expert_group=4, topk_group=2, routed_scaling_factor=1.5,
+                            group_scoring="max")
+    hf_order, order = hf_ids.argsort(dim=-1), ids.argsort(dim=-1)
+    assert torch.equal(hf_ids.gather(1, hf_order), ids.gather(1, order))
+    torch.testing.assert_close(w.gather(1, order), hf_w.gather(1, hf_order), rtol=1e-6, atol=1e-7)
+    with pytest.raises(ValueError, match="unknown group_scoring 'min'"):
+        select_experts(logits, 3, False, num_expert_group=4, topk_group=2, group_scoring="min")

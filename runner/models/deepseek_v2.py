@@ -4,10 +4,9 @@ One class body serves both; the config says which router and RoPE layout apply:
 - V3: sigmoid scores + ``e_score_correction_bias`` + group-limited top-k (group score = sum of its top-2),
   ``norm_topk_prob`` renormalisation, ``routed_scaling_factor``; RoPE on interleaved pairs when
   ``rope_interleave`` (HF default) else neox.
-- V2: softmax scores, ``greedy`` top-k; RoPE on interleaved pairs. ``norm_topk_prob`` is honoured as in
-  DeepSeek's original code and vLLM (HF 5.23's V2 router ignores it; all released V2 configs set it false).
-  ``group_limited_greedy`` (group score = group max) is rejected: FusedMoE's grouped router scores groups
-  by top-2 sum (V3 rule) and would route differently.
+- V2: softmax scores, ``greedy`` top-k or ``group_limited_greedy`` (groups scored by their best expert);
+  RoPE on interleaved pairs. ``norm_topk_prob`` is honoured as in DeepSeek's original code and vLLM (HF
+  5.23's V2 router ignores it; all released V2 configs set it false).
 
 The MLA cache holds ``[latent | rotated rope key]`` per token; attention uses absorbed ``kv_b_proj``
 weights (see ``runner/attention.py``). Softmax scale = ``qk_head_dim ** -0.5``, times yarn's
@@ -83,19 +82,16 @@ class DeepseekV2MoE(nn.Module):
     def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         c = config
-        if c.topk_method == "group_limited_greedy":
-            raise NotImplementedError(
-                "DeepSeek-V2 topk_method='group_limited_greedy' (group score = max) is not supported by "
-                "FusedMoE's grouped router (group score = top-2 sum, the V3 rule)")
         self.gate = nn.Linear(c.hidden_size, c.n_routed_experts, bias=False, dtype=dtype)
         self.shared_experts = DenseMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, dtype,
                                        bias=c.mlp_bias) if c.n_shared_experts else None
-        grouped = c.topk_method == "noaux_tc"
+        grouped = c.topk_method in ("noaux_tc", "group_limited_greedy")
         self.experts = FusedMoE(
             c.n_routed_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
             renormalize=bool(c.norm_topk_prob), scoring_func=c.scoring_func,
             num_expert_group=c.n_group if grouped else None, topk_group=c.topk_group if grouped else None,
-            use_correction_bias=grouped, routed_scaling_factor=c.routed_scaling_factor,
+            use_correction_bias=c.topk_method == "noaux_tc", routed_scaling_factor=c.routed_scaling_factor,
+            group_scoring="max" if c.topk_method == "group_limited_greedy" else "top2_sum",
             shared_experts=self.shared_experts, parallel=parallel, params_dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,8 @@ class FusedMoE(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int, *,
                  renormalize: bool = True, scoring_func: str = "softmax", num_expert_group: int | None = None,
                  topk_group: int | None = None, use_correction_bias: bool = False,
-                 routed_scaling_factor: float = 1.0, shared_experts: nn.Module | None = None,
+                 routed_scaling_factor: float = 1.0, group_scoring: str = "top2_sum",
+                 shared_experts: nn.Module | None = None,
                  parallel: MoEParallelConfig | None = None, params_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         if top_k < 1 or top_k > num_experts:
@@ -32,6 +33,7 @@ class FusedMoE(nn.Module):
         self.num_expert_group = num_expert_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
+        self.group_scoring = group_scoring
         self.local_expert_range = self.parallel.local_expert_range(num_experts)
         dtype = params_dtype or torch.get_default_dtype()
         n_local = len(self.local_expert_range)
@@ -90,7 +92,7 @@ class FusedMoE(nn.Module):
             router_logits, self.top_k, self.renormalize, scoring_func=self.scoring_func,
             num_expert_group=self.num_expert_group, topk_group=self.topk_group,
             e_score_correction_bias=self.e_score_correction_bias,
-            routed_scaling_factor=self.routed_scaling_factor)
+            routed_scaling_factor=self.routed_scaling_factor, group_scoring=self.group_scoring)
         return self.kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:

@@ -13,6 +13,7 @@ import torch
 
 ScoringFunc = Literal["softmax", "sigmoid"]
 _SCORING_FUNCS: tuple[str, ...] = ("softmax", "sigmoid")
+GROUP_SCORINGS: tuple[str, ...] = ("top2_sum", "max")
 
 
 def select_experts(
@@ -24,6 +25,7 @@ def select_experts(
     topk_group: int | None = None,
     e_score_correction_bias: torch.Tensor | None = None,
     routed_scaling_factor: float = 1.0,
+    group_scoring: str = "top2_sum",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pick ``top_k`` experts per token; returns ``(topk_weights fp32 [T, K], topk_ids int64 [T, K])``.
 
@@ -34,9 +36,12 @@ def select_experts(
 
     The bias only steers *which* experts are chosen (DeepSeek's aux-loss-free balancing); the returned weights
     are the unbiased scores at the chosen ids. Groups limit a token to the ``topk_group`` groups with the
-    largest sum of their two best (biased) scores, which bounds how many nodes a token fans out to. Ids come
-    out ordered by descending choice score.
+    largest sum of their two best (biased) scores (``group_scoring="top2_sum"``, DeepSeek-V3), or with the
+    best single score (``"max"``, DeepSeek-V2's ``group_limited_greedy``); this bounds how many nodes a token
+    fans out to. Ids come out ordered by descending choice score.
     """
+    if group_scoring not in GROUP_SCORINGS:
+        raise ValueError(f"unknown group_scoring {group_scoring!r}; expected one of {GROUP_SCORINGS}")
     num_experts = _validate(
         router_logits, top_k, scoring_func, num_expert_group, topk_group, e_score_correction_bias
     )
@@ -51,7 +56,7 @@ def select_experts(
         scores_for_choice = scores + e_score_correction_bias.to(device=scores.device, dtype=torch.float32)
 
     if num_expert_group is not None and topk_group is not None and topk_group < num_expert_group:
-        scores_for_choice = _mask_to_top_groups(scores_for_choice, num_expert_group, topk_group)
+        scores_for_choice = _mask_to_top_groups(scores_for_choice, num_expert_group, topk_group, group_scoring)
 
     topk_ids = torch.topk(scores_for_choice, k=top_k, dim=-1, sorted=True)[1]
     topk_weights = scores.gather(1, topk_ids)
@@ -64,14 +69,18 @@ def select_experts(
     return topk_weights, topk_ids
 
 
-def _mask_to_top_groups(scores_for_choice: torch.Tensor, num_groups: int, topk_group: int) -> torch.Tensor:
-    """-inf out every expert outside the ``topk_group`` best groups (group score = sum of its top-2).
+def _mask_to_top_groups(scores_for_choice: torch.Tensor, num_groups: int, topk_group: int,
+                        group_scoring: str = "top2_sum") -> torch.Tensor:
+    """-inf out every expert outside the ``topk_group`` best groups (group score: sum of its top-2, or max).
 
     With a group size of 1 the "top-2" is the single expert; HF would fail there, we degrade gracefully.
     """
     num_tokens, num_experts = scores_for_choice.shape
     grouped = scores_for_choice.view(num_tokens, num_groups, num_experts // num_groups)
-    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
+    if group_scoring == "max":
+        group_scores = grouped.max(dim=-1).values
+    else:
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1)[0].sum(dim=-1)
     group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores, dtype=torch.bool)
     group_mask.scatter_(1, group_idx, True)
