@@ -130,9 +130,9 @@ def timed_spans(source: Any, pid: int | None = None) -> tuple[int, list[TimedSpa
 
 
 # ---- the metrics ---------------------------------------------------------------------------------------
-@dataclass
-class LayerOverlap:
-    compute_us: float
+class _CommSplit:
+    """``exposed_us`` / ``hidden_pct`` from ``comm_us`` and ``hidden_us``: shared by the step and per-layer views."""
+
     comm_us: float
     hidden_us: float
 
@@ -146,7 +146,15 @@ class LayerOverlap:
 
 
 @dataclass
-class OverlapMetrics:
+class LayerOverlap(_CommSplit):
+    compute_us: float
+    comm_us: float
+    hidden_us: float
+
+
+
+@dataclass
+class OverlapMetrics(_CommSplit):
     pid: int
     wall_us: float
     compute_us: float
@@ -156,13 +164,6 @@ class OverlapMetrics:
     recv_wait_us: float
     layers: dict[int, LayerOverlap] = field(default_factory=dict)
 
-    @property
-    def exposed_us(self) -> float:
-        return self.comm_us - self.hidden_us
-
-    @property
-    def hidden_pct(self) -> float:
-        return 100.0 * self.hidden_us / self.comm_us if self.comm_us > 0 else 0.0
 
 
 def _ivs(spans: Sequence[TimedSpan], cat: str, layer: int | None = None) -> list[Interval]:

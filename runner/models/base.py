@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.kv_cache import KVCacheSpec
-from runner.models.layers import RMSNorm, RotaryEmbedding
+from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
 from ubatch import trace
 from ubatch.forward_context import get_forward_context
@@ -58,6 +58,14 @@ class DecoderLayer(nn.Module):
         with trace.compute_span("attention", "A", layer=self.layer_idx):
             hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
         return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def moe_or_dense_layer(config: Any, layer_idx: int, self_attn: nn.Module, make_moe: Callable[[], nn.Module],
+                       dtype: torch.dtype | None, mlp_bias: bool = False) -> DecoderLayer:
+    """A decoder layer whose MLP is the model's MoE block where the config says so, else a dense SwiGLU MLP."""
+    mlp = make_moe() if config.is_moe_layer(layer_idx) else DenseMLP(
+        config.hidden_size, config.intermediate_size, dtype, bias=mlp_bias)
+    return DecoderLayer(layer_idx, self_attn, mlp, config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class DecoderModel(nn.Module):

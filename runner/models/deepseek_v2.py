@@ -22,7 +22,7 @@ from runner.attention import paged_mla_attention, write_kv
 from runner.kv_cache import KVCacheSpec
 from runner.models.configs import DeepseekV2Config
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
-from runner.models.base import DecoderLayer, DecoderModel, MoECausalLM, current_attn_metadata
+from runner.models.base import DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer
 from runner.models.weights import WeightSpec
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
@@ -99,23 +99,18 @@ class DeepseekV2MoE(nn.Module):
         return self.experts(hidden, logits)
 
 
-def deepseek_v2_layer(config: DeepseekV2Config, layer_idx: int, parallel: MoEParallelConfig,
-                      dtype: torch.dtype | None) -> DecoderLayer:
-    mlp: nn.Module
-    if config.is_moe_layer(layer_idx):
-        mlp = DeepseekV2MoE(config, parallel, dtype)
-    else:
-        mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype, bias=config.mlp_bias)
-    return DecoderLayer(layer_idx, DeepseekV2Attention(config, dtype), mlp, config.hidden_size, config.rms_norm_eps, dtype)
-
-
 class DeepseekV2ForCausalLM(MoECausalLM):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
 
     def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(config, parallel, dtype)
-        self.model = DecoderModel(config, lambda i: deepseek_v2_layer(config, i, self.parallel, dtype), dtype)
+
+        def make_layer(i: int) -> nn.Module:
+            return moe_or_dense_layer(config, i, DeepseekV2Attention(config, dtype),
+                                      lambda: DeepseekV2MoE(config, self.parallel, dtype), dtype, mlp_bias=config.mlp_bias)
+
+        self.model = DecoderModel(config, make_layer, dtype)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope,
                                           interleaved=bool(config.rope_interleave))
 

@@ -12,8 +12,8 @@ from torch import nn
 from runner.attention import paged_attention, write_kv
 from runner.kv_cache import KVCacheSpec
 from runner.models.configs import Qwen3MoeConfig
-from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
-from runner.models.base import DecoderLayer, DecoderModel, MoECausalLM, current_attn_metadata
+from runner.models.layers import RMSNorm, RotaryEmbedding
+from runner.models.base import DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer
 from runner.models.weights import WeightSpec
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
@@ -65,23 +65,18 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
         return self.experts(hidden, self.gate(hidden).float())
 
 
-def qwen3_moe_layer(config: Qwen3MoeConfig, layer_idx: int, parallel: MoEParallelConfig,
-                    dtype: torch.dtype | None) -> DecoderLayer:
-    mlp: nn.Module
-    if config.is_moe_layer(layer_idx):
-        mlp = Qwen3MoeSparseMoeBlock(config, parallel, dtype)
-    else:
-        mlp = DenseMLP(config.hidden_size, config.intermediate_size, dtype)
-    return DecoderLayer(layer_idx, Qwen3MoeAttention(config, dtype), mlp, config.hidden_size, config.rms_norm_eps, dtype)
-
-
 class Qwen3MoeForCausalLM(MoECausalLM):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
 
     def __init__(self, config: Qwen3MoeConfig, parallel: MoEParallelConfig | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__(config, parallel, dtype)
-        self.model = DecoderModel(config, lambda i: qwen3_moe_layer(config, i, self.parallel, dtype), dtype)
+
+        def make_layer(i: int) -> nn.Module:
+            return moe_or_dense_layer(config, i, Qwen3MoeAttention(config, dtype),
+                                      lambda: Qwen3MoeSparseMoeBlock(config, self.parallel, dtype), dtype)
+
+        self.model = DecoderModel(config, make_layer, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, interleaved=False)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
