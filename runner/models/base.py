@@ -109,6 +109,15 @@ class MoECausalLM(nn.Module):
     def _build_spec(self) -> WeightSpec:
         raise NotImplementedError
 
+    def _common_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensors every family has: embeddings, final norm, and the LM head unless tied."""
+        c = self.config
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+                                              "model.norm.weight": (c.hidden_size,)}
+        if not c.tie_word_embeddings:
+            shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+        return shapes
+
     def bind_kv_caches(self, caches: list[torch.Tensor]) -> None:
         check_and_bind(list(self.model.layers), caches, self.kv_cache_specs())
 

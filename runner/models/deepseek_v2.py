@@ -121,9 +121,7 @@ class DeepseekV2ForCausalLM(MoECausalLM):
     def _build_spec(self) -> WeightSpec:
         c = self.config
         h, nh = c.hidden_size, c.num_attention_heads
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-        if not c.tie_word_embeddings:
-            shapes["lm_head.weight"] = (c.vocab_size, h)
+        shapes = self._common_shapes()
         rename: dict[str, str] = {}
         moe_layers = {}
 

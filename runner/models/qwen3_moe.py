@@ -86,9 +86,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
     def _build_spec(self) -> WeightSpec:
         c = self.config
         h, d = c.hidden_size, c.head_dim
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, h), "model.norm.weight": (h,)}
-        if not c.tie_word_embeddings:
-            shapes["lm_head.weight"] = (c.vocab_size, h)
+        shapes = self._common_shapes()
         moe_layers = {}
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
