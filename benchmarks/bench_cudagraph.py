@@ -35,8 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from cudagraph.dispatch import GraphKey, token_split  # noqa: E402
-from cudagraph.manager import GraphRunner, ensure_null_block  # noqa: E402
 from cudagraph.sizes import parse_cuda_graph_sizes  # noqa: E402
+from runner.cuda_graphs import make_graph_runner  # noqa: E402
 from runner.config import RunnerConfig  # noqa: E402
 from runner.kv_cache import build_attention_metadata  # noqa: E402
 from runner.model_runner import ModelRunner  # noqa: E402
@@ -102,13 +102,10 @@ def main() -> int:
     runner = ModelRunner(cfg)
     greenlet = runner.wrapper
     threads = UBatchWrapper(runner.model, UBatchConfig(2, executor="threads"), runner.device)
-    null_block = ensure_null_block(runner)
-    common = dict(block_size=runner.block_size, max_model_len=runner.max_model_len, null_block=null_block,
-                  sizes=sizes, progress=True)
-    graph_dbo = GraphRunner(runner.model, runner.input_ids, runner.positions, wrapper=threads,
-                            keys=[GraphKey(n, token_split(n, 2)) for n in sizes], **common)
-    graph_plain = GraphRunner(runner.model, runner.input_ids, runner.positions,
-                              keys=[GraphKey(n) for n in sizes], **common)
+    graph_dbo = make_graph_runner(runner, sizes=sizes, progress=True, wrapper=threads,
+                                  keys=[GraphKey(n, token_split(n, 2)) for n in sizes])
+    graph_plain = make_graph_runner(runner, sizes=sizes, progress=True, wrapper=None,
+                                    keys=[GraphKey(n) for n in sizes])
     print(graph_dbo.capture().summary())
     print(graph_plain.capture().summary())
     decode = Decode(runner, args.context_len)

@@ -106,11 +106,10 @@ def rank_main(rank: int, groups: list[Any], args: argparse.Namespace) -> dict[st
 
     def build(link: str | None, dbo: bool, sbo: bool = False) -> tuple[Any, Stack]:
         cap = args.tokens // 2 if dbo else args.tokens  # same bytes through gloo in both modes
-        extra = {"sbo": SboFlags(dispatch_shared_experts=True)} if sbo else {}
         parallel = MoEParallelConfig(ep_rank=rank, ep_size=world, all2all_backend="torch_ll" if world > 1 else "none",
                                      ep_groups=groups[:2] if world > 1 else None,
                                      max_dispatch_tokens_per_rank=cap, emulate_link=link,
-                                     extra=extra)
+                                     sbo=SboFlags(dispatch_shared_experts=True) if sbo else SboFlags())
         stack = Stack(args, parallel)
         if not dbo:
             return stack, stack

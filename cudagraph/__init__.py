@@ -1,7 +1,9 @@
-"""FULL CUDA graphs for uniform-decode steps, with and without DBO (DESIGN.md §5).
+"""FULL CUDA graphs for uniform-decode steps, with and without DBO.
 
-Entry point for the runner: :func:`maybe_make_graph_runner` (``None`` on CPU or with --enforce-eager).
-GPU-free, table-tested pieces: :mod:`cudagraph.sizes` (ladder, ``--cuda-graph-sizes`` parsing, padding)
+A decode step is captured once per batch size (vLLM's FULL cudagraph mode); a DBO step is captured by
+running its ubatches inside the capture, so a replay needs no threads. :class:`GraphRunner` captures and
+replays; the engine builds one through ``runner.cuda_graphs``. This package depends on ``ubatch`` only,
+never on the engine. GPU-free, table-tested pieces: :mod:`cudagraph.sizes` (ladder, ``--cuda-graph-sizes`` parsing, padding)
 and :mod:`cudagraph.dispatch` (batch descriptors and the replay rules). Only ``sizes`` is imported
 eagerly, so a CLI can parse ``--cuda-graph-sizes`` without importing torch.
 """
@@ -15,7 +17,7 @@ _LAZY = {
     "cudagraph.dispatch": ("BatchKind", "CaptureRuleError", "Dispatch", "GraphKey", "Why", "capture_blocker",
                            "check_deepep_ll_rules", "check_replay", "classify_batch", "plan_captures",
                            "select_graph", "token_split"),
-    "cudagraph.manager": ("GraphRunner", "make_graph_runner", "maybe_make_graph_runner"),
+    "cudagraph.manager": ("GraphRunner", "MetadataBuffers"),
     "cudagraph.backends": ("CudaGraphBackend", "EagerReplayBackend"),
 }
 

@@ -104,7 +104,8 @@ def warm_ubatch_threads(wrapper: Any, stream_list: Sequence[Any]) -> set[int]:
     slices = [UBatchSlice(slice(i, i + 1), slice(i, i + 1)) for i in range(n)]
     original, wrapper.runnable = wrapper.runnable, warm
     try:
-        wrapper.run_ubatched(ForwardContext(ubatch_slices=slices), slices, (), {})
+        tokens = torch.zeros(n, device=device)  # one row per ubatch: what the slices cover
+        wrapper.run_ubatched(ForwardContext(ubatch_slices=slices), slices, (tokens,), {})
     finally:
         wrapper.runnable = original
     return seen

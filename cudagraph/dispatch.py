@@ -178,7 +178,8 @@ class CaptureRuleError(RuntimeError):
 
 
 def check_deepep_ll_rules(num_ll_calls: int, num_ubatches: int, num_handles: int) -> None:
-    """DeepEP low-latency capture rules (reference/kernels_comm.md §1.4).
+    """DeepEP low-latency capture rules (from DeepEP's ``deep_ep/buffer.py``: ``low_latency_dispatch`` and
+    ``low_latency_combine`` flip ``self.low_latency_buffer_idx`` on every call).
 
     The RDMA buffer has two slots and every LL call flips the slot index *on the CPU*; a graph freezes
     the slots it used. An even number of LL calls per graph leaves the CPU index where it was, so eager

@@ -11,6 +11,10 @@ is buffer copies plus one ``graph.replay()``: no threads, no handoffs, no Python
 Before the first capture cuBLAS is touched on every ubatch worker thread for every stream it may use
 (a handle or workspace created inside a capture is illegal or lands in the graph pool): one thread with
 the greenlet executor, one per ubatch with the threads executor.
+
+This package sits below the engine: it knows nothing of ``runner``. What a graph needs from the model's
+attention -- persistent decode-metadata buffers and a way to make the attention capturable -- is passed
+in by the caller (``runner/cuda_graphs.py`` wires the engine's own).
 """
 from __future__ import annotations
 
@@ -18,7 +22,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 
@@ -27,13 +31,28 @@ from cudagraph.dispatch import (
     BatchKind, CaptureRuleError, Dispatch, GraphKey, Why, capture_blocker, check_deepep_ll_rules, check_replay,
     classify_batch, plan_captures, select_graph,
 )
-from cudagraph.sizes import resolve_capture_sizes
-from runner.attention_graph import DecodeMetadataBuffers, GraphDecodeMetadata, capturable_attention
 from ubatch import streams
-from ubatch.forward_context import ForwardContext, maybe_get_forward_context, set_forward_context
+from ubatch.forward_context import ForwardContext, set_forward_context
 from ubatch.slicing import CommonAttentionMetadata, UBatchSlice
 
 logger = logging.getLogger("ubatch.cudagraph")
+
+
+class MetadataBuffers(Protocol):
+    """Persistent attention metadata the graphs read (the engine's: ``runner.attention_graph``)."""
+
+    def fill_padding(self, num_tokens: int) -> None:
+        """Make rows ``[0, num_tokens)`` padding requests (what a capture runs with)."""
+
+    def views(self, num_tokens: int, ubatch_sizes: Sequence[int]) -> list[Any]:
+        """Per-ubatch metadata views over the buffers (one view when not ubatched)."""
+
+    def fill(self, meta: Any, num_tokens: int) -> None:
+        """Copy a real step's metadata in before a replay (rows past its requests become padding)."""
+
+
+MetadataBuffersFactory = Callable[[int], MetadataBuffers]  # called with the largest capture size
+CapturableAttention = Callable[[torch.nn.Module], ContextManager[int]]  # yields how many call sites it rerouted
 
 
 @dataclass
@@ -43,7 +62,7 @@ class GraphEntry:
     output: torch.Tensor  # static: overwritten by the next replay of this graph
     input_ids: torch.Tensor  # the views the graph reads
     positions: torch.Tensor
-    metadata: list[GraphDecodeMetadata]
+    metadata: list[Any]
 
 
 @dataclass
@@ -68,9 +87,10 @@ class GraphRunner:
     """
 
     def __init__(self, model: torch.nn.Module, input_ids: torch.Tensor, positions: torch.Tensor, *,
-                 block_size: int, max_model_len: int, null_block: int, sizes: Sequence[int],
-                 wrapper: Any = None, dbo_decode_threshold: int = 32, keys: Sequence[GraphKey] | None = None,
-                 backend: GraphBackend | None = None, num_warmups: int = 2, progress: bool = True) -> None:
+                 metadata_buffers: MetadataBuffersFactory, capturable_attention: CapturableAttention,
+                 sizes: Sequence[int], wrapper: Any = None, dbo_decode_threshold: int = 32,
+                 keys: Sequence[GraphKey] | None = None, backend: GraphBackend | None = None,
+                 num_warmups: int = 2, progress: bool = True) -> None:
         self.model, self.wrapper = model, wrapper
         self.input_ids, self.positions = input_ids, positions
         self.device = input_ids.device
@@ -83,8 +103,8 @@ class GraphRunner:
         largest = max(k.num_tokens for k in self.keys)
         if largest > input_ids.shape[0]:
             raise ValueError(f"capture size {largest} exceeds the {input_ids.shape[0]}-token input buffers")
-        max_blocks = -(-max_model_len // block_size)
-        self.buffers = DecodeMetadataBuffers(largest, max_blocks, block_size, null_block, self.device)
+        self.buffers = metadata_buffers(largest)
+        self.capturable_attention = capturable_attention
         self.backend: GraphBackend = backend or CudaGraphBackend()
         self.num_warmups, self.progress = num_warmups, progress
         self.capture_stream = streams.new_stream(self.device, name="graph-capture")
@@ -115,9 +135,10 @@ class GraphRunner:
                                                                        self.wrapper.comm_stream, *extra])
         bar = tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not self.progress, dynamic_ncols=True)
         try:
-            with capturable_attention(self.model) as rerouted:
+            with self.capturable_attention(self.model) as rerouted:
                 if not rerouted:
-                    logger.warning("the model does not call runner.attention; its own attention must be capturable")
+                    logger.warning("capturable_attention rerouted no attention call of the model; its own attention "
+                                   "must then be capturable")
             for key in bar:
                 bar.set_postfix_str(str(key), refresh=False)
                 self.graphs[key] = self._capture_one(key)
@@ -152,7 +173,7 @@ class GraphRunner:
             start += n
 
         def step() -> torch.Tensor:
-            with capturable_attention(self.model):  # Python only: a CUDA replay never re-enters it
+            with self.capturable_attention(self.model):  # Python only: a CUDA replay never re-enters it
                 return self._run_eager(key, ids, pos, metas, slices)
 
         self.backend.synchronize()  # the warm-ups run on the capture stream and read what was just written
@@ -166,7 +187,7 @@ class GraphRunner:
             check_deepep_ll_rules(ll.calls, len(key.ubatch_sizes) or 1, ll.num_handles)
         return GraphEntry(key, graph, out, ids, pos, metas)
 
-    def _run_eager(self, key: GraphKey, ids: torch.Tensor, pos: torch.Tensor, metas: list[GraphDecodeMetadata],
+    def _run_eager(self, key: GraphKey, ids: torch.Tensor, pos: torch.Tensor, metas: list[Any],
                    slices: list[UBatchSlice]) -> torch.Tensor:
         if key.ubatched:
             fc = ForwardContext(attn_metadata=list(metas), ubatch_slices=slices)
@@ -238,85 +259,3 @@ class GraphRunner:
                 static.copy_(given)
         self.backend.replay(entry.graph)
         return entry.output
-
-    def wrapper_hook(self, wrapper: Any, slices: list[UBatchSlice], args: Sequence[Any],
-                     kwargs: dict[str, Any]) -> Any:
-        """``UBatchWrapper.graph_runner`` protocol (for library users who call the wrapper directly)."""
-        fc = maybe_get_forward_context()
-        ids = kwargs.get("input_ids", args[0] if args else None)
-        pos = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        if fc is None or ids is None or pos is None:
-            return NotImplemented
-        return self.try_replay(fc.attn_metadata, slices, ids, pos)
-
-
-# ---- runner integration --------------------------------------------------------------------------------
-_LOGGED: set[str] = set()
-
-
-def _log_once(level: int, message: str) -> None:
-    """Once per process: every DP rank and every ModelRunner would otherwise repeat it."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.log(level, message)
-
-
-def ensure_null_block(model_runner: Any) -> int:
-    """Id of the KV block reserved for graph padding: ``num_kv_blocks``, one past the scheduler's range.
-
-    The runner should allocate ``num_kv_blocks + 1`` blocks (the scheduler hands out only the first
-    ``num_kv_blocks``). If it did not, the caches are reallocated once with the extra block; that is only
-    safe before the first step (the cache contents are lost) and briefly needs twice the KV memory.
-    """
-    from runner.kv_cache import allocate_kv_caches
-
-    model, num_blocks = model_runner.model, model_runner.num_kv_blocks
-    caches = [m.kv_cache for m in model.modules() if isinstance(getattr(m, "kv_cache", None), torch.Tensor)]
-    if not caches:
-        raise ValueError("the model has no bound KV caches (layers with a .kv_cache tensor)")
-    if all(c.shape[0] > num_blocks for c in caches):
-        return num_blocks
-    dtype = caches[0].dtype
-    del caches
-    logger.info("reallocating the KV caches with one extra block (id %d) for CUDA-graph padding", num_blocks)
-    model.bind_kv_caches(allocate_kv_caches(model.kv_cache_specs(), num_blocks + 1, model_runner.block_size,
-                                            dtype, model_runner.device))
-    return num_blocks
-
-
-def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = None,
-                      backend: GraphBackend | None = None, num_warmups: int = 2,
-                      progress: bool | None = None) -> GraphRunner:
-    """A :class:`GraphRunner` wired to a ``runner.model_runner.ModelRunner`` (not yet captured)."""
-    cfg = model_runner.cfg
-    requested = sizes if sizes is not None else getattr(cfg, "cuda_graph_sizes", None)
-    resolved = resolve_capture_sizes(requested, cfg.max_num_seqs, model_runner.input_ids.shape[0])
-    return GraphRunner(model_runner.model, model_runner.input_ids, model_runner.positions,
-                       block_size=model_runner.block_size, max_model_len=model_runner.max_model_len,
-                       null_block=ensure_null_block(model_runner), sizes=resolved, wrapper=model_runner.wrapper,
-                       dbo_decode_threshold=cfg.dbo_decode_token_threshold, backend=backend,
-                       num_warmups=num_warmups,
-                       progress=(getattr(model_runner, "rank", 0) == 0) if progress is None else progress)
-
-
-def maybe_make_graph_runner(model_runner: Any, *, capture: bool = True) -> GraphRunner | None:
-    """The runner's one entry point: a captured :class:`GraphRunner`, or ``None`` to run eager.
-
-    ``None`` with ``--enforce-eager``, on CPU (logged once: "CUDA graphs need a GPU: running eager"), and
-    with backends that cannot be captured (logged once, with the reason).
-    """
-    cfg = model_runner.cfg
-    if cfg.enforce_eager:
-        return None
-    if torch.device(model_runner.device).type != "cuda":
-        if getattr(model_runner, "rank", 0) == 0:  # said once for the whole run, not once per DP rank
-            _log_once(logging.WARNING, "CUDA graphs need a GPU: running eager")
-        return None
-    blocker = capture_blocker(cfg.all2all_backend, cfg.experts_backend)
-    if blocker is not None:
-        _log_once(logging.WARNING, f"CUDA graphs disabled: {blocker}; running eager")
-        return None
-    graph_runner = make_graph_runner(model_runner)
-    if capture:
-        graph_runner.capture()
-    return graph_runner

@@ -30,6 +30,7 @@ from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context
 from ubatch.distributed import run_thread_ranks  # noqa: E402
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
 from ubatch.modular_moe.layer import FusedMoE  # noqa: E402
+from ubatch.modular_moe.runtime import MoERuntime  # noqa: E402
 from ubatch.trace_metrics import format_metrics, overlap_metrics  # noqa: E402
 
 
@@ -54,8 +55,9 @@ class TinyMoEModel(nn.Module):
         self.attn_out = [torch.randn(attn_width, hidden, generator=g) * attn_width ** -0.5 for _ in range(layers)]
         self.gates = [torch.randn(experts, hidden, generator=g) for _ in range(layers)]
         self.moe = nn.ModuleList()
+        runtime = MoERuntime(parallel)  # the layers share one backend and one modelled link
         for _ in range(layers):
-            layer = FusedMoE(experts, top_k, hidden, inter, parallel=parallel,
+            layer = FusedMoE(experts, top_k, hidden, inter, runtime=runtime,
                              shared_experts=SharedMLP(hidden, inter, g))
             for e in range(experts):
                 for shard, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):

@@ -14,6 +14,7 @@ from ubatch import UBatchWrapper, maybe_create_ubatch_slices, set_forward_contex
 from ubatch.distributed import run_thread_ranks
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
+from ubatch.modular_moe.runtime import MoERuntime
 
 HIDDEN, EXPERTS, TOP_K, INTER, LAYERS, WORLD = 32, 8, 2, 64, 3, 2
 TOKENS_PER_RANK = [10, 14]  # DP ranks need not hold equal batches
@@ -28,10 +29,10 @@ def make_weights(seed: int = 0) -> list[dict[str, torch.Tensor]]:
 
 
 class MyMoEBlock(nn.Module):
-    def __init__(self, w: dict[str, torch.Tensor], parallel: MoEParallelConfig) -> None:
+    def __init__(self, w: dict[str, torch.Tensor], runtime: MoERuntime) -> None:
         super().__init__()
         self.mixer, self.router = w["mixer"], w["router"]
-        self.moe = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, parallel=parallel)  # keeps only this rank's experts
+        self.moe = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTER, runtime=runtime)  # keeps only this rank's experts
         for e in range(EXPERTS):
             for shard in ("gate", "up", "down"):
                 self.moe.load_expert_weight(e, shard, w[shard][e])
@@ -44,7 +45,8 @@ class MyMoEBlock(nn.Module):
 class MyMoEModel(nn.Module):
     def __init__(self, weights: list[dict[str, torch.Tensor]], parallel: MoEParallelConfig) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(MyMoEBlock(w, parallel) for w in weights)
+        runtime = MoERuntime(parallel)  # the blocks share one all-to-all backend
+        self.blocks = nn.ModuleList(MyMoEBlock(w, runtime) for w in weights)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:

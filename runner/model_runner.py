@@ -15,16 +15,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from cudagraph import maybe_make_graph_runner
+from runner.cuda_graphs import maybe_make_graph_runner
 from runner.dp import DPDecision, coordinate_batch_across_dp, local_decision
 from runner.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata
 from runner.models.loader import load_model
 from runner.sampling import sample
 from runner.scheduler import SchedulerOutput
 from ubatch.distributed import new_ep_groups
-from ubatch.forward_context import set_forward_context
-from ubatch.modular_moe.config import MoEParallelConfig
-from ubatch.sbo import enable_sbo
+from ubatch.forward_context import DPMetadata, set_forward_context
+from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.slicing import balanced_split_points, check_ubatch_thresholds, maybe_create_ubatch_slices
 from ubatch.wrapper import UBatchConfig, UBatchWrapper
 
@@ -159,7 +158,7 @@ class ModelRunner:
                                                    split_point)
         model = self.wrapper if self.wrapper is not None else self.model
         with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
-                                 **self._dp_bound(decision)):
+                                 dp_metadata=self._dp_metadata(decision)):
             hidden = NotImplemented if self.graph_runner is None else self.graph_runner.try_replay(
                 meta, slices, self.input_ids[:padded], self.positions[:padded])
             if hidden is NotImplemented:
@@ -168,21 +167,21 @@ class ModelRunner:
             self.num_ubatched_steps += 1
         return hidden, meta
 
-    def _dp_bound(self, decision: DPDecision) -> dict[str, int]:
-        """The step's max token count over DP ranks (same on every rank): lets torch_ll shrink its buffers.
+    def _dp_metadata(self, decision: DPDecision) -> DPMetadata | None:
+        """What the DP vote agreed (same on every rank): lets torch_ll shrink its buffers to the step's bound.
 
         Not under CUDA graphs, whose captured all-to-alls keep the fixed capacity.
         """
         if self.graph_runner is not None:
-            return {}
-        return {"max_tokens_across_dp": max(decision.num_tokens_across_dp)}
+            return None
+        return DPMetadata(decision.num_tokens_across_dp)
 
     def _dummy_step(self, decision: DPDecision) -> None:
         """One padding token, no request: keeps this idle rank's all-to-alls matched with busy peers."""
         self.num_dummy_steps += 1
         meta = build_attention_metadata([], [], [], self.block_size, self.device, num_padded_tokens=1)
         with set_forward_context(attn_metadata=meta, ubatch_slices=None, trace_rank=self.rank,
-                                 **self._dp_bound(decision)):
+                                 dp_metadata=self._dp_metadata(decision)):
             self.model(input_ids=self.input_ids[:1].zero_(), positions=self.positions[:1].zero_())
 
     def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: Any) -> list[int | None]:

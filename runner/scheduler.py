@@ -18,7 +18,7 @@ small) finish immediately with ``finish_reason == "error"`` and a message; the o
 
 **Results may lag one step** (the overlap loop, ``runner/overlap_loop.py``). ``schedule()`` advances each
 scheduled request at once, as if its step had already run: ``num_computed_tokens`` moves forward and a
-sampling chunk appends a *placeholder* output (``future_map.placeholder(slot)``); ``update()`` later
+sampling chunk appends a *placeholder* output (``slots.placeholder(slot)``); ``update()`` later
 replaces the oldest placeholder with the real token and runs the stop checks. So step N+1 can be scheduled
 before step N's results are in: a request decoding in both feeds N+1 the placeholder, which the forward
 side resolves from the future-token map. Called in lock-step (schedule, step, update), this is exactly the
@@ -42,7 +42,7 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from runner.future_map import SlotPool, placeholder
+from runner.slots import SlotPool, placeholder
 from runner.kv_cache import BlockAllocator, blocks_needed
 from runner.sampling import SamplingParams
 

@@ -8,8 +8,10 @@ import torch
 
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context
 from ubatch.distributed import run_thread_ranks
+from ubatch.forward_context import DPMetadata
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
+from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.modular_moe.router import select_experts
 
 
@@ -57,8 +59,9 @@ class MoEStack(torch.nn.Module):
         inter = weights.w2[0].shape[-1]
         self.gates = weights.gates
         self.layers = torch.nn.ModuleList()
+        self.runtime = MoERuntime(parallel)  # the layers share one backend and one link, as in a model
         for w13, w2 in zip(weights.w13, weights.w2):
-            layer = FusedMoE(experts, weights.top_k, hidden, inter, parallel=parallel)
+            layer = FusedMoE(experts, weights.top_k, hidden, inter, runtime=self.runtime)
             layer.load_fused_experts(w13, w2)
             self.layers.append(layer)
 
@@ -85,13 +88,13 @@ def run_ep(weights: StackWeights, inputs: list[torch.Tensor], backend: str, expe
                                      emulate_link=emulate_link)
         model = MoEStack(weights, parallel)
         x = inputs[rank]
-        extra = {} if dp_bound is None else {"max_tokens_across_dp": dp_bound}
+        dp = None if dp_bound is None else DPMetadata((dp_bound,))
         if not dbo:
-            with set_forward_context(**extra):
+            with set_forward_context(dp_metadata=dp):
                 return {"out": model(x), "yields": []}
         wrapper = UBatchWrapper(model, UBatchConfig(num_ubatches=2, handoff_timeout_s=60))
         try:
-            with set_forward_context(ubatch_slices=halves(x.shape[0]), **extra):
+            with set_forward_context(ubatch_slices=halves(x.shape[0]), dp_metadata=dp):
                 out = wrapper(x)
             return {"out": out, "yields": wrapper.last_yield_counts,
                     "per_layer": model.layers[0].kernel.prepare_finalize.dbo_yields_per_layer}

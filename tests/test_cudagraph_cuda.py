@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-import cudagraph.manager as manager
+import runner.cuda_graphs as manager
 from cudagraph import Why
 from test_cudagraph_dispatch import DecodeBatches, make_runner
 from ubatch.context import UBatchContext

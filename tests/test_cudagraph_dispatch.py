@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-import cudagraph.manager as manager
+import runner.cuda_graphs as manager
 from cudagraph import (
     BatchKind, CaptureRuleError, GraphKey, Why, capture_blocker, check_deepep_ll_rules, check_replay,
     classify_batch, default_capture_sizes, pad_to_capture_size, parse_cuda_graph_sizes, plan_captures,
@@ -357,7 +357,7 @@ def test_replay_plumbing_matches_eager_with_and_without_dbo(qwen_runner, caplog)
     assert not gr.graphs
 
 
-def test_mixed_batches_never_replay_and_the_wrapper_hook_replays_dbo(qwen_runner) -> None:
+def test_mixed_batches_never_replay_and_a_dbo_decode_step_replays(qwen_runner) -> None:
     runner, batches = qwen_runner
     gr = manager.make_graph_runner(runner, sizes=[4, 8], backend=EagerReplayBackend(), num_warmups=0,
                                    progress=False)
@@ -366,11 +366,7 @@ def test_mixed_batches_never_replay_and_the_wrapper_hook_replays_dbo(qwen_runner
     assert gr.try_replay(mixed, None, runner.input_ids[:4], runner.positions[:4]) is NotImplemented
     assert gr.stats[Why.MIXED] == 1
     _, ref = batches.step(8)
-    runner.wrapper.graph_runner = gr.wrapper_hook
-    try:
-        _, out = batches.step(8)  # no explicit try_replay: the wrapper consults its hook
-    finally:
-        runner.wrapper.graph_runner = None
+    _, out = batches.step(8, gr)
     assert gr.stats[Why.REPLAY] == 1
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
@@ -432,8 +428,8 @@ def test_eager_dbo_handoffs_are_countable(qwen_runner, monkeypatch: pytest.Monke
 
 def test_null_block_is_reserved_past_the_scheduler_range(qwen_runner) -> None:
     runner, _ = qwen_runner
-    block = manager.ensure_null_block(runner)
-    assert block == runner.num_kv_blocks
+    gr = manager.make_graph_runner(runner, sizes=[4], backend=EagerReplayBackend(), num_warmups=0, progress=False)
+    assert gr.buffers.null_block == runner.num_kv_blocks  # the block the runner allocates past the scheduler's
     assert all(m.kv_cache.shape[0] == runner.num_kv_blocks + 1
                for m in runner.model.modules() if isinstance(getattr(m, "kv_cache", None), torch.Tensor))
 

@@ -122,13 +122,14 @@ def test_torch_ll_with_the_dp_token_bound_equals_dense(dbo: bool) -> None:
 
 def test_torch_ll_step_capacity() -> None:
     from ubatch import set_forward_context
+    from ubatch.forward_context import DPMetadata
     from ubatch.modular_moe.prepare_finalize.torch_ll import TorchLowLatency
 
     pf = TorchLowLatency(8, 0, 2, groups=[None, None], max_dispatch_tokens_per_rank=64)
     assert pf.step_capacity(5) == 64  # no forward context: the configured capacity
     for bound, expected in [(1, 1), (3, 4), (20, 32), (64, 64), (100, 64)]:
-        with set_forward_context(max_tokens_across_dp=bound):
+        with set_forward_context(dp_metadata=DPMetadata((bound, 0))):
             assert pf.step_capacity(1) == expected
-    with set_forward_context(max_tokens_across_dp=4):
+    with set_forward_context(dp_metadata=DPMetadata((4, 1))):
         with pytest.raises(ValueError, match="5 tokens exceed the step's max_tokens_across_dp=4"):
             pf.step_capacity(5)

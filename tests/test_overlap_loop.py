@@ -19,7 +19,8 @@ from fake_runner import FakeRunner, reference_generate
 from runner.cli import build_parser, job_from_args
 from runner.engine import LLM
 from runner.config import RunnerConfig
-from runner.future_map import FutureTokenMap, SlotPool, placeholder
+from runner.future_map import FutureTokenMap
+from runner.slots import SlotPool, placeholder
 from runner.overlap_loop import ForwardExecutor, LoopStats, forward_step, run_steps
 from runner.sampling import SamplingParams, make_generator
 from runner.scheduler import Scheduler, SchedulerOutput

@@ -216,9 +216,9 @@ def test_dbo_calls_are_noops_outside_ubatch_threads() -> None:
 
 
 def test_bad_config_raises() -> None:
-    with pytest.raises(ValueError, match="num_ubatches must be >= 2, got 1"):
+    with pytest.raises(ValueError, match="num_ubatches must be an integer >= 2, got 1"):
         UBatchConfig(num_ubatches=1)
-    with pytest.raises(ValueError, match="handoff_timeout_s must be > 0, got -1"):
+    with pytest.raises(ValueError, match="handoff_timeout_s must be a finite number > 0, got -1"):
         UBatchConfig(handoff_timeout_s=-1)
     with pytest.raises(ValueError, match="unknown ubatch executor 'fibers'"):
         UBatchConfig(executor="fibers")

@@ -16,12 +16,14 @@ from moe_harness import StackWeights, dense_reference, halves
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, streams, trace
 from ubatch.context import dbo_current_ubatch_id
 from ubatch.distributed import run_thread_ranks
-from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.layer import FusedMoE
+from ubatch.modular_moe.runtime import MoERuntime
+from ubatch.modular_moe.two_stream import CombineOverlapArgs, DownGemmOverlapArgs, alt_stream
 from ubatch.sbo import (
-    ENV_COMM_SMS, ENV_SHARED_EXPERTS_OUTSIDE, SBO_OFF, CombineOverlapArgs, DeviceProps, DownGemmOverlapArgs,
-    OverlapArgs, SboFlags, alt_stream, apply_sbo, compute_overlap_args, enable_sbo, sbo_flags, select_sbo_modes,
+    ENV_COMM_SMS, ENV_SHARED_EXPERTS_OUTSIDE, SBO_OFF, DeviceProps, OverlapArgs, SboFlags, compute_overlap_args,
+    select_sbo_modes,
 )
 
 HOPPER = DeviceProps("cuda", "H100", (9, 0), 132)
@@ -132,12 +134,12 @@ def test_comm_sms_env_read_from_process_environment(monkeypatch: pytest.MonkeyPa
 # ---- carrying the flags on the config ------------------------------------------------------------------
 def test_enable_sbo_on_a_config() -> None:
     parallel = MoEParallelConfig(all2all_backend="torch_ll", ep_size=2)
-    assert sbo_flags(parallel) == SBO_OFF
+    assert parallel.sbo == SBO_OFF
     assert enable_sbo(parallel, device="cpu") == D  # --enable-single-batch-overlap on CPU
-    assert sbo_flags(parallel) == D and parallel.extra["sbo"] == D
-    assert sbo_flags(MoEParallelConfig(extra={"sbo": CS})) == CS
+    assert parallel.sbo == D
+    assert MoEParallelConfig(sbo=CS).sbo == CS
     with pytest.raises(TypeError, match="must be an SboFlags"):
-        sbo_flags(MoEParallelConfig(extra={"sbo": True}))
+        MoEParallelConfig(sbo=True)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="must be an SboFlags"):
         enable_sbo(parallel, "dispatch")  # type: ignore[arg-type]
 
@@ -178,8 +180,9 @@ class SharedMoEStack(torch.nn.Module):
         inter = weights.w2[0].shape[-1]
         self.gates = torch.nn.ParameterList([torch.nn.Parameter(g, requires_grad=False) for g in weights.gates])
         self.layers = torch.nn.ModuleList()
+        runtime = MoERuntime(parallel)
         for w13, w2, (gu, down) in zip(weights.w13, weights.w2, shared):
-            layer = FusedMoE(experts, weights.top_k, hidden, inter, parallel=parallel,
+            layer = FusedMoE(experts, weights.top_k, hidden, inter, runtime=runtime,
                              shared_experts=SharedMLP(gu, down, log))
             layer.load_fused_experts(w13, w2)
             self.layers.append(layer)
@@ -211,7 +214,8 @@ def run_variants(weights: StackWeights, shared: SharedWeights, inputs: list[torc
                                          max_dispatch_tokens_per_rank=32, emulate_link=emulate_link)
             enable_sbo(parallel, flags)
             model = SharedMoEStack(weights, shared, parallel).to(device)
-            assert apply_sbo(model) == len(weights.gates)
+            kernels = [m.kernel for m in model.modules() if isinstance(m, FusedMoE)]
+            assert len(kernels) == len(weights.gates) and all(k.sbo == flags for k in kernels)
             x = inputs[rank].to(device)
             if not dbo:
                 results.append({"out": model(x).cpu(), "yields": []})

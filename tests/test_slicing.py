@@ -1,5 +1,11 @@
-"""Table-driven tests for ubatch.slicing: vLLM DBO vectors (vllm_dbo.md §4/§6) and SGLang TBO vectors
-(sglang_tbo_sbo.md §2/§7)."""
+"""Table-driven tests for ubatch.slicing, with the vectors of the anchors' own unit tests.
+
+vLLM: ``tests/v1/attention/test_attention_splitting.py`` (``slice_query_start_locs``, metadata slicing,
+``split_attn_metadata``, ``test_prefill_split_across_ubatches``) and the DP padding rules of
+``vllm/v1/worker/ubatch_utils.py``. SGLang: ``test/srt/test_two_batch_overlap.py``
+(``TestTwoBatchOverlapUnitTest``: ``compute_split_seq_index`` / ``compute_split_token_index`` and the
+CUDA-graph capture fallback to physical rows) and ``python/sglang/srt/two_batch_overlap.py``.
+"""
 from __future__ import annotations
 
 import numpy as np
@@ -336,7 +342,7 @@ def test_split_num_tokens_non_padded(split_tok: int, n: int, expected: tuple[int
 
 
 def test_capture_count_falls_back_to_physical_rows() -> None:
-    """8 physical decode rows, split seq 2 -> children (2, 6) (SGLang §7)."""
+    """8 physical decode rows, split seq 2 -> children (2, 6) (SGLang ``test_capture_count_falls_back_to_physical_rows``)."""
     tok = compute_split_token_index(2, "decode", None, 1)
     assert split_num_tokens_non_padded(tok, 8) == (2, 6)
 

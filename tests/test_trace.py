@@ -18,6 +18,7 @@ from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, trace
 from ubatch.distributed import run_thread_ranks
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
+from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.plot import main as plot_main
 from ubatch.trace_metrics import (
     TimedSpan, format_metrics, intersect, length, overlap_metrics, spans_from_chrome, subtract, union,
@@ -37,9 +38,10 @@ class AttnMoE(nn.Module):
         self.attn = [torch.eye(hidden) * 0.5 for _ in weights.gates]
         self.gates = weights.gates
         self.layers = nn.ModuleList()
+        runtime = MoERuntime(parallel)  # one link for every layer, as in a model
         for w13, w2 in zip(weights.w13, weights.w2):
             shared = nn.Linear(hidden, hidden, bias=False)
-            layer = FusedMoE(experts, weights.top_k, hidden, inter, parallel=parallel, shared_experts=shared)
+            layer = FusedMoE(experts, weights.top_k, hidden, inter, runtime=runtime, shared_experts=shared)
             layer.load_fused_experts(w13, w2)
             self.layers.append(layer)
 

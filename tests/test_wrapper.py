@@ -82,17 +82,17 @@ def test_each_ubatch_sees_its_own_forward_context() -> None:
 
     def model(x: torch.Tensor) -> torch.Tensor:
         ctx = get_forward_context()
-        seen[dbo_current_ubatch_id()] = (ctx.ubatch_id, ctx.ubatch_slice, ctx.attn_metadata, ctx.request_tag)
+        seen[dbo_current_ubatch_id()] = (ctx.ubatch_id, ctx.ubatch_slice, ctx.attn_metadata, ctx.trace_rank)
         dbo_yield()
         assert get_forward_context() is ctx  # unchanged after the other ubatch ran
         return x
 
     w = UBatchWrapper(model, UBatchConfig(num_ubatches=3))
     sl = slices([0, 2, 4, 6])
-    with set_forward_context(attn_metadata=["m0", "m1", "m2"], ubatch_slices=sl, request_tag="t") as outer:
+    with set_forward_context(attn_metadata=["m0", "m1", "m2"], ubatch_slices=sl, trace_rank=7) as outer:
         w(torch.zeros(6))
         assert get_forward_context() is outer
-    assert seen == {i: (i, sl[i], f"m{i}", "t") for i in range(3)}
+    assert seen == {i: (i, sl[i], f"m{i}", 7) for i in range(3)}  # step-level fields are inherited
     w.close()
 
 
@@ -151,3 +151,72 @@ def test_caller_autograd_mode_reaches_the_ubatches(mode: str) -> None:
     assert seen == [expected, expected]
     assert out.requires_grad == (mode == "grad")
     w.close()
+
+
+# ---- issue: slices that do not match the input, use after close, stuck workers ----------------------------
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    dbo_yield()
+    return x
+
+
+@pytest.mark.parametrize("bounds, message", [
+    ([(0, 4), (4, 8)], "cover 8 tokens but no tensor argument has 8 rows"),  # padded slices, unpadded input
+    ([(0, 3), (4, 7)], "starts at token 4 but the previous one ends at 3: a gap would drop"),
+    ([(0, 4), (3, 7)], "starts at token 3 but the previous one ends at 4: an overlap would duplicate"),
+    ([(1, 4), (4, 7)], "ubatch slice 0 starts at token 1 but the previous one ends at 0"),
+])
+def test_slices_that_do_not_partition_the_input_raise(bounds: list[tuple[int, int]], message: str) -> None:
+    w = UBatchWrapper(_identity)
+    bad = [UBatchSlice(slice(a, b), slice(a, b)) for a, b in bounds]
+    try:
+        with set_forward_context(ubatch_slices=bad), pytest.raises(ValueError, match=message):
+            w(torch.arange(7))
+        assert w.num_ubatched_steps == 0
+        with set_forward_context(ubatch_slices=slices([0, 3, 7])):  # the wrapper still works afterwards
+            assert torch.equal(w(torch.arange(7)), torch.arange(7))
+    finally:
+        w.close()
+
+
+@pytest.mark.parametrize("executor", ["greenlet", "threads"])
+def test_a_closed_wrapper_raises_at_once(executor: str) -> None:
+    from ubatch.wrapper import WrapperClosedError
+
+    w = UBatchWrapper(_identity, UBatchConfig(executor=executor, handoff_timeout_s=1.0))
+    w.close()
+    w.close()  # idempotent
+    with set_forward_context(ubatch_slices=slices([0, 3, 7])), pytest.raises(WrapperClosedError, match="was closed"):
+        w(torch.arange(7))
+    with pytest.raises(WrapperClosedError):
+        w(torch.arange(7))
+
+
+def test_stuck_workers_are_bounded_and_reported_at_close() -> None:
+    import threading
+
+    from ubatch.context import DBOTimeoutError
+    from ubatch.wrapper import StuckWorkersError
+
+    release = threading.Event()
+
+    def hangs(x: torch.Tensor) -> torch.Tensor:
+        if dbo_current_ubatch_id() == 0:
+            release.wait(30)  # stands for a collective whose peer died
+        dbo_yield()
+        return x
+
+    w = UBatchWrapper(hangs, UBatchConfig(handoff_timeout_s=0.2, max_stuck_workers=1))
+    threads_before = threading.active_count()
+    try:
+        for _ in range(2):
+            with set_forward_context(ubatch_slices=slices([0, 3, 7])), pytest.raises(DBOTimeoutError):
+                w(torch.arange(7))
+        assert len(w._pool.stuck) == 2
+        with set_forward_context(ubatch_slices=slices([0, 3, 7])), \
+                pytest.raises(StuckWorkersError, match="2 ubatch workers .* max_stuck_workers=1"):
+            w(torch.arange(7))
+        assert threading.active_count() == threads_before + 2  # refused: no third thread was abandoned
+        with pytest.warns(RuntimeWarning, match="still stuck in model code"):
+            w.close()
+    finally:
+        release.set()

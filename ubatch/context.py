@@ -1,13 +1,15 @@
-"""The ping-pong protocol: N micro-batch threads, exactly one running Python at a time.
+"""The ping-pong protocol: N micro-batches ("ubatches"), exactly one running Python at a time.
 
-Each ubatch thread owns a :class:`UBatchContext`. ``dbo_yield()`` hands control to the next ubatch in ring
-order and blocks until control comes back, so while one thread enqueues compute the other's all-to-all is
-in flight. Contexts are found through a thread-local, so a thread that is not a ubatch (the scheduler, a
+Each ubatch owns a :class:`UBatchContext`. ``dbo_yield()`` hands control to the next ubatch in ring order
+and returns when control comes back, so while one ubatch enqueues compute the other's all-to-all is in
+flight. Two executors run the ubatches (``UBatchConfig.executor``): ``greenlet`` (the default) runs every
+ubatch as a greenlet on one persistent worker thread, so a handoff is a stack switch; ``threads`` gives
+each ubatch its own OS thread parked on a ``threading.Lock`` used as a binary semaphore (vLLM's model).
+What each handoff costs, against vLLM's ``threading.Event`` pair, is measured by
+``benchmarks/bench_handoff.py`` and reported in docs/benchmarks.md.
+
+Contexts are found through a thread-local, so a thread that is not running a ubatch (the scheduler, a
 metrics thread) sees DBO as off instead of tripping over another thread's state.
-
-Handoff primitive: each context owns a ``threading.Lock`` used as a binary semaphore (acquired = "not my
-turn"). Releasing the next context's lock and blocking on our own costs ~2.4 µs here, against ~40 µs for
-a ``threading.Event`` pair when the woken thread sits on an idle core (benchmarks/bench_handoff.py).
 
 Failure rules (vLLM has none of these): an exception in any ubatch aborts the step and wakes every peer
 blocked in a handoff (they raise :class:`DBOAbortedError`); a handoff that waits longer than the timeout
@@ -21,7 +23,7 @@ import time
 from typing import Any, Callable, Sequence
 
 from ubatch import streams, trace
-from ubatch.forward_context import _local as _fc_local
+from ubatch.forward_context import set_thread_forward_context
 
 _local = threading.local()
 
@@ -122,7 +124,7 @@ class UBatchContext:
 
     Two executors share this protocol. ``threads``: each ubatch is an OS thread parked on its own Lock
     (vLLM's model). ``greenlet``: every ubatch is a greenlet on one OS thread and a handoff is a direct
-    stack switch, ~30x cheaper than waking another thread (benchmarks/bench_handoff.py).
+    stack switch, with no thread to wake (costs compared in docs/benchmarks.md, "Handoff cost").
     """
 
     def __init__(self, id: int, step: StepState, compute_stream: streams.Stream, comm_stream: streams.Stream,
@@ -161,7 +163,7 @@ class UBatchContext:
         step.progress += 1
         self._set_stream(self.current_stream)
         _local.ctx = self
-        _fc_local.ctx = self.forward_context
+        set_thread_forward_context(self.forward_context)
 
     def _handoff(self) -> None:
         """Give control to the next unfinished ubatch and return when it is our turn again."""
@@ -299,19 +301,24 @@ class UBatchContext:
 EXECUTORS = ("greenlet", "threads")
 
 
+def check_protocol_settings(num_micro_batches: int, executor: str, handoff_timeout_s: float) -> None:
+    """The one validation of the protocol's settings (``UBatchConfig`` and ``make_ubatch_contexts`` call it)."""
+    if executor not in EXECUTORS:
+        raise ValueError(f"unknown ubatch executor {executor!r}; choose one of {EXECUTORS}")
+    if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int) or num_micro_batches < 2:
+        raise ValueError(f"num_ubatches must be an integer >= 2, got {num_micro_batches!r}")
+    if not handoff_timeout_s > 0 or handoff_timeout_s == float("inf"):
+        raise ValueError(f"handoff_timeout_s must be a finite number > 0, got {handoff_timeout_s!r}")
+
+
 def make_ubatch_contexts(num_micro_batches: int, compute_stream: streams.Stream, comm_stream: streams.Stream,
                          forward_contexts: Sequence[Any], handoff_timeout_s: float = 300.0,
                          executor: str = "threads") -> list[UBatchContext]:
     """Fresh contexts for one step (cheap: a lock each). Ubatch 0 runs first: ``contexts[0].start()`` for
     the threads executor, :func:`run_greenlet_step` for the greenlet one."""
-    if executor not in EXECUTORS:
-        raise ValueError(f"unknown ubatch executor {executor!r}; choose one of {EXECUTORS}")
-    if num_micro_batches < 2:
-        raise ValueError(f"num_micro_batches must be >= 2, got {num_micro_batches}")
+    check_protocol_settings(num_micro_batches, executor, handoff_timeout_s)
     if len(forward_contexts) != num_micro_batches:
         raise ValueError(f"got {len(forward_contexts)} forward contexts for {num_micro_batches} micro-batches")
-    if handoff_timeout_s <= 0:
-        raise ValueError(f"handoff_timeout_s must be > 0, got {handoff_timeout_s}")
     step = StepState(num_micro_batches, executor)
     step.contexts = [UBatchContext(i, step, compute_stream, comm_stream, forward_contexts[i], handoff_timeout_s)
                      for i in range(num_micro_batches)]
@@ -348,13 +355,13 @@ def run_greenlet_step(contexts: Sequence[UBatchContext], bodies: Sequence[Callab
         step.mark_all_done()
 
 
-# ---- free functions: vLLM's names; all are cheap no-ops outside a ubatch thread -----------------------
+# ---- free functions: vLLM's names; all are cheap no-ops outside a running ubatch -----------------------
 def current_ubatch_context() -> UBatchContext | None:
     return getattr(_local, "ctx", None)
 
 
 def dbo_enabled() -> bool:
-    """True only on a ubatch thread (not "some thread somewhere is ubatching", as in vLLM)."""
+    """True only while a ubatch runs on this thread (not "some thread somewhere is ubatching", as in vLLM)."""
     return getattr(_local, "ctx", None) is not None
 
 

@@ -1,33 +1,68 @@
 """Per-step state the model reads without it being threaded through every call (vLLM's ForwardContext).
 
-The context is thread-local: the caller sets it for the whole batch, and each ubatch thread gets its own
-view (its split attention metadata and slice). vLLM keeps one module global and rewrites it at every
-resume; a thread-local needs no rewriting and cannot leak one ubatch's metadata into another.
+The context is thread-local: the caller sets it for the whole batch, and each ubatch gets its own view
+(its split attention metadata and slice). vLLM keeps one module global and rewrites it at every resume; a
+thread-local needs no rewriting and cannot leak one ubatch's metadata into another.
+
+Every field is typed. Step-level facts agreed across data-parallel ranks travel as one
+:class:`DPMetadata` (vLLM's ``dp_metadata``), never as string keys, so a backend that sizes its buffers
+from them reads a field the type checker knows about.
 """
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 _local = threading.local()
+
+
+@dataclass(frozen=True)
+class DPMetadata:
+    """What every DP rank agreed about this step in the DP vote: the same values on every rank.
+
+    ``num_tokens_across_dp``: each rank's own (unpadded) token count. ``ubatch_token_bounds``: for a
+    ubatched step, the max over ranks of each ubatch's token count (padding included), so a backend with
+    fixed-size buffers sizes ubatch ``i`` by ``ubatch_token_bounds[i]`` instead of the whole step's bound.
+    ``num_real_tokens``: this rank's unpadded token count; rows at or past it are DP or CUDA-graph padding,
+    which the MoE layer routes nowhere. Known on the CPU, so using any of these costs no device sync.
+    """
+
+    num_tokens_across_dp: tuple[int, ...]
+    ubatch_token_bounds: tuple[int, ...] | None = None
+    num_real_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.num_tokens_across_dp or any(n < 0 for n in self.num_tokens_across_dp):
+            raise ValueError(f"num_tokens_across_dp must be non-empty and >= 0, got {self.num_tokens_across_dp}")
+        if self.ubatch_token_bounds is not None and any(n < 0 for n in self.ubatch_token_bounds):
+            raise ValueError(f"ubatch_token_bounds must be >= 0, got {self.ubatch_token_bounds}")
+        if self.num_real_tokens is not None and self.num_real_tokens < 0:
+            raise ValueError(f"num_real_tokens must be >= 0, got {self.num_real_tokens}")
+
+    @property
+    def max_tokens_across_dp(self) -> int:
+        return max(self.num_tokens_across_dp)
+
+    def token_bound(self, ubatch_id: int | None) -> int:
+        """The token bound for ``ubatch_id`` (``None``: the whole step, not ubatched)."""
+        if ubatch_id is None or self.ubatch_token_bounds is None:
+            return self.max_tokens_across_dp
+        if not 0 <= ubatch_id < len(self.ubatch_token_bounds):
+            raise ValueError(f"ubatch {ubatch_id} has no token bound: the DP vote agreed "
+                             f"{len(self.ubatch_token_bounds)} ubatches")
+        return self.ubatch_token_bounds[ubatch_id]
 
 
 @dataclass
 class ForwardContext:
     attn_metadata: Any = None
     ubatch_slices: list[Any] | None = None
-    ubatch_slice: Any = None  # set inside a ubatch thread: this ubatch's UBatchSlice
-    ubatch_id: int | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names that are not fields: expose extras as attributes (ctx.dp_metadata, ...).
-        extra = self.__dict__.get("extra", {})
-        if name in extra:
-            return extra[name]
-        raise AttributeError(f"forward context has no field or extra named {name!r}")
+    ubatch_slice: Any = None  # set inside a ubatch: this ubatch's UBatchSlice
+    ubatch_id: int | None = None  # set inside a ubatch
+    dp_metadata: DPMetadata | None = None
+    trace_rank: int | None = None  # the DP rank a trace files this step's spans under (None: 0)
 
 
 def get_forward_context() -> ForwardContext:
@@ -57,9 +92,11 @@ def override_forward_context(ctx: ForwardContext | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: Any = None, ubatch_slices: list[Any] | None = None,
-                        **extra: Any) -> Iterator[ForwardContext]:
+def set_forward_context(attn_metadata: Any = None, ubatch_slices: list[Any] | None = None, *,
+                        dp_metadata: DPMetadata | None = None,
+                        trace_rank: int | None = None) -> Iterator[ForwardContext]:
     """Set the forward context for this thread for the duration of the block (nests; restores on exit)."""
-    ctx = ForwardContext(attn_metadata=attn_metadata, ubatch_slices=ubatch_slices, extra=dict(extra))
+    ctx = ForwardContext(attn_metadata=attn_metadata, ubatch_slices=ubatch_slices, dp_metadata=dp_metadata,
+                         trace_rank=trace_rank)
     with override_forward_context(ctx):
         yield ctx

@@ -2,7 +2,9 @@
 
 DBO needs two micro-batches to have something to overlap; SBO does not split the batch. It overlaps a
 layer's communication with compute of the *same* tokens that does not depend on it (SGLang
-``--enable-single-batch-overlap``; seeds/000 §4, reference/sglang_tbo_sbo.md §5). Three modes:
+``--enable-single-batch-overlap``: ``python/sglang/srt/batch_overlap/single_batch_overlap.py`` for the
+mode rules and ``compute_overlap_args``, and DeepEP's low-latency combine with ``comp_signal``). Three
+modes:
 
 - ``dispatch_shared_experts`` (one stream): start the dispatch, run the shared experts while it is on the
   wire, only then run its receive hook. Works anywhere, CPU included, because the dispatch's in-flight
@@ -17,34 +19,27 @@ The two-stream modes only pay off on a GPU, where kernels on two streams really 
 can be partitioned. On CPU their streams are :class:`ubatch.streams.NullStream` and every record/wait is
 a no-op, so the same code runs (and is tested) without changing a single result.
 
-This file holds the pure decisions (which modes, how many SMs; table-tested with fake device properties)
-and the small stream/event runtime the kernel calls (:class:`TwoStreamCombine`).
+This file holds the pure decisions (which modes, how many SMs; table-tested with fake device properties).
+The stream/event runtime the kernel calls is ``ubatch.modular_moe.two_stream`` (:class:`TwoStreamCombine`),
+next to its only user.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import os
-import sys
-import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping
+from typing import Mapping
 
 import torch
 
 from ubatch import streams
-
-if TYPE_CHECKING:
-    from ubatch.modular_moe.config import MoEParallelConfig
-    from ubatch.modular_moe.types import ExpertTokens
 
 ENV_COMM_SMS = "UBATCH_SBO_COMM_SMS"  # SGLang: SGLANG_DEEPEP_LL_COMBINE_SEND_NUM_SMS
 ENV_SHARED_EXPERTS_OUTSIDE = "UBATCH_SBO_SHARED_EXPERTS_OUTSIDE"  # SGLang: ..._OVERLAP_SHARED_EXPERTS_OUTSIDE_SBO
 HOPPER_COMM_SMS = 3  # LL combine-send needs very few SMs on Hopper
 BLACKWELL_COMM_SMS = 32  # Blackwell has SMs to spare, and its combine is faster with more
 MIN_BLOCK_M = 64  # WGMMA block_m: the Hopper down GEMM signals once per 64-row tile per expert
-SBO_EXTRA_KEY = "sbo"  # where a MoEParallelConfig carries its SboFlags (``parallel.extra["sbo"]``)
 
 # torch.distributed all-to-alls (NCCL on GPU, gloo on CPU): they can neither be confined to a few SMs nor
 # chase a tile signal, so like SGLang's NCCL-EP backend they use the one-stream dispatch overlap everywhere.
@@ -216,190 +211,3 @@ def compute_overlap_args(device: DeviceProps, flags: SboFlags, *, all2all_backen
     else:
         numel, dtype = num_local_experts * math.ceil(num_tokens / MIN_BLOCK_M), torch.int32
     return OverlapArgs(comm, compute, deepep, deep_gemm, numel, dtype, MIN_BLOCK_M, threshold=compute)
-
-
-# ---- carrying the flags on a config --------------------------------------------------------------------
-def enable_sbo(parallel: "MoEParallelConfig", flags: SboFlags | None = None,
-               device: torch.device | str | None = None) -> SboFlags:
-    """Turn SBO on for every layer built from ``parallel``; returns the flags stored.
-
-    ``flags=None`` is ``--enable-single-batch-overlap``: the modes are chosen by :func:`select_sbo_modes`
-    for ``parallel``'s backends on ``device`` (default: the accelerator, else CPU). Pass ``SboFlags(...)``
-    to force modes (e.g. the two-stream ones on CPU, where they run as no-ops).
-    """
-    if flags is None:
-        flags = select_sbo_modes(True, all2all_backend=parallel.all2all_backend,
-                                 experts_backend=parallel.experts_backend, device=DeviceProps.of(device),
-                                 emulate_link=parallel.emulate_link is not None)
-    if not isinstance(flags, SboFlags):
-        raise TypeError(f"SBO flags must be an SboFlags, got {type(flags).__name__}")
-    parallel.extra[SBO_EXTRA_KEY] = flags
-    return flags
-
-
-def sbo_flags(parallel: "MoEParallelConfig") -> SboFlags:
-    """The flags ``parallel`` carries (all off unless :func:`enable_sbo` or ``extra={"sbo": ...}`` set them)."""
-    flags = parallel.extra.get(SBO_EXTRA_KEY, SBO_OFF)
-    if not isinstance(flags, SboFlags):
-        raise TypeError(f"MoEParallelConfig.extra[{SBO_EXTRA_KEY!r}] must be an SboFlags, got {type(flags).__name__}")
-    return flags
-
-
-def apply_sbo(model: torch.nn.Module, flags: SboFlags | None = None) -> int:
-    """Set the SBO flags of every FusedMoE kernel in ``model`` (``None``: each layer's config flags).
-
-    Needed while ``FusedMoE`` does not pass ``sbo_flags(self.parallel)`` to its kernel itself. Builds the
-    kernels, so call it where the EP process groups exist (on the rank). Returns the number of layers set.
-    """
-    from ubatch.modular_moe.layer import FusedMoE  # local: layer -> kernel -> this module
-
-    count = 0
-    for module in model.modules():
-        if isinstance(module, FusedMoE):
-            module.kernel.sbo = flags if flags is not None else sbo_flags(module.parallel)
-            count += 1
-    return count
-
-
-# ---- runtime: the two-stream combine -------------------------------------------------------------------
-@dataclass
-class CombineOverlapArgs:
-    """What a signal-capable combine consumes (DeepEP LL: ``num_sms``, ``comp_signal``, block_m, threshold)."""
-
-    overlap: bool  # chase the down GEMM through ``signal`` (else start after it)
-    stream: streams.Stream
-    wait_event: streams.Event
-    num_sms: int | None
-    signal: torch.Tensor | None = None
-    block_m: int = MIN_BLOCK_M
-    threshold: int = 0
-
-
-@dataclass
-class DownGemmOverlapArgs:
-    """What a signal-capable down GEMM consumes: record ``start_event`` at launch, bump ``signal`` per tile."""
-
-    num_sms: int
-    signal: torch.Tensor
-    start_event: streams.Event
-
-
-_alt_streams: dict[str, streams.Stream] = {}
-_alt_lock = threading.Lock()
-
-
-def alt_stream(device: torch.device | str | None = None) -> streams.Stream:
-    """One SBO alternate stream per device, shared by layers and ubatches (like SGLang's ``alt_stream``)."""
-    dev = streams.resolve_device(device)
-    if dev.type == "cuda" and dev.index is None:
-        dev = torch.device("cuda", torch.cuda.current_device())
-    key = str(dev)
-    with _alt_lock:
-        if key not in _alt_streams:
-            _alt_streams[key] = streams.new_stream(dev, name="sbo-alt")
-        return _alt_streams[key]
-
-
-@contextlib.contextmanager
-def deep_gemm_num_sms(n: int | None) -> Iterator[None]:
-    """Cap DeepGEMM at ``n`` SMs inside the block (SGLang's ``configure_deep_gemm_num_sms``).
-
-    Only touches ``deep_gemm`` if an experts backend already imported it, so CPU runs never import it.
-    """
-    dg = sys.modules.get("deep_gemm")
-    if n is None or dg is None or not hasattr(dg, "set_num_sms"):
-        yield
-        return
-    previous = dg.get_num_sms() if hasattr(dg, "get_num_sms") else None
-    dg.set_num_sms(n)
-    try:
-        yield
-    finally:
-        if previous is not None:
-            dg.set_num_sms(previous)
-
-
-def _accepts_overlap_args(obj: Any) -> bool:
-    return callable(getattr(obj, "set_sbo_overlap_args", None))
-
-
-def static_tokens(tokens: "ExpertTokens") -> int:
-    """The token dimension the down GEMM tiles over: the masked capacity, or the contiguous row count."""
-    return tokens.hidden.shape[1] if tokens.layout == "masked" else tokens.hidden.shape[0]
-
-
-class TwoStreamCombine:
-    """One MoE call's combine on the SBO alternate stream, beside the down GEMM or the shared experts.
-
-    Protocol (SGLang ``combine_a``/``combine_b``): the main stream records ``ready`` -- at the down GEMM's
-    start when both the experts and the all-to-all backend speak the tile-signal protocol (they expose
-    ``set_sbo_overlap_args``), else after the down GEMM; the alternate stream waits for ``ready`` and
-    launches the combine with ``comm_sms`` SMs; the main stream meanwhile computes with the rest; before the
-    receive the alternate stream waits for the main one, and after it the main stream waits for the
-    alternate one. Tensors crossing streams (the experts' output, the backend's state) stay referenced by
-    the kernel until that final join, so the caching allocator cannot recycle them early.
-
-    ``set_sbo_overlap_args(args | None)`` is called on the calling ubatch just before (and cleared just
-    after) the experts' ``apply`` / the backend's ``finalize_async``; a backend that yields inside those
-    must keep the args per ``dbo_current_ubatch_id()``. No backend in this repository implements it yet.
-    """
-
-    def __init__(self, flags: SboFlags, prepare_finalize: Any, experts: Any, tokens: "ExpertTokens",
-                 device: torch.device) -> None:
-        self.flags = flags
-        self.pf = prepare_finalize
-        self.experts = experts
-        self.args = compute_overlap_args(
-            DeviceProps.of(device), flags, all2all_backend=prepare_finalize.name, experts_backend=experts.name,
-            num_local_experts=prepare_finalize.num_local_experts, num_tokens=static_tokens(tokens))
-        assert self.args is not None  # flags.two_stream
-        self.main = streams.current_stream(device)
-        self.alt = alt_stream(device)
-        self.ready = streams.new_event(device)
-        self.signal_protocol = (flags.combine_down_gemm and self.args.signal_numel > 0
-                                and _accepts_overlap_args(experts) and _accepts_overlap_args(prepare_finalize))
-        self.signal = (torch.zeros(self.args.signal_numel, dtype=self.args.signal_dtype, device=device)
-                       if self.signal_protocol else None)
-
-    def run_experts(self, apply: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The experts (whose last GEMM is the down GEMM), then mark where the combine may start."""
-        cap = self.args.deep_gemm_num_sms if self.signal_protocol else None  # only a chased GEMM shares SMs
-        if self.signal_protocol:
-            assert self.signal is not None
-            self.experts.set_sbo_overlap_args(
-                DownGemmOverlapArgs(self.args.compute_sms, self.signal, self.ready))  # it records ``ready``
-        try:
-            with deep_gemm_num_sms(cap):
-                out = apply()
-        finally:
-            if self.signal_protocol:
-                self.experts.set_sbo_overlap_args(None)
-        if not self.signal_protocol:
-            streams.record(self.ready, self.main)  # no tile signal: start only after the down GEMM
-        return out
-
-    def launch_combine(self, finalize: Callable[[], Any]) -> Any:
-        """``finalize()`` (the backend's ``finalize_async``) with the alternate stream current."""
-        accepts = _accepts_overlap_args(self.pf)
-        if accepts:
-            self.pf.set_sbo_overlap_args(CombineOverlapArgs(
-                self.signal_protocol, self.alt, self.ready, self.args.deepep_num_sms or self.args.comm_sms,
-                self.signal, self.args.block_m, self.args.threshold if self.signal_protocol else 0))
-        streams.wait(self.ready, self.alt)
-        try:
-            with streams.stream(self.alt):
-                return finalize()
-        finally:
-            if accepts:
-                self.pf.set_sbo_overlap_args(None)
-
-    def run_shared(self, fn: Callable[[], torch.Tensor]) -> torch.Tensor:
-        """The shared experts on the main stream, capped to the compute SMs while the combine flies."""
-        with deep_gemm_num_sms(self.args.deep_gemm_num_sms):
-            return fn()
-
-    def before_receive(self) -> None:
-        self.alt.wait_stream(self.main)
-
-    def after_receive(self) -> None:
-        self.main.wait_stream(self.alt)

@@ -12,8 +12,10 @@ synchronises the GPU; they are placed on the CPU clock through a reference event
 record with the cuda clock inside a CUDA-graph capture: timing events cannot be captured.
 
 Several thread ranks in one process share the active recorder; each span carries ``pid`` (the rank),
-read from the forward context's ``trace_rank`` extra (``set_forward_context(..., trace_rank=r)``; the
-ubatch threads inherit it), 0 when unset. Under torchrun every process has its own recorder anyway.
+read from the forward context's ``trace_rank`` field (``set_forward_context(..., trace_rank=r)``; every
+ubatch's context inherits it), 0 when unset. Under torchrun every process has its own recorder anyway.
+A compute span finds its ubatch the same way (``ForwardContext.ubatch_id``), so this module needs nothing
+from ``ubatch.context``, which records into it.
 """
 from __future__ import annotations
 
@@ -84,7 +86,7 @@ def current_pid() -> int:
     its own, right after a finished peer cleared the thread's).
     """
     fc = maybe_get_forward_context()
-    rank = fc.extra.get("trace_rank") if fc is not None else None
+    rank = fc.trace_rank if fc is not None else None
     if rank is None:
         return _thread_pid.pid
     _thread_pid.pid = rank = int(rank)
@@ -194,9 +196,6 @@ class _NullSpan:
 _NULL_SPAN = _NullSpan()
 
 
-_ubatch_id: Callable[[], int] | None = None  # ubatch.context.dbo_current_ubatch_id, bound on first use
-
-
 class _ComputeSpan:
     __slots__ = ("rec", "name", "phase", "layer", "pid", "track", "start")
 
@@ -204,12 +203,8 @@ class _ComputeSpan:
         self.rec, self.name, self.phase, self.layer = rec, name, phase, layer
 
     def __enter__(self) -> None:
-        global _ubatch_id
-        if _ubatch_id is None:
-            from ubatch.context import dbo_current_ubatch_id  # not at import time: context imports this module
-
-            _ubatch_id = dbo_current_ubatch_id
-        ubatch = _ubatch_id()
+        fc = maybe_get_forward_context()
+        ubatch = (fc.ubatch_id or 0) if fc is not None else 0
         self.pid, self.track = current_pid(), track_name(ubatch)
         if self.layer is not None:
             self.rec.set_layer(ubatch, self.layer, self.pid)

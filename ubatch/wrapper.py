@@ -1,16 +1,21 @@
-"""UBatchWrapper: runs a model as N ping-ponging micro-batches on persistent threads.
+"""UBatchWrapper: runs a model as N ping-ponging micro-batches on a persistent executor.
 
 The wrapper is transparent until the forward context carries ``ubatch_slices``: then every tensor argument
-whose first dimension is the step's token count is sliced per ubatch, each ubatch runs the model on its own
-thread inside its own :class:`UBatchContext`, and the outputs are concatenated back in token order.
+whose first dimension is the step's token count is sliced per ubatch, each ubatch runs the model inside its
+own :class:`UBatchContext`, and the outputs are concatenated back in token order. The slices are checked
+first (contiguous from 0, in order, covering exactly the token arguments' rows), because a slice list that
+does not match the input would otherwise drop or duplicate tokens without an error.
 
-Threads are created once and reused (vLLM creates them every step). Each calls ``torch.set_num_threads``
-first, because a new Python thread ignores the process setting and oversubscribes the cores.
+The executor is created once and reused (vLLM creates its threads every step): one worker thread running
+every ubatch as a greenlet (the default), or one OS thread per ubatch (``executor="threads"``). Each worker
+calls ``torch.set_num_threads`` first, because a new Python thread ignores the process setting and
+oversubscribes the cores.
 """
 from __future__ import annotations
 
 import dataclasses
 import threading
+import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -19,7 +24,8 @@ import torch
 
 from ubatch import streams
 from ubatch.context import (
-    EXECUTORS, DBOTimeoutError, DBOYieldMismatchError, UBatchContext, make_ubatch_contexts, run_greenlet_step,
+    DBOTimeoutError, DBOYieldMismatchError, UBatchContext, check_protocol_settings, make_ubatch_contexts,
+    run_greenlet_step,
 )
 from ubatch.forward_context import ForwardContext, maybe_get_forward_context, override_forward_context
 from ubatch.slicing import CommonAttentionMetadata, UBatchSlice, split_attn_metadata
@@ -27,28 +33,31 @@ from ubatch.slicing import CommonAttentionMetadata, UBatchSlice, split_attn_meta
 
 @dataclass
 class UBatchConfig:
-    """``executor="greenlet"`` (default) runs every ubatch as a greenlet on one persistent worker thread:
-    a handoff is a stack switch (~0.3 µs here). ``"threads"`` gives each ubatch its own OS thread, as vLLM
-    does (~6-40 µs a handoff, depending on how idle the other core is). Both follow the same protocol."""
+    """``executor="greenlet"`` (default) runs every ubatch as a greenlet on one persistent worker thread, so
+    a handoff is a stack switch; ``"threads"`` gives each ubatch its own OS thread, as vLLM does. Both follow
+    the same protocol; their handoff costs are compared in docs/benchmarks.md ("Handoff cost").
+
+    ``max_stuck_workers``: how many workers a wrapper may abandon to user code that never returned (a
+    handoff timeout replaces the stuck worker so the next step can run); past it, steps are refused.
+    """
 
     num_ubatches: int = 2
     handoff_timeout_s: float = 300.0
     num_threads_per_ubatch: int = 1
     executor: str = "greenlet"
+    max_stuck_workers: int = 4
 
     def __post_init__(self) -> None:
-        if self.executor not in EXECUTORS:
-            raise ValueError(f"unknown ubatch executor {self.executor!r}; choose one of {EXECUTORS}")
-        if self.num_ubatches < 2:
-            raise ValueError(f"num_ubatches must be >= 2, got {self.num_ubatches}")
-        if self.handoff_timeout_s <= 0:
-            raise ValueError(f"handoff_timeout_s must be > 0, got {self.handoff_timeout_s}")
+        check_protocol_settings(self.num_ubatches, self.executor, self.handoff_timeout_s)
         if self.num_threads_per_ubatch < 1:
             raise ValueError(f"num_threads_per_ubatch must be >= 1, got {self.num_threads_per_ubatch}")
+        if self.max_stuck_workers < 0:
+            raise ValueError(f"max_stuck_workers must be >= 0, got {self.max_stuck_workers}")
 
 
 class _Worker:
-    """One persistent ubatch thread; ``submit`` hands it a job, ``None`` stops it."""
+    """One persistent worker thread (all ubatches as greenlets, or one ubatch); ``submit`` hands it a job,
+    ``None`` stops it."""
 
     def __init__(self, index: int, num_threads: int) -> None:
         self._go = threading.Lock()
@@ -73,25 +82,63 @@ class _Worker:
         self._go.release()
 
 
+class WrapperClosedError(RuntimeError):
+    """The wrapper was used after ``close()``: its workers are gone."""
+
+
+class StuckWorkersError(RuntimeError):
+    """Too many workers were abandoned to user code that never returned; the wrapper refuses more steps."""
+
+
 class _WorkerPool:
-    def __init__(self, size: int, num_threads: int) -> None:
+    def __init__(self, size: int, num_threads: int, max_stuck: int) -> None:
         self.num_threads = num_threads
+        self.max_stuck = max_stuck
         self.workers = [_Worker(i, num_threads) for i in range(size)]
+        self.stuck: list[_Worker] = []  # replaced after a timeout; still inside a job, or idle and unused
 
     def replace_stuck(self) -> None:
-        """A worker still inside a job after its step gave up is stuck (e.g. in a dead collective): replace it."""
+        """A worker still inside a job after its step gave up is stuck (e.g. in a dead collective): replace it.
+
+        The stuck thread cannot be killed; it is kept in ``stuck`` so ``close()`` can stop it if it ever
+        returns and report it if it does not, and so the number abandoned stays bounded.
+        """
         for i, w in enumerate(self.workers):
             if w.busy:
+                self.stuck.append(w)
                 self.workers[i] = _Worker(i, self.num_threads)
 
+    def check_usable(self) -> None:
+        self.stuck = [w for w in self.stuck if not self._stop_if_idle(w)]
+        if len(self.stuck) > self.max_stuck:
+            names = ", ".join(w.thread.name for w in self.stuck)
+            raise StuckWorkersError(
+                f"{len(self.stuck)} ubatch workers ({names}) are stuck in model code that never returned after a "
+                f"handoff timeout, more than max_stuck_workers={self.max_stuck}; close this wrapper and find what "
+                "the stuck ubatch waits for (a collective whose peer died?)")
+
+    @staticmethod
+    def _stop_if_idle(worker: _Worker) -> bool:
+        if worker.busy:
+            return False
+        worker.submit(None)
+        worker.thread.join(timeout=5)
+        return True
+
     def close(self) -> None:
-        for w in self.workers:
-            if not w.busy:
-                w.submit(None)
-        for w in self.workers:
-            if not w.busy:
-                w.thread.join(timeout=5)
+        everyone = self.workers + self.stuck
+        idle = [w for w in everyone if not w.busy]
+        for w in idle:
+            w.submit(None)
+        for w in idle:
+            w.thread.join(timeout=5)
+        still = [w for w in everyone if w.busy]
+        if still:
+            warnings.warn(f"UBatchWrapper closed with {len(still)} worker thread(s) still stuck in model code "
+                          f"({', '.join(w.thread.name for w in still)}); they exit when that code returns",
+                          RuntimeWarning, stacklevel=3)
         self.workers = []
+        self.stuck = []
 
 
 def _split_attn_metadata(meta: Any, slices: Sequence[UBatchSlice]) -> list[Any]:
@@ -109,6 +156,36 @@ def _slice_arg(value: Any, num_tokens: int, token_slice: slice) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == num_tokens:
         return value[token_slice]
     return value
+
+
+def check_ubatch_slices(slices: Sequence[UBatchSlice], args: Sequence[Any], kwargs: dict[str, Any]) -> int:
+    """The token count the slices cover, after checking they partition the token arguments' rows exactly.
+
+    Slices must be contiguous from row 0, in order, without gaps or overlaps; and at least one tensor
+    argument must have exactly that many rows (those are the arguments that get sliced). A caller that pads
+    its inputs passes the padded tensors, so the slices cover the padded size. Raises ``ValueError`` naming
+    the numbers otherwise.
+    """
+    expected_start = 0
+    for i, sl in enumerate(slices):
+        t = sl.token_slice
+        if t.step not in (None, 1):
+            raise ValueError(f"ubatch slice {i} has token step {t.step}; token slices must be contiguous")
+        if t.start != expected_start:
+            kind = "a gap" if t.start > expected_start else "an overlap"
+            raise ValueError(f"ubatch slice {i} starts at token {t.start} but the previous one ends at "
+                             f"{expected_start}: {kind} would {'drop' if t.start > expected_start else 'duplicate'} "
+                             f"tokens; token slices must be contiguous, in order and start at 0")
+        if t.stop < t.start:
+            raise ValueError(f"ubatch slice {i} ends at token {t.stop}, before its start {t.start}")
+        expected_start = t.stop
+    num_tokens = expected_start
+    rows = [v.shape[0] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0]
+    if num_tokens not in rows:
+        raise ValueError(f"the ubatch slices cover {num_tokens} tokens but no tensor argument has {num_tokens} rows "
+                         f"(first dimensions: {rows}); pad the inputs to the slices' size, or build the slices for "
+                         f"the inputs' token count")
+    return num_tokens
 
 
 def merge_ubatch_outputs(outputs: Sequence[Any]) -> Any:
@@ -134,14 +211,11 @@ class UBatchWrapper:
         self.device = streams.resolve_device(device)
         self.comm_stream = streams.new_stream(self.device, name="comm")
         pool_size = 1 if self.config.executor == "greenlet" else self.config.num_ubatches
-        self._pool = _WorkerPool(pool_size, self.config.num_threads_per_ubatch)
+        self._pool = _WorkerPool(pool_size, self.config.num_threads_per_ubatch, self.config.max_stuck_workers)
         self._finalizer = weakref.finalize(self, self._pool.close)
         self._lock = threading.Lock()
         self.num_ubatched_steps = 0
         self.last_yield_counts: list[int] = []
-        # Hook for CUDA-graph capture/replay: called as graph_runner(wrapper, ubatch_slices, args, kwargs) and
-        # returns the output, or NotImplemented to fall back to the eager ubatched path.
-        self.graph_runner: Callable[..., Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for attributes the wrapper lacks: delegate to the runnable itself (never to runnable.model).
@@ -154,33 +228,38 @@ class UBatchWrapper:
         return self.runnable
 
     def close(self) -> None:
+        """Stop the workers (idempotent); a worker stuck in model code is reported with a RuntimeWarning."""
         self._finalizer()
 
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.closed:
+            raise WrapperClosedError("this UBatchWrapper was closed; create a new one to run more steps")
         fc = maybe_get_forward_context()
         if fc is None or not fc.ubatch_slices:
             return self.runnable(*args, **kwargs)
-        slices = list(fc.ubatch_slices)
-        if self.graph_runner is not None:
-            out = self.graph_runner(self, slices, args, kwargs)
-            if out is not NotImplemented:
-                return out
-        return self.run_ubatched(fc, slices, args, kwargs)
+        return self.run_ubatched(fc, list(fc.ubatch_slices), args, kwargs)
 
     def run_ubatched(self, fc: ForwardContext, slices: list[UBatchSlice], args: Sequence[Any],
                      kwargs: dict[str, Any]) -> Any:
         """One ubatched step; also what a CUDA-graph capture runs inside ``torch.cuda.graph``."""
+        if self.closed:
+            raise WrapperClosedError("this UBatchWrapper was closed; create a new one to run more steps")
         n = self.config.num_ubatches
         if len(slices) != n:
             raise ValueError(f"forward context has {len(slices)} ubatch slices but the wrapper runs {n} ubatches")
-        num_tokens = slices[-1].token_slice.stop
+        num_tokens = check_ubatch_slices(slices, args, kwargs)
         metas = _split_attn_metadata(fc.attn_metadata, slices)
         forward_contexts = [
-            dataclasses.replace(fc, attn_metadata=metas[i], ubatch_slice=slices[i], ubatch_id=i, extra=dict(fc.extra))
+            dataclasses.replace(fc, attn_metadata=metas[i], ubatch_slice=slices[i], ubatch_id=i)
             for i in range(n)
         ]
         compute_stream = streams.current_stream(self.device)
         with self._lock:  # one step at a time per wrapper: the workers are shared
+            self._pool.check_usable()
             contexts = make_ubatch_contexts(n, compute_stream, self.comm_stream, forward_contexts,
                                             self.config.handoff_timeout_s, self.config.executor)
             results: list[Any] = [None] * n

@@ -17,6 +17,7 @@ from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
 from ubatch import trace
 from ubatch.forward_context import get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.modular_moe.runtime import MoERuntime
 
 
 def current_attn_metadata() -> Any:
@@ -88,6 +89,7 @@ class MoECausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.parallel = parallel or MoEParallelConfig()
+        self.moe_runtime = MoERuntime(self.parallel)  # one per model: its MoE layers share backends and link
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self._spec: WeightSpec | None = None

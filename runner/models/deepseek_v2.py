@@ -25,6 +25,7 @@ from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softma
 from runner.models.base import DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer
 from runner.models.weights import WeightSpec
 from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.modular_moe.layer import FusedMoE
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
@@ -79,7 +80,7 @@ class DeepseekV2Attention(nn.Module):
 class DeepseekV2MoE(nn.Module):
     """fp32 gate logits (as HF) -> FusedMoE, which routes and overlaps the shared experts with comm."""
 
-    def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: DeepseekV2Config, runtime: MoERuntime, dtype: torch.dtype | None) -> None:
         super().__init__()
         c = config
         self.gate = nn.Linear(c.hidden_size, c.n_routed_experts, bias=False, dtype=dtype)
@@ -92,7 +93,7 @@ class DeepseekV2MoE(nn.Module):
             num_expert_group=c.n_group if grouped else None, topk_group=c.topk_group if grouped else None,
             use_correction_bias=c.topk_method == "noaux_tc", routed_scaling_factor=c.routed_scaling_factor,
             group_scoring="max" if c.topk_method == "group_limited_greedy" else "top2_sum",
-            shared_experts=self.shared_experts, parallel=parallel, params_dtype=dtype)
+            shared_experts=self.shared_experts, runtime=runtime, params_dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = F.linear(hidden.float(), self.gate.weight.float())
@@ -108,7 +109,7 @@ class DeepseekV2ForCausalLM(MoECausalLM):
 
         def make_layer(i: int) -> nn.Module:
             return moe_or_dense_layer(config, i, DeepseekV2Attention(config, dtype),
-                                      lambda: DeepseekV2MoE(config, self.parallel, dtype), dtype, mlp_bias=config.mlp_bias)
+                                      lambda: DeepseekV2MoE(config, self.moe_runtime, dtype), dtype, mlp_bias=config.mlp_bias)
 
         self.model = DecoderModel(config, make_layer, dtype)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope,

@@ -16,6 +16,7 @@ from runner.models.layers import RMSNorm, RotaryEmbedding
 from runner.models.base import DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer
 from runner.models.weights import WeightSpec
 from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.modular_moe.layer import FusedMoE
 
 
@@ -54,12 +55,12 @@ class Qwen3MoeAttention(nn.Module):
 class Qwen3MoeSparseMoeBlock(nn.Module):
     """Gate (HF: logits in the activation dtype, softmax in fp32 inside the router) + FusedMoE."""
 
-    def __init__(self, config: Qwen3MoeConfig, parallel: MoEParallelConfig, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: Qwen3MoeConfig, runtime: MoERuntime, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False, dtype=dtype)
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, renormalize=config.norm_topk_prob,
-                                scoring_func="softmax", parallel=parallel, params_dtype=dtype)
+                                scoring_func="softmax", runtime=runtime, params_dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.experts(hidden, self.gate(hidden).float())
@@ -74,7 +75,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
 
         def make_layer(i: int) -> nn.Module:
             return moe_or_dense_layer(config, i, Qwen3MoeAttention(config, dtype),
-                                      lambda: Qwen3MoeSparseMoeBlock(config, self.parallel, dtype), dtype)
+                                      lambda: Qwen3MoeSparseMoeBlock(config, self.moe_runtime, dtype), dtype)
 
         self.model = DecoderModel(config, make_layer, dtype)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, interleaved=False)

@@ -6,7 +6,8 @@ So while A's tokens are on the wire, B computes. The shared experts run while th
 
 Single-batch overlap (``ubatch.sbo``, composable with DBO) only moves work between those points, never a
 yield: ``dispatch_shared_experts`` runs the shared experts between the dispatch send and its receive hook
-(instead of beside the combine); the two-stream modes launch the combine on the SBO alternate stream.
+(instead of beside the combine); the two-stream modes launch the combine on the SBO alternate stream
+(``ubatch.modular_moe.two_stream``).
 
 Invariant: every ubatch hits exactly the same yields whatever its data, including a rank that receives
 no tokens (the experts step simply has nothing to do), or a GPU capture deadlocks.
@@ -22,7 +23,8 @@ from ubatch import trace
 from ubatch.context import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.prepare_finalize.base import Hook, PrepareFinalize
-from ubatch.sbo import SBO_OFF, SboFlags, TwoStreamCombine
+from ubatch.modular_moe.two_stream import TwoStreamCombine
+from ubatch.sbo import SBO_OFF, SboFlags
 
 
 def _complete(hook: Hook | None) -> None:

@@ -1,14 +1,19 @@
-"""FusedMoE: one MoE layer's expert weights (this EP rank's share), its routing and its modular kernel."""
+"""FusedMoE: one MoE layer's expert weights (this EP rank's share), its routing and its modular kernel.
+
+Layers of one model share one :class:`MoERuntime` (pass ``runtime=``): that is how they share the
+all-to-all backend and, with ``emulate_link``, contend for the same modelled wire. A layer given only
+``parallel`` builds a runtime of its own.
+"""
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from ubatch.modular_moe.config import MoEParallelConfig, get_prepare_finalize
+from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts import make_experts
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.router import select_experts
-from ubatch.sbo import sbo_flags
+from ubatch.modular_moe.runtime import MoERuntime
 
 _SHARDS = ("gate", "up", "down")
 
@@ -19,11 +24,16 @@ class FusedMoE(nn.Module):
                  topk_group: int | None = None, use_correction_bias: bool = False,
                  routed_scaling_factor: float = 1.0, group_scoring: str = "top2_sum",
                  shared_experts: nn.Module | None = None,
-                 parallel: MoEParallelConfig | None = None, params_dtype: torch.dtype | None = None) -> None:
+                 parallel: MoEParallelConfig | None = None, params_dtype: torch.dtype | None = None,
+                 runtime: MoERuntime | None = None) -> None:
         super().__init__()
         if top_k < 1 or top_k > num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
-        self.parallel = parallel or MoEParallelConfig()
+        if runtime is not None and parallel is not None and runtime.parallel is not parallel:
+            raise ValueError("FusedMoE got both parallel= and runtime= with a different config; pass the runtime "
+                             "alone (it carries its config)")
+        self.runtime = runtime if runtime is not None else MoERuntime(parallel)
+        self.parallel = self.runtime.parallel
         self.num_experts = num_experts
         self.top_k = top_k
         self.hidden_size = hidden_size
@@ -53,9 +63,9 @@ class FusedMoE(nn.Module):
     def kernel(self) -> FusedMoEModularKernel:
         """Built on first use: the backend needs the process groups, which exist only once ranks are up."""
         if self._kernel is None:
-            pf = get_prepare_finalize(self.parallel, self.num_experts, self.hidden_size, self.w13_weight.device)
+            pf = self.runtime.prepare_finalize(self.num_experts, self.hidden_size, self.w13_weight.device)
             self._kernel = FusedMoEModularKernel(pf, make_experts(self.parallel.experts_backend), self.shared_experts,
-                                                 sbo=sbo_flags(self.parallel))
+                                                 sbo=self.parallel.sbo)
         return self._kernel
 
     def load_expert_weight(self, global_expert_id: int, shard: str, weight: torch.Tensor) -> bool:

@@ -52,7 +52,7 @@ class TorchLowLatency(PrepareFinalize):
     def step_capacity(self, num_tokens: int) -> int:
         """Rows per expert block this step: the configured capacity, or less when the DP bound allows."""
         fc = maybe_get_forward_context()
-        bound = fc.extra.get("max_tokens_across_dp") if fc is not None else None
+        bound = fc.dp_metadata.max_tokens_across_dp if fc is not None and fc.dp_metadata is not None else None
         if not bound:
             return self.capacity
         if bound < num_tokens:

@@ -1,0 +1,78 @@
+"""The engine's CUDA-graph wiring: builds a ``cudagraph.GraphRunner`` for a ModelRunner.
+
+``cudagraph`` knows nothing of the engine; this module hands it the engine's capturable decode
+attention (``runner.attention_graph``) and the KV block reserved for graph padding. That block is the
+extra one the ModelRunner allocates past the scheduler's range (``num_kv_blocks + 1`` blocks, ids
+``0 .. num_kv_blocks``), so padded graph rows write their KV where no request ever reads.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Sequence
+
+import torch
+
+from cudagraph.backends import GraphBackend
+from cudagraph.dispatch import GraphKey, capture_blocker
+from cudagraph.manager import GraphRunner
+from cudagraph.sizes import resolve_capture_sizes
+from runner.attention_graph import DecodeMetadataBuffers, capturable_attention
+
+logger = logging.getLogger("ubatch.cudagraph")
+_LOGGED: set[str] = set()
+_RUNNERS_WRAPPER: Any = object()  # make_graph_runner's default: the model runner's own UBatchWrapper
+
+
+def _log_once(level: int, message: str) -> None:
+    """Once per process: every DP rank and every ModelRunner would otherwise repeat it."""
+    if message not in _LOGGED:
+        _LOGGED.add(message)
+        logger.log(level, message)
+
+
+def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = None,
+                      backend: GraphBackend | None = None, num_warmups: int = 2, progress: bool | None = None,
+                      wrapper: Any = _RUNNERS_WRAPPER, keys: Sequence[GraphKey] | None = None) -> GraphRunner:
+    """A :class:`GraphRunner` over ``model_runner``'s model and persistent input buffers (not yet captured).
+
+    ``wrapper`` defaults to the runner's own UBatchWrapper (``None`` plans no DBO graphs); ``keys``
+    overrides the capture plan (benchmarks compare hand-picked graphs).
+    """
+    cfg = model_runner.cfg
+    requested = sizes if sizes is not None else getattr(cfg, "cuda_graph_sizes", None)
+    resolved = resolve_capture_sizes(requested, cfg.max_num_seqs, model_runner.input_ids.shape[0])
+    max_blocks = -(-model_runner.max_model_len // model_runner.block_size)
+    null_block = model_runner.num_kv_blocks  # the runner allocated one block past the scheduler's range
+
+    def buffers(max_reqs: int) -> DecodeMetadataBuffers:
+        return DecodeMetadataBuffers(max_reqs, max_blocks, model_runner.block_size, null_block, model_runner.device)
+
+    return GraphRunner(model_runner.model, model_runner.input_ids, model_runner.positions,
+                       metadata_buffers=buffers, capturable_attention=capturable_attention, sizes=resolved,
+                       wrapper=model_runner.wrapper if wrapper is _RUNNERS_WRAPPER else wrapper, keys=keys,
+                       dbo_decode_threshold=cfg.dbo_decode_token_threshold, backend=backend,
+                       num_warmups=num_warmups,
+                       progress=(getattr(model_runner, "rank", 0) == 0) if progress is None else progress)
+
+
+def maybe_make_graph_runner(model_runner: Any, *, capture: bool = True) -> GraphRunner | None:
+    """The runner's one entry point: a captured :class:`GraphRunner`, or ``None`` to run eager.
+
+    ``None`` with ``--enforce-eager``, on CPU (logged once: "CUDA graphs need a GPU: running eager"), and
+    with backends that cannot be captured (logged once, with the reason).
+    """
+    cfg = model_runner.cfg
+    if cfg.enforce_eager:
+        return None
+    if torch.device(model_runner.device).type != "cuda":
+        if getattr(model_runner, "rank", 0) == 0:  # said once for the whole run, not once per DP rank
+            _log_once(logging.WARNING, "CUDA graphs need a GPU: running eager")
+        return None
+    blocker = capture_blocker(cfg.all2all_backend, cfg.experts_backend)
+    if blocker is not None:
+        _log_once(logging.WARNING, f"CUDA graphs disabled: {blocker}; running eager")
+        return None
+    graph_runner = make_graph_runner(model_runner)
+    if capture:
+        graph_runner.capture()
+    return graph_runner

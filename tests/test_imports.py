@@ -1,0 +1,104 @@
+"""The packages' imports form no cycles, and depend one way: ``ubatch`` <- ``cudagraph`` <- ``runner``.
+
+Read from the source with ``ast``, so every import counts: module-level, inside functions (a lazy import
+that closes a loop is still a loop in the design), and under ``TYPE_CHECKING``. ``from pkg import sub``
+where ``sub`` is a module is an edge to ``pkg.sub`` only: importing a submodule always runs its parent
+package's ``__init__``, which is not a design dependency.
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("ubatch", "cudagraph", "runner")  # each may import only the ones before it
+LAYER = {name: i for i, name in enumerate(PACKAGES)}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for pkg in PACKAGES:
+        for path in (ROOT / pkg).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            mods[name] = path
+    return mods
+
+
+def _resolve(name: str, mods: dict[str, Path]) -> str | None:
+    while name and name not in mods:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = []
+                for alias in node.names:
+                    sub = f"{node.module}.{alias.name}"
+                    targets.append(sub if sub in mods else node.module)
+            else:
+                continue
+            for target in targets:
+                resolved = _resolve(target, mods)
+                if resolved is not None and resolved != mod:
+                    graph[mod].add(resolved)
+    return graph
+
+
+def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_the_checker_sees_a_cycle() -> None:
+    assert find_cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert find_cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles() -> None:
+    graph = import_graph()
+    assert len(graph) > 50  # the walk really found the packages
+    assert find_cycles(graph) == []
+
+
+def test_packages_depend_one_way() -> None:
+    upward = sorted(f"{m} -> {t}" for m, targets in import_graph().items() for t in targets
+                    if LAYER[t.split(".")[0]] > LAYER[m.split(".")[0]])
+    assert upward == []
