@@ -23,7 +23,7 @@ install: $(VENV)/.installed
 
 demo: install
 	$(PY) -m runner generate --model tiny-qwen3-moe --data-parallel-size 2 --enable-expert-parallel \
-		--enable-dbo --dbo-decode-token-threshold 4 --dbo-prefill-token-threshold 16 \
+		--enable-dbo --dbo-decode-token-threshold 4 --dbo-prefill-token-threshold 16 --dbo-cost-model off \
 		--emulate-link latency_us=50,gbps=10 --max-tokens 16 --num-prompts 8
 
 test: install

@@ -93,6 +93,9 @@ def _attend_decodes(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
     mask = (pos[None, :] > qpos[:, None]) | (pos[None, :] >= seq_lens[:, None])
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    # A shorter request's slots past its seq_len were never written (the cache is not zero-filled), and a
+    # zero weight times what they hold can still be NaN: zero those values, not just their weights.
+    v = v.masked_fill(mask[:, :, None, None], 0)
     return torch.einsum("rhgs,rshd->rhgd", probs, v).reshape(r, hq, v.shape[-1])
 
 

@@ -142,6 +142,9 @@ def _decode_attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, 
     mask = meta.key_positions[None, :] >= meta.seq_lens[:, None]
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    # Slots past seq_len were never written (the caches are not zero-filled): a zero weight times whatever
+    # they hold could still be NaN, so their values are zeroed, not just weighted by zero.
+    v = v.masked_fill(mask[:, :, None, None], 0)
     return torch.einsum("rhgs,rshd->rhgd", probs, v).reshape(r, hq, v.shape[-1])
 
 

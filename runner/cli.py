@@ -1,7 +1,7 @@
 """``python -m runner generate|bench``: vLLM-style flags over RunnerConfig, SamplingParams and a workload.
 
 Flags default to ``None`` so "not given" is visible: RunnerConfig's own defaults apply, and
-``--all2all-backend`` becomes ``torch_ll`` when DP > 1 with expert parallelism. Every bad value — argparse's
+``--all2all-backend`` becomes ``auto`` when DP > 1 with expert parallelism. Every bad value — argparse's
 or RunnerConfig's validation — exits with code 2 and ``argument --flag: ...``.
 
 Launch modes: under ``torchrun`` every process runs the job and rank 0 reports; otherwise
@@ -21,7 +21,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from runner.config import DTYPES, UBATCH_SPLITS, ConfigError, RunnerConfig, all2all_backends, config_fields, \
+from runner.config import DBO_COST_MODELS, DBO_DP_RULES, DTYPES, UBATCH_SPLITS, ConfigError, RunnerConfig, \
+    all2all_backends, config_fields, \
     experts_backends, make_config
 from runner.sampling import SamplingParams
 from cudagraph.sizes import parse_cuda_graph_sizes
@@ -45,9 +46,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add("--dbo-decode-token-threshold", type=int, metavar="N")
     add("--dbo-prefill-token-threshold", type=int, metavar="N")
     add("--ubatch-split", choices=UBATCH_SPLITS)
+    add("--dbo-cost-model", choices=DBO_COST_MODELS,
+        help="measured: above the thresholds, ubatch only the step sizes where measured steps show DBO is "
+             "faster (each side is tried, the loser re-checked now and then); off: the thresholds alone")
+    add("--dbo-dp-rule", choices=DBO_DP_RULES,
+        help="how DP ranks agree to ubatch: sglang (idle or small ranks never veto; the largest rank decides) "
+             "or vllm (all ranks must vote yes)")
     add("--tbo-token-distribution-threshold", type=float, metavar="T")
     add("--all2all-backend", choices=all2all_backends(),
-        help="default: torch_ll with DP > 1 and --enable-expert-parallel, else none")
+        help="default: auto (torch_ht for prefill steps, torch_ll for decode) with DP > 1 and "
+             "--enable-expert-parallel, else none")
     add("--experts-backend", choices=experts_backends())
     add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10")
     add("--max-num-seqs", type=int, metavar="N")

@@ -12,20 +12,24 @@ from dataclasses import dataclass
 from typing import Any
 
 UBATCH_SPLITS = ("tokens", "balanced")
+DBO_DP_RULES = ("sglang", "vllm")  # runner.dp: how DP ranks agree to ubatch
+DBO_COST_MODELS = ("measured", "off")  # runner.dbo_cost_model: above the thresholds, ubatch only where it pays
 # vLLM accepts these spellings for --dtype; they are normalised to "auto" (the checkpoint's torch_dtype) or a
 # name such that ``getattr(torch, cfg.dtype)`` works.
 DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
                  "bfloat16": "bfloat16", "bf16": "bfloat16",
                  "float16": "float16", "half": "float16", "fp16": "float16"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# DP > 1 with expert parallelism needs a real all-to-all; this is what the CLI and LLM() pick when unset.
-DEFAULT_EP_ALL2ALL_BACKEND = "torch_ll"
+# DP > 1 with expert parallelism needs a real all-to-all; this is what the CLI and LLM() pick when unset: the
+# phase-aware one (SGLang's default ``--deepep-mode auto``), high-throughput layout for prefill, low-latency
+# for decode.
+DEFAULT_EP_ALL2ALL_BACKEND = "auto"
 
 
 def all2all_backends() -> tuple[str, ...]:
-    from ubatch.modular_moe.prepare_finalize import ALL2ALL_BACKENDS  # imports torch: keep it out of module load
+    from ubatch.modular_moe.prepare_finalize import ALL2ALL_CHOICES  # imports torch: keep it out of module load
 
-    return tuple(ALL2ALL_BACKENDS)
+    return tuple(ALL2ALL_CHOICES)
 
 
 def experts_backends() -> tuple[str, ...]:
@@ -72,6 +76,8 @@ class RunnerConfig:
     dbo_decode_token_threshold: int = 32
     dbo_prefill_token_threshold: int = 512
     ubatch_split: str = "tokens"  # "tokens" (vLLM: cut at padded // 2) | "balanced" (SGLang TBO)
+    dbo_dp_rule: str = "sglang"  # idle / small ranks never veto DBO ("sglang") | all-or-nothing ("vllm")
+    dbo_cost_model: str = "measured"  # above the thresholds, ubatch where measured steps say it pays | "off"
     tbo_token_distribution_threshold: float = 0.48
     all2all_backend: str = "none"
     experts_backend: str = "torch"
@@ -117,6 +123,8 @@ class RunnerConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ConfigError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         _choice("ubatch_split", self.ubatch_split, UBATCH_SPLITS)
+        _choice("dbo_dp_rule", self.dbo_dp_rule, DBO_DP_RULES)
+        _choice("dbo_cost_model", self.dbo_cost_model, DBO_COST_MODELS)
         t = self.tbo_token_distribution_threshold
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 0.5:
             raise ConfigError("tbo_token_distribution_threshold",
@@ -164,7 +172,7 @@ def make_config(base: RunnerConfig | None = None, **kwargs: Any) -> RunnerConfig
     """RunnerConfig from keyword arguments (on top of ``base`` if given), with defaults that depend on other fields.
 
     Unknown names raise ``TypeError`` with the closest field. An ``all2all_backend`` left unset (absent or None,
-    and 'none' in ``base``) becomes ``torch_ll`` when DP > 1 with expert parallelism — the CLI's rule too —
+    and 'none' in ``base``) becomes ``auto`` when DP > 1 with expert parallelism — the CLI's rule too —
     since 'none' cannot move tokens between ranks.
     """
     fields = config_fields()

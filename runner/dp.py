@@ -1,15 +1,32 @@
-"""Agreeing across data-parallel ranks, once per step, whether to ubatch and how far to pad.
+"""Agreeing across data-parallel ranks, once per step, whether to ubatch, how far to pad, and how to size.
 
 Every rank issues the same MoE all-to-alls, so every rank must run the same number of ubatches with the
 same number of layers, or a collective pairs with the wrong partner and hangs. One small all-reduce
-settles it (vLLM #25768 folded three into one): each rank writes its own column of
-``[orig tokens, padded tokens, ubatch vote, has work]``; the sum gives every rank the full table.
+settles it (vLLM #25768 folded three into one): each rank writes its own column of the table below; the
+sum gives every rank the full table, and :func:`decide` turns it into the same decision everywhere.
 
-- Ubatch only if **all** ranks vote yes and the last ubatch is non-empty on every rank: the split point
-  comes from the padded (max) count, so the test uses min original against max padded.
-- When ubatching, every rank pads to the max, so ubatch sizes match across ranks (CUDA graphs need that).
-- A rank with no work still takes part (the caller runs a dummy step) while any rank has work; when no
-  rank has work, every rank learns it in the same step and the loop ends everywhere together.
+Rows: ``orig`` tokens, ``padded`` tokens, ubatch ``vote`` (the thresholds), ``work`` (has tokens),
+``prefill`` (the batch is not a uniform decode), ``split`` (this rank's first-ubatch boundary when its split
+is not the default ``padded // n``, e.g. SGLang's balanced split; 0 otherwise) and ``pays`` (the rank's
+measured cost model says ubatching this step is faster; ``runner.dbo_cost_model``; 1 without one).
+
+Two rules decide whether the step ubatches (``--dbo-dp-rule``):
+
+- ``sglang`` (default; SGLang's two-batch overlap): a rank with no work never vetoes -- it runs two
+  padding-only ubatches so the collectives match -- and a rank under the threshold does not either: the
+  step ubatches when any working rank passes its threshold and the largest rank's cost model agrees,
+  because every rank waits for the slowest at each all-to-all, so the largest batch sets the step time and
+  decides whether splitting pays. A rank with few tokens may then get a ubatch that is all padding; the
+  MoE layers route padding nowhere, so it costs no all-to-all bytes.
+- ``vllm``: ubatch only if **all** ranks vote yes (thresholds and cost model) and the last ubatch is
+  non-empty on every rank (the cut comes from the padded max, so the test uses min original against max
+  padded). One idle rank, or one under the threshold, turns the overlap off for everyone.
+
+Either way, when ubatching every rank pads to the max (same ubatch sizes everywhere, which CUDA graphs
+need), and the decision carries each ubatch's token bound -- the max over ranks of that ubatch's size --
+so fixed-size all-to-all buffers are sized per ubatch, not by the whole step. A rank with no work still
+takes part (the caller runs a dummy step) while any rank has work; when no rank has work, every rank
+learns it in the same step and the loop ends everywhere together.
 """
 from __future__ import annotations
 
@@ -20,6 +37,9 @@ import torch
 
 from ubatch.slicing import is_last_ubatch_empty
 
+DP_RULES = ("sglang", "vllm")
+_ROWS = 7  # orig, padded, vote, work, prefill, split, pays
+
 
 @dataclass(frozen=True)
 class DPDecision:
@@ -27,43 +47,83 @@ class DPDecision:
     num_tokens_padded: int  # what this rank runs (its own count, or the max when ubatching)
     num_tokens_across_dp: tuple[int, ...]
     any_work: bool
+    any_prefill: bool = False  # some rank runs a prefill or mixed batch (phase-aware all-to-all picks HT)
+    ubatch_token_bounds: tuple[int, ...] | None = None  # per ubatch, max over ranks of its token count
+    max_tokens_padded: int = 0  # the most tokens any rank runs this step: what fixed-size buffers may hold
 
 
 class DPCollectiveError(RuntimeError):
     """A DP/EP collective failed: a peer rank exited, or it did not answer within the timeout."""
 
 
-def decide(table: torch.Tensor, rank: int, num_ubatches: int) -> DPDecision:
-    """Pure post-processing of the summed ``[4, dp]`` table (unit-tested without any process group)."""
-    orig, padded, votes, work = (table[i].tolist() for i in range(4))
-    busy = [i for i, w in enumerate(work) if w]
-    any_work = bool(busy)
-    should = any_work and all(votes) and not is_last_ubatch_empty(min(orig), max(padded), num_ubatches) \
-        and max(padded) // num_ubatches > 0
-    return DPDecision(should_ubatch=should, num_tokens_padded=max(padded) if should else orig[rank],
-                      num_tokens_across_dp=tuple(int(x) for x in orig), any_work=any_work)
+def _ubatch_bounds(padded: int, splits: list[int], num_ubatches: int) -> tuple[int, ...]:
+    """Per-ubatch max size over ranks, every rank padded to ``padded``; ``splits[r]``: rank r's first cut."""
+    if num_ubatches == 2:
+        cuts = [s if s > 0 else padded // 2 for s in splits]
+        return (max(cuts), padded - min(cuts))
+    width = padded // num_ubatches  # more than two ubatches: always the default equal cut
+    return (*[width] * (num_ubatches - 1), padded - width * (num_ubatches - 1))
 
 
-def coordinate_batch_across_dp(num_tokens: int, vote_ubatch: bool, group: Any, num_ubatches: int = 2,
-                               num_tokens_padded: int | None = None) -> DPDecision:
-    """One all-reduce over ``group`` (a CPU/gloo group: the table is tiny and read on the CPU anyway)."""
+def decide(table: torch.Tensor, rank: int, num_ubatches: int, rule: str = "sglang") -> DPDecision:
+    """Pure post-processing of the summed ``[7, dp]`` table (unit-tested without any process group)."""
+    if rule not in DP_RULES:
+        raise ValueError(f"unknown DP ubatch rule {rule!r}; choose one of {', '.join(DP_RULES)}")
+    if table.shape[0] != _ROWS:
+        raise ValueError(f"the DP vote table needs {_ROWS} rows (orig, padded, vote, work, prefill, split, pays), "
+                         f"got {table.shape[0]}")
+    orig, padded, votes, work, prefill, splits, pays = (table[i].tolist() for i in range(_ROWS))
+    any_work = any(work)
+    max_padded = max(padded)
+    if rule == "vllm":
+        should = any_work and all(votes) and all(pays) and not is_last_ubatch_empty(min(orig), max_padded,
+                                                                                    num_ubatches)
+    else:
+        largest = max(range(len(orig)), key=lambda r: (orig[r], -r))  # ties: the lowest rank
+        should = any_work and any(v for v, w in zip(votes, work) if w) and bool(pays[largest])
+    should = should and max_padded // num_ubatches > 0
+    bounds = _ubatch_bounds(max_padded, splits, num_ubatches) if should else None
+    return DPDecision(should_ubatch=should, num_tokens_padded=max_padded if should else orig[rank],
+                      num_tokens_across_dp=tuple(int(x) for x in orig), any_work=any_work,
+                      any_prefill=any(p for p, w in zip(prefill, work) if w), ubatch_token_bounds=bounds,
+                      max_tokens_padded=max_padded)
+
+
+def vote_table(num_tokens: int, vote_ubatch: bool, *, is_prefill: bool, split: int = 0, pays: bool = True,
+               rank: int = 0, world: int = 1, num_tokens_padded: int | None = None) -> torch.Tensor:
+    """This rank's column of the vote table (the others zero), validated."""
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     padded = num_tokens if num_tokens_padded is None else num_tokens_padded
     if padded < num_tokens:
         raise ValueError(f"num_tokens_padded={padded} is smaller than num_tokens={num_tokens}")
+    if split < 0:
+        raise ValueError(f"split must be >= 0 (0: the default cut), got {split}")
+    table = torch.zeros(_ROWS, world, dtype=torch.int64)
+    table[:, rank] = torch.tensor([num_tokens, padded, int(vote_ubatch), int(num_tokens > 0),
+                                   int(is_prefill and num_tokens > 0), split, int(pays)])
+    return table
+
+
+def coordinate_batch_across_dp(num_tokens: int, vote_ubatch: bool, group: Any, num_ubatches: int = 2,
+                               num_tokens_padded: int | None = None, *, is_prefill: bool = False, split: int = 0,
+                               pays: bool = True, rule: str = "sglang") -> DPDecision:
+    """One all-reduce over ``group`` (a CPU/gloo group: the table is tiny and read on the CPU anyway)."""
+    if group is None:
+        raise ValueError("coordinate_batch_across_dp needs a process group; use local_decision for one rank")
     rank, world = group.rank(), group.size()
-    table = torch.zeros(4, world, dtype=torch.int64)
-    table[:, rank] = torch.tensor([num_tokens, padded, int(vote_ubatch), int(num_tokens > 0)])
+    table = vote_table(num_tokens, vote_ubatch, is_prefill=is_prefill, split=split, pays=pays, rank=rank,
+                       world=world, num_tokens_padded=num_tokens_padded)
     try:
         group.allreduce([table]).wait()  # the group object itself: works for torchrun and thread-rank groups
     except RuntimeError as exc:
         raise DPCollectiveError(f"DP rank {rank}: the per-step all-reduce over {world} ranks failed; a peer rank "
                                 f"probably exited or timed out ({exc})") from exc
-    return decide(table, rank, num_ubatches)
+    return decide(table, rank, num_ubatches, rule)
 
 
-def local_decision(num_tokens: int, vote_ubatch: bool, num_ubatches: int = 2) -> DPDecision:
+def local_decision(num_tokens: int, vote_ubatch: bool, num_ubatches: int = 2, *, is_prefill: bool = False,
+                   split: int = 0, pays: bool = True, rule: str = "sglang") -> DPDecision:
     """DP=1: the same rules without a collective."""
-    table = torch.tensor([[num_tokens], [num_tokens], [int(vote_ubatch)], [int(num_tokens > 0)]])
-    return decide(table, 0, num_ubatches)
+    return decide(vote_table(num_tokens, vote_ubatch, is_prefill=is_prefill, split=split, pays=pays), 0,
+                  num_ubatches, rule)

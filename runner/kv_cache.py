@@ -93,8 +93,14 @@ def blocks_needed(num_tokens: int, block_size: int) -> int:
 
 def allocate_kv_caches(specs: Sequence[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
                        device: torch.device | str = "cpu") -> list[torch.Tensor]:
-    """One zero-initialised ``[num_blocks, block_size, *per_token_shape]`` tensor per layer."""
-    return [torch.zeros((num_blocks, block_size, *s.per_token_shape), dtype=dtype, device=device) for s in specs]
+    """One ``[num_blocks, block_size, *per_token_shape]`` tensor per layer, *not* zero-filled.
+
+    Every reader of the cache only uses slots that were written: the eager attention reads positions below
+    each request's ``seq_len``, all written by earlier steps or this one, and the CUDA-graph decode attention
+    masks the rest out (scores and values). Zero-filling would touch every page of a cache sized for
+    ``max_num_seqs`` full-length requests up front, which is most of a small model's start-up on a CPU.
+    """
+    return [torch.empty((num_blocks, block_size, *s.per_token_shape), dtype=dtype, device=device) for s in specs]
 
 
 def make_block_table(block_lists: Sequence[Sequence[int]], max_blocks: int | None = None,

@@ -4,18 +4,25 @@ Per step: build flat inputs from the scheduled chunks into persistent buffers; v
 (thresholds), settle it with the other DP ranks in one all-reduce (``dp.py``), pad to the agreed size,
 split into ubatch slices (``--ubatch-split tokens|balanced``) and call the model through
 ``UBatchWrapper``; then sample one token for each chunk that reached the end of its known tokens.
-A rank with nothing scheduled while its peers work runs a one-token dummy step so the MoE all-to-alls
-stay matched.
+A rank with nothing scheduled while its peers work runs a dummy step of padding rows -- two ubatches of
+one row when the step ubatches -- so the MoE all-to-alls stay matched. Padding rows are marked in a
+persistent ``real_token_mask`` buffer and routed to no expert.
+
+With tracing on, the step's CPU phases (DP vote, input preparation, sampling) are spans on the rank's
+``step`` track, next to the model's spans on the ubatch tracks.
 """
 from __future__ import annotations
 
 from typing import Any
+
+import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from runner.cuda_graphs import maybe_make_graph_runner
+from runner.dbo_cost_model import DBOCostModel
 from runner.dp import DPDecision, coordinate_batch_across_dp, local_decision
 from runner.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata
 from runner.models.loader import load_model
@@ -24,7 +31,8 @@ from runner.scheduler import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
-from ubatch.slicing import balanced_split_points, check_ubatch_thresholds, maybe_create_ubatch_slices
+from ubatch import trace
+from ubatch.slicing import balanced_split_points, check_ubatch_thresholds, padded_ubatch_slices
 from ubatch.wrapper import UBatchConfig, UBatchWrapper
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -74,9 +82,11 @@ class ModelRunner:
         self.max_tokens_per_step = cfg.max_num_batched_tokens
         self.input_ids = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
+        self.real_token_mask = torch.zeros(self.max_tokens_per_step, dtype=torch.bool, device=self.device)
         self.num_steps = 0
         self.num_ubatched_steps = 0
         self.num_dummy_steps = 0
+        self.cost_model = DBOCostModel() if cfg.enable_dbo and cfg.dbo_cost_model == "measured" else None
         self.graph_runner = maybe_make_graph_runner(self)  # None on CPU / --enforce-eager; captures on GPU
 
     # ---- set-up ----------------------------------------------------------------------------------
@@ -120,12 +130,20 @@ class ModelRunner:
     def decide(self, sched: SchedulerOutput) -> tuple[DPDecision, list[int] | int | None]:
         vote, split_point = self._vote(sched)
         n = sched.num_tokens
-        if self.dp_group is None:
-            return local_decision(n, vote, NUM_UBATCHES), split_point
-        return coordinate_batch_across_dp(n, vote, self.dp_group, NUM_UBATCHES), split_point
+        split = split_point[0] if isinstance(split_point, list) else 0
+        prefill = not sched.is_uniform_decode
+        pays = self.cost_model is None or n == 0 or self.cost_model.vote(n, prefill)
+        rule = self.cfg.dbo_dp_rule
+        with trace.region("dp_vote", "step", track="step"):
+            if self.dp_group is None:
+                return local_decision(n, vote, NUM_UBATCHES, is_prefill=prefill, split=split, pays=pays,
+                                      rule=rule), split_point
+            return coordinate_batch_across_dp(n, vote, self.dp_group, NUM_UBATCHES, is_prefill=prefill,
+                                              split=split, pays=pays, rule=rule), split_point
 
     @torch.inference_mode()
     def step(self, sched: SchedulerOutput) -> list[int | None] | None:
+        start = time.perf_counter()
         decision, split_point = self.decide(sched)
         if not decision.any_work:
             return None
@@ -134,31 +152,37 @@ class ModelRunner:
             self._dummy_step(decision)
             return []
         hidden, meta = self._forward(sched, decision, split_point)
-        return self._sample(sched, hidden, meta)
+        with trace.region("sample", "step", track="step"):
+            sampled = self._sample(sched, hidden, meta)
+        if self.cost_model is not None:
+            self.cost_model.record(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch,
+                                   time.perf_counter() - start)
+        return sampled
 
     def _forward(self, sched: SchedulerOutput, decision: DPDecision,
                  split_point: list[int] | int | None) -> tuple[torch.Tensor, Any]:
-        chunks = sched.chunks
-        n = sched.num_tokens
-        padded = decision.num_tokens_padded if self.graph_runner is None else \
-            self.graph_runner.padded_num_tokens(n, sched.is_uniform_decode, decision)
-        if padded > self.max_tokens_per_step:
-            raise ValueError(f"step of {padded} tokens exceeds --max-num-batched-tokens={self.max_tokens_per_step}")
-        query_lens = [len(c.token_ids) for c in chunks]
-        meta = build_attention_metadata([c.num_computed_tokens for c in chunks], query_lens,
-                                        [c.block_ids for c in chunks], self.block_size, self.device,
-                                        num_padded_tokens=padded)
-        ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
-        self.input_ids[:padded].zero_()
-        self.input_ids[:n].copy_(ids)
-        self.positions[:padded].copy_(meta.positions)
-        slices = None
-        if decision.should_ubatch:
-            _, slices = maybe_create_ubatch_slices(True, np.asarray(query_lens), padded, len(chunks), NUM_UBATCHES,
-                                                   split_point)
+        with trace.region("inputs", "step", track="step"):
+            chunks = sched.chunks
+            n = sched.num_tokens
+            padded = decision.num_tokens_padded if self.graph_runner is None else \
+                self.graph_runner.padded_num_tokens(n, sched.is_uniform_decode, decision)
+            if padded > self.max_tokens_per_step:
+                raise ValueError(f"step of {padded} tokens exceeds --max-num-batched-tokens={self.max_tokens_per_step}")
+            query_lens = [len(c.token_ids) for c in chunks]
+            meta = build_attention_metadata([c.num_computed_tokens for c in chunks], query_lens,
+                                            [c.block_ids for c in chunks], self.block_size, self.device,
+                                            num_padded_tokens=padded)
+            ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
+            self.input_ids[:padded].zero_()
+            self.input_ids[:n].copy_(ids)
+            self.positions[:padded].copy_(meta.positions)
+            mask = self._mark_real_tokens(n, padded)
+            slices = None
+            if decision.should_ubatch:
+                slices = padded_ubatch_slices(np.asarray(query_lens), padded, NUM_UBATCHES, split_point)
         model = self.wrapper if self.wrapper is not None else self.model
         with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
-                                 dp_metadata=self._dp_metadata(decision)):
+                                 dp_metadata=self._dp_metadata(decision, n), real_token_mask=mask):
             hidden = NotImplemented if self.graph_runner is None else self.graph_runner.try_replay(
                 meta, slices, self.input_ids[:padded], self.positions[:padded])
             if hidden is NotImplemented:
@@ -167,22 +191,46 @@ class ModelRunner:
             self.num_ubatched_steps += 1
         return hidden, meta
 
-    def _dp_metadata(self, decision: DPDecision) -> DPMetadata | None:
-        """What the DP vote agreed (same on every rank): lets torch_ll shrink its buffers to the step's bound.
-
-        Not under CUDA graphs, whose captured all-to-alls keep the fixed capacity.
-        """
-        if self.graph_runner is not None:
+    def _mark_real_tokens(self, num_real: int, num_rows: int) -> torch.Tensor | None:
+        """The persistent mask's view for this step (rows past ``num_real`` are padding); ``None`` when there
+        is no padding and no captured graph that reads the buffer."""
+        if num_real == num_rows and self.graph_runner is None:
             return None
-        return DPMetadata(decision.num_tokens_across_dp)
+        self.real_token_mask[:num_real].fill_(True)
+        self.real_token_mask[num_real:num_rows].fill_(False)
+        return self.real_token_mask[:num_rows]
+
+    def _dp_metadata(self, decision: DPDecision, num_real_tokens: int) -> DPMetadata:
+        """What the DP vote agreed (same on every rank): torch_ll sizes each ubatch's buffers by its bound.
+
+        Under CUDA graphs no bound is given: captured all-to-alls keep the fixed capacity, and an eager step
+        must use the same sizes as a peer rank that replays a graph.
+        """
+        sized = self.graph_runner is None
+        return DPMetadata(decision.num_tokens_across_dp,
+                          step_token_bound=decision.max_tokens_padded if sized else None,
+                          ubatch_token_bounds=decision.ubatch_token_bounds if sized else None,
+                          num_real_tokens=num_real_tokens, any_prefill=decision.any_prefill)
 
     def _dummy_step(self, decision: DPDecision) -> None:
-        """One padding token, no request: keeps this idle rank's all-to-alls matched with busy peers."""
+        """Padding rows, no request: keeps this idle rank's all-to-alls matched with busy peers.
+
+        One row, or one row per ubatch when the step ubatches (SGLang's rule lets an idle rank take part);
+        the rows are routed to no expert, so they send nothing.
+        """
         self.num_dummy_steps += 1
-        meta = build_attention_metadata([], [], [], self.block_size, self.device, num_padded_tokens=1)
-        with set_forward_context(attn_metadata=meta, ubatch_slices=None, trace_rank=self.rank,
-                                 dp_metadata=self._dp_metadata(decision)):
-            self.model(input_ids=self.input_ids[:1].zero_(), positions=self.positions[:1].zero_())
+        rows = NUM_UBATCHES if decision.should_ubatch else 1
+        meta = build_attention_metadata([], [], [], self.block_size, self.device, num_padded_tokens=rows)
+        slices = padded_ubatch_slices([], rows, NUM_UBATCHES) if decision.should_ubatch else None
+        model = self.wrapper if slices is not None else self.model
+        if model is None:
+            raise RuntimeError("the DP ranks agreed to ubatch but this rank has no UBatchWrapper: every rank "
+                               "must run with the same --enable-dbo")
+        self.real_token_mask[:rows].fill_(False)
+        with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
+                                 dp_metadata=self._dp_metadata(decision, 0),
+                                 real_token_mask=self.real_token_mask[:rows]):
+            model(input_ids=self.input_ids[:rows].zero_(), positions=self.positions[:rows].zero_())
 
     def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: Any) -> list[int | None]:
         qsl = meta.query_start_loc_cpu.tolist()

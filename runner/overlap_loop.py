@@ -59,6 +59,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from runner.future_map import FutureTokenMap
+from ubatch import trace
 from runner.scheduler import Request, Scheduler, SchedulerOutput
 
 OnResults = Callable[[SchedulerOutput, Sequence[Any], list[Request]], None]
@@ -157,7 +158,8 @@ def _run_sync(sched: Scheduler, runner: Any, before_launch: Callable[[int], None
             if before_launch is not None:
                 before_launch(stats.num_steps)
             t0 = time.perf_counter()
-            out = sched.schedule()
+            with trace.region("schedule", "step", track="scheduler"):
+                out = sched.schedule()
             t1 = time.perf_counter()
             sampled = runner.step(out)
             t2 = time.perf_counter()
@@ -166,7 +168,8 @@ def _run_sync(sched: Scheduler, runner: Any, before_launch: Callable[[int], None
                 stats.cpu_work_s += t1 - t0
                 break
             stats.num_steps += 1
-            done = sched.update(out, sampled)
+            with trace.region("update", "step", track="scheduler"):
+                done = sched.update(out, sampled)
             if on_results is not None:
                 on_results(out, sampled, done)
             stats.cpu_work_s += (t1 - t0) + (time.perf_counter() - t2)
@@ -178,12 +181,15 @@ def _run_sync(sched: Scheduler, runner: Any, before_launch: Callable[[int], None
 def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> list[int | None] | None:
     """The forward side of one step: resolve ``out``'s placeholders, run it, store what it sampled under each
     request's slot for the next step. Runs on the executor thread only."""
-    sampled = runner.step(future_map.resolve(out))
-    if sampled:
-        picks = [(c.req_id, c.slot, t) for c, t in zip(out.chunks, sampled) if t is not None and c.slot >= 0]
-        if picks:
-            req_ids, slots, tokens = zip(*picks)
-            future_map.store(req_ids, slots, tokens)
+    with trace.region("resolve", "step", track="step"):
+        resolved = future_map.resolve(out)
+    sampled = runner.step(resolved)
+    with trace.region("store", "step", track="step"):
+        if sampled:
+            picks = [(c.req_id, c.slot, t) for c, t in zip(out.chunks, sampled) if t is not None and c.slot >= 0]
+            if picks:
+                req_ids, slots, tokens = zip(*picks)
+                future_map.store(req_ids, slots, tokens)
     return sampled
 
 
@@ -212,14 +218,16 @@ class _OverlapLoop:
         self.stats.copy_wait_s += t1 - t0
         if sampled is None:
             raise RuntimeError(f"model runner reported no work for a step of {len(launched.out.chunks)} chunks")
-        done = self.sched.update(launched.out, sampled)
-        if self.on_results is not None:
-            self.on_results(launched.out, sampled, done)
+        with trace.region("update", "step", track="scheduler"):
+            done = self.sched.update(launched.out, sampled)
+            if self.on_results is not None:
+                self.on_results(launched.out, sampled, done)
         self.stats.cpu_work_s += time.perf_counter() - t1
 
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
-        out = self.sched.schedule()
+        with trace.region("schedule", "step", track="scheduler"):
+            out = self.sched.schedule()
         self.stats.cpu_work_s += time.perf_counter() - t0
         return out
 

@@ -9,6 +9,11 @@ different hosts would be offset by their clocks' difference. A rank's spans get 
 thread recorded them (a link-completion thread may never have seen a forward context).
 
 Recording is opt-in: without ``trace_file`` nothing is recorded and nothing extra is gathered.
+
+Each rank also measures the CPU time of its threads over the call (``ubatch.thread_cpu``): on a CPU
+machine the real all-to-all is gloo's C++ threads copying bytes, invisible on the Python timeline (the
+ubatch thread is just descheduled meanwhile). The report shows it as the real transfers' CPU, apart from
+the modelled link's time, so a DBO loss can be told from a link loss.
 """
 from __future__ import annotations
 
@@ -19,25 +24,41 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
-from ubatch import trace
+from ubatch import thread_cpu, trace
 from ubatch.trace_metrics import OverlapMetrics, format_metrics, overlap_metrics, trace_pids
 
-RankSpans = tuple[list[trace.Span], list[trace.Instant]]
+
+@dataclass
+class RankTrace:
+    """One rank's recording, picklable for the gather: spans/instants in seconds and its threads' CPU."""
+
+    spans: list[trace.Span]
+    instants: list[trace.Instant]
+    cpu: thread_cpu.CpuSplit
+
+
+@dataclass
+class Recording:
+    recorder: trace.TraceRecorder
+    cpu_before: dict[int, float]
 
 
 @contextlib.contextmanager
-def record(path: str | None) -> Iterator[trace.TraceRecorder | None]:
+def record(path: str | None) -> Iterator[Recording | None]:
     """``trace.recording()`` around the block when ``path`` is set, else nothing (yields None)."""
     if path is None:
         yield None
         return
     with trace.recording() as rec:
-        yield rec
+        yield Recording(rec, thread_cpu.snapshot())
 
 
-def local_spans(rec: trace.TraceRecorder | None) -> RankSpans | None:
-    """This rank's spans and instants with plain-seconds stamps (picklable, ready to gather); None if off."""
-    return None if rec is None else rec.resolved()
+def local_spans(rec: Recording | None) -> RankTrace | None:
+    """This rank's spans, instants and thread CPU (picklable, ready to gather); None if off."""
+    if rec is None:
+        return None
+    spans, instants = rec.recorder.resolved()
+    return RankTrace(spans, instants, thread_cpu.split_since(rec.cpu_before))
 
 
 @dataclass
@@ -46,26 +67,34 @@ class TraceResult:
 
     path: str
     metrics: list[OverlapMetrics]
+    cpu: list[thread_cpu.CpuSplit | None] = dataclasses.field(default_factory=list)  # per rank
 
     def report(self) -> str:
         if not self.metrics:
             return f"trace written to {self.path} (no spans: nothing traced ran, e.g. no MoE layer or link)"
-        return "\n".join([f"trace written to {self.path}"] + [format_metrics(m) for m in self.metrics])
+        lines = [f"trace written to {self.path}"]
+        for m in self.metrics:
+            lines.append(format_metrics(m))
+            cpu = self.cpu[m.pid] if m.pid < len(self.cpu) else None
+            if cpu is not None and m.wall_us > 0:
+                lines.append(f"  real-transfer CPU    {cpu.other_s * 1e3:9.3f} ms  {100 * cpu.other_s / cpu.total_s:5.1f}% "
+                             f"of the rank's CPU (gloo's own threads, not on the timeline; the Python threads used "
+                             f"{cpu.python_s * 1e3:.1f} ms)" if cpu.total_s > 0 else "  real-transfer CPU    n/a")
+        return "\n".join(lines)
 
 
-def merge(per_rank: Sequence[RankSpans | None]) -> trace.TraceRecorder:
+def merge(per_rank: Sequence[RankTrace | None]) -> trace.TraceRecorder:
     """One recorder holding every rank's spans, each under its rank's pid."""
     merged = trace.TraceRecorder()
     for rank, item in enumerate(per_rank):
         if item is None:
             continue
-        spans, instants = item
-        merged.spans.extend(dataclasses.replace(s, pid=rank) for s in spans)
-        merged.instants.extend(dataclasses.replace(i, pid=rank) for i in instants)
+        merged.spans.extend(dataclasses.replace(s, pid=rank) for s in item.spans)
+        merged.instants.extend(dataclasses.replace(i, pid=rank) for i in item.instants)
     return merged
 
 
-def export(path: str, per_rank: Sequence[RankSpans | None], rank: int) -> TraceResult | None:
+def export(path: str, per_rank: Sequence[RankTrace | None], rank: int) -> TraceResult | None:
     """On rank 0: write the merged Chrome trace to ``path`` and compute the metrics; other ranks: None."""
     if rank != 0:
         return None
@@ -73,7 +102,8 @@ def export(path: str, per_rank: Sequence[RankSpans | None], rank: int) -> TraceR
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f)
-    return TraceResult(path, [overlap_metrics(data, pid=p) for p in trace_pids(data)])
+    return TraceResult(path, [overlap_metrics(data, pid=p) for p in trace_pids(data)],
+                       [item.cpu if item is not None else None for item in per_rank])
 
 
 def result_to_json(result: Any) -> dict[str, Any] | None:

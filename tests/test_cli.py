@@ -69,7 +69,7 @@ def test_bad_prompts_file_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -
 
 def test_defaults_and_vllm_names(tmp_path: Path) -> None:
     j = job(["generate", "--data-parallel-size", "2", "--enable-expert-parallel"])
-    assert j.cfg.all2all_backend == "torch_ll" and j.cfg.ep_size == 2  # default backend for DP + EP
+    assert j.cfg.all2all_backend == "auto" and j.cfg.ep_size == 2  # default backend for DP + EP
     j = job(["bench", "-dp", "2", "--enable-dbo", "--dbo-decode-token-threshold", "2",
              "--dbo-prefill-token-threshold", "8", "--ubatch-split", "balanced", "--max-num-seqs", "4",
              "--max-num-batched-tokens", "64", "--max-model-len", "128", "--enforce-eager",
@@ -135,6 +135,6 @@ def test_torchrun_world_sets_dp(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     for k, v in {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
         monkeypatch.setenv(k, v)
     j = job(["generate", "--enable-expert-parallel"])
-    assert (j.cfg.data_parallel_size, j.cfg.all2all_backend) == (2, "torch_ll")
+    assert (j.cfg.data_parallel_size, j.cfg.all2all_backend) == (2, "auto")
     assert "--data-parallel-size: 4 does not match torchrun's WORLD_SIZE=2" in usage_error(["generate", "-dp", "4"],
                                                                                              capsys)

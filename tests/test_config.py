@@ -48,7 +48,7 @@ def test_defaults_and_normalisation() -> None:
 
 def test_make_config_defaults_and_unknown_names() -> None:
     cfg = make_config(data_parallel_size=2, enable_expert_parallel=True)
-    assert cfg.all2all_backend == "torch_ll" and cfg.ep_size == 2
+    assert cfg.all2all_backend == "auto" and cfg.ep_size == 2
     assert make_config(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ht").all2all_backend \
         == "torch_ht"
     assert make_config(all2all_backend=None).all2all_backend == "none"
@@ -59,7 +59,7 @@ def test_make_config_defaults_and_unknown_names() -> None:
 def test_make_config_on_top_of_a_base() -> None:
     base = RunnerConfig(max_num_seqs=4)
     cfg = make_config(base, data_parallel_size=2, enable_expert_parallel=True)
-    assert (cfg.max_num_seqs, cfg.all2all_backend) == (4, "torch_ll")
+    assert (cfg.max_num_seqs, cfg.all2all_backend) == (4, "auto")
     explicit = RunnerConfig(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ht")
     assert make_config(explicit, enable_dbo=True).all2all_backend == "torch_ht"
     assert base.max_num_seqs == 4 and base.all2all_backend == "none"  # the base is not modified

@@ -23,7 +23,7 @@ from runner.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ll",
-            dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dist_timeout_s=60.0)
+            dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_cost_model="off", dist_timeout_s=60.0)
 VARIANTS = {"off": dict(enable_dbo=False), "tokens": dict(enable_dbo=True, ubatch_split="tokens"),
             "balanced": dict(enable_dbo=True, ubatch_split="balanced"),
             "sync": dict(enable_dbo=True, ubatch_split="tokens", disable_overlap_schedule=True)}

@@ -61,6 +61,8 @@ class StepState:
         self.handed_by: int | None = None  # who handed it over (and now waits)
         self.progress = 0  # bumped at every resume; the caller watches it to detect a stall
         self.last_finished = 0
+        self.done_at = 0.0  # perf_counter when the last ubatch finished (the caller's wake-up is traced from it)
+        self.first_resume_at = 0.0  # when the first ubatch started running (the worker's wake-up ends there)
         self._remaining = num_ubatches
         self._all_done = threading.Event()
 
@@ -82,9 +84,11 @@ class StepState:
             self._remaining -= 1
             done = self._remaining == 0
         if done:
+            self.done_at = time.perf_counter()
             self._all_done.set()
 
     def mark_all_done(self) -> None:
+        self.done_at = time.perf_counter()
         self._all_done.set()
 
     def wait_done(self, timeout_s: float) -> bool:
@@ -204,6 +208,8 @@ class UBatchContext:
         self.current_stream = self.compute_stream
         if self.step.executor == "threads":
             self._wait_turn("its first turn")
+        if not self.step.first_resume_at:
+            self.step.first_resume_at = time.perf_counter()
         self._resume()
         return self
 

@@ -22,20 +22,27 @@ _local = threading.local()
 class DPMetadata:
     """What every DP rank agreed about this step in the DP vote: the same values on every rank.
 
-    ``num_tokens_across_dp``: each rank's own (unpadded) token count. ``ubatch_token_bounds``: for a
-    ubatched step, the max over ranks of each ubatch's token count (padding included), so a backend with
-    fixed-size buffers sizes ubatch ``i`` by ``ubatch_token_bounds[i]`` instead of the whole step's bound.
-    ``num_real_tokens``: this rank's unpadded token count; rows at or past it are DP or CUDA-graph padding,
-    which the MoE layer routes nowhere. Known on the CPU, so using any of these costs no device sync.
+    ``num_tokens_across_dp``: each rank's own (unpadded) token count. ``step_token_bound``: the most tokens
+    any rank runs this step, which fixed-size all-to-all buffers may be sized by (``None``: use the
+    configured capacity, e.g. while a CUDA graph is captured). ``ubatch_token_bounds``: for a ubatched
+    step, the max over ranks of each ubatch's token count (padding included), so ubatch ``i`` is sized by
+    its own bound, never by the whole step's. ``num_real_tokens``: this rank's unpadded count (rows at or
+    past it are DP or graph padding, routed nowhere). ``any_prefill``: some rank runs a prefill or mixed
+    batch (a phase-aware all-to-all then picks its high-throughput layout on every rank). All known on the
+    CPU, so using them costs no device sync.
     """
 
     num_tokens_across_dp: tuple[int, ...]
+    step_token_bound: int | None = None
     ubatch_token_bounds: tuple[int, ...] | None = None
     num_real_tokens: int | None = None
+    any_prefill: bool = False
 
     def __post_init__(self) -> None:
         if not self.num_tokens_across_dp or any(n < 0 for n in self.num_tokens_across_dp):
             raise ValueError(f"num_tokens_across_dp must be non-empty and >= 0, got {self.num_tokens_across_dp}")
+        if self.step_token_bound is not None and self.step_token_bound < 0:
+            raise ValueError(f"step_token_bound must be >= 0, got {self.step_token_bound}")
         if self.ubatch_token_bounds is not None and any(n < 0 for n in self.ubatch_token_bounds):
             raise ValueError(f"ubatch_token_bounds must be >= 0, got {self.ubatch_token_bounds}")
         if self.num_real_tokens is not None and self.num_real_tokens < 0:
@@ -45,10 +52,11 @@ class DPMetadata:
     def max_tokens_across_dp(self) -> int:
         return max(self.num_tokens_across_dp)
 
-    def token_bound(self, ubatch_id: int | None) -> int:
-        """The token bound for ``ubatch_id`` (``None``: the whole step, not ubatched)."""
+    def token_bound(self, ubatch_id: int | None) -> int | None:
+        """The token bound buffers of ``ubatch_id`` may be sized by (``None``: not ubatched, the whole step);
+        ``None`` when no bound was agreed (use the configured capacity)."""
         if ubatch_id is None or self.ubatch_token_bounds is None:
-            return self.max_tokens_across_dp
+            return self.step_token_bound
         if not 0 <= ubatch_id < len(self.ubatch_token_bounds):
             raise ValueError(f"ubatch {ubatch_id} has no token bound: the DP vote agreed "
                              f"{len(self.ubatch_token_bounds)} ubatches")
@@ -63,6 +71,9 @@ class ForwardContext:
     ubatch_id: int | None = None  # set inside a ubatch
     dp_metadata: DPMetadata | None = None
     trace_rank: int | None = None  # the DP rank a trace files this step's spans under (None: 0)
+    # [num_tokens] bool on the device, True for real rows: padding rows are routed to no expert. A device
+    # tensor (not a count) so a CUDA graph reads it from a persistent buffer; sliced per ubatch.
+    real_token_mask: Any = None
 
 
 def get_forward_context() -> ForwardContext:
@@ -93,10 +104,10 @@ def override_forward_context(ctx: ForwardContext | None) -> Iterator[None]:
 
 @contextlib.contextmanager
 def set_forward_context(attn_metadata: Any = None, ubatch_slices: list[Any] | None = None, *,
-                        dp_metadata: DPMetadata | None = None,
-                        trace_rank: int | None = None) -> Iterator[ForwardContext]:
+                        dp_metadata: DPMetadata | None = None, trace_rank: int | None = None,
+                        real_token_mask: Any = None) -> Iterator[ForwardContext]:
     """Set the forward context for this thread for the duration of the block (nests; restores on exit)."""
     ctx = ForwardContext(attn_metadata=attn_metadata, ubatch_slices=ubatch_slices, dp_metadata=dp_metadata,
-                         trace_rank=trace_rank)
+                         trace_rank=trace_rank, real_token_mask=real_token_mask)
     with override_forward_context(ctx):
         yield ctx

@@ -43,7 +43,7 @@ MIN_BLOCK_M = 64  # WGMMA block_m: the Hopper down GEMM signals once per 64-row 
 
 # torch.distributed all-to-alls (NCCL on GPU, gloo on CPU): they can neither be confined to a few SMs nor
 # chase a tile signal, so like SGLang's NCCL-EP backend they use the one-stream dispatch overlap everywhere.
-_COLLECTIVE_BACKENDS = ("torch_ll", "torch_ht")
+_COLLECTIVE_BACKENDS = ("torch_ll", "torch_ht", "auto")
 
 
 @dataclass(frozen=True)

@@ -207,6 +207,46 @@ def maybe_create_ubatch_slices(should_ubatch: bool, num_scheduled_tokens: np.nda
     return slices, [*slices[:-1], padded_last]
 
 
+def padded_ubatch_slices(num_scheduled_tokens: np.ndarray | Sequence[int], num_tokens_padded: int,
+                         num_ubatches: int = 2, split_point: int | list[int] | None = None) -> UBatchSlices:
+    """Slices over the whole padded batch, where a ubatch may hold padding only.
+
+    :func:`maybe_create_ubatch_slices` (vLLM's) refuses a ubatch without real tokens. Under SGLang's DP rule
+    an idle rank, or one whose real tokens end before the cut, still runs every ubatch so the MoE
+    collectives match; its padding-only ubatches get an empty request slice (``[num_reqs, num_reqs)``) and
+    their rows are routed nowhere by the MoE layers. The cut is ``num_tokens_padded // num_ubatches``
+    unless ``split_point`` gives it (an int width or the ``n - 1`` inner boundaries); every ubatch keeps at
+    least one row.
+    """
+    _require_num_ubatches(num_ubatches)
+    lens = _as_lens("num_scheduled_tokens", num_scheduled_tokens)
+    cu = np.zeros(len(lens) + 1, dtype=np.int64)
+    np.cumsum(lens, out=cu[1:])
+    num_tokens, num_reqs = int(cu[-1]), len(lens)
+    if num_tokens_padded < num_tokens:
+        raise ValueError(f"num_tokens_padded={num_tokens_padded} is smaller than the {num_tokens} scheduled tokens")
+    if split_point is None:
+        split_point = num_tokens_padded // num_ubatches
+    if isinstance(split_point, (int, np.integer)) and not isinstance(split_point, bool):
+        inner = [int(split_point) * i for i in range(1, num_ubatches)]
+    else:
+        inner = [int(p) for p in split_point]
+        if len(inner) != num_ubatches - 1:
+            raise ValueError(f"split_point={inner} must hold num_ubatches - 1 = {num_ubatches - 1} boundaries")
+    bounds = [0, *inner, num_tokens_padded]
+    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"ubatch boundaries {bounds} over {num_tokens_padded} padded tokens leave a ubatch "
+                         "without a single row")
+    out = []
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        if start >= num_tokens:
+            out.append(UBatchSlice(slice(num_reqs, num_reqs), slice(start, end)))
+        else:
+            real = _slice_for_tokens(cu, start, min(end, num_tokens))
+            out.append(UBatchSlice(real.request_slice, slice(start, end)))
+    return out
+
+
 def slice_query_start_locs(query_start_loc: torch.Tensor, request_slice: slice) -> torch.Tensor:
     """Re-base cumulative query offsets to the slice's first request; always a fresh tensor, never a view."""
     return query_start_loc[request_slice.start:request_slice.stop + 1] - query_start_loc[request_slice.start]
@@ -239,9 +279,11 @@ def make_metadata_with_slice(ubatch_slice: UBatchSlice, common: CommonAttentionM
     ``seq_len`` and reads the first part's KV as prefix, which is correct because ubatch i's attention
     for every layer is enqueued before ubatch i+1's. The token slice may end inside padding.
     """
+    reqs, toks = ubatch_slice.request_slice, ubatch_slice.token_slice
+    if reqs.stop <= reqs.start and toks.stop > toks.start:
+        return _padding_only_metadata(toks, common)
     if ubatch_slice.is_empty():
         raise ValueError(f"cannot build attention metadata for empty ubatch slice {ubatch_slice}")
-    reqs, toks = ubatch_slice.request_slice, ubatch_slice.token_slice
     locs = common.query_start_loc_cpu
     if reqs.start < 0 or reqs.stop > len(locs) - 1:
         raise ValueError(f"request_slice {reqs} outside the batch's {len(locs) - 1} requests")
@@ -268,6 +310,17 @@ def make_metadata_with_slice(ubatch_slice: UBatchSlice, common: CommonAttentionM
         positions=None if common.positions is None else common.positions[toks],
         causal=common.causal,
     )
+
+
+def _padding_only_metadata(toks: slice, common: CommonAttentionMetadata) -> CommonAttentionMetadata:
+    """A ubatch of padding rows only: no request to attend for, its rows write KV nowhere (padding slots)."""
+    empty = slice(0, 0)
+    return CommonAttentionMetadata(
+        query_start_loc=common.query_start_loc[:1] * 0, query_start_loc_cpu=common.query_start_loc_cpu[:1] * 0,
+        seq_lens=common.seq_lens[empty], seq_lens_cpu=common.seq_lens_cpu[empty], num_reqs=0,
+        num_actual_tokens=toks.stop - toks.start, max_query_len=0, max_seq_len=0,
+        block_table=common.block_table[empty], slot_mapping=common.slot_mapping[toks],
+        positions=None if common.positions is None else common.positions[toks], causal=common.causal)
 
 
 def split_attn_metadata(ubatch_slices: Sequence[UBatchSlice],

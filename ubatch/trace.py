@@ -196,40 +196,63 @@ class _NullSpan:
 _NULL_SPAN = _NullSpan()
 
 
-class _ComputeSpan:
-    __slots__ = ("rec", "name", "phase", "layer", "pid", "track", "start")
+class _Region:
+    __slots__ = ("rec", "name", "cat", "phase", "layer", "pid", "track", "start", "clock")
 
-    def __init__(self, rec: TraceRecorder, name: str, phase: str, layer: int | None) -> None:
-        self.rec, self.name, self.phase, self.layer = rec, name, phase, layer
+    def __init__(self, rec: TraceRecorder, name: str, cat: str, phase: str | None, layer: int | None,
+                 track: str | None) -> None:
+        self.rec, self.name, self.cat, self.phase, self.layer, self.track = rec, name, cat, phase, layer, track
+        # Compute is timed on the recorder's clock (CUDA events in "cuda" mode); a host-side wait or CPU
+        # phase always on the CPU clock, since that is where it happens.
+        self.clock = rec.now if cat == "compute" else time.perf_counter
 
     def __enter__(self) -> None:
-        fc = maybe_get_forward_context()
-        ubatch = (fc.ubatch_id or 0) if fc is not None else 0
-        self.pid, self.track = current_pid(), track_name(ubatch)
-        if self.layer is not None:
-            self.rec.set_layer(ubatch, self.layer, self.pid)
-        self.start = self.rec.now()
+        self.pid = current_pid()
+        if self.track is None:
+            fc = maybe_get_forward_context()
+            ubatch = (fc.ubatch_id or 0) if fc is not None else 0
+            self.track = track_name(ubatch)
+            if self.layer is not None:
+                self.rec.set_layer(ubatch, self.layer, self.pid)
+        self.start = self.clock()
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
-        end = self.rec.now()
-        args: dict[str, Any] = {"phase": self.phase}
+        end = self.clock()
+        args: dict[str, Any] = {}
+        if self.phase is not None:
+            args["phase"] = self.phase
         if self.layer is not None:
             args["layer"] = self.layer
-        self.rec._add(self.name, "compute", self.track, self.start, end, args, self.pid)
+        self.rec._add(self.name, self.cat, self.track, self.start, end, args, self.pid)
         return False
 
 
 def compute_span(name: str, phase: str, layer: int | None = None) -> Any:
     """``with trace.compute_span("attention", "A", layer=i): ...`` marks a compute segment of this ubatch.
 
-    ``phase`` is the schedule letter (A attention, E experts, S shared experts, ...). Giving ``layer`` also
-    tags the ubatch's later spans (experts, its dispatch/combine) with that layer until the next one, which
-    is what the per-layer breakdown of ``trace_metrics`` groups by. Off: returns one shared null context.
+    ``phase`` is the schedule letter (A attention, E experts, S shared experts, R route, P pack, U unpack,
+    ...). Giving ``layer`` also tags the ubatch's later spans (experts, its dispatch/combine) with that
+    layer until the next one, which is what the per-layer breakdown of ``trace_metrics`` groups by. Off:
+    returns one shared null context.
     """
     rec = _ACTIVE
     if rec is None:
         return _NULL_SPAN
-    return _ComputeSpan(rec, name, phase, layer)
+    return _Region(rec, name, "compute", phase, layer, None)
+
+
+def region(name: str, cat: str, track: str | None = None) -> Any:
+    """``with trace.region("counts", "copy"): ...`` marks any named phase that is not model compute.
+
+    ``cat``: ``"copy"`` (blocked on a real transfer), ``"link"`` (blocked on the modelled link),
+    ``"step"`` (per-step CPU work of the engine: schedule, DP vote, input prep, sampling), ... ``track``
+    defaults to the running ubatch's (``"ubatch0"`` outside DBO); the engine files step work under
+    ``"step"`` and the scheduler's under ``"scheduler"``. Off: one shared null context.
+    """
+    rec = _ACTIVE
+    if rec is None:
+        return _NULL_SPAN
+    return _Region(rec, name, cat, None, None, track)
 
 
 # ---- Chrome trace export (chrome://tracing, https://ui.perfetto.dev) ----------------------------------

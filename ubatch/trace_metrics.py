@@ -17,6 +17,16 @@ in ``x`` and ``|.|`` its length, so overlapping spans are never double counted:
   part spent inside recv hooks, i.e. blocked on an all-to-all that had not landed yet.
 - **per layer**: the same with only the spans whose ``layer`` arg equals the layer (hidden is still
   against all compute, since any compute hides the link).
+- **attributed** ``|U(every span on a CPU track but handoff waits)|``: CPU tracks are the ubatch tracks,
+  ``step`` (the engine's per-step work: DP vote, inputs, sampling) and ``scheduler``; the ``comm*`` tracks
+  are the modelled link in flight, not CPU work, and do not count. A handoff wait does not count either:
+  while one ubatch is parked the other runs, and what it runs must be explained by its own spans.
+  ``unattributed_us = wall - attributed``: time no named phase explains (Python between spans, the
+  switches themselves; ``handoffs`` counts the switches).
+- **phases**: for each span name on a CPU track, ``|U(its spans)|``. Phases on different tracks can run at
+  once (the scheduler thread beside the forward), so they may sum to more than the wall time.
+- **blocked on real transfers** ``|U(cat "copy") \ C|`` (waiting for gloo/NCCL to finish) and **blocked
+  on the modelled link** ``|U(cat "link") \ C|`` (sleeping until the emulated wire delivers), apart.
 
 The interval helpers are pure functions on lists of ``(start, end)`` pairs.
 """
@@ -163,6 +173,24 @@ class OverlapMetrics(_CommSplit):
     bubble_us: float
     recv_wait_us: float
     layers: dict[int, LayerOverlap] = field(default_factory=dict)
+    attributed_us: float = 0.0
+    copy_wait_us: float = 0.0
+    link_wait_us: float = 0.0
+    num_handoffs: int = 0
+    phases: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def unattributed_us(self) -> float:
+        return max(0.0, self.wall_us - self.attributed_us)
+
+    @property
+    def unattributed_pct(self) -> float:
+        return 100.0 * self.unattributed_us / self.wall_us if self.wall_us > 0 else 0.0
+
+
+def is_cpu_track(track: str) -> bool:
+    """Every track but the modelled link's (``comm0``, ``comm1``, ...)."""
+    return not track.startswith("comm")
 
 
 
@@ -182,9 +210,18 @@ def overlap_metrics(source: Any, pid: int | None = None) -> OverlapMetrics:
         layer_comm = _ivs(spans, "comm", layer)
         layers[layer] = LayerOverlap(length(_ivs(spans, "compute", layer)), length(layer_comm),
                                      length(intersect(layer_comm, compute)))
+    cpu = [s for s in spans if is_cpu_track(s.track) and s.cat != "wait"]
+    phases: dict[str, list[Interval]] = {}
+    for s in cpu:
+        phases.setdefault(s.name, []).append((s.start, s.end))
     return OverlapMetrics(pid=pid, wall_us=wall, compute_us=length(compute), comm_us=length(comm),
                           hidden_us=length(intersect(comm, compute)), bubble_us=wall - length(compute),
-                          recv_wait_us=length(subtract(_ivs(spans, "hook"), compute)), layers=layers)
+                          recv_wait_us=length(subtract(_ivs(spans, "hook"), compute)), layers=layers,
+                          attributed_us=length((s.start, s.end) for s in cpu),
+                          copy_wait_us=length(subtract(_ivs(spans, "copy"), compute)),
+                          link_wait_us=length(subtract(_ivs(spans, "link"), compute)),
+                          num_handoffs=sum(s.cat == "wait" for s in spans),
+                          phases=dict(sorted(((n, length(iv)) for n, iv in phases.items()), key=lambda kv: -kv[1])))
 
 
 def format_metrics(m: OverlapMetrics) -> str:
@@ -204,7 +241,15 @@ def format_metrics(m: OverlapMetrics) -> str:
              f"  comm exposed         {ms(m.exposed_us)}",
              f"  bubble (no compute)  {ms(m.bubble_us)}  {pct(m.bubble_us, m.wall_us)} of wall",
              f"    in recv hooks      {ms(m.recv_wait_us)}  (blocked on an all-to-all)",
-             f"    elsewhere          {ms(m.bubble_us - m.recv_wait_us)}  (untraced CPU work, handoffs)"]
+             f"  blocked on copies    {ms(m.copy_wait_us)}  (real gloo/NCCL transfer not done yet)",
+             f"  blocked on the link  {ms(m.link_wait_us)}  (modelled wire still busy)",
+             f"  handoffs             {m.num_handoffs:9d}     (ubatch switches)",
+             f"  unattributed         {ms(m.unattributed_us)}  {pct(m.unattributed_us, m.wall_us)} of wall "
+             f"(no named phase)"]
+    if m.phases:
+        lines.append("  phase                    ms   % of wall")
+        for name, us in m.phases.items():
+            lines.append(f"  {name:<18} {us / 1000:9.3f}  {pct(us, m.wall_us)}")
     if m.layers:
         lines.append("  layer  compute_ms  comm_ms  hidden_ms  exposed_ms  hidden%")
         for layer, lo in m.layers.items():

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ubatch import streams
+from ubatch import streams, trace
 from ubatch.context import (
     DBOTimeoutError, DBOYieldMismatchError, UBatchContext, check_protocol_settings, make_ubatch_contexts,
     run_greenlet_step,
@@ -251,28 +252,19 @@ class UBatchWrapper:
         n = self.config.num_ubatches
         if len(slices) != n:
             raise ValueError(f"forward context has {len(slices)} ubatch slices but the wrapper runs {n} ubatches")
-        num_tokens = check_ubatch_slices(slices, args, kwargs)
-        metas = _split_attn_metadata(fc.attn_metadata, slices)
-        forward_contexts = [
-            dataclasses.replace(fc, attn_metadata=metas[i], ubatch_slice=slices[i], ubatch_id=i)
-            for i in range(n)
-        ]
-        compute_stream = streams.current_stream(self.device)
         with self._lock:  # one step at a time per wrapper: the workers are shared
-            self._pool.check_usable()
-            contexts = make_ubatch_contexts(n, compute_stream, self.comm_stream, forward_contexts,
-                                            self.config.handoff_timeout_s, self.config.executor)
-            results: list[Any] = [None] * n
-            bodies = []
-            for i, ctx in enumerate(contexts):
-                sl = slices[i].token_slice
-                a = tuple(_slice_arg(v, num_tokens, sl) for v in args)
-                kw = {k: _slice_arg(v, num_tokens, sl) for k, v in kwargs.items()}
-                bodies.append(self._make_body(ctx, a, kw, results))
+            with trace.region("ubatch_setup", "step", track="step"):
+                self._pool.check_usable()
+                contexts, bodies, results = self._prepare_step(fc, slices, args, kwargs)
             step = contexts[0].step
+            rec = trace.active()
             with override_forward_context(None):
+                launched_at = time.perf_counter()
                 self._launch(contexts, bodies)
                 finished = step.wait_done(self.config.handoff_timeout_s)
+            if rec is not None and finished:  # the worker's wake-up and the caller's, as step phases
+                rec.span("ubatch_wake", "step", "step", launched_at, step.first_resume_at or launched_at)
+                rec.span("ubatch_join", "step", "step", step.done_at, time.perf_counter())
             if not finished or step.error is not None:
                 self._pool.replace_stuck()
             if step.error is not None:
@@ -287,7 +279,29 @@ class UBatchWrapper:
                     f"ubatches yielded a different number of times in one step: {step.yield_counts} (by ubatch id); "
                     "every ubatch must hit the same yields or a GPU capture deadlocks")
             self.num_ubatched_steps += 1
-        return merge_ubatch_outputs(results)
+        with trace.region("ubatch_merge", "step", track="step"):
+            return merge_ubatch_outputs(results)
+
+    def _prepare_step(self, fc: ForwardContext, slices: list[UBatchSlice], args: Sequence[Any],
+                      kwargs: dict[str, Any]) -> tuple[list[UBatchContext], list[Callable[[], None]], list[Any]]:
+        """Per-ubatch forward contexts, protocol contexts and bodies (each with its slice of the arguments)."""
+        n = self.config.num_ubatches
+        num_tokens = check_ubatch_slices(slices, args, kwargs)
+        metas = _split_attn_metadata(fc.attn_metadata, slices)
+        forward_contexts = [
+            dataclasses.replace(fc, attn_metadata=metas[i], ubatch_slice=slices[i], ubatch_id=i,
+                                real_token_mask=_slice_arg(fc.real_token_mask, num_tokens, slices[i].token_slice))
+            for i in range(n)
+        ]
+        contexts = make_ubatch_contexts(n, streams.current_stream(self.device), self.comm_stream, forward_contexts,
+                                        self.config.handoff_timeout_s, self.config.executor)
+        results: list[Any] = [None] * n
+        bodies = []
+        for ctx, sl in zip(contexts, slices):
+            a = tuple(_slice_arg(v, num_tokens, sl.token_slice) for v in args)
+            kw = {k: _slice_arg(v, num_tokens, sl.token_slice) for k, v in kwargs.items()}
+            bodies.append(self._make_body(ctx, a, kw, results))
+        return contexts, bodies, results
 
     def _launch(self, contexts: list[UBatchContext], bodies: list[Callable[[], None]]) -> None:
         step = contexts[0].step

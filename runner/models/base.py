@@ -58,7 +58,11 @@ class DecoderLayer(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         with trace.compute_span("attention", "A", layer=self.layer_idx):
             hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        with trace.compute_span("mlp_norm", "N"):
+            normed = self.post_attention_layernorm(hidden)
+        out = self.mlp(normed)
+        with trace.compute_span("residual", "N"):
+            return hidden + out
 
 
 def moe_or_dense_layer(config: Any, layer_idx: int, self_attn: nn.Module, make_moe: Callable[[], nn.Module],
@@ -95,11 +99,13 @@ class MoECausalLM(nn.Module):
         self._spec: WeightSpec | None = None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        hidden = self.model.embed_tokens(input_ids)
-        cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        with trace.compute_span("embed", "N"):
+            hidden = self.model.embed_tokens(input_ids)
+            cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
         for layer in self.model.layers:
             hidden = layer(positions, hidden, self.rotary_emb, cos, sin)
-        return self.model.norm(hidden)
+        with trace.compute_span("final_norm", "N"):
+            return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -8,6 +8,7 @@ its own experts. Built-in tiny models (seeded random weights) are written once, 
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -146,10 +147,54 @@ def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: tor
     config = parse_config(json.loads((path / "config.json").read_text()))
     dtype = dtype or config.dtype or torch.float32
     cls = get_model_class(config.architectures[0])
-    with torch.device(device):
+    with torch.device("meta"), skip_weight_init():  # every parameter is overwritten by the checkpoint
         net = cls(config, parallel, dtype)
+    check_spec_covers_parameters(net)
+    net.to_empty(device=device)
     net.load_weights(iter_checkpoint(path, net))
     return net.eval(), config
+
+
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
+                   "sparse_")
+
+
+@contextlib.contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """``torch.nn.init`` functions do nothing inside the block (transformers' ``no_init_weights`` idea).
+
+    Building on the meta device already allocates nothing, but ``nn.Linear``/``nn.Embedding`` still run
+    their random init there, and on meta tensors that goes through torch's reference ops, whose first use
+    imports TorchDynamo: seconds of start-up for values the checkpoint overwrites anyway.
+    """
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS if hasattr(nn.init, name)}
+    for name in saved:
+        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def check_spec_covers_parameters(net: nn.Module) -> None:
+    """Every parameter must be written by the loader, since the model is built without initial values.
+
+    The loader fills the names of the model's ``WeightSpec`` (after its renames) and the experts' fused
+    tensors of its MoE layers, and already fails on a checkpoint that lacks one of those; a parameter that is
+    in neither set would stay uninitialised memory, so it is a bug in the model's spec.
+    """
+    spec = net.weight_spec()
+    filled = {spec.rename.get(n, n) for n in spec.shapes}
+    moe_ids = {id(m) for m in spec.moe_layers.values()}
+    for prefix, module in net.named_modules():
+        if id(module) in moe_ids:  # the expert loads fill the fused expert tensors, nothing else
+            filled |= {f"{prefix}.w13_weight", f"{prefix}.w2_weight"}
+    missing = [n for n, _ in net.named_parameters() if n not in filled]
+    if missing:
+        raise RuntimeError(f"internal: {type(net).__name__} has parameters its checkpoint spec never loads: "
+                           f"{missing[:5]}")
 
 
 def load_tokenizer(model: str, cache_dir: str | os.PathLike | None = None) -> Any:

@@ -15,6 +15,7 @@ from runner.models.configs import Qwen3MoeConfig
 from runner.models.layers import RMSNorm, RotaryEmbedding
 from runner.models.base import DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer
 from runner.models.weights import WeightSpec
+from ubatch import trace
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.modular_moe.layer import FusedMoE
@@ -63,7 +64,9 @@ class Qwen3MoeSparseMoeBlock(nn.Module):
                                 scoring_func="softmax", runtime=runtime, params_dtype=dtype)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden, self.gate(hidden).float())
+        with trace.compute_span("gate", "R"):
+            logits = self.gate(hidden).float()
+        return self.experts(hidden, logits)
 
 
 class Qwen3MoeForCausalLM(MoECausalLM):

@@ -11,6 +11,8 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from ubatch import trace
+
 
 class Handle(Protocol):
     def wait(self) -> None: ...
@@ -24,11 +26,15 @@ class DoneHandle:
 
 
 class WorkHandle:
+    """A posted collective; ``wait`` blocks until it is done (traced as ``transfer_wait``, a "copy" span:
+    the time this ubatch spent blocked on the real transfer, e.g. gloo's copies on a CPU)."""
+
     def __init__(self, work: Any) -> None:
         self.work = work
 
     def wait(self) -> None:
-        self.work.wait()
+        with trace.region("transfer_wait", "copy"):
+            self.work.wait()
 
 
 class AllToAll:
@@ -46,7 +52,8 @@ class AllToAll:
         """Start ``output = all_to_all(input)`` (row splits; ``None`` = equal) and return at once."""
         out_splits = list(output_split_sizes) if output_split_sizes is not None else []
         in_splits = list(input_split_sizes) if input_split_sizes is not None else []
-        work = self.group.alltoall_base(output, input.contiguous(), out_splits, in_splits, dist.AllToAllOptions())
+        with trace.region("transfer_post", "copy"):  # handing the data to the collective is CPU work too
+            work = self.group.alltoall_base(output, input.contiguous(), out_splits, in_splits, dist.AllToAllOptions())
         return WorkHandle(work)
 
     def off_rank_bytes(self, input: torch.Tensor, input_split_sizes: Sequence[int] | None) -> int:

@@ -3,12 +3,19 @@
 Layers of one model share one :class:`MoERuntime` (pass ``runtime=``): that is how they share the
 all-to-all backend and, with ``emulate_link``, contend for the same modelled wire. A layer given only
 ``parallel`` builds a runtime of its own.
+
+Padding rows (DP padding to the max across ranks, CUDA-graph padding to a capture size) are marked by the
+forward context's ``real_token_mask``; their top-k ids become ``-1`` right after routing, so they are sent
+to no expert, skew no expert's load and take no buffer capacity (vLLM's ``moe_padding_mask``). The mask is
+a device tensor, so this costs no host sync and stays CUDA-graph capturable.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from ubatch import trace
+from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts import make_experts
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
@@ -57,16 +64,22 @@ class FusedMoE(nn.Module):
         else:
             self.e_score_correction_bias = None
         self.shared_experts = shared_experts
-        self._kernel: FusedMoEModularKernel | None = None
+        self._kernels: dict[str, FusedMoEModularKernel] = {}
 
     @property
     def kernel(self) -> FusedMoEModularKernel:
+        """The kernel over the configured backend (a phase-aware backend: its decode one)."""
+        return self.kernel_for(self.runtime.default_backend)
+
+    def kernel_for(self, backend: str) -> FusedMoEModularKernel:
         """Built on first use: the backend needs the process groups, which exist only once ranks are up."""
-        if self._kernel is None:
-            pf = self.runtime.prepare_finalize(self.num_experts, self.hidden_size, self.w13_weight.device)
-            self._kernel = FusedMoEModularKernel(pf, make_experts(self.parallel.experts_backend), self.shared_experts,
-                                                 sbo=self.parallel.sbo)
-        return self._kernel
+        kernel = self._kernels.get(backend)
+        if kernel is None:
+            pf = self.runtime.prepare_finalize(self.num_experts, self.hidden_size, self.w13_weight.device, backend)
+            kernel = FusedMoEModularKernel(pf, make_experts(self.parallel.experts_backend), self.shared_experts,
+                                           sbo=self.parallel.sbo)
+            self._kernels[backend] = kernel
+        return kernel
 
     def load_expert_weight(self, global_expert_id: int, shard: str, weight: torch.Tensor) -> bool:
         if shard not in _SHARDS:
@@ -98,15 +111,30 @@ class FusedMoE(nn.Module):
             self.load_expert_weight(e, "down", w2[e])
 
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(
-            router_logits, self.top_k, self.renormalize, scoring_func=self.scoring_func,
-            num_expert_group=self.num_expert_group, topk_group=self.topk_group,
-            e_score_correction_bias=self.e_score_correction_bias,
-            routed_scaling_factor=self.routed_scaling_factor, group_scoring=self.group_scoring)
-        return self.kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        with trace.compute_span("route", "R"):
+            topk_weights, topk_ids = select_experts(
+                router_logits, self.top_k, self.renormalize, scoring_func=self.scoring_func,
+                num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+                e_score_correction_bias=self.e_score_correction_bias,
+                routed_scaling_factor=self.routed_scaling_factor, group_scoring=self.group_scoring)
+            topk_ids = route_padding_nowhere(topk_ids)
+        kernel = self.kernel_for(self.runtime.backend_for_step())
+        return kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
 
     def extra_repr(self) -> str:
         r = self.local_expert_range
         return (f"experts={self.num_experts} (local {r.start}..{r.stop - 1}), top_k={self.top_k}, "
                 f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
                 f"all2all={self.parallel.all2all_backend}, experts_backend={self.parallel.experts_backend}")
+
+
+def route_padding_nowhere(topk_ids: torch.Tensor) -> torch.Tensor:
+    """``topk_ids`` with every padding row's ids set to ``-1`` (the forward context's ``real_token_mask``)."""
+    fc = maybe_get_forward_context()
+    mask = fc.real_token_mask if fc is not None else None
+    if mask is None:
+        return topk_ids
+    if mask.shape != topk_ids.shape[:1]:
+        raise ValueError(f"real_token_mask has shape {tuple(mask.shape)} but this MoE call routes "
+                         f"{topk_ids.shape[0]} rows; the mask must have one entry per row")
+    return topk_ids.masked_fill(~mask.unsqueeze(1), -1)

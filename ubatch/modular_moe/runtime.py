@@ -6,6 +6,10 @@ are built lazily, on first use, because the backends need the EP process groups,
 the ranks are up. They are kept here, in an object the model owns and hands to each of its layers,
 rather than cached inside the settings object (``MoEParallelConfig``), so a config stays plain data that
 can be copied, compared and pickled.
+
+With the phase-aware backend (``all2all_backend="auto"``) the runtime holds both layouts and
+:meth:`MoERuntime.backend_for_step` picks one per step from what the DP vote agreed
+(``DPMetadata.any_prefill``), so every rank uses the same one and the collectives pair up.
 """
 from __future__ import annotations
 
@@ -13,8 +17,11 @@ from typing import Any
 
 import torch
 
+from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
-from ubatch.modular_moe.prepare_finalize import EmulatedLink, PrepareFinalize, make_prepare_finalize, parse_link
+from ubatch.modular_moe.prepare_finalize import (
+    PHASE_AWARE_BACKENDS, EmulatedLink, PrepareFinalize, make_prepare_finalize, parse_link,
+)
 
 
 class MoERuntime:
@@ -23,7 +30,26 @@ class MoERuntime:
     def __init__(self, parallel: MoEParallelConfig | None = None) -> None:
         self.parallel = parallel if parallel is not None else MoEParallelConfig()
         self._link: EmulatedLink | None = None
-        self._backends: dict[tuple[int, int], PrepareFinalize] = {}
+        self._backends: dict[tuple[str, int, int], PrepareFinalize] = {}
+
+    @property
+    def default_backend(self) -> str:
+        """The configured backend; for a phase-aware one, its decode (low-latency) backend."""
+        pair = PHASE_AWARE_BACKENDS.get(self.parallel.all2all_backend)
+        return pair[1] if pair is not None else self.parallel.all2all_backend
+
+    def backend_for_step(self) -> str:
+        """This step's backend: the configured one, or for ``auto`` the layout the DP vote's phase asks for.
+
+        Without DP metadata (a CUDA-graph capture, which only captures decode steps, or a caller outside
+        the engine) ``auto`` means the low-latency layout.
+        """
+        pair = PHASE_AWARE_BACKENDS.get(self.parallel.all2all_backend)
+        if pair is None:
+            return self.parallel.all2all_backend
+        fc = maybe_get_forward_context()
+        prefill = fc is not None and fc.dp_metadata is not None and fc.dp_metadata.any_prefill
+        return pair[0] if prefill else pair[1]
 
     def link(self, device: torch.device | str | None = None) -> EmulatedLink | None:
         """The rank's one link model (``None`` without ``emulate_link``), shared by every layer and ubatch."""
@@ -34,13 +60,16 @@ class MoERuntime:
             self._link = EmulatedLink(spec, device)
         return self._link
 
-    def prepare_finalize(self, num_experts: int, hidden_size: int, device: Any = None) -> PrepareFinalize:
-        """The backend for layers of this shape (one instance per shape, shared)."""
-        key = (num_experts, hidden_size)
+    def prepare_finalize(self, num_experts: int, hidden_size: int, device: Any = None,
+                         backend: str | None = None) -> PrepareFinalize:
+        """The ``backend`` (default: :attr:`default_backend`) for layers of this shape: one instance per
+        (backend, shape), shared by the layers."""
+        name = backend or self.default_backend
+        key = (name, num_experts, hidden_size)
         if key not in self._backends:
             p = self.parallel
             self._backends[key] = make_prepare_finalize(
-                p.all2all_backend, num_experts=num_experts, hidden_size=hidden_size, ep_rank=p.ep_rank,
+                name, num_experts=num_experts, hidden_size=hidden_size, ep_rank=p.ep_rank,
                 ep_size=p.ep_size, groups=p.ep_groups, max_dispatch_tokens_per_rank=p.max_dispatch_tokens_per_rank,
                 link=self.link(device))
         return self._backends[key]

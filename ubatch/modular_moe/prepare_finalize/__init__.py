@@ -7,6 +7,10 @@ from ubatch.modular_moe.prepare_finalize.base import PrepareFinalize
 from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink, LinkSpec, parse_link
 
 ALL2ALL_BACKENDS = ("none", "torch_ll", "torch_ht", "deepep_low_latency", "deepep_high_throughput")
+# Phase-aware choice (SGLang's ``--deepep-mode auto``): the high-throughput layout for steps where any DP
+# rank runs a prefill or mixed batch, the low-latency one for pure decode steps.
+PHASE_AWARE_BACKENDS = {"auto": ("torch_ht", "torch_ll")}  # name -> (prefill backend, decode backend)
+ALL2ALL_CHOICES = (*ALL2ALL_BACKENDS, *PHASE_AWARE_BACKENDS)
 
 
 def make_prepare_finalize(name: str, *, num_experts: int, hidden_size: int, ep_rank: int = 0, ep_size: int = 1,
@@ -32,4 +36,4 @@ def make_prepare_finalize(name: str, *, num_experts: int, hidden_size: int, ep_r
     return deepep.DeepEPHighThroughput(num_experts, ep_rank, ep_size, groups, hidden_size, link)
 
 
-__all__ = ["ALL2ALL_BACKENDS", "EmulatedLink", "LinkSpec", "PrepareFinalize", "make_prepare_finalize", "parse_link"]
+__all__ = ["ALL2ALL_BACKENDS", "ALL2ALL_CHOICES", "PHASE_AWARE_BACKENDS", "EmulatedLink", "LinkSpec", "PrepareFinalize", "make_prepare_finalize", "parse_link"]

@@ -4,16 +4,23 @@ Each direction is split in two so the kernel can overlap it: ``*_async`` starts 
 ``(hook, receiver)``. ``hook`` (may be ``None``) completes the receive; under DBO the kernel parks it on
 the *other* ubatch, which runs it just before its own send, so the transfer is in flight while the other
 ubatch computes. ``receiver`` then hands over the data. Backends whose choreography needs explicit stream
-switches (the high-throughput shape) yield inside ``*_async``/``receiver`` themselves and return no hook.
+switches (DeepEP's high-throughput mode) yield inside ``*_async``/``receiver`` themselves and return no hook.
+
+A top-k id of ``-1`` routes its row nowhere: the MoE layer gives DP and CUDA-graph padding rows all-``-1``
+ids, and every backend must then send nothing for them and return zeros (DeepEP's kernels treat ``-1``
+the same way). ``wire`` counts the bytes each direction hands to the real collective, per ubatch, so tests
+and benchmarks can check what the buffers cost.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import Counter
 from typing import Any, Callable, Sequence
 
 import torch
 
 from ubatch.context import dbo_current_ubatch_id
+from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.comm import Handle
 from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink
 from ubatch.modular_moe.types import ExpertTokens, Layout
@@ -21,6 +28,25 @@ from ubatch.modular_moe.types import ExpertTokens, Layout
 Hook = Callable[[], None]
 PrepareReceiver = Callable[[], tuple[ExpertTokens, Any]]
 FinalizeReceiver = Callable[[], torch.Tensor]
+
+
+class WireCounter:
+    """Bytes handed to the real collective, by (direction, ubatch): ``add("dispatch", 0, n)``."""
+
+    def __init__(self) -> None:
+        self.bytes: Counter[tuple[str, int]] = Counter()
+
+    def add(self, direction: str, nbytes: int) -> None:
+        self.bytes[(direction, dbo_current_ubatch_id())] += nbytes
+
+    def total(self, direction: str | None = None) -> int:
+        return sum(n for (d, _), n in self.bytes.items() if direction is None or d == direction)
+
+    def by_ubatch(self, direction: str) -> dict[int, int]:
+        return {u: n for (d, u), n in sorted(self.bytes.items()) if d == direction}
+
+    def reset(self) -> None:
+        self.bytes.clear()
 
 
 class PrepareFinalize(ABC):
@@ -37,6 +63,7 @@ class PrepareFinalize(ABC):
         self.ep_size = ep_size
         self.num_local_experts = num_experts // ep_size
         self.link = link
+        self.wire = WireCounter()
 
     @abstractmethod
     def prepare_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
@@ -53,13 +80,27 @@ class PrepareFinalize(ABC):
         return self.link.transfer(nbytes, inner, label=f"{label}{dbo_current_ubatch_id()}")
 
 
+def real_rows(num_rows: int) -> int:
+    """How many of this (micro)batch's ``num_rows`` rows are real, not padding (from CPU-side step metadata).
+
+    Known only when the step carries ``DPMetadata.num_real_tokens`` (the engine's steps do); otherwise,
+    e.g. inside a CUDA-graph capture, every row counts.
+    """
+    fc = maybe_get_forward_context()
+    if fc is None or fc.dp_metadata is None or fc.dp_metadata.num_real_tokens is None:
+        return num_rows
+    start = fc.ubatch_slice.token_slice.start if fc.ubatch_slice is not None else 0
+    return max(0, min(num_rows, fc.dp_metadata.num_real_tokens - start))
+
+
 def routed_bytes(hidden: torch.Tensor, top_k: int) -> int:
-    """Bytes the emulated link charges per direction for ``hidden [T,H]``: every routed copy crosses it.
+    """Bytes the emulated link charges per direction for ``hidden [T,H]``: every routed copy of a real row.
 
     This models the wide-EP regime (almost every expert is remote) and needs no device sync, so it works
-    unchanged inside a CUDA graph and is identical for every backend and world size.
+    unchanged inside a CUDA graph and is identical for every backend and world size. Padding rows are
+    routed nowhere and cost nothing.
     """
-    return hidden.shape[0] * top_k * hidden.shape[-1] * hidden.element_size()
+    return real_rows(hidden.shape[0]) * top_k * hidden.shape[-1] * hidden.element_size()
 
 
 def pick_group(groups: Sequence[Any]) -> Any:

@@ -62,7 +62,8 @@ class _DeadlineHandle:
             self.inner.wait()
         remaining = self.deadline - time.perf_counter()
         if remaining > 0:
-            time.sleep(remaining)
+            with trace.region("link_wait", "link"):  # blocked on the modelled wire, not on CPU work
+                time.sleep(remaining)
         if self.on_done is not None:
             self.on_done(self.deadline)
 
