@@ -90,9 +90,12 @@ class GraphRunner:
                  metadata_buffers: MetadataBuffersFactory, capturable_attention: CapturableAttention,
                  sizes: Sequence[int], wrapper: Any = None, dbo_decode_threshold: int = 32,
                  keys: Sequence[GraphKey] | None = None, backend: GraphBackend | None = None,
-                 num_warmups: int = 2, progress: bool = True) -> None:
+                 num_warmups: int = 2, progress: bool = True, real_token_mask: torch.Tensor | None = None) -> None:
         self.model, self.wrapper = model, wrapper
         self.input_ids, self.positions = input_ids, positions
+        # The caller's persistent [max_tokens] bool buffer marking real rows: captured graphs read it, so the
+        # caller refills it before every replay and padding rows stay routed nowhere (see FusedMoE).
+        self.real_token_mask = real_token_mask
         self.device = input_ids.device
         self.num_ubatches = wrapper.config.num_ubatches if wrapper is not None else 2
         self.keys = list(keys) if keys is not None else plan_captures(
@@ -165,6 +168,8 @@ class GraphRunner:
         ids, pos = self.input_ids[:size], self.positions[:size]
         ids.zero_()
         pos.zero_()
+        if self.real_token_mask is not None:
+            self.real_token_mask[:size].fill_(False)  # a capture runs padding rows only
         self.buffers.fill_padding(size)
         metas = self.buffers.views(size, key.ubatch_sizes)
         slices, start = [], 0
@@ -189,12 +194,13 @@ class GraphRunner:
 
     def _run_eager(self, key: GraphKey, ids: torch.Tensor, pos: torch.Tensor, metas: list[Any],
                    slices: list[UBatchSlice]) -> torch.Tensor:
+        mask = None if self.real_token_mask is None else self.real_token_mask[:ids.shape[0]]
         if key.ubatched:
-            fc = ForwardContext(attn_metadata=list(metas), ubatch_slices=slices)
+            fc = ForwardContext(attn_metadata=list(metas), ubatch_slices=slices, real_token_mask=mask)
             out = self.wrapper.run_ubatched(fc, slices, (), {"input_ids": ids, "positions": pos})
             self._join_comm_stream()
             return out
-        with set_forward_context(attn_metadata=metas[0]):
+        with set_forward_context(attn_metadata=metas[0], real_token_mask=mask):
             return self.model(input_ids=ids, positions=pos)
 
     def _join_comm_stream(self) -> None:

@@ -51,7 +51,7 @@ def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = 
                        metadata_buffers=buffers, capturable_attention=capturable_attention, sizes=resolved,
                        wrapper=model_runner.wrapper if wrapper is _RUNNERS_WRAPPER else wrapper, keys=keys,
                        dbo_decode_threshold=cfg.dbo_decode_token_threshold, backend=backend,
-                       num_warmups=num_warmups,
+                       num_warmups=num_warmups, real_token_mask=getattr(model_runner, "real_token_mask", None),
                        progress=(getattr(model_runner, "rank", 0) == 0) if progress is None else progress)
 
 

@@ -128,13 +128,13 @@ class ModelRunner:
         return True, None
 
     def decide(self, sched: SchedulerOutput) -> tuple[DPDecision, list[int] | int | None]:
-        vote, split_point = self._vote(sched)
-        n = sched.num_tokens
-        split = split_point[0] if isinstance(split_point, list) else 0
-        prefill = not sched.is_uniform_decode
-        pays = self.cost_model is None or n == 0 or self.cost_model.vote(n, prefill)
-        rule = self.cfg.dbo_dp_rule
         with trace.region("dp_vote", "step", track="step"):
+            vote, split_point = self._vote(sched)
+            n = sched.num_tokens
+            split = split_point[0] if isinstance(split_point, list) else 0
+            prefill = not sched.is_uniform_decode
+            pays = self.cost_model is None or n == 0 or self.cost_model.vote(n, prefill)
+            rule = self.cfg.dbo_dp_rule
             if self.dp_group is None:
                 return local_decision(n, vote, NUM_UBATCHES, is_prefill=prefill, split=split, pays=pays,
                                       rule=rule), split_point

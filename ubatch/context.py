@@ -63,6 +63,7 @@ class StepState:
         self.last_finished = 0
         self.done_at = 0.0  # perf_counter when the last ubatch finished (the caller's wake-up is traced from it)
         self.first_resume_at = 0.0  # when the first ubatch started running (the worker's wake-up ends there)
+        self.handoff_at = 0.0  # when control last left a ubatch (traced: the switch ends when the next resumes)
         self._remaining = num_ubatches
         self._all_done = threading.Event()
 
@@ -158,8 +159,10 @@ class UBatchContext:
         except RuntimeError:  # already released: a handoff and an abort raced, both mean "run"
             pass
 
-    def _resume(self) -> None:
-        """Back in control: re-check the abort flag and re-install this ubatch's per-thread state."""
+    def _resume(self, now: float = 0.0) -> None:
+        """Back in control: re-check the abort flag and re-install this ubatch's per-thread state.
+
+        ``now``: when control came back, if the caller timed it (so the traced switch nests in its wait)."""
         step = self.step
         if step.aborted:
             raise DBOAbortedError(f"ubatch {self.id} aborted because ubatch {step.error_ubatch} failed")
@@ -168,6 +171,10 @@ class UBatchContext:
         self._set_stream(self.current_stream)
         _local.ctx = self
         set_thread_forward_context(self.forward_context)
+        rec = trace._ACTIVE
+        if rec is not None and step.handoff_at:  # the switch itself, filed under the ubatch it hands to
+            rec.span("handoff", "handoff", self.id, step.handoff_at, now or time.perf_counter())
+            step.handoff_at = 0.0
 
     def _handoff(self) -> None:
         """Give control to the next unfinished ubatch and return when it is our turn again."""
@@ -179,6 +186,7 @@ class UBatchContext:
                 return  # every peer already finished: nobody to hand to
         rec = trace._ACTIVE
         start = time.perf_counter() if rec is not None else 0.0
+        step.handoff_at = start
         step.handed_by = self.id
         peer = step.contexts[target]
         if step.executor == "greenlet":
@@ -187,7 +195,7 @@ class UBatchContext:
             peer._wake_up()
             self._wait_turn(f"control back from ubatch {target}")
         end = time.perf_counter() if rec is not None else 0.0
-        self._resume()  # first: the span must be filed under this ubatch's restored rank/forward context
+        self._resume(end)  # first: the span must be filed under this ubatch's restored rank/forward context
         if rec is not None:
             rec.span("wait", "wait", self.id, start, end, peer=target)
 
@@ -223,6 +231,8 @@ class UBatchContext:
             with step.lock:
                 step.finished[self.id] = True
                 step.last_finished = self.id
+            if trace._ACTIVE is not None:
+                step.handoff_at = time.perf_counter()  # the next unfinished ubatch resumes from here
             step.progress += 1
             if exc is None and not step.aborted and step.executor == "threads":
                 target = step.next_unfinished(self.id)

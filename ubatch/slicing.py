@@ -280,7 +280,8 @@ def make_metadata_with_slice(ubatch_slice: UBatchSlice, common: CommonAttentionM
     for every layer is enqueued before ubatch i+1's. The token slice may end inside padding.
     """
     reqs, toks = ubatch_slice.request_slice, ubatch_slice.token_slice
-    if reqs.stop <= reqs.start and toks.stop > toks.start:
+    num_real = int(common.query_start_loc_cpu[-1])
+    if reqs.stop <= reqs.start and toks.stop > toks.start and toks.start >= num_real:  # all padding
         return _padding_only_metadata(toks, common)
     if ubatch_slice.is_empty():
         raise ValueError(f"cannot build attention metadata for empty ubatch slice {ubatch_slice}")

@@ -25,8 +25,8 @@ in ``x`` and ``|.|`` its length, so overlapping spans are never double counted:
   switches themselves; ``handoffs`` counts the switches).
 - **phases**: for each span name on a CPU track, ``|U(its spans)|``. Phases on different tracks can run at
   once (the scheduler thread beside the forward), so they may sum to more than the wall time.
-- **blocked on real transfers** ``|U(cat "copy") \ C|`` (waiting for gloo/NCCL to finish) and **blocked
-  on the modelled link** ``|U(cat "link") \ C|`` (sleeping until the emulated wire delivers), apart.
+- **blocked on real transfers** ``|U(cat "copy") \\ C|`` (waiting for gloo/NCCL to finish) and **blocked
+  on the modelled link** ``|U(cat "link") \\ C|`` (sleeping until the emulated wire delivers), apart.
 
 The interval helpers are pure functions on lists of ``(start, end)`` pairs.
 """

@@ -58,7 +58,8 @@ class FusedMoEModularKernel:
         t0 = time.perf_counter() if rec is not None else 0.0
 
         dbo_maybe_run_recv_hook()  # the other ubatch's pending receive goes ahead of our send
-        hook, receive_tokens = pf.prepare_async(hidden, topk_weights, topk_ids)
+        with trace.region("dispatch_send", "a2a"):
+            hook, receive_tokens = pf.prepare_async(hidden, topk_weights, topk_ids)
         shared = None
         if self.shared_experts is not None and sbo.dispatch_shared_experts:
             shared = self._shared(hidden, rec, "dispatch", None)  # our dispatch is in flight, unreceived
@@ -75,10 +76,11 @@ class FusedMoEModularKernel:
             rec.span("experts", "compute", dbo_current_ubatch_id(), t1, time.perf_counter(), phase="E")
 
         dbo_maybe_run_recv_hook()
-        if two is None:
-            hook, receive_output = pf.finalize_async(expert_out, state)
-        else:
-            hook, receive_output = two.launch_combine(lambda: pf.finalize_async(expert_out, state))
+        with trace.region("combine_send", "a2a"):
+            if two is None:
+                hook, receive_output = pf.finalize_async(expert_out, state)
+            else:
+                hook, receive_output = two.launch_combine(lambda: pf.finalize_async(expert_out, state))
         if self.shared_experts is not None and shared is None:
             shared = self._shared(hidden, rec, "combine", two)
         if two is not None:

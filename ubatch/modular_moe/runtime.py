@@ -20,7 +20,7 @@ import torch
 from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.prepare_finalize import (
-    PHASE_AWARE_BACKENDS, EmulatedLink, PrepareFinalize, make_prepare_finalize, parse_link,
+    PHASE_AWARE_BACKENDS, EmulatedLink, LinkSpec, PrepareFinalize, make_prepare_finalize, parse_link,
 )
 
 
@@ -59,6 +59,16 @@ class MoERuntime:
         if self._link is None:
             self._link = EmulatedLink(spec, device)
         return self._link
+
+    def set_link(self, spec: LinkSpec | str) -> None:
+        """Retune the modelled wire between runs (a benchmark calibrating comm/compute); the model must have
+        been built with ``emulate_link`` so that its backends carry the link."""
+        link = self.link()
+        if link is None:
+            raise ValueError("this model has no emulated link to retune: build it with emulate_link set")
+        new = parse_link(spec)
+        assert new is not None
+        link.spec = new
 
     def prepare_finalize(self, num_experts: int, hidden_size: int, device: Any = None,
                          backend: str | None = None) -> PrepareFinalize:

@@ -1,0 +1,211 @@
+"""The engine's DBO against no DBO, on a ~120M-parameter Qwen3-MoE, with the link set relative to compute.
+
+What it answers: where does the *engine* (scheduler, DP vote, model, all-to-all, sampling) gain from DBO,
+and where not, and why. Two modes:
+
+- ``single``: one process, DP=1; the emulated link carries what an EP all-to-all of every routed copy would
+  move, while nothing else competes for the cores. This is the link model alone: what DBO can hide when the
+  transfer costs no CPU (as RDMA/NVLink transfers do).
+- ``dp2``: two DP+EP ranks (processes), the phase-aware ``auto`` backend, real gloo transfers *and* the
+  emulated link. On a CPU machine gloo's copies are CPU work on the ranks' cores, which no overlap can hide;
+  their CPU time is reported (``copy CPU``) so the gap to the ideal can be read.
+
+Two workloads per mode: ``prefill`` (8 prompts x 256 tokens per rank, one token each: 1024-token prefill
+steps) and ``decode`` (128 sequences per rank, 4-token prompts, 17 tokens: one prefill step, 16 decode
+steps of 128 tokens).
+
+Calibration: a traced run without DBO and with a near-free link measures the compute (union of the compute
+spans) and the bytes the link carries. For each ratio R the link is then set so that its total time equals
+R x compute (latency 20 us per transfer, bandwidth solving the rest), and DBO off / on runs alternate on the
+same engine (medians of ``--repeats``). ``ideal = off - min(compute, comm)``; ``saving % of ideal`` is
+``(off - on) / (off - ideal)``. One traced DBO run per R gives ``comm hidden`` (share of the link time
+spent behind compute), the unattributed share of the step, and the copy CPU.
+
+Usage: ``python benchmarks/bench_engine_dbo.py [--modes single dp2] [--ratios 0.25 0.5 1 2 4] [--repeats 3]``.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, write_csv  # noqa: E402
+
+from runner.models.loader import TINY_MODELS  # noqa: E402
+
+MODEL = "bench-qwen3-moe-120m"
+MODEL_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2048,
+                "moe_intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 16,
+                "num_key_value_heads": 4, "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4}
+TINY_MODELS.setdefault(MODEL, MODEL_CONFIG)  # at import: spawned DP ranks resolve it too (temporary cache only)
+LATENCY_US = 20.0
+WORKLOADS = {  # name -> (prompts per rank, prompt length, max tokens)
+    "prefill": (8, 256, 1),
+    "decode": (128, 4, 17),
+}
+
+
+def engine_settings(mode: str, cache_dir: str) -> dict[str, Any]:
+    base = dict(model=MODEL, cache_dir=cache_dir, enable_dbo=True, dbo_cost_model="off",  # DBO on every step
+                dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2, max_num_seqs=128,
+                max_num_batched_tokens=1024, max_model_len=512, emulate_link="latency_us=0,gbps=1000",
+                dist_timeout_s=600.0)
+    if mode == "dp2":
+        base.update(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="auto")
+    return base
+
+
+def set_dbo(llm: Any, on: bool) -> None:
+    llm.cfg = llm.cfg.replace(enable_dbo=on)
+    llm.runner.cfg = llm.runner.cfg.replace(enable_dbo=on)
+
+
+def timed(llm: Any, prompts: list[list[int]], params: Any, dbo: bool, trace_file: str | None = None) -> Any:
+    set_dbo(llm, dbo)
+    llm.cfg = llm.cfg.replace(trace_file=trace_file)
+    llm.generate(prompts, params, disable_progress=True)
+    return llm.last_stats
+
+
+def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int) -> list[dict[str, Any]] | None:
+    """One rank's body (both ranks run it under dp2); rank 0 returns the rows."""
+    import torch
+    import torch.distributed as dist
+
+    from runner.engine import LLM
+    from runner.sampling import SamplingParams
+
+    torch.set_num_threads(1)
+    llm = LLM(**engine_settings(mode, cache_dir))
+    world = llm.world_size
+    runtime = llm.runner.model.moe_runtime
+    link = runtime.link()
+    rows = []
+    trace_path = str(Path(cache_dir) / f"trace_{mode}.json")
+    try:
+        for workload, (per_rank, length, max_tokens) in WORKLOADS.items():
+            rng = random.Random(7)
+            prompts = [[rng.randrange(llm.runner.vocab_size) for _ in range(length)] for _ in range(per_rank * world)]
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+            timed(llm, prompts[:world], SamplingParams(max_tokens=2, ignore_eos=True), True)  # warm-up
+            timed(llm, prompts[:world], SamplingParams(max_tokens=2, ignore_eos=True), False)
+            bytes_before, transfers_before = link.total_bytes, link.num_transfers
+            timed(llm, prompts, params, False, trace_path)
+            calib = [link.total_bytes - bytes_before, link.num_transfers - transfers_before, 0.0]
+            if llm.rank == 0:
+                calib[2] = llm.last_trace.metrics[0].compute_us * 1e-6
+            if world > 1:  # every rank models the same wire: take rank 0's calibration
+                box = [calib]
+                dist.broadcast_object_list(box, src=0)
+                calib = box[0]
+            nbytes, transfers, compute_s = calib
+            for ratio in ratios:
+                # Without DBO every transfer pays the latency once and the wire carries nbytes: solve the
+                # bandwidth that makes that total R x compute.
+                comm_s = ratio * compute_s
+                gbps = nbytes / max(comm_s - transfers * LATENCY_US * 1e-6, 1e-6) / 1e9
+                runtime.set_link(f"latency_us={LATENCY_US},gbps={gbps:.6g}")
+                off, on = [], []
+                for _ in range(repeats):
+                    off.append(timed(llm, prompts, params, False).elapsed_s)
+                    on.append(timed(llm, prompts, params, True).elapsed_s)
+                traced = timed(llm, prompts, params, True, trace_path)
+                if llm.rank == 0:
+                    m = llm.last_trace.metrics[0]
+                    cpu = llm.last_trace.cpu[0]
+                    t_off, t_on = statistics.median(off), statistics.median(on)
+                    ideal = t_off - min(compute_s, comm_s)
+                    rows.append({
+                        "mode": mode, "workload": workload, "comm_over_compute": ratio,
+                        "compute_s": round(compute_s, 4), "comm_s": round(comm_s, 4),
+                        "dbo_off_s": round(t_off, 4), "dbo_on_s": round(t_on, 4), "ideal_s": round(ideal, 4),
+                        "speedup": round(t_off / t_on, 3),
+                        "saving_pct_of_ideal": round(100 * (t_off - t_on) / (t_off - ideal), 1) if t_off > ideal else 0.0,
+                        "comm_hidden_pct": round(m.hidden_pct, 1),
+                        "unattributed_pct": round(m.unattributed_pct, 1),
+                        "copy_cpu_s": round(cpu.other_s, 4) if cpu is not None else 0.0,
+                        "copy_cpu_pct_of_rank_cpu": round(100 * cpu.other_s / cpu.total_s, 1) if cpu and cpu.total_s else 0.0,
+                        "ubatched_steps": f"{traced.num_ubatched_steps}/{traced.num_steps}",
+                    })
+    finally:
+        llm.close()
+    return rows if llm.rank == 0 else None
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    cols = [("mode", "mode", 6), ("workload", "workload", 8), ("comm_over_compute", "comm/compute", 12),
+            ("compute_s", "compute s", 9), ("comm_s", "comm s", 7), ("dbo_off_s", "off s", 7), ("dbo_on_s", "on s", 7),
+            ("ideal_s", "ideal s", 7), ("speedup", "on/off", 6), ("saving_pct_of_ideal", "% of ideal", 10),
+            ("comm_hidden_pct", "hidden %", 8), ("unattributed_pct", "unattr %", 8),
+            ("copy_cpu_pct_of_rank_cpu", "copy CPU %", 10)]
+    print(" | ".join(f"{title:>{w}}" for _, title, w in cols))
+    for r in rows:
+        cells = []
+        for key, _, w in cols:
+            v = r[key] if key != "speedup" else f"{r[key]:.2f}x"
+            cells.append(f"{v:>{w}}" if not isinstance(v, float) else f"{v:>{w}.3f}".rstrip("0").rstrip(".").rjust(w))
+        print(" | ".join(cells))
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    groups = sorted({(r["mode"], r["workload"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
+    for ax, (mode, workload) in zip(axes[0], groups):
+        sel = [r for r in rows if (r["mode"], r["workload"]) == (mode, workload)]
+        x = [r["comm_over_compute"] for r in sel]
+        ax.plot(x, [r["dbo_off_s"] for r in sel], "o-", label="DBO off")
+        ax.plot(x, [r["dbo_on_s"] for r in sel], "s-", label="DBO on")
+        ax.plot(x, [r["ideal_s"] for r in sel], "k--", label="ideal")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{mode}: {workload}")
+        ax.set_xlabel("comm / compute")
+        ax.set_ylabel("seconds per run")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--modes", nargs="+", default=["single", "dp2"], choices=["single", "dp2"])
+    ap.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--output", default=str(RESULTS_DIR / "engine_dbo.csv"))
+    args = ap.parse_args()
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="ubatch-bench-") as cache_dir:
+        for mode in args.modes:
+            if mode == "single":
+                got = run_mode(mode, cache_dir, args.ratios, args.repeats)
+            else:
+                from runner.launch import launch
+
+                got = launch(run_mode, 2, args=(mode, cache_dir, args.ratios, args.repeats), timeout_s=3600)[0]
+            assert got is not None
+            rows.extend(got)
+    print(f"engine DBO: {MODEL} (hidden 1024, 16 experts top-4, 4 layers); medians of {args.repeats}; "
+          f"link latency {LATENCY_US:g} us per transfer")
+    print_table(rows)
+    write_csv(rows, args.output)
+    plot(rows, Path(args.output).with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()
