@@ -1,19 +1,72 @@
-"""Test-wide settings that must be in place before torch or any Triton kernel module is imported."""
+"""Test-wide settings that must be in place before torch or triton is imported, and the Triton mode markers."""
 import os
+import re
+import subprocess
+import sys
 
 # fork-based multi-process tests are only safe when OpenMP pools stay single-threaded (set before torch loads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch  # noqa: E402
 
-# The Triton interpreter must be selected before any @triton.jit decorator runs (kernel modules import lazily,
-# after this file); on a GPU machine the real compiler runs and the CUDA tests use it.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# Triton runs either in its CPU interpreter (TRITON_INTERPRET=1, CPU tensors) or compiled (CUDA tensors), and
+# the choice is per *process*: Triton reads the variable when ``triton.language`` is first imported (its own
+# helpers such as ``tl.zeros`` are ``@triton.jit`` functions decorated then), when a kernel is decorated and
+# again during an interpreted launch. A process whose triton was imported compiled cannot interpret, and the
+# other way round. So:
+# - this process's mode is fixed here, before anything imports triton: TRITON_INTERPRET if the environment
+#   sets it, else compiled on a CUDA machine and interpreted without one;
+# - a test that runs Triton on CPU tensors is marked ``triton_interpreter``, a test that runs compiled Triton
+#   kernels ``triton_compiled``. A marked test whose mode is not this process's runs in a child pytest
+#   process with TRITON_INTERPRET set for it (``pytest_pyfunc_call`` below): on a GPU machine the CPU
+#   Triton tests still use the interpreter, and the ``-m cuda`` tests the compiler.
+# Fixtures of a delegated test are still set up here, so they must not launch kernels.
+os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
 import pytest  # noqa: E402
 
+from ubatch.modular_moe.experts.triton_experts import interpreter_enabled  # noqa: E402
+
 torch.set_num_threads(1)
+
+TRITON_INTERPRETS = interpreter_enabled()
+TRITON_MODE_MARKERS = {"triton_interpreter": True, "triton_compiled": False}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "triton_interpreter: runs Triton kernels on CPU tensors (TRITON_INTERPRET=1; "
+                                       "in a child process where this one compiles Triton)")
+    config.addinivalue_line("markers", "triton_compiled: runs compiled Triton kernels (TRITON_INTERPRET=0; "
+                                       "in a child process where this one interprets Triton)")
+
+
+def needed_triton_mode(item: pytest.Item) -> bool | None:
+    """``True``: the test needs the interpreter; ``False``: the compiler; ``None``: it runs no Triton kernel."""
+    modes = {interpret for name, interpret in TRITON_MODE_MARKERS.items() if item.get_closest_marker(name)}
+    if len(modes) > 1:
+        raise pytest.UsageError(f"{item.nodeid} is marked both triton_interpreter and triton_compiled")
+    return modes.pop() if modes else None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
+    """Run a test whose Triton mode is not this process's in a child pytest with the mode it needs."""
+    interpret = needed_triton_mode(pyfuncitem)
+    if interpret is None or interpret == TRITON_INTERPRETS:
+        return None
+    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", pyfuncitem.nodeid]
+    proc = subprocess.run(cmd, cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True,
+                          timeout=600)
+    output = proc.stdout + proc.stderr
+    where = f"a TRITON_INTERPRET={env['TRITON_INTERPRET']} child process"
+    pyfuncitem.add_report_section("call", "triton-mode child", f"ran in {where}: {' '.join(cmd[1:])}\n{output[-4000:]}")
+    counts = {word: int(n) for n, word in re.findall(r"(\d+) (passed|skipped|failed|error)", output)}
+    if proc.returncode == 0 and counts.get("passed") == 1:
+        return True
+    if proc.returncode == 0 and counts.get("skipped") == 1:
+        pytest.skip(f"skipped in {where}")
+    pytest.fail(f"failed in {where} (exit code {proc.returncode}):\n{output[-4000:]}", pytrace=False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

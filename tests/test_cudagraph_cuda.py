@@ -1,6 +1,9 @@
 """CUDA graphs on one GPU: replay equals eager (DBO and plain graphs, with and without the emulated link),
 a replay makes zero ubatch handoffs, repeated capture/clear with the threads executor does not leak, and
-torch_ll over NCCL (one rank) captures with and without DBO. Skipped without a GPU (tests/conftest.py)."""
+torch_ll over NCCL (one rank) captures with and without DBO. Skipped without a GPU (tests/conftest.py).
+
+The replay-equals-eager check is ``check_replay_equals_eager`` from tests/test_cudagraph_dispatch.py, which
+also runs it in CPU CI on the eager stand-in backend (``test_replay_equals_eager_on_the_eager_stand_in``)."""
 from __future__ import annotations
 
 import gc
@@ -10,27 +13,19 @@ import torch
 
 import runner.cuda_graphs as manager
 from cudagraph import Why
-from test_cudagraph_dispatch import DecodeBatches, make_runner
+from test_cudagraph_dispatch import REPLAY_SIZES, DecodeBatches, check_replay_equals_eager, make_runner
 from ubatch.context import UBatchContext
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.triton_compiled]  # Triton compiled for CUDA tensors (conftest)
 
 LINK = "latency_us=20,gbps=100"
 GPU = dict(experts_backend="triton", max_num_seqs=16, dbo_decode_token_threshold=4, max_model_len=128,
            block_size=16, num_kv_blocks=16 * 8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def triton_on_the_gpu():
-    """conftest selects Triton's CPU interpreter for the CPU tests; graphs need the compiled kernels."""
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TRITON_INTERPRET", "0")
-        yield
-
-
 def captured(link: str | None, dbo: bool = True, executor: str = "greenlet"):
     runner = make_runner(executor, emulate_link=link, enable_dbo=dbo, **GPU)
-    batches = DecodeBatches(runner)
+    batches = DecodeBatches(runner, num_reqs=GPU["max_num_seqs"])  # one request per token of the largest graph
     graph_runner = manager.maybe_make_graph_runner(runner)  # the real entry point: captures here
     assert graph_runner is not None
     return runner, batches, graph_runner
@@ -41,14 +36,8 @@ def captured(link: str | None, dbo: bool = True, executor: str = "greenlet"):
 def test_replay_equals_eager(link: str | None, dbo: bool) -> None:
     runner, batches, gr = captured(link, dbo)
     try:
-        assert any(k.ubatched for k in gr.graphs) is dbo
-        sizes = (1, 3, 4, 6, 8, 13, 16)
-        for n in sizes:
-            _, ref = batches.step(n)
-            padded, out = batches.step(n, gr)
-            assert padded >= n
-            torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3, msg=lambda m: f"{n} tokens: {m}")
-        assert gr.stats[Why.REPLAY] == len(sizes), dict(gr.stats)
+        assert max(REPLAY_SIZES) == GPU["max_num_seqs"]
+        check_replay_equals_eager(runner, batches, gr, dbo, link, tol=2e-3)
     finally:
         gr.clear()
         runner.close()

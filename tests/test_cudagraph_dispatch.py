@@ -1,6 +1,9 @@
 """CUDA-graph logic that needs no GPU: capture sizes, padding, dispatch rules, capture rules, and the
 manager's plumbing run end to end on CPU with the eager replay double (buffers, per-ubatch metadata views,
-attention routing), compared against the eager runner."""
+attention routing), compared against the eager runner.
+
+:func:`check_replay_equals_eager` is shared with tests/test_cudagraph_cuda.py: the CPU run here, on the eager
+stand-in, is the same check the GPU runs with real graphs, so the GPU run is never its first run."""
 from __future__ import annotations
 
 import logging
@@ -8,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any, Sequence
 
 import numpy as np
 import pytest
@@ -19,7 +23,7 @@ from cudagraph import (
     classify_batch, default_capture_sizes, pad_to_capture_size, parse_cuda_graph_sizes, plan_captures,
     resolve_capture_sizes, select_graph, token_split,
 )
-from cudagraph.backends import EagerReplayBackend, deepep_ll_counter
+from cudagraph.backends import EagerReplayBackend, GraphBackend, deepep_ll_counter
 from runner import attention as eager_attention
 from runner import attention_graph as ga
 from runner.config import RunnerConfig
@@ -27,6 +31,8 @@ from runner.dp import local_decision
 from runner.kv_cache import build_attention_metadata
 from ubatch.context import UBatchContext
 from ubatch.forward_context import set_forward_context
+from ubatch.modular_moe.layer import FusedMoE
+from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink
 from ubatch.slicing import maybe_create_ubatch_slices
 from ubatch.wrapper import UBatchConfig, UBatchWrapper
 
@@ -278,7 +284,9 @@ class DecodeBatches:
 
     def __init__(self, runner, num_reqs: int = 12, seed: int = 0) -> None:
         self.runner, bs = runner, runner.block_size
+        self.num_reqs = num_reqs
         per = runner.max_model_len // bs
+        assert num_reqs * per <= runner.num_kv_blocks, f"{num_reqs} requests of {per} blocks do not fit the cache"
         self.blocks = [list(range(i * per, (i + 1) * per)) for i in range(num_reqs)]
         g = torch.Generator().manual_seed(seed)
         self.ctx = torch.randint(3, runner.max_model_len // 2, (num_reqs,), generator=g).tolist()
@@ -300,11 +308,14 @@ class DecodeBatches:
         r.input_ids[:padded].zero_()
         r.input_ids[:n].copy_(torch.arange(7, 7 + n))
         r.positions[:padded].copy_(meta.positions)
+        r.real_token_mask[:n].fill_(True)  # captured graphs read this buffer: refill it for every step
+        r.real_token_mask[n:padded].fill_(False)
+        mask = r.real_token_mask[:padded]
         slices = None
         if decision.should_ubatch:
             _, slices = maybe_create_ubatch_slices(True, np.ones(n, dtype=np.int64), padded, n, 2, split_point)
         model = r.wrapper if r.wrapper is not None else r.model
-        with set_forward_context(attn_metadata=meta, ubatch_slices=slices):
+        with set_forward_context(attn_metadata=meta, ubatch_slices=slices, real_token_mask=mask):
             hidden = NotImplemented if graph_runner is None else \
                 graph_runner.try_replay(meta, slices, r.input_ids[:padded], r.positions[:padded])
             if hidden is NotImplemented:
@@ -350,11 +361,85 @@ def test_replay_plumbing_matches_eager_with_and_without_dbo(qwen_runner, caplog)
     padded, out = batches.step(8, gr, ubatch=False)
     assert padded == 8 and gr.stats[Why.DBO_ONLY] == 1
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    # a balanced split that cuts elsewhere than the captured graph runs eager
+    # a balanced split that cuts elsewhere than the captured graph runs eager -- ubatched at (3, 5) -- and its
+    # output is the eager step's (and, the split changing no result, the (4, 4) graph's)
+    _, replayed = batches.step(8, gr)
+    _, ref = batches.step(8, split_point=[3])
+    steps = runner.wrapper.num_ubatched_steps
     _, out = batches.step(8, gr, split_point=[3])
-    assert gr.stats[Why.SPLIT_MISMATCH] == 1
+    assert gr.stats[Why.SPLIT_MISMATCH] == 1 and runner.wrapper.num_ubatched_steps == steps + 1
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out, replayed, rtol=1e-5, atol=1e-5)
     gr.clear()
     assert not gr.graphs
+
+
+class CountingReplays:
+    """Wraps a graph backend (the CUDA one or the eager stand-in) and records every graph it replays, so a
+    test can tell which captured graph served a step, not only that the output matched."""
+
+    def __init__(self, inner: GraphBackend) -> None:
+        self.inner = inner
+        self.replayed: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def replay(self, graph: Any) -> None:
+        self.replayed.append(graph)
+        self.inner.replay(graph)
+
+
+def moe_link(runner) -> EmulatedLink | None:
+    """The emulated link the runner's MoE layers share (``None`` without ``--emulate-link``)."""
+    links = {id(m.runtime): m.runtime.link() for m in runner.model.modules() if isinstance(m, FusedMoE)}
+    assert len(links) == 1, "the model's MoE layers must share one runtime"
+    return next(iter(links.values()))
+
+
+REPLAY_SIZES = (1, 3, 4, 6, 8, 13, 16)  # up to the largest capture size; 13 pads into the 16 graph
+
+
+def check_replay_equals_eager(runner, batches: "DecodeBatches", gr, dbo: bool, link: str | None,
+                              sizes: Sequence[int] = REPLAY_SIZES, tol: float = 1e-5) -> None:
+    """Each size's replay equals its eager step, and is a replay of the graph it should be: exactly one graph
+    replayed per step, of the padded size, ubatched exactly when DBO is on and the step reaches the DBO
+    threshold. With a link, every eager reference step really went over it."""
+    assert any(k.ubatched for k in gr.graphs) is dbo
+    assert batches.num_reqs >= max(sizes), "DecodeBatches needs one request per decode token"
+    counter = CountingReplays(gr.backend)
+    gr.backend = counter
+    key_of = {id(entry.graph): key for key, entry in gr.graphs.items()}
+    emulated = moe_link(runner)
+    assert (emulated is not None) is (link is not None)
+    threshold = runner.cfg.dbo_decode_token_threshold
+    for n in sizes:
+        transfers = emulated.num_transfers if emulated is not None else 0
+        _, ref = batches.step(n)
+        assert emulated is None or emulated.num_transfers > transfers, f"{n} tokens: the link carried nothing"
+        replays = len(counter.replayed)
+        padded, out = batches.step(n, gr)
+        assert len(counter.replayed) == replays + 1, f"{n} tokens: no graph replayed"
+        key = key_of[id(counter.replayed[-1])]
+        assert key.num_tokens == padded >= n and key.ubatched is (dbo and n >= threshold), (n, key)
+        torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m: f"{n} tokens: {m}")
+    assert gr.stats[Why.REPLAY] == len(sizes), dict(gr.stats)
+
+
+@pytest.mark.parametrize("link", [None, "latency_us=20,gbps=100"], ids=["none", "emulated"])
+@pytest.mark.parametrize("dbo", [True, False], ids=["dbo", "no-dbo"])
+def test_replay_equals_eager_on_the_eager_stand_in(link: str | None, dbo: bool) -> None:
+    """tests/test_cudagraph_cuda.py's ``test_replay_equals_eager`` on CPU: same sizes, same capture plan
+    (the default ladder up to max_num_seqs=16), the eager stand-in for the graphs."""
+    runner = make_runner(emulate_link=link, enable_dbo=dbo)
+    try:
+        batches = DecodeBatches(runner, num_reqs=max(REPLAY_SIZES))
+        gr = manager.make_graph_runner(runner, backend=EagerReplayBackend(), num_warmups=0, progress=False)
+        gr.capture()
+        check_replay_equals_eager(runner, batches, gr, dbo, link)
+        gr.clear()
+    finally:
+        runner.close()
 
 
 def test_mixed_batches_never_replay_and_a_dbo_decode_step_replays(qwen_runner) -> None:

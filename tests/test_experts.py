@@ -1,7 +1,8 @@
 """Expert backends against an obviously-correct per-token reference, and against each other.
 
-The Triton cases run in Triton's CPU interpreter (tests/conftest.py sets TRITON_INTERPRET=1), where every
-program instance costs ~10 ms: shapes are tiny and blocks large so the whole Triton part stays a few seconds.
+The Triton cases run in Triton's CPU interpreter on every machine (marked ``triton_interpreter``: on a GPU
+machine conftest runs them in a TRITON_INTERPRET=1 child process), where every program instance costs
+~10 ms: shapes are tiny and blocks large so the whole Triton part stays a few seconds.
 """
 from __future__ import annotations
 
@@ -202,10 +203,12 @@ def test_moe_align_all_invalid_and_empty() -> None:
 
 @pytest.fixture(scope="module")
 def triton_experts() -> MoEExperts:
+    """Built (never launched) here even where the tests themselves run in a child process (conftest)."""
     pytest.importorskip("triton")
     return make_experts("triton", **TRITON_BLOCKS)
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_triton_contiguous_matches_torch(triton_experts: MoEExperts, dtype: torch.dtype) -> None:
     w13, w2 = _weights(dtype)
@@ -218,6 +221,7 @@ def test_triton_contiguous_matches_torch(triton_experts: MoEExperts, dtype: torc
     assert not out[5].any()
 
 
+@pytest.mark.triton_interpreter
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 def test_triton_masked_matches_torch(triton_experts: MoEExperts, dtype: torch.dtype) -> None:
     w13, w2 = _weights(dtype)
@@ -230,12 +234,14 @@ def test_triton_masked_matches_torch(triton_experts: MoEExperts, dtype: torch.dt
     assert not out[0, 5:].any() and not out[1].any() and not out[3, 1:].any()
 
 
+@pytest.mark.triton_interpreter
 def test_triton_fp32_tight_against_naive(triton_experts: MoEExperts) -> None:
     w13, w2 = _weights(torch.float32, seed=3)
     tokens = _contiguous_tokens(torch.float32, seed=4)
     _assert_rel_close(triton_experts.apply(tokens, w13, w2), _naive_contiguous(tokens, w13, w2), 1e-5)
 
 
+@pytest.mark.triton_interpreter
 def test_triton_ragged_tiles(triton_experts: MoEExperts) -> None:
     """H and I that are not multiples of BLOCK_N/BLOCK_K exercise the N and K edge masks of both kernels."""
     g = torch.Generator().manual_seed(5)
@@ -254,6 +260,7 @@ def test_triton_ragged_tiles(triton_experts: MoEExperts) -> None:
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.triton_interpreter
 def test_triton_all_routes_remote_gives_zeros(triton_experts: MoEExperts) -> None:
     w13, w2 = _weights(torch.float32)
     tokens = ExpertTokens(
@@ -262,6 +269,7 @@ def test_triton_all_routes_remote_gives_zeros(triton_experts: MoEExperts) -> Non
     assert torch.equal(triton_experts.apply(tokens, w13, w2), torch.zeros(3, H))
 
 
+@pytest.mark.triton_interpreter
 def test_triton_concurrent_threads(triton_experts: MoEExperts) -> None:
     """Ranks-as-threads launch at once; the interpreter patches triton.language per launch, so launches from
     two threads must be serialised or one sees the other's un-patching."""

@@ -1,10 +1,17 @@
-"""Expert-parallel MoE equals the dense single-rank reference, with DBO off and on, for every CPU backend."""
+"""Expert-parallel MoE equals the dense single-rank reference, with DBO off and on, for every CPU backend.
+
+Every equality also shows that what it compares was active: :func:`check` asserts the DBO yields of every
+DBO run, the emulated-link test that the link carried every transfer, and the zero-receive test the exact
+per-(layer, ubatch, rank) receive counts it forced, zeros included.
+"""
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 
-from moe_harness import StackWeights, dense_reference, run_ep
+from moe_harness import StackWeights, dense_reference, expected_receives, halves, link_bytes, run_ep
 from ubatch.modular_moe.prepare_finalize import make_prepare_finalize
 from ubatch.modular_moe.prepare_finalize.emulated_link import LinkSpec
 
@@ -16,13 +23,22 @@ def rank_inputs(sizes: list[int], hidden: int = 16, seed: int = 1) -> list[torch
     return [torch.randn(n, hidden, generator=g) for n in sizes]
 
 
-def check(weights: StackWeights, inputs: list[torch.Tensor], results: list[dict]) -> None:
-    for x, res in zip(inputs, results):
-        ref = dense_reference(weights, x)
+# Yields per MoE layer per ubatch under DBO: every backend here parks its dispatch and its combine receive on
+# the other ubatch. Stated here, not read back from the backend, so a backend that stopped yielding fails.
+YIELDS_PER_LAYER = 2
+
+
+def check(weights: StackWeights, inputs: list[torch.Tensor], results: list[dict[str, Any]]) -> None:
+    """Each rank's output equals the dense reference, and a DBO run really ran as two ubatches that yielded
+    at every layer (an equality between "DBO" and dense proves nothing if DBO never switched)."""
+    for rank, (x, res) in enumerate(zip(inputs, results)):
+        ref = dense_reference(weights, x, rank)
         assert res["out"].shape == ref.shape
         if ref.numel():
             err = (res["out"] - ref).abs().max().item()
             assert err <= REL_TOL * ref.abs().max().item(), f"max error {err} vs magnitude {ref.abs().max().item()}"
+        expected = [len(weights.gates) * YIELDS_PER_LAYER] * 2 if res["dbo"] else []
+        assert res["yields"] == expected, f"rank {rank}: yields {res['yields']}, expected {expected}"
 
 
 CASES = [
@@ -42,22 +58,50 @@ def test_ep_equals_dense(backend: str, sizes: list[int], dbo: bool) -> None:
     weights = StackWeights.random()
     inputs = rank_inputs(sizes)
     results = run_ep(weights, inputs, backend, dbo=dbo)
-    check(weights, inputs, results)
-    if dbo:
-        for res in results:  # same yields on every ubatch and rank, per backend style
-            assert res["yields"] == [len(weights.gates) * res["per_layer"]] * 2
-        assert results[0]["per_layer"] == {"none": 2, "torch_ll": 2, "torch_ht": 3}[backend]
+    check(weights, inputs, results)  # under DBO: the same yields on every ubatch and rank
+    assert all(res["per_layer"] == YIELDS_PER_LAYER for res in results)  # and the backend says so too
+
+
+def forced_routes(sizes: list[int]) -> list[list[torch.Tensor]]:
+    """Two layers over 4 ranks x 2 experts (rank r owns experts 2r, 2r+1), every row routed explicitly:
+
+    - layer 0: every token picks experts 0 and 1, so ranks 1, 2 and 3 receive nothing in any ubatch;
+    - layer 1: a rank's first-half tokens (its ubatch 0 under DBO) pick experts 2 and 3 (rank 1), its
+      second-half tokens experts 4 and 7 (ranks 2 and 3). Under DBO ubatch 0 reaches rank 1 only and
+      ubatch 1 ranks 2 and 3 only; rank 0 receives nothing in layer 1 with or without DBO.
+    """
+    layer0, layer1 = [], []
+    for n in sizes:
+        first = halves(n)[0].num_tokens
+        layer0.append(torch.tensor([[0, 1]] * n, dtype=torch.int64).view(n, 2))
+        layer1.append(torch.tensor([[2, 3]] * first + [[4, 7]] * (n - first), dtype=torch.int64).view(n, 2))
+    return [layer0, layer1]
 
 
 @pytest.mark.parametrize("backend", ["torch_ll", "torch_ht"])
 @pytest.mark.parametrize("dbo", [False, True], ids=["no-dbo", "dbo"])
 def test_uneven_routing_with_ranks_receiving_nothing(backend: str, dbo: bool) -> None:
-    weights = StackWeights.random(skew_to_expert0=True, seed=3)
-    inputs = rank_inputs([6, 4, 1, 8], seed=4)  # rank 2's second ubatch is empty under DBO
-    check(weights, inputs, run_ep(weights, inputs, backend, dbo=dbo))
+    sizes = [6, 4, 1, 8]  # under DBO halves(1) gives rank 2 an empty *first* ubatch: it sends nothing there
+    weights = StackWeights.random(seed=3, routes=forced_routes(sizes))
+    inputs = rank_inputs(sizes, seed=4)
+    results = run_ep(weights, inputs, backend, dbo=dbo)
+    check(weights, inputs, results)
+    received = [res["received"] for res in results]
+    assert received == expected_receives(weights.routes, sizes, 8, dbo)
+    # the intended zeros, spelled out: (rank, layer, ubatch) that receive nothing
+    zeros = {(r, 0, u) for r in (1, 2, 3) for u in range(2 if dbo else 1)}
+    zeros |= {(0, 1, 0), (2, 1, 0), (3, 1, 0), (0, 1, 1), (1, 1, 1)} if dbo else {(0, 1, 0)}
+    assert {(r, layer, u) for r, got in enumerate(received) for (layer, u), n in got.items() if n == 0} == zeros
+    tokens = sum(sizes)
+    if dbo:  # rank 0 gets all of layer 0; ubatch 0 holds 3 + 2 + 0 + 4 tokens, ubatch 1 the other 10
+        assert received[0][(0, 0)] == 2 * 9 and received[0][(0, 1)] == 2 * 10
+        assert received[1][(1, 0)] == 2 * 9 and received[2][(1, 1)] == received[3][(1, 1)] == 10
+    else:
+        assert received[0][(0, 0)] == 2 * tokens and received[1][(1, 0)] == 2 * 9
 
 
 @pytest.mark.parametrize("dbo", [False, True], ids=["no-dbo", "dbo"])
+@pytest.mark.triton_interpreter
 def test_triton_experts_over_two_ranks(dbo: bool) -> None:
     weights = StackWeights.random(layers=1)
     inputs = rank_inputs([5, 6])
@@ -67,8 +111,13 @@ def test_triton_experts_over_two_ranks(dbo: bool) -> None:
 
 def test_emulated_link_keeps_results_exact() -> None:
     weights = StackWeights.random()
-    inputs = rank_inputs([6, 6])
-    check(weights, inputs, run_ep(weights, inputs, "torch_ll", dbo=True, emulate_link="latency_us=200,gbps=1"))
+    sizes = [6, 5]
+    inputs = rank_inputs(sizes)
+    results = run_ep(weights, inputs, "torch_ll", dbo=True, emulate_link="latency_us=200,gbps=1")
+    check(weights, inputs, results)
+    layers = len(weights.gates)
+    for n, res in zip(sizes, results):  # the link carried both directions of every layer and ubatch
+        assert res["link"] == (2 * layers * 2, link_bytes(n, weights.top_k, 16, layers))
 
 
 def test_capacity_overflow_raises() -> None:
@@ -109,8 +158,7 @@ def test_ep_equals_dense_over_real_processes(backend: str) -> None:
 
     weights = StackWeights.random()
     inputs = rank_inputs([7, 4])
-    outs = launch(process_rank_main, 2, (weights, inputs, backend, True), timeout_s=60)
-    check(weights, inputs, [{"out": o} for o in outs])
+    check(weights, inputs, launch(process_rank_main, 2, (weights, inputs, backend, True), timeout_s=60))
 
 
 @pytest.mark.parametrize("dbo", [False, True], ids=["no-dbo", "dbo"])
@@ -127,9 +175,9 @@ def test_torch_ll_step_capacity() -> None:
 
     pf = TorchLowLatency(8, 0, 2, groups=[None, None], max_dispatch_tokens_per_rank=64)
     assert pf.step_capacity(5) == 64  # no forward context: the configured capacity
-    for bound, expected in [(1, 1), (3, 4), (20, 32), (64, 64), (100, 64)]:
-        with set_forward_context(dp_metadata=DPMetadata((bound, 0))):
+    for bound, expected in [(1, 1), (3, 3), (20, 20), (64, 64), (100, 64)]:
+        with set_forward_context(dp_metadata=DPMetadata((bound, 0), step_token_bound=bound)):
             assert pf.step_capacity(1) == expected
-    with set_forward_context(dp_metadata=DPMetadata((4, 1))):
-        with pytest.raises(ValueError, match="5 tokens exceed the step's max_tokens_across_dp=4"):
+    with set_forward_context(dp_metadata=DPMetadata((4, 1), step_token_bound=4)):
+        with pytest.raises(ValueError, match="5 tokens exceed the step's agreed token bound 4"):
             pf.step_capacity(5)

@@ -20,19 +20,33 @@ def test_greedy_is_argmax_first_on_ties() -> None:
     assert sample(torch.zeros(0, 4), [], []) == []
 
 
+def seeded_draws(position: int, batch_size: int, num_draws: int = 60) -> list[int]:
+    """``num_draws`` successive tokens of one seeded request (seed 7, top-p 0.9) sitting at ``position`` of a
+    batch of ``batch_size`` rows; the other rows mix greedy rows and random rows with their own seeds, and
+    every row's logits change at every draw, so any leak between rows or from the batch shape shows."""
+    target = SamplingParams(temperature=1.5, top_p=0.9, seed=7)
+    others = [SamplingParams(temperature=0.8 if i % 2 else 0.0, seed=100 + i) for i in range(batch_size)]
+    params = others[:position] + [target] + others[position + 1:]
+    gens = [make_generator(p, 0) for p in params]
+    table = torch.randn(num_draws, 40, generator=gen(0))  # the target's logits per draw, whatever the batch
+    noise = gen(1000 + batch_size * 10 + position)  # the other rows' logits: different for every layout
+    out = []
+    for d in range(num_draws):
+        logits = torch.randn(batch_size, 40, generator=noise) * 3
+        logits[position] = table[d]
+        out.append(sample(logits, params, gens)[position])
+    return out
+
+
 def test_seeded_row_does_not_depend_on_batch() -> None:
-    torch.manual_seed(0)
-    logits = torch.randn(5, 50)
-    p = SamplingParams(temperature=1.0, top_p=0.9, seed=7)
-    alone = [sample(logits[2:3], [p], [gen(7)])[0] for _ in range(1)]
-    others = [SamplingParams(temperature=0.5, seed=i) for i in range(5)]
-    params = others[:2] + [p] + others[3:]
-    in_batch = sample(logits, params, [gen(i) for i in range(2)] + [gen(7)] + [gen(i) for i in range(3, 5)])
-    assert in_batch[2] == alone[0]
-    g1, g2 = gen(3), gen(3)  # same seed -> same sequence of draws
-    seq1 = [sample(logits[i:i + 1], [p], [g1])[0] for i in range(5)]
-    seq2 = [sample(logits[i:i + 1], [p], [g2])[0] for i in range(5)]
-    assert seq1 == seq2
+    """60 draws of one seeded request: alone, and at the first, a middle and the last position of larger,
+    differently composed batches. A sampler that let the batch shape, the row index or another row's
+    generator reach the target row would change some of the 60 draws, where a single draw can match by
+    chance."""
+    alone = seeded_draws(0, 1)
+    assert len(set(alone)) >= 10, f"the draws must vary for the comparison to mean anything: {alone}"
+    for position, batch_size in [(0, 4), (2, 5), (4, 5), (7, 8)]:
+        assert seeded_draws(position, batch_size) == alone, f"position {position} of {batch_size}"
 
 
 def test_top_p_keeps_smallest_prefix_reaching_p() -> None:

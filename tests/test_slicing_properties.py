@@ -23,9 +23,26 @@ LENS = st.lists(st.integers(1, 64), min_size=1, max_size=40)
 SETTINGS = settings(max_examples=150, deadline=None)
 
 
+def _ubatch_owners(num_tokens: int, padded: int, n: int) -> list[int]:
+    """Which ubatch each real token lands in, worked out token by token from the documented cut: ubatches
+    are ``padded // n`` tokens wide and the last one takes everything from ``(n - 1) * width`` on."""
+    width = padded // n
+    return [n - 1 if width == 0 else min(t // width, n - 1) for t in range(num_tokens)]
+
+
 def _expect_empty_ubatch(num_tokens: int, padded: int, n: int) -> bool:
-    """The slicer refuses exactly when vLLM's check fires, or the width ``padded // n`` is 0 (first empty)."""
-    return is_last_ubatch_empty(num_tokens, padded, n) or padded // n == 0
+    """The slicer must refuse exactly when some ubatch would own no real token (derived from the inputs
+    alone, not from ``is_last_ubatch_empty``, which is tested against it below)."""
+    return padded // n == 0 or set(_ubatch_owners(num_tokens, padded, n)) != set(range(n))
+
+
+@SETTINGS
+@given(num_tokens=st.integers(0, 300), pad=st.integers(0, 40), n=st.integers(2, 5))
+def test_is_last_ubatch_empty_matches_the_cut(num_tokens: int, pad: int, n: int) -> None:
+    """vLLM's check is about the last ubatch only: true exactly when no real token lands in it (with a
+    zero width every token lands in the last one, and the *first* ubatches are the empty ones)."""
+    padded = num_tokens + pad
+    assert is_last_ubatch_empty(num_tokens, padded, n) == (n - 1 not in _ubatch_owners(num_tokens, padded, n))
 
 
 def _pieces(lens: list[int], slices: list[UBatchSlice]) -> dict[int, list[tuple[int, int]]]:
@@ -107,8 +124,11 @@ def test_balanced_split_feeds_slicer(lens: list[int], th: float) -> None:
     tok = compute_split_token_index(seq, "extend", lens, None, threshold=th)
     assert 0 <= seq <= len(lens) and 0 <= tok <= total
     two_chunk = is_two_chunk_split(lens, threshold=th)
+    # a two-chunk cut lands at total // 2 inside sequence ``seq`` -- or on its start (e.g. lens [2, 1, 2]),
+    # in which case nothing of ``seq`` goes to child A and the cut is a plain sequence boundary
+    cut_inside = two_chunk and sum(lens[:seq]) < tok
     if two_chunk:
-        assert tok == total // 2 and sum(lens[:seq]) < tok < sum(lens[:seq + 1])
+        assert tok == total // 2 and sum(lens[:seq]) <= tok < sum(lens[:seq + 1])
     else:
         assert tok == sum(lens[:seq])
     assert not (th == 0.0 and two_chunk)
@@ -119,4 +139,4 @@ def test_balanced_split_feeds_slicer(lens: list[int], th: float) -> None:
     slices, _ = maybe_create_ubatch_slices(True, np.array(lens), total, len(lens), split_point=points)
     a, b = slices
     assert a.num_tokens == tok and a.num_tokens + b.num_tokens == total
-    assert a.request_slice.stop == seq + (1 if two_chunk else 0) and b.request_slice.start == seq
+    assert a.request_slice.stop == seq + (1 if cut_inside else 0) and b.request_slice.start == seq
