@@ -10,9 +10,10 @@ and where not, and why. Two modes:
   emulated link. On a CPU machine gloo's copies are CPU work on the ranks' cores, which no overlap can hide;
   their CPU time is reported (``copy CPU``) so the gap to the ideal can be read.
 
-Two workloads per mode: ``prefill`` (8 prompts x 256 tokens per rank, one token each: 1024-token prefill
-steps) and ``decode`` (128 sequences per rank, 4-token prompts, 17 tokens: one prefill step, 16 decode
-steps of 128 tokens).
+Two workloads per mode, both in the compute-bound regime DBO is for: ``prefill`` (8 prompts x 256 tokens
+per rank, one token each: 1024-token prefill steps) and ``decode`` (512 sequences per rank, 2-token prompts,
+5 tokens: one 1024-token prefill step, then 4 decode steps of 512 tokens). Smaller decode batches leave each
+expert a few rows per ubatch, where splitting the step streams the expert weights twice (docs/benchmarks.md).
 
 Calibration: a traced run without DBO and with a near-free link measures the compute (union of the compute
 spans) and the bytes the link carries. For each ratio R the link is then set so that its total time equals
@@ -48,14 +49,14 @@ TINY_MODELS.setdefault(MODEL, MODEL_CONFIG)  # at import: spawned DP ranks resol
 LATENCY_US = 20.0
 WORKLOADS = {  # name -> (prompts per rank, prompt length, max tokens)
     "prefill": (8, 256, 1),
-    "decode": (128, 4, 17),
+    "decode": (512, 2, 5),
 }
 
 
 def engine_settings(mode: str, cache_dir: str) -> dict[str, Any]:
     base = dict(model=MODEL, cache_dir=cache_dir, enable_dbo=True, dbo_cost_model="off",  # DBO on every step
-                dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2, max_num_seqs=128,
-                max_num_batched_tokens=1024, max_model_len=512, emulate_link="latency_us=0,gbps=1000",
+                dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2, max_num_seqs=512,
+                max_num_batched_tokens=2048, max_model_len=512, emulate_link="latency_us=0,gbps=1000",
                 dist_timeout_s=600.0)
     if mode == "dp2":
         base.update(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="auto")

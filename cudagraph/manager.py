@@ -28,7 +28,7 @@ import torch
 
 from cudagraph.backends import CudaGraphBackend, GraphBackend, deepep_ll_counter, warm_ubatch_threads
 from cudagraph.dispatch import (
-    BatchKind, CaptureRuleError, Dispatch, GraphKey, Why, capture_blocker, check_deepep_ll_rules, check_replay,
+    BatchKind, CaptureRuleError, Dispatch, GraphKey, Why, check_deepep_ll_rules, check_replay,
     classify_batch, plan_captures, select_graph,
 )
 from ubatch import streams

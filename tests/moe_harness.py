@@ -102,7 +102,11 @@ def dense_reference(weights: StackWeights, x: torch.Tensor, rank: int = 0) -> to
 
 
 class MoEStack(torch.nn.Module):
-    def __init__(self, weights: StackWeights, parallel: MoEParallelConfig) -> None:
+    """``x = x + moe_i(x)`` per layer, this rank's share of the experts; ``shared_experts`` (one module per
+    layer, optional) are added inside each MoE layer, as DeepSeek's shared experts are."""
+
+    def __init__(self, weights: StackWeights, parallel: MoEParallelConfig,
+                 shared_experts: Sequence[torch.nn.Module] | None = None) -> None:
         super().__init__()
         experts, _, hidden = weights.w13[0].shape
         inter = weights.w2[0].shape[-1]
@@ -110,8 +114,9 @@ class MoEStack(torch.nn.Module):
         self.rank = parallel.ep_rank
         self.layers = torch.nn.ModuleList()
         self.runtime = MoERuntime(parallel)  # the layers share one backend and one link, as in a model
-        for w13, w2 in zip(weights.w13, weights.w2):
-            layer = FusedMoE(experts, weights.top_k, hidden, inter, runtime=self.runtime)
+        shared = list(shared_experts) if shared_experts is not None else [None] * len(weights.w13)
+        for w13, w2, shared_i in zip(weights.w13, weights.w2, shared):
+            layer = FusedMoE(experts, weights.top_k, hidden, inter, runtime=self.runtime, shared_experts=shared_i)
             layer.load_fused_experts(w13, w2)
             self.layers.append(layer)
 

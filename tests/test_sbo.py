@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from moe_harness import (
-    StackWeights, count_receives, current_row_start, dense_reference, expected_receives, halves, link_bytes,
+    MoEStack, StackWeights, count_receives, dense_reference, expected_receives, halves, link_bytes,
     link_stats,
 )
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, streams, trace
@@ -26,7 +26,6 @@ from ubatch.distributed import run_thread_ranks
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.layer import FusedMoE
-from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.modular_moe.two_stream import CombineOverlapArgs, DownGemmOverlapArgs, alt_stream
 from ubatch.sbo import (
     ENV_COMM_SMS, ENV_SHARED_EXPERTS_OUTSIDE, SBO_OFF, DeviceProps, OverlapArgs, SboFlags, compute_overlap_args,
@@ -177,29 +176,10 @@ def shared_weights(layers: int, hidden: int = 16, inter: int = 20, seed: int = 7
             for _ in range(layers)]
 
 
-class SharedMoEStack(torch.nn.Module):
-    """``x = x + (routed MoE + shared expert)(x)`` per layer, this rank's share of the experts."""
-
-    def __init__(self, weights: StackWeights, shared: SharedWeights,
-                 parallel: MoEParallelConfig, log: Callable[[str], None] | None = None) -> None:
-        super().__init__()
-        experts, _, hidden = weights.w13[0].shape
-        inter = weights.w2[0].shape[-1]
-        self.weights = weights
-        self.rank = parallel.ep_rank
-        self.layers = torch.nn.ModuleList()
-        self.runtime = MoERuntime(parallel)
-        for w13, w2, (gu, down) in zip(weights.w13, weights.w2, shared):
-            layer = FusedMoE(experts, weights.top_k, hidden, inter, runtime=self.runtime,
-                             shared_experts=SharedMLP(gu, down, log))
-            layer.load_fused_experts(w13, w2)
-            self.layers.append(layer)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        start = current_row_start()
-        for i, layer in enumerate(self.layers):
-            x = x + layer(x, self.weights.router_logits(i, x, self.rank, start))
-        return x
+def SharedMoEStack(weights: StackWeights, shared: SharedWeights, parallel: MoEParallelConfig,
+                   log: Callable[[str], None] | None = None) -> MoEStack:
+    """The harness stack with one shared expert per layer (``SharedMLP``)."""
+    return MoEStack(weights, parallel, shared_experts=[SharedMLP(gu, down, log) for gu, down in shared])
 
 
 def dense_with_shared(weights: StackWeights, shared: SharedWeights, x: torch.Tensor, rank: int = 0) -> torch.Tensor:

@@ -145,19 +145,25 @@ def check_ubatch_thresholds(num_tokens: int, uniform_decode: bool, decode_thresh
     return num_tokens >= (decode_threshold if uniform_decode else prefill_threshold)
 
 
-def _token_boundaries(split_point: int | Sequence[int] | None, num_tokens: int, num_tokens_padded: int,
+def _inner_boundaries(split_point: int | Sequence[int] | None, num_tokens_padded: int,
                       num_ubatches: int) -> list[int]:
-    """``[0, b1, ..., b_{n-1}, num_tokens]``, rejecting any split that would leave a ubatch empty."""
+    """The ``n - 1`` inner cuts: from an int width (``split_point * i``), an explicit list, or by default the
+    padded count's equal share, so that DP ranks padded to the same count cut at the same rows."""
     if split_point is None:
         split_point = num_tokens_padded // num_ubatches
     if isinstance(split_point, (int, np.integer)) and not isinstance(split_point, bool):
         _require_non_negative("split_point", int(split_point))
-        inner = [int(split_point) * i for i in range(1, num_ubatches)]
-    else:
-        inner = [int(p) for p in split_point]
-        if len(inner) != num_ubatches - 1:
-            raise ValueError(f"split_point={inner} must hold num_ubatches - 1 = {num_ubatches - 1} boundaries")
-    bounds = [0, *inner, num_tokens]
+        return [int(split_point) * i for i in range(1, num_ubatches)]
+    inner = [int(p) for p in split_point]
+    if len(inner) != num_ubatches - 1:
+        raise ValueError(f"split_point={inner} must hold num_ubatches - 1 = {num_ubatches - 1} boundaries")
+    return inner
+
+
+def _token_boundaries(split_point: int | Sequence[int] | None, num_tokens: int, num_tokens_padded: int,
+                      num_ubatches: int) -> list[int]:
+    """``[0, b1, ..., b_{n-1}, num_tokens]``, rejecting any split that would leave a ubatch empty."""
+    bounds = [0, *_inner_boundaries(split_point, num_tokens_padded, num_ubatches), num_tokens]
     for i in range(num_ubatches):
         if bounds[i + 1] <= bounds[i]:
             raise ValueError(f"ubatch {i} would be empty: token boundaries {bounds} (num_tokens={num_tokens}, "
@@ -225,15 +231,7 @@ def padded_ubatch_slices(num_scheduled_tokens: np.ndarray | Sequence[int], num_t
     num_tokens, num_reqs = int(cu[-1]), len(lens)
     if num_tokens_padded < num_tokens:
         raise ValueError(f"num_tokens_padded={num_tokens_padded} is smaller than the {num_tokens} scheduled tokens")
-    if split_point is None:
-        split_point = num_tokens_padded // num_ubatches
-    if isinstance(split_point, (int, np.integer)) and not isinstance(split_point, bool):
-        inner = [int(split_point) * i for i in range(1, num_ubatches)]
-    else:
-        inner = [int(p) for p in split_point]
-        if len(inner) != num_ubatches - 1:
-            raise ValueError(f"split_point={inner} must hold num_ubatches - 1 = {num_ubatches - 1} boundaries")
-    bounds = [0, *inner, num_tokens_padded]
+    bounds = [0, *_inner_boundaries(split_point, num_tokens_padded, num_ubatches), num_tokens_padded]
     if any(b <= a for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"ubatch boundaries {bounds} over {num_tokens_padded} padded tokens leave a ubatch "
                          "without a single row")
