@@ -13,6 +13,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import torch
 
+from ubatch import streams
 from ubatch.forward_context import ForwardContext
 from ubatch.slicing import UBatchSlice
 
@@ -62,7 +63,9 @@ class EagerReplayBackend:
         return None
 
     def capture(self, fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
-        out = fn()
+        with streams.stream(stream):  # a capture runs on the capture stream, as ``torch.cuda.graph(stream=)``
+            out = fn()
+        streams.synchronize("cpu")  # a real capture executes nothing: what this double ran is not left in flight
         return (fn, out), out
 
     def replay(self, graph: Any) -> None:
@@ -73,7 +76,7 @@ class EagerReplayBackend:
         return None
 
     def synchronize(self) -> None:
-        return None
+        streams.synchronize("cpu")  # a device-wide sync, as the CUDA backend's: the stream sanitizer orders on it
 
     def free_memory(self) -> int:
         return 0

@@ -390,4 +390,6 @@ def test_deep_gemm_masked_matches_torch() -> None:
     out = make_experts("deep_gemm").apply(tokens, w13, w2)
     ref = TorchExperts().apply(tokens, w13, w2)
     assert not out[0, 100:].any() and not out[1].any()
-    _assert_rel_close(out.float(), ref.float(), 5e-2)
+    # Two fp8 GEMMs (e4m3 operands, up to 2^-4 relative each): the CPU DeepGEMM stand-in, same recipe and
+    # shapes, measures 0.058-0.067 of max |ref| (tests/test_deep_gemm_standin.py), so 5e-2 would fail here.
+    _assert_rel_close(out.float(), ref.float(), 1e-1)

@@ -8,33 +8,64 @@ stream* on CPU, because the protocol's stream switching (compute <-> comm) is lo
 Why not ``torch.cpu.Stream`` / ``torch.Event("cpu")``: ``torch.Event("cpu").record()`` raises
 ("cpu backend doesn't support events") and ``torch.Stream("cpu").wait_stream`` too; ``torch.cpu.Stream``
 has no ``query``/``synchronize``. Our null classes give every call the same surface as CUDA.
+
+Null streams and events still have identities, and every record / wait / synchronize is reported to an
+observer when one is installed: the stream-order sanitizer (:mod:`ubatch.stream_sanitizer`, installed by
+``ubatch/__init__.py`` under ``UBATCH_STREAM_SANITIZER=1``) turns them into happens-before edges, so a
+missing wait that CPU execution hides is still caught. Without an observer they cost one global read and
+do nothing.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 import threading
-from typing import Callable, Iterator, Union
+from typing import Any, Callable, Iterator, Sequence, Union
 
 import torch
 
 _null_ids = itertools.count(1)
+_event_ids = itertools.count(1)
+# The stream-order sanitizer while it is enabled (``ubatch.stream_sanitizer``), else None. It only observes:
+# CPU execution is the same with or without it.
+_observer: Any = None
+
+
+def set_observer(observer: Any) -> None:
+    """Install (or with ``None`` remove) the object told about every null-stream record, wait and sync."""
+    global _observer
+    _observer = observer
 
 
 class NullEvent:
-    """A CPU event: work before ``record`` is already done when ``record`` returns."""
+    """A CPU event: work before ``record`` is already done when ``record`` returns.
+
+    ``event_id`` names it to the sanitizer, for which ``record`` and ``wait`` are real happens-before edges.
+    """
+
+    def __init__(self) -> None:
+        self.event_id = next(_event_ids)
 
     def record(self, stream: "Stream | None" = None) -> None:
-        return None
+        obs = _observer
+        if obs is not None:
+            obs.on_record(self, stream if stream is not None else _cpu_current())
 
     def wait(self, stream: "Stream | None" = None) -> None:
-        return None
+        obs = _observer
+        if obs is not None:
+            obs.on_wait(stream if stream is not None else _cpu_current(), self)
 
     def synchronize(self) -> None:
-        return None
+        obs = _observer
+        if obs is not None:
+            obs.on_sync_event(self)
 
     def query(self) -> bool:
         return True
+
+    def __repr__(self) -> str:
+        return f"NullEvent(#{self.event_id})"
 
 
 class NullStream:
@@ -45,16 +76,24 @@ class NullStream:
         self.name = name or f"cpu-stream-{self.stream_id}"
 
     def wait_stream(self, other: "Stream") -> None:
-        return None
+        obs = _observer
+        if obs is not None:
+            obs.on_wait_stream(self, other)
 
     def wait_event(self, event: "Event") -> None:
-        return None
+        obs = _observer
+        if obs is not None:
+            obs.on_wait(self, event)
 
     def record_event(self, event: "Event | None" = None) -> "Event":
-        return event if event is not None else NullEvent()
+        event = event if event is not None else NullEvent()
+        event.record(self)
+        return event
 
     def synchronize(self) -> None:
-        return None
+        obs = _observer
+        if obs is not None:
+            obs.on_sync_stream(self)
 
     def query(self) -> bool:
         return True
@@ -68,6 +107,10 @@ Event = Union["torch.cuda.Event", NullEvent]
 
 _DEFAULT_CPU_STREAM = NullStream("cpu-default")
 _cpu_state = threading.local()
+
+
+def _cpu_current() -> NullStream:
+    return getattr(_cpu_state, "stream", _DEFAULT_CPU_STREAM)
 
 
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
@@ -144,6 +187,7 @@ def stream(s: Stream | None) -> Iterator[None]:
 
 def record(event: Event, s: Stream | None = None) -> None:
     if isinstance(event, NullEvent):
+        event.record(s)
         return
     event.record(s) if s is not None else event.record()
 
@@ -151,6 +195,7 @@ def record(event: Event, s: Stream | None = None) -> None:
 def wait(event: Event, s: Stream | None = None) -> None:
     """Make stream ``s`` (default: current) wait for ``event``; never blocks the CPU."""
     if isinstance(event, NullEvent):
+        event.wait(s)
         return
     (s if s is not None else torch.cuda.current_stream()).wait_event(event)
 
@@ -158,3 +203,22 @@ def wait(event: Event, s: Stream | None = None) -> None:
 def synchronize(device: torch.device | str | None = None) -> None:
     if is_cuda(device):
         torch.cuda.synchronize(resolve_device(device))
+    elif _observer is not None:
+        _observer.on_sync_device()
+
+
+def collective_posted(name: str, group: Any, reads: Sequence[torch.Tensor],
+                      writes: Sequence[torch.Tensor]) -> Event | None:
+    """Tell the sanitizer a collective was just posted on CPU tensors; the returned event is what the
+    waiter must make its stream wait for (``wait``) once the collective completed. ``None`` when nothing
+    is observing, or for CUDA tensors: NCCL already orders its own stream against the caller's.
+
+    The model is NCCL's: the collective runs on a stream of its own (one per ``group``) that first waits
+    for the issuing stream, reads ``reads`` and writes ``writes`` there, and ``work.wait()`` makes the
+    waiter's current stream wait for it. So reading a receive buffer, or refilling a send buffer, before
+    the wait is a reported race even though gloo on CPU happened to finish in time.
+    """
+    obs = _observer
+    if obs is None or any(t.device.type != "cpu" for t in (*reads, *writes)):
+        return None
+    return obs.collective(name, group, reads, writes)

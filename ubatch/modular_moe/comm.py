@@ -11,7 +11,7 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from ubatch import trace
+from ubatch import streams, trace
 
 
 class Handle(Protocol):
@@ -27,14 +27,20 @@ class DoneHandle:
 
 class WorkHandle:
     """A posted collective; ``wait`` blocks until it is done (traced as ``transfer_wait``, a "copy" span:
-    the time this ubatch spent blocked on the real transfer, e.g. gloo's copies on a CPU)."""
+    the time this ubatch spent blocked on the real transfer, e.g. gloo's copies on a CPU).
 
-    def __init__(self, work: Any) -> None:
+    ``done`` is the collective's completion event for the stream-order sanitizer (``None`` when it is off):
+    ``wait`` makes the waiter's current stream wait for it, as ``work.wait()`` does with NCCL."""
+
+    def __init__(self, work: Any, done: streams.Event | None = None) -> None:
         self.work = work
+        self.done = done
 
     def wait(self) -> None:
         with trace.region("transfer_wait", "copy"):
             self.work.wait()
+        if self.done is not None:
+            streams.wait(self.done)
 
 
 class AllToAll:
@@ -53,8 +59,9 @@ class AllToAll:
         out_splits = list(output_split_sizes) if output_split_sizes is not None else []
         in_splits = list(input_split_sizes) if input_split_sizes is not None else []
         with trace.region("transfer_post", "copy"):  # handing the data to the collective is CPU work too
-            work = self.group.alltoall_base(output, input.contiguous(), out_splits, in_splits, dist.AllToAllOptions())
-        return WorkHandle(work)
+            send = input.contiguous()
+            work = self.group.alltoall_base(output, send, out_splits, in_splits, dist.AllToAllOptions())
+        return WorkHandle(work, streams.collective_posted("all_to_all", self.group, [send], [output]))
 
     def off_rank_bytes(self, input: torch.Tensor, input_split_sizes: Sequence[int] | None) -> int:
         """Bytes that leave this rank (the part an interconnect would carry)."""

@@ -27,8 +27,11 @@ from ubatch.modular_moe.prepare_finalize import (
 class MoERuntime:
     """One rank's shared MoE run-time objects, built from ``parallel`` on first use."""
 
-    def __init__(self, parallel: MoEParallelConfig | None = None) -> None:
+    def __init__(self, parallel: MoEParallelConfig | None = None, deep_ep_module: Any = None) -> None:
+        """``deep_ep_module``: a module with DeepEP's API for the DeepEP backends instead of the real package
+        (the tests' CPU stand-in); kept here, not in the config, because a module is not settings data."""
         self.parallel = parallel if parallel is not None else MoEParallelConfig()
+        self.deep_ep_module = deep_ep_module
         self._link: EmulatedLink | None = None
         self._backends: dict[tuple[str, int, int], PrepareFinalize] = {}
 
@@ -60,6 +63,10 @@ class MoERuntime:
             self._link = EmulatedLink(spec, device)
         return self._link
 
+    def wire_bytes(self) -> int:
+        """Bytes every backend of this rank has handed to its real collectives so far (both directions)."""
+        return sum(pf.wire.total() for pf in self._backends.values())
+
     def set_link(self, spec: LinkSpec | str) -> None:
         """Retune the modelled wire between runs (a benchmark calibrating comm/compute); the model must have
         been built with ``emulate_link`` so that its backends carry the link."""
@@ -81,5 +88,5 @@ class MoERuntime:
             self._backends[key] = make_prepare_finalize(
                 name, num_experts=num_experts, hidden_size=hidden_size, ep_rank=p.ep_rank,
                 ep_size=p.ep_size, groups=p.ep_groups, max_dispatch_tokens_per_rank=p.max_dispatch_tokens_per_rank,
-                link=self.link(device))
+                link=self.link(device), deep_ep_module=self.deep_ep_module)
         return self._backends[key]

@@ -4,7 +4,9 @@ DeepEP's low-latency dispatch hands over exactly what ``m_grouped_fp8_gemm_nt_ma
 ``[E_local, capacity, H]`` buffer plus per-expert counts -- so decode steps need no permute and no host sync.
 DeepGEMM is fp8-only on this path: activations use per-token 1x128 scales, weights per-block 128x128 scales.
 The quantisation helpers are plain torch (``torch.float8_e4m3fn`` exists on CPU) so they are unit-tested
-without a GPU; ``deep_gemm`` itself is imported only when a ``DeepGemmExperts`` is constructed.
+without a GPU; ``deep_gemm`` itself is imported only when a ``DeepGemmExperts`` is constructed without an
+explicit ``deep_gemm_module`` (the tests pass their CPU stand-in, ``tests/standins/deep_gemm.py``, which
+follows DeepGEMM's signatures, layouts and scaling rules); only the real package is checked for CUDA.
 """
 from __future__ import annotations
 
@@ -123,15 +125,18 @@ class DeepGemmExperts(MoEExperts):
     """fp8 grouped GEMMs for the masked layout; SiLU-and-mul and re-quantisation run in torch between them.
 
     ``expected_m`` is DeepGEMM's tuning hint for tokens per expert (defaults to the buffer capacity, as vLLM
-    does). ``use_ue8m0`` defaults to True on SM100+ where power-of-two scales are required. bf16 weights are
+    does). ``use_ue8m0`` defaults to True on SM100+, where DeepGEMM keeps only each scale's exponent (UE8M0)
+    so the scales must be powers of two; off CUDA (a stand-in module) it must be given. bf16 weights are
     quantised on first use and cached per (storage, version): weights are static during inference.
     """
 
     name = "deep_gemm"
     supported_layouts: tuple[Layout, ...] = ("masked",)
 
-    def __init__(self, expected_m: int | None = None, use_ue8m0: bool | None = None) -> None:
-        self._deep_gemm = _import_deep_gemm()
+    def __init__(self, expected_m: int | None = None, use_ue8m0: bool | None = None,
+                 deep_gemm_module: Any = None) -> None:
+        self._needs_cuda = deep_gemm_module is None
+        self._deep_gemm = deep_gemm_module if deep_gemm_module is not None else _import_deep_gemm()
         self._masked_gemm = _resolve_masked_gemm(self._deep_gemm)
         self.expected_m = expected_m
         self.use_ue8m0 = use_ue8m0
@@ -148,7 +153,7 @@ class DeepGemmExperts(MoEExperts):
                 raise ValueError(f"DeepGEMM needs the {label} ({dim}) to be a multiple of {QUANT_BLOCK}")
         hidden = tokens.hidden
         assert tokens.expert_num_tokens is not None
-        if hidden.device.type != "cuda":
+        if self._needs_cuda and hidden.device.type != "cuda":
             raise RuntimeError(f"DeepGemmExperts needs CUDA tensors, got {hidden.device}")
         use_ue8m0 = self._ue8m0(hidden.device)
         capacity = hidden.shape[1]
@@ -170,11 +175,15 @@ class DeepGemmExperts(MoEExperts):
         # Rows past expert_num_tokens are never written by the kernel; the contract says they are zeros.
         valid = torch.arange(max_m, device=hidden.device).unsqueeze(0) < masked_m.unsqueeze(1)
         out = out.masked_fill(~valid.unsqueeze(-1), 0)
-        return out[:, :capacity].to(hidden.dtype)
+        # Contiguous, even when the capacity was padded: DeepEP's low-latency combine asserts it of its input.
+        return out[:, :capacity].to(hidden.dtype).contiguous()
 
     def _ue8m0(self, device: torch.device) -> bool:
         if self.use_ue8m0 is not None:
             return self.use_ue8m0
+        if device.type != "cuda":
+            raise ValueError(f"DeepGemmExperts on {device} tensors (a stand-in deep_gemm module) cannot read the GPU "
+                             "generation: pass use_ue8m0 (True for SM100 / Blackwell, False for SM90 / Hopper)")
         return torch.cuda.get_device_capability(device)[0] >= 10
 
     def _quantized(self, w: torch.Tensor, use_ue8m0: bool) -> _Fp8Pair:

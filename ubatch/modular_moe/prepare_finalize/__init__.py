@@ -15,7 +15,9 @@ ALL2ALL_CHOICES = (*ALL2ALL_BACKENDS, *PHASE_AWARE_BACKENDS)
 
 def make_prepare_finalize(name: str, *, num_experts: int, hidden_size: int, ep_rank: int = 0, ep_size: int = 1,
                           groups: Sequence[Any] | None = None, max_dispatch_tokens_per_rank: int = 256,
-                          link: EmulatedLink | None = None) -> PrepareFinalize:
+                          link: EmulatedLink | None = None, deep_ep_module: Any = None) -> PrepareFinalize:
+    """``deep_ep_module``: a module with DeepEP's API to use instead of importing ``deep_ep`` (the tests'
+    CPU stand-in); only the DeepEP backends take it."""
     if name not in ALL2ALL_BACKENDS:
         raise ValueError(f"unknown all2all backend {name!r}; choose one of {', '.join(ALL2ALL_BACKENDS)}")
     if name == "none":
@@ -32,8 +34,9 @@ def make_prepare_finalize(name: str, *, num_experts: int, hidden_size: int, ep_r
     from ubatch.modular_moe.prepare_finalize import deepep
     if name == "deepep_low_latency":
         return deepep.DeepEPLowLatency(num_experts, ep_rank, ep_size, groups, hidden_size,
-                                       max_dispatch_tokens_per_rank, link)
-    return deepep.DeepEPHighThroughput(num_experts, ep_rank, ep_size, groups, hidden_size, link)
+                                       max_dispatch_tokens_per_rank, link, deep_ep_module=deep_ep_module)
+    return deepep.DeepEPHighThroughput(num_experts, ep_rank, ep_size, groups, hidden_size, link,
+                                       deep_ep_module=deep_ep_module)
 
 
 __all__ = ["ALL2ALL_BACKENDS", "ALL2ALL_CHOICES", "PHASE_AWARE_BACKENDS", "EmulatedLink", "LinkSpec", "PrepareFinalize", "make_prepare_finalize", "parse_link"]

@@ -3,6 +3,12 @@
 ``deep_ep`` needs CUDA, NVSHMEM and NVLink/RDMA, and at least two GPUs for high-throughput mode; it
 cannot be installed on a CPU machine. Selecting these backends without it raises a clear ImportError
 instead of falling back to something else.
+
+``deep_ep_module`` hands the adapters a module with DeepEP's API explicitly (the tests pass their CPU
+stand-in, ``tests/standins/deep_ep.py``); only the default, the real package, is checked for CUDA. The
+adapters check what DeepEP's kernels require of their inputs (bf16 activations, the LL token count being
+a multiple of 4 across ranks) up front, so a misconfigured model fails with the setting to change rather
+than with an ``EP_HOST_ASSERT`` from inside DeepEP.
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ from ubatch.modular_moe.types import ExpertTokens
 
 
 def import_deep_ep() -> Any:
+    """The real ``deep_ep`` package, on a CUDA machine; a clear error otherwise."""
     try:
         import deep_ep  # type: ignore[import-not-found]
     except ImportError as exc:
@@ -31,6 +38,12 @@ def import_deep_ep() -> Any:
     return deep_ep
 
 
+def _check_bf16(hidden: torch.Tensor, backend: str) -> None:
+    if hidden.dtype != torch.bfloat16:
+        raise ValueError(f"{backend}: DeepEP's kernels take bf16 activations, got {hidden.dtype}; run the model in "
+                         "bfloat16 (or choose --all2all-backend torch_ll / torch_ht)")
+
+
 class DeepEPLowLatency(PrepareFinalize):
     """DeepEP LL: sends only, receive in the hook; one handle per ubatch (the RDMA buffer has two slots)."""
 
@@ -39,9 +52,13 @@ class DeepEPLowLatency(PrepareFinalize):
     dbo_yields_per_layer = 2
 
     def __init__(self, num_experts: int, ep_rank: int, ep_size: int, groups: Sequence[Any], hidden_size: int,
-                 max_dispatch_tokens_per_rank: int, link: Any = None) -> None:
+                 max_dispatch_tokens_per_rank: int, link: Any = None, deep_ep_module: Any = None) -> None:
         super().__init__(num_experts, ep_rank, ep_size, link)
-        deep_ep = import_deep_ep()
+        if (ep_size * max_dispatch_tokens_per_rank) % 4:
+            raise ValueError(f"deepep_low_latency: ep_size ({ep_size}) x max_dispatch_tokens_per_rank "
+                             f"({max_dispatch_tokens_per_rank}) must be a multiple of 4 (DeepEP's TMA receive layout); "
+                             "raise --max-dispatch-tokens-per-rank")
+        deep_ep = deep_ep_module if deep_ep_module is not None else import_deep_ep()
         self.capacity = max_dispatch_tokens_per_rank
         rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(self.capacity, hidden_size, ep_size, num_experts)
         self.buffer = deep_ep.Buffer(groups[0], num_nvl_bytes=0, num_rdma_bytes=rdma_bytes, low_latency_mode=True,
@@ -55,6 +72,7 @@ class DeepEPLowLatency(PrepareFinalize):
         if hidden.shape[0] > self.capacity:
             raise ValueError(f"deepep_low_latency: {hidden.shape[0]} tokens exceed "
                              f"num_max_dispatch_tokens_per_rank={self.capacity}")
+        _check_bf16(hidden, self.name)
         recv_x, recv_count, handle, _event, hook = self.buffer.low_latency_dispatch(
             hidden, topk_ids, self.capacity, self.num_experts, use_fp8=False, async_finish=False,
             return_recv_hook=True)
@@ -77,14 +95,15 @@ class DeepEPHighThroughput(PrepareFinalize):
     dbo_yields_per_layer = 3
 
     def __init__(self, num_experts: int, ep_rank: int, ep_size: int, groups: Sequence[Any], hidden_size: int,
-                 link: Any = None, num_nvl_bytes: int = 1 << 30) -> None:
+                 link: Any = None, num_nvl_bytes: int = 1 << 30, deep_ep_module: Any = None) -> None:
         super().__init__(num_experts, ep_rank, ep_size, link)
-        deep_ep = import_deep_ep()
+        deep_ep = deep_ep_module if deep_ep_module is not None else import_deep_ep()
         self.buffer = deep_ep.Buffer(groups[0], num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=0)
         self.handles: list[Any] = [None] * 2
 
     def prepare_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> tuple[Hook | None, PrepareReceiver]:
+        _check_bf16(hidden, self.name)  # the dispatch copies any dtype, but the combine reduces bf16 only
         previous_event = dbo_get_previous_event(self.buffer.capture)
         dbo_yield_and_switch_from_compute_to_comm()
         per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
