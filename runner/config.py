@@ -14,6 +14,9 @@ from typing import Any
 UBATCH_SPLITS = ("tokens", "balanced")
 DBO_DP_RULES = ("sglang", "vllm")  # runner.dp: how DP ranks agree to ubatch
 DBO_COST_MODELS = ("measured", "off")  # runner.dbo_cost_model: above the thresholds, ubatch only where it pays
+# runner.models.schedules: where the two ubatches yield. "moe": inside the MoE kernel only (vLLM's DBO);
+# "deepseek": DeepSeek's decode pipeline (yields inside attention too) on decode steps, "moe" on prefill.
+DBO_SCHEDULES = ("moe", "deepseek")
 # vLLM accepts these spellings for --dtype; they are normalised to "auto" (the checkpoint's torch_dtype) or a
 # name such that ``getattr(torch, cfg.dtype)`` works.
 DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
@@ -78,6 +81,7 @@ class RunnerConfig:
     ubatch_split: str = "tokens"  # "tokens" (vLLM: cut at padded // 2) | "balanced" (SGLang TBO)
     dbo_dp_rule: str = "sglang"  # idle / small ranks never veto DBO ("sglang") | all-or-nothing ("vllm")
     dbo_cost_model: str = "measured"  # above the thresholds, ubatch where measured steps say it pays | "off"
+    dbo_schedule: str = "moe"  # yields in the MoE kernel only | "deepseek": DeepSeek's decode pipeline
     tbo_token_distribution_threshold: float = 0.48
     all2all_backend: str = "none"
     experts_backend: str = "torch"
@@ -125,6 +129,7 @@ class RunnerConfig:
         _choice("ubatch_split", self.ubatch_split, UBATCH_SPLITS)
         _choice("dbo_dp_rule", self.dbo_dp_rule, DBO_DP_RULES)
         _choice("dbo_cost_model", self.dbo_cost_model, DBO_COST_MODELS)
+        _choice("dbo_schedule", self.dbo_schedule, DBO_SCHEDULES)
         t = self.tbo_token_distribution_threshold
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0.0 <= t <= 0.5:
             raise ConfigError("tbo_token_distribution_threshold",

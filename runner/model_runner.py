@@ -64,6 +64,7 @@ class ModelRunner:
         torch.manual_seed(cfg.seed)
         self.model, self.model_config = load_model(cfg.model, parallel, resolve_dtype(cfg.dtype), cfg.cache_dir,
                                                    self.device)
+        self.model.set_dbo_schedule(cfg.dbo_schedule)  # where the ubatches yield (runner/models/schedules.py)
         mc = self.model_config
         self.vocab_size = mc.vocab_size
         eos = getattr(mc, "eos_token_id", None)

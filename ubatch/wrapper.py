@@ -6,6 +6,15 @@ own :class:`UBatchContext`, and the outputs are concatenated back in token order
 first (contiguous from 0, in order, covering exactly the token arguments' rows), because a slice list that
 does not match the input would otherwise drop or duplicate tokens without an error.
 
+Two layouts (``UBatchConfig.split_dim``): ``"tokens"`` (default) is the runner's flat layout, where dim 0 of
+a tensor argument is the token and the slices' ``token_slice`` cuts it (the attention metadata and the
+padding mask are split alongside). ``"batch"`` is the batch-first layout of a model the wrapper did not
+write (a transformers ``forward(input_ids [B, S], attention_mask [B, S], ...)``): dim 0 is the sequence,
+the slices' ``request_slice`` cuts it (:func:`batch_ubatch_slices` builds them), the model does its own
+attention masking, and outputs -- tensors, tuples, or dataclasses such as transformers' ``ModelOutput`` --
+are concatenated along dim 0. A ubatch's KV cache object cannot be merged with the other's: run such a
+model with its cache off (``use_cache=False``).
+
 The executor is created once and reused (vLLM creates its threads every step): one worker thread running
 every ubatch as a greenlet (the default), or one OS thread per ubatch (``executor="threads"``). Each worker
 calls ``torch.set_num_threads`` first, because a new Python thread ignores the process setting and
@@ -32,6 +41,11 @@ from ubatch.forward_context import ForwardContext, maybe_get_forward_context, ov
 from ubatch.slicing import CommonAttentionMetadata, UBatchSlice, split_attn_metadata
 
 
+SPLIT_DIMS = ("tokens", "batch")
+# split_dim -> (the UBatchSlice field that cuts dim 0, what one row of dim 0 is called, plural)
+_SPLIT_FIELDS = {"tokens": ("token_slice", "token", "tokens"), "batch": ("request_slice", "batch row", "batch rows")}
+
+
 @dataclass
 class UBatchConfig:
     """``executor="greenlet"`` (default) runs every ubatch as a greenlet on one persistent worker thread, so
@@ -40,6 +54,10 @@ class UBatchConfig:
 
     ``max_stuck_workers``: how many workers a wrapper may abandon to user code that never returned (a
     handoff timeout replaces the stuck worker so the next step can run); past it, steps are refused.
+
+    ``split_dim``: which dimension the ubatch slices cut (module doc): ``"tokens"`` (flat ``[T, ...]``
+    arguments, ``UBatchSlice.token_slice``) or ``"batch"`` (batch-first ``[B, ...]`` arguments,
+    ``UBatchSlice.request_slice``).
     """
 
     num_ubatches: int = 2
@@ -47,9 +65,12 @@ class UBatchConfig:
     num_threads_per_ubatch: int = 1
     executor: str = "greenlet"
     max_stuck_workers: int = 4
+    split_dim: str = "tokens"
 
     def __post_init__(self) -> None:
         check_protocol_settings(self.num_ubatches, self.executor, self.handoff_timeout_s)
+        if self.split_dim not in SPLIT_DIMS:
+            raise ValueError(f"split_dim must be one of {', '.join(SPLIT_DIMS)}, got {self.split_dim!r}")
         if self.num_threads_per_ubatch < 1:
             raise ValueError(f"num_threads_per_ubatch must be >= 1, got {self.num_threads_per_ubatch}")
         if self.max_stuck_workers < 0:
@@ -153,52 +174,95 @@ def _split_attn_metadata(meta: Any, slices: Sequence[UBatchSlice]) -> list[Any]:
     return [meta] * len(slices)
 
 
+def _batch_split_metadata(fc: ForwardContext, n: int) -> list[Any]:
+    """Per-ubatch attention metadata of a batch split: none (the model masks its own attention) or a list
+    already split by the caller. Token-level step data cannot be cut by sequences, so it is refused."""
+    if fc.real_token_mask is not None:
+        raise ValueError("split_dim='batch' cannot slice real_token_mask (one entry per flat token row); mark "
+                         "padding with the model's own attention mask and leave real_token_mask unset")
+    meta = fc.attn_metadata
+    if meta is None:
+        return [None] * n
+    if isinstance(meta, (list, tuple)) and len(meta) == n:
+        return list(meta)
+    raise ValueError(f"split_dim='batch' takes no attention metadata or a list of {n} per-ubatch ones, got "
+                     f"{type(meta).__name__}; token-level metadata belongs to split_dim='tokens'")
+
+
 def _slice_arg(value: Any, num_tokens: int, token_slice: slice) -> Any:
     if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == num_tokens:
         return value[token_slice]
     return value
 
 
-def check_ubatch_slices(slices: Sequence[UBatchSlice], args: Sequence[Any], kwargs: dict[str, Any]) -> int:
-    """The token count the slices cover, after checking they partition the token arguments' rows exactly.
+def check_ubatch_slices(slices: Sequence[UBatchSlice], args: Sequence[Any], kwargs: dict[str, Any],
+                        split_dim: str = "tokens") -> int:
+    """The row count the slices cover, after checking they partition the sliced arguments' rows exactly.
 
-    Slices must be contiguous from row 0, in order, without gaps or overlaps; and at least one tensor
-    argument must have exactly that many rows (those are the arguments that get sliced). A caller that pads
-    its inputs passes the padded tensors, so the slices cover the padded size. Raises ``ValueError`` naming
-    the numbers otherwise.
+    Rows are tokens (``split_dim="tokens"``, the slices' ``token_slice``) or sequences of a batch-first
+    input (``"batch"``, their ``request_slice``). Slices must be contiguous from row 0, in order, without
+    gaps or overlaps; and at least one tensor argument must have exactly that many rows (those are the
+    arguments that get sliced). A caller that pads its inputs passes the padded tensors, so the slices
+    cover the padded size. Raises ``ValueError`` naming the numbers otherwise.
     """
+    field, unit, units = _SPLIT_FIELDS[split_dim]
     expected_start = 0
     for i, sl in enumerate(slices):
-        t = sl.token_slice
+        t = getattr(sl, field)
         if t.step not in (None, 1):
-            raise ValueError(f"ubatch slice {i} has token step {t.step}; token slices must be contiguous")
+            raise ValueError(f"ubatch slice {i} has {unit} step {t.step}; {unit} slices must be contiguous")
         if t.start != expected_start:
             kind = "a gap" if t.start > expected_start else "an overlap"
-            raise ValueError(f"ubatch slice {i} starts at token {t.start} but the previous one ends at "
+            raise ValueError(f"ubatch slice {i} starts at {unit} {t.start} but the previous one ends at "
                              f"{expected_start}: {kind} would {'drop' if t.start > expected_start else 'duplicate'} "
-                             f"tokens; token slices must be contiguous, in order and start at 0")
+                             f"{units}; {unit} slices must be contiguous, in order and start at 0")
         if t.stop < t.start:
-            raise ValueError(f"ubatch slice {i} ends at token {t.stop}, before its start {t.start}")
+            raise ValueError(f"ubatch slice {i} ends at {unit} {t.stop}, before its start {t.start}")
         expected_start = t.stop
-    num_tokens = expected_start
+    num_rows = expected_start
     rows = [v.shape[0] for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor) and v.dim() > 0]
-    if num_tokens not in rows:
-        raise ValueError(f"the ubatch slices cover {num_tokens} tokens but no tensor argument has {num_tokens} rows "
+    if num_rows not in rows:
+        raise ValueError(f"the ubatch slices cover {num_rows} {units} but no tensor argument has {num_rows} rows "
                          f"(first dimensions: {rows}); pad the inputs to the slices' size, or build the slices for "
-                         f"the inputs' token count")
-    return num_tokens
+                         f"the inputs' {unit} count")
+    return num_rows
+
+
+def batch_ubatch_slices(batch_size: int, num_ubatches: int = 2) -> list[UBatchSlice]:
+    """Slices for ``split_dim="batch"``: the sequences of a batch-first input in ``num_ubatches`` contiguous,
+    near-equal parts (the first ones one larger when it does not divide). Only ``request_slice`` is read in
+    that mode; ``token_slice`` repeats it. Every ubatch gets at least one sequence."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < num_ubatches:
+        raise ValueError(f"a batch of {batch_size!r} sequences cannot be split into {num_ubatches} ubatches of at "
+                         "least one sequence each")
+    base, extra = divmod(batch_size, num_ubatches)
+    bounds = [0]
+    for i in range(num_ubatches):
+        bounds.append(bounds[-1] + base + (i < extra))
+    return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in zip(bounds, bounds[1:])]
 
 
 def merge_ubatch_outputs(outputs: Sequence[Any]) -> Any:
-    """Concatenate per-ubatch outputs in token order: a tensor, or a tuple/list of tensors (or ``None``s)."""
+    """Concatenate per-ubatch outputs along dim 0 (token or batch order): a tensor, a tuple/list of them, or
+    a dataclass of them (transformers' ``ModelOutput``: field by field; ``None`` fields stay ``None``)."""
     first = outputs[0]
     if isinstance(first, torch.Tensor):
+        if first.dim() == 0:
+            raise TypeError("cannot merge 0-dim ubatch outputs (a per-ubatch scalar such as a loss): concatenation "
+                            "needs a dim 0; compute it from the merged outputs instead")
         return torch.cat(list(outputs), dim=0)
+    if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        merged = {f.name: merge_ubatch_outputs([getattr(o, f.name) for o in outputs])
+                  for f in dataclasses.fields(first) if f.init}
+        return type(first)(**merged)
     if isinstance(first, (tuple, list)):
-        merged = [merge_ubatch_outputs([o[i] for o in outputs]) for i in range(len(first))]
-        return type(first)(merged)
+        merged_items = [merge_ubatch_outputs([o[i] for o in outputs]) for i in range(len(first))]
+        return type(first)(merged_items)
     if first is None and all(o is None for o in outputs):
         return None
+    if type(first).__name__.endswith("Cache"):
+        raise TypeError(f"cannot merge the ubatches' {type(first).__name__} objects into one KV cache: each ubatch "
+                        "built its own; run the ubatched forward with use_cache=False")
     raise TypeError(f"cannot merge ubatch outputs of type {type(first).__name__}; return tensors or tuples of tensors")
 
 
@@ -286,20 +350,26 @@ class UBatchWrapper:
                       kwargs: dict[str, Any]) -> tuple[list[UBatchContext], list[Callable[[], None]], list[Any]]:
         """Per-ubatch forward contexts, protocol contexts and bodies (each with its slice of the arguments)."""
         n = self.config.num_ubatches
-        num_tokens = check_ubatch_slices(slices, args, kwargs)
-        metas = _split_attn_metadata(fc.attn_metadata, slices)
+        split_dim = self.config.split_dim
+        num_rows = check_ubatch_slices(slices, args, kwargs, split_dim)
+        row_slices = [getattr(sl, _SPLIT_FIELDS[split_dim][0]) for sl in slices]
+        if split_dim == "tokens":
+            metas = _split_attn_metadata(fc.attn_metadata, slices)
+            masks = [_slice_arg(fc.real_token_mask, num_rows, t) for t in row_slices]
+        else:
+            metas, masks = _batch_split_metadata(fc, n), [None] * n
         forward_contexts = [
             dataclasses.replace(fc, attn_metadata=metas[i], ubatch_slice=slices[i], ubatch_id=i,
-                                real_token_mask=_slice_arg(fc.real_token_mask, num_tokens, slices[i].token_slice))
+                                real_token_mask=masks[i])
             for i in range(n)
         ]
         contexts = make_ubatch_contexts(n, streams.current_stream(self.device), self.comm_stream, forward_contexts,
                                         self.config.handoff_timeout_s, self.config.executor)
         results: list[Any] = [None] * n
         bodies = []
-        for ctx, sl in zip(contexts, slices):
-            a = tuple(_slice_arg(v, num_tokens, sl.token_slice) for v in args)
-            kw = {k: _slice_arg(v, num_tokens, sl.token_slice) for k, v in kwargs.items()}
+        for ctx, rows in zip(contexts, row_slices):
+            a = tuple(_slice_arg(v, num_rows, rows) for v in args)
+            kw = {k: _slice_arg(v, num_rows, rows) for k, v in kwargs.items()}
             bodies.append(self._make_body(ctx, a, kw, results))
         return contexts, bodies, results
 

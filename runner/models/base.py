@@ -13,6 +13,7 @@ from torch import nn
 
 from runner.kv_cache import KVCacheSpec
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
+from runner.models.schedules import DEFAULT_DBO_SCHEDULE, DBOSchedule, check_schedule
 from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
 from ubatch import trace
 from ubatch.forward_context import get_forward_context
@@ -66,11 +67,12 @@ class DecoderLayer(nn.Module):
 
 
 def moe_or_dense_layer(config: Any, layer_idx: int, self_attn: nn.Module, make_moe: Callable[[], nn.Module],
-                       dtype: torch.dtype | None, mlp_bias: bool = False) -> DecoderLayer:
+                       dtype: torch.dtype | None, mlp_bias: bool = False,
+                       layer_cls: Callable[..., DecoderLayer] = DecoderLayer) -> DecoderLayer:
     """A decoder layer whose MLP is the model's MoE block where the config says so, else a dense SwiGLU MLP."""
     mlp = make_moe() if config.is_moe_layer(layer_idx) else DenseMLP(
         config.hidden_size, config.intermediate_size, dtype, bias=mlp_bias)
-    return DecoderLayer(layer_idx, self_attn, mlp, config.hidden_size, config.rms_norm_eps, dtype)
+    return layer_cls(layer_idx, self_attn, mlp, config.hidden_size, config.rms_norm_eps, dtype)
 
 
 class DecoderModel(nn.Module):
@@ -88,12 +90,15 @@ class MoECausalLM(nn.Module):
 
     model: nn.Module
     rotary_emb: Any
+    #: DBO schedules this family can run (``runner.models.schedules``); "moe" needs nothing from the model
+    supported_dbo_schedules: tuple[str, ...] = (DEFAULT_DBO_SCHEDULE,)
 
     def __init__(self, config: Any, parallel: MoEParallelConfig | None, dtype: torch.dtype | None) -> None:
         super().__init__()
         self.config = config
         self.parallel = parallel or MoEParallelConfig()
         self.moe_runtime = MoERuntime(self.parallel)  # one per model: its MoE layers share backends and link
+        self.dbo_schedule = DBOSchedule()  # one per model: the layers that follow it hold this object
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(
             config.hidden_size, config.vocab_size, bias=False, dtype=dtype)
         self._spec: WeightSpec | None = None
@@ -106,6 +111,10 @@ class MoECausalLM(nn.Module):
             hidden = layer(positions, hidden, self.rotary_emb, cos, sin)
         with trace.compute_span("final_norm", "N"):
             return self.model.norm(hidden)
+
+    def set_dbo_schedule(self, name: str) -> None:
+        """Pick where the ubatches yield (``--dbo-schedule``); a schedule this family cannot run is an error."""
+        self.dbo_schedule.name = check_schedule(name, self.supported_dbo_schedules, type(self).__name__)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

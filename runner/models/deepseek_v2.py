@@ -11,8 +11,15 @@ One class body serves both; the config says which router and RoPE layout apply:
 The MLA cache holds ``[latent | rotated rope key]`` per token; attention uses absorbed ``kv_b_proj``
 weights (see ``runner/attention.py``). Softmax scale = ``qk_head_dim ** -0.5``, times yarn's
 ``mscale(factor, mscale_all_dim) ** 2`` only when yarn RoPE is configured.
+
+Attention is two methods, ``prepare`` (ATTN-0: the MLA down/up projections) and ``core`` (ATTN-1: KV write,
+core attention, output projection), so the ``deepseek`` DBO schedule (``runner/models/schedules.py``) can
+yield between them; under the default ``moe`` schedule a layer runs them back to back.
 """
 from __future__ import annotations
+
+import functools
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +29,15 @@ from runner.attention import paged_mla_attention, write_kv
 from runner.kv_cache import KVCacheSpec
 from runner.models.configs import DeepseekV2Config
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
-from runner.models.base import DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer
+from runner.config import DBO_SCHEDULES
+from runner.models.base import DecoderLayer, DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer
+from runner.models.schedules import (
+    DEFAULT_DBO_SCHEDULE, DBOSchedule, ScheduledFusedMoE, pipeline_epilogue, pipeline_prologue, stage_boundary,
+)
 from runner.models.weights import WeightSpec
+from ubatch import trace
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.runtime import MoERuntime
-from ubatch.modular_moe.layer import FusedMoE
 
 # HF builds q_a_layernorm / kv_a_layernorm with the RMSNorm default eps, not config.rms_norm_eps.
 _LORA_NORM_EPS = 1e-6
@@ -58,9 +69,11 @@ class DeepseekV2Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if self.kv_cache is None:
-            raise RuntimeError("no KV cache bound; call bind_kv_caches() first")
-        meta = current_attn_metadata()
+        return self.core(positions, *self.prepare(hidden, rope, cos, sin))
+
+    def prepare(self, hidden: torch.Tensor, rope: RotaryEmbedding, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """ATTN-0: down/up projections -> ``(q_nope [T,H,dn], rotated q_rope [T,H,R], cache entry [T,L+R])``."""
         t = hidden.shape[0]
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
@@ -70,50 +83,107 @@ class DeepseekV2Attention(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_rope, k_rope = rope.apply(q_rope, cos, sin), rope.apply(k_rope, cos, sin)
-        write_kv(self.kv_cache, meta.slot_mapping, torch.cat((latent, k_rope), dim=-1))
+        return q_nope, q_rope, torch.cat((latent, k_rope), dim=-1)
+
+    def core(self, positions: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
+             cache_entry: torch.Tensor) -> torch.Tensor:
+        """ATTN-1: write this step's latent KV, attend over the paged cache, project out -> ``[T, hidden]``."""
+        if self.kv_cache is None:
+            raise RuntimeError("no KV cache bound; call bind_kv_caches() first")
+        meta = current_attn_metadata()
+        write_kv(self.kv_cache, meta.slot_mapping, cache_entry)
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
         out = paged_mla_attention(q_nope, q_rope, self.kv_cache, meta, self.scaling, w_uk, w_uv, positions)
-        return self.o_proj(out.reshape(t, -1))
+        return self.o_proj(out.reshape(q_nope.shape[0], -1))
 
 
 class DeepseekV2MoE(nn.Module):
     """fp32 gate logits (as HF) -> FusedMoE, which routes and overlaps the shared experts with comm."""
 
-    def __init__(self, config: DeepseekV2Config, runtime: MoERuntime, dtype: torch.dtype | None) -> None:
+    def __init__(self, config: DeepseekV2Config, runtime: MoERuntime, dtype: torch.dtype | None,
+                 schedule: DBOSchedule) -> None:
         super().__init__()
         c = config
         self.gate = nn.Linear(c.hidden_size, c.n_routed_experts, bias=False, dtype=dtype)
         self.shared_experts = DenseMLP(c.hidden_size, c.moe_intermediate_size * c.n_shared_experts, dtype,
                                        bias=c.mlp_bias) if c.n_shared_experts else None
         grouped = c.topk_method in ("noaux_tc", "group_limited_greedy")
-        self.experts = FusedMoE(
+        self.experts = ScheduledFusedMoE(
             c.n_routed_experts, c.num_experts_per_tok, c.hidden_size, c.moe_intermediate_size,
             renormalize=bool(c.norm_topk_prob), scoring_func=c.scoring_func,
             num_expert_group=c.n_group if grouped else None, topk_group=c.topk_group if grouped else None,
             use_correction_bias=c.topk_method == "noaux_tc", routed_scaling_factor=c.routed_scaling_factor,
             group_scoring="max" if c.topk_method == "group_limited_greedy" else "top2_sum",
-            shared_experts=self.shared_experts, runtime=runtime, params_dtype=dtype)
+            shared_experts=self.shared_experts, runtime=runtime, params_dtype=dtype, schedule=schedule)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden.float(), self.gate.weight.float())
+        with trace.compute_span("gate", "R"):
+            logits = F.linear(hidden.float(), self.gate.weight.float())
         return self.experts(hidden, logits)
 
 
+class DeepseekV2DecoderLayer(DecoderLayer):
+    """A decoder layer that, on the staged pipeline's steps, ends a stage between ATTN-0 and ATTN-1.
+
+    Attention is then traced as two spans (``attn0``/``A0``, ``attn1``/``A1``) instead of one ``attention``
+    span, since another ubatch runs in between. The boundary is in every layer, dense ones included, so
+    the number of yields never depends on which layers are MoE.
+    """
+
+    def __init__(self, *args: Any, schedule: DBOSchedule, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.schedule = schedule
+
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
+                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        if not self.schedule.staged():
+            return super().forward(positions, hidden, rope, cos, sin)
+        with trace.compute_span("attn0", "A0", layer=self.layer_idx):
+            prepared = self.self_attn.prepare(self.input_layernorm(hidden), rope, cos, sin)
+        stage_boundary()
+        with trace.compute_span("attn1", "A1", layer=self.layer_idx):
+            hidden = hidden + self.self_attn.core(positions, *prepared)
+        with trace.compute_span("mlp_norm", "N"):
+            normed = self.post_attention_layernorm(hidden)
+        out = self.mlp(normed)  # gate + routing (the rest of ATTN-1), then dispatch, SHARED, MLP, combine
+        with trace.compute_span("residual", "N"):
+            return hidden + out
+
+
 class DeepseekV2ForCausalLM(MoECausalLM):
-    """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
+    """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``.
+
+    ``dbo_schedule``: ``"moe"`` (default) or ``"deepseek"`` (see ``runner/models/schedules.py``); also
+    settable later with :meth:`set_dbo_schedule`.
+    """
+
+    supported_dbo_schedules = DBO_SCHEDULES
 
     def __init__(self, config: DeepseekV2Config, parallel: MoEParallelConfig | None = None,
-                 dtype: torch.dtype | None = None) -> None:
+                 dtype: torch.dtype | None = None, dbo_schedule: str = DEFAULT_DBO_SCHEDULE) -> None:
         super().__init__(config, parallel, dtype)
+        self.set_dbo_schedule(dbo_schedule)
+        schedule = self.dbo_schedule
 
         def make_layer(i: int) -> nn.Module:
             return moe_or_dense_layer(config, i, DeepseekV2Attention(config, dtype),
-                                      lambda: DeepseekV2MoE(config, self.moe_runtime, dtype), dtype, mlp_bias=config.mlp_bias)
+                                      lambda: DeepseekV2MoE(config, self.moe_runtime, dtype, schedule), dtype,
+                                      mlp_bias=config.mlp_bias,
+                                      layer_cls=functools.partial(DeepseekV2DecoderLayer, schedule=schedule))
 
         self.model = DecoderModel(config, make_layer, dtype)
         self.rotary_emb = RotaryEmbedding(config.qk_rope_head_dim, config.rope,
                                           interleaved=bool(config.rope_interleave))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        staged = self.dbo_schedule.staged()
+        if staged:
+            pipeline_prologue()  # ubatch 1 starts one stage behind ubatch 0
+        hidden = super().forward(input_ids, positions)
+        if staged:
+            pipeline_epilogue()  # ubatch 0's matching last boundary: equal yield counts
+        return hidden
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         c = self.config

@@ -1,0 +1,256 @@
+"""An unmodified transformers Qwen3-MoE made DBO-capable by ``make_dbo_capable``, run as batch-split ubatches.
+
+Reference: the same model, unpatched. Logits are compared DBO off and on, on one rank and on two EP ranks
+(threads over gloo). Exact equality where the arithmetic is the same (one rank: DBO off against the whole
+batch, DBO on against each half of the batch run alone), a 1e-5 bound where it cannot be (EP combines the
+top-k copies in another order; a half batch's matmuls round differently from the whole batch's).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+
+from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context  # noqa: E402
+from ubatch.distributed import run_thread_ranks  # noqa: E402
+from ubatch.integrations.transformers import (  # noqa: E402
+    DBOQwen3MoeSparseMoeBlock, fused_moe_from_block, make_dbo_capable,
+)
+from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
+from ubatch.modular_moe.router import select_experts  # noqa: E402
+from ubatch.modular_moe.runtime import MoERuntime  # noqa: E402
+from ubatch.wrapper import batch_ubatch_slices, merge_ubatch_outputs  # noqa: E402
+
+BATCH, SEQ = 4, 9
+CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+              norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.1, attn_implementation="eager")
+MOE_LAYERS = 2  # layer 1 is dense (mlp_only_layers)
+
+
+@pytest.fixture(scope="module")
+def reference() -> nn.Module:
+    torch.manual_seed(0)
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG)).eval()
+
+
+def batch(rank: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(rank)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, :4] = 0  # left padding
+    return {"input_ids": torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=g), "attention_mask": mask}
+
+
+def ubatched(model: nn.Module, inputs: dict[str, Any], executor: str = "greenlet", **kwargs: Any) -> tuple[Any, list]:
+    wrapper = UBatchWrapper(model, UBatchConfig(split_dim="batch", executor=executor, handoff_timeout_s=30))
+    try:
+        with torch.no_grad(), set_forward_context(ubatch_slices=batch_ubatch_slices(BATCH)):
+            return wrapper(**inputs, **kwargs), wrapper.last_yield_counts
+    finally:
+        wrapper.close()
+
+
+def plain(model: nn.Module, inputs: dict[str, Any], **kwargs: Any) -> Any:
+    with torch.no_grad():
+        return model(**inputs, use_cache=False, **kwargs)
+
+
+# ---- the patch ---------------------------------------------------------------------------------------------
+def test_every_sparse_block_becomes_a_fused_moe_with_the_same_weights(reference: nn.Module) -> None:
+    model = make_dbo_capable(copy.deepcopy(reference))
+    for i, (mine, theirs) in enumerate(zip(model.model.layers, reference.model.layers)):
+        if i in CONFIG["mlp_only_layers"]:
+            assert type(mine.mlp) is type(theirs.mlp)  # dense layers untouched
+            continue
+        assert isinstance(mine.mlp, DBOQwen3MoeSparseMoeBlock)
+        assert torch.equal(mine.mlp.gate.weight, theirs.mlp.gate.weight)
+        assert torch.equal(mine.mlp.experts.w13_weight, theirs.mlp.experts.gate_up_proj)
+        assert torch.equal(mine.mlp.experts.w2_weight, theirs.mlp.experts.down_proj)
+    assert all(m.runtime is model.moe_runtime for m in model.modules() if hasattr(m, "local_expert_range"))
+    with pytest.raises(ValueError, match="make_dbo_capable was already applied"):
+        make_dbo_capable(model)
+    with pytest.raises(ValueError, match="has no Qwen3-MoE config"):
+        make_dbo_capable(nn.Linear(2, 2))
+
+
+def test_routing_is_bit_compatible_with_the_transformers_router(reference: nn.Module) -> None:
+    router = reference.model.layers[0].mlp.gate
+    h = torch.randn(64, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        _, hf_weights, hf_ids = router(h)
+        weights, ids = select_experts(F.linear(h, router.weight), CONFIG["num_experts_per_tok"], True)
+    assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
+
+
+def test_an_ep_rank_keeps_only_its_experts(reference: nn.Module) -> None:
+    parallel = MoEParallelConfig(ep_rank=1, ep_size=2, all2all_backend="torch_ll", ep_groups=[object(), object()])
+    model = make_dbo_capable(copy.deepcopy(reference), parallel)
+    experts = model.model.layers[0].mlp.experts
+    assert experts.local_expert_range == range(4, 8)
+    assert torch.equal(experts.w13_weight, reference.model.layers[0].mlp.experts.gate_up_proj[4:])
+
+
+class Qwen3MoeBlock4x(nn.Module):
+    """transformers 4.51-4.57's Qwen3MoeSparseMoeBlock (nn.Linear gate, per-expert MLPs, returns the router
+    logits too), rebuilt from the 5.x modules for the layout test; its forward follows 4.5x line for line."""
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+
+        self.num_experts, self.top_k, self.norm_topk_prob = config.num_experts, config.num_experts_per_tok, True
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(Qwen3MoeMLP(config, intermediate_size=config.moe_intermediate_size)
+                                     for _ in range(config.num_experts))
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, s, h = hidden_states.shape
+        hidden_states = hidden_states.view(-1, h)
+        router_logits = self.gate(hidden_states)
+        routing_weights = F.softmax(router_logits, dim=1, dtype=torch.float)
+        routing_weights, selected_experts = torch.topk(routing_weights, self.top_k, dim=-1)
+        routing_weights /= routing_weights.sum(dim=-1, keepdim=True)
+        routing_weights = routing_weights.to(hidden_states.dtype)
+        final = torch.zeros_like(hidden_states)
+        expert_mask = F.one_hot(selected_experts, num_classes=self.num_experts).permute(2, 1, 0)
+        for e in range(self.num_experts):
+            idx, top_x = torch.where(expert_mask[e])
+            out = self.experts[e](hidden_states[top_x]) * routing_weights[top_x, idx, None]
+            final.index_add_(0, top_x, out.to(hidden_states.dtype))
+        return final.reshape(b, s, h), router_logits
+
+
+def test_the_transformers_4x_layout_converts_too() -> None:
+    config = transformers.Qwen3MoeConfig(**CONFIG)
+    block = Qwen3MoeBlock4x(config).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    x = torch.randn(2, 5, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(2))
+    ours = fused_moe_from_block(block, config, MoERuntime())
+    with torch.no_grad():
+        want, want_logits = block(x)
+        got, got_logits = ours(x)
+    assert torch.equal(got_logits, want_logits)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    block.experts = block.experts[:4]
+    with pytest.raises(ValueError, match="the block has 4 experts, the config says 8"):
+        fused_moe_from_block(block, config, MoERuntime())
+    block.gate = nn.Identity()
+    with pytest.raises(ValueError, match="unsupported Qwen3-MoE block layout"):
+        fused_moe_from_block(block, config, MoERuntime())
+
+
+# ---- logits: one rank ----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("executor", ["greenlet", "threads"])
+def test_one_rank_logits_equal_the_unpatched_model(reference: nn.Module, executor: str) -> None:
+    model = make_dbo_capable(copy.deepcopy(reference))
+    inputs = batch()
+    want = plain(reference, inputs).logits
+    assert torch.equal(plain(model, inputs).logits, want)  # DBO off: the same arithmetic, bit for bit
+    out, yields = ubatched(model, inputs, executor, use_cache=False)
+    halves = torch.cat([plain(reference, {k: v[a:b] for k, v in inputs.items()}).logits
+                        for a, b in ((0, BATCH // 2), (BATCH // 2, BATCH))])
+    assert torch.equal(out.logits, halves)  # each ubatch is the unpatched model on its half, bit for bit
+    torch.testing.assert_close(out.logits, want, rtol=0, atol=1e-5)
+    assert yields == [2 * MOE_LAYERS] * 2
+    assert type(out) is type(plain(reference, inputs)) and out.past_key_values is None
+
+
+def test_hidden_states_merge_along_the_batch(reference: nn.Module) -> None:
+    model = make_dbo_capable(copy.deepcopy(reference))
+    inputs = batch()
+    out, _ = ubatched(model, inputs, use_cache=False, output_hidden_states=True)
+    want = plain(reference, inputs, output_hidden_states=True).hidden_states
+    assert len(out.hidden_states) == len(want)
+    for got, ref in zip(out.hidden_states, want):
+        torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
+
+
+def test_the_kv_cache_must_be_off(reference: nn.Module) -> None:
+    model = make_dbo_capable(copy.deepcopy(reference))
+    with pytest.raises(TypeError, match="DynamicCache objects into one KV cache.*use_cache=False"):
+        ubatched(model, batch(), use_cache=True)
+
+
+# ---- logits: two EP ranks over gloo -----------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["torch_ll", "torch_ht"])
+def test_two_ep_ranks_logits_equal_the_unpatched_model(reference: nn.Module, backend: str) -> None:
+    want = [plain(reference, batch(r)).logits for r in (0, 1)]
+
+    def rank_main(rank: int, groups: list[Any]) -> dict[str, Any]:
+        parallel = MoEParallelConfig(ep_rank=rank, ep_size=2, all2all_backend=backend, ep_groups=groups,
+                                     max_dispatch_tokens_per_rank=BATCH * SEQ, emulate_link="latency_us=200")
+        model = make_dbo_capable(copy.deepcopy(reference), parallel)
+        off = plain(model, batch(rank)).logits
+        on, yields = ubatched(model, batch(rank), use_cache=False)
+        return {"off": off, "on": on.logits, "yields": yields,
+                "local": model.model.layers[0].mlp.experts.local_expert_range}
+
+    results = run_thread_ranks(2, rank_main, num_groups=2, timeout_s=120)
+    for rank, res in enumerate(results):
+        assert res["local"] == range(4 * rank, 4 * rank + 4)
+        torch.testing.assert_close(res["off"], want[rank], rtol=0, atol=1e-5)
+        torch.testing.assert_close(res["on"], want[rank], rtol=0, atol=1e-5)
+        assert res["yields"] == [2 * MOE_LAYERS] * 2
+
+
+# ---- the wrapper's batch split -------------------------------------------------------------------------------
+def _batch_slices(bounds: list[tuple[int, int]]) -> list[UBatchSlice]:
+    return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in bounds]
+
+
+@pytest.mark.parametrize("bounds, message", [
+    ([(0, 2), (2, 6)], "cover 6 batch rows but no tensor argument has 6 rows"),
+    ([(0, 1), (2, 4)], "starts at batch row 2 but the previous one ends at 1: a gap would drop batch rows"),
+    ([(0, 3), (2, 4)], "starts at batch row 2 but the previous one ends at 3: an overlap would duplicate"),
+])
+def test_batch_slices_must_partition_the_batch(bounds: list[tuple[int, int]], message: str) -> None:
+    w = UBatchWrapper(lambda x: x, UBatchConfig(split_dim="batch"))
+    try:
+        with set_forward_context(ubatch_slices=_batch_slices(bounds)), pytest.raises(ValueError, match=message):
+            w(torch.zeros(4, 3))
+    finally:
+        w.close()
+
+
+def test_batch_split_slices_dim_0_by_sequence_and_merges_in_order() -> None:
+    seen: list[tuple[int, ...]] = []
+
+    def model(x: torch.Tensor, scale: float) -> tuple[torch.Tensor, None]:
+        seen.append(tuple(x.shape))
+        return x * scale, None
+
+    w = UBatchWrapper(model, UBatchConfig(split_dim="batch"))
+    x = torch.arange(5 * 3.0).view(5, 3)
+    try:
+        with set_forward_context(ubatch_slices=batch_ubatch_slices(5)):
+            out, none = w(x, scale=2.0)
+        assert seen == [(3, 3), (2, 3)] and torch.equal(out, 2 * x) and none is None
+        mask = torch.ones(15, dtype=torch.bool)
+        with set_forward_context(ubatch_slices=batch_ubatch_slices(5), real_token_mask=mask):
+            with pytest.raises(ValueError, match="split_dim='batch' cannot slice real_token_mask"):
+                w(x, scale=1.0)
+        with set_forward_context(attn_metadata=object(), ubatch_slices=batch_ubatch_slices(5)):
+            with pytest.raises(ValueError, match="split_dim='batch' takes no attention metadata"):
+                w(x, scale=1.0)
+    finally:
+        w.close()
+
+
+def test_batch_split_settings_are_validated() -> None:
+    bounds = [(s.request_slice.start, s.request_slice.stop) for s in batch_ubatch_slices(7, 3)]
+    assert bounds == [(0, 3), (3, 5), (5, 7)]
+    with pytest.raises(ValueError, match="a batch of 1 sequences cannot be split into 2 ubatches"):
+        batch_ubatch_slices(1)
+    with pytest.raises(ValueError, match="split_dim must be one of tokens, batch, got 'seq'"):
+        UBatchConfig(split_dim="seq")
+    with pytest.raises(TypeError, match="cannot merge 0-dim ubatch outputs"):
+        merge_ubatch_outputs([torch.tensor(1.0), torch.tensor(2.0)])
