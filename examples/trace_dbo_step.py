@@ -9,7 +9,11 @@ CPU compute is ~100x slower than a GPU's, so the default link is scaled to match
 the compute (A+E+S) and the link time (D+C) are both about 2 ms. The model marks its attention with
 ``trace.compute_span("attention", "A", layer=i)``; the MoE kernel and the link record experts (E),
 shared experts (S), dispatch (D) and combine (C) themselves. Writes the rank-0 Chrome trace (open it in
-https://ui.perfetto.dev) and ``docs/dbo_timeline.png``, and prints the overlap metrics.
+https://ui.perfetto.dev) and its timeline PNG into a new temporary directory (or ``--out-dir``, or the exact
+``--trace-out`` / ``--png-out`` paths), and prints the overlap metrics and both paths. The picture in
+README.md is ``docs/dbo_timeline.png``; to redraw it, ask for it explicitly:
+
+    python examples/trace_dbo_step.py --trace-out docs/dbo_trace.json --png-out docs/dbo_timeline.png
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ import argparse
 import contextlib
 import os
 import sys
+import tempfile
 import threading
 from typing import Any
 
@@ -117,10 +122,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=2)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=1)
-    p.add_argument("--trace-out", default=os.path.join(ROOT, "docs", "dbo_trace.json"))
-    p.add_argument("--png-out", default=os.path.join(ROOT, "docs", "dbo_timeline.png"))
+    p.add_argument("--out-dir", help="where dbo_trace.json and dbo_timeline.png go (default: a new temporary "
+                                     "directory; never the repository)")
+    p.add_argument("--trace-out", help="Chrome trace path (default: OUT_DIR/dbo_trace.json)")
+    p.add_argument("--png-out", help="timeline PNG path (default: OUT_DIR/dbo_timeline.png)")
     args = p.parse_args(argv)
     torch.set_num_threads(1)
+    if args.trace_out is None or args.png_out is None:
+        out_dir = args.out_dir or tempfile.mkdtemp(prefix="ubatch-trace-dbo-step-")
+        os.makedirs(out_dir, exist_ok=True)
+        args.trace_out = args.trace_out or os.path.join(out_dir, "dbo_trace.json")
+        args.png_out = args.png_out or os.path.join(out_dir, "dbo_timeline.png")
 
     rec = run(args)
     path = trace.save(rec, args.trace_out, pid=0)

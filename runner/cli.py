@@ -6,24 +6,30 @@ or RunnerConfig's validation — exits with code 2 and ``argument --flag: ...``.
 
 Launch modes: under ``torchrun`` every process runs the job and rank 0 reports; otherwise
 ``--data-parallel-size N > 1`` spawns N ranks with :func:`runner.launch.launch` and the parent reports.
-A dead rank makes the run exit 1 naming it.
+
+Failures are one line each, never a traceback unless ``--debug`` (or ``UBATCH_DEBUG=1``): what can be checked
+before any rank starts is (the model's config and checkpoint headers, ``--max-model-len`` against the model,
+the output paths; exit 2 naming the flag); a failed rank is named, ranks failing alike are reported once
+(exit 1); SIGINT/SIGTERM/SIGHUP stop every rank (exit 128 + the signal). A run in which no request succeeded
+exits 1, and a results file that cannot be written at the end is reported after the summary (exit 1).
 """
 from __future__ import annotations
 
 import argparse
-import csv
+import contextlib
 import gc
 import json
 import os
 import random
 import sys
+import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from runner.config import DBO_COST_MODELS, DBO_DP_RULES, DTYPES, UBATCH_SPLITS, ConfigError, RunnerConfig, \
-    all2all_backends, config_fields, \
-    experts_backends, make_config
+from runner.config import DBO_COST_MODELS, DBO_DP_RULES, DBO_SCHEDULES, DTYPES, UBATCH_SPLITS, ConfigError, \
+    RunnerConfig, all2all_backends, config_fields, experts_backends, make_config
+from runner.report import compare_outputs, report_bench, report_generate  # noqa: F401 (compare_outputs: API)
 from runner.sampling import SamplingParams
 from cudagraph.sizes import parse_cuda_graph_sizes
 
@@ -33,6 +39,16 @@ def _cuda_graph_sizes(text: str) -> list[int]:
         return parse_cuda_graph_sizes(text)
     except ValueError as e:  # argparse would print only "invalid value" for a plain ValueError
         raise argparse.ArgumentTypeError(str(e)) from None
+
+
+DEBUG_ENV = "UBATCH_DEBUG"
+DEBUG_HINT = f"(run with --debug or {DEBUG_ENV}=1 for the full traceback)"
+
+
+def _default_max_model_len() -> int:
+    from runner.model_runner import DEFAULT_MAX_MODEL_LEN  # where the engine applies it
+
+    return DEFAULT_MAX_MODEL_LEN
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -49,6 +65,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add("--dbo-cost-model", choices=DBO_COST_MODELS,
         help="measured: above the thresholds, ubatch only the step sizes where measured steps show DBO is "
              "faster (each side is tried, the loser re-checked now and then); off: the thresholds alone")
+    add("--dbo-schedule", choices=DBO_SCHEDULES,
+        help="where the two ubatches yield: moe (inside the MoE kernel only, vLLM's DBO) or deepseek "
+             "(DeepSeek's decode pipeline: SHARED/ATTN-0/MLP/ATTN-1 stages, yields inside attention; "
+             "DeepSeek-V2/V3 models; prefill steps keep moe)")
     add("--dbo-dp-rule", choices=DBO_DP_RULES,
         help="how DP ranks agree to ubatch: sglang (idle or small ranks never veto; the largest rank decides) "
              "or vllm (all ranks must vote yes)")
@@ -60,7 +80,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10")
     add("--max-num-seqs", type=int, metavar="N")
     add("--max-num-batched-tokens", type=int, metavar="N")
-    add("--max-model-len", type=int, metavar="N", help="default: from the model's config")
+    add("--max-model-len", type=int, metavar="N",
+        help=f"default: the model's max_position_embeddings, capped at {_default_max_model_len()}; a value above "
+             "max_position_embeddings is rejected")
     add("--block-size", type=int, metavar="N")
     add("--num-kv-blocks", type=int, metavar="N", help="default: sized for --max-num-seqs requests")
     add("--max-dispatch-tokens-per-rank", type=int, metavar="N", help="default: --max-num-batched-tokens")
@@ -72,7 +94,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add("--disable-consecutive-prefill-overlap", action="store_true", default=None,
         help="a prefill step waits for the previous prefill step's results (time to first token)")
     add("--enable-single-batch-overlap", action="store_true", default=None)
-    add("--dist-timeout-s", type=float, metavar="S", help="timeout of every collective (a dead peer's detection)")
+    add("--dist-timeout-s", type=float, metavar="S",
+        help="timeout of every collective, and how long a spawned rank may send no heartbeat before it is named "
+             "as having stopped responding")
     add("--seed", type=int)
     add("--cache-dir", metavar="DIR", help="where built-in models are written; default: $UBATCH_CACHE_DIR or "
         "~/.cache/ubatch")
@@ -100,6 +124,7 @@ def _workload_args(p: argparse.ArgumentParser, with_output_json: bool) -> None:
     if with_output_json:
         add("--output-json", metavar="PATH", help="write a JSON list of results in input order")
     add("--disable-tqdm", action="store_true", help="no progress bar (it is also off when stderr is not a TTY)")
+    add("--debug", action="store_true", help=f"print the full traceback of an error (also: {DEBUG_ENV}=1)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -131,6 +156,9 @@ def _read_prompts(path: str) -> list[Any]:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
         raise ValueError(f"cannot read {path!r}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path} is not a text file (byte {e.start} is not UTF-8); expected one JSON object per "
+                         "line") from None
     prompts: list[Any] = []
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -156,11 +184,37 @@ def _read_prompts(path: str) -> list[Any]:
 
 
 def _model_info(cfg: RunnerConfig) -> tuple[int, bool]:
-    """(vocab size, has tokenizer.json) without loading weights: checked before any rank starts."""
-    from runner.models.loader import resolve_model_path
+    """(vocab size, has tokenizer.json), checked before any rank starts: the config, every checkpoint file's
+    header and ``max_model_len`` against the model. No weight is read."""
+    from runner.models.loader import check_checkpoint_files, check_max_model_len, load_config, resolve_model_path
+    from runner.models.registry import get_model_class
+    from runner.models.schedules import check_schedule
 
     path = resolve_model_path(cfg.model, cfg.cache_dir)
-    return int(json.loads((path / "config.json").read_text())["vocab_size"]), (path / "tokenizer.json").is_file()
+    config = load_config(path)
+    check_checkpoint_files(path)
+    check_max_model_len(cfg.max_model_len, config)
+    model_class = get_model_class(config.architectures[0])
+    check_schedule(cfg.dbo_schedule, model_class.supported_dbo_schedules, model_class.__name__)
+    return config.vocab_size, (path / "tokenizer.json").is_file()
+
+
+def output_path_error(path: str) -> str | None:
+    """Why results could not be written to ``path``, or None. Found by opening it for appending now (a file
+    that did not exist is removed again): before any rank starts, not after the whole run."""
+    p = Path(path)
+    if p.is_dir():
+        return f"{path!r} is a directory"
+    existed = p.exists()
+    try:
+        with open(p, "a"):
+            pass
+    except OSError as e:
+        return f"cannot write {path!r}: {e.strerror or e}"
+    if not existed:
+        with contextlib.suppress(OSError):
+            p.unlink()
+    return None
 
 
 def random_prompts(num: int, length: int, range_ratio: float, vocab_size: int, seed: int) -> list[list[int]]:
@@ -194,9 +248,20 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     except ValueError as e:
         field = str(e).split()[0]
         parser.error(f"argument --{field.replace('_', '-')}: {e}")
+    for flag, path in (("--output-json", getattr(args, "output_json", None)),
+                       ("--output-csv", getattr(args, "output_csv", None))):
+        problem = output_path_error(path) if path else None
+        if problem:
+            parser.error(f"argument {flag}: {problem}")
+    from runner.models.loader import CacheDirError
+
     try:
         vocab, has_tokenizer = _model_info(cfg)
-    except (OSError, KeyError, ValueError) as e:
+    except CacheDirError as e:
+        parser.error(f"argument --cache-dir: {e}")
+    except ConfigError as e:
+        parser.error(f"argument {e.flag}: {e}")
+    except (OSError, ValueError) as e:
         parser.error(f"argument --model: {e}")
     if args.prompts_file:
         try:
@@ -239,99 +304,49 @@ def run_job(job: Job) -> dict[str, Any] | None:
     return {"runs": runs} if rank == 0 else None
 
 
-# ---------------------------------------------------------------------------------------------- reporting
-NO_UBATCH_HINT = ("note: DBO was on but no step ran ubatched: each DP rank's batch stayed below "
-                  "--dbo-decode-token-threshold / --dbo-prefill-token-threshold (or a rank's second ubatch would "
-                  "have been empty); lower the thresholds or send more prompts")
-
-
-def _report_generate(result: dict[str, Any], output_json: str | None) -> None:
-    run = result["runs"][0]
-    outputs = run["outputs"]
-    for o in outputs[:4]:
-        shown = " ".join(map(str, o["token_ids"][:12])) + (" ..." if len(o["token_ids"]) > 12 else "")
-        text = f" {o['text']!r}" if o.get("text") else ""
-        print(f"[{o['index']}] {o['finish_reason']}: {shown}{text}")
-    if len(outputs) > 4:
-        print(f"... {len(outputs) - 4} more")
-    for o in [o for o in outputs if o["error"]][:10]:
-        print(f"request {o['index']}: error: {o['error']}", file=sys.stderr)
-    if output_json:
-        Path(output_json).write_text(json.dumps(outputs, indent=1) + "\n")
-    print(run["summary"])
-    if run["dbo"] and run["stats"]["num_steps"] and not run["stats"]["num_ubatched_steps"]:
-        print(NO_UBATCH_HINT, file=sys.stderr)
-    _report_trace(run)
-
-
-def _report_trace(run: dict[str, Any]) -> None:
-    if run.get("trace"):
-        print(run["trace"]["report"])
-
-
-def compare_outputs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str | None:
-    """None when token outputs are identical, else where they first differ."""
-    diffs = [(x["index"], x["token_ids"], y["token_ids"]) for x, y in zip(a, b) if x["token_ids"] != y["token_ids"]]
-    if len(a) != len(b):
-        return f"{len(a)} vs {len(b)} results"
-    if not diffs:
-        return None
-    idx, x, y = diffs[0]
-    pos = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-    return f"{len(diffs)} of {len(a)} requests differ (first: request {idx} at output token {pos})"
-
-
-def _report_bench(result: dict[str, Any], output_csv: str | None) -> None:
-    off, on = result["runs"]
-    rows = [("output tok/s", lambda s: f"{s['num_output_tokens'] / s['elapsed_s']:.1f}" if s["elapsed_s"] else "0"),
-            ("total time (s)", lambda s: f"{s['elapsed_s']:.3f}"),
-            ("output tokens", lambda s: str(s["num_output_tokens"])),
-            ("steps", lambda s: str(s["num_steps"])),
-            ("ubatched steps", lambda s: str(s["num_ubatched_steps"]))]
-    print(f"{'':<16}{'DBO off':>12}{'DBO on':>12}")
-    for name, fmt in rows:
-        print(f"{name:<16}{fmt(off['stats']):>12}{fmt(on['stats']):>12}")
-    diff = compare_outputs(off["outputs"], on["outputs"])
-    verdict = f"identical ({len(on['outputs'])} requests)" if diff is None else f"DIFFERENT: {diff}"
-    print(f"token outputs DBO off vs on: {verdict}")
-    if on["stats"]["num_steps"] and not on["stats"]["num_ubatched_steps"]:
-        print(NO_UBATCH_HINT, file=sys.stderr)
-    _report_trace(on)
-    if output_csv:
-        with open(output_csv, "w", newline="") as fh:
-            w = csv.writer(fh)
-            w.writerow(["dbo", "output_tok_per_s", "total_time_s", "output_tokens", "steps", "ubatched_steps",
-                        "outputs_identical"])
-            for run in (off, on):
-                s = run["stats"]
-                w.writerow([run["dbo"], round(s["num_output_tokens"] / s["elapsed_s"], 3) if s["elapsed_s"] else 0,
-                            round(s["elapsed_s"], 4), s["num_output_tokens"], s["num_steps"],
-                            s["num_ubatched_steps"], diff is None])
+# ---------------------------------------------------------------------------------------------- parent side
+def _debug(args: argparse.Namespace) -> bool:
+    return bool(args.debug) or os.environ.get(DEBUG_ENV, "") not in ("", "0")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     job = job_from_args(args, args.subparser)
-    from runner.launch import LaunchError, launch, torchrun_env_present
+    debug = _debug(args)
+    from runner.launch import LaunchError, LaunchInterrupted, RankFailedError, describe_exception, launch, \
+        torchrun_env_present
 
+    under_torchrun = torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1
+    who = f"[rank {os.environ['RANK']}] " if under_torchrun else ""  # every torchrun process reports its own
     try:
-        if torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1:
+        if under_torchrun:
             result = run_job(job)  # LLM joins the torchrun world; only rank 0 gets a result
         elif job.cfg.data_parallel_size > 1:
-            result = launch(run_job, job.cfg.data_parallel_size, args=(job,), timeout_s=job.cfg.dist_timeout_s)[0]
+            result = launch(run_job, job.cfg.data_parallel_size, args=(job,), timeout_s=job.cfg.dist_timeout_s,
+                            child_tracebacks=debug)[0]
         else:
             result = run_job(job)
-    except LaunchError as e:  # a rank died or could not start: name it, no parent traceback
+    except LaunchInterrupted as e:  # SIGINT/SIGTERM/SIGHUP to this process: every rank was stopped first
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return 128 + e.signum
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        print(f"{who}interrupted", file=sys.stderr)
         return 130
+    except LaunchError as e:  # a rank failed or could not start: named, one line for ranks that failed alike
+        print(f"error: {e}", file=sys.stderr)
+        if isinstance(e, RankFailedError) and e.tracebacks and not debug:
+            print(DEBUG_HINT, file=sys.stderr)
+        return 1
+    except Exception as e:  # noqa: BLE001 - in this process: one line, the traceback only when asked for
+        if debug:
+            traceback.print_exc()
+        print(f"{who}error: {describe_exception(e)}", file=sys.stderr)
+        if not debug:
+            print(DEBUG_HINT, file=sys.stderr)
+        return 1
     if result is None:
         return 0
     if job.command == "generate":
-        _report_generate(result, args.output_json)
-    else:
-        _report_bench(result, args.output_csv)
-    return 0
+        return report_generate(result, args.output_json)
+    return report_bench(result, args.output_csv)

@@ -12,24 +12,31 @@ With ``trace_file`` set, each call is recorded and written as a Chrome trace (``
 Random sampling without an explicit seed uses seed ``cfg.seed * 1_000_003 + i`` for prompt ``i``: a request's
 tokens then depend only on its own prompt, seed and logits — not on which rank ran it, what else was in its
 batch, or whether DBO split the step.
+
+One ``LLM`` runs one ``generate`` at a time: its scheduler state, its model runner's persistent input
+buffers and its forward thread serve one call. Calls from several threads are serialised by a lock (each
+returns its own outputs, in turn). With ``data_parallel_size > 1`` every rank must make the same calls in the
+same order, which the arrival order of threads cannot guarantee, so there a concurrent call raises instead.
 """
 from __future__ import annotations
 
+import concurrent.futures
+import numbers
 import os
-import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from runner import tracing
 from runner.config import RunnerConfig, make_config
+from runner.liveness import report_progress
 from runner.overlap_loop import ForwardExecutor, LoopStats, run_steps
 from runner.sampling import SamplingParams, make_generator
 from runner.scheduler import Request, Scheduler
 
-# Fault-injection hook for tests: the rank named here kills itself with SIGKILL at the given step.
-KILL_RANK_ENV, KILL_STEP_ENV = "UBATCH_TEST_KILL_RANK", "UBATCH_TEST_KILL_AT_STEP"
+FORWARD_START_S = 30.0  # a new forward thread runs its first task at once; this only bounds a stuck start
 
 
 @dataclass
@@ -103,6 +110,16 @@ def resolve_world(cfg: RunnerConfig) -> tuple[int, int]:
     return rank, world
 
 
+def _is_int(value: Any) -> bool:
+    """An integer token id: ``int``, a numpy or other ``numbers.Integral`` integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _as_list(value: Any) -> Any:
+    """numpy arrays and torch tensors as (nested) lists; anything else unchanged."""
+    return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (list, tuple, str)) else value
+
+
 def _encode(tokenizer: Any, text: str) -> list[int]:
     enc = tokenizer.encode(text)
     return list(enc.ids) if hasattr(enc, "ids") else list(enc)  # tokenizers.Tokenizer vs transformers
@@ -134,7 +151,10 @@ class LLM:
             getattr(runner, "rank", 0), getattr(runner, "world_size", 1))
         if runner is None:
             from runner.model_runner import ModelRunner
+            from runner.models.loader import check_max_model_len, model_config
 
+            if cfg.max_model_len is not None:  # checked before any weight is read
+                check_max_model_len(cfg.max_model_len, model_config(cfg.model, cfg.cache_dir))
             runner = ModelRunner(cfg, self.rank, self.world_size)
         self.runner = runner
         self._tokenizer = tokenizer
@@ -143,6 +163,11 @@ class LLM:
         self.last_loop_stats: LoopStats | None = None
         self.last_trace: Any = None  # runner.tracing.TraceResult of the last generate() with trace_file set
         self._executor: ForwardExecutor | None = None
+        # One generate() at a time (module docstring). Waiting on it is bounded by the call ahead, whose own
+        # waits (collectives, handoffs) all time out.
+        self._busy = threading.Lock()
+        self._busy_thread: int | None = None  # the thread inside generate(), if any
+        self._forward_thread: int | None = None  # the forward executor's thread, once there is one
 
     # ------------------------------------------------------------------ helpers
     def get_tokenizer(self) -> Any:
@@ -155,6 +180,16 @@ class LLM:
         return self._tokenizer
 
     def close(self) -> None:
+        """Stop the forward thread and release the runner; not while a generate() runs in another thread."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError("LLM.close() called while generate() is running in another thread; close it after "
+                               "that call returns")
+        try:
+            self._close()
+        finally:
+            self._busy.release()
+
+    def _close(self) -> None:
         if self._executor is not None:
             self._executor.close()
             self._executor = None
@@ -166,9 +201,10 @@ class LLM:
         """Token-id lists (or the raw bad value, which the scheduler rejects per request) in input order."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        prompts = _as_list(prompts)
         if not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a list of strings or token-id lists, got {type(prompts).__name__}")
-        if prompts and all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+        if prompts and all(_is_int(p) for p in prompts):
             raise TypeError("prompts is a flat list of ints; pass a list of prompts, e.g. [[1, 2, 3]] for one "
                             "token-id prompt")
         texts = [i for i, p in enumerate(prompts)
@@ -186,9 +222,12 @@ class LLM:
                     p = p["prompt"]
                 else:
                     raise TypeError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
+            p = _as_list(p)
             if isinstance(p, str):
                 p = _encode(tokenizer, p) if (i % self.world_size) == self.rank else []
-            elif not isinstance(p, Sequence):
+            elif isinstance(p, Sequence):
+                p = [int(t) if _is_int(t) else t for t in p]  # numpy / torch integers are token ids too
+            else:
                 raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
             out.append(p)
         return out
@@ -210,7 +249,32 @@ class LLM:
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, disable_progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; returns one RequestOutput per prompt, in input order, on every rank."""
+        """Generate for every prompt; returns one RequestOutput per prompt, in input order, on every rank.
+
+        Thread-safe: concurrent calls run one after the other (``last_stats`` describes the latest to finish);
+        with data_parallel_size > 1 a call made while another runs raises RuntimeError (module docstring).
+        """
+        if self._busy_thread is not None and threading.get_ident() in (self._busy_thread, self._forward_thread):
+            # from the calling thread or this LLM's forward thread: it would wait for itself forever
+            raise RuntimeError("LLM.generate called again from inside a generate() call (same thread, or the "
+                               "forward thread running its steps)")
+        if self.world_size > 1:
+            if not self._busy.acquire(blocking=False):
+                raise RuntimeError(
+                    f"LLM.generate called from another thread while a call is running on DP rank {self.rank}: "
+                    f"with data_parallel_size={self.world_size} every rank must make the same calls in the same "
+                    "order, which concurrent threads cannot guarantee; call generate from one thread per rank")
+        else:
+            self._busy.acquire()
+        self._busy_thread = threading.get_ident()
+        try:
+            return self._generate(prompts, sampling_params, disable_progress)
+        finally:
+            self._busy_thread = None
+            self._busy.release()
+
+    def _generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+                  disable_progress: bool) -> list[RequestOutput]:
         prompt_ids = self._prompt_ids(prompts)
         params = self._params(sampling_params, len(prompt_ids))
         start = time.perf_counter()
@@ -239,7 +303,7 @@ class LLM:
         outputs = sorted((o for g in gathered for o in g[0]), key=lambda o: o.index)
         self.last_stats = GenerationStats(
             num_requests=len(outputs), num_errors=sum(o.finish_reason == "error" for o in outputs),
-            num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs),
+            num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs if o.finish_reason != "error"),
             num_output_tokens=sum(len(o.token_ids) for o in outputs),
             elapsed_s=max(time.perf_counter() - start, max(g[2] for g in gathered)),
             num_steps=getattr(self.runner, "num_steps", 0) - steps0,
@@ -266,17 +330,10 @@ class LLM:
                              error=req.error)
 
     def _run_loop(self, sched: Scheduler, num_local: int, disable_progress: bool) -> None:
-        kill_rank, kill_step = os.environ.get(KILL_RANK_ENV), os.environ.get(KILL_STEP_ENV)
-        kill_at = int(kill_step) if kill_rank is not None and kill_step is not None \
-            and int(kill_rank) == self.rank else None
         bar = self._progress_bar(num_local, disable_progress)
         out_tokens, t0 = 0, time.perf_counter()
         if bar is not None:
             bar.update(sum(r.is_finished for r in sched.requests.values()))
-
-        def before_launch(step: int) -> None:
-            if kill_at is not None and step == kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
 
         def on_results(out: Any, sampled: Sequence[int | None], done: list[Request]) -> None:
             nonlocal out_tokens
@@ -289,8 +346,8 @@ class LLM:
             self.last_loop_stats = run_steps(
                 sched, self.runner, executor=None if self.cfg.disable_overlap_schedule else self._forward_executor(),
                 consecutive_prefill_overlap=not self.cfg.disable_consecutive_prefill_overlap,
-                before_launch=before_launch if kill_at is not None else None,
-                on_results=on_results if bar is not None else None)
+                before_launch=report_progress,  # the step count, for the launcher's liveness report
+                on_results=on_results if bar is not None else None, step_timeout_s=self.cfg.dist_timeout_s)
         finally:
             if bar is not None:
                 bar.close()
@@ -302,6 +359,11 @@ class LLM:
         """The persistent thread steps run on with the overlap loop (created on first use, closed by close())."""
         if self._executor is None:
             self._executor = ForwardExecutor(device=getattr(self.runner, "device", None))
+            try:
+                self._forward_thread = self._executor.submit(threading.get_ident).result(timeout=FORWARD_START_S)
+            except concurrent.futures.TimeoutError:
+                raise RuntimeError(f"LLM waited {FORWARD_START_S:.0f} s for its new forward thread to run a first "
+                                   "task; the thread is stuck") from None
         return self._executor
 
     def _progress_bar(self, total: int, disable: bool) -> Any:

@@ -42,6 +42,59 @@ class KVCacheSpec:
         return self.numel_per_token() * block_size * torch.empty((), dtype=dtype).element_size()
 
 
+class KVCacheTooLargeError(MemoryError):
+    """The KV cache asked for does not fit in the memory available; the message names the flags that size it."""
+
+
+def available_memory(device: torch.device | str) -> tuple[int, str] | None:
+    """(bytes that can still be allocated on ``device``, where the figure comes from), or None if unknown.
+
+    CPU: ``MemAvailable`` of /proc/meminfo, lowered to the cgroup's remaining limit when the process runs in a
+    memory-limited container (v2 ``memory.max``, v1 ``memory.limit_in_bytes``). CUDA: the driver's free memory.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"free memory on {device}"
+    found: list[tuple[int, str]] = []
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+    except OSError:
+        pass
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        try:
+            with open(limit_file) as a, open(usage_file) as b:
+                limit, usage = a.read().strip(), int(b.read().strip())
+        except (OSError, ValueError):
+            continue
+        if limit.isdigit() and int(limit) < 1 << 60:  # "max" or a huge number: no limit
+            found.append((max(0, int(limit) - usage), f"the container's memory limit ({limit_file})"))
+    return min(found) if found else None
+
+
+def check_kv_cache_fits(specs: Sequence[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
+                        device: torch.device | str) -> None:
+    """Raise :class:`KVCacheTooLargeError` before allocating a cache larger than the memory available.
+
+    Without it, an oversized ``--max-num-seqs`` ends in a raw allocator traceback (or, with overcommit, in the
+    OOM killer part-way through a run).
+    """
+    need = sum(s.bytes_per_block(block_size, dtype) for s in specs) * num_blocks
+    avail = available_memory(device)
+    if avail is None or need <= avail[0]:
+        return
+    gib = 1 << 30
+    raise KVCacheTooLargeError(
+        f"the KV cache needs {need / gib:.2f} GiB ({num_blocks} blocks of {block_size} tokens over {len(specs)} "
+        f"layers, {str(dtype).replace('torch.', '')}) but only {avail[0] / gib:.2f} GiB is available "
+        f"({avail[1]}); it is sized by --num-kv-blocks (default: enough blocks for --max-num-seqs requests of "
+        "--max-model-len tokens) and --block-size: lower --max-num-seqs or --max-model-len, or set --num-kv-blocks")
+
+
 class OutOfKVBlocksError(RuntimeError):
     """Raised when an allocation asks for more blocks than are free (the scheduler should preempt)."""
 
@@ -99,7 +152,9 @@ def allocate_kv_caches(specs: Sequence[KVCacheSpec], num_blocks: int, block_size
     each request's ``seq_len``, all written by earlier steps or this one, and the CUDA-graph decode attention
     masks the rest out (scores and values). Zero-filling would touch every page of a cache sized for
     ``max_num_seqs`` full-length requests up front, which is most of a small model's start-up on a CPU.
+    Raises :class:`KVCacheTooLargeError` first if the cache cannot fit in the memory available.
     """
+    check_kv_cache_fits(specs, num_blocks, block_size, dtype, device)
     return [torch.empty((num_blocks, block_size, *s.per_token_shape), dtype=dtype, device=device) for s in specs]
 
 

@@ -1,28 +1,47 @@
 """Process bootstrap: join a ``torchrun`` world, or spawn and supervise one process per DP rank.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) :func:`init_distributed`
-joins the default group. Otherwise :func:`launch` is the built-in spawner: it starts ``nprocs`` children with
-the ``spawn`` start method (``fork`` after torch has started threads can deadlock), each joins a gloo/NCCL
-world through a ``TCPStore`` that the parent hosts on a free 127.0.0.1 port (no race on picking a port), runs
-``fn(*args)`` and sends its result back over a pipe.
+joins the default group; the rendezvous, its address and the network interfaces are then torchrun's and the
+user's to choose (README, "Several machines").
 
-The parent supervises. A child that dies (non-zero exit or a signal) is named — "rank 1 exited with signal
-SIGKILL" — the others are terminated (SIGTERM, then SIGKILL after ``grace_s``) and :class:`RankFailedError` is
-raised, so a dead peer never leaves the survivors hanging in a collective until the timeout. Each child
-catches its own exception, prints it prefixed with its rank and exits non-zero.
+Otherwise :func:`launch` is the built-in spawner. It starts ``nprocs`` children with the ``spawn`` start
+method (``fork`` after torch has started threads can deadlock); they meet through a ``FileStore`` in a
+private directory and keep their gloo/NCCL connections on loopback (``runner/rendezvous.py``: nothing a
+single-node launch opens listens beyond this machine); each runs ``fn(*args)`` and sends its result back over
+a pipe.
+
+The parent supervises, so that a failure is named and no rank outlives the launch:
+
+- a rank that dies (non-zero exit or a signal) is named -- "rank 1 exited with signal SIGKILL" -- and the
+  others are terminated (SIGTERM, then SIGKILL after ``grace_s``), so a dead peer never leaves the
+  survivors hanging in a collective until the timeout;
+- a rank that stops sending heartbeats (``runner/liveness.py``) for ``silence_s`` (default: the collective
+  timeout, when its peers would time out anyway) is named as having stopped responding, with its process
+  state; when a peer fails first -- typically that collective timeout -- a rank silent at that moment is
+  named first, as the likely cause, instead of the peer that merely timed out;
+- SIGINT, SIGTERM or SIGHUP to the parent terminates every rank, then raises :class:`LaunchInterrupted`
+  naming them; ranks also die with the parent if it is killed outright (``PR_SET_PDEATHSIG``, watchdog);
+- an exception in a rank travels to the parent as its message and traceback (:class:`RankFailedError`);
+  with ``child_tracebacks`` the rank also prints the traceback, prefixed with its rank.
 """
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
 import signal
 import sys
+import threading
 import time
 import traceback
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
+
+from runner.liveness import BEAT_INTERVAL_S, STALE_S, describe_silence, die_with_parent, new_board, \
+    process_state, silence, start_heartbeat
+from runner.rendezvous import PrivateRendezvous, join_store, loopback_env
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -31,12 +50,44 @@ class LaunchError(RuntimeError):
     """The ranks could not be started or did not all finish; the message says which and why."""
 
 
-class RankFailedError(LaunchError):
-    """One or more spawned ranks died; ``failures`` is ``[(rank, description), ...]``, root cause first."""
+def join_ranks(ranks: Sequence[int]) -> str:
+    """``[1]`` -> "rank 1"; ``[0, 1, 2]`` -> "rank 0, rank 1 and rank 2"."""
+    names = [f"rank {r}" for r in ranks]
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
-    def __init__(self, failures: list[tuple[int, str]]) -> None:
+
+class RankFailedError(LaunchError):
+    """One or more spawned ranks failed; ``failures`` is ``[(rank, description), ...]``, likely cause first.
+
+    Ranks that failed the same way are named together ("rank 0 and rank 1 exited with code 1: ..."), so N
+    ranks hitting one bad checkpoint give one line. ``tracebacks`` maps a rank to its traceback text.
+    """
+
+    def __init__(self, failures: list[tuple[int, str]], tracebacks: dict[int, str] | None = None) -> None:
         self.failures = failures
-        super().__init__("; ".join(f"rank {r} {d}" for r, d in failures))
+        self.tracebacks = tracebacks or {}
+        groups: dict[str, list[int]] = {}
+        for rank, detail in failures:
+            groups.setdefault(detail, []).append(rank)
+        super().__init__("; ".join(f"{join_ranks(sorted(ranks))} {detail}" for detail, ranks in groups.items()))
+
+
+class LaunchInterrupted(KeyboardInterrupt):
+    """The launching process got SIGINT, SIGTERM or SIGHUP; every rank still running was stopped first.
+
+    A ``KeyboardInterrupt``: a request to stop must not be swallowed by an ``except Exception`` on its way
+    out, and code that catches Ctrl-C keeps working. ``signum`` is the signal, ``stopped`` the ranks ended.
+    """
+
+    def __init__(self, signum: int, stopped: Sequence[int] = ()) -> None:
+        self.signum = signum
+        self.stopped = list(stopped)
+        name = _signal_name(signum)
+        super().__init__(f"interrupted by {name}: stopped {join_ranks(self.stopped)}" if self.stopped
+                         else f"interrupted by {name}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
 
 
 def torchrun_env_present() -> bool:
@@ -100,18 +151,28 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-def _child_main(fn: Callable[..., Any], args: Sequence[Any], rank: int, world_size: int, store_port: int,
-                timeout_s: float, backend: str, num_threads: int, conn: Connection) -> None:
-    """Body of one spawned rank: join the world, run ``fn``, send ``("ok", result)`` or ``("error", text)``."""
+def describe_exception(exc: BaseException) -> str:
+    """``Type: message``, or the type alone when the message is empty (never a blank error)."""
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+def _child_main(payload: bytes, rank: int, world_size: int, store_path: str, timeout_s: float, backend: str,
+                num_threads: int, conn: Connection, board: Any, parent_pid: int, print_traceback: bool) -> None:
+    """Body of one spawned rank: tie its life to the parent, beat, join the world, run ``fn``, send
+    ``("ok", result)`` or ``("error", text, when, traceback)``."""
     code = 0
     try:
+        die_with_parent(parent_pid)
+        start_heartbeat(board, rank, parent_pid)
+        fn, args = pickle.loads(payload)  # imports fn's modules (torch...) with the heartbeat already running
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(num_threads)
         if backend == "nccl":
             _set_cuda_device(rank)
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=timeout_s))
+        store = join_store(store_path, world_size, timeout_s)
         dist.init_process_group(backend, store=dist.PrefixStore("ubatch", store), rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=timeout_s))
         result = fn(*args)
@@ -119,13 +180,14 @@ def _child_main(fn: Callable[..., Any], args: Sequence[Any], rank: int, world_si
         # shared-memory handles that die with this process (os._exit below) before the parent reads them.
         conn.send_bytes(pickle.dumps(("ok", result)))
     except BaseException as exc:  # noqa: BLE001 - report every failure, including KeyboardInterrupt
-        failed_at = time.time()
+        failed_at = time.monotonic()
         code = 130 if isinstance(exc, KeyboardInterrupt) else 1
         text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
-        sys.stderr.flush()
+        if print_traceback:
+            sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
+            sys.stderr.flush()
         try:
-            conn.send_bytes(pickle.dumps(("error", f"{type(exc).__name__}: {exc}", failed_at)))
+            conn.send_bytes(pickle.dumps(("error", describe_exception(exc), failed_at, text)))
         except (OSError, ValueError):
             pass
     finally:
@@ -136,66 +198,126 @@ def _child_main(fn: Callable[..., Any], args: Sequence[Any], rank: int, world_si
     os._exit(code)
 
 
-def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
-           backend: str | None = None, num_threads: int = 1, grace_s: float = 5.0,
-           start_method: str = "spawn") -> list[Any]:
-    """Run ``fn(*args)`` on ``nprocs`` spawned ranks of one torch.distributed world; results in rank order.
+class _ParentSignals:
+    """While armed, SIGINT, SIGTERM and SIGHUP raise :class:`LaunchInterrupted` in the main thread.
 
-    ``fn`` and ``args`` must be picklable (a module-level function; in a script, guard the call with
-    ``if __name__ == "__main__":``). ``timeout_s`` bounds every collective; children get
-    ``OMP_NUM_THREADS=num_threads`` so ranks sharing a machine do not oversubscribe it.
+    Disarmed (while the ranks are being stopped) a signal is only remembered in ``pending``, so a second
+    Ctrl-C cannot cut the clean-up short. Only handlers still at Python's defaults are replaced (an ignored
+    SIGHUP under ``nohup`` stays ignored), and only from the main thread, the one place signals are handled.
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    import torch.distributed as dist
 
-    backend = backend or default_backend()
-    check_gpus(backend, nprocs)
-    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=timeout_s))
-    ctx = mp.get_context(start_method)
-    procs: list[Any] = []
-    conns: list[Connection] = []
-    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                            "LOCAL_WORLD_SIZE")}
+    def __init__(self) -> None:
+        self.saved: dict[int, Any] = {}
+        self.armed = False
+        self.pending: int | None = None
+
+    def __enter__(self) -> "_ParentSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
+                if sig is None:
+                    continue
+                default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+                if signal.getsignal(sig) is default:
+                    self.saved[sig] = signal.signal(sig, self._handle)
+        self.armed = True
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if self.pending is None:
+            self.pending = signum
+        if self.armed:
+            self.armed = False
+            raise LaunchInterrupted(signum)
+
+    def __exit__(self, *exc: object) -> None:
+        self.armed = False
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in os.environ for the block (a spawned child inherits the environment at start())."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
-        for rank in range(nprocs):
-            # The environment is inherited at start(): OpenMP reads OMP_NUM_THREADS when torch is imported,
-            # which under spawn happens while unpickling ``fn``, before any code of ours runs in the child.
-            os.environ.update(OMP_NUM_THREADS=str(num_threads), RANK=str(rank), WORLD_SIZE=str(nprocs),
-                              LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs))
-            parent_conn, child_conn = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child_main, name=f"ubatch-rank-{rank}",
-                            args=(fn, tuple(args), rank, nprocs, store.port, timeout_s, backend, num_threads,
-                                  child_conn))
-            p.start()
-            child_conn.close()
-            procs.append(p)
-            conns.append(parent_conn)
-    except BaseException:
-        _terminate(procs, grace_s)
-        raise
+        yield
     finally:
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    try:
-        return _supervise(procs, conns, grace_s)
-    finally:
-        _terminate(procs, grace_s)
-        for c in conns:
-            c.close()
-        del store
 
 
-def _supervise(procs: list[Any], conns: list[Connection], grace_s: float) -> list[Any]:
+def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
+           backend: str | None = None, num_threads: int = 1, grace_s: float = 5.0,
+           start_method: str = "spawn", child_tracebacks: bool = True,
+           silence_s: float | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``nprocs`` spawned ranks of one torch.distributed world; results in rank order.
+
+    ``fn`` and ``args`` must be picklable (a module-level function; in a script, guard the call with
+    ``if __name__ == "__main__":``). ``timeout_s`` bounds every collective and the rendezvous; a rank with
+    no heartbeat for ``silence_s`` (default ``timeout_s``) is declared silent. Children get
+    ``OMP_NUM_THREADS=num_threads`` so ranks sharing a machine do not oversubscribe it. Raises
+    :class:`RankFailedError` naming the failed ranks, or :class:`LaunchInterrupted` on SIGINT/SIGTERM/SIGHUP.
+    """
+    if nprocs < 1:
+        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+    backend = backend or default_backend()
+    check_gpus(backend, nprocs)
+    payload = pickle.dumps((fn, tuple(args)))  # fails here, in the parent, if fn or args cannot travel
+    ctx = mp.get_context(start_method)
+    board = new_board(ctx, nprocs)
+    procs: list[Any] = []
+    conns: list[Connection] = []
+    started: list[float] = []
+    results: list[Any] = []
+    interrupted: int | None = None
+    stopped: list[int] = []
+    guard = _ParentSignals()
+    rdzv = PrivateRendezvous()
+    with guard:
+        try:
+            # OpenMP reads OMP_NUM_THREADS when torch is imported, which under spawn may happen while the
+            # child imports the parent's main module, before any code of ours runs there: hence the environment.
+            common = {"OMP_NUM_THREADS": str(num_threads), **loopback_env()}
+            for rank in range(nprocs):
+                parent_conn, child_conn = ctx.Pipe(duplex=False)
+                p = ctx.Process(target=_child_main, name=f"ubatch-rank-{rank}",
+                                args=(payload, rank, nprocs, rdzv.store_path, timeout_s, backend, num_threads,
+                                      child_conn, board, os.getpid(), child_tracebacks))
+                procs.append(p)  # before start(): a signal arriving during start() still finds it to stop
+                conns.append(parent_conn)
+                with _environ({**common, "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
+                               "LOCAL_WORLD_SIZE": str(nprocs)}):
+                    p.start()
+                child_conn.close()
+                started.append(time.monotonic())
+            results = _supervise(procs, conns, board, started, timeout_s if silence_s is None else silence_s,
+                                 grace_s)
+        except KeyboardInterrupt as exc:  # LaunchInterrupted from our handlers, or a Ctrl-C we did not handle
+            interrupted = getattr(exc, "signum", signal.SIGINT)
+        finally:
+            guard.armed = False
+            stopped = _terminate(procs, grace_s)
+            for c in conns:
+                c.close()
+            rdzv.close()
+    interrupted = interrupted if interrupted is not None else guard.pending
+    if interrupted is not None:
+        raise LaunchInterrupted(interrupted, stopped)
+    return results
+
+
+def _supervise(procs: list[Any], conns: list[Connection], board: Any, started: list[float], silence_s: float,
+               grace_s: float) -> list[Any]:
     n = len(procs)
     results: list[Any] = [None] * n
-    messages: list[tuple[str, Any] | None] = [None] * n
+    messages: list[tuple[Any, ...] | None] = [None] * n
     failures: list[tuple[int, str]] = []
     failed_at: dict[int, float] = {}  # when each failure happened: the earliest is the likely root cause
+    silent: set[int] = set()
     done: set[int] = set()
 
     def receive(rank: int) -> None:
@@ -211,7 +333,7 @@ def _supervise(procs: list[Any], conns: list[Connection], grace_s: float) -> lis
         receive(rank)
         done.add(rank)
         msg = messages[rank]
-        failed_at[rank] = msg[2] if msg and msg[0] == "error" else time.time()
+        failed_at[rank] = msg[2] if msg and msg[0] == "error" else time.monotonic()
         if p.exitcode != 0:
             detail = f": {msg[1]}" if msg and msg[0] == "error" else ""
             failures.append((rank, describe_exit(p.exitcode) + detail))
@@ -222,11 +344,22 @@ def _supervise(procs: list[Any], conns: list[Connection], grace_s: float) -> lis
         else:
             results[rank] = msg[1]
 
+    def check_silence(limit: float) -> None:
+        now = time.monotonic()
+        for rank in range(n):
+            if rank in done or rank in silent or procs[rank].exitcode is not None:
+                continue
+            quiet = silence(board, rank, started[rank], now)
+            if quiet > limit:
+                silent.add(rank)
+                failed_at[rank] = now - quiet
+                failures.append((rank, describe_silence(board, rank, procs[rank].pid, started[rank], now)))
+
     while len(done) < n and not failures:
         pending = [r for r in range(n) if r not in done]
         waitables: dict[Any, tuple[str, int]] = {procs[r].sentinel: ("exit", r) for r in pending}
         waitables.update({conns[r]: ("msg", r) for r in pending if messages[r] is None})
-        ready = wait(list(waitables), timeout=1.0)
+        ready = wait(list(waitables), timeout=BEAT_INTERVAL_S)
         exited = []
         for obj in ready:
             kind, rank = waitables[obj]
@@ -236,28 +369,41 @@ def _supervise(procs: list[Any], conns: list[Connection], grace_s: float) -> lis
                 exited.append(rank)
         for rank in exited:
             reap(rank)
+        if not failures:
+            check_silence(silence_s)
     if failures:
-        # Peers of a dead rank usually fail a moment later on the closed connection: collect those briefly, then
-        # put deaths by signal first (they send no report), then the others by when they failed.
+        # Peers of a failed rank usually fail a moment later on the closed connection: collect those briefly.
+        # A rank still running but silent by then is the likely cause (it stopped; its peers timed out
+        # waiting for it). Order: silent ranks, deaths by signal (they send no report), then by failure time.
         deadline = time.monotonic() + min(grace_s, 1.0)
         while time.monotonic() < deadline and len(done) < n:
             for rank in range(n):
-                if rank not in done and procs[rank].exitcode is not None:
+                if rank not in done and rank not in silent and procs[rank].exitcode is not None:
                     reap(rank)
             time.sleep(0.05)
-        failures.sort(key=lambda f: (0 if (procs[f[0]].exitcode or 0) < 0 else 1, failed_at[f[0]]))
-        raise RankFailedError(failures)
+        check_silence(STALE_S)
+        failures.sort(key=lambda f: (0 if f[0] in silent else 1 if (procs[f[0]].exitcode or 0) < 0 else 2,
+                                     failed_at[f[0]]))
+        tracebacks = {r: m[3] for r, m in enumerate(messages) if m and m[0] == "error" and len(m) > 3}
+        raise RankFailedError(failures, tracebacks)
     return results
 
 
-def _terminate(procs: list[Any], grace_s: float) -> None:
-    alive = [p for p in procs if p.is_alive()]
-    for p in alive:
-        p.terminate()
+def _terminate(procs: list[Any], grace_s: float) -> list[int]:
+    """Stop every rank still running (SIGTERM, then SIGKILL after ``grace_s``); returns the ranks stopped."""
+    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+    for r in alive:
+        procs[r].terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(procs[r].pid, signal.SIGCONT)  # a stopped rank acts on its SIGTERM only once continued
     deadline = time.monotonic() + grace_s
-    for p in alive:
-        p.join(max(0.0, deadline - time.monotonic()))
-    for p in alive:
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
+    for r in alive:
+        procs[r].join(max(0.0, deadline - time.monotonic()))
+    for r in alive:
+        if procs[r].is_alive():
+            procs[r].kill()
+            procs[r].join(5.0)
+        if procs[r].is_alive():
+            print(f"warning: rank {r} (pid {procs[r].pid}) still exists 5 s after SIGKILL (process state "
+                  f"{process_state(procs[r].pid)!r}); it may be blocked in the kernel", file=sys.stderr)
+    return alive

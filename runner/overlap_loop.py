@@ -14,7 +14,8 @@ long as the CPU's per-step work is shorter than a forward. Step N+1 is scheduled
 known: its inputs name them by placeholders, which the executor resolves from the future-token map
 (``runner/future_map.py``) right before N+1's forward, after N stored them.
 
-- ``copy_done`` (the step's ``Future``) is the only CPU wait. It bounds the look-ahead to one step: the
+- ``copy_done`` (the step's ``Future``) is the only CPU wait, bounded by ``step_timeout_s`` (the engine
+  passes ``--dist-timeout-s``: a step that long would already have timed out its peers' collectives). It bounds the look-ahead to one step: the
   CPU schedules N+2 only after N's results are processed, so the scheduler's speculative state is at most
   one step ahead, a request has at most two unresolved outputs, and exactly one step executes at a time
   (the next one waits in the queue, ready to start the moment the current one ends).
@@ -53,6 +54,7 @@ import queue
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -75,6 +77,7 @@ class ForwardExecutor:
     def __init__(self, num_threads: int | None = None, device: Any = None, name: str = "ubatch-forward") -> None:
         self.num_threads = num_threads if num_threads is not None else torch.get_num_threads()
         self.device = device
+        self.name = name
         self.busy_s = 0.0
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
@@ -140,13 +143,16 @@ class LoopStats:
 
 def run_steps(sched: Scheduler, runner: Any, *, executor: ForwardExecutor | None = None,
               consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
-              on_results: OnResults | None = None) -> LoopStats:
+              on_results: OnResults | None = None, step_timeout_s: float | None = None) -> LoopStats:
     """Step ``sched`` to completion through ``runner.step``: overlapped on ``executor``, or synchronously in
     this thread when it is None. ``before_launch(k)`` runs before the k-th step is scheduled;
-    ``on_results(out, sampled, finished)`` after each step's results are applied (progress, streaming)."""
+    ``on_results(out, sampled, finished)`` after each step's results are applied (progress, streaming).
+    ``step_timeout_s``: how long the CPU thread waits for one step on the executor before a
+    :class:`StepTimeoutError` (None: forever)."""
     if executor is None:
         return _run_sync(sched, runner, before_launch, on_results)
-    return _OverlapLoop(sched, runner, executor, consecutive_prefill_overlap, before_launch, on_results).run()
+    return _OverlapLoop(sched, runner, executor, consecutive_prefill_overlap, before_launch, on_results,
+                        step_timeout_s).run()
 
 
 def _run_sync(sched: Scheduler, runner: Any, before_launch: Callable[[int], None] | None,
@@ -199,10 +205,16 @@ class _Launched:
     copy_done: Future  # set by the executor once the step's sampled tokens are on the CPU side
 
 
+class StepTimeoutError(TimeoutError):
+    """The forward executor neither finished nor failed a step within the loop's ``step_timeout_s``."""
+
+
 class _OverlapLoop:
     def __init__(self, sched: Scheduler, runner: Any, executor: ForwardExecutor, consecutive_prefill_overlap: bool,
-                 before_launch: Callable[[int], None] | None, on_results: OnResults | None) -> None:
+                 before_launch: Callable[[int], None] | None, on_results: OnResults | None,
+                 step_timeout_s: float | None = None) -> None:
         self.sched, self.runner, self.executor = sched, runner, executor
+        self.step_timeout_s = step_timeout_s
         self.consecutive_prefill_overlap = consecutive_prefill_overlap
         self.before_launch, self.on_results = before_launch, on_results
         self.future_map = FutureTokenMap(sched.slots.capacity)
@@ -211,9 +223,19 @@ class _OverlapLoop:
     def _launch(self, out: SchedulerOutput) -> _Launched:
         return _Launched(out, self.executor.submit(lambda: forward_step(self.runner, self.future_map, out)))
 
+    def _wait(self, launched: _Launched) -> list[int | None] | None:
+        """The step's sampled tokens (or its exception), waiting at most ``step_timeout_s``."""
+        try:
+            return launched.copy_done.result(timeout=self.step_timeout_s)
+        except FutureTimeoutError:
+            raise StepTimeoutError(
+                f"the engine's CPU thread waited {self.step_timeout_s:g} s for a step of {len(launched.out.chunks)} "
+                f"chunks on the forward executor thread {self.executor.name!r}, which neither finished nor failed "
+                "it (raise --dist-timeout-s if one step legitimately takes longer)") from None
+
     def _process(self, launched: _Launched) -> None:
         t0 = time.perf_counter()
-        sampled = launched.copy_done.result()  # the only CPU wait
+        sampled = self._wait(launched)  # the only CPU wait
         t1 = time.perf_counter()
         self.stats.copy_wait_s += t1 - t0
         if sampled is None:
@@ -267,7 +289,7 @@ class _OverlapLoop:
                     stats.num_steps += 1
                     continue
                 # Empty here (dummy step, or the end): nothing is in flight, nothing to overlap.
-                sampled = launched.copy_done.result()
+                sampled = self._wait(launched)
                 launched = None
                 if sampled is None:
                     break
@@ -279,7 +301,7 @@ class _OverlapLoop:
             for pending in (inflight, launched):
                 if pending is not None:
                     try:
-                        pending.copy_done.result()
+                        self._wait(pending)
                     except BaseException:  # noqa: BLE001 - the original error is the one to report
                         pass
             stats.wall_s = time.perf_counter() - start

@@ -45,6 +45,23 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     (["--model", "no-such-model"], "argument --model: model 'no-such-model' is neither a local directory"),
     (["--prompts-file", "/nonexistent/p.jsonl"], "argument --prompts-file: cannot read '/nonexistent/p.jsonl'"),
     (["--cuda-graph-sizes", "1,2,x"], "argument --cuda-graph-sizes: --cuda-graph-sizes: 'x' is not an integer"),
+    (["--emulate-link", "latency_us=1e9"],
+     "argument --emulate-link: emulate_link 'latency_us=1e9': emulated link latency_us must be <= 1000000 (1 s per "
+     "transfer), got 1e+09"),
+    (["--emulate-link", "latency_us=nan,gbps=inf"],
+     "argument --emulate-link: emulate_link 'latency_us=nan,gbps=inf': bad --emulate-link value 'nan' for "
+     "latency_us; expected a finite number"),
+    (["--emulate-link", "gbps=inf"], "bad --emulate-link value 'inf' for gbps; expected a finite number (omit gbps "
+                                     "for a link without a bandwidth limit)"),
+    (["--emulate-link", "gbps=1e-6"], "emulated link gbps must be >= 0.001 (1 MB/s), got 1e-06"),
+    (["--max-model-len", "5000"], "argument --max-model-len: max_model_len 5000 is above the model's "
+                                  "max_position_embeddings (4096); use at most 4096"),
+    (["--cache-dir", "/proc/no-such-dir"], "argument --cache-dir: cannot create '/proc/no-such-dir/models' to write "
+                                           "the built-in model 'tiny-qwen3-moe'"),
+    (["--dbo-schedule", "deepseek"], "argument --dbo-schedule: Qwen3MoeForCausalLM does not support the 'deepseek' "
+                                     "DBO schedule (it supports: moe)"),
+    (["--output-json", "/nonexistent/dir/o.json"],
+     "argument --output-json: cannot write '/nonexistent/dir/o.json': No such file or directory"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], expected: str, capsys: pytest.CaptureFixture) -> None:
     err = usage_error(["generate", *argv], capsys)
@@ -138,3 +155,74 @@ def test_torchrun_world_sets_dp(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
     assert (j.cfg.data_parallel_size, j.cfg.all2all_backend) == (2, "auto")
     assert "--data-parallel-size: 4 does not match torchrun's WORLD_SIZE=2" in usage_error(["generate", "-dp", "4"],
                                                                                              capsys)
+
+
+def test_binary_prompts_file_is_named(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    f = tmp_path / "prompts.bin"
+    f.write_bytes(b'{"prompt_token_ids": [1]}\n\x00\xff\xfe\n')
+    err = usage_error(["generate", "--prompts-file", str(f)], capsys)
+    assert f"argument --prompts-file: {f} is not a text file (byte 27 is not UTF-8)" in err, err
+
+
+def test_output_paths_are_checked_before_any_rank_starts(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert f"argument --output-json: '{tmp_path}' is a directory" in usage_error(
+        ["generate", "--output-json", str(tmp_path)], capsys)
+    assert "argument --output-csv: cannot write '/nonexistent/b.csv'" in usage_error(
+        ["bench", "--output-csv", "/nonexistent/b.csv"], capsys)
+    ok = tmp_path / "new.json"
+    job(["generate", "--output-json", str(ok)])
+    assert not ok.exists()  # the check leaves nothing behind
+    kept = tmp_path / "old.json"
+    kept.write_text("previous results\n")
+    job(["generate", "--output-json", str(kept)])
+    assert kept.read_text() == "previous results\n"  # ... and does not truncate an existing file
+
+
+def test_results_that_cannot_be_written_at_the_end_keep_the_summary(tmp_path: Path,
+                                                                     capsys: pytest.CaptureFixture) -> None:
+    from runner.report import report_bench, report_generate
+
+    out = {"index": 0, "token_ids": [1, 2], "finish_reason": "length", "error": None}
+    stats = {"num_steps": 2, "num_ubatched_steps": 0, "num_output_tokens": 2, "elapsed_s": 0.5}
+    run = {"dbo": False, "outputs": [out], "stats": stats, "summary": "requests: 1 (0 errors) | ...", "trace": None}
+    gone = tmp_path / "removed-during-the-run" / "o.json"
+    assert report_generate({"runs": [run]}, str(gone)) == 1
+    captured = capsys.readouterr()
+    assert "requests: 1 (0 errors)" in captured.out
+    assert f"error: could not write the results to --output-json {gone}: No such file or directory" in captured.err
+    assert report_bench({"runs": [run, {**run, "dbo": True}]}, str(gone.with_suffix(".csv"))) == 1
+    captured = capsys.readouterr()
+    assert "token outputs DBO off vs on: identical (1 requests)" in captured.out
+    assert "error: could not write the results to --output-csv" in captured.err
+
+
+def test_no_request_succeeded_exits_1_with_each_error_text(capsys: pytest.CaptureFixture) -> None:
+    assert main(["generate", "--num-kv-blocks", "1", "--num-prompts", "2", "--max-tokens", "4"]) == 1
+    captured = capsys.readouterr()
+    why = "request may grow to 20 tokens, which needs 2 KV-cache blocks of 16 tokens but the cache has only 1"
+    assert f"[0] error: {why}" in captured.out and f"[1] error: {why}" in captured.out
+    assert "requests: 2 (2 errors) | prompt tokens: 0 |" in captured.out
+    assert "error: no request succeeded (2 of 2 failed)" in captured.err
+
+
+def test_engine_errors_are_one_line_unless_debug(capsys: pytest.CaptureFixture) -> None:
+    argv = ["generate", "--max-num-seqs", "10000000", "--num-prompts", "1", "--max-tokens", "1"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "error: KVCacheTooLargeError: the KV cache needs " in err, err
+    assert "it is sized by --num-kv-blocks (default: enough blocks for --max-num-seqs requests of --max-model-len " \
+           "tokens) and --block-size" in err
+    assert "Traceback" not in err and "(run with --debug or UBATCH_DEBUG=1 for the full traceback)" in err
+    assert main([*argv, "--debug"]) == 1
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "check_kv_cache_fits" in err
+
+
+def test_help_states_the_real_max_model_len_default(capsys: pytest.CaptureFixture) -> None:
+    from runner.model_runner import DEFAULT_MAX_MODEL_LEN
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert (f"--max-model-len N default: the model's max_position_embeddings, capped at {DEFAULT_MAX_MODEL_LEN}; "
+            "a value above max_position_embeddings is rejected") in text, text

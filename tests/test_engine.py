@@ -130,3 +130,39 @@ def test_text_prompts_with_a_real_tokenizer_and_model(tmp_path) -> None:
     by_ids = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3))[0]
     assert by_ids.token_ids == outs[0].token_ids and by_ids.text == outs[0].text  # ids in, text out too
     llm.close()
+
+
+def test_numpy_and_torch_integer_token_ids_are_accepted() -> None:
+    import numpy as np
+    import torch
+
+    llm = make_llm()
+    sp = SamplingParams(max_tokens=3)
+    want = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], sp)]
+    forms = [[np.int64(1), np.int32(2), np.uint8(3)], np.array([4, 5])]
+    assert [o.token_ids for o in llm.generate(forms, sp)] == want
+    assert [o.token_ids for o in llm.generate(np.array([[1, 2, 3]]), sp)] == want[:1]  # a 2-D array: one row each
+    assert [o.token_ids for o in llm.generate([torch.tensor([4, 5])], sp)] == want[1:]
+    outs = llm.generate([[np.float64(1.0)], [True, 2]], sp)  # still not token ids: per-request errors
+    assert [o.finish_reason for o in outs] == ["error", "error"]
+    assert "is np.float64(1.0), not an integer token id" in outs[0].error
+    assert "position 0 is True, not an integer token id" in outs[1].error
+    with pytest.raises(TypeError, match="flat list of ints"):
+        llm.generate(np.array([1, 2, 3]))
+
+
+def test_prompt_token_count_leaves_out_rejected_prompts() -> None:
+    llm = make_llm(max_model_len=10)
+    llm.generate([[1, 2], list(range(30)), [5, 64]], SamplingParams(max_tokens=2))  # too long, out of vocab
+    st = llm.last_stats
+    assert (st.num_requests, st.num_errors, st.num_prompt_tokens) == (3, 2, 2)
+    assert "prompt tokens: 2 |" in st.summary()
+
+
+def test_max_model_len_above_the_models_positions_is_rejected() -> None:
+    from runner.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"max_model_len 4097 is above the model's max_position_embeddings "
+                                          r"\(4096\); use at most 4096") as info:
+        LLM(model="tiny-qwen3-moe", max_model_len=4097)
+    assert info.value.flag == "--max-model-len"

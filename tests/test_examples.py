@@ -1,6 +1,7 @@
 """The examples run as a user would run them (subprocesses from the repository root) and print what they promise."""
 from __future__ import annotations
 
+import hashlib
 import os
 import re
 import subprocess
@@ -10,10 +11,32 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_example(name: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    return subprocess.run([sys.executable, str(ROOT / "examples" / name)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=120)
+def run_example(name: str, *args: str, **extra_env: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           **extra_env}
+    return subprocess.run([sys.executable, str(ROOT / "examples" / name), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def _digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def test_trace_dbo_step_writes_outside_the_repository_by_default(tmp_path: Path) -> None:
+    tracked = [ROOT / "docs" / "dbo_timeline.png", ROOT / "docs" / "dbo_trace.json"]
+    before = [_digest(p) for p in tracked]
+    proc = run_example("trace_dbo_step.py", TMPDIR=str(tmp_path))  # the default: a new temporary directory
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert [_digest(p) for p in tracked] == before  # docs/ untouched
+    trace = Path(re.search(r"rank-0 Chrome trace: (\S+)", proc.stdout).group(1))
+    png = Path(re.search(r"timeline: (\S+)", proc.stdout).group(1))
+    assert trace.parent == png.parent and trace.parent.parent == tmp_path, proc.stdout
+    assert trace.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert re.search(r"layer\s+compute_ms\s+comm_ms\s+hidden_ms", proc.stdout), proc.stdout
+    out = tmp_path / "chosen"
+    proc = run_example("trace_dbo_step.py", "--out-dir", str(out), "--steps", "1", "--warmup", "1")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert sorted(p.name for p in out.iterdir()) == ["dbo_timeline.png", "dbo_trace.json"]
 
 
 def test_wrap_your_model() -> None:
@@ -31,3 +54,13 @@ def test_offline_generate_over_two_dp_ranks() -> None:
     assert [ln.split("]")[0] for ln in lines] == [f"[{i}" for i in range(6)]  # every prompt, in input order
     m = re.search(r"ubatched steps: (\d+)/(\d+) \(DBO\)", proc.stdout)
     assert m and int(m.group(1)) > 0, proc.stdout
+
+
+def test_wrap_transformers_model() -> None:
+    proc = run_example("wrap_transformers_model.py")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "logits match the unpatched model" in proc.stdout
+    diffs = [float(d) for d in re.findall(r"max \|logits - unpatched\| = ([0-9.e+-]+)", proc.stdout)]
+    assert len(diffs) == 6 and max(diffs) <= 1e-5, proc.stdout  # 1 rank and 2 EP ranks, DBO off and on
+    yields = re.findall(r"yields per ubatch = \[(\d+), (\d+)\]", proc.stdout)
+    assert len(yields) == 3 and all(a == b and int(a) > 0 for a, b in yields), proc.stdout

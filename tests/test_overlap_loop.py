@@ -21,7 +21,7 @@ from runner.engine import LLM
 from runner.config import RunnerConfig
 from runner.future_map import FutureTokenMap
 from runner.slots import SlotPool, placeholder
-from runner.overlap_loop import ForwardExecutor, LoopStats, forward_step, run_steps
+from runner.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError, forward_step, run_steps
 from runner.sampling import SamplingParams, make_generator
 from runner.scheduler import Scheduler, SchedulerOutput
 
@@ -357,6 +357,27 @@ def test_executor_thread_sets_torch_threads_and_reports_errors() -> None:
     ex.close()
     with pytest.raises(RuntimeError, match="closed"):
         ex.submit(lambda: 0)
+
+
+def test_a_step_that_never_ends_is_a_timeout_naming_the_executor_not_a_hang() -> None:
+    release = threading.Event()
+
+    class StuckRunner(FakeRunner):
+        def step(self, out: SchedulerOutput) -> Any:
+            release.wait(30)  # a forward that neither returns nor raises (until the test lets it go)
+            return super().step(out)
+
+    runner = StuckRunner()
+    sched = make_sched(runner)
+    sched.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
+    ex = ForwardExecutor(num_threads=1)
+    try:
+        with pytest.raises(StepTimeoutError, match=r"waited 0.2 s for a step of 1 chunks on the forward executor "
+                                                   r"thread 'ubatch-forward'.*--dist-timeout-s"):
+            run_steps(sched, runner, executor=ex, step_timeout_s=0.2)
+    finally:
+        release.set()
+        ex.close()
 
 
 def test_flags_parse() -> None:

@@ -53,9 +53,13 @@ def _layer_starts(spans: Sequence[TimedSpan]) -> dict[int, float]:
 
 def render(chrome: dict[str, Any], out_path: str, pid: int | None = None, title_prefix: str | None = None) -> str:
     """Write the timeline PNG of rank ``pid`` (default: the lowest) of a Chrome-trace dict; returns the path."""
+    pids = trace_pids(chrome)
     if pid is None:
-        pids = trace_pids(chrome)
         pid = pids[0] if pids else None
+    elif pid not in pids:
+        held = f"it holds rank{'s' if len(pids) > 1 else ''} {', '.join(map(str, pids))}" if pids else \
+            "it holds no spans"
+        raise ValueError(f"no rank {pid} in the trace ({held}); pick one with --pid")
     pid, spans = spans_from_chrome(chrome, pid)
     if not spans:
         raise ValueError("the trace has no spans to draw (was anything run inside trace.recording()?)")

@@ -5,6 +5,11 @@ fused expert tensor is sliced to this rank's expert rows before it is read, so a
 its own experts. Built-in tiny models (seeded random weights) are written once, atomically, to
 ``<root>/models/<name>`` where ``root`` is ``cache_dir`` if given, else ``$UBATCH_CACHE_DIR``, else
 ``~/.cache/ubatch``; concurrent ranks racing to create one end up reading the same files.
+
+Every problem with a checkpoint is a :class:`CheckpointError` naming the file and what is wrong with it (a
+config that is not a JSON object, an unknown architecture, a missing field, a corrupt or truncated
+safetensors file, a missing tensor); for a cached built-in model it says which cache entry to delete. A cache
+directory that cannot be written is a :class:`CacheDirError`, so the CLI can blame ``--cache-dir``.
 """
 from __future__ import annotations
 
@@ -13,16 +18,18 @@ import json
 import os
 import shutil
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
 
+from runner.config import ConfigError
 from runner.models.configs import BaseMoEConfig
-from runner.models.registry import get_model_class, parse_config
+from runner.models.registry import architecture_of, get_model_class, parse_config, supported_architectures
 from runner.models.weights import FUSED_RE, expand_fused
 from ubatch.modular_moe.config import MoEParallelConfig
 
@@ -50,6 +57,30 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
     },
 }
 TINY_SEED = 1234
+# config.json fields without which the model is undefined (the dataclass defaults are only for tests' configs).
+REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean",
+               type(None): "null"}
+
+
+class CheckpointError(ValueError):
+    """A model file that cannot be used; the message is ``<file>: <problem>``."""
+
+    def __init__(self, path: str | os.PathLike, problem: str) -> None:
+        self.path = Path(path)
+        super().__init__(f"{path}: {problem}")
+
+
+class CacheDirError(OSError):
+    """The cache directory for built-in models cannot be created or written."""
+
+
+def _cache_hint(model_dir: Path) -> str:
+    """For a cached built-in model, how to get a fresh copy; empty otherwise."""
+    if model_dir.name in TINY_MODELS and model_dir.parent.name == "models":
+        return (f"; this is the cached built-in model {model_dir.name!r}: delete {str(model_dir)!r} and it will be "
+                "written again")
+    return ""
 
 
 def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
@@ -77,8 +108,12 @@ def _write_tiny(name: str, final: Path) -> None:
     model = get_model_class(config["architectures"][0])(cfg, None, torch.float32)
     gen = torch.Generator().manual_seed(TINY_SEED)
     tensors = {n: _tiny_tensor(n, s, gen).contiguous() for n, s in sorted(model.weight_spec().all_names())}
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
+    except OSError as e:
+        raise CacheDirError(f"cannot create {str(final.parent)!r} to write the built-in model {name!r}: "
+                            f"{e.strerror or e}") from None
     try:
         save_file(tensors, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
@@ -87,6 +122,9 @@ def _write_tiny(name: str, final: Path) -> None:
         except OSError:
             if not (final / "config.json").exists():
                 raise
+    except OSError as e:
+        raise CacheDirError(f"cannot write the built-in model {name!r} into {str(final.parent)!r}: "
+                            f"{e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -108,11 +146,60 @@ def resolve_model_path(model: str, cache_dir: str | os.PathLike | None = None) -
         "downloads are not supported: fetch the checkpoint yourself and pass its directory")
 
 
+def load_config(path: Path) -> BaseMoEConfig:
+    """Parse ``path/config.json``; every problem is a :class:`CheckpointError` naming the file."""
+    file = path / "config.json"
+    try:
+        d = json.loads(file.read_text())
+    except OSError as e:
+        raise CheckpointError(file, f"cannot read it: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(file, f"not UTF-8 text (byte {e.start}){_cache_hint(path)}") from None
+    except json.JSONDecodeError as e:
+        raise CheckpointError(file, f"not valid JSON ({e.msg} at line {e.lineno}){_cache_hint(path)}") from None
+    if not isinstance(d, dict):
+        raise CheckpointError(file, f"must hold a JSON object with the model's settings, got "
+                                    f"{_JSON_TYPES.get(type(d), type(d).__name__)}")
+    try:
+        arch = architecture_of(d)  # first: an unknown architecture explains any other mismatch
+        if arch not in supported_architectures():
+            raise ValueError(f"unknown model architecture {arch!r}; supported: {', '.join(supported_architectures())}")
+        for key in REQUIRED_CONFIG_FIELDS:
+            value = d.get(key)
+            if key not in d:
+                raise ValueError(f"no {key!r} field (a {arch} config needs {', '.join(REQUIRED_CONFIG_FIELDS)})")
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{key!r} must be a positive integer, got {value!r}")
+        return parse_config(d)
+    except KeyError as e:
+        raise CheckpointError(file, f"missing field {e.args[0]!r}") from None
+    except (ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(file, str(e)) from None
+
+
+def model_config(model: str, cache_dir: str | os.PathLike | None = None) -> BaseMoEConfig:
+    """The parsed config of a local directory or built-in model, without reading any weight."""
+    return load_config(resolve_model_path(model, cache_dir))
+
+
+def check_max_model_len(max_model_len: int | None, config: BaseMoEConfig) -> None:
+    """A ``max_model_len`` above the model's ``max_position_embeddings`` is rejected: positions past what the
+    model was trained on give garbage silently (vLLM rejects it too)."""
+    limit = config.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ConfigError("max_model_len", f"max_model_len {max_model_len} is above the model's "
+                                           f"max_position_embeddings ({limit}); use at most {limit}")
+
+
 def checkpoint_files(path: Path) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = [path / f for f in sorted(set(weight_map.values()))]
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = [path / f for f in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(index, f"not a valid safetensors index ({type(e).__name__}: {e}); it must map "
+                                         "'weight_map' names to file names") from None
         for f in files:
             if not f.is_file():
                 raise FileNotFoundError(f"{index.name} lists {f.name}, which is missing from {str(path)!r}")
@@ -123,11 +210,31 @@ def checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def open_checkpoint_file(file: Path) -> Iterator[Any]:
+    """``safe_open`` whose errors (corrupt header, truncated file, bad tensor) name the file."""
+    try:
+        with safe_open(str(file), framework="pt", device="cpu") as fh:
+            yield fh
+    except SafetensorError as e:
+        raise CheckpointError(file, f"corrupt or truncated safetensors file ({e}){_cache_hint(file.parent)}") \
+            from None
+
+
+def check_checkpoint_files(path: Path) -> list[Path]:
+    """Open every checkpoint file's header (cheap: nothing is read past it); raise on a corrupt one."""
+    files = checkpoint_files(path)
+    for file in files:
+        with open_checkpoint_file(file) as fh:
+            fh.keys()
+    return files
+
+
 def iter_checkpoint(path: Path, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor this rank keeps, read lazily."""
     spec = model.weight_spec()
     for file in checkpoint_files(path):
-        with safe_open(str(file), framework="pt", device="cpu") as fh:
+        with open_checkpoint_file(file) as fh:
             for key in fh.keys():
                 if FUSED_RE.match(key):
                     sl = fh.get_slice(key)
@@ -144,20 +251,42 @@ def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: tor
     ``dtype`` defaults to the config's ``torch_dtype``/``dtype``, else float32.
     """
     path = resolve_model_path(model, cache_dir)
-    config = parse_config(json.loads((path / "config.json").read_text()))
+    config = load_config(path)
     dtype = dtype or config.dtype or torch.float32
     cls = get_model_class(config.architectures[0])
     with torch.device("meta"), skip_weight_init():  # every parameter is overwritten by the checkpoint
         net = cls(config, parallel, dtype)
     check_spec_covers_parameters(net)
     net.to_empty(device=device)
-    net.load_weights(iter_checkpoint(path, net))
+    try:
+        net.load_weights(iter_checkpoint(path, net))
+    except CheckpointError:
+        raise
+    except ValueError as e:  # weights.py: a missing, unexpected or mis-shaped tensor
+        files = ", ".join(f.name for f in checkpoint_files(path))
+        raise CheckpointError(path, f"{e} (checkpoint files: {files}){_cache_hint(path)}") from None
     return net.eval(), config
 
 
 _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
                    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
                    "sparse_")
+
+
+_init_lock = threading.Lock()
+_init_state = threading.local()  # .depth: how many skip_weight_init blocks this thread is inside
+_init_users = 0  # threads inside a block; the no-op wrappers are installed while it is positive
+_saved_init: dict[str, Callable[..., Any]] = {}
+
+
+def _skipping_init(name: str) -> Callable[..., Any]:
+    original = _saved_init[name]
+
+    def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if getattr(_init_state, "depth", 0):
+            return tensor
+        return original(tensor, *args, **kwargs)
+    return init
 
 
 @contextlib.contextmanager
@@ -167,15 +296,29 @@ def skip_weight_init() -> Iterator[None]:
     Building on the meta device already allocates nothing, but ``nn.Linear``/``nn.Embedding`` still run
     their random init there, and on meta tensors that goes through torch's reference ops, whose first use
     imports TorchDynamo: seconds of start-up for values the checkpoint overwrites anyway.
+
+    Ranks run as threads load concurrently, so the patch is shared: the first thread in installs wrappers
+    that skip only for threads inside a block, and the last one out restores the originals. A thread that
+    builds a model meanwhile, outside any block, still gets its random init.
     """
-    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS if hasattr(nn.init, name)}
-    for name in saved:
-        setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    global _init_users
+    with _init_lock:
+        if _init_users == 0:
+            _saved_init.clear()
+            _saved_init.update({n: getattr(nn.init, n) for n in _INIT_FUNCTIONS if hasattr(nn.init, n)})
+            for name in _saved_init:
+                setattr(nn.init, name, _skipping_init(name))
+        _init_users += 1
+    _init_state.depth = getattr(_init_state, "depth", 0) + 1
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(nn.init, name, fn)
+        _init_state.depth -= 1
+        with _init_lock:
+            _init_users -= 1
+            if _init_users == 0:
+                for name, fn in _saved_init.items():
+                    setattr(nn.init, name, fn)
 
 
 def check_spec_covers_parameters(net: nn.Module) -> None:

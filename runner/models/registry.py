@@ -25,7 +25,11 @@ def supported_architectures() -> list[str]:
 def architecture_of(config_dict: dict[str, Any]) -> str:
     archs = config_dict.get("architectures") or []
     if not archs:
-        raise ValueError(f"config.json has no 'architectures' entry; supported: {', '.join(supported_architectures())}")
+        raise ValueError(f"no 'architectures' entry (the model class); supported: "
+                         f"{', '.join(supported_architectures())}")
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise ValueError(f"'architectures' must be a list of model class names, e.g. [\"Qwen3MoeForCausalLM\"]; "
+                         f"got {archs!r}")
     return archs[0]
 
 

@@ -11,6 +11,7 @@ step CUDA-graph capturable.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -22,16 +23,35 @@ from ubatch import streams, trace
 from ubatch.modular_moe.comm import Handle
 
 
+# Bounds of a modelled link. A transfer is waited for while the run holds its collectives open, so a latency
+# of minutes (latency_us=1e9) only hangs the run: 1 s per transfer is already slower than any real network.
+# Below 1 MB/s a step's all-to-all would take minutes too.
+MAX_LATENCY_US = 1e6
+MIN_GBPS = 1e-3
+
+
 @dataclass(frozen=True)
 class LinkSpec:
+    """``latency_us`` in [0, MAX_LATENCY_US]; ``gbps`` (gigabytes per second) at least MIN_GBPS, or infinite
+    (the default: no bandwidth limit; the ``--emulate-link`` text omits gbps for that)."""
+
     latency_us: float = 0.0
     gbps: float = float("inf")  # gigabytes per second
 
     def __post_init__(self) -> None:
+        if not math.isfinite(self.latency_us):
+            raise ValueError(f"emulated link latency_us must be a finite number, got {self.latency_us}")
         if self.latency_us < 0:
             raise ValueError(f"emulated link latency_us must be >= 0, got {self.latency_us}")
+        if self.latency_us > MAX_LATENCY_US:
+            raise ValueError(f"emulated link latency_us must be <= {MAX_LATENCY_US:.0f} (1 s per transfer), got "
+                             f"{self.latency_us:g}")
+        if math.isnan(self.gbps):
+            raise ValueError(f"emulated link gbps must be a number, got {self.gbps}")
         if self.gbps <= 0:
             raise ValueError(f"emulated link gbps must be > 0, got {self.gbps}")
+        if self.gbps < MIN_GBPS:
+            raise ValueError(f"emulated link gbps must be >= {MIN_GBPS:g} (1 MB/s), got {self.gbps:g}")
 
     def seconds(self, nbytes: int) -> float:
         return self.latency_us * 1e-6 + nbytes / (self.gbps * 1e9)
@@ -45,9 +65,13 @@ class LinkSpec:
             if not sep or key.strip() not in ("latency_us", "gbps"):
                 raise ValueError(f"bad --emulate-link item {part!r}; expected latency_us=<float>,gbps=<float>")
             try:
-                values[key.strip()] = float(raw)
+                value = float(raw)
             except ValueError:
                 raise ValueError(f"bad --emulate-link value {raw!r} for {key.strip()}; expected a number") from None
+            if not math.isfinite(value):
+                raise ValueError(f"bad --emulate-link value {raw.strip()!r} for {key.strip()}; expected a finite "
+                                 "number (omit gbps for a link without a bandwidth limit)")
+            values[key.strip()] = value
         if not values:
             raise ValueError(f"empty --emulate-link spec {text!r}; expected latency_us=<float>,gbps=<float>")
         return cls(**values)

@@ -1,0 +1,85 @@
+"""Inject a fault into a real ``python -m runner`` run, without any test hook in production code.
+
+    python tests/fault_injection.py RANK STEP ACTION -- generate -dp 2 ...
+
+runs the CLI unchanged, except that the job each rank runs first wraps ``runner.engine.run_steps`` so that
+its ``before_launch`` hook (a parameter ``run_steps`` has anyway) also fires the fault: on rank ``RANK``
+(``all``: every rank), before step ``STEP``, it prints ``fault: rank R step S ACTION`` to stderr, then
+
+- ``SIGKILL`` / ``SIGSTOP`` / any signal name: sends that signal to its own process;
+- ``hold:PATH``: waits until PATH exists (the test's go-ahead), keeping the rank busy for as long as the test
+  needs it to be (to read its sockets, or to signal the parent mid-run).
+
+The wrapped job travels to the spawned ranks as a ``functools.partial`` of this module's function, which they
+import by name (spawned children get the parent's ``sys.path``, whose first entry is this directory).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+HOLD_TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Fault:
+    rank: int | None  # None: every rank
+    step: int
+    action: str
+
+    def fire(self, rank: int, step: int) -> None:
+        sys.stderr.write(f"fault: rank {rank} step {step} {self.action}\n")  # one write: ranks share the pipe
+        sys.stderr.flush()
+        if self.action.startswith("hold:"):
+            path = self.action[len("hold:"):]
+            deadline = time.monotonic() + HOLD_TIMEOUT_S
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fault_injection: rank {rank} waited {HOLD_TIMEOUT_S:.0f} s for the test to "
+                                       f"create {path}")
+                time.sleep(0.05)
+            return
+        os.kill(os.getpid(), signal.Signals[self.action])
+
+
+def run_job_with_fault(fault: Fault, job: Any) -> Any:
+    """``runner.cli.run_job`` with ``fault`` wired into the engine loop's ``before_launch`` hook."""
+    import runner.engine as engine
+    from runner.cli import run_job
+
+    rank = int(os.environ.get("RANK", "0"))
+    original = engine.run_steps
+
+    def run_steps(*args: Any, before_launch: Any = None, **kwargs: Any) -> Any:
+        def hook(step: int) -> None:
+            if before_launch is not None:
+                before_launch(step)
+            if step == fault.step and fault.rank in (None, rank):
+                fault.fire(rank, step)
+
+        return original(*args, before_launch=hook, **kwargs)
+
+    engine.run_steps = run_steps
+    return run_job(job)
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) < 4 or argv[3] != "--":
+        raise SystemExit("usage: fault_injection.py RANK|all STEP ACTION -- <python -m runner arguments>")
+    rank, step, action = argv[0], int(argv[1]), argv[2]
+    import runner.cli
+
+    fault = Fault(None if rank == "all" else int(rank), step, action)
+    runner.cli.run_job = functools.partial(run_job_with_fault, fault)  # what main() hands to every rank
+    return runner.cli.main(argv[4:])
+
+
+if __name__ == "__main__":
+    from fault_injection import main as importable_main  # so the partial pickles as fault_injection.*, not __main__
+
+    sys.exit(importable_main(sys.argv[1:]))
