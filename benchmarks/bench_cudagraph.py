@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 
 from cudagraph.dispatch import GraphKey, token_split  # noqa: E402
+from cudagraph.manager import GraphRunner  # noqa: E402
 from cudagraph.sizes import parse_cuda_graph_sizes  # noqa: E402
 from runner.cuda_graphs import make_graph_runner  # noqa: E402
 from runner.config import RunnerConfig  # noqa: E402

@@ -19,7 +19,8 @@ Calibration: a traced run without DBO and with a near-free link measures the com
 spans) and the bytes the link carries. For each ratio R the link is then set so that its total time equals
 R x compute (latency 20 us per transfer, bandwidth solving the rest), and DBO off / on runs alternate on the
 same engine (medians of ``--repeats``). ``ideal = off - min(compute, comm)``; ``saving % of ideal`` is
-``(off - on) / (off - ideal)``. One traced DBO run per R gives ``comm hidden`` (share of the link time
+``(off - on) / (off - ideal)``. ``wire on/off`` (dp2): bytes the real collectives carried with DBO over
+without (the ubatches are sized by their own bounds, so about 1). One traced DBO run per R gives ``comm hidden`` (share of the link time
 spent behind compute), the unattributed share of the step, and the copy CPU.
 
 Usage: ``python benchmarks/bench_engine_dbo.py [--modes single dp2] [--ratios 0.25 0.5 1 2 4] [--repeats 3]``.
@@ -113,10 +114,12 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int) -> li
                 comm_s = ratio * compute_s
                 gbps = nbytes / max(comm_s - transfers * LATENCY_US * 1e-6, 1e-6) / 1e9
                 runtime.set_link(f"latency_us={LATENCY_US},gbps={gbps:.6g}")
-                off, on = [], []
+                off, on, wire = [], [], {False: 0, True: 0}
                 for _ in range(repeats):
-                    off.append(timed(llm, prompts, params, False).elapsed_s)
-                    on.append(timed(llm, prompts, params, True).elapsed_s)
+                    for dbo, times in ((False, off), (True, on)):
+                        before = runtime.wire_bytes()
+                        times.append(timed(llm, prompts, params, dbo).elapsed_s)
+                        wire[dbo] = runtime.wire_bytes() - before
                 traced = timed(llm, prompts, params, True, trace_path)
                 if llm.rank == 0:
                     m = llm.last_trace.metrics[0]
@@ -134,6 +137,7 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int) -> li
                         "copy_cpu_s": round(cpu.other_s, 4) if cpu is not None else 0.0,
                         "copy_cpu_pct_of_rank_cpu": round(100 * cpu.other_s / cpu.total_s, 1) if cpu and cpu.total_s else 0.0,
                         "ubatched_steps": f"{traced.num_ubatched_steps}/{traced.num_steps}",
+                        "wire_on_over_off": round(wire[True] / wire[False], 3) if wire[False] else 0.0,
                     })
     finally:
         llm.close()
@@ -145,7 +149,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             ("compute_s", "compute s", 9), ("comm_s", "comm s", 7), ("dbo_off_s", "off s", 7), ("dbo_on_s", "on s", 7),
             ("ideal_s", "ideal s", 7), ("speedup", "on/off", 6), ("saving_pct_of_ideal", "% of ideal", 10),
             ("comm_hidden_pct", "hidden %", 8), ("unattributed_pct", "unattr %", 8),
-            ("copy_cpu_pct_of_rank_cpu", "copy CPU %", 10)]
+            ("copy_cpu_pct_of_rank_cpu", "copy CPU %", 10), ("wire_on_over_off", "wire on/off", 11)]
     print(" | ".join(f"{title:>{w}}" for _, title, w in cols))
     for r in rows:
         cells = []

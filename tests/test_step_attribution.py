@@ -37,11 +37,11 @@ def traced_steps(tmp_path_factory: pytest.TempPathFactory) -> dict:
     tmp = tmp_path_factory.mktemp("attribution")
     trace_file = tmp / "trace.json"
     llm = LLM(model=WIDE, cache_dir=str(tmp / "cache"), enable_dbo=True, dbo_cost_model="off",
-              dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16, max_num_seqs=32,
+              dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16, max_num_seqs=64,
               emulate_link="latency_us=50,gbps=2", trace_file=str(trace_file))
     try:
         rng = random.Random(0)
-        prompts = [[rng.randrange(1024) for _ in range(24)] for _ in range(32)]
+        prompts = [[rng.randrange(1024) for _ in range(24)] for _ in range(48)]
         llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), disable_progress=True)
         assert llm.last_stats.num_ubatched_steps == llm.last_stats.num_steps > 10
     finally:

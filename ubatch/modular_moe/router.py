@@ -42,7 +42,7 @@ def select_experts(
     """
     if group_scoring not in GROUP_SCORINGS:
         raise ValueError(f"unknown group_scoring {group_scoring!r}; expected one of {GROUP_SCORINGS}")
-    num_experts = _validate(
+    _validate(
         router_logits, top_k, scoring_func, num_expert_group, topk_group, e_score_correction_bias
     )
 
