@@ -254,3 +254,31 @@ def test_eager_graph_stand_in_captures_on_the_capture_stream_and_syncs_like_cuda
             x.sum()
 
     assert races(body) == []
+
+
+def test_the_mode_is_entered_in_project_threads_but_not_in_library_housekeeping_threads() -> None:
+    """A daemon thread still alive at interpreter exit with the mode on its stack aborts the process (tqdm's
+    monitor did, at the end of a sanitised run), so only plain threads not marked ``touches_no_tensors``
+    get it."""
+    import threading
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    seen: dict[str, bool] = {}
+
+    def probe(key: str) -> None:
+        seen[key] = _get_current_dispatch_mode() is not None
+
+    class Housekeeping(threading.Thread):
+        def run(self) -> None:
+            probe("subclass")
+
+    with stream_sanitizer.sanitizing():
+        marked = threading.Thread(target=probe, args=("marked",))
+        marked.touches_no_tensors = True  # type: ignore[attr-defined]
+        threads = [threading.Thread(target=probe, args=("plain",)), marked, Housekeeping()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(10)
+    assert seen == {"plain": True, "marked": False, "subclass": False}

@@ -26,7 +26,8 @@ vector clock per stream), with these differences, because here the "streams" are
 - Kernels modelled by hand (the DeepEP stand-in in the tests) simply run their torch ops with their
   stream current (``ubatch.streams.stream``).
 - *Threads*: dispatch modes are per thread, so the mode is entered in every thread started while the
-  sanitizer is on (a one-shot ``threading.setprofile`` hook): rank threads, ubatch workers, the overlap
+  sanitizer is on (a one-shot ``threading.setprofile`` hook; library housekeeping threads excepted, see
+  ``_thread_started``): rank threads, ubatch workers, the overlap
   loop's executor. Host-side synchronisation between threads orders nothing: as on a GPU, only stream
   edges do.
 
@@ -308,8 +309,17 @@ class StreamSanitizer:
 
     def _thread_started(self, frame: Any, event: str, arg: Any) -> None:
         """``threading.setprofile`` hook: runs once at the start of every new thread, enters the mode
-        there (dispatch modes are per thread), then removes itself from that thread."""
+        there (dispatch modes are per thread), then removes itself from that thread.
+
+        Skipped: threads of a ``Thread`` subclass (library housekeeping such as tqdm's monitor) and threads
+        marked ``touches_no_tensors`` (the launcher's heartbeat). They run no tensor op, and they are daemon
+        threads still alive at interpreter exit, where a dispatch mode on their thread-local mode stack
+        aborts the process ("terminate called without an active exception") as the thread is torn down.
+        """
         sys.setprofile(self._previous_profile)
+        thread = threading.current_thread()
+        if type(thread) is not threading.Thread or getattr(thread, "touches_no_tensors", False):
+            return
         if self.enabled:
             self.push_on_this_thread()
 
