@@ -20,7 +20,6 @@ same order, which the arrival order of threads cannot guarantee, so there a conc
 """
 from __future__ import annotations
 
-import concurrent.futures
 import numbers
 import os
 import sys
@@ -36,7 +35,6 @@ from runner.overlap_loop import ForwardExecutor, LoopStats, run_steps
 from runner.sampling import SamplingParams, make_generator
 from runner.scheduler import Request, Scheduler
 
-FORWARD_START_S = 30.0  # a new forward thread runs its first task at once; this only bounds a stuck start
 
 
 @dataclass
@@ -167,7 +165,6 @@ class LLM:
         # waits (collectives, handoffs) all time out.
         self._busy = threading.Lock()
         self._busy_thread: int | None = None  # the thread inside generate(), if any
-        self._forward_thread: int | None = None  # the forward executor's thread, once there is one
 
     # ------------------------------------------------------------------ helpers
     def get_tokenizer(self) -> Any:
@@ -254,7 +251,8 @@ class LLM:
         Thread-safe: concurrent calls run one after the other (``last_stats`` describes the latest to finish);
         with data_parallel_size > 1 a call made while another runs raises RuntimeError (module docstring).
         """
-        if self._busy_thread is not None and threading.get_ident() in (self._busy_thread, self._forward_thread):
+        forward_thread = self._executor.thread_id if self._executor is not None else None
+        if self._busy_thread is not None and threading.get_ident() in (self._busy_thread, forward_thread):
             # from the calling thread or this LLM's forward thread: it would wait for itself forever
             raise RuntimeError("LLM.generate called again from inside a generate() call (same thread, or the "
                                "forward thread running its steps)")
@@ -359,11 +357,6 @@ class LLM:
         """The persistent thread steps run on with the overlap loop (created on first use, closed by close())."""
         if self._executor is None:
             self._executor = ForwardExecutor(device=getattr(self.runner, "device", None))
-            try:
-                self._forward_thread = self._executor.submit(threading.get_ident).result(timeout=FORWARD_START_S)
-            except concurrent.futures.TimeoutError:
-                raise RuntimeError(f"LLM waited {FORWARD_START_S:.0f} s for its new forward thread to run a first "
-                                   "task; the thread is stuck") from None
         return self._executor
 
     def _progress_bar(self, total: int, disable: bool) -> Any:

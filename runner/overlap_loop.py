@@ -15,9 +15,9 @@ known: its inputs name them by placeholders, which the executor resolves from th
 (``runner/future_map.py``) right before N+1's forward, after N stored them.
 
 - ``copy_done`` (the step's ``Future``) is the only CPU wait, bounded by ``step_timeout_s`` (the engine
-  passes ``--dist-timeout-s``: a step that long would already have timed out its peers' collectives). It bounds the look-ahead to one step: the
-  CPU schedules N+2 only after N's results are processed, so the scheduler's speculative state is at most
-  one step ahead, a request has at most two unresolved outputs, and exactly one step executes at a time
+  passes ``--dist-timeout-s``: a step that long would already have timed out its peers' collectives). It
+  bounds the look-ahead to one step: the CPU schedules N+2 only after N's results are processed, so the
+  scheduler's speculative state is at most one step ahead, a request has at most two unresolved outputs, and exactly one step executes at a time
   (the next one waits in the queue, ready to start the moment the current one ends).
 - Inputs are built fresh per step (the chunks' token/block lists are copies; placeholder resolution
   makes new chunk objects) and the runner's persistent ``input_ids``/``positions`` buffers are written
@@ -103,6 +103,11 @@ class ForwardExecutor:
             else:
                 self.busy_s += time.perf_counter() - t0  # before the result: a waiter then sees the total
                 fut.set_result(result)
+
+    @property
+    def thread_id(self) -> int | None:
+        """The executor thread's ``threading.get_ident()`` (set once ``start()`` has returned)."""
+        return self._thread.ident
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         if not self._thread.is_alive():

@@ -275,7 +275,7 @@ _INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_",
 
 _init_lock = threading.Lock()
 _init_state = threading.local()  # .depth: how many skip_weight_init blocks this thread is inside
-_init_users = 0  # threads inside a block; the no-op wrappers are installed while it is positive
+_init_users = 0  # blocks open in any thread; the skipping wrappers are installed while it is positive
 _saved_init: dict[str, Callable[..., Any]] = {}
 
 
