@@ -30,11 +30,29 @@ demo: install
 # stream-order sanitizer (ubatch/stream_sanitizer.py): a missing stream wait fails there, though CPU hides it.
 # (The DeepEP/DeepGEMM stand-in and sanitizer tests turn it on themselves.) -rs lists every skip and its reason.
 SANITIZED_TESTS ?= tests/test_moe_ep.py tests/test_sbo.py tests/test_overlap_loop.py tests/test_cudagraph_dispatch.py \
-	tests/test_e2e_dbo.py tests/test_moe_padding_and_sizing.py tests/test_wrapper.py
+	tests/test_e2e_dbo.py tests/test_moe_padding_and_sizing.py tests/test_wrapper.py tests/test_graph_memory.py
 
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -rs $(PYTEST_ARGS)
 	OMP_NUM_THREADS=1 $(PY) -m pytest -rs --stream-sanitizer $(PYTEST_ARGS) $(SANITIZED_TESTS)
+
+# The Triton tests again on the oldest Triton that setup.cfg allows (triton>=3.6: torch 2.11 pins 3.6.0 on the
+# GPU machines), in a venv of their own with the CPU torch wheel; the kernels run in Triton's interpreter and
+# are compiled ahead of time for sm_90 (tests/triton_compile_check.py). Not part of `make test`; .ci/run runs it.
+TRITON_MIN ?= 3.6.0
+TRITON_MIN_VENV ?= build/venv-triton-min
+TRITON_MIN_TESTS ?= tests/test_triton_paged_decode.py tests/test_experts.py tests/test_moe_ep.py
+
+$(TRITON_MIN_VENV)/.installed: setup.cfg pyproject.toml
+	test -x $(TRITON_MIN_VENV)/bin/python || python3 -m venv $(TRITON_MIN_VENV)
+	$(TRITON_MIN_VENV)/bin/python -m pip install -q torch==2.13.0 triton==$(TRITON_MIN) 'pytest>=8' 'hypothesis>=6.100'
+	$(TRITON_MIN_VENV)/bin/python -m pip install -q -e .
+	touch $@
+
+.PHONY: test-triton-min
+test-triton-min: $(TRITON_MIN_VENV)/.installed
+	$(TRITON_MIN_VENV)/bin/python -c "import triton, sys; sys.exit(triton.__version__ != '$(TRITON_MIN)' and 'expected triton $(TRITON_MIN), got ' + triton.__version__)"
+	OMP_NUM_THREADS=1 $(TRITON_MIN_VENV)/bin/python -m pytest -rs $(PYTEST_ARGS) -k triton $(TRITON_MIN_TESTS)
 
 bench: install
 	$(PY) benchmarks/report.py

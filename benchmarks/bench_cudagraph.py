@@ -1,7 +1,8 @@
 """Decode step time: eager DBO (threads) vs a replayed DBO graph vs a replayed non-DBO graph, on one GPU.
 
 The model is the built-in tiny MoE (or ``--model``) on the ``none`` all-to-all wrapped in the emulated
-link (a sleep kernel on a side stream, so the communication costs GPU time but no CPU), Triton experts.
+link (a sleep kernel on a side stream, so the communication costs GPU time but no CPU), the engine's default
+experts and attention backends (``--experts-backend``, ``--attention-backend``: auto).
 For each decode size, side by side in one run (medians over ``--iters`` steps):
 
   step ms    wall time from the forward call to the end of its GPU work (synchronised every step)
@@ -55,6 +56,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sizes", default="32,64,128", type=parse_cuda_graph_sizes)
     p.add_argument("--emulate-link", default="latency_us=30,gbps=50")
     p.add_argument("--context-len", type=int, default=256, help="cached tokens per request")
+    p.add_argument("--experts-backend", default="auto")
+    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--csv", type=Path, default=OUT)
@@ -97,7 +100,8 @@ def main() -> int:
     args = parse_args()
     sizes = args.sizes
     cfg = RunnerConfig(model=args.model, dtype=args.dtype, enable_dbo=True, dbo_decode_token_threshold=2,
-                       experts_backend="triton", emulate_link=args.emulate_link or None,
+                       experts_backend=args.experts_backend, attention_backend=args.attention_backend,
+                       emulate_link=args.emulate_link or None, enforce_eager=True,
                        max_num_seqs=max(sizes), max_num_batched_tokens=max(max(sizes), 512),
                        max_model_len=args.context_len + 64)
     runner = ModelRunner(cfg)
@@ -107,15 +111,18 @@ def main() -> int:
                                   keys=[GraphKey(n, token_split(n, 2)) for n in sizes])
     graph_plain = make_graph_runner(runner, sizes=sizes, progress=True, wrapper=None,
                                     keys=[GraphKey(n) for n in sizes])
-    print(graph_dbo.capture().summary())
-    print(graph_plain.capture().summary())
+    for gr in (graph_dbo, graph_plain):
+        report = gr.capture()
+        print(report.summary())
+        print("  " + ", ".join(f"{key}: {nbytes / 2**20:.1f} MiB" for key, nbytes in report.memory_table()))
     decode = Decode(runner, args.context_len)
 
     def eager(model: Any, n: int, ubatch: bool) -> Callable[[], Any]:
         meta, slices, ids, pos = decode.inputs(n, ubatch)
+        attn = runner._attention_metadata(meta, slices)  # what an engine step hands the model
 
         def run() -> Any:
-            with set_forward_context(attn_metadata=meta, ubatch_slices=slices):
+            with set_forward_context(attn_metadata=attn, ubatch_slices=slices):
                 return model(input_ids=ids, positions=pos)
         return run
 

@@ -58,8 +58,8 @@ WORKLOADS = {  # name -> (prompts per rank, prompt length, max tokens)
 }
 
 
-def engine_settings(mode: str, cache_dir: str) -> dict[str, Any]:
-    base = dict(model=MODEL, cache_dir=cache_dir, enable_dbo=True, dbo_cost_model="off",  # DBO on every step
+def engine_settings(mode: str, cache_dir: str, device: str = "auto") -> dict[str, Any]:
+    base = dict(model=MODEL, cache_dir=cache_dir, device=device, enable_dbo=True, dbo_cost_model="off",  # DBO on every step
                 dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2, max_num_seqs=512,
                 max_num_batched_tokens=2048, max_model_len=512, emulate_link="latency_us=0,gbps=1000",
                 dist_timeout_s=600.0)
@@ -80,7 +80,8 @@ def timed(llm: Any, prompts: list[list[int]], params: Any, dbo: bool, trace_file
     return llm.last_stats
 
 
-def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int) -> list[dict[str, Any]] | None:
+def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
+             device: str = "auto") -> list[dict[str, Any]] | None:
     """One rank's body (both ranks run it under dp2); rank 0 returns the rows."""
     import torch
     import torch.distributed as dist
@@ -89,7 +90,7 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int) -> li
     from runner.sampling import SamplingParams
 
     torch.set_num_threads(1)
-    llm = LLM(**engine_settings(mode, cache_dir))
+    llm = LLM(**engine_settings(mode, cache_dir, device))
     world = llm.world_size
     runtime = llm.runner.model.moe_runtime
     link = runtime.link()
@@ -209,16 +210,19 @@ def main() -> None:
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output", default=str(RESULTS_DIR / "engine_dbo.csv"))
+    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+                    help="as the engine's --device; dp2 on a host with one GPU needs cpu")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="ubatch-bench-") as cache_dir:
         for mode in args.modes:
             if mode == "single":
-                got = run_mode(mode, cache_dir, args.ratios, args.repeats)
+                got = run_mode(mode, cache_dir, args.ratios, args.repeats, args.device)
             else:
                 from runner.launch import launch
 
-                got = launch(run_mode, 2, args=(mode, cache_dir, args.ratios, args.repeats), timeout_s=3600)[0]
+                got = launch(run_mode, 2, args=(mode, cache_dir, args.ratios, args.repeats, args.device),
+                             timeout_s=3600, device=args.device)[0]
             assert got is not None
             rows.extend(got)
     print(f"engine DBO: {MODEL} (hidden 1024, 16 experts top-4, 4 layers); medians of {args.repeats}; "

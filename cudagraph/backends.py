@@ -19,7 +19,12 @@ from ubatch.slicing import UBatchSlice
 
 
 class GraphBackend(Protocol):
-    """What the manager needs from a graph implementation (CUDA, or the eager test double below)."""
+    """What the manager needs from a graph implementation (CUDA, or the eager test double below).
+
+    ``capture`` either returns ``(graph, static output)`` or raises with nothing left behind: no capture
+    still running on ``stream``, no half-captured graph holding pool memory, the calling thread's current
+    stream as it was. The manager relies on that to drop a size that ran out of memory and go on.
+    """
 
     def new_pool(self) -> Any: ...
     def capture(self, fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tuple[Any, torch.Tensor]: ...
@@ -29,15 +34,74 @@ class GraphBackend(Protocol):
     def free_memory(self) -> int: ...
 
 
+#: Messages of CUDA/cuBLAS failures that mean "out of device memory" without torch's OutOfMemoryError type
+#: (a cudaMalloc inside a library, or the capture's end reporting the error the allocation left behind).
+_OOM_MESSAGES = ("out of memory", "CUBLAS_STATUS_ALLOC_FAILED", "cudaErrorMemoryAllocation")
+
+
+class CaptureStateError(RuntimeError):
+    """A failed capture could not be undone (a stream is still capturing): never a size to drop and go on."""
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` -- or an exception it was raised from or during -- is a device out-of-memory error.
+
+    The chain is walked because an OOM raised inside ``torch.cuda.graph`` can surface as a different error
+    from the capture's end (a stream forked into the capture was left unjoined by the aborted step), with the
+    ``torch.cuda.OutOfMemoryError`` as its context.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, CaptureStateError):
+            return False
+        if isinstance(current, torch.cuda.OutOfMemoryError):
+            return True
+        if isinstance(current, RuntimeError) and any(m in str(current) for m in _OOM_MESSAGES):
+            return True
+        current = current.__cause__ or current.__context__
+    return False
+
+
 class CudaGraphBackend:
     def new_pool(self) -> Any:
         return torch.cuda.graph_pool_handle()
 
     def capture(self, fn: Callable[[], torch.Tensor], pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            out = fn()
+        body_error: list[BaseException] = []
+        try:
+            # The outer stream guard restores this thread's stream even when the capture's end raises:
+            # torch.cuda.graph.__exit__ calls capture_end() before it leaves its own stream context.
+            with torch.cuda.stream(stream):
+                with torch.cuda.graph(graph, pool=pool, stream=stream):
+                    try:
+                        out = fn()
+                    except BaseException as exc:
+                        body_error.append(exc)
+                        raise
+        except BaseException as exc:
+            self._abandon(graph, pool, stream, end_failed=not body_error or exc is not body_error[0])
+            raise
         return graph, out
+
+    @staticmethod
+    def _abandon(graph: Any, pool: Any, stream: Any, end_failed: bool) -> None:
+        """Undo a capture that raised: its graph's pool reference and, if the capture's end itself failed, the
+        allocator's routing into the pool (torch skips ``endAllocateToPool`` when ``cudaStreamEndCapture``
+        errors, and a later capture into the same pool would then be refused as "already recording")."""
+        if end_failed:
+            end_routing = getattr(torch._C, "_cuda_endAllocateToPool", None)
+            if end_routing is not None:
+                with contextlib.suppress(RuntimeError):  # already ended: the capture got that far
+                    end_routing(stream.device.index, pool)
+        with contextlib.suppress(RuntimeError):
+            graph.reset()
+        with torch.cuda.stream(stream):
+            if torch.cuda.is_current_stream_capturing():
+                raise CaptureStateError(f"a failed CUDA graph capture left {stream} capturing; the process cannot "
+                                   "capture or run further work on it (run with --enforce-eager)")
 
     def replay(self, graph: Any) -> None:
         graph.replay()

@@ -162,14 +162,24 @@ _ALL2ALL_BLOCKERS = {
     "torch_ht": "all2all backend torch_ht exchanges counts and reads them on the host (.tolist()) every layer",
     "deepep_high_throughput": "DeepEP high-throughput mode syncs with the host (vLLM forces eager for it)",
 }
+# Experts backends not listed capture: grouped_mm (device-side offsets), triton, deep_gemm. Callers pass the
+# resolved name (``auto`` is resolved by ``ubatch.modular_moe.experts.resolve_experts_backend`` first).
 _EXPERTS_BLOCKERS = {
     "torch": "experts backend torch selects each expert's tokens with nonzero() (a host sync); "
-             "use --experts-backend triton or deep_gemm for CUDA graphs",
+             "use --experts-backend auto (grouped_mm on a 9.x/10.x GPU), grouped_mm, triton or deep_gemm "
+             "for CUDA graphs",
 }
 
 
 def capture_blocker(all2all_backend: str, experts_backend: str) -> str | None:
-    """Why a model with these backends cannot be captured (``None``: it can). Unknown names are allowed."""
+    """Why a model with these backends cannot be captured (``None``: it can). Unknown names are allowed.
+
+    ``experts_backend`` must be resolved already: ``auto`` names no backend (it depends on the device), so it
+    raises rather than pass as capturable.
+    """
+    if experts_backend == "auto":
+        raise ValueError("capture_blocker needs the resolved experts backend, got 'auto': resolve it with "
+                         "ubatch.modular_moe.experts.resolve_experts_backend(name, device)")
     return _ALL2ALL_BLOCKERS.get(all2all_backend) or _EXPERTS_BLOCKERS.get(experts_backend)
 
 

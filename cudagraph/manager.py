@@ -12,6 +12,16 @@ Before the first capture cuBLAS is touched on every ubatch worker thread for eve
 (a handle or workspace created inside a capture is illegal or lands in the graph pool): one thread with
 the greenlet executor, one per ubatch with the threads executor.
 
+Graph memory. All graphs share one private pool and are captured largest first, so a smaller graph's
+intermediates reuse the blocks the larger one freed (graphs replay one at a time, in stream order); what a
+graph keeps allocated is its static output alone. The ladder then costs about its largest graph plus one
+output per size -- provided nothing else keeps capture-time tensors alive. Autograd did: captured with grad
+enabled (``ModelRunner.__init__`` is not under inference mode), every output held its step's saved
+activations, so graph memory grew with every size, and the KV cache's in-place writes chained each capture's
+activations to the next (the per capture/clear leak). Captures and warm-ups therefore run under
+``torch.no_grad()``. The plan has one graph per size (DBO or plain, never both), so DBO does not double it.
+``CaptureReport.bytes_by_key`` records what each size added; a size that runs out of memory is dropped.
+
 This package sits below the engine: it knows nothing of ``runner``. What a graph needs from the model's
 attention -- persistent decode-metadata buffers and a way to make the attention capturable -- is passed
 in by the caller (``runner/cuda_graphs.py`` wires the engine's own).
@@ -21,17 +31,19 @@ from __future__ import annotations
 import collections
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, ContextManager, Protocol, Sequence
 
 import torch
 
-from cudagraph.backends import CudaGraphBackend, GraphBackend, deepep_ll_counter, warm_ubatch_threads
+from cudagraph.backends import (
+    CudaGraphBackend, GraphBackend, deepep_ll_counter, is_out_of_memory, warm_ubatch_threads,
+)
 from cudagraph.dispatch import (
     BatchKind, CaptureRuleError, Dispatch, GraphKey, Why, check_deepep_ll_rules, check_replay,
     classify_batch, plan_captures, select_graph,
 )
-from ubatch import streams
+from ubatch import streams, trace
 from ubatch.forward_context import ForwardContext, set_forward_context
 from ubatch.slicing import CommonAttentionMetadata, UBatchSlice
 
@@ -39,7 +51,7 @@ logger = logging.getLogger("ubatch.cudagraph")
 
 
 class MetadataBuffers(Protocol):
-    """Persistent attention metadata the graphs read (the engine's: ``runner.attention_graph``)."""
+    """Persistent attention metadata the graphs read (the engine's: ``runner.attention.graph``)."""
 
     def fill_padding(self, num_tokens: int) -> None:
         """Make rows ``[0, num_tokens)`` padding requests (what a capture runs with)."""
@@ -52,7 +64,13 @@ class MetadataBuffers(Protocol):
 
 
 MetadataBuffersFactory = Callable[[int], MetadataBuffers]  # called with the largest capture size
-CapturableAttention = Callable[[torch.nn.Module], ContextManager[int]]  # yields how many call sites it rerouted
+# Entered around warm-ups and captures; yields how many of the model's attention layers take the graph
+# metadata (0: the model's attention must be capturable by itself).
+CapturableAttention = Callable[[torch.nn.Module], ContextManager[int]]
+# Called after every planned size with "this rank captured it"; returns "every DP rank captured it". DP ranks
+# must keep the same graphs: a graph replays its collectives, and a peer running eager at that size would
+# build a step of another padded size.
+CaptureAgreement = Callable[[bool], bool]
 
 
 @dataclass
@@ -67,15 +85,53 @@ class GraphEntry:
 
 @dataclass
 class CaptureReport:
+    """What ``capture()`` did: graphs kept, time, device memory the graphs hold, and what ran out of memory.
+
+    ``bytes_by_key``: device memory each size's capture took from the driver (warm-ups and capture of that size,
+    measured with everything synchronised; captures go largest first, so a smaller graph mostly reuses the
+    shared pool's blocks and adds little). ``graph_bytes`` is the whole capture's figure. Both are 0 on a
+    backend that reports no device memory (the eager stand-in).
+    """
+
     keys: list[GraphKey]
     seconds: float
     graph_bytes: int
+    bytes_by_key: dict[GraphKey, int] = field(default_factory=dict)
+    dropped: list[GraphKey] = field(default_factory=list)  # planned, not kept: out of memory (on some DP rank)
+    first_oom: GraphKey | None = None  # the first size that ran out of memory here (None: a DP peer's did)
 
     def summary(self) -> str:
         plain = [k.num_tokens for k in self.keys if not k.ubatched]
         dbo = [k.num_tokens for k in self.keys if k.ubatched]
         return (f"captured {len(self.keys)} CUDA graphs (decode sizes {plain}, DBO sizes {dbo}) in "
                 f"{self.seconds:.1f} s using {self.graph_bytes / 2**20:.1f} MiB of graph memory")
+
+    def memory_table(self) -> list[tuple[str, int]]:
+        """``(graph, bytes)`` per captured size, in capture order (largest first), for a benchmark to print."""
+        return [(str(k), b) for k, b in self.bytes_by_key.items() if k in self.keys]
+
+    def dropped_message(self) -> str | None:
+        """The warning naming the sizes dropped, or ``None`` when every planned size was captured."""
+        if not self.dropped:
+            return None
+        sizes = ", ".join(str(k.num_tokens) for k in sorted(self.dropped, reverse=True))
+        cause = (f"out of memory capturing {_describe(self.first_oom)}" if self.first_oom is not None
+                 else "another DP rank ran out of memory capturing")
+        if not self.keys:
+            return f"CUDA graphs: {cause}; dropped sizes {sizes}; no graph is left, every step runs eager"
+        largest = max(k.num_tokens for k in self.keys)
+        above = max(k.num_tokens for k in self.dropped) > largest
+        tail = (f"batches above {largest} run eager" if above else
+                "their batches pad to the next captured size")
+        return f"CUDA graphs: {cause}; dropped sizes {sizes}; {tail}"
+
+
+def _describe(key: GraphKey) -> str:
+    return f"{key.num_tokens} (DBO {'+'.join(map(str, key.ubatch_sizes))})" if key.ubatched else str(key.num_tokens)
+
+
+class _WarmupOutOfMemory(RuntimeError):
+    """An eager warm-up ran out of memory while DP peers may have collectives of that step in flight."""
 
 
 class GraphRunner:
@@ -90,8 +146,10 @@ class GraphRunner:
                  metadata_buffers: MetadataBuffersFactory, capturable_attention: CapturableAttention,
                  sizes: Sequence[int], wrapper: Any = None, dbo_decode_threshold: int = 32,
                  keys: Sequence[GraphKey] | None = None, backend: GraphBackend | None = None,
-                 num_warmups: int = 2, progress: bool = True, real_token_mask: torch.Tensor | None = None) -> None:
+                 num_warmups: int = 2, progress: bool = True, real_token_mask: torch.Tensor | None = None,
+                 agree: CaptureAgreement | None = None, capture_stream: Any = None) -> None:
         self.model, self.wrapper = model, wrapper
+        self.agree = agree
         self.input_ids, self.positions = input_ids, positions
         # The caller's persistent [max_tokens] bool buffer marking real rows: captured graphs read it, so the
         # caller refills it before every replay and padding rows stay routed nowhere (see FusedMoE).
@@ -110,19 +168,30 @@ class GraphRunner:
         self.capturable_attention = capturable_attention
         self.backend: GraphBackend = backend or CudaGraphBackend()
         self.num_warmups, self.progress = num_warmups, progress
-        self.capture_stream = streams.new_stream(self.device, name="graph-capture")
+        # Reused by every capture (and handed on by the caller to a later runner of the same model): torch keeps a
+        # cuBLAS workspace per (thread's handle, stream) for the life of the process.
+        self.capture_stream = capture_stream if capture_stream is not None else \
+            streams.new_stream(self.device, name="graph-capture")
         self.pool: Any = None
         self.graphs: dict[GraphKey, GraphEntry] = {}
         self.stats: collections.Counter[Why] = collections.Counter()
         self.warmed_threads: set[int] = set()
+        self.report: CaptureReport | None = None  # the last capture's (graph memory per size, sizes dropped)
 
     # ---- capture ---------------------------------------------------------------------------------------
     def capture(self) -> CaptureReport:
-        """Capture every planned graph (tqdm bar; one INFO line with sizes, seconds and graph memory).
+        """Capture every planned graph that fits (tqdm bar; one INFO line with sizes, seconds and graph memory).
 
-        Run it before serving: it temporarily reroutes the model's attention functions, so it must not
-        overlap an eager step on another thread. With DP every rank captures the same plan in the same
-        order, so the collectives inside warm-ups and captures pair up.
+        Run it before serving, not beside an eager step on another thread: it refills the input and metadata
+        buffers that steps use. With DP every rank captures the same plan in the same
+        order, so the collectives inside warm-ups and captures pair up, and ``agree`` settles after each size
+        whether every rank kept it.
+
+        A size that runs out of device memory is dropped, never fatal: the half-captured graph is released,
+        the smaller sizes are still tried (they reuse the pool's blocks), and one warning names the sizes
+        dropped. Any other failure clears every graph and raises. Everything runs without autograd: a graph
+        captured with grad enabled would keep each step's saved activations alive in the pool (and the KV
+        cache's in-place writes would chain them from one capture to the next).
         """
         if self.graphs:
             raise RuntimeError("graphs are already captured; call clear() first")
@@ -132,22 +201,23 @@ class GraphRunner:
         self.backend.synchronize()
         free_before, start = self.backend.free_memory(), time.perf_counter()
         self.pool = self.backend.new_pool()
-        if self.wrapper is not None:
-            extra = [] if self.device.type != "cuda" else [torch.cuda.current_stream(self.device)]
-            self.warmed_threads |= warm_ubatch_threads(self.wrapper, [self.capture_stream,
-                                                                       self.wrapper.comm_stream, *extra])
+        report = CaptureReport([], 0.0, 0)
         bar = tqdm(keys, desc="Capturing CUDA graphs", unit="graph", disable=not self.progress, dynamic_ncols=True)
         try:
-            with self.capturable_attention(self.model) as rerouted:
-                if not rerouted:
-                    logger.warning("capturable_attention rerouted no attention call of the model; its own attention "
-                                   "must then be capturable")
-            for key in bar:
-                bar.set_postfix_str(str(key), refresh=False)
-                self.graphs[key] = self._capture_one(key)
+            with torch.no_grad():
+                self._warm_threads()
+                with self.capturable_attention(self.model) as graph_layers:
+                    if not graph_layers:
+                        logger.warning("no attention layer of the model takes the graphs' decode metadata; its "
+                                       "own attention must then be capturable")
+                for key in bar:
+                    bar.set_postfix_str(str(key), refresh=False)
+                    self._capture_or_drop(key, report)
         except BaseException as exc:
-            failed = next((k for k in keys if k not in self.graphs), None)
+            failed = next((k for k in keys if k not in self.graphs and k not in report.dropped), None)
             self.clear()
+            if isinstance(exc, _WarmupOutOfMemory):
+                raise RuntimeError(str(exc)) from exc.__cause__
             if isinstance(exc, RuntimeError) and not isinstance(exc, CaptureRuleError) and failed is not None:
                 raise RuntimeError(
                     f"capturing the CUDA graph for {failed} failed: {exc}. The step is not capturable: look for "
@@ -158,19 +228,55 @@ class GraphRunner:
         finally:
             bar.close()
         self.backend.synchronize()
-        report = CaptureReport(sorted(self.graphs), time.perf_counter() - start,
-                               max(0, free_before - self.backend.free_memory()))
+        # Later work on the caller's stream (buffer refills, replays) comes after the capture stream's warm-ups.
+        streams.current_stream(self.device).wait_stream(self.capture_stream)
+        report.keys = sorted(self.graphs)
+        report.seconds = time.perf_counter() - start
+        report.graph_bytes = max(0, free_before - self.backend.free_memory())
+        message = report.dropped_message()
+        if message is not None:
+            logger.warning(message)
         logger.info(report.summary())
+        self.report = report
         return report
+
+    def _warm_threads(self) -> None:
+        if self.wrapper is None:
+            return
+        extra = [] if self.device.type != "cuda" else [torch.cuda.current_stream(self.device)]
+        self.warmed_threads |= warm_ubatch_threads(self.wrapper, [self.capture_stream, self.wrapper.comm_stream,
+                                                                   *extra])
+
+    def _capture_or_drop(self, key: GraphKey, report: CaptureReport) -> None:
+        """Capture ``key``; on out of memory drop it (and, with DP, drop it on every rank) instead of failing."""
+        self.backend.synchronize()
+        before = self.backend.free_memory()
+        entry, oom = None, None
+        try:
+            entry = self._capture_one(key)
+        except BaseException as exc:
+            if not is_out_of_memory(exc) or isinstance(exc, _WarmupOutOfMemory):
+                raise
+            oom = exc
+        if self.agree is not None and not self.agree(entry is not None):
+            if entry is not None:  # a DP peer ran out of memory at this size: keep the plans identical
+                self.backend.release(entry.graph)
+                entry = None
+        self.backend.synchronize()
+        if entry is not None:
+            self.graphs[key] = entry
+            report.bytes_by_key[key] = max(0, before - self.backend.free_memory())
+            return
+        report.dropped.append(key)
+        if oom is not None:
+            logger.debug("out of memory capturing %s: %s", key, oom)
+            if report.first_oom is None:
+                report.first_oom = key
+        self._warm_threads()  # a failed DBO step may have replaced a worker thread: warm it before the next capture
 
     def _capture_one(self, key: GraphKey) -> GraphEntry:
         size = key.num_tokens
         ids, pos = self.input_ids[:size], self.positions[:size]
-        ids.zero_()
-        pos.zero_()
-        if self.real_token_mask is not None:
-            self.real_token_mask[:size].fill_(False)  # a capture runs padding rows only
-        self.buffers.fill_padding(size)
         metas = self.buffers.views(size, key.ubatch_sizes)
         slices, start = [], 0
         for n in key.ubatch_sizes:
@@ -178,18 +284,39 @@ class GraphRunner:
             start += n
 
         def step() -> torch.Tensor:
-            with self.capturable_attention(self.model):  # Python only: a CUDA replay never re-enters it
+            # Python only: a CUDA replay never re-enters it (the eager stand-in's replay does, hence no_grad here)
+            with torch.no_grad(), self.capturable_attention(self.model):
                 return self._run_eager(key, ids, pos, metas, slices)
 
-        self.backend.synchronize()  # the warm-ups run on the capture stream and read what was just written
+        caller = streams.current_stream(self.device)
         with streams.stream(self.capture_stream):
-            for _ in range(self.num_warmups):
-                step()
+            # The fills, the warm-ups and the capture all run on the capture stream, after whatever the caller's
+            # stream last did to these buffers: the previous size's capture read them on this stream too.
+            self.capture_stream.wait_stream(caller)
+            ids.zero_()
+            pos.zero_()
+            if self.real_token_mask is not None:
+                self.real_token_mask[:size].fill_(False)  # a capture runs padding rows only
+            self.buffers.fill_padding(size)
+            try:
+                for _ in range(self.num_warmups):
+                    step()
+            except BaseException as exc:
+                if self.agree is not None and is_out_of_memory(exc):
+                    raise _WarmupOutOfMemory(
+                        f"out of memory in an eager warm-up of the CUDA graph for {key}: its collectives ran on "
+                        "the DP peers, which cannot be unwound, so this size cannot be dropped on every rank; "
+                        "lower --gpu-memory-utilization, --max-num-seqs or --cuda-graph-sizes") from exc
+                raise
         self.backend.synchronize()
         with deepep_ll_counter(self.model) as ll:
             graph, out = self.backend.capture(step, self.pool, self.capture_stream)
         if ll.num_backends:
-            check_deepep_ll_rules(ll.calls, len(key.ubatch_sizes) or 1, ll.num_handles)
+            try:
+                check_deepep_ll_rules(ll.calls, len(key.ubatch_sizes) or 1, ll.num_handles)
+            except CaptureRuleError:
+                self.backend.release(graph)
+                raise
         return GraphEntry(key, graph, out, ids, pos, metas)
 
     def _run_eager(self, key: GraphKey, ids: torch.Tensor, pos: torch.Tensor, metas: list[Any],
@@ -197,9 +324,10 @@ class GraphRunner:
         mask = None if self.real_token_mask is None else self.real_token_mask[:ids.shape[0]]
         if key.ubatched:
             fc = ForwardContext(attn_metadata=list(metas), ubatch_slices=slices, real_token_mask=mask)
-            out = self.wrapper.run_ubatched(fc, slices, (), {"input_ids": ids, "positions": pos})
-            self._join_comm_stream()
-            return out
+            try:
+                return self.wrapper.run_ubatched(fc, slices, (), {"input_ids": ids, "positions": pos})
+            finally:  # also after a failure (out of memory mid-step): an unjoined fork fails the capture's end
+                self._join_comm_stream()
         with set_forward_context(attn_metadata=metas[0], real_token_mask=mask):
             return self.model(input_ids=ids, positions=pos)
 
@@ -215,11 +343,19 @@ class GraphRunner:
             torch.cuda.current_stream().wait_stream(comm)
 
     def clear(self) -> None:
-        """Drop every graph and the pool (their memory returns to the allocator); capture() may run again."""
-        for entry in self.graphs.values():
-            self.backend.release(entry.graph)
-        self.graphs.clear()
+        """Drop every graph, its static output and the pool, so their memory returns to the allocator.
+
+        What capture() made and clear() keeps, on purpose: the capture stream (one per runner, reused by the
+        next capture: a new stream per capture would get a new cuBLAS workspace per worker thread, which torch
+        keeps per (handle, stream) for the life of the process) and the persistent metadata buffers.
+        """
+        graphs = [entry.graph for entry in self.graphs.values()]
+        self.graphs.clear()  # the entries hold the static outputs and metadata views
+        for graph in graphs:
+            self.backend.release(graph)
+        del graphs
         self.pool = None
+        self.report = None
         self.backend.synchronize()
 
     # ---- dispatch and replay ---------------------------------------------------------------------------
@@ -263,5 +399,6 @@ class GraphRunner:
         for static, given in ((entry.input_ids, input_ids), (entry.positions, positions)):
             if given.data_ptr() != static.data_ptr():
                 static.copy_(given)
-        self.backend.replay(entry.graph)
+        with trace.compute_span("graph_replay", "G"):  # one span per replay (a captured graph records none inside)
+            self.backend.replay(entry.graph)
         return entry.output

@@ -3,7 +3,8 @@
 Each rank builds an ``LLM`` and calls ``generate`` with the same prompt list; prompts are spread round-robin
 over the ranks and every rank gets all results back in input order. Text prompts are used when the model
 ships a tokenizer, token ids otherwise (the built-in tiny models have none).
-Run: ``python examples/offline_generate.py [--model tiny-qwen3-moe]``.
+Run: ``python examples/offline_generate.py [--model tiny-qwen3-moe] [--device cpu]`` (``--device cpu`` runs
+the two ranks on the CPU over gloo on a machine with fewer than two GPUs).
 (Under torchrun, call ``rank_main`` directly: ``LLM`` joins the torchrun world by itself.)
 """
 from __future__ import annotations
@@ -19,9 +20,9 @@ TEXTS = ["The capital of France is", "Mixture-of-experts models route each token
          "In a distant galaxy"]
 
 
-def rank_main(model: str) -> tuple[list[RequestOutput], GenerationStats | None]:
+def rank_main(model: str, device: str = "auto") -> tuple[list[RequestOutput], GenerationStats | None]:
     llm = LLM(model=model, data_parallel_size=2, enable_expert_parallel=True,  # all2all defaults to torch_ll
-              enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8)
+              enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, device=device)
     if llm.get_tokenizer() is not None:
         prompts: list = TEXTS
     else:
@@ -36,8 +37,9 @@ def rank_main(model: str) -> tuple[list[RequestOutput], GenerationStats | None]:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-qwen3-moe")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     args = parser.parse_args()
-    outputs, stats = launch(rank_main, 2, args=(args.model,))[0]  # rank 0's view; it holds every result
+    outputs, stats = launch(rank_main, 2, args=(args.model, args.device), device=args.device)[0]  # rank 0's view; it holds every result
     for o in outputs:
         shown = repr(o.text) if o.text is not None else " ".join(map(str, o.token_ids))
         print(f"[{o.index}] prompt {len(o.prompt_token_ids)} tokens -> {shown} ({o.finish_reason})")

@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from runner.config import DBO_COST_MODELS, DBO_DP_RULES, DBO_SCHEDULES, DTYPES, UBATCH_SPLITS, ConfigError, \
+from runner.config import ATTENTION_BACKENDS, DBO_COST_MODELS, DBO_DP_RULES, DBO_SCHEDULES, DTYPES, UBATCH_SPLITS, ConfigError, \
     RunnerConfig, all2all_backends, config_fields, experts_backends, make_config
+from runner.device import DEVICE_CHOICES
 from runner.report import compare_outputs, report_bench, report_generate  # noqa: F401 (compare_outputs: API)
 from runner.sampling import SamplingParams
 from cudagraph.sizes import parse_cuda_graph_sizes
@@ -55,7 +56,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine (vLLM names)")
     add = g.add_argument
     add("--model", help="built-in tiny model (tiny-qwen3-moe, tiny-deepseek-v3) or a local HF directory")
-    add("--dtype", choices=sorted(set(DTYPES) | {"half", "float", "bf16", "fp16", "fp32"}))
+    add("--dtype", choices=sorted(set(DTYPES) | {"half", "float", "bf16", "fp16", "fp32"}),
+        help="default auto: the checkpoint's dtype; a float32 checkpoint runs in bfloat16 on a GPU")
     add("--data-parallel-size", "-dp", type=int, metavar="N", help="DP ranks (spawned here unless under torchrun)")
     add("--enable-expert-parallel", action="store_true", default=None, help="spread experts over the DP ranks")
     add("--enable-dbo", action="store_true", default=None, help="dual-batch overlap: run steps as two ubatches")
@@ -74,9 +76,14 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
              "or vllm (all ranks must vote yes)")
     add("--tbo-token-distribution-threshold", type=float, metavar="T")
     add("--all2all-backend", choices=all2all_backends(),
-        help="default: auto (torch_ht for prefill steps, torch_ll for decode) with DP > 1 and "
-             "--enable-expert-parallel, else none")
-    add("--experts-backend", choices=experts_backends())
+        help="default: auto with DP > 1 and --enable-expert-parallel (high-throughput layout for prefill steps, "
+             "low-latency for decode: DeepEP V2 where deep_ep with ElasticBuffer imports on a GPU, else "
+             "torch_ht/torch_ll; auto_torch and auto_deepep_v1 name a pair), else none")
+    add("--experts-backend", choices=experts_backends(),
+        help="auto (default): grouped_mm (torch._grouped_mm, CUDA-graph capturable) on a compute capability "
+             "9.x/10.x GPU, torch elsewhere")
+    add("--attention-backend", choices=ATTENTION_BACKENDS,
+        help="auto: triton (paged decode kernel, SDPA prefill) on CUDA, torch (plain reference) on CPU")
     add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10")
     add("--max-num-seqs", type=int, metavar="N")
     add("--max-num-batched-tokens", type=int, metavar="N")
@@ -85,6 +92,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
              "max_position_embeddings is rejected")
     add("--block-size", type=int, metavar="N")
     add("--num-kv-blocks", type=int, metavar="N", help="default: sized for --max-num-seqs requests")
+    add("--gpu-memory-utilization", type=float, metavar="F",
+        help="share of the GPU's memory for weights, activations, CUDA graphs and the KV cache when "
+             "--num-kv-blocks is not given (default 0.9); ignored on CPU")
     add("--max-dispatch-tokens-per-rank", type=int, metavar="N", help="default: --max-num-batched-tokens")
     add("--enforce-eager", action="store_true", default=None)
     add("--cuda-graph-sizes", type=_cuda_graph_sizes, metavar="SIZES",
@@ -98,6 +108,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
         help="timeout of every collective, and how long a spawned rank may send no heartbeat before it is named "
              "as having stopped responding")
     add("--seed", type=int)
+    add("--device", choices=DEVICE_CHOICES,
+        help="where the ranks run: auto (CUDA when available, NCCL: one GPU per rank on a host), cuda, or cpu "
+             "(gloo, nothing touches CUDA; any number of DP ranks on one machine)")
     add("--cache-dir", metavar="DIR", help="where built-in models are written; default: $UBATCH_CACHE_DIR or "
         "~/.cache/ubatch")
     add("--trace-file", metavar="PATH", help="write a per-ubatch timeline (Chrome trace JSON, one pid per DP rank) "
@@ -324,7 +337,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result = run_job(job)  # LLM joins the torchrun world; only rank 0 gets a result
         elif job.cfg.data_parallel_size > 1:
             result = launch(run_job, job.cfg.data_parallel_size, args=(job,), timeout_s=job.cfg.dist_timeout_s,
-                            child_tracebacks=debug)[0]
+                            device=job.cfg.device, child_tracebacks=debug)[0]
         else:
             result = run_job(job)
     except LaunchInterrupted as e:  # SIGINT/SIGTERM/SIGHUP to this process: every rank was stopped first

@@ -17,8 +17,11 @@ DBO_COST_MODELS = ("measured", "off")  # runner.dbo_cost_model: above the thresh
 # runner.models.schedules: where the two ubatches yield. "moe": inside the MoE kernel only (vLLM's DBO);
 # "deepseek": DeepSeek's decode pipeline (yields inside attention too) on decode steps, "moe" on prefill.
 DBO_SCHEDULES = ("moe", "deepseek")
-# vLLM accepts these spellings for --dtype; they are normalised to "auto" (the checkpoint's torch_dtype) or a
-# name such that ``getattr(torch, cfg.dtype)`` works.
+# runner.attention.backends: auto = triton (paged decode kernel + SDPA prefill) on CUDA, torch on CPU
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# vLLM accepts these spellings for --dtype; they are normalised to "auto" (the checkpoint's torch_dtype; a float32
+# checkpoint runs in bfloat16 on a GPU: runner.models.loader.auto_dtype) or a name such that
+# ``getattr(torch, cfg.dtype)`` works.
 DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32": "float32",
                  "bfloat16": "bfloat16", "bf16": "bfloat16",
                  "float16": "float16", "half": "float16", "fp16": "float16"}
@@ -36,9 +39,21 @@ def all2all_backends() -> tuple[str, ...]:
 
 
 def experts_backends() -> tuple[str, ...]:
-    from ubatch.modular_moe.experts import EXPERTS_BACKENDS
+    from ubatch.modular_moe.experts import EXPERTS_CHOICES  # "auto" and every backend
 
-    return tuple(EXPERTS_BACKENDS)
+    return tuple(EXPERTS_CHOICES)
+
+
+def _check_device(value: Any) -> None:
+    """A known choice, and ``cuda`` only where CUDA is available (an error here is before any rank starts)."""
+    from runner.device import DEVICE_CHOICES, DeviceUnavailableError, resolve_device_type
+
+    _choice("device", value, DEVICE_CHOICES)
+    if value == "cuda":
+        try:
+            resolve_device_type(value)
+        except DeviceUnavailableError as e:
+            raise ConfigError("device", str(e)) from None
 
 
 class ConfigError(ValueError):
@@ -72,7 +87,7 @@ class RunnerConfig:
     """Everything one engine rank needs; field names are vLLM's flag names with ``_`` for ``-``."""
 
     model: str = "tiny-qwen3-moe"
-    dtype: str = "float32"
+    dtype: str = "auto"  # the checkpoint's dtype; float32 checkpoints run bf16 on a GPU (vLLM's auto)
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_dbo: bool = False
@@ -84,13 +99,15 @@ class RunnerConfig:
     dbo_schedule: str = "moe"  # yields in the MoE kernel only | "deepseek": DeepSeek's decode pipeline
     tbo_token_distribution_threshold: float = 0.48
     all2all_backend: str = "none"
-    experts_backend: str = "torch"
+    experts_backend: str = "auto"  # grouped_mm on a 9.x/10.x GPU, else torch (experts.resolve_experts_backend)
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch (the plain reference) on CPU
     emulate_link: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs * max_model_len
+    gpu_memory_utilization: float = 0.9  # GPU without num_kv_blocks: KV gets this share less weights/activations/graphs
     max_dispatch_tokens_per_rank: int | None = None  # None: derived from max_num_batched_tokens
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # None: a vLLM-like ladder up to --max-num-seqs
@@ -99,6 +116,7 @@ class RunnerConfig:
     enable_single_batch_overlap: bool = False
     dist_timeout_s: float = 120.0
     seed: int = 0
+    device: str = "auto"  # runner.device: auto (CUDA when available) | cuda | cpu (gloo ranks, no CUDA)
     cache_dir: str | None = None
     trace_file: str | None = None
 
@@ -137,6 +155,8 @@ class RunnerConfig:
                               f"split), got {t!r}")
         _choice("all2all_backend", self.all2all_backend, all2all_backends())
         _choice("experts_backend", self.experts_backend, experts_backends())
+        _check_device(self.device)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.emulate_link is not None:
             from ubatch.modular_moe.prepare_finalize.emulated_link import parse_link
 
@@ -144,6 +164,10 @@ class RunnerConfig:
                 parse_link(self.emulate_link)
             except ValueError as e:
                 raise ConfigError("emulate_link", f"emulate_link {self.emulate_link!r}: {e}") from None
+        u = self.gpu_memory_utilization
+        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+            raise ConfigError("gpu_memory_utilization", f"gpu_memory_utilization must lie in (0, 1] (a share of the "
+                                                        f"GPU's memory), got {u!r}")
         d = self.dist_timeout_s
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0:
             raise ConfigError("dist_timeout_s", f"dist_timeout_s must be > 0 seconds, got {d!r}")

@@ -1,9 +1,10 @@
 """The engine's CUDA-graph wiring: builds a ``cudagraph.GraphRunner`` for a ModelRunner.
 
 ``cudagraph`` knows nothing of the engine; this module hands it the engine's capturable decode
-attention (``runner.attention_graph``) and the KV block reserved for graph padding. That block is the
-extra one the ModelRunner allocates past the scheduler's range (``num_kv_blocks + 1`` blocks, ids
-``0 .. num_kv_blocks``), so padded graph rows write their KV where no request ever reads.
+attention (``runner.attention.graph``, through the runner's attention backend) and the KV block
+reserved for graph padding. That block is the extra one the ModelRunner allocates past the scheduler's
+range (``num_kv_blocks + 1`` blocks, ids ``0 .. num_kv_blocks``), so padded graph rows write their KV
+where no request ever reads.
 """
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from typing import Any, Sequence
 import torch
 
 from cudagraph.backends import GraphBackend
-from cudagraph.dispatch import GraphKey, capture_blocker
-from cudagraph.manager import GraphRunner
+from cudagraph.dispatch import GraphKey, capture_blocker, plan_captures
+from cudagraph.manager import CaptureAgreement, GraphRunner
 from cudagraph.sizes import resolve_capture_sizes
-from runner.attention_graph import DecodeMetadataBuffers, capturable_attention
+from runner.attention.graph import DecodeMetadataBuffers, capturable_attention
 
 logger = logging.getLogger("ubatch.cudagraph")
 _LOGGED: set[str] = set()
@@ -28,6 +29,34 @@ def _log_once(level: int, message: str) -> None:
     if message not in _LOGGED:
         _LOGGED.add(message)
         logger.log(level, message)
+
+
+def capture_agreement(dp_group: Any) -> CaptureAgreement | None:
+    """How DP ranks agree which graph sizes to keep: one all-reduce of "this rank failed" per size over the
+    runner's gloo DP group (as the step vote in ``runner/dp.py``); ``None`` with one rank."""
+    if dp_group is None:
+        return None
+
+    def agree(captured: bool) -> bool:
+        failures = torch.tensor([0 if captured else 1], dtype=torch.int64)
+        try:
+            dp_group.allreduce([failures]).wait()
+        except RuntimeError as exc:
+            raise RuntimeError(f"DP rank {dp_group.rank()}: the vote on which CUDA graph sizes every rank captured "
+                               f"failed; a peer rank probably exited or timed out ({exc})") from exc
+        return int(failures[0]) == 0
+
+    return agree
+
+
+def planned_keys(model_runner: Any) -> list[GraphKey]:
+    """The graphs ``make_graph_runner(model_runner)`` would capture (the KV budget's trial needs the largest)."""
+    cfg = model_runner.cfg
+    sizes = resolve_capture_sizes(getattr(cfg, "cuda_graph_sizes", None), cfg.max_num_seqs,
+                                  model_runner.input_ids.shape[0])
+    wrapper = model_runner.wrapper
+    return plan_captures(sizes, dbo_enabled=wrapper is not None, decode_threshold=cfg.dbo_decode_token_threshold,
+                         num_ubatches=wrapper.config.num_ubatches if wrapper is not None else 2)
 
 
 def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = None,
@@ -45,34 +74,50 @@ def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = 
     null_block = model_runner.num_kv_blocks  # the runner allocated one block past the scheduler's range
 
     def buffers(max_reqs: int) -> DecodeMetadataBuffers:
-        return DecodeMetadataBuffers(max_reqs, max_blocks, model_runner.block_size, null_block, model_runner.device)
+        return DecodeMetadataBuffers(max_reqs, max_blocks, model_runner.block_size, null_block, model_runner.device,
+                                     backend=model_runner.attention_backend)
 
     return GraphRunner(model_runner.model, model_runner.input_ids, model_runner.positions,
                        metadata_buffers=buffers, capturable_attention=capturable_attention, sizes=resolved,
                        wrapper=model_runner.wrapper if wrapper is _RUNNERS_WRAPPER else wrapper, keys=keys,
                        dbo_decode_threshold=cfg.dbo_decode_token_threshold, backend=backend,
                        num_warmups=num_warmups, real_token_mask=getattr(model_runner, "real_token_mask", None),
+                       agree=capture_agreement(getattr(model_runner, "dp_group", None)),
+                       # one capture stream per runner for the life of the process, trial capture included
+                       capture_stream=getattr(model_runner, "graph_capture_stream", None),
                        progress=(getattr(model_runner, "rank", 0) == 0) if progress is None else progress)
 
 
-def maybe_make_graph_runner(model_runner: Any, *, capture: bool = True) -> GraphRunner | None:
+def graphs_enabled(model_runner: Any, backend: GraphBackend | None = None) -> bool:
+    """Whether the runner captures graphs: not with ``--enforce-eager``, on CPU (logged once: "CUDA graphs need
+    a GPU: running eager") unless a ``backend`` is given explicitly, or with uncapturable backends (logged once)."""
+    cfg = model_runner.cfg
+    if cfg.enforce_eager:
+        return False
+    if backend is None and torch.device(model_runner.device).type != "cuda":
+        if getattr(model_runner, "rank", 0) == 0:  # said once for the whole run, not once per DP rank
+            _log_once(logging.WARNING, "CUDA graphs need a GPU: running eager")
+        return False
+    # the runner's resolved experts backend ("auto" names none); a bare config stands for itself
+    blocker = capture_blocker(cfg.all2all_backend, getattr(model_runner, "experts_backend", cfg.experts_backend))
+    if blocker is not None:
+        _log_once(logging.WARNING, f"CUDA graphs disabled: {blocker}; running eager")
+        return False
+    return True
+
+
+def maybe_make_graph_runner(model_runner: Any, *, capture: bool = True,
+                            backend: GraphBackend | None = None) -> GraphRunner | None:
     """The runner's one entry point: a captured :class:`GraphRunner`, or ``None`` to run eager.
 
     ``None`` with ``--enforce-eager``, on CPU (logged once: "CUDA graphs need a GPU: running eager"), and
-    with backends that cannot be captured (logged once, with the reason).
+    with backends that cannot be captured (logged once, with the reason). Sizes that run out of memory while
+    capturing are dropped with a warning (``GraphRunner.capture``). ``backend``: what to capture with,
+    default CUDA graphs on a GPU; a test passes the eager stand-in explicitly to run this path on CPU.
     """
-    cfg = model_runner.cfg
-    if cfg.enforce_eager:
+    if not graphs_enabled(model_runner, backend):
         return None
-    if torch.device(model_runner.device).type != "cuda":
-        if getattr(model_runner, "rank", 0) == 0:  # said once for the whole run, not once per DP rank
-            _log_once(logging.WARNING, "CUDA graphs need a GPU: running eager")
-        return None
-    blocker = capture_blocker(cfg.all2all_backend, cfg.experts_backend)
-    if blocker is not None:
-        _log_once(logging.WARNING, f"CUDA graphs disabled: {blocker}; running eager")
-        return None
-    graph_runner = make_graph_runner(model_runner)
+    graph_runner = make_graph_runner(model_runner, backend=backend)
     if capture:
         graph_runner.capture()
     return graph_runner

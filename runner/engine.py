@@ -85,15 +85,18 @@ class GenerationStats:
 
 
 def resolve_world(cfg: RunnerConfig) -> tuple[int, int]:
-    """(rank, world size) for this process; joins a torchrun world if its environment is set."""
+    """(rank, world size) for this process; joins a torchrun world if its environment is set, with the
+    backend of ``cfg.device`` (NCCL on CUDA, gloo on the CPU)."""
     import torch.distributed as dist
 
+    from runner.device import check_world_backend, resolve_device_type
     from runner.launch import init_distributed, torchrun_env_present
 
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
+        check_world_backend(str(dist.get_backend()), resolve_device_type(cfg.device))
     elif torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1:
-        rank, world = init_distributed(cfg.dist_timeout_s)
+        rank, world = init_distributed(cfg.dist_timeout_s, device=cfg.device)
     else:
         rank, world = 0, 1
     if world != cfg.data_parallel_size:
@@ -283,7 +286,7 @@ class LLM:
         for i in local:
             sched.add_request(prompt_ids[i], params[i], make_generator(params[i], self.cfg.seed * 1_000_003 + i),
                               req_id=i)
-        with tracing.record(self.cfg.trace_file) as rec:
+        with tracing.record(self.cfg.trace_file, getattr(self.runner, "device", None)) as rec:  # clock: device
             self._run_loop(sched, len(local), disable_progress)
         if sched.allocator.num_free_blocks != sched.allocator.num_blocks:  # a leak would starve later calls
             raise RuntimeError(f"KV blocks leaked: {sched.allocator.num_blocks - sched.allocator.num_free_blocks} "

@@ -158,6 +158,31 @@ def allocate_kv_caches(specs: Sequence[KVCacheSpec], num_blocks: int, block_size
     return [torch.empty((num_blocks, block_size, *s.per_token_shape), dtype=dtype, device=device) for s in specs]
 
 
+def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without making the host wait: on CUDA it is staged in pinned memory and
+    copied ``non_blocking``; on the CPU it is returned as is.
+
+    A pageable host-to-device copy makes the host wait for the copy (and so for everything queued before it
+    on the stream); the engine builds each step's metadata while the previous step's forward may still run.
+    The pinned staging tensor comes from torch's caching host allocator, which keeps it alive until the
+    copy has run, so it is safe to drop right away.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return t
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(src)`` for a host ``src``, through pinned memory and ``non_blocking`` when ``dst`` is on CUDA
+    (see :func:`host_to_device`)."""
+    if dst.device.type == "cuda":
+        return dst.copy_(src.pin_memory(), non_blocking=True)
+    return dst.copy_(src)
+
+
 def make_block_table(block_lists: Sequence[Sequence[int]], max_blocks: int | None = None,
                      device: torch.device | str = "cpu") -> torch.Tensor:
     """Per-request block lists -> int32 ``[num_reqs, max_blocks]`` padded with 0 (never read: seq_lens bound it)."""
@@ -224,11 +249,12 @@ def build_attention_metadata(context_lens: Sequence[int], query_lens: Sequence[i
     seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
     block_table = make_block_table(block_lists, max_blocks)
     slot_mapping = compute_slot_mapping(block_table, qsl_cpu, positions, block_size)
+    # Built on the host from Python ints; each device tensor is one pinned, non-blocking copy (no host sync).
     return CommonAttentionMetadata(
-        query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu,
-        seq_lens=seq_cpu.to(device), seq_lens_cpu=seq_cpu,
+        query_start_loc=host_to_device(qsl_cpu, device), query_start_loc_cpu=qsl_cpu,
+        seq_lens=host_to_device(seq_cpu, device), seq_lens_cpu=seq_cpu,
         num_reqs=len(query_lens), num_actual_tokens=num_actual,
         max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
-        block_table=block_table.to(device), slot_mapping=slot_mapping.to(device),
-        positions=positions.to(device), causal=True,
+        block_table=host_to_device(block_table, device), slot_mapping=host_to_device(slot_mapping, device),
+        positions=host_to_device(positions, device), causal=True,
     )

@@ -10,6 +10,10 @@ private directory and keep their gloo/NCCL connections on loopback (``runner/ren
 single-node launch opens listens beyond this machine); each runs ``fn(*args)`` and sends its result back over
 a pipe.
 
+Both paths take the ``--device`` setting (``runner/device.py``): NCCL and one GPU per rank for CUDA (a host with
+fewer GPUs than ranks is refused before any rank starts, naming ``--device cpu``), gloo for the CPU, where
+nothing here touches CUDA even when a GPU is present.
+
 The parent supervises, so that a failure is named and no rank outlives the launch:
 
 - a rank that dies (non-zero exit or a signal) is named -- "rank 1 exited with signal SIGKILL" -- and the
@@ -41,6 +45,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 from runner.liveness import BEAT_INTERVAL_S, STALE_S, describe_silence, die_with_parent, new_board, \
     process_state, silence, start_heartbeat
+from runner.device import backend_for, resolve_device_type
 from runner.rendezvous import PrivateRendezvous, join_store, loopback_env
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -94,10 +99,9 @@ def torchrun_env_present() -> bool:
     return all(k in os.environ for k in TORCHRUN_ENV)
 
 
-def default_backend() -> str:
-    import torch
-
-    return "nccl" if torch.cuda.is_available() else "gloo"
+def default_backend(device: str = "auto") -> str:
+    """NCCL for ranks on CUDA, gloo for ranks on the CPU; ``device`` is the ``--device`` setting."""
+    return backend_for(resolve_device_type(device))
 
 
 def check_gpus(backend: str, ranks_on_this_host: int) -> None:
@@ -109,18 +113,22 @@ def check_gpus(backend: str, ranks_on_this_host: int) -> None:
     n = torch.cuda.device_count()
     if n < ranks_on_this_host:
         raise LaunchError(f"{ranks_on_this_host} ranks on this host need {ranks_on_this_host} GPUs with NCCL, found "
-                           f"{n}; lower --data-parallel-size, or run on CPU (CUDA_VISIBLE_DEVICES= , gloo)")
+                          f"{n}; lower --data-parallel-size, or run the ranks on the CPU over gloo with --device cpu "
+                          f"(LLM(..., device='cpu'))")
 
 
 def _set_cuda_device(local_rank: int) -> None:
+    """Give an NCCL rank its own GPU (called only for ranks whose backend is NCCL, never with --device cpu)."""
     import torch
 
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
 
 
-def init_distributed(timeout_s: float = 120.0, backend: str | None = None) -> tuple[int, int]:
-    """Join the default group from torchrun's environment (no-op if already joined); returns (rank, world)."""
+def init_distributed(timeout_s: float = 120.0, backend: str | None = None, device: str = "auto") -> tuple[int, int]:
+    """Join the default group from torchrun's environment (no-op if already joined); returns (rank, world).
+
+    ``device`` (``--device``) picks the backend when ``backend`` is not given: NCCL on CUDA, gloo on the CPU.
+    """
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -128,7 +136,7 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None) -> tu
         if missing:
             raise RuntimeError(f"cannot join a torch.distributed world: {', '.join(missing)} not set; launch with "
                                "torchrun, or use the built-in spawner (--data-parallel-size N / runner.launch.launch)")
-        backend = backend or default_backend()
+        backend = backend or default_backend(device)
         if backend == "nccl":
             check_gpus(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
             _set_cuda_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -251,7 +259,7 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
 
 
 def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
-           backend: str | None = None, num_threads: int = 1, grace_s: float = 5.0,
+           device: str = "auto", backend: str | None = None, num_threads: int = 1, grace_s: float = 5.0,
            start_method: str = "spawn", child_tracebacks: bool = True,
            silence_s: float | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``nprocs`` spawned ranks of one torch.distributed world; results in rank order.
@@ -259,12 +267,15 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, tim
     ``fn`` and ``args`` must be picklable (a module-level function; in a script, guard the call with
     ``if __name__ == "__main__":``). ``timeout_s`` bounds every collective and the rendezvous; a rank with
     no heartbeat for ``silence_s`` (default ``timeout_s``) is declared silent. Children get
-    ``OMP_NUM_THREADS=num_threads`` so ranks sharing a machine do not oversubscribe it. Raises
-    :class:`RankFailedError` naming the failed ranks, or :class:`LaunchInterrupted` on SIGINT/SIGTERM/SIGHUP.
+    ``OMP_NUM_THREADS=num_threads`` so ranks sharing a machine do not oversubscribe it. ``device``
+    (``--device``: auto, cuda, cpu) picks the backend unless ``backend`` is given: NCCL for CUDA, which needs a
+    GPU per rank (checked here, before any rank starts), gloo for the CPU. ``fn`` must put its own work on
+    the same device (the engine does, from ``RunnerConfig.device``). Raises :class:`RankFailedError` naming
+    the failed ranks, or :class:`LaunchInterrupted` on SIGINT/SIGTERM/SIGHUP.
     """
     if nprocs < 1:
         raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    backend = backend or default_backend()
+    backend = backend or default_backend(device)
     check_gpus(backend, nprocs)
     payload = pickle.dumps((fn, tuple(args)))  # fails here, in the parent, if fn or args cannot travel
     ctx = mp.get_context(start_method)

@@ -15,29 +15,40 @@ from __future__ import annotations
 
 from typing import Any
 
+import logging
 import time
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
+from runner.attention import make_attention_backend
 from runner.cuda_graphs import maybe_make_graph_runner
 from runner.dbo_cost_model import DBOCostModel
+from runner.device import torch_device
 from runner.dp import DPDecision, coordinate_batch_across_dp, local_decision
-from runner.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata
+from runner.attention.metadata import PagedAttentionMetadata
+from runner.kv_cache import allocate_kv_caches, build_attention_metadata, copy_from_host
+from runner.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
 from runner.models.loader import load_model
 from runner.sampling import sample
 from runner.scheduler import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
+from ubatch.modular_moe.experts import resolve_experts_backend
 from ubatch import trace
-from ubatch.slicing import balanced_split_points, check_ubatch_thresholds, padded_ubatch_slices
+from ubatch.slicing import (
+    CommonAttentionMetadata, UBatchSlice, balanced_split_points, check_ubatch_thresholds, padded_ubatch_slices,
+    split_attn_metadata,
+)
 from ubatch.wrapper import UBatchConfig, UBatchWrapper
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NUM_UBATCHES = 2
 DEFAULT_MAX_MODEL_LEN = 2048
+logger = logging.getLogger("ubatch.runner")
+_LOGGED: set[str] = set()  # once per process, not once per DP rank or ModelRunner
 
 
 def resolve_dtype(name: str) -> torch.dtype | None:
@@ -52,8 +63,7 @@ class ModelRunner:
     def __init__(self, cfg: Any, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
-            else torch.device("cpu")
+        self.device = torch_device(cfg.device)  # --device: the configured device, not whatever is available
         if world_size > 1 and not dist.is_initialized():
             raise RuntimeError(f"world_size={world_size} but torch.distributed is not initialised "
                                "(launch with torchrun or --data-parallel-size)")
@@ -72,8 +82,8 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len or min(getattr(mc, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN),
                                                      DEFAULT_MAX_MODEL_LEN)
         self.block_size = cfg.block_size
-        self.num_kv_blocks = cfg.num_kv_blocks or cfg.max_num_seqs * blocks_needed(min(self.max_model_len, 1024),
-                                                                                     self.block_size)
+        # On a GPU without --num-kv-blocks a minimal cache, re-sized from free memory below (runner/memory_budget.py)
+        self.num_kv_blocks = initial_num_kv_blocks(cfg, self.max_model_len, self.block_size, self.device)
         dtype = next(self.model.parameters()).dtype
         # One block more than the scheduler hands out: the null block that padded graph slots write to.
         self.model.bind_kv_caches(allocate_kv_caches(self.model.kv_cache_specs(), self.num_kv_blocks + 1,
@@ -88,6 +98,10 @@ class ModelRunner:
         self.num_ubatched_steps = 0
         self.num_dummy_steps = 0
         self.cost_model = DBOCostModel() if cfg.enable_dbo and cfg.dbo_cost_model == "measured" else None
+        # --attention-backend: builds each step's attention metadata; graph decode goes through it too
+        self.attention_backend = make_attention_backend(cfg.attention_backend, self.device,
+                                                        log=rank == 0)
+        self.kv_budget = fit_kv_cache_to_memory(self)  # GPU without --num-kv-blocks: KV from --gpu-memory-utilization
         self.graph_runner = maybe_make_graph_runner(self)  # None on CPU / --enforce-eager; captures on GPU
 
     # ---- set-up ----------------------------------------------------------------------------------
@@ -101,15 +115,20 @@ class ModelRunner:
     def _moe_parallel_config(self) -> MoEParallelConfig:
         cfg = self.cfg
         capacity = cfg.max_dispatch_tokens_per_rank or cfg.max_num_batched_tokens
+        self.experts_backend = resolve_experts_backend(cfg.experts_backend, self.device)  # "auto" -> a backend
+        message = f"--experts-backend {cfg.experts_backend}: using {self.experts_backend} on {self.device}"
+        if cfg.experts_backend != self.experts_backend and self.rank == 0 and message not in _LOGGED:
+            _LOGGED.add(message)
+            logger.info(message)
         if cfg.enable_expert_parallel and self.world_size > 1:
             groups = new_ep_groups(NUM_UBATCHES, timeout_s=cfg.dist_timeout_s)
             return MoEParallelConfig(ep_rank=self.rank, ep_size=self.world_size, all2all_backend=cfg.all2all_backend,
-                                     experts_backend=cfg.experts_backend, ep_groups=groups,
+                                     experts_backend=self.experts_backend, ep_groups=groups,
                                      max_dispatch_tokens_per_rank=capacity, emulate_link=cfg.emulate_link)
         if cfg.all2all_backend != "none":
             raise ValueError(f"--all2all-backend {cfg.all2all_backend} moves tokens between expert-parallel ranks; "
                              "it needs --enable-expert-parallel and --data-parallel-size > 1 (or use 'none')")
-        return MoEParallelConfig(experts_backend=cfg.experts_backend, max_dispatch_tokens_per_rank=capacity,
+        return MoEParallelConfig(experts_backend=self.experts_backend, max_dispatch_tokens_per_rank=capacity,
                                  emulate_link=cfg.emulate_link)
 
     # ---- one step ----------------------------------------------------------------------------------
@@ -170,27 +189,42 @@ class ModelRunner:
             if padded > self.max_tokens_per_step:
                 raise ValueError(f"step of {padded} tokens exceeds --max-num-batched-tokens={self.max_tokens_per_step}")
             query_lens = [len(c.token_ids) for c in chunks]
+            # Built on the host, copied once through pinned memory (non_blocking): the overlap loop prepares
+            # this step while the previous forward may still run, and nothing here waits for it.
             meta = build_attention_metadata([c.num_computed_tokens for c in chunks], query_lens,
                                             [c.block_ids for c in chunks], self.block_size, self.device,
                                             num_padded_tokens=padded)
-            ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.int64)
-            self.input_ids[:padded].zero_()
-            self.input_ids[:n].copy_(ids)
+            ids = [t for c in chunks for t in c.token_ids]
+            copy_from_host(self.input_ids[:padded], torch.tensor(ids + [0] * (padded - n), dtype=torch.int64))
             self.positions[:padded].copy_(meta.positions)
             mask = self._mark_real_tokens(n, padded)
             slices = None
             if decision.should_ubatch:
                 slices = padded_ubatch_slices(np.asarray(query_lens), padded, NUM_UBATCHES, split_point)
         model = self.wrapper if self.wrapper is not None else self.model
-        with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
-                                 dp_metadata=self._dp_metadata(decision, n), real_token_mask=mask):
-            hidden = NotImplemented if self.graph_runner is None else self.graph_runner.try_replay(
-                meta, slices, self.input_ids[:padded], self.positions[:padded])
-            if hidden is NotImplemented:
+        dp_metadata = self._dp_metadata(decision, n)
+        hidden = NotImplemented
+        if self.graph_runner is not None:
+            with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
+                                     dp_metadata=dp_metadata, real_token_mask=mask):
+                hidden = self.graph_runner.try_replay(meta, slices, self.input_ids[:padded], self.positions[:padded])
+        if hidden is NotImplemented:
+            with trace.region("inputs", "step", track="step"):
+                attn_metadata = self._attention_metadata(meta, slices)
+            with set_forward_context(attn_metadata=attn_metadata, ubatch_slices=slices, trace_rank=self.rank,
+                                     dp_metadata=dp_metadata, real_token_mask=mask):
                 hidden = model(input_ids=self.input_ids[:padded], positions=self.positions[:padded])
         if slices is not None:
             self.num_ubatched_steps += 1
         return hidden, meta
+
+    def _attention_metadata(self, common: CommonAttentionMetadata,
+                            slices: list[UBatchSlice] | None) -> PagedAttentionMetadata | list[PagedAttentionMetadata]:
+        """The attention backend's metadata for an eager step: built here, before the forward, once for the
+        step or once per ubatch (the UBatchWrapper takes the list as already split), so no layer syncs."""
+        if slices is None:
+            return self.attention_backend.build_metadata(common)
+        return [self.attention_backend.build_metadata(m) for m in split_attn_metadata(slices, common)]
 
     def _mark_real_tokens(self, num_real: int, num_rows: int) -> torch.Tensor | None:
         """The persistent mask's view for this step (rows past ``num_real`` are padding); ``None`` when there
@@ -228,7 +262,8 @@ class ModelRunner:
             raise RuntimeError("the DP ranks agreed to ubatch but this rank has no UBatchWrapper: every rank "
                                "must run with the same --enable-dbo")
         self.real_token_mask[:rows].fill_(False)
-        with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
+        with set_forward_context(attn_metadata=self._attention_metadata(meta, slices), ubatch_slices=slices,
+                                 trace_rank=self.rank,
                                  dp_metadata=self._dp_metadata(decision, 0),
                                  real_token_mask=self.real_token_mask[:rows]):
             model(input_ids=self.input_ids[:rows].zero_(), positions=self.positions[:rows].zero_())

@@ -3,10 +3,16 @@
 Each rank records its own run with ``ubatch.trace.recording()`` (the model runner tags spans with its DP
 rank through ``set_forward_context(..., trace_rank=rank)``). At the end of ``generate()`` the resolved spans
 travel with the outputs' all-gather, and rank 0 writes **one** Chrome trace with one process (``pid``) per
-rank, so the ranks' steps line up in one view (chrome://tracing, https://ui.perfetto.dev). Spans are stamped
-with ``time.perf_counter()``, the host's monotonic clock, which every process on a host shares; ranks on
+rank, so the ranks' steps line up in one view (chrome://tracing, https://ui.perfetto.dev). Spans are placed
+on ``time.perf_counter()``, the host's monotonic clock, which every process on a host shares; ranks on
 different hosts would be offset by their clocks' difference. A rank's spans get that rank as pid whatever
 thread recorded them (a link-completion thread may never have seen a forward context).
+
+The clock follows the model's device (``clock_for``): on CUDA the recorder times device work with CUDA
+events (compute on the ubatches' streams, the link's delay kernel, the collectives) and resolves them to
+host seconds only in ``local_spans``, after the run, so recording never synchronises; the engine's own CPU
+phases (DP vote, inputs, sampling) stay on the host clock (``ubatch/trace.py`` explains how both share one
+timeline). On CPU everything is host time, as it is where the work runs.
 
 Recording is opt-in: without ``trace_file`` nothing is recorded and nothing extra is gathered.
 
@@ -23,6 +29,8 @@ import json
 import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
+
+import torch
 
 from ubatch import thread_cpu, trace
 from ubatch.trace_metrics import OverlapMetrics, format_metrics, overlap_metrics, trace_pids
@@ -43,13 +51,34 @@ class Recording:
     cpu_before: dict[int, float]
 
 
+def clock_for(device: Any) -> str:
+    """The trace clock for a model on ``device``: ``"cuda"`` for a CUDA device, else ``"cpu"``."""
+    if device is None:
+        return "cpu"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"cannot trace on device {device!r}: {exc}") from None
+    return "cuda" if kind == "cuda" else "cpu"
+
+
+def new_recorder(device: Any, cuda_module: Any = None) -> trace.TraceRecorder:
+    """A recorder on the clock of ``device`` (``cuda_module``: a ``torch.cuda`` stand-in, for tests)."""
+    if clock_for(device) == "cuda":
+        return trace.TraceRecorder(clock="cuda", cuda_module=cuda_module)
+    return trace.TraceRecorder()
+
+
 @contextlib.contextmanager
-def record(path: str | None) -> Iterator[Recording | None]:
-    """``trace.recording()`` around the block when ``path`` is set, else nothing (yields None)."""
+def record(path: str | None, device: Any = None, cuda_module: Any = None) -> Iterator[Recording | None]:
+    """``trace.recording()`` around the block when ``path`` is set, else nothing (yields None).
+
+    ``device``: where the model runs (the model runner's ``device``); a CUDA device gets the cuda clock.
+    """
     if path is None:
         yield None
         return
-    with trace.recording() as rec:
+    with trace.recording(new_recorder(device, cuda_module)) as rec:
         yield Recording(rec, thread_cpu.snapshot())
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file, save_file
 
+from devices import device_args
 from runner.cli import build_parser, job_from_args, main
 from runner.models.loader import CheckpointError, load_model, resolve_model_path
 
@@ -133,7 +134,7 @@ def test_missing_tensor_over_two_ranks_is_one_summary(model_dir: Path) -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("UBATCH_DEBUG", None)
     proc = subprocess.run([sys.executable, "-m", "runner", "generate", "--model", str(model_dir), "-dp", "2",
-                           "--enable-expert-parallel", "--num-prompts", "2"], cwd=ROOT, env=env, capture_output=True,
+                           "--enable-expert-parallel", "--num-prompts", "2", *device_args(2)], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=180)
     assert proc.returncode == 1
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]

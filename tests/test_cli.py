@@ -30,6 +30,7 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
 @pytest.mark.parametrize("argv,expected", [
     (["--ubatch-split", "halves"], "argument --ubatch-split: invalid choice: 'halves'"),
     (["--all2all-backend", "mpi"], "argument --all2all-backend: invalid choice: 'mpi'"),
+    (["--device", "gpu"], "argument --device: invalid choice: 'gpu'"),
     (["--max-num-seqs", "0"], "argument --max-num-seqs: max_num_seqs must be >= 1, got 0"),
     (["--tbo-token-distribution-threshold", "0.9"], "argument --tbo-token-distribution-threshold:"),
     (["--dbo-decode-token-threshold", "x"], "argument --dbo-decode-token-threshold: invalid int value: 'x'"),

@@ -25,6 +25,7 @@ from runner.config import ConfigError, RunnerConfig, make_config
     ({"emulate_link": "fast"}, "emulate_link", "emulate_link 'fast'"),
     ({"enable_dbo": "yes"}, "enable_dbo", "enable_dbo must be True or False"),
     ({"model": ""}, "model", "model must be a non-empty"),
+    ({"device": "gpu"}, "device", "device must be one of auto, cuda, cpu; got 'gpu'"),
     ({"data_parallel_size": 2, "enable_expert_parallel": True}, "all2all_backend",
      "all2all_backend 'none' cannot move tokens between 2 expert-parallel ranks.*torch_ll"),
 ])
@@ -63,3 +64,29 @@ def test_make_config_on_top_of_a_base() -> None:
     explicit = RunnerConfig(data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ht")
     assert make_config(explicit, enable_dbo=True).all2all_backend == "torch_ht"
     assert base.max_num_seqs == 4 and base.all2all_backend == "none"  # the base is not modified
+
+
+def test_device_cuda_needs_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    assert RunnerConfig().device == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match="device 'cuda' was requested but CUDA is not available") as info:
+        RunnerConfig(device="cuda")
+    assert info.value.flag == "--device"
+    assert RunnerConfig(device="cpu").device == "cpu" and RunnerConfig(device="auto").device == "auto"
+
+
+def test_dtype_auto_is_the_default_and_runs_float32_checkpoints_in_bfloat16_on_a_gpu() -> None:
+    """vLLM's ``--dtype auto``: the checkpoint's dtype, with float32 checkpoints served in 16 bits on a GPU."""
+    import torch
+
+    from runner.models.loader import auto_dtype
+
+    assert RunnerConfig().dtype == "auto"
+    assert auto_dtype(torch.float32, "cpu") == torch.float32
+    assert auto_dtype(None, "cpu") == torch.float32
+    assert auto_dtype(torch.bfloat16, "cpu") == torch.bfloat16
+    assert auto_dtype(torch.float32, torch.device("cuda", 0)) == torch.bfloat16
+    assert auto_dtype(None, "cuda") == torch.bfloat16
+    assert auto_dtype(torch.float16, "cuda") == torch.float16

@@ -25,7 +25,7 @@ from cudagraph import (
 )
 from cudagraph.backends import EagerReplayBackend, GraphBackend, deepep_ll_counter
 from runner import attention as eager_attention
-from runner import attention_graph as ga
+from runner.attention import graph as ga
 from runner.config import RunnerConfig
 from runner.dp import local_decision
 from runner.kv_cache import build_attention_metadata
@@ -248,21 +248,20 @@ def test_decode_buffers_reject_what_a_graph_cannot_serve() -> None:
         buffers.views(8, (3, 4))
 
 
-def test_capturable_attention_restores_the_model_modules_on_error() -> None:
-    import runner.models.qwen3_moe as qwen
+def test_capturable_attention_counts_backend_layers_and_patches_nothing() -> None:
+    from runner.models.qwen3_moe import Qwen3MoeAttention
 
-    class Probe(torch.nn.Module):
+    class Probe(torch.nn.Module):  # a layer with its own attention: not counted
         pass
 
-    Probe.__module__ = qwen.__name__  # a layer "defined" in the model module that calls runner.attention
-    model = torch.nn.Sequential(Probe())
-    write_kv, paged_attention = eager_attention.write_kv, eager_attention.paged_attention
-    with pytest.raises(KeyError):
-        with ga.capturable_attention(model) as rerouted:  # qwen3_moe's two names + runner.attention's three
-            assert rerouted == 5 and qwen.write_kv is not write_kv and eager_attention.write_kv is not write_kv
-            raise KeyError("boom")
-    assert qwen.write_kv is write_kv and qwen.paged_attention is paged_attention
-    assert eager_attention.write_kv is write_kv
+    layer = Qwen3MoeAttention.__new__(Qwen3MoeAttention)
+    torch.nn.Module.__init__(layer)
+    model = torch.nn.Sequential(Probe(), layer, torch.nn.Sequential(layer))
+    before = dict(vars(eager_attention))
+    with ga.capturable_attention(model) as routed:  # graph metadata routes the layers: nothing is patched
+        assert routed == 1 and dict(vars(eager_attention)) == before
+    with ga.capturable_attention(torch.nn.Sequential(Probe())) as routed:
+        assert routed == 0
 
 
 # ---- the manager end to end on CPU (eager replay double) -------------------------------------------------
@@ -533,7 +532,8 @@ def test_maybe_make_graph_runner_is_eager_on_cpu_and_says_so_once(caplog: pytest
 
 def test_maybe_make_graph_runner_refuses_uncapturable_backends(caplog: pytest.LogCaptureFixture) -> None:
     manager._LOGGED.clear()
-    fake = SimpleNamespace(cfg=RunnerConfig(experts_backend="torch"), device=torch.device("cuda", 0))
+    fake = SimpleNamespace(cfg=RunnerConfig(experts_backend="torch"), device=torch.device("cuda", 0),
+                           experts_backend="torch")  # the model runner's resolved backend
     with caplog.at_level(logging.WARNING, logger="ubatch.cudagraph"):
         assert manager.maybe_make_graph_runner(fake) is None
     assert "CUDA graphs disabled: experts backend torch" in caplog.text and "nonzero" in caplog.text

@@ -171,3 +171,26 @@ def test_deepep_low_latency_with_deep_gemm_experts_equals_dense(dbo: bool) -> No
         moe = (ref.float() - inputs[rank].float()).abs().max().item()  # size of what the layer added
         err = (res["out"].float() - ref.float()).abs().max().item()
         assert err <= FP8_REL * moe, f"rank {rank}: max err {err:.4g} vs the layers' contribution {moe:.4g}"
+
+
+# DeepGEMM main at 54e22612409371d6364144b69086735beb54e98b (2026-06-23), csrc/apis/gemm.hpp: the pybind
+# ``py::arg`` list of ``m_grouped_fp8_fp4_gemm_nt_masked``, also bound as ``m_grouped_fp8_gemm_nt_masked``
+# (``m.attr`` alias) and, in deep_gemm/__init__.py, ``fp8_m_grouped_gemm_nt_masked``. sgl-deep-gemm 0.2.5
+# (PyPI, 2026-10-27) has the same parameters plus a trailing ``epilogue=None``.
+DEEP_GEMM_MAIN_MASKED_ARGS = ("a", "b", "d", "masked_m", "expected_m", "recipe", "recipe_a", "recipe_b",
+                              "compiled_dims", "disable_ue8m0_cast")
+
+
+def test_the_masked_gemm_the_experts_call_has_deepgemm_mains_name_and_arguments() -> None:
+    """The experts resolve DeepGEMM's current name first and pass its five required arguments positionally;
+    the stand-in's parameters are upstream's, in order, with the same five required."""
+    import inspect
+
+    from ubatch.modular_moe.experts import deep_gemm_experts
+
+    assert deep_gemm_experts._MASKED_GEMM_NAMES[0] == "m_grouped_fp8_fp4_gemm_nt_masked"
+    assert "m_grouped_fp8_gemm_nt_masked" in deep_gemm_experts._MASKED_GEMM_NAMES
+    assert deep_gemm_experts._resolve_masked_gemm(dg) is dg.m_grouped_fp8_fp4_gemm_nt_masked
+    params = inspect.signature(dg.m_grouped_fp8_fp4_gemm_nt_masked).parameters.values()
+    assert tuple(p.name for p in params) == DEEP_GEMM_MAIN_MASKED_ARGS
+    assert [p.name for p in params if p.default is inspect.Parameter.empty] == list(DEEP_GEMM_MAIN_MASKED_ARGS[:5])

@@ -6,6 +6,7 @@ outputs equal the ``moe`` schedule's and DBO off's; and the settings are validat
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+from devices import device_for
 from runner.config import ConfigError, RunnerConfig
 from runner.kv_cache import allocate_kv_caches, build_attention_metadata
 from runner.models.loader import load_model, resolve_model_path
@@ -80,18 +82,18 @@ def run_decode_step(cache_dir: Path, *, schedule: str, dbo: bool, backend: str =
         slices = padded_ubatch_slices([1] * n, rows, 2) if dbo else None
         dp = None if any_prefill is None else DPMetadata((n, n), num_real_tokens=n, any_prefill=any_prefill)
         wrapper = UBatchWrapper(model, UBatchConfig(num_ubatches=2, handoff_timeout_s=30))
+        # The recorder is process-global, so one rank installs it, and it must be in place before *either*
+        # rank starts the step: installed after the barrier that releases both, a rank that got there first
+        # had its first spans (and the layer they set for its later comm spans) go unrecorded.
+        recording = trace.recording(record) if record is not None and rank == 0 else contextlib.nullcontext()
         try:
-            barrier.wait()
-            with torch.no_grad(), set_forward_context(meta, ubatch_slices=slices, trace_rank=rank, dp_metadata=dp,
-                                                      real_token_mask=mask):
-                if record is not None and rank == 0:  # the recorder is process-global: one rank installs it
-                    with trace.recording(record):
-                        hidden = wrapper(input_ids=ids, positions=meta.positions)
-                        barrier.wait()
-                else:
+            with recording:
+                barrier.wait()
+                with torch.no_grad(), set_forward_context(meta, ubatch_slices=slices, trace_rank=rank,
+                                                          dp_metadata=dp, real_token_mask=mask):
                     hidden = wrapper(input_ids=ids, positions=meta.positions)
-                    if record is not None:
-                        barrier.wait()
+                if record is not None:
+                    barrier.wait()  # removed only once both ranks finished the step
         finally:
             wrapper.close()
         return {"hidden": hidden[:n], "yields": wrapper.last_yield_counts}
@@ -250,7 +252,7 @@ def test_the_pipeline_needs_exactly_two_ubatches(cache_dir: Path) -> None:
 # ---- the engine: DP=2 ranks (processes), the phase-aware all-to-all, --dbo-schedule -------------------
 ENGINE = dict(model=MODEL, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="auto",
               dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4, max_num_batched_tokens=64,
-              max_num_seqs=4, dbo_cost_model="off", dist_timeout_s=60.0)
+              max_num_seqs=4, dbo_cost_model="off", dist_timeout_s=60.0, device=device_for(2))
 ENGINE_VARIANTS = {"off": dict(enable_dbo=False), "moe": dict(enable_dbo=True, dbo_schedule="moe"),
                    "deepseek": dict(enable_dbo=True, dbo_schedule="deepseek")}
 
@@ -277,7 +279,7 @@ def run_engine_variants(cache_dir: str) -> dict[str, Any]:
 def test_engine_tokens_are_equal_under_both_schedules(cache_dir: Path) -> None:
     from runner.launch import launch
 
-    results = launch(run_engine_variants, 2, (str(cache_dir),), timeout_s=240)
+    results = launch(run_engine_variants, 2, (str(cache_dir),), timeout_s=240, device=device_for(2))
     for rank in (0, 1):
         r = results[rank]
         assert r["moe"]["tokens"] == r["off"]["tokens"] and r["deepseek"]["tokens"] == r["off"]["tokens"]

@@ -10,11 +10,13 @@ from typing import Any
 
 import pytest
 
+from devices import device_for
 from runner.launch import launch
 
 BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True,
             dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=3,
-            dbo_cost_model="off", dist_timeout_s=60.0)  # DBO wherever the thresholds and the DP rule allow
+            dbo_cost_model="off", dist_timeout_s=60.0,  # DBO wherever the thresholds and the DP rule allow
+            device=device_for(2))
 VARIANTS = {
     "ll-off": dict(all2all_backend="torch_ll", enable_dbo=False),
     "ht-off": dict(all2all_backend="torch_ht", enable_dbo=False),
@@ -71,7 +73,7 @@ def run_variants() -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results() -> list[dict[str, Any]]:
-    return launch(run_variants, 2, timeout_s=240)
+    return launch(run_variants, 2, timeout_s=240, device=device_for(2))
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))

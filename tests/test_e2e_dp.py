@@ -18,11 +18,13 @@ from pathlib import Path
 
 import pytest
 
+from devices import device_args, device_for
 from runner.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ll",
-            dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_cost_model="off", dist_timeout_s=60.0)
+            dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_cost_model="off", dist_timeout_s=60.0,
+            device=device_for(2))
 VARIANTS = {"off": dict(enable_dbo=False), "tokens": dict(enable_dbo=True, ubatch_split="tokens"),
             "balanced": dict(enable_dbo=True, ubatch_split="balanced"),
             "sync": dict(enable_dbo=True, ubatch_split="tokens", disable_overlap_schedule=True)}
@@ -84,7 +86,7 @@ def run_workloads() -> dict:
 
 @pytest.fixture(scope="module")
 def per_rank() -> list[dict]:
-    return launch(run_workloads, 2, timeout_s=120)
+    return launch(run_workloads, 2, timeout_s=120, device=device_for(2))
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +130,7 @@ def test_bench_cli_reports_identical_outputs(tmp_path: Path) -> None:
         [sys.executable, "-m", "runner", "bench", "--data-parallel-size", "2", "--enable-expert-parallel",
          "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8", "--num-prompts", "6",
          "--random-prompt-len", "10", "--random-range-ratio", "0.5", "--max-tokens", "6", "--ignore-eos",
-         "--output-csv", str(csv_path), "--trace-file", str(trace_path)],
+         "--output-csv", str(csv_path), "--trace-file", str(trace_path), *device_args(2)],
         cwd=ROOT, env=_env(TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "token outputs DBO off vs on: identical (6 requests)" in proc.stdout, proc.stdout

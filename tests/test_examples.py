@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from devices import device_args
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -48,7 +50,7 @@ def test_wrap_your_model() -> None:
 
 
 def test_offline_generate_over_two_dp_ranks() -> None:
-    proc = run_example("offline_generate.py")
+    proc = run_example("offline_generate.py", *device_args(2))
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("[")]
     assert [ln.split("]")[0] for ln in lines] == [f"[{i}" for i in range(6)]  # every prompt, in input order

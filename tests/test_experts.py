@@ -101,22 +101,27 @@ def _assert_rel_close(actual: torch.Tensor, expected: torch.Tensor, rel: float) 
     assert err <= rel * scale, f"max abs err {err:.3g} > {rel:g} * max |ref| {scale:.3g}"
 
 
-# ------------------------------------------------------------------------------------------- torch experts
+# ------------------------------------------------------------------------------- torch and grouped_mm experts
+
+# Backends that run on CPU without extra packages; each is held to the same naive reference.
+CPU_BACKENDS = ("torch", "grouped_mm")
 
 
-def test_torch_contiguous_matches_naive() -> None:
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_contiguous_matches_naive(backend: str) -> None:
     w13, w2 = _weights(torch.float32)
     tokens = _contiguous_tokens(torch.float32)
-    out = TorchExperts().apply(tokens, w13, w2)
+    out = make_experts(backend).apply(tokens, w13, w2)
     assert out.shape == (T, H) and out.dtype == torch.float32
     _assert_rel_close(out, _naive_contiguous(tokens, w13, w2), 1e-5)
     assert torch.equal(out[5], torch.zeros(H))  # no local expert -> contributes nothing
 
 
-def test_torch_masked_matches_naive_and_zero_pads() -> None:
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_masked_matches_naive_and_zero_pads(backend: str) -> None:
     w13, w2 = _weights(torch.float32)
     tokens = _masked_tokens(torch.float32)
-    out = TorchExperts().apply(tokens, w13, w2)
+    out = make_experts(backend).apply(tokens, w13, w2)
     assert out.shape == (E, CAPACITY, H)
     _assert_rel_close(out, _naive_masked(tokens, w13, w2), 1e-5)
     assert not out[0, 5:].any() and not out[1].any() and not out[3, 1:].any()
@@ -155,14 +160,16 @@ def test_torch_experts_match_hf_qwen3_block() -> None:
     _assert_rel_close(out, expected, 1e-5)
 
 
-def test_shape_mismatch_raises() -> None:
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+def test_shape_mismatch_raises(backend: str) -> None:
     w13, w2 = _weights(torch.float32)
+    experts = make_experts(backend)
     with pytest.raises(ValueError, match="w2 has shape"):
-        TorchExperts().apply(_contiguous_tokens(torch.float32), w13, w2[:, :, :-1])
+        experts.apply(_contiguous_tokens(torch.float32), w13, w2[:, :, :-1])
     with pytest.raises(ValueError, match="exceeds the buffer capacity"):
         tokens = _masked_tokens(torch.float32)
         tokens.expert_num_tokens = torch.tensor([CAPACITY + 1, 0, 0, 0])
-        TorchExperts().apply(tokens, w13, w2)
+        experts.apply(tokens, w13, w2)
 
 
 # ---------------------------------------------------------------------------------------------- moe_align
@@ -323,15 +330,16 @@ def test_triton_rejects_tiny_blocks() -> None:
 
 def test_make_experts_names() -> None:
     assert isinstance(make_experts("torch"), TorchExperts)
-    with pytest.raises(ValueError, match="'cutlass'.*torch, triton, deep_gemm"):
+    with pytest.raises(ValueError, match="'cutlass'.*torch, triton, deep_gemm, grouped_mm"):
         make_experts("cutlass")
-    assert EXPERTS_BACKENDS == ("torch", "triton", "deep_gemm")
+    assert EXPERTS_BACKENDS == ("torch", "triton", "deep_gemm", "grouped_mm")
+    assert all(make_experts(name).name == name for name in CPU_BACKENDS)
 
 
 def test_experts_package_does_not_import_triton() -> None:
     code = (
         "import sys, ubatch.modular_moe.experts as m, ubatch.modular_moe.experts.triton_experts, "
-        "ubatch.modular_moe.experts.deep_gemm_experts; m.make_experts('torch'); "
+        "ubatch.modular_moe.experts.deep_gemm_experts; m.make_experts('torch'); m.make_experts('grouped_mm'); "
         "assert 'triton' not in sys.modules, 'triton imported'; assert 'deep_gemm' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from devices import device_args
 from proc_sockets import alive_per_ps, descendants, is_loopback, listening_addresses
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +30,7 @@ DIST_TIMEOUT_S = 10
 EXIT_BOUND_S = DIST_TIMEOUT_S + 5
 CLI = ["generate", "-dp", "2", "--enable-expert-parallel", "--enable-dbo", "--dbo-decode-token-threshold", "2",
        "--dbo-prefill-token-threshold", "8", "--dbo-cost-model", "off", "--num-prompts", "4", "--max-tokens", "6",
-       "--ignore-eos", "--dist-timeout-s", str(DIST_TIMEOUT_S)]
+       "--ignore-eos", "--dist-timeout-s", str(DIST_TIMEOUT_S), *device_args(2)]
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc (Linux)")]

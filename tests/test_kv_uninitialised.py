@@ -3,14 +3,16 @@
 Each case fills the cache with NaN except the slots the requests' context occupies, and compares with the
 same computation over a clean cache: any read of an unwritten slot that reaches the output shows up as NaN.
 The batched decode path is the one at risk (it gathers up to the longest request of the batch), and the
-CUDA-graph decode attention (it gathers every key position of a request's blocks).
+CUDA-graph decode attention (it gathers every key position of a request's blocks). These cases run the
+reference and the graph path of the default (torch) backend; ``test_attention_backends.py`` runs every
+backend, eager and graph, over NaN-filled caches.
 """
 from __future__ import annotations
 
 import torch
 
 import runner.attention as eager_attention
-from runner import attention_graph as ga
+from runner.attention import graph as ga
 from runner.kv_cache import build_attention_metadata
 
 BS, NUM_BLOCKS = 4, 40

@@ -1,5 +1,6 @@
 """Built-in spawner: results in rank order, single-threaded children on loopback, a dead, failing or silent rank
-named promptly, ranks failing alike reported once."""
+named promptly, ranks failing alike reported once. The rank bodies here move CPU tensors, so they run with
+``device="cpu"`` (gloo) on any host; the device choice itself is tests/test_device.py's."""
 from __future__ import annotations
 
 import os
@@ -52,7 +53,7 @@ def die_or_fail(mode: str) -> None:
 def test_results_in_rank_order(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
     lo = loopback_interface()
-    res = launch(gather_rank_info, 2, args=("x",), timeout_s=30)
+    res = launch(gather_rank_info, 2, args=("x",), timeout_s=30, device="cpu")
     assert res[0] == res[1] == [(0, "x", "1", 1, lo), (1, "x", "1", 1, lo)]  # gloo pinned to loopback
     assert "GLOO_SOCKET_IFNAME" not in os.environ  # set for the children only
 
@@ -72,7 +73,7 @@ def test_dead_rank_is_named_and_peers_stopped(mode: str, expected: str, capfd: p
 
     children = set(multiprocessing.active_children())
     with pytest.raises(RankFailedError) as info:
-        launch(die_or_fail, 2, args=(mode,), timeout_s=30, grace_s=2)
+        launch(die_or_fail, 2, args=(mode,), timeout_s=30, grace_s=2, device="cpu")
     # promptly, not by a timeout: no collective timed out, and the surviving peer (which would sleep 60 s) was stopped
     assert not any("Timed out" in detail for _, detail in info.value.failures), info.value.failures
     assert set(multiprocessing.active_children()) <= children
@@ -88,7 +89,7 @@ def test_silent_rank_is_named_before_the_collective_timeout() -> None:
 
     children = set(multiprocessing.active_children())
     with pytest.raises(RankFailedError) as info:
-        launch(stop_rank_1, 2, timeout_s=120, silence_s=2.0, grace_s=2)
+        launch(stop_rank_1, 2, timeout_s=120, silence_s=2.0, grace_s=2, device="cpu")
     rank, detail = info.value.failures[0]
     assert rank == 1 and detail.startswith("stopped responding: no heartbeat for "), info.value.failures
     assert "its process is stopped (SIGSTOP or a debugger)" in detail
@@ -124,7 +125,7 @@ def test_nccl_needs_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     check_gpus("gloo", 4)  # CPU ranks share the machine
     check_gpus("nccl", 1)
-    with pytest.raises(RuntimeError, match="2 ranks on this host need 2 GPUs with NCCL, found 1"):
+    with pytest.raises(RuntimeError, match="2 ranks on this host need 2 GPUs with NCCL, found 1; .*--device cpu"):
         check_gpus("nccl", 2)
 
 

@@ -158,7 +158,8 @@ def test_ep_equals_dense_over_real_processes(backend: str) -> None:
 
     weights = StackWeights.random()
     inputs = rank_inputs([7, 4])
-    check(weights, inputs, launch(process_rank_main, 2, (weights, inputs, backend, True), timeout_s=60))
+    check(weights, inputs, launch(process_rank_main, 2, (weights, inputs, backend, True), timeout_s=60,
+                                  device="cpu"))  # the harness's tensors are CPU ones: gloo
 
 
 @pytest.mark.parametrize("dbo", [False, True], ids=["no-dbo", "dbo"])

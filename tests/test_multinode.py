@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
+from devices import device_args
+
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ["generate", "--enable-expert-parallel", "--enable-dbo", "--dbo-decode-token-threshold", "2",
             "--dbo-prefill-token-threshold", "8", "--dbo-cost-model", "off", "--num-prompts", "6",
             "--random-prompt-len", "10", "--random-range-ratio", "0.5", "--max-tokens", "6", "--ignore-eos",
-            "--dist-timeout-s", "60"]
+            "--dist-timeout-s", "60", *device_args(2)]  # both "nodes" are this host: 2 ranks
 
 pytestmark = pytest.mark.slow
 

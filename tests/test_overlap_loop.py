@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from devices import device_args
 from fake_runner import FakeRunner, reference_generate
 from runner.cli import build_parser, job_from_args
 from runner.engine import LLM
@@ -395,7 +396,7 @@ def test_generate_trace_file_writes_chrome_trace_and_prints_metrics(tmp_path: Pa
         [sys.executable, "-m", "runner", "generate", "--model", "tiny-qwen3-moe", "--enable-dbo",
          "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "4",
          "--emulate-link", "latency_us=100,gbps=1", "--trace-file", str(out), "--max-tokens", "3",
-         "--num-prompts", "2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+         "--num-prompts", "2", *device_args(1)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     data = json.loads(out.read_text())
     spans = [e for e in data["traceEvents"] if e["ph"] == "X"]

@@ -297,12 +297,17 @@ def test_gpu_event_stamps_are_resolved_at_export() -> None:
         FakeEvent.clock = 5.002
         with trace.compute_span("attention", "A", layer=0):
             FakeEvent.clock = 5.0025
-    (span,), _ = rec.resolved()
+    spans, _ = rec.resolved()
+    (host,) = [s for s in spans if s.track == "ubatch0"]  # the launch, on the host clock
+    (span,) = [s for s in spans if s.track == "gpu0"]  # the device's time, from the events
+    assert (host.cat, span.cat) == ("launch", "compute")
     assert span.start == pytest.approx(rec.t0 + 0.002) and span.end == pytest.approx(rec.t0 + 0.0025)
-    (x,) = [e for e in trace.to_chrome_trace(rec)["traceEvents"] if e["ph"] == "X"]
+    (x,) = [e for e in trace.to_chrome_trace(rec)["traceEvents"] if e["ph"] == "X" and e["cat"] == "compute"]
     assert x["dur"] == pytest.approx(500.0) and x["args"] == {"phase": "A", "layer": 0}
     with pytest.raises(ValueError, match="clock must be 'cpu' or 'cuda'"):
         trace.TraceRecorder(clock="gpu")
+    with pytest.raises(ValueError, match="only apply to clock='cuda'"):
+        trace.TraceRecorder(event_factory=FakeEvent)
 
 
 # ---- (d) tracing off costs nothing ---------------------------------------------------------------------

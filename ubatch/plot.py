@@ -34,10 +34,12 @@ def phase_of(span: TimedSpan) -> str:
 
 
 def _rows(spans: Sequence[TimedSpan]) -> list[str]:
-    """ubatch0, comm0, ubatch1, comm1, ...; then any other track."""
+    """ubatch0, gpu0, comm0, ubatch1, ...; then any other track. ``gpu<u>`` (a CUDA trace's device-side
+    compute) exists only where it was recorded."""
     tracks = {s.track for s in spans}
     ubatches = sorted({trace.ubatch_of_track(t) for t in tracks} - {None})  # type: ignore[type-var]
-    rows = [r for u in ubatches for r in (f"ubatch{u}", f"comm{u}")]
+    rows = [r for u in ubatches for r in (f"ubatch{u}", f"gpu{u}", f"comm{u}")
+            if not r.startswith("gpu") or r in tracks]
     return rows + sorted(tracks - set(rows))
 
 

@@ -44,6 +44,11 @@ MIN_BLOCK_M = 64  # WGMMA block_m: the Hopper down GEMM signals once per 64-row 
 # torch.distributed all-to-alls (NCCL on GPU, gloo on CPU): they can neither be confined to a few SMs nor
 # chase a tile signal, so like SGLang's NCCL-EP backend they use the one-stream dispatch overlap everywhere.
 _COLLECTIVE_BACKENDS = ("torch_ll", "torch_ht", "auto")
+# The one all-to-all whose combine chases the down GEMM's tile signal (DeepEP V1 LL's ``comp_signal``).
+_COMBINE_SIGNAL_BACKENDS = ("deepep_low_latency",)
+# DeepEP V2 (``ElasticBuffer``): one stream or two, like V1 HT, but its ``combine`` takes no ``comp_signal``,
+# so ``combine_down_gemm`` -- DeepEP's tile-chasing combine -- cannot run on it and is refused, not degraded.
+_NO_DOWN_GEMM_BACKENDS = ("deepep_v2",)
 
 
 @dataclass(frozen=True)
@@ -133,17 +138,38 @@ def select_sbo_modes(enable_single_batch_overlap: bool, *, all2all_backend: str,
     - ``combine_shared_experts``: a GPU, not the dispatch mode (so Blackwell with DeepEP), unless
       ``UBATCH_SBO_SHARED_EXPERTS_OUTSIDE`` keeps the shared experts out of SBO;
     - ``combine_down_gemm``: a non-Blackwell GPU with DeepEP low-latency + DeepGEMM experts, the only pair
-      whose kernels speak the tile-signal protocol (SGLang also allows flashinfer_cutedsl, absent here).
+      whose kernels speak the tile-signal protocol (SGLang also allows flashinfer_cutedsl, absent here;
+      ``torch._grouped_mm``, behind the ``grouped_mm`` experts, has no tile signal).
+    - ``deepep_v2`` follows V1 HT: ``dispatch_shared_experts`` off Blackwell, ``combine_shared_experts`` on it,
+      never ``combine_down_gemm`` (:func:`check_sbo_modes` refuses it when forced). ``auto`` counts as a
+      collective backend here (it may resolve to ``deepep_v2`` at run time, which runs that mode too).
+
+    ``experts_backend`` matters only when it is ``deep_gemm``; ``auto`` never resolves to it, so an unresolved
+    ``auto`` gives the same modes as the backend it becomes.
     """
     env = os.environ if env is None else env
     if not enable_single_batch_overlap or (all2all_backend == "none" and not emulate_link):
         return SBO_OFF
     dispatch_shared = all2all_backend in _COLLECTIVE_BACKENDS or not device.is_blackwell
     combine_shared = device.is_cuda and not dispatch_shared and not _env_flag(env, ENV_SHARED_EXPERTS_OUTSIDE)
-    down_gemm = (device.is_cuda and not device.is_blackwell and all2all_backend == "deepep_low_latency"
+    down_gemm = (device.is_cuda and not device.is_blackwell and all2all_backend in _COMBINE_SIGNAL_BACKENDS
                  and experts_backend == "deep_gemm")
-    return SboFlags(combine_down_gemm=down_gemm, combine_shared_experts=combine_shared,
-                    dispatch_shared_experts=dispatch_shared)
+    flags = SboFlags(combine_down_gemm=down_gemm, combine_shared_experts=combine_shared,
+                     dispatch_shared_experts=dispatch_shared)
+    check_sbo_modes(flags, all2all_backend)
+    return flags
+
+
+def check_sbo_modes(flags: SboFlags, all2all_backend: str) -> None:
+    """Refuse a forced mode the backend cannot run (``TwoStreamCombine`` checks the backend really in use).
+
+    ``combine_down_gemm`` on ``deepep_v2``: ``ElasticBuffer.combine`` has no ``comp_signal`` to chase the down
+    GEMM. (Forced on the torch backends it stays the combine-after-the-down-GEMM the CPU tests drive.)
+    """
+    if flags.combine_down_gemm and all2all_backend in _NO_DOWN_GEMM_BACKENDS:
+        raise ValueError(f"SBO mode combine_down_gemm cannot run on all2all backend {all2all_backend!r}: its combine "
+                         "takes no comp_signal to chase the down GEMM; use dispatch_shared_experts or "
+                         "combine_shared_experts")
 
 
 def comm_sm_count(device: DeviceProps, env: Mapping[str, str] | None = None) -> int:
@@ -171,7 +197,8 @@ class OverlapArgs:
     ``deepep_num_sms``: the SM count to hand DeepEP (LL: the combine's ``num_sms``; HT: the class-wide
     ``Buffer.set_num_sms``, which must be even) -- ``None`` when DeepEP is not the backend.
     ``deep_gemm_num_sms``: the ``deep_gemm.set_num_sms`` cap for the compute running beside the combine --
-    ``None`` when DeepGEMM is not the experts backend. ``signal_numel == 0``: no down-GEMM signal.
+    ``None`` when DeepGEMM is not the experts backend (the ``grouped_mm``, ``triton`` and ``torch`` experts
+    take no SM cap: their kernels may use the combine's SMs). ``signal_numel == 0``: no down-GEMM signal.
     """
 
     comm_sms: int

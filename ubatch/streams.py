@@ -113,8 +113,21 @@ def _cpu_current() -> NullStream:
     return getattr(_cpu_state, "stream", _DEFAULT_CPU_STREAM)
 
 
+def device_of(obj: Any) -> torch.device | None:
+    """The device ``obj``'s work runs on: its first parameter's or buffer's (a module), its own (a tensor),
+    else None. What a wrapper around a model should follow, rather than whether CUDA happens to be present:
+    a CPU model on a machine with a GPU (``--device cpu``) must get CPU streams."""
+    if isinstance(obj, torch.Tensor):
+        return obj.device
+    if isinstance(obj, torch.nn.Module):
+        for tensor in itertools.chain(obj.parameters(), obj.buffers()):
+            return tensor.device
+    return None
+
+
 def resolve_device(device: torch.device | str | None = None) -> torch.device:
-    """``None`` means the accelerator when there is one, else the CPU."""
+    """``None`` means the accelerator when there is one, else the CPU: only for callers that know no device
+    (code running a model passes the model's, see :func:`device_of`)."""
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)

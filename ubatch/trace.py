@@ -4,12 +4,36 @@ Off by default and near-free when off: instrumented code does one module-global 
 ``compute_span`` returning a shared null context) and allocates nothing. Metrics live in
 ``ubatch.trace_metrics``, the picture in ``ubatch.plot``; this file only records and exports.
 
-Time stamps ("stamps") are either ``time.perf_counter()`` seconds (CPU wall clock, the default and what
-the runtime's own hooks record) or, with ``TraceRecorder(clock="cuda")``, CUDA events recorded on the
-current stream by ``rec.now()``. Events are resolved to seconds only at export, so recording never
-synchronises the GPU; they are placed on the CPU clock through a reference event recorded right after a
-``torch.cuda.synchronize()`` when the recorder is created (so GPU and CPU time agree at ``t0``). Do not
-record with the cuda clock inside a CUDA-graph capture: timing events cannot be captured.
+Two clocks. With ``TraceRecorder(clock="cpu")`` (the default) every stamp is ``time.perf_counter()``
+seconds: on a CPU, kernels run when they are called, so host time is compute time. With ``clock="cuda"``
+(the engine picks it when the model runs on a CUDA device: ``runner/tracing.py``) the host only *launches*
+kernels, so what the device does is stamped with CUDA timing events recorded on the stream the work runs on:
+
+- compute (``compute_span``, and ``span`` with ``mark()`` stamps): an event on the ubatch's current stream
+  before and after. The span goes on the ubatch's GPU track (``gpu0``, ``gpu1``, ...; cat ``"compute"``),
+  and the same phase's host side, from its first launch to its last, stays on the ubatch track with cat
+  ``"launch"``. So the ubatch tracks remain a host timeline whose slices nest, the metrics' compute is GPU
+  time, and "unattributed" keeps meaning host time that no named phase explains.
+- communication (cat ``"comm"`` on ``comm0``, ``comm1``, ...): the emulated link's delay kernel has an
+  event before and after it on the link's side stream (the modelled transfer); a real torch.distributed
+  collective, when no modelled link stands in for it, is timed from an event on the issuing stream before
+  it is posted to an event on a per-ubatch tracing stream made to wait for the collective's completion
+  (``work.wait()`` there, which blocks no host thread); DeepEP's kernels have events around them on the
+  stream they are launched from (``prepare_finalize/base.py``).
+- host phases (``region`` with any category but compute: DP vote, input preparation, sampling, waits,
+  recv hooks) and instants stay on the CPU clock, because that is where they happen.
+
+Nothing synchronises while recording: events are only recorded, and resolved to seconds at export
+(``resolved``). Both clocks share one timeline, the host's ``perf_counter``: the recorder synchronises the
+device once when it is created, records a reference event on the idle device and reads ``t0`` right
+after, so an event resolves to ``t0 + (event - reference)``. GPU spans therefore appear later than the
+host spans that launched them, by however far the host ran ahead. Device and host clocks drift apart by
+parts per million, negligible over a traced call.
+
+Inside a CUDA-graph capture nothing can record a timing event (CUDA refuses it), so ``mark``/``device_stamp``
+return no event while the current stream is capturing and the span is dropped; a graph replay is traced as
+one ``graph_replay`` compute span around the replay (``cudagraph/manager.py``), the link and all-to-alls
+inside it cannot be told apart from its compute.
 
 Several thread ranks in one process share the active recorder; each span carries ``pid`` (the rank),
 read from the forward context's ``trace_rank`` field (``set_forward_context(..., trace_rank=r)``; every
@@ -56,6 +80,7 @@ class Instant:
 
 
 _UBATCH_TRACKS = tuple(f"ubatch{i}" for i in range(16))  # no string formatting on the recording path
+_GPU_TRACKS = {f"ubatch{i}": f"gpu{i}" for i in range(16)}
 
 
 def track_name(ubatch: int | str) -> str:
@@ -65,10 +90,19 @@ def track_name(ubatch: int | str) -> str:
     return _UBATCH_TRACKS[ubatch] if 0 <= ubatch < 16 else f"ubatch{ubatch}"
 
 
+def gpu_track(track: str) -> str:
+    """Where the device side of a host track's compute goes: ``"ubatch1"`` -> ``"gpu1"``, else ``"gpu_<track>"``."""
+    gpu = _GPU_TRACKS.get(track)
+    if gpu is not None:
+        return gpu
+    u = ubatch_of_track(track) if track.startswith("ubatch") else None
+    return f"gpu{u}" if u is not None else f"gpu_{track}"
+
+
 def ubatch_of_track(track: str) -> int | None:
-    """``"ubatch1"``/``"comm1"`` -> 1; ``None`` for tracks that belong to no ubatch."""
+    """``"ubatch1"``/``"gpu1"``/``"comm1"`` -> 1; ``None`` for tracks that belong to no ubatch."""
     digits = track[len(track.rstrip("0123456789")):]
-    return int(digits) if digits and track[: -len(digits)] in ("ubatch", "comm") else None
+    return int(digits) if digits and track[: -len(digits)] in ("ubatch", "comm", "gpu") else None
 
 
 class _ThreadPid(threading.local):
@@ -93,39 +127,99 @@ def current_pid() -> int:
     return rank
 
 
+@dataclass(slots=True)
+class Mark:
+    """A moment on both clocks (``TraceRecorder.mark`` on the cuda clock): host seconds and a device event.
+
+    ``device`` is ``None`` inside a CUDA-graph capture, where no timing event can be recorded.
+    """
+
+    host: float
+    device: Any
+
+
 class TraceRecorder:
     """Collects spans from every thread. No lock: ``list.append`` and ``list(...)`` are atomic in CPython
     (the GIL, or per-object locks in free-threaded builds), and a lock pair would cost more than the record.
 
-    ``clock="cuda"`` makes ``now()`` return CUDA events; ``event_factory`` replaces
-    ``torch.cuda.Event(enable_timing=True)`` (tests pass a fake, so the resolution logic runs on CPU).
+    ``clock="cuda"`` stamps device work with CUDA events (module docstring). ``cuda_module`` replaces
+    ``torch.cuda`` (its ``Event``, ``Stream``, ``stream``, ``synchronize``, ``is_current_stream_capturing``):
+    tests pass a stand-in with a simulated timeline (``tests/standins/cuda_events.py``). ``event_factory``
+    alone replaces only ``torch.cuda.Event(enable_timing=True)``.
     """
 
-    def __init__(self, clock: str = "cpu", event_factory: Callable[[], Any] | None = None) -> None:
+    def __init__(self, clock: str = "cpu", event_factory: Callable[[], Any] | None = None,
+                 cuda_module: Any = None) -> None:
         if clock not in ("cpu", "cuda"):
             raise ValueError(f"trace clock must be 'cpu' or 'cuda', got {clock!r}")
+        if clock == "cpu" and (event_factory is not None or cuda_module is not None):
+            raise ValueError("event_factory / cuda_module only apply to clock='cuda'")
         self.clock = clock
         self.spans: list[Span] = []
         self.instants: list[Instant] = []
         self._layers: dict[tuple[int, str], int] = {}  # (pid, track) -> layer its ubatch is in, for "layer"
         self._event_factory = event_factory
         self._ref_event: Any = None
+        self._cuda: Any = None
+        self._capturing: Callable[[], bool] = _never
+        self._side_streams: dict[str, Any] = {}
         if clock == "cuda":
-            if event_factory is None:
+            if cuda_module is None:
                 import torch
 
-                torch.cuda.synchronize()  # the GPU is idle: the reference event fires at (almost) t0
-                self._event_factory = lambda: torch.cuda.Event(enable_timing=True)
+                cuda_module = torch.cuda
+                if event_factory is not None and not torch.cuda.is_available():
+                    cuda_module = None  # a fake event on a machine without CUDA: nothing can be capturing
+            self._cuda = cuda_module
+            if cuda_module is not None:
+                self._capturing = cuda_module.is_current_stream_capturing
+            if event_factory is None:
+                cuda_module.synchronize()  # the device is idle: the reference event fires at (almost) t0
+                self._event_factory = lambda: cuda_module.Event(enable_timing=True)
             self._ref_event = self.now()
         self.t0 = time.perf_counter()
 
-    def now(self) -> Stamp:
-        """A stamp for "now": CPU seconds, or an event on the current CUDA stream (compute time, not issue time)."""
+    def now(self, stream: Any = None) -> Stamp:
+        """A stamp for "now": CPU seconds, or (cuda clock) an event on ``stream`` (default: the current one),
+        i.e. when the device gets there, not when the host issued it. ``None`` inside a CUDA-graph capture."""
         if self._event_factory is None:
             return time.perf_counter()
+        if self._capturing():
+            return None
         event = self._event_factory()
-        event.record()
+        if stream is None:
+            event.record()
+        else:
+            event.record(stream)
         return event
+
+    def device_stamp(self, stream: Any = None) -> Any:
+        """An event on ``stream`` with the cuda clock; ``None`` with the cpu clock or inside a capture.
+
+        What comm-span sources call: on the cpu clock they keep their host-side timing.
+        """
+        return None if self._event_factory is None else self.now(stream)
+
+    def mark(self) -> float | Mark:
+        """Start or end of a compute phase: host seconds (cpu clock) or a ``Mark`` on both clocks (cuda)."""
+        if self._event_factory is None:
+            return time.perf_counter()
+        host = time.perf_counter()
+        return Mark(host, self.now())
+
+    def side_stream(self, key: str) -> Any:
+        """A tracing-only stream per ``key`` (one per comm track), made to wait for a collective before an
+        end event is recorded on it. One per ubatch, so a transfer's end never waits for another's."""
+        s = self._side_streams.get(key)
+        if s is None:
+            if self._cuda is None:
+                raise RuntimeError("side streams need clock='cuda' with a CUDA module")
+            s = self._side_streams[key] = self._cuda.Stream()
+        return s
+
+    def on_stream(self, stream: Any) -> Any:
+        """``with rec.on_stream(s):`` makes ``s`` the current stream of the recorder's CUDA module."""
+        return self._cuda.stream(stream)
 
     def span(self, name: str, cat: str, ubatch: int | str, start: Stamp, end: Stamp, **args: Any) -> None:
         self._add(name, cat, track_name(ubatch), start, end, args, current_pid())
@@ -135,6 +229,17 @@ class TraceRecorder:
             layer = self._layers.get((pid, track))
             if layer is not None:
                 args["layer"] = layer
+        if isinstance(start, Mark) or isinstance(end, Mark):
+            if not (isinstance(start, Mark) and isinstance(end, Mark)):
+                raise ValueError(f"span {name!r}: start and end must both be marks, got {start!r} and {end!r}")
+            # host side on the host track (cat "launch" for compute), device side on the GPU track
+            self.spans.append(Span(name, "launch" if cat == "compute" else cat, track, start.host, end.host,
+                                   args, pid))
+            if start.device is None or end.device is None:
+                return  # inside a CUDA-graph capture: no device timing
+            start, end, track, args = start.device, end.device, gpu_track(track), dict(args)
+        elif start is None or end is None:
+            return  # a device stamp taken inside a CUDA-graph capture: nothing to time
         self.spans.append(Span(name, cat, track, start, end, args, pid))
 
     def instant(self, name: str, cat: str, ubatch: int | str, **args: Any) -> None:
@@ -162,6 +267,10 @@ class TraceRecorder:
                 s.end.synchronize()
         return ([replace(s, start=self.resolve(s.start), end=self.resolve(s.end)) for s in spans],
                 [replace(i, ts=self.resolve(i.ts)) for i in instants])
+
+
+def _never() -> bool:
+    return False
 
 
 def active() -> TraceRecorder | None:
@@ -202,9 +311,9 @@ class _Region:
     def __init__(self, rec: TraceRecorder, name: str, cat: str, phase: str | None, layer: int | None,
                  track: str | None) -> None:
         self.rec, self.name, self.cat, self.phase, self.layer, self.track = rec, name, cat, phase, layer, track
-        # Compute is timed on the recorder's clock (CUDA events in "cuda" mode); a host-side wait or CPU
-        # phase always on the CPU clock, since that is where it happens.
-        self.clock = rec.now if cat == "compute" else time.perf_counter
+        # Compute is timed on the recorder's clock (host and device marks in "cuda" mode); a host-side wait
+        # or CPU phase always on the CPU clock, since that is where it happens.
+        self.clock = rec.mark if cat == "compute" else time.perf_counter
 
     def __enter__(self) -> None:
         self.pid = current_pid()
@@ -257,9 +366,9 @@ def region(name: str, cat: str, track: str | None = None) -> Any:
 
 # ---- Chrome trace export (chrome://tracing, https://ui.perfetto.dev) ----------------------------------
 def _track_order(track: str) -> tuple[int, int, str]:
-    """Each ubatch's compute row directly above its comm row, like the DBO schedule diagram."""
+    """Each ubatch's host row, then its GPU row, then its comm row, like the DBO schedule diagram."""
     u = ubatch_of_track(track)
-    kind = 0 if track.startswith("ubatch") else 1 if track.startswith("comm") else 2
+    kind = 0 if track.startswith("ubatch") else 1 if track.startswith("gpu") else 2 if track.startswith("comm") else 3
     return (u if u is not None else 1 << 30, kind, track)
 
 

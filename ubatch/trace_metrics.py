@@ -28,6 +28,16 @@ in ``x`` and ``|.|`` its length, so overlapping spans are never double counted:
 - **blocked on real transfers** ``|U(cat "copy") \\ C|`` (waiting for gloo/NCCL to finish) and **blocked
   on the modelled link** ``|U(cat "link") \\ C|`` (sleeping until the emulated wire delivers), apart.
 
+On a GPU (the cuda trace clock, ``ubatch/trace.py``) the same definitions read device time: compute is the
+``gpu*`` tracks' spans (CUDA events on the ubatch's stream), comm the link's delay kernel or the collective
+from post to completion, so hidden is link time during which the device computes and bubble is device idle
+time. The ubatch tracks then hold the host side of each compute phase (cat ``"launch"``); like the
+``gpu*`` and ``comm*`` tracks' device time, it is not counted as compute, and only host tracks count
+for attribution. The host waits (recv hooks, copies, link) are host time not covered by device compute.
+A CUDA-graph replay is one ``graph_replay`` compute span: the link and all-to-alls captured in the graph
+run inside it and cannot be separated, so a replayed step adds compute but no comm (``graph_replays``
+counts them, and the report says so).
+
 The interval helpers are pure functions on lists of ``(start, end)`` pairs.
 """
 from __future__ import annotations
@@ -36,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 Interval = tuple[float, float]
+GRAPH_REPLAY = "graph_replay"  # the compute span a CUDA-graph replay records
 
 
 # ---- interval arithmetic -------------------------------------------------------------------------------
@@ -178,6 +189,7 @@ class OverlapMetrics(_CommSplit):
     link_wait_us: float = 0.0
     num_handoffs: int = 0
     phases: dict[str, float] = field(default_factory=dict)
+    graph_replays: int = 0  # CUDA-graph replays: their comm is inside their compute span, not counted as comm
 
     @property
     def unattributed_us(self) -> float:
@@ -189,8 +201,8 @@ class OverlapMetrics(_CommSplit):
 
 
 def is_cpu_track(track: str) -> bool:
-    """Every track but the modelled link's (``comm0``, ``comm1``, ...)."""
-    return not track.startswith("comm")
+    """Host tracks: every track but the transfers' (``comm0``, ...) and the device's (``gpu0``, ``gpu_step``, ...)."""
+    return not track.startswith(("comm", "gpu"))
 
 
 
@@ -221,6 +233,7 @@ def overlap_metrics(source: Any, pid: int | None = None) -> OverlapMetrics:
                           copy_wait_us=length(subtract(_ivs(spans, "copy"), compute)),
                           link_wait_us=length(subtract(_ivs(spans, "link"), compute)),
                           num_handoffs=sum(s.cat == "wait" for s in spans),
+                          graph_replays=sum(s.name == GRAPH_REPLAY and s.cat == "compute" for s in spans),
                           phases=dict(sorted(((n, length(iv)) for n, iv in phases.items()), key=lambda kv: -kv[1])))
 
 
@@ -246,6 +259,9 @@ def format_metrics(m: OverlapMetrics) -> str:
              f"  handoffs             {m.num_handoffs:9d}     (ubatch switches)",
              f"  unattributed         {ms(m.unattributed_us)}  {pct(m.unattributed_us, m.wall_us)} of wall "
              f"(no named phase)"]
+    if m.graph_replays:
+        lines.append(f"  graph replays        {m.graph_replays:9d}     (their link/all-to-all time is inside the "
+                     "replay's compute span, not counted as comm)")
     if m.phases:
         lines.append("  phase                    ms   % of wall")
         for name, us in m.phases.items():

@@ -97,6 +97,7 @@ class _Worker:
             if job is None:
                 return
             job()  # the job clears ``busy`` itself, before it reports done (see UBatchWrapper._make_job)
+            job = None  # idle workers hold nothing: the last step's outputs (e.g. in a CUDA graph's pool) can be freed
 
     def submit(self, job: Callable[[], None] | None) -> None:
         self.busy = job is not None
@@ -273,7 +274,8 @@ class UBatchWrapper:
                  device: torch.device | str | None = None) -> None:
         self.runnable = runnable
         self.config = config or UBatchConfig()
-        self.device = streams.resolve_device(device)
+        # No device given: the model's own (its parameters'), so a CPU model gets CPU streams on a GPU machine.
+        self.device = streams.resolve_device(device if device is not None else streams.device_of(runnable))
         self.comm_stream = streams.new_stream(self.device, name="comm")
         pool_size = 1 if self.config.executor == "greenlet" else self.config.num_ubatches
         self._pool = _WorkerPool(pool_size, self.config.num_threads_per_ubatch, self.config.max_stuck_workers)

@@ -9,7 +9,7 @@ One class body serves both; the config says which router and RoPE layout apply:
   5.23's V2 router ignores it; all released V2 configs set it false).
 
 The MLA cache holds ``[latent | rotated rope key]`` per token; attention uses absorbed ``kv_b_proj``
-weights (see ``runner/attention.py``). Softmax scale = ``qk_head_dim ** -0.5``, times yarn's
+weights (see ``runner/attention/reference.py``). Softmax scale = ``qk_head_dim ** -0.5``, times yarn's
 ``mscale(factor, mscale_all_dim) ** 2`` only when yarn RoPE is configured.
 
 Attention is two methods, ``prepare`` (ATTN-0: the MLA down/up projections) and ``core`` (ATTN-1: KV write,
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.attention import paged_mla_attention, write_kv
+from runner.attention.ops import mla_attention
 from runner.kv_cache import KVCacheSpec
 from runner.models.configs import DeepseekV2Config
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
@@ -45,6 +45,8 @@ _LORA_NORM_EPS = 1e-6
 
 class DeepseekV2Attention(nn.Module):
     """Multi-head latent attention over a paged latent cache."""
+
+    uses_attention_backend = True  # KV write and attention go through runner.attention.ops
 
     def __init__(self, config: DeepseekV2Config, dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -91,10 +93,9 @@ class DeepseekV2Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound; call bind_kv_caches() first")
         meta = current_attn_metadata()
-        write_kv(self.kv_cache, meta.slot_mapping, cache_entry)
         w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
-        out = paged_mla_attention(q_nope, q_rope, self.kv_cache, meta, self.scaling, w_uk, w_uv, positions)
+        out = mla_attention(q_nope, q_rope, cache_entry, self.kv_cache, meta, self.scaling, w_uk, w_uv, positions)
         return self.o_proj(out.reshape(q_nope.shape[0], -1))
 
 

@@ -243,16 +243,26 @@ def iter_checkpoint(path: Path, model: nn.Module) -> Iterator[tuple[str, torch.T
                     yield key, fh.get_tensor(key)
 
 
+def auto_dtype(checkpoint_dtype: torch.dtype | None, device: torch.device | str) -> torch.dtype:
+    """``--dtype auto``: the checkpoint's ``torch_dtype`` (float32 when it names none), except that a float32
+    checkpoint runs in bfloat16 on a GPU, as vLLM's ``auto`` serves it in 16 bits there: the GPU kernels
+    (``grouped_mm`` experts, flash attention) are 16-bit ones, and fp32 doubles the bytes every step reads."""
+    dtype = checkpoint_dtype or torch.float32
+    if torch.device(device).type == "cuda" and dtype == torch.float32:
+        return torch.bfloat16
+    return dtype
+
+
 def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: torch.dtype | None = None,
                cache_dir: str | os.PathLike | None = None,
                device: torch.device | str = "cpu") -> tuple[nn.Module, BaseMoEConfig]:
     """Build the model for ``config.json``'s architecture and load this rank's weights.
 
-    ``dtype`` defaults to the config's ``torch_dtype``/``dtype``, else float32.
+    ``dtype`` defaults to :func:`auto_dtype` of the config's ``torch_dtype``/``dtype`` on ``device``.
     """
     path = resolve_model_path(model, cache_dir)
     config = load_config(path)
-    dtype = dtype or config.dtype or torch.float32
+    dtype = dtype or auto_dtype(config.dtype, device)
     cls = get_model_class(config.architectures[0])
     with torch.device("meta"), skip_weight_init():  # every parameter is overwritten by the checkpoint
         net = cls(config, parallel, dtype)

@@ -2,14 +2,16 @@
 
 Tokens are flattened (``[T]``, all requests of the (micro)batch back to back); attention reads its batch
 layout from ``get_forward_context().attn_metadata`` on every call — never from module state — because the
-two DBO ubatch threads run these same module objects alternately, each with its own metadata.
+two DBO ubatch threads run these same module objects alternately, each with its own metadata. The metadata's
+type picks the attention path (``runner/attention/ops.py``): the engine's backend, graph decode, or the
+plain-torch reference for a model called with ``CommonAttentionMetadata``.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from runner.attention import paged_attention, write_kv
+from runner.attention.ops import mha_attention
 from runner.kv_cache import KVCacheSpec
 from runner.models.configs import Qwen3MoeConfig
 from runner.models.layers import RMSNorm, RotaryEmbedding
@@ -23,6 +25,8 @@ from ubatch.modular_moe.layer import FusedMoE
 
 class Qwen3MoeAttention(nn.Module):
     """GQA with per-head RMSNorm on q and k (before RoPE), neox-style RoPE, paged KV cache."""
+
+    uses_attention_backend = True  # KV write and attention go through runner.attention.ops
 
     def __init__(self, config: Qwen3MoeConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
@@ -48,8 +52,7 @@ class Qwen3MoeAttention(nn.Module):
         k = self.k_norm(self.k_proj(hidden).view(t, self.num_kv_heads, self.head_dim))
         v = self.v_proj(hidden).view(t, self.num_kv_heads, self.head_dim)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        write_kv(self.kv_cache, meta.slot_mapping, k, v)
-        out = paged_attention(q, self.kv_cache, meta, self.scaling, positions)
+        out = mha_attention(q, k, v, self.kv_cache, meta, self.scaling, positions)
         return self.o_proj(out.reshape(t, -1))
 
 

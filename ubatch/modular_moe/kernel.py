@@ -67,13 +67,13 @@ class FusedMoEModularKernel:
         tokens, state = receive_tokens()
 
         two = TwoStreamCombine(sbo, pf, self.experts, tokens, hidden.device) if sbo.two_stream else None
-        t1 = time.perf_counter() if rec is not None else 0.0
+        t1 = rec.mark() if rec is not None else 0.0  # host and (cuda clock) device time
         if two is None:
             expert_out = self.experts.apply(tokens, w13, w2)
         else:
             expert_out = two.run_experts(lambda: self.experts.apply(tokens, w13, w2))
         if rec is not None:
-            rec.span("experts", "compute", dbo_current_ubatch_id(), t1, time.perf_counter(), phase="E")
+            rec.span("experts", "compute", dbo_current_ubatch_id(), t1, rec.mark(), phase="E")
 
         dbo_maybe_run_recv_hook()
         with trace.region("combine_send", "a2a"):
@@ -97,10 +97,10 @@ class FusedMoEModularKernel:
                 two: TwoStreamCombine | None) -> torch.Tensor:
         """The shared experts, recorded as compute that overlaps the dispatch or the combine."""
         assert self.shared_experts is not None
-        t = time.perf_counter() if rec is not None else 0.0
+        t = rec.mark() if rec is not None else 0.0
         fn = self.shared_experts
         shared = fn(hidden) if two is None else two.run_shared(lambda: fn(hidden))
         if rec is not None:
-            rec.span("shared_experts", "compute", dbo_current_ubatch_id(), t, time.perf_counter(), phase="S",
+            rec.span("shared_experts", "compute", dbo_current_ubatch_id(), t, rec.mark(), phase="S",
                      overlaps=overlaps)
         return shared

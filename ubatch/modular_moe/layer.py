@@ -17,7 +17,7 @@ from torch import nn
 from ubatch import trace
 from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
-from ubatch.modular_moe.experts import make_experts
+from ubatch.modular_moe.experts import make_experts, resolve_experts_backend
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.router import select_experts
 from ubatch.modular_moe.runtime import MoERuntime
@@ -72,12 +72,16 @@ class FusedMoE(nn.Module):
         return self.kernel_for(self.runtime.default_backend)
 
     def kernel_for(self, backend: str) -> FusedMoEModularKernel:
-        """Built on first use: the backend needs the process groups, which exist only once ranks are up."""
+        """Built on first use: the backend needs the process groups, which exist only once ranks are up.
+
+        An ``experts_backend`` of ``auto`` is resolved here, by the device the weights are on by then.
+        """
         kernel = self._kernels.get(backend)
         if kernel is None:
-            pf = self.runtime.prepare_finalize(self.num_experts, self.hidden_size, self.w13_weight.device, backend)
-            kernel = FusedMoEModularKernel(pf, make_experts(self.parallel.experts_backend), self.shared_experts,
-                                           sbo=self.parallel.sbo)
+            device = self.w13_weight.device
+            pf = self.runtime.prepare_finalize(self.num_experts, self.hidden_size, device, backend)
+            experts = make_experts(resolve_experts_backend(self.parallel.experts_backend, device))
+            kernel = FusedMoEModularKernel(pf, experts, self.shared_experts, sbo=self.parallel.sbo)
             self._kernels[backend] = kernel
         return kernel
 

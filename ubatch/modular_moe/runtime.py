@@ -20,7 +20,7 @@ import torch
 from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.prepare_finalize import (
-    PHASE_AWARE_BACKENDS, EmulatedLink, LinkSpec, PrepareFinalize, make_prepare_finalize, parse_link,
+    EmulatedLink, LinkSpec, PrepareFinalize, make_prepare_finalize, parse_link, phase_backends,
 )
 
 
@@ -38,7 +38,7 @@ class MoERuntime:
     @property
     def default_backend(self) -> str:
         """The configured backend; for a phase-aware one, its decode (low-latency) backend."""
-        pair = PHASE_AWARE_BACKENDS.get(self.parallel.all2all_backend)
+        pair = phase_backends(self.parallel.all2all_backend, self.deep_ep_module)
         return pair[1] if pair is not None else self.parallel.all2all_backend
 
     def backend_for_step(self) -> str:
@@ -47,7 +47,7 @@ class MoERuntime:
         Without DP metadata (a CUDA-graph capture, which only captures decode steps, or a caller outside
         the engine) ``auto`` means the low-latency layout.
         """
-        pair = PHASE_AWARE_BACKENDS.get(self.parallel.all2all_backend)
+        pair = phase_backends(self.parallel.all2all_backend, self.deep_ep_module)
         if pair is None:
             return self.parallel.all2all_backend
         fc = maybe_get_forward_context()

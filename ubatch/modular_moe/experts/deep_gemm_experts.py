@@ -23,8 +23,12 @@ from ubatch.modular_moe.types import ExpertTokens, Layout
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 QUANT_BLOCK = 128  # DeepGEMM's scaling granularity along K (and N for weights)
-# Current name first, then the pre-2.0 aliases, so one backend spans DeepGEMM releases.
+# Current name first (DeepGEMM main 54e2261, 2026-06-23, and sgl-deep-gemm 0.2.5 define
+# ``m_grouped_fp8_fp4_gemm_nt_masked(a, b, d, masked_m, expected_m, recipe=None, recipe_a=None, recipe_b=None,
+# compiled_dims='nk', disable_ue8m0_cast=False)`` and keep ``m_grouped_fp8_gemm_nt_masked`` as an alias), then
+# the older names, so one backend spans DeepGEMM releases. The call below passes the first five positionally.
 _MASKED_GEMM_NAMES: tuple[str, ...] = (
+    "m_grouped_fp8_fp4_gemm_nt_masked",
     "m_grouped_fp8_gemm_nt_masked",
     "fp8_m_grouped_gemm_nt_masked",
     "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
@@ -106,9 +110,10 @@ def _import_deep_gemm() -> Any:
         import deep_gemm
     except ImportError as exc:
         raise ImportError(
-            "The 'deep_gemm' experts backend needs DeepGEMM (an SM90/SM100 GPU, CUDA >= 12.3) and it is not "
-            "importable. It has no usable PyPI release: build it from github.com/deepseek-ai/DeepGEMM "
-            "(./install.sh), or use make_experts('triton') / make_experts('torch')."
+            "The 'deep_gemm' experts backend needs DeepGEMM (an SM90/SM100 GPU) and it is not importable. "
+            "Install the prebuilt SGLang build (pip install sgl-deep-gemm: CUDA 13, built against one torch "
+            "version) or build github.com/deepseek-ai/DeepGEMM from source (./install.sh); or use "
+            "make_experts('triton') / make_experts('torch')."
         ) from exc
     return deep_gemm
 

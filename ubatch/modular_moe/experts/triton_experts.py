@@ -11,12 +11,15 @@ dtype. That costs tensor-core throughput; it is a correctness backend first.
 
 ``triton`` is imported, and the kernels decorated, only when a ``TritonExperts`` is constructed: decoration
 reads ``TRITON_INTERPRET``, and the package must import without Triton installed.
+
+The reduction length ``K`` is a ``tl.constexpr``: a loop ``range`` with a run-time bound fails in Triton
+3.6's interpreter under NumPy >= 2.4 (its ``tensor.__index__`` calls ``int()`` on a one-element array,
+which NumPy 2.4 turned from a deprecation into a TypeError; Triton 3.9 squeezes the array first). A compile-time
+``K`` gives every Triton version a plain Python bound, and the compiler a static trip count; it costs one
+compilation per (hidden size, intermediate size), both fixed per model.
 """
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 from typing import Any
 
 import torch
@@ -25,6 +28,9 @@ from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.experts.moe_align import moe_align_block_size
 from ubatch.modular_moe.experts.torch_experts import check_expert_weights
 from ubatch.modular_moe.types import ExpertTokens
+from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard
+
+__all__ = ["TritonExperts", "interpreter_enabled"]
 
 # Filled by _load_kernels(); module globals because the interpreter re-executes kernel source against the
 # defining function's __globals__ (closure variables are invisible to it).
@@ -32,30 +38,11 @@ triton: Any = None
 tl: Any = None
 _KERNELS: dict[bool, tuple[Any, Any]] = {}
 
-_TRUE_STRINGS = frozenset({"1", "true", "yes", "on", "y"})
-# The interpreter is not thread-safe: each launch monkey-patches triton.language for its duration and
-# un-patches at exit, and it ast-parses kernel source on first use. Two ranks-as-threads launching at
-# once break each other ("Did you forget to add @triton.jit ?", "AST constructor recursion depth
-# mismatch"). Launches only compute, never wait on another thread, so serialising them cannot deadlock.
-_INTERPRETER_LOCK = threading.Lock()
-
-
-def interpreter_enabled() -> bool:
-    """Mirror Triton's own parsing of TRITON_INTERPRET, read at call time (not import time)."""
-    return os.environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE_STRINGS
-
 
 def _import_triton() -> None:
     """Import on every construction (cheap once cached) so a missing Triton always gets the install hint."""
     global triton, tl
-    try:
-        import triton as _triton
-        import triton.language as _tl
-    except ImportError as exc:
-        raise ImportError(
-            "The 'triton' experts backend needs the Triton package: pip install ubatch[triton]"
-        ) from exc
-    triton, tl = _triton, _tl
+    triton, tl = import_triton("The 'triton' experts backend")
 
 
 def _load_kernels() -> tuple[Any, Any]:
@@ -67,9 +54,9 @@ def _load_kernels() -> tuple[Any, Any]:
     @triton.jit
     def _fused_w13_silu_mul_kernel(
         a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
-        num_valid, N, K, top_k,
+        num_valid, N, top_k,
         stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # out[id, n] = silu(a[id // top_k] . w[e, n]) * (a[id // top_k] . w[e, N + n]) for the block's ids.
         pid_m = tl.program_id(0)
@@ -112,10 +99,10 @@ def _load_kernels() -> tuple[Any, Any]:
     @triton.jit
     def _w2_kernel(
         a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
-        num_valid, N, K,
+        num_valid, N,
         stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
         MUL_ROUTED_WEIGHT: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         # out[id, n] = (a[id] . w[e, n]) * weight[id]: rows are already per (token, k), so no // top_k.
         pid_m = tl.program_id(0)
@@ -269,20 +256,20 @@ class TritonExperts(MoEExperts):
             launch.update(num_warps=self.num_warps, num_stages=self.num_stages)
         hidden_size = a.shape[1]
         num_m_blocks = expert_ids.numel()
-        with _INTERPRETER_LOCK if self.interpret else contextlib.nullcontext():
+        with launch_guard(self.interpret):
             self._w13_kernel[(num_m_blocks, _cdiv(inter, self.block_n))](
                 a, w13, intermediate, sorted_ids, expert_ids, num_post_pad,
-                num_routes, inter, hidden_size, top_k,
+                num_routes, inter, top_k,
                 a.stride(0), a.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
                 intermediate.stride(0), intermediate.stride(1),
-                **launch,
+                K=hidden_size, **launch,
             )
             self._w2_kernel[(num_m_blocks, _cdiv(hidden_size, self.block_n))](
                 intermediate, w2, out, weights if weights is not None else intermediate,
                 sorted_ids, expert_ids, num_post_pad,
-                num_routes, hidden_size, inter,
+                num_routes, hidden_size,
                 intermediate.stride(0), intermediate.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
                 out.stride(0), out.stride(1),
                 MUL_ROUTED_WEIGHT=weights is not None,
-                **launch,
+                K=inter, **launch,
             )

@@ -10,6 +10,12 @@ A top-k id of ``-1`` routes its row nowhere: the MoE layer gives DP and CUDA-gra
 ids, and every backend must then send nothing for them and return zeros (DeepEP's kernels treat ``-1``
 the same way). ``wire`` counts the bytes each direction hands to the real collective, per ubatch, so tests
 and benchmarks can check what the buffers cost.
+
+Comm spans on the cuda trace clock (``ubatch/trace.py``): a backend takes ``comm_start()`` right before it
+posts a transfer and passes it to ``_through_link``. With a modelled link the link's own span is the
+transfer (one comm span per transfer); without one, ``_through_link`` makes a per-ubatch tracing stream
+wait for the real collective and records the end there, so the span runs from the post to the
+collective's completion on the device. On the cpu clock ``comm_start()`` is ``None`` and nothing changes.
 """
 from __future__ import annotations
 
@@ -19,10 +25,11 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from ubatch import trace
 from ubatch.context import dbo_current_ubatch_id
 from ubatch.forward_context import maybe_get_forward_context
-from ubatch.modular_moe.comm import Handle
-from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink
+from ubatch.modular_moe.comm import Handle, WorkHandle
+from ubatch.modular_moe.prepare_finalize.emulated_link import AllHandles, EmulatedLink
 from ubatch.modular_moe.types import ExpertTokens, Layout
 
 Hook = Callable[[], None]
@@ -74,10 +81,72 @@ class PrepareFinalize(ABC):
     def finalize_async(self, expert_output: torch.Tensor, state: Any) -> tuple[Hook | None, FinalizeReceiver]:
         """Start combine of the experts' output; the receiver returns ``[T,H]`` (weights applied)."""
 
-    def _through_link(self, nbytes: int, inner: Handle | None, label: str) -> Handle | None:
+    def comm_start(self) -> Any:
+        """A device event before a real transfer is posted, when a cuda-clock trace records and no modelled
+        link times it; ``None`` otherwise (the common case: one global read)."""
+        return None if self.link is not None else device_start()
+
+    def _through_link(self, nbytes: int, inner: Handle | None, label: str, start: Any = None) -> Handle | None:
         if self.link is None:
+            if start is not None and inner is not None:
+                record_collective_span(start, inner, f"{label}{dbo_current_ubatch_id()}", nbytes)
             return inner
         return self.link.transfer(nbytes, inner, label=f"{label}{dbo_current_ubatch_id()}")
+
+    def traced_hook(self, start: Any, hook: Hook | None, label: str) -> Hook | None:
+        """``hook`` followed by an end event on the stream it runs on, closing a comm span opened by
+        ``comm_start`` (DeepEP low-latency: the receive kernel finishes once the data has landed, so the span's
+        end is when the hook's kernel did). Without ``start`` the hook is returned as is."""
+        if start is None:
+            return hook
+        track = f"comm{dbo_current_ubatch_id()}"
+
+        def run() -> None:
+            if hook is not None:
+                hook()
+            rec = trace.active()
+            if rec is not None:
+                rec.span(label, "comm", track, start, rec.device_stamp())
+
+        return run
+
+    def device_span(self, start: Any, label: str) -> None:
+        """Close a comm span opened by ``comm_start`` with an event on the current stream (kernels that run on
+        it, or that it already waits for, e.g. DeepEP with ``async_finish=False``)."""
+        rec = trace.active()
+        if start is not None and rec is not None:
+            rec.span(f"{label}{dbo_current_ubatch_id()}", "comm", f"comm{dbo_current_ubatch_id()}", start,
+                     rec.device_stamp())
+
+
+def device_start() -> Any:
+    """A device event on the current stream when a cuda-clock trace records, else ``None``."""
+    rec = trace.active()
+    return rec.device_stamp() if rec is not None else None
+
+
+def record_collective_span(start: Any, inner: Handle, label: str, nbytes: int) -> None:
+    """The comm span of a posted collective: an end event on this ubatch's tracing stream after it waited for
+    the collective (``work.wait()`` with that stream current makes the stream, not the host, wait)."""
+    rec = trace.active()
+    if rec is None:
+        return
+    track = f"comm{dbo_current_ubatch_id()}"
+    with rec.on_stream(rec.side_stream(track)):
+        _device_wait(inner)
+        end = rec.device_stamp()
+    rec.span(label, "comm", track, start, end, bytes=nbytes)
+
+
+def _device_wait(handle: Handle) -> None:
+    """Make the current stream wait for ``handle``'s collectives without the host-side trace regions."""
+    if isinstance(handle, AllHandles):
+        for h in handle.handles:
+            _device_wait(h)
+    elif isinstance(handle, WorkHandle):
+        handle.work.wait()
+    else:
+        handle.wait()
 
 
 def real_rows(num_rows: int) -> int:

@@ -20,7 +20,9 @@ from ubatch.context import (
     dbo_current_ubatch_id, dbo_get_previous_event, dbo_num_ubatches, dbo_switch_to_comm, dbo_switch_to_compute,
     dbo_switch_to_compute_sync, dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm,
 )
-from ubatch.modular_moe.prepare_finalize.base import FinalizeReceiver, Hook, PrepareFinalize, PrepareReceiver
+from ubatch.modular_moe.prepare_finalize.base import (
+    FinalizeReceiver, Hook, PrepareFinalize, PrepareReceiver, device_start,
+)
 from ubatch.modular_moe.types import ExpertTokens
 
 
@@ -30,9 +32,10 @@ def import_deep_ep() -> Any:
         import deep_ep  # type: ignore[import-not-found]
     except ImportError as exc:
         raise ImportError(
-            "the DeepEP all2all backends need the 'deep_ep' package (CUDA + NVSHMEM; see "
-            "https://github.com/deepseek-ai/DeepEP), which is not installed here; choose "
-            "--all2all-backend torch_ll or torch_ht instead") from exc
+            "the DeepEP all2all backends need the 'deep_ep' package (CUDA GPUs; pip install sgl-deep-ep for "
+            "the prebuilt wheel, cp312 + CUDA 13 with the torch it pins, or build "
+            "https://github.com/deepseek-ai/DeepEP), which is not importable here; choose "
+            "--all2all-backend torch_ll, torch_ht or auto_torch instead") from exc
     if not torch.cuda.is_available():
         raise RuntimeError("the DeepEP all2all backends need CUDA GPUs; none is available")
     return deep_ep
@@ -73,18 +76,21 @@ class DeepEPLowLatency(PrepareFinalize):
             raise ValueError(f"deepep_low_latency: {hidden.shape[0]} tokens exceed "
                              f"num_max_dispatch_tokens_per_rank={self.capacity}")
         _check_bf16(hidden, self.name)
+        start = device_start()  # cuda trace clock: send kernel to the receive hook's kernel is the comm span
         recv_x, recv_count, handle, _event, hook = self.buffer.low_latency_dispatch(
             hidden, topk_ids, self.capacity, self.num_experts, use_fp8=False, async_finish=False,
             return_recv_hook=True)
+        hook = self.traced_hook(start, hook, f"dispatch{dbo_current_ubatch_id()}")
         self.handles[dbo_current_ubatch_id()] = handle
         state = (topk_ids, topk_weights, dbo_current_ubatch_id())
         return hook, lambda: (ExpertTokens("masked", recv_x, expert_num_tokens=recv_count), state)
 
     def finalize_async(self, expert_output: torch.Tensor, state: Any) -> tuple[Hook | None, FinalizeReceiver]:
         topk_ids, topk_weights, ubatch = state
+        start = device_start()
         combined, _event, hook = self.buffer.low_latency_combine(
             expert_output, topk_ids, topk_weights, self.handles[ubatch], async_finish=False, return_recv_hook=True)
-        return hook, lambda: combined
+        return self.traced_hook(start, hook, f"combine{ubatch}"), lambda: combined
 
 
 class DeepEPHighThroughput(PrepareFinalize):
@@ -106,6 +112,7 @@ class DeepEPHighThroughput(PrepareFinalize):
         _check_bf16(hidden, self.name)  # the dispatch copies any dtype, but the combine reduces bf16 only
         previous_event = dbo_get_previous_event(self.buffer.capture)
         dbo_yield_and_switch_from_compute_to_comm()
+        start = device_start()  # on the comm stream; async_finish=False leaves it waiting for DeepEP's kernels
         per_rank, per_rdma, per_expert, in_rank, _ = self.buffer.get_dispatch_layout(
             topk_ids, self.num_experts, previous_event=previous_event, async_finish=False)
         recv_x, recv_ids, recv_w, _counts, handle, _ = self.buffer.dispatch(
@@ -114,6 +121,7 @@ class DeepEPHighThroughput(PrepareFinalize):
             previous_event=previous_event, async_finish=False)
         ubatch = dbo_current_ubatch_id()
         self.handles[ubatch] = handle
+        self.device_span(start, "dispatch")
         dbo_switch_to_compute_sync()
         return None, lambda: (ExpertTokens("contiguous", recv_x, recv_ids, recv_w), (hidden.shape, ubatch))
 
@@ -121,8 +129,10 @@ class DeepEPHighThroughput(PrepareFinalize):
         _shape, ubatch = state
         previous_event = dbo_get_previous_event(self.buffer.capture)
         dbo_yield_and_switch_from_compute_to_comm()
+        start = device_start()
         combined, _w, _event = self.buffer.combine(expert_output, self.handles[ubatch],
                                                    previous_event=previous_event, async_finish=False)
+        self.device_span(start, "combine")
         dbo_switch_to_compute()
 
         def receiver() -> torch.Tensor:

@@ -7,7 +7,11 @@ for every byte. Transfers on one rank share the link: a transfer starts when the
 underneath (so results stay exact); the model only decides *when* it may be observed.
 
 On a GPU the delay is a ``torch.cuda._sleep`` kernel on a side stream joined by an event, which keeps the
-step CUDA-graph capturable.
+step CUDA-graph capturable. Traced with the cuda clock, the sleep kernel has a timing event before and
+after it on the side stream: that interval is the modelled transfer, the ``comm`` span. With the cpu clock
+on a GPU the span is the modelled ``[send, deadline]`` on the host clock. Inside a capture nothing is
+recorded (timing events cannot be captured), so a graph replay's link time is not separated from its
+compute. ``cuda_module`` replaces ``torch.cuda`` (tests pass ``tests/standins/cuda_events.py``).
 """
 from __future__ import annotations
 
@@ -93,42 +97,49 @@ class _DeadlineHandle:
 
 
 class _CudaSleepHandle:
-    def __init__(self, inner: Handle | None, done_event: Any) -> None:
-        self.inner, self.done_event = inner, done_event
+
+    def __init__(self, inner: Handle | None, done_event: Any, cuda: Any) -> None:
+        self.inner, self.done_event, self.cuda = inner, done_event, cuda
 
     def wait(self) -> None:
         if self.inner is not None:
             self.inner.wait()
-        torch.cuda.current_stream().wait_event(self.done_event)
+        self.cuda.current_stream().wait_event(self.done_event)
 
 
-_cycles_per_second: float | None = None
+_cycles_per_second: dict[int, float] = {}  # per CUDA module (torch.cuda, or a test's stand-in)
 
 
-def _gpu_cycles_per_second() -> float:
-    """Calibrate ``torch.cuda._sleep`` once (its argument is in GPU clock cycles)."""
-    global _cycles_per_second
-    if _cycles_per_second is None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def _gpu_cycles_per_second(cuda: Any = torch.cuda) -> float:
+    """Calibrate ``cuda._sleep`` once (its argument is in GPU clock cycles)."""
+    rate = _cycles_per_second.get(id(cuda))
+    if rate is None:
+        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
         cycles = 10_000_000
-        torch.cuda._sleep(cycles)  # warm-up
+        cuda._sleep(cycles)  # warm-up
         start.record()
-        torch.cuda._sleep(cycles)
+        cuda._sleep(cycles)
         end.record()
         end.synchronize()
-        _cycles_per_second = cycles / (start.elapsed_time(end) * 1e-3)
-    return _cycles_per_second
+        rate = _cycles_per_second[id(cuda)] = cycles / (start.elapsed_time(end) * 1e-3)
+    return rate
 
 
 class EmulatedLink:
     """Per-rank link model shared by every ubatch and layer of that rank."""
 
-    def __init__(self, spec: LinkSpec, device: torch.device | str | None = None) -> None:
+    def __init__(self, spec: LinkSpec, device: torch.device | str | None = None, cuda_module: Any = None) -> None:
         self.spec = spec
-        self.device = streams.resolve_device(device)
+        self._cuda = cuda_module if cuda_module is not None else torch.cuda
+        if cuda_module is not None:  # a stand-in device: the GPU path on its simulated timeline
+            self.device = torch.device("cuda", 0)
+            self._side_stream = cuda_module.Stream()
+        else:
+            self.device = streams.resolve_device(device)
+            self._side_stream = streams.new_stream(self.device, name="emulated-link") \
+                if self.device.type == "cuda" else None
         self._lock = threading.Lock()
         self._busy_until = 0.0
-        self._side_stream = streams.new_stream(self.device, name="emulated-link") if self.device.type == "cuda" else None
         self.total_bytes = 0
         self.num_transfers = 0
 
@@ -142,26 +153,43 @@ class EmulatedLink:
             self.total_bytes += nbytes
             self.num_transfers += 1
         deadline = wire_done + self.spec.latency_us * 1e-6
-        if self._side_stream is not None:
-            return self._cuda_transfer(deadline - now, inner)
         rec = trace.active()
+        if self._side_stream is not None:
+            return self._cuda_transfer(deadline - now, inner, rec, label, nbytes, now)
         on_done = None
         if rec is not None:
-            from ubatch.context import dbo_current_ubatch_id  # local: context imports nothing from here
-
-            track = f"comm{dbo_current_ubatch_id()}"
+            track = _comm_track()
             on_done = lambda end: rec.span(label, "comm", track, now, end, bytes=nbytes)  # noqa: E731
         return _DeadlineHandle(inner, deadline, on_done)
 
-    def _cuda_transfer(self, seconds: float, inner: Handle | None) -> Handle:
-        ready = torch.cuda.Event()
+    def _cuda_transfer(self, seconds: float, inner: Handle | None, rec: trace.TraceRecorder | None, label: str,
+                       nbytes: int, now: float) -> Handle:
+        cuda = self._cuda
+        cycles = max(1, int(seconds * _gpu_cycles_per_second(cuda)))
+        ready = cuda.Event()
         ready.record()
-        done = torch.cuda.Event()
-        with torch.cuda.stream(self._side_stream):
+        done = cuda.Event()
+        start = end = None
+        with cuda.stream(self._side_stream):
             self._side_stream.wait_event(ready)
-            torch.cuda._sleep(max(1, int(seconds * _gpu_cycles_per_second())))
+            if rec is not None:
+                start = rec.device_stamp(self._side_stream)  # None: cpu clock, or inside a capture
+            cuda._sleep(cycles)
+            if start is not None:
+                end = rec.device_stamp(self._side_stream)
             done.record()
-        return _CudaSleepHandle(inner, done)
+        if rec is not None:
+            if start is not None:
+                rec.span(label, "comm", _comm_track(), start, end, bytes=nbytes)
+            elif rec.clock == "cpu" and not cuda.is_current_stream_capturing():
+                rec.span(label, "comm", _comm_track(), now, now + seconds, bytes=nbytes)  # the modelled interval
+        return _CudaSleepHandle(inner, done, cuda)
+
+
+def _comm_track() -> str:
+    from ubatch.context import dbo_current_ubatch_id  # local: context imports nothing from here
+
+    return f"comm{dbo_current_ubatch_id()}"
 
 
 def parse_link(spec: str | LinkSpec | None) -> LinkSpec | None:
@@ -174,9 +202,17 @@ def off_rank_bytes_equal_splits(t: torch.Tensor, world_size: int) -> int:
     return (t.numel() - t.numel() // world_size) * t.element_size() if world_size > 1 else t.numel() * t.element_size()
 
 
+class AllHandles:
+    """Several transfers completed together; ``handles`` stays readable (the tracer waits on them from a
+    tracing stream, ``prepare_finalize/base.py``)."""
+
+    def __init__(self, handles: Sequence[Handle]) -> None:
+        self.handles = list(handles)
+
+    def wait(self) -> None:
+        for h in self.handles:
+            h.wait()
+
+
 def sum_handles(handles: Sequence[Handle]) -> Handle:
-    class _All:
-        def wait(self) -> None:
-            for h in handles:
-                h.wait()
-    return _All()
+    return AllHandles(handles)

@@ -76,9 +76,10 @@ class TorchHighThroughput(PrepareFinalize):
             recv_x = hidden.new_empty(num_recv, hidden.shape[1])
             recv_meta = meta.new_empty(num_recv, 2 * top_k)
         self.wire.add("dispatch", send_x.numel() * send_x.element_size() + meta.numel() * meta.element_size())
+        start = self.comm_start()  # cuda trace clock: the token transfer's comm span starts here
         inner = sum_handles([comm.all_to_all(recv_x, send_x, recv_splits, send_splits),
                              comm.all_to_all(recv_meta, meta, recv_splits, send_splits)])
-        handle = self._through_link(routed_bytes(hidden, top_k), inner, "dispatch")
+        handle = self._through_link(routed_bytes(hidden, top_k), inner, "dispatch", start)
 
         def receiver() -> tuple[ExpertTokens, Any]:
             tokens = ExpertTokens("contiguous", recv_x, recv_meta[:, :top_k].long(), recv_meta[:, top_k:])
@@ -89,8 +90,9 @@ class TorchHighThroughput(PrepareFinalize):
     def finalize_async(self, expert_output: torch.Tensor, state: _HTState) -> tuple[Hook | None, FinalizeReceiver]:
         back = expert_output.new_empty(len(state.send_token_index), expert_output.shape[1])
         self.wire.add("combine", expert_output.numel() * expert_output.element_size())
+        start = self.comm_start()
         inner = state.comm.all_to_all(back, expert_output, state.send_splits, state.recv_splits)
-        handle = self._through_link(routed_bytes(state.hidden_like, state.top_k), inner, "combine")
+        handle = self._through_link(routed_bytes(state.hidden_like, state.top_k), inner, "combine", start)
 
         def receiver() -> torch.Tensor:
             with trace.compute_span("combine_sum", "U"):

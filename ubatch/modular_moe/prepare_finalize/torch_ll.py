@@ -89,8 +89,9 @@ class TorchLowLatency(PrepareFinalize):
             recv = torch.empty_like(send)
             recv_counts = torch.empty_like(counts)
         self.wire.add("dispatch", send.numel() * send.element_size() + counts.numel() * counts.element_size())
+        start = self.comm_start()  # cuda trace clock: the collective's comm span starts here
         inner = sum_handles([comm.all_to_all(recv, send), comm.all_to_all(recv_counts, counts)])
-        handle = self._through_link(routed_bytes(hidden, top_k), inner, "dispatch")
+        handle = self._through_link(routed_bytes(hidden, top_k), inner, "dispatch", start)
 
         def receiver() -> tuple[ExpertTokens, Any]:
             r, e_loc = self.ep_size, self.num_local_experts
@@ -116,8 +117,10 @@ class TorchLowLatency(PrepareFinalize):
             send.index_copy_(0, state.source_rows, expert_output.reshape(-1, hidden_size))
             recv = torch.empty_like(send)
         self.wire.add("combine", send.numel() * send.element_size())
+        start = self.comm_start()
         inner = state.comm.all_to_all(recv, send)
-        handle = self._through_link(routed_bytes(state.hidden_like, state.flat_slot.shape[1]), inner, "combine")
+        handle = self._through_link(routed_bytes(state.hidden_like, state.flat_slot.shape[1]), inner, "combine",
+                                    start)
 
         def receiver() -> torch.Tensor:
             with trace.compute_span("combine_sum", "U"):

@@ -1,4 +1,9 @@
-"""Paged attention in plain torch (the CPU reference backend; see ``runner/kv_cache.py`` for the layout).
+"""Paged attention in plain torch over :class:`CommonAttentionMetadata`: the tests' reference.
+
+The engine's torch backend (``torch_backend.py``) computes the same thing from metadata built once per step;
+these functions take ``CommonAttentionMetadata`` directly and may sync the host (``write_kv`` checks for
+padding slots, the decode batch is sized from the device ``seq_lens``), which is fine for a reference and for
+a model called outside the engine, never inside an engine step. See ``runner/kv_cache.py`` for the layout.
 
 Masking is by *position*, not by index inside the batch: a query at position ``p`` sees cache entries at
 positions ``<= p`` of its own request, up to ``seq_lens[i]``. That one rule makes prefill, decode, chunked
@@ -8,8 +13,8 @@ attention for this layer ran (and wrote its KV) earlier — the stream-order arg
 
 Numerics mirror HF eager attention (scores in the activation dtype, softmax in fp32, cast back).
 Decode-only requests (one query token) are batched into one padded gather; other requests loop, so memory
-stays ``O(q_len * seq_len)`` per request. The loop reads ``*_cpu`` metadata only: no device sync, though
-the data-dependent shapes make this backend unsuitable for CUDA-graph capture.
+stays ``O(q_len * seq_len)`` per request. The loop reads ``*_cpu`` metadata; the data-dependent shapes
+make these functions unsuitable for CUDA-graph capture.
 
 MLA (DeepSeek) caches ``[latent (kv_lora_rank) | rotated rope key (qk_rope_head_dim)]`` per token and
 attends with *absorbed* weights for every token: ``q_nope`` is projected into latent space with

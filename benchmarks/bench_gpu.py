@@ -1,0 +1,407 @@
+"""The engine's GPU compute against the hardware limit, and DBO on a GPU decode step (one GPU).
+
+What it answers: how far each experts and attention backend is from what the GPU can do on the shapes of a
+Qwen3-30B-A3B-like layer, and what DBO gains on a whole decode step once the compute is fast.
+
+Shapes (``bench-qwen3-moe-1b``, registered below; about 1.2B parameters): hidden 2048, 64 experts, top-8,
+moe_intermediate 768, 32 query / 4 KV heads, head_dim 128, 4 layers, vocab 8192, bf16.
+
+Sections (``--sections kernels step``):
+
+- ``kernels``: one layer's experts at 64 / 512 / 2048 tokens (every experts backend, eager and replayed
+  from a CUDA graph) and decode attention over a paged cache (block 16) at 512 x 512 and 256 x 4096
+  (every attention backend the engine has for a GPU). CUDA-event medians. ``limit`` is the larger of the
+  memory limit (bytes that must be read once -- the expert weights the batch touches, or the KV cache of
+  the batch -- at the *measured* device copy bandwidth) and the FLOP limit (the kernel's FLOPs at the
+  *measured* bf16 dense-GEMM rate). ``x limit`` is the kernel's time over that.
+- ``step``: a decode step of 512 tokens at context 512 on the whole model with the emulated link on the
+  ``none`` all-to-all (a sleep kernel on a side stream: GPU time, no CPU). Modes ``eager``, ``eager-dbo``,
+  ``graph``, ``graph-dbo``. First without a link (compute only; ``split cost`` = DBO compute - plain
+  compute), then with the link calibrated to comm/compute 0.5, 1 and 2 (bytes per step measured on an eager
+  run, latency 20 us per transfer, bandwidth solving the rest; graphs are re-captured per link because the
+  sleep length is baked into a capture). ``ideal = max(compute, comm)``; ``hidden %`` comes from a
+  profiler trace of three replays: the share of the link's sleep-kernel time that overlaps compute kernels.
+  Eager rows also count the host syncs of one step (``torch.cuda.set_sync_debug_mode("warn")``).
+  ``graph MiB`` is the capture report's graph memory for that mode's graph.
+
+Writes ``benchmarks/results/gpu_kernels.csv`` and ``gpu_step.csv``. Without a GPU it exits with status 2
+and says why.
+
+Usage: ``python benchmarks/bench_gpu.py [--sections kernels step] [--iters 20] [--ratios 0.5 1 2]``.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+if __name__ == "__main__" and not torch.cuda.is_available():
+    print("bench_gpu: needs a CUDA GPU (torch.cuda.is_available() is False): it times CUDA kernels and "
+          "CUDA-graph replays against the GPU's own limits, which a CPU run cannot stand in for", file=sys.stderr)
+    sys.exit(2)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import RESULTS_DIR, write_csv  # noqa: E402
+
+from runner.models.loader import TINY_MODELS  # noqa: E402
+
+MODEL = "bench-qwen3-moe-1b"
+MODEL_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "vocab_size": 8192, "hidden_size": 2048, "intermediate_size": 6144,
+                "moe_intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 32,
+                "num_key_value_heads": 4, "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 8}
+TINY_MODELS.setdefault(MODEL, MODEL_CONFIG)
+EXPERT_TOKENS = (64, 512, 2048)
+DECODE_SHAPES = ((512, 512), (256, 4096))  # (requests, context)
+STEP_TOKENS, STEP_CONTEXT = 512, 512
+LATENCY_US = 20.0
+
+
+# ---- timing ---------------------------------------------------------------------------------------------
+def cuda_median_ms(fn: Callable[[], Any], iters: int, warmup: int = 3) -> float:
+    """Median GPU time of ``fn`` between two CUDA events (the host waits only after each call)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def as_graph(fn: Callable[[], Any]) -> Callable[[], Any]:
+    """``fn`` captured once into a CUDA graph (after a side-stream warm-up); returns the replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def copy_bandwidth(iters: int) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, counting read + write."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    ms = cuda_median_ms(lambda: y.copy_(x), iters)
+    return 2 * (1 << 30) / (ms * 1e-3)
+
+
+def gemm_flops(iters: int) -> float:
+    """FLOP/s of a large bf16 matmul: the dense rate a grouped GEMM can at best reach."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = cuda_median_ms(lambda: a @ b, iters)
+    return 2 * n ** 3 / (ms * 1e-3)
+
+
+class Limits:
+    """The measured roofline: a kernel's limit is the larger of its memory and FLOP limits."""
+
+    def __init__(self, iters: int) -> None:
+        self.read_bytes_per_s = copy_bandwidth(iters) / 2  # one-way: a kernel reads its operands once
+        self.flops_per_s = gemm_flops(iters)
+
+    def ms(self, bytes_read: float, flops: float) -> float:
+        return max(bytes_read / self.read_bytes_per_s, flops / self.flops_per_s) * 1e3
+
+
+# ---- kernels --------------------------------------------------------------------------------------------
+def experts_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
+    from ubatch.modular_moe.experts import EXPERTS_BACKENDS, make_experts
+    from ubatch.modular_moe.types import ExpertTokens
+
+    cfg = MODEL_CONFIG
+    e, h, i, k = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    torch.manual_seed(0)
+    w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h ** 0.5
+    w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i ** 0.5
+    expert_bytes = (2 * i * h + h * i) * 2
+    rows = []
+    for tokens in EXPERT_TOKENS:
+        x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+        weights, ids = torch.topk(torch.softmax(torch.randn(tokens, e, device="cuda"), -1), k)
+        batch = ExpertTokens("contiguous", x, ids.to(torch.int32), (weights / weights.sum(-1, keepdim=True)).float())
+        touched = int(torch.unique(ids).numel())
+        limit = limits.ms(touched * expert_bytes + 2 * tokens * h * 2, 2 * tokens * k * 3 * h * i)
+        reference = make_experts("torch").apply(batch, w13, w2).float()
+        for name in EXPERTS_BACKENDS:
+            if name in ("auto", "deep_gemm"):  # auto is one of the others; deep_gemm takes fp8 masked batches
+                continue
+            row: dict[str, Any] = {"kernel": "experts", "backend": name, "shape": f"{tokens} tokens",
+                                   "limit_ms": round(limit, 3)}
+            try:
+                backend = make_experts(name)
+                run = lambda: backend.apply(batch, w13, w2)  # noqa: E731
+                out = run().float()
+                row["max_rel_err"] = f"{((out - reference).abs().max() / reference.abs().max()).item():.1e}"
+                row["eager_ms"] = round(cuda_median_ms(run, iters), 3)
+                row["eager_x_limit"] = round(row["eager_ms"] / limit, 1)
+                try:
+                    row["graph_ms"] = round(cuda_median_ms(as_graph(run), iters), 3)
+                    row["graph_x_limit"] = round(row["graph_ms"] / limit, 1)
+                except Exception as exc:  # the torch reference syncs: say so in the table
+                    row["graph_ms"] = f"not capturable: {type(exc).__name__}"
+            except Exception as exc:
+                row["eager_ms"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+            rows.append(row)
+            print(row, flush=True)
+    return rows
+
+
+def attention_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
+    from runner.attention.bench_support import decode_attention_backends
+
+    cfg = MODEL_CONFIG
+    hq, hkv, d, block = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], 16
+    rows = []
+    for reqs, ctx in DECODE_SHAPES:
+        torch.manual_seed(0)
+        num_blocks = reqs * ctx // block
+        cache = torch.randn(num_blocks, block, 2, hkv, d, device="cuda", dtype=torch.bfloat16)
+        table = torch.randperm(num_blocks, device="cuda", dtype=torch.int32).view(reqs, ctx // block)
+        seq_lens = torch.full((reqs,), ctx, device="cuda", dtype=torch.int32)
+        q = torch.randn(reqs, hq, d, device="cuda", dtype=torch.bfloat16)
+        kv_bytes = cache.numel() * cache.element_size()
+        limit = limits.ms(kv_bytes + 2 * q.numel() * 2, 4 * reqs * hq * ctx * d)
+        reference = None
+        for name, run in decode_attention_backends(q, cache, table, seq_lens, d ** -0.5).items():
+            row: dict[str, Any] = {"kernel": "decode attention", "backend": name, "shape": f"{reqs} x {ctx}",
+                                   "limit_ms": round(limit, 3)}
+            try:
+                out = run().float()
+                reference = out if reference is None else reference
+                row["max_rel_err"] = f"{((out - reference).abs().max() / reference.abs().max()).item():.1e}"
+                row["eager_ms"] = round(cuda_median_ms(run, iters), 3)
+                row["eager_x_limit"] = round(row["eager_ms"] / limit, 1)
+                row["graph_ms"] = round(cuda_median_ms(as_graph(run), iters), 3)
+                row["graph_x_limit"] = round(row["graph_ms"] / limit, 1)
+            except Exception as exc:
+                row["eager_ms"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+            rows.append(row)
+            print(row, flush=True)
+        del cache
+    return rows
+
+
+# ---- the decode step ------------------------------------------------------------------------------------
+def count_host_syncs(fn: Callable[[], Any]) -> int:
+    """Host syncs CUDA reports for one call of ``fn`` (sync debug mode "warn" warns once per sync)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def union_length(intervals: list[tuple[float, float]]) -> float:
+    """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
+    total, current = 0.0, None
+    for a, b in sorted(intervals):
+        if current is None or a > current[1]:
+            total += 0.0 if current is None else current[1] - current[0]
+            current = [a, b]
+        else:
+            current[1] = max(current[1], b)
+    return total + (0.0 if current is None else current[1] - current[0])
+
+
+def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
+    """Length during which some interval of ``a`` and some interval of ``b`` both run."""
+    return union_length(a) + union_length(b) - union_length(a + b)
+
+
+def sleep_overlap_pct(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, dict[str, float]]:
+    """Share of the emulated link's sleep-kernel time that overlaps compute kernels, from a profiler trace;
+    also the top kernels by GPU time (per call) so the table can say where the time went."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as fh:
+        prof.export_chrome_trace(fh.name)
+        events = [e for e in json.load(open(fh.name))["traceEvents"] if e.get("cat") == "kernel"]
+    sleeps = [(e["ts"], e["ts"] + e["dur"]) for e in events if "spin_kernel" in e["name"]]
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in events if "spin_kernel" not in e["name"]]
+
+    slept = union_length(sleeps)
+    hidden = overlap_length(sleeps, compute)
+    top: dict[str, float] = {}
+    for e in events:
+        top[e["name"][:48]] = top.get(e["name"][:48], 0.0) + e["dur"] / repeats / 1e3
+    return (100 * hidden / slept if slept else 0.0), dict(sorted(top.items(), key=lambda kv: -kv[1])[:4])
+
+
+class StepBench:
+    """One ModelRunner on the bench model; eager and graph decode steps with and without DBO."""
+
+    def __init__(self, iters: int) -> None:
+        from bench_cudagraph import Decode
+
+        from runner.config import RunnerConfig
+        from runner.model_runner import ModelRunner
+
+        self.iters = iters
+        self.cache_dir = tempfile.mkdtemp(prefix="bench_gpu_")
+        cfg = RunnerConfig(model=MODEL, dtype="bfloat16", cache_dir=self.cache_dir, enable_dbo=True,
+                           dbo_decode_token_threshold=2, emulate_link="latency_us=0,gbps=1000000",
+                           max_num_seqs=STEP_TOKENS, max_num_batched_tokens=STEP_TOKENS,
+                           max_model_len=STEP_CONTEXT + 64, enforce_eager=True)
+        self.runner = ModelRunner(cfg)
+        self.decode = Decode(self.runner, STEP_CONTEXT)
+        self.runtime = self.runner.model.moe_runtime
+
+    def eager(self, dbo: bool) -> Callable[[], Any]:
+        from ubatch.forward_context import set_forward_context
+
+        meta, slices, ids, pos = self.decode.inputs(STEP_TOKENS, dbo)
+        model = self.runner.wrapper if dbo else self.runner.model
+        # What an engine step hands the model: the attention backend's metadata, built before the forward
+        # (per ubatch with DBO), so the eager step times the backend the engine runs, with no host sync.
+        attn = self.runner._attention_metadata(meta, slices)
+
+        def run() -> Any:
+            with set_forward_context(attn_metadata=attn, ubatch_slices=slices):
+                return model(input_ids=ids, positions=pos)
+        return run
+
+    def graphs(self) -> dict[bool, tuple[Any, float]]:
+        """A fresh capture of the plain and the DBO graph for the current link: {dbo: (graph runner, MiB)}."""
+        from cudagraph.dispatch import GraphKey, token_split
+        from runner.cuda_graphs import make_graph_runner
+
+        out = {}
+        for dbo in (False, True):
+            key = GraphKey(STEP_TOKENS, token_split(STEP_TOKENS, 2) if dbo else ())
+            gr = make_graph_runner(self.runner, sizes=[STEP_TOKENS], progress=False,
+                                   wrapper=self.runner.wrapper if dbo else None, keys=[key])
+            report = gr.capture()
+            out[dbo] = (gr, report.graph_bytes / 2 ** 20)
+        return out
+
+    def replay(self, gr: Any, dbo: bool) -> Callable[[], Any]:
+        meta, slices, ids, pos = self.decode.inputs(STEP_TOKENS, dbo)
+
+        def run() -> Any:
+            out = gr.try_replay(meta, slices, ids, pos)
+            if out is NotImplemented:
+                raise RuntimeError(f"no graph replayed for {STEP_TOKENS} tokens: {dict(gr.stats)}")
+            return out
+        return run
+
+    def measure(self, ratio: float | None, comm: float = 0.0, compute: dict[str, float] | None = None
+                ) -> list[dict[str, Any]]:
+        """Every mode under the current link. ``comm``: the link's time per step (ms) it was set to;
+        ``compute``: each mode's time without a link (ms), from the first, link-free call."""
+        graphs = self.graphs()
+        modes = {"eager": self.eager(False), "eager-dbo": self.eager(True),
+                 "graph": self.replay(graphs[False][0], False), "graph-dbo": self.replay(graphs[True][0], True)}
+        times = {m: cuda_median_ms(fn, self.iters) for m, fn in modes.items()}
+        rows = []
+        for mode, fn in modes.items():
+            plain = mode.removesuffix("-dbo")
+            row: dict[str, Any] = {"comm_over_compute": ratio if ratio is not None else 0, "mode": mode,
+                                   "step_ms": round(times[mode], 3),
+                                   "vs_no_dbo": round(times[plain] / times[mode], 3) if mode.endswith("dbo") else 1.0}
+            if ratio is not None and compute is not None:
+                ideal = max(compute[plain], comm)
+                hidden, top = sleep_overlap_pct(fn)
+                row.update(compute_ms=round(compute[plain], 3), comm_ms=round(comm, 3), ideal_ms=round(ideal, 3),
+                           step_over_ideal=round(times[mode] / ideal, 3), link_hidden_pct=round(hidden, 1),
+                           top_kernels_ms=json.dumps({k: round(v, 3) for k, v in top.items()}))
+            else:
+                row["split_cost_ms"] = round(times[mode] - times[plain], 3) if mode.endswith("dbo") else 0.0
+            if mode.startswith("graph"):
+                row["graph_mib"] = round(graphs[mode == "graph-dbo"][1], 1)
+            else:
+                row["host_syncs"] = count_host_syncs(fn)
+            rows.append(row)
+            print(row, flush=True)
+        for gr, _ in graphs.values():
+            gr.clear()
+        gc.collect()
+        torch.cuda.empty_cache()
+        return rows
+
+    def run(self, ratios: list[float]) -> list[dict[str, Any]]:
+        link = self.runtime.link()
+        before_bytes, before_transfers = link.total_bytes, link.num_transfers
+        self.eager(False)()
+        torch.cuda.synchronize()
+        nbytes, transfers = link.total_bytes - before_bytes, link.num_transfers - before_transfers
+        rows = self.measure(None)
+        compute = {r["mode"]: r["step_ms"] for r in rows}
+        for ratio in ratios:
+            comm_s = ratio * compute["graph"] * 1e-3  # the production mode's compute sets the link
+            gbps = nbytes / max(comm_s - transfers * LATENCY_US * 1e-6, 1e-6) / 1e9
+            self.runtime.set_link(f"latency_us={LATENCY_US},gbps={gbps:.6g}")
+            rows += self.measure(ratio, comm_s * 1e3, compute)
+        return rows
+
+    def close(self) -> None:
+        self.runner.close()
+
+
+def print_table(title: str, rows: list[dict[str, Any]]) -> None:
+    print(f"\n{title}")
+    keys = [k for k in rows[0] if k != "top_kernels_ms"]
+    print(" | ".join(keys))
+    for r in rows:
+        print(" | ".join(str(r.get(k, "")) for k in keys))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--sections", nargs="+", default=["kernels", "step"], choices=["kernels", "step"])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--ratios", nargs="+", type=float, default=[0.5, 1.0, 2.0])
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  model {MODEL} (bf16)")
+    if "kernels" in args.sections:
+        limits = Limits(args.iters)
+        print(f"measured: copy {2 * limits.read_bytes_per_s / 1e12:.2f} TB/s (read + write), "
+              f"bf16 GEMM {limits.flops_per_s / 1e12:.0f} TFLOP/s")
+        rows = experts_rows(limits, args.iters) + attention_rows(limits, args.iters)
+        print_table("kernels (ms; x limit = time / max(memory limit, FLOP limit))", rows)
+        write_csv(rows, RESULTS_DIR / "gpu_kernels.csv")
+    if "step" in args.sections:
+        bench = StepBench(args.iters)
+        try:
+            rows = bench.run(args.ratios)
+        finally:
+            bench.close()
+        print_table(f"decode step, {STEP_TOKENS} tokens at context {STEP_CONTEXT} (CUDA-event medians of "
+                    f"{args.iters})", rows)
+        write_csv(rows, RESULTS_DIR / "gpu_step.csv")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,112 @@
+"""Compile every Triton kernel of the project ahead of time for an H100 (sm_90), on any machine.
+
+Why: CPU test runs execute the kernels in Triton's interpreter, which accepts Python that the compiler
+rejects (and the other way round). ``triton.compile`` with an explicit target needs no GPU or driver (the
+Triton wheel ships ptxas), so this shows on CPU that the compiled path is valid Triton for the installed
+version, down to a cubin. Run as a script in a process with ``TRITON_INTERPRET=0`` (kernels decorated in
+interpreter mode cannot be compiled); ``test_triton_paged_decode.test_kernels_compile_for_sm90`` does.
+Prints one ``kernel <name> <constexprs>: cubin ok`` line per compilation and exits non-zero on the first
+failure.
+
+Integer arguments the launcher would see as multiples of 16 (pointers, head dims, strides, block size) are
+compiled with that divisibility, as Triton's launcher specialises them at run time: without it the K/V
+loads cannot be vectorised, and the compiled code would not be the code that runs. For the split-KV kernel
+the check also reads the TTGIR and fails unless its key loop is an ``scf.for`` whose K/V tile loads all
+became asynchronous copies (software-pipelined), since that is what its memory bandwidth depends on.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+H100 = GPUTarget("cuda", 90, 32)
+
+
+def compile_kernel(fn: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
+                   divisible: tuple[str, ...] = ()) -> Any:
+    """Arguments not named in ``types`` or ``constexprs`` are int32 scalars; those in ``divisible`` are multiples of 16."""
+    signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
+    attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=H100,
+                              options={"num_warps": num_warps, "num_stages": 2})
+    if not compiled.asm.get("cubin"):
+        raise RuntimeError(f"{fn.__name__} produced no cubin")
+    print(f"kernel {fn.__name__} {constexprs}: cubin ok", flush=True)
+    return compiled
+
+
+def check_pipelined_key_loop(compiled: Any, tile_loads: int) -> None:
+    """The TTGIR has one ``scf.for`` (no ``scf.while``) and each of its ``tile_loads`` 2-D loads is an async copy."""
+    ttgir = compiled.asm["ttgir"]
+    if "scf.while" in ttgir or ttgir.count("scf.for") != 1:
+        raise RuntimeError("the key loop is not a single scf.for:\n" + ttgir)
+    lines = ttgir.splitlines()
+    head = next(i for i, line in enumerate(lines) if "scf.for" in line)
+    indent = lines[head][: len(lines[head]) - len(lines[head].lstrip())]
+    tail = next(i for i in range(head + 1, len(lines)) if lines[i].startswith(indent + "}"))
+    body = "\n".join(lines[head + 1: tail])
+    tile = r"tensor<\d+x\d+x!tt\.ptr<"
+    synchronous = len(re.findall(r"tt\.load [^\n]*: " + tile, body))
+    asynchronous = len(re.findall(r"ttg\.async_copy_global_to_local [^\n]*: " + tile, body))
+    if synchronous or asynchronous != tile_loads:
+        raise RuntimeError(f"key loop: {asynchronous} async and {synchronous} synchronous 2-D loads, wanted "
+                           f"{tile_loads} async and none synchronous:\n{body}")
+    print(f"  key loop: scf.for, {asynchronous} K/V tile loads as async copies, "
+          f"{compiled.metadata.shared} bytes of shared memory", flush=True)
+
+
+def check_moe_experts() -> None:
+    from ubatch.modular_moe.experts import triton_experts
+
+    triton_experts._import_triton()
+    w13, w2 = triton_experts._load_kernels()
+    ids = dict(sorted_ids_ptr="*i32", expert_ids_ptr="*i32", num_post_pad_ptr="*i32")
+    blocks = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
+    compile_kernel(w13, dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", **ids), dict(K=256, **blocks))
+    compile_kernel(w2, dict(a_ptr="*fp32", w_ptr="*bf16", out_ptr="*bf16", weights_ptr="*fp32", **ids),
+                   dict(K=512, MUL_ROUTED_WEIGHT=True, **blocks))
+
+
+def check_paged_decode() -> None:
+    import runner.attention.triton_paged_decode as decode
+
+    decode.triton, decode.tl = triton, triton.language  # what paged_decode_attention does before loading
+    split, merge = decode._load_kernels()
+    # As the launcher specialises them for a contiguous cache with head dims 128 / 576 and 512, blocks of 16;
+    # the block-table column stride and seq_lens stride are 1.
+    split_divisible = tuple(name for name in split.arg_names if name.endswith("_ptr") or name.startswith("stride_")
+                            or name in ("head_dim_k", "head_dim_v", "block_size"))
+    split_divisible = tuple(name for name in split_divisible if name not in ("stride_btc", "stride_sl"))
+    # (dtype, Dk blocks, Dv block, block_n, warps, precision): GQA head dim 128 bf16 and fp32, MLA 576/512.
+    for dtype, dk1, dk2, dv, block_n, warps, precision in (("bf16", 128, 0, 128, 32, 4, "tf32"),
+                                                           ("fp32", 128, 0, 128, 32, 4, "ieee"),
+                                                           ("bf16", 512, 64, 512, 16, 8, "tf32")):
+        for splits in (1, 4):
+            out = dtype if splits == 1 else "fp32"
+            types = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", block_table_ptr="*i32",
+                         seq_lens_ptr="*i32", part_ptr=f"*{out}", lse_ptr=f"*{out}", qk_scale_log2="fp32")
+            compiled = compile_kernel(
+                split, types, dict(NUM_SPLITS=splits, WRITE_LSE=splits > 1, DOT_PRECISION=precision, BLOCK_H=16,
+                                   BLOCK_N=block_n, BLOCK_DK1=dk1, BLOCK_DK2=dk2, BLOCK_DV=dv, INTERPRET=False,
+                                   NUM_STAGES=decode.KEY_LOOP_STAGES),
+                num_warps=warps, divisible=split_divisible)
+            check_pipelined_key_loop(compiled, tile_loads=3 if dk2 else 2)
+    compile_kernel(merge, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
+                   dict(NUM_SPLITS=5, BLOCK_S=8, BLOCK_DV=128))
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "yes", "on", "y"}:
+        sys.exit("run with TRITON_INTERPRET=0: interpreter-mode kernels cannot be compiled")
+    print(f"triton {triton.__version__}, target {H100}")
+    check_moe_experts()
+    check_paged_decode()

@@ -1,0 +1,244 @@
+"""DeepEP V2 backend (``deepep_v2``) over ``deep_ep.ElasticBuffer``; imported only when selected.
+
+DeepEP V2 (``deep_ep/buffers/elastic.py``, DeepEP main since 2026-04-30, and the prebuilt ``sgl-deep-ep``
+wheels) has one class for prefill and decode: ``dispatch`` hands over the received tokens as rows with their
+top-k ids remapped to this rank's experts (``-1`` elsewhere), the layout the high-throughput V1 mode gave, and
+``combine`` sums each token's rows back on its home rank. The V1 backends (``deepep.py``) are unchanged.
+
+Rules this adapter keeps, each checked by ``tests/test_deepep_v2.py`` (SBO: ``tests/test_deepep_v2_sbo.py``)
+over the CPU stand-in (``tests/standins/deep_ep_v2.py``) under the stream-order sanitizer:
+
+Buffer and handles
+  - One ``ElasticBuffer`` on the first EP group, shared by every layer and ubatch. V2 runs the kernels of
+    every buffer of a process on one global comm stream, so per-ubatch buffers would add memory and NCCL
+    communicators but no concurrency. Every rank issues the same sequence of calls (the DBO ring order is
+    the same everywhere), so the collectives pair up.
+  - A handle is bound to the ubatch whose dispatch made it: the combine state carries the ubatch, and using
+    it from another ubatch raises.
+  - ``num_max_tokens_per_rank`` is ``--max-dispatch-tokens-per-rank`` on every call and every rank (DeepEP
+    requires the same value everywhere); a (micro)batch with more tokens is refused up front.
+
+DBO (``dbo_yields_per_layer = 2``, the same for prefill and decode, so every ubatch yields equally often)
+  - Each direction captures an event on the caller's stream (``ElasticBuffer.capture()``) and passes it as
+    ``previous_event`` with ``allocate_on_comm_stream=True`` (V2 asserts the pair), so the comm stream starts
+    after this ubatch's inputs are written; ``async_with_compute_stream=True`` keeps the compute stream
+    running. V2 has no receive hook: the hook handed to the kernel is ``event.current_stream_wait()``, so the
+    kernel yields between the launch and the wait, and under DBO the other ubatch enqueues the wait after its
+    own compute. Nothing reads a received tensor before that wait (the sanitizer reports each removed wait).
+
+CPU sync and CUDA graphs
+  - ``do_cpu_sync=True`` (exact receive sizes) only on eager prefill steps: a step whose DP vote says some
+    rank runs a prefill (``DPMetadata.any_prefill``). Decode steps, steps without DP metadata and every
+    captured step pass ``do_cpu_sync=False``: the received tensors then have the worst-case row count and
+    only the first ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]`` rows are written, so the adapter
+    masks the rest on the device (ids ``-1``, weights 0) with no host sync.
+  - Inside a CUDA-graph capture a CPU sync or a cached handle raises (their host-side counts would be frozen
+    into the graph).
+
+Cached handles (``static_routing=True``; off by default)
+  - For workloads whose routing repeats step after step (forced routing in benchmarks, replays of the same
+    tokens), each ubatch keeps the handle of its n-th dispatch of a step and re-dispatches with it when the
+    next step's n-th dispatch has the same shape: no layout work, no CPU sync, exact row counts. The routing
+    must really be the same: a device-side assert (no host sync) fails the step otherwise. Model routing
+    changes every layer and step, so the engine leaves this off.
+
+SBO (``ubatch.sbo``; with DBO off and on)
+  - Modes, as V1 high-throughput: ``dispatch_shared_experts`` off Blackwell (and on CPU),
+    ``combine_shared_experts`` on Blackwell. ``combine_down_gemm`` is refused with an error naming this
+    backend (``ubatch.sbo.check_sbo_modes``; when forced, at the first MoE call): ``ElasticBuffer.combine``
+    takes no ``comp_signal`` to chase the down GEMM. The combine keeps the dispatch handle's SM count; SBO's
+    ``UBATCH_SBO_COMM_SMS`` reservation only caps DeepGEMM beside it.
+  - ``dispatch_shared_experts``: the shared experts are queued on the caller's stream between the dispatch
+    launch and its hook's wait, so they run while the comm stream moves the tokens.
+  - Two streams: the combine is launched with the SBO alternate stream current, so ``capture()`` records
+    ``previous_event`` there, after that stream's wait for the expert output (``TwoStreamCombine.launch_combine``);
+    that chain alone orders the comm stream after the expert output. The hook's wait runs on the caller's
+    stream (under DBO the other ubatch's, the same compute stream) and joins it to the comm stream, where the
+    combined output is written, so the later wait of that stream for the alternate one carries no data here.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+
+from ubatch.context import dbo_current_ubatch_id
+from ubatch.forward_context import maybe_get_forward_context
+from ubatch.modular_moe.prepare_finalize.base import (
+    FinalizeReceiver, Hook, PrepareFinalize, PrepareReceiver, device_start,
+)
+from ubatch.modular_moe.prepare_finalize.deepep import _check_bf16, import_deep_ep
+from ubatch.modular_moe.types import ExpertTokens
+
+INSTALL_HINT = ("pip install sgl-deep-ep (prebuilt DeepEP V2, cp312 + CUDA 13; 0.1.0-0.1.2 pin torch 2.13.0, "
+                "0.1.2.post1 pins torch 2.14.1), or build github.com/deepseek-ai/DeepEP from source")
+
+
+def import_deep_ep_v2() -> Any:
+    """The real ``deep_ep`` with ``ElasticBuffer`` (DeepEP V2), on a CUDA machine; a clear error otherwise."""
+    deep_ep = import_deep_ep()
+    if not hasattr(deep_ep, "ElasticBuffer"):
+        raise ImportError(f"deep_ep {getattr(deep_ep, '__version__', '?')} has no ElasticBuffer (DeepEP V2): "
+                          f"{INSTALL_HINT}; or choose --all2all-backend deepep_low_latency / "
+                          "deepep_high_throughput / auto_deepep_v1 for the V1 API")
+    return deep_ep
+
+
+@functools.lru_cache(maxsize=1)
+def deep_ep_v2_status() -> tuple[bool, str]:
+    """Whether the real DeepEP V2 can run here, and why (for ``auto``'s one-line log).
+
+    Not installed, or installed without what it needs (the wheel raises ``ImportError`` when torch's CUDA
+    or the GPU is missing): ``(False, reason)``. Any other error while importing a present ``deep_ep`` is a
+    broken install and propagates; ``auto`` does not paper over it. Asked once per process (``auto`` asks
+    every step, and a failed import is not cached by Python).
+    """
+    try:
+        import deep_ep  # type: ignore[import-not-found]
+    except ImportError as exc:
+        return False, f"deep_ep is not importable ({exc})"
+    if not hasattr(deep_ep, "ElasticBuffer"):
+        return False, f"deep_ep {getattr(deep_ep, '__version__', '?')} has no ElasticBuffer (V1 only)"
+    if not torch.cuda.is_available():
+        return False, "deep_ep V2 is installed but no CUDA device is available"
+    return True, f"deep_ep {getattr(deep_ep, '__version__', '?')} with ElasticBuffer and CUDA"
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on this thread's current stream."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _prefill_step() -> bool:
+    """This step's DP vote agreed that some rank runs a prefill (the same answer on every rank)."""
+    fc = maybe_get_forward_context()
+    return fc is not None and fc.dp_metadata is not None and fc.dp_metadata.any_prefill
+
+
+@dataclass
+class _V2State:
+    """What the combine of one dispatch needs: its handle, the ubatch that owns it, and the token count."""
+
+    handle: Any
+    ubatch: int
+    num_tokens: int
+
+
+class DeepEPV2(PrepareFinalize):
+    """DeepEP V2 ``ElasticBuffer`` dispatch/combine; see the module docstring for its rules."""
+
+    name = "deepep_v2"
+    layout = "contiguous"
+    dbo_yields_per_layer = 2
+
+    def __init__(self, num_experts: int, ep_rank: int, ep_size: int, groups: Sequence[Any], hidden_size: int,
+                 max_dispatch_tokens_per_rank: int, link: Any = None, deep_ep_module: Any = None,
+                 num_topk: int = 0, static_routing: bool = False) -> None:
+        """``num_topk`` sizes the buffer (0: DeepEP sizes it for up to 32); ``static_routing`` turns on the
+        cached-handle re-dispatch described in the module docstring."""
+        super().__init__(num_experts, ep_rank, ep_size, link)
+        if max_dispatch_tokens_per_rank <= 0:
+            raise ValueError(f"deepep_v2: max_dispatch_tokens_per_rank must be positive, got "
+                             f"{max_dispatch_tokens_per_rank}")
+        deep_ep = deep_ep_module if deep_ep_module is not None else import_deep_ep_v2()
+        if not hasattr(deep_ep, "ElasticBuffer"):
+            raise ImportError(f"deepep_v2: the deep_ep module given has no ElasticBuffer; {INSTALL_HINT}")
+        self.capacity = max_dispatch_tokens_per_rank
+        self.topk_idx_t = deep_ep.topk_idx_t
+        self.buffer = deep_ep.ElasticBuffer(groups[0], num_max_tokens_per_rank=self.capacity, hidden=hidden_size,
+                                            num_topk=num_topk, use_fp8_dispatch=False)
+        self.static_routing = static_routing
+        self._num_sms: dict[int, int] = {}
+        self._cache: dict[tuple[int, int], Any] = {}  # (ubatch, n-th dispatch of the step) -> handle
+        self._step_fc: dict[int, Any] = {}  # ubatch -> the forward context of the step being numbered
+        self._step_calls: dict[int, int] = {}
+        self.num_cached_dispatches = 0
+        self.num_cpu_synced_dispatches = 0
+
+    def num_sms(self, num_topk: int) -> int:
+        """DeepEP V2's analytic SM count (``get_theoretical_num_sms``), once per top-k."""
+        if num_topk not in self._num_sms:
+            self._num_sms[num_topk] = self.buffer.get_theoretical_num_sms(self.num_experts, num_topk)
+        return self._num_sms[num_topk]
+
+    def prepare_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor) -> tuple[Hook | None, PrepareReceiver]:
+        _check_bf16(hidden, self.name)
+        if hidden.shape[0] > self.capacity:
+            raise ValueError(f"deepep_v2: {hidden.shape[0]} tokens exceed num_max_tokens_per_rank={self.capacity}; "
+                             "raise --max-dispatch-tokens-per-rank to the most tokens a rank runs per (micro)batch")
+        ubatch = dbo_current_ubatch_id()
+        topk_idx = topk_ids.to(self.topk_idx_t).contiguous()
+        weights = topk_weights.to(torch.float32).contiguous()
+        capturing = _capturing()
+        slot, cached = self._cached_handle(ubatch, topk_idx)
+        if capturing and cached is not None:
+            raise RuntimeError("deepep_v2: a cached handle inside a CUDA-graph capture would freeze its receive "
+                               "counts into the graph; capture with static_routing off")
+        cpu_sync = cached is None and _prefill_step() and not capturing
+        start = device_start()
+        previous_event = self.buffer.capture()
+        if cached is None:
+            recv_x, recv_topk_idx, recv_topk_weights, handle, event = self.buffer.dispatch(
+                hidden, topk_idx=topk_idx, topk_weights=weights, num_experts=self.num_experts,
+                num_max_tokens_per_rank=self.capacity, expert_alignment=1, num_sms=self.num_sms(topk_idx.shape[1]),
+                previous_event=previous_event, async_with_compute_stream=True, allocate_on_comm_stream=True,
+                do_cpu_sync=cpu_sync)
+            if slot is not None:
+                self._cache[slot] = handle
+        else:
+            torch._assert_async((topk_idx == cached.topk_idx).all(),
+                                "deepep_v2 static_routing: this dispatch's routing differs from the cached handle's")
+            recv_x, recv_topk_idx, recv_topk_weights, handle, event = self.buffer.dispatch(
+                hidden, topk_weights=weights, num_sms=self.num_sms(topk_idx.shape[1]), previous_event=previous_event,
+                async_with_compute_stream=True, allocate_on_comm_stream=True, handle=cached, do_cpu_sync=False)
+            self.num_cached_dispatches += 1
+        self.num_cpu_synced_dispatches += int(cpu_sync)
+        hook = self.traced_hook(start, event.current_stream_wait, f"dispatch{ubatch}")
+        state = _V2State(handle, ubatch, hidden.shape[0])
+
+        def receive() -> tuple[ExpertTokens, Any]:
+            ids, w = recv_topk_idx, recv_topk_weights
+            if not cpu_sync:  # rows past the received count were never written: route them nowhere
+                written = handle.psum_num_recv_tokens_per_scaleup_rank[-1]
+                valid = (torch.arange(recv_x.shape[0], device=recv_x.device) < written).unsqueeze(1)
+                ids = torch.where(valid, ids, torch.full_like(ids, -1))
+                w = torch.where(valid, w, torch.zeros_like(w))
+            return ExpertTokens("contiguous", recv_x, ids, w), state
+
+        return hook, receive
+
+    def finalize_async(self, expert_output: torch.Tensor, state: Any) -> tuple[Hook | None, FinalizeReceiver]:
+        ubatch = dbo_current_ubatch_id()
+        if not isinstance(state, _V2State) or state.ubatch != ubatch:
+            owner = getattr(state, "ubatch", None)
+            raise RuntimeError(f"deepep_v2: ubatch {ubatch} combines with the dispatch state of ubatch {owner}; "
+                               "each handle belongs to the ubatch that dispatched it")
+        start = device_start()
+        previous_event = self.buffer.capture()
+        combined, _combined_weights, event = self.buffer.combine(
+            expert_output.contiguous(), state.handle, num_sms=state.handle.num_sms, previous_event=previous_event,
+            async_with_compute_stream=True, allocate_on_comm_stream=True)
+        return self.traced_hook(start, event.current_stream_wait, f"combine{ubatch}"), lambda: combined
+
+    # ---- cached handles (static_routing) -----------------------------------------------------------------
+    def _cached_handle(self, ubatch: int, topk_idx: torch.Tensor) -> tuple[tuple[int, int] | None, Any]:
+        """``(slot, handle)``: this dispatch's (ubatch, number within the step) when routing is static, and the
+        handle of the same slot in an earlier step if its shape matches (the CPU knows both); a ``None`` handle
+        means a fresh dispatch."""
+        if not self.static_routing:
+            return None, None
+        fc = maybe_get_forward_context()
+        if fc is None:
+            raise ValueError("deepep_v2 static_routing numbers the dispatches of a step by its forward context; "
+                             "run the model inside set_forward_context()")
+        if self._step_fc.get(ubatch) is not fc:  # a new step: restart the numbering (the old fc is kept alive)
+            self._step_fc[ubatch], self._step_calls[ubatch] = fc, 0
+        slot = (ubatch, self._step_calls[ubatch])
+        self._step_calls[ubatch] += 1
+        cached = self._cache.get(slot)
+        if cached is None or tuple(cached.topk_idx.shape) != tuple(topk_idx.shape):
+            return slot, None
+        return slot, cached
