@@ -210,7 +210,9 @@ def main() -> None:
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output", default=str(RESULTS_DIR / "engine_dbo.csv"))
-    ap.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"],
+    from runner.device import DEVICE_CHOICES
+
+    ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                     help="as the engine's --device; dp2 on a host with one GPU needs cpu")
     args = ap.parse_args()
     rows: list[dict[str, Any]] = []

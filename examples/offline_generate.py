@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 
+from runner.device import DEVICE_CHOICES
 from runner.engine import LLM, GenerationStats, RequestOutput
 from runner.launch import launch
 from runner.sampling import SamplingParams
@@ -37,9 +38,10 @@ def rank_main(model: str, device: str = "auto") -> tuple[list[RequestOutput], Ge
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny-qwen3-moe")
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     args = parser.parse_args()
-    outputs, stats = launch(rank_main, 2, args=(args.model, args.device), device=args.device)[0]  # rank 0's view; it holds every result
+    # rank 0's view; it holds every result
+    outputs, stats = launch(rank_main, 2, args=(args.model, args.device), device=args.device)[0]
     for o in outputs:
         shown = repr(o.text) if o.text is not None else " ".join(map(str, o.token_ids))
         print(f"[{o.index}] prompt {len(o.prompt_token_ids)} tokens -> {shown} ({o.finish_reason})")

@@ -18,17 +18,10 @@ from cudagraph.dispatch import GraphKey, capture_blocker, plan_captures
 from cudagraph.manager import CaptureAgreement, GraphRunner
 from cudagraph.sizes import resolve_capture_sizes
 from runner.attention.graph import DecodeMetadataBuffers, capturable_attention
+from ubatch.log_once import log_once
 
 logger = logging.getLogger("ubatch.cudagraph")
-_LOGGED: set[str] = set()
 _RUNNERS_WRAPPER: Any = object()  # make_graph_runner's default: the model runner's own UBatchWrapper
-
-
-def _log_once(level: int, message: str) -> None:
-    """Once per process: every DP rank and every ModelRunner would otherwise repeat it."""
-    if message not in _LOGGED:
-        _LOGGED.add(message)
-        logger.log(level, message)
 
 
 def capture_agreement(dp_group: Any) -> CaptureAgreement | None:
@@ -96,12 +89,12 @@ def graphs_enabled(model_runner: Any, backend: GraphBackend | None = None) -> bo
         return False
     if backend is None and torch.device(model_runner.device).type != "cuda":
         if getattr(model_runner, "rank", 0) == 0:  # said once for the whole run, not once per DP rank
-            _log_once(logging.WARNING, "CUDA graphs need a GPU: running eager")
+            log_once(logger, logging.WARNING, "CUDA graphs need a GPU: running eager")
         return False
     # the runner's resolved experts backend ("auto" names none); a bare config stands for itself
     blocker = capture_blocker(cfg.all2all_backend, getattr(model_runner, "experts_backend", cfg.experts_backend))
     if blocker is not None:
-        _log_once(logging.WARNING, f"CUDA graphs disabled: {blocker}; running eager")
+        log_once(logger, logging.WARNING, f"CUDA graphs disabled: {blocker}; running eager")
         return False
     return True
 

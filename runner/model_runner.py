@@ -38,6 +38,7 @@ from ubatch.forward_context import DPMetadata, set_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.experts import resolve_experts_backend
 from ubatch import trace
+from ubatch.log_once import log_once
 from ubatch.slicing import (
     CommonAttentionMetadata, UBatchSlice, balanced_split_points, check_ubatch_thresholds, padded_ubatch_slices,
     split_attn_metadata,
@@ -48,7 +49,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 NUM_UBATCHES = 2
 DEFAULT_MAX_MODEL_LEN = 2048
 logger = logging.getLogger("ubatch.runner")
-_LOGGED: set[str] = set()  # once per process, not once per DP rank or ModelRunner
 
 
 def resolve_dtype(name: str) -> torch.dtype | None:
@@ -116,10 +116,9 @@ class ModelRunner:
         cfg = self.cfg
         capacity = cfg.max_dispatch_tokens_per_rank or cfg.max_num_batched_tokens
         self.experts_backend = resolve_experts_backend(cfg.experts_backend, self.device)  # "auto" -> a backend
-        message = f"--experts-backend {cfg.experts_backend}: using {self.experts_backend} on {self.device}"
-        if cfg.experts_backend != self.experts_backend and self.rank == 0 and message not in _LOGGED:
-            _LOGGED.add(message)
-            logger.info(message)
+        if cfg.experts_backend != self.experts_backend and self.rank == 0:
+            log_once(logger, logging.INFO,
+                     f"--experts-backend {cfg.experts_backend}: using {self.experts_backend} on {self.device}")
         if cfg.enable_expert_parallel and self.world_size > 1:
             groups = new_ep_groups(NUM_UBATCHES, timeout_s=cfg.dist_timeout_s)
             return MoEParallelConfig(ep_rank=self.rank, ep_size=self.world_size, all2all_backend=cfg.all2all_backend,

@@ -29,6 +29,7 @@ from runner.attention import graph as ga
 from runner.config import RunnerConfig
 from runner.dp import local_decision
 from runner.kv_cache import build_attention_metadata
+from ubatch.log_once import forget_logged
 from ubatch.context import UBatchContext
 from ubatch.forward_context import set_forward_context
 from ubatch.modular_moe.layer import FusedMoE
@@ -520,7 +521,7 @@ def test_null_block_is_reserved_past_the_scheduler_range(qwen_runner) -> None:
 
 # ---- runner integration entry point --------------------------------------------------------------------
 def test_maybe_make_graph_runner_is_eager_on_cpu_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
-    manager._LOGGED.clear()
+    forget_logged()
     fake = SimpleNamespace(cfg=RunnerConfig(), device=torch.device("cpu"))
     with caplog.at_level(logging.INFO, logger="ubatch.cudagraph"):
         assert manager.maybe_make_graph_runner(fake) is None
@@ -531,7 +532,7 @@ def test_maybe_make_graph_runner_is_eager_on_cpu_and_says_so_once(caplog: pytest
 
 
 def test_maybe_make_graph_runner_refuses_uncapturable_backends(caplog: pytest.LogCaptureFixture) -> None:
-    manager._LOGGED.clear()
+    forget_logged()
     fake = SimpleNamespace(cfg=RunnerConfig(experts_backend="torch"), device=torch.device("cuda", 0),
                            experts_backend="torch")  # the model runner's resolved backend
     with caplog.at_level(logging.WARNING, logger="ubatch.cudagraph"):

@@ -20,6 +20,7 @@ from moe_harness import StackWeights, run_ep
 from test_moe_ep import YIELDS_PER_LAYER, check, rank_inputs
 from cudagraph.dispatch import capture_blocker
 from runner.config import RunnerConfig, experts_backends
+from ubatch.log_once import forget_logged
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts import EXPERTS_CHOICES, make_experts, resolve_experts_backend
 from ubatch.modular_moe.experts import grouped_mm_experts
@@ -205,7 +206,7 @@ def test_cuda_rules_by_compute_capability(monkeypatch: pytest.MonkeyPatch, caplo
             with pytest.raises(RuntimeError, match=rf"compute capability 9.x or 10.x.*{major}\.0.*triton"):
                 gemm_dtype_for(cuda, torch.bfloat16)
     monkeypatch.setattr(grouped_mm_experts, "_capability", lambda d: (9, 0))
-    monkeypatch.setattr(grouped_mm_experts, "_WARNED_CASTS", set())
+    forget_logged()
     with caplog.at_level(logging.WARNING, logger="ubatch.experts"):
         assert gemm_dtype_for(cuda, torch.bfloat16) is torch.bfloat16
         assert gemm_dtype_for(cuda, torch.float32) is torch.bfloat16

@@ -12,9 +12,9 @@ import torch
 
 from runner.attention.backend import AttentionBackend
 from runner.config import ATTENTION_BACKENDS
+from ubatch.log_once import log_once
 
 logger = logging.getLogger("ubatch.attention")
-_LOGGED: set[str] = set()
 
 
 def resolve_attention_backend(name: str, device: torch.device | str) -> str:
@@ -30,10 +30,7 @@ def make_attention_backend(name: str, device: torch.device | str, *, log: bool =
     """A backend instance for ``name`` (``auto`` resolved by ``device``); logs once what ``auto`` picked."""
     resolved = resolve_attention_backend(name, device)
     if name == "auto" and log:
-        message = f"attention backend auto: {resolved} on {torch.device(device).type}"
-        if message not in _LOGGED:
-            _LOGGED.add(message)
-            logger.info(message)
+        log_once(logger, logging.INFO, f"attention backend auto: {resolved} on {torch.device(device).type}")
     if resolved == "torch":
         from runner.attention.torch_backend import TorchAttentionBackend
 

@@ -38,6 +38,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from ubatch.log_once import log_once
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.experts.torch_experts import check_expert_weights
 from ubatch.modular_moe.types import ExpertTokens
@@ -49,7 +50,6 @@ logger = logging.getLogger("ubatch.experts")
 FUSED_CAPABILITY_MAJORS: tuple[int, ...] = (9, 10)
 CPU_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
 _ALIGN_BYTES = 16  # _grouped_mm's rule for base pointers and leading strides
-_WARNED_CASTS: set[torch.dtype] = set()
 
 
 @functools.lru_cache(maxsize=None)
@@ -77,11 +77,11 @@ def gemm_dtype_for(device: torch.device, dtype: torch.dtype) -> torch.dtype:
             f"experts backend grouped_mm needs a GPU of compute capability 9.x or 10.x: torch._grouped_mm has no "
             f"fused kernel for {major}.{minor} and falls back to a loop that copies the group offsets to the host "
             f"(a sync per GEMM, not CUDA-graph capturable). Use --experts-backend triton (capturable) or torch")
-    if dtype != torch.bfloat16 and dtype not in _WARNED_CASTS:
-        _WARNED_CASTS.add(dtype)
-        logger.warning("experts backend grouped_mm: torch._grouped_mm's fused kernel is bf16-only, so %s experts "
-                       "run their GEMMs on bf16-rounded operands (fp32 accumulation, %s result); use "
-                       "--experts-backend triton or torch for full-precision expert GEMMs", dtype, dtype)
+    if dtype != torch.bfloat16:
+        log_once(logger, logging.WARNING,
+                 f"experts backend grouped_mm: torch._grouped_mm's fused kernel is bf16-only, so {dtype} experts "
+                 f"run their GEMMs on bf16-rounded operands (fp32 accumulation, {dtype} result); use "
+                 "--experts-backend triton or torch for full-precision expert GEMMs")
     return torch.bfloat16
 
 

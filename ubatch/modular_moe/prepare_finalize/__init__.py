@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Sequence
 
+from ubatch.log_once import log_once
 from ubatch.modular_moe.prepare_finalize.base import PrepareFinalize
 from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink, LinkSpec, parse_link
 
@@ -26,7 +27,6 @@ PHASE_AWARE_BACKENDS = {  # name -> (prefill backend, decode backend); ``auto`` 
 AUTO_DEEPEP_V2 = ("deepep_v2", "deepep_v2")
 ALL2ALL_CHOICES = (*ALL2ALL_BACKENDS, AUTO_BACKEND, *PHASE_AWARE_BACKENDS)
 _logger = logging.getLogger(__name__)
-_auto_logged: set[tuple[str, str]] = set()
 
 
 def phase_backends(name: str, deep_ep_module: Any = None) -> tuple[str, str] | None:
@@ -45,10 +45,8 @@ def phase_backends(name: str, deep_ep_module: Any = None) -> tuple[str, str] | N
         from ubatch.modular_moe.prepare_finalize.deepep_v2 import deep_ep_v2_status
         has_v2, why = deep_ep_v2_status()
     pair = AUTO_DEEPEP_V2 if has_v2 else PHASE_AWARE_BACKENDS["auto_torch"]
-    if (pair[0], why) not in _auto_logged:
-        _auto_logged.add((pair[0], why))
-        _logger.info("--all2all-backend auto: prefill %s, decode %s (%s)%s", pair[0], pair[1], why,
-                     "" if has_v2 else "; ask for deepep_v2 to make a missing DeepEP V2 an error")
+    log_once(_logger, logging.INFO, f"--all2all-backend auto: prefill {pair[0]}, decode {pair[1]} ({why})"
+             + ("" if has_v2 else "; ask for deepep_v2 to make a missing DeepEP V2 an error"))
     return pair
 
 
