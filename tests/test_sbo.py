@@ -55,6 +55,7 @@ SELECT_CASES = [
     (True, "deepep_low_latency", "deep_gemm", BLACKWELL, False, {ENV_SHARED_EXPERTS_OUTSIDE: "1"}, SBO_OFF),
     (True, "deepep_low_latency", "deep_gemm", HOPPER, False, {ENV_SHARED_EXPERTS_OUTSIDE: "1"}, DG_D),
     (True, "torch_ll", "torch", BLACKWELL, False, {}, D),  # collectives: the NCCL-EP rule
+    (True, "auto_torch", "torch", BLACKWELL, False, {}, D),  # the phase-aware torch pair is collectives too
     (True, "torch_ht", "triton", HOPPER, False, {}, D),
     (True, "torch_ll", "torch", CPU, False, {}, D),
     (True, "torch_ht", "torch", CPU, False, {}, D),

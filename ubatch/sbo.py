@@ -43,7 +43,9 @@ MIN_BLOCK_M = 64  # WGMMA block_m: the Hopper down GEMM signals once per 64-row 
 
 # torch.distributed all-to-alls (NCCL on GPU, gloo on CPU): they can neither be confined to a few SMs nor
 # chase a tile signal, so like SGLang's NCCL-EP backend they use the one-stream dispatch overlap everywhere.
-_COLLECTIVE_BACKENDS = ("torch_ll", "torch_ht", "auto")
+# "auto_torch" names the phase-aware torch pair; "auto" is kept here as before (it is that pair unless DeepEP V2
+# is installed).
+_COLLECTIVE_BACKENDS = ("torch_ll", "torch_ht", "auto_torch", "auto")
 # The one all-to-all whose combine chases the down GEMM's tile signal (DeepEP V1 LL's ``comp_signal``).
 _COMBINE_SIGNAL_BACKENDS = ("deepep_low_latency",)
 # DeepEP V2 (``ElasticBuffer``): one stream or two, like V1 HT, but its ``combine`` takes no ``comp_signal``,
