@@ -156,14 +156,13 @@ def select_sbo_modes(enable_single_batch_overlap: bool, *, all2all_backend: str,
     combine_shared = device.is_cuda and not dispatch_shared and not _env_flag(env, ENV_SHARED_EXPERTS_OUTSIDE)
     down_gemm = (device.is_cuda and not device.is_blackwell and all2all_backend in _COMBINE_SIGNAL_BACKENDS
                  and experts_backend == "deep_gemm")
-    flags = SboFlags(combine_down_gemm=down_gemm, combine_shared_experts=combine_shared,
-                     dispatch_shared_experts=dispatch_shared)
-    check_sbo_modes(flags, all2all_backend)
-    return flags
+    return SboFlags(combine_down_gemm=down_gemm, combine_shared_experts=combine_shared,
+                    dispatch_shared_experts=dispatch_shared)
 
 
 def check_sbo_modes(flags: SboFlags, all2all_backend: str) -> None:
-    """Refuse a forced mode the backend cannot run (``TwoStreamCombine`` checks the backend really in use).
+    """Refuse a forced mode the backend cannot run; the MoE kernel checks the backend it really uses (``auto``
+    resolved) when it is built, before any dispatch.
 
     ``combine_down_gemm`` on ``deepep_v2``: ``ElasticBuffer.combine`` has no ``comp_signal`` to chase the down
     GEMM. (Forced on the torch backends it stays the combine-after-the-down-GEMM the CPU tests drive.)

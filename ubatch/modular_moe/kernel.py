@@ -24,7 +24,7 @@ from ubatch.context import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_rec
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.prepare_finalize.base import Hook, PrepareFinalize
 from ubatch.modular_moe.two_stream import TwoStreamCombine
-from ubatch.sbo import SBO_OFF, SboFlags
+from ubatch.sbo import SBO_OFF, SboFlags, check_sbo_modes
 
 
 def _complete(hook: Hook | None) -> None:
@@ -45,10 +45,11 @@ class FusedMoEModularKernel:
         if prepare_finalize.layout not in experts.supported_layouts:
             raise ValueError(f"experts backend {experts.name!r} cannot consume the {prepare_finalize.layout!r} layout "
                              f"produced by all2all backend {prepare_finalize.name!r}")
+        self.sbo = sbo if sbo is not None else SBO_OFF  # a config-level choice: identical for every ubatch
+        check_sbo_modes(self.sbo, prepare_finalize.name)  # the backend this kernel really uses (auto resolved)
         self.prepare_finalize = prepare_finalize
         self.experts = experts
         self.shared_experts = shared_experts
-        self.sbo = sbo if sbo is not None else SBO_OFF  # a config-level choice: identical for every ubatch
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor) -> torch.Tensor:

@@ -13,6 +13,7 @@ With the phase-aware backend (``all2all_backend="auto"``) the runtime holds both
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -35,10 +36,16 @@ class MoERuntime:
         self._link: EmulatedLink | None = None
         self._backends: dict[tuple[str, int, int], PrepareFinalize] = {}
 
+    @functools.cached_property
+    def _phase_pair(self) -> tuple[str, str] | None:
+        """``(prefill, decode)`` for a phase-aware backend (``auto`` resolved once: neither the setting nor
+        ``deep_ep_module`` changes after construction), else ``None``."""
+        return phase_backends(self.parallel.all2all_backend, self.deep_ep_module)
+
     @property
     def default_backend(self) -> str:
         """The configured backend; for a phase-aware one, its decode (low-latency) backend."""
-        pair = phase_backends(self.parallel.all2all_backend, self.deep_ep_module)
+        pair = self._phase_pair
         return pair[1] if pair is not None else self.parallel.all2all_backend
 
     def backend_for_step(self) -> str:
@@ -47,7 +54,7 @@ class MoERuntime:
         Without DP metadata (a CUDA-graph capture, which only captures decode steps, or a caller outside
         the engine) ``auto`` means the low-latency layout.
         """
-        pair = phase_backends(self.parallel.all2all_backend, self.deep_ep_module)
+        pair = self._phase_pair
         if pair is None:
             return self.parallel.all2all_backend
         fc = maybe_get_forward_context()

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator
 import torch
 
 from ubatch import streams
-from ubatch.sbo import MIN_BLOCK_M, DeviceProps, SboFlags, check_sbo_modes, compute_overlap_args
+from ubatch.sbo import MIN_BLOCK_M, DeviceProps, SboFlags, compute_overlap_args
 
 if TYPE_CHECKING:
     from ubatch.modular_moe.types import ExpertTokens
@@ -108,7 +108,6 @@ class TwoStreamCombine:
 
     def __init__(self, flags: SboFlags, prepare_finalize: Any, experts: Any, tokens: "ExpertTokens",
                  device: torch.device) -> None:
-        check_sbo_modes(flags, prepare_finalize.name)  # the backend this call really uses (``auto`` resolved)
         self.flags = flags
         self.pf = prepare_finalize
         self.experts = experts

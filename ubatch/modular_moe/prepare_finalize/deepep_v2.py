@@ -45,9 +45,10 @@ Cached handles (``static_routing=True``; off by default)
 SBO (``ubatch.sbo``; with DBO off and on)
   - Modes, as V1 high-throughput: ``dispatch_shared_experts`` off Blackwell (and on CPU),
     ``combine_shared_experts`` on Blackwell. ``combine_down_gemm`` is refused with an error naming this
-    backend (``ubatch.sbo.check_sbo_modes``; when forced, at the first MoE call): ``ElasticBuffer.combine``
-    takes no ``comp_signal`` to chase the down GEMM. The combine keeps the dispatch handle's SM count; SBO's
-    ``UBATCH_SBO_COMM_SMS`` reservation only caps DeepGEMM beside it.
+    backend (``ubatch.sbo.check_sbo_modes``; when forced, as the MoE kernel is built at the first MoE call,
+    before any dispatch): ``ElasticBuffer.combine`` takes no ``comp_signal`` to chase the down GEMM. The
+    combine keeps the dispatch handle's SM count; SBO's ``UBATCH_SBO_COMM_SMS`` reservation only caps
+    DeepGEMM beside it.
   - ``dispatch_shared_experts``: the shared experts are queued on the caller's stream between the dispatch
     launch and its hook's wait, so they run while the comm stream moves the tokens.
   - Two streams: the combine is launched with the SBO alternate stream current, so ``capture()`` records
