@@ -174,7 +174,7 @@ def test_graph_decode_equals_reference_with_padding_in_the_null_block(name: str,
 
 
 def test_reference_for_the_graph_path_is_the_same_op() -> None:
-    """The graph entry points keep their signatures (tests and benchmarks call them) and route by backend."""
+    """The graph entry points keep their signatures (tests call them) and route by backend."""
     from runner.attention import graph as ga
 
     batch = Batch([5, 9], [1, 1], 2, mla=False, seed=3)

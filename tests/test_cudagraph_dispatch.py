@@ -335,18 +335,19 @@ def test_replay_plumbing_matches_eager_with_and_without_dbo(qwen_runner, caplog)
     gr = manager.make_graph_runner(runner, sizes=[1, 2, 4, 8, 12], backend=EagerReplayBackend(), num_warmups=1,
                                    progress=False)
     calls = {"graph": 0}
-    original = ga.graph_paged_attention
+    backend = gr.buffers.backend
+    original = backend.attend
 
-    def counting(*args, **kwargs):
-        calls["graph"] += 1
-        return original(*args, **kwargs)
+    def counting(q, k_cache, v_cache, meta, scale):  # the layers' attention on the graphs' decode metadata
+        calls["graph"] += isinstance(meta, ga.GraphDecodeMetadata)
+        return original(q, k_cache, v_cache, meta, scale)
 
-    ga.graph_paged_attention = counting
+    backend.attend = counting
     try:
         with caplog.at_level(logging.INFO, logger="ubatch.cudagraph"):
             report = gr.capture()
     finally:
-        ga.graph_paged_attention = original
+        del backend.attend
     assert "captured 6 CUDA graphs (decode sizes [1, 2, 3], DBO sizes [4, 8, 12])" in caplog.text
     assert report.keys == sorted(gr.graphs) and calls["graph"] > 0
     assert len(gr.warmed_threads) == 1  # greenlet executor: every ubatch launches from one worker thread

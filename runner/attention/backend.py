@@ -22,22 +22,14 @@ from typing import ClassVar
 import torch
 
 from runner.attention.metadata import GraphDecodeMetadata, PagedAttentionMetadata, build_paged_metadata
+from runner.attention.reference import request_slots
 from ubatch.slicing import CommonAttentionMetadata
-
-
-def request_slots(block_table_row: torch.Tensor, seq_len: int, block_size: int) -> torch.Tensor:
-    """Cache slots of positions ``[0, seq_len)`` of one request (device ops only; ``seq_len`` is a host int)."""
-    pos = torch.arange(seq_len, device=block_table_row.device)
-    return block_table_row[pos // block_size].to(torch.int64) * block_size + pos % block_size
 
 
 class AttentionBackend(ABC):
     """Paged attention over caches viewed as ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
 
     name: ClassVar[str]
-    #: True when :meth:`decode` reads no more of the cache than each request's blocks up to its seq_len
-    #: (graph decode memory then does not grow with requests x max_model_len)
-    paged_decode: ClassVar[bool] = False
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

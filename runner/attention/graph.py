@@ -52,7 +52,7 @@ class DecodeMetadataBuffers:
 
     def view(self, start: int, stop: int) -> GraphDecodeMetadata:
         return GraphDecodeMetadata(self.backend, self.seq_lens[start:stop], self.block_table[start:stop],
-                                   self.slot_mapping[start:stop], self.block_size)
+                                   self.slot_mapping[start:stop])
 
     def views(self, num_tokens: int, ubatch_sizes: Sequence[int] = ()) -> list[GraphDecodeMetadata]:
         """``[whole batch]`` without DBO, else one view per ubatch in token order."""
@@ -98,7 +98,7 @@ class DecodeMetadataBuffers:
         self.slot_mapping[n:num_tokens].fill_(self.null_slot)
 
 
-# ---- the graph decode entry points (also what runner/attention/ops.py calls for graph metadata) ----------
+# ---- graph decode outside a model (tests): the same backend calls runner/attention/ops.py makes ----------
 def graph_write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
                    value: torch.Tensor | None = None) -> None:
     """Write every row's KV: padding rows point at the null block, so no slot is skipped and nothing branches."""

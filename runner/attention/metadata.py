@@ -9,7 +9,7 @@ other ubatch's work. So everything a layer needs that is not already a device te
 - the number of real tokens (the rest are padding rows with slot ``-1``, always at the tail), so the KV write
   needs no ``bool((slots >= 0).all())``;
 - the decode requests (query length 1) as one group: rows ``[0, R)`` when they are the batch's first
-  requests (every decode step), else device index tensors made by one pinned, non-blocking copy.
+  requests (every decode step), else device index tensors made by two small pinned, non-blocking copies.
 
 ``build_paged_metadata`` runs per ubatch on that ubatch's split ``CommonAttentionMetadata``
 (``ubatch.slicing.split_attn_metadata``), so the UBatchWrapper gets a list it does not split again.
@@ -40,8 +40,8 @@ class AttentionBackendLike(Protocol):
 class DecodeGroup:
     """The (micro)batch's requests with one query token: ``block_table``/``seq_lens`` rows per request.
 
-    ``token_index`` and ``request_index`` are ``None`` when the group is the first ``num_reqs`` requests
-    (their tokens are then rows ``[0, num_reqs)``): plain slices, no gather.
+    ``token_index`` is ``None`` when the group is the first ``num_reqs`` requests (their tokens are then rows
+    ``[0, num_reqs)``): plain slices, no gather.
     """
 
     num_reqs: int
@@ -49,7 +49,6 @@ class DecodeGroup:
     seq_lens: torch.Tensor  # int32 [R]; the query sits at seq_len - 1
     max_seq_len: int  # host-side: the longest of them
     token_index: torch.Tensor | None = None  # int64 [R]: their query rows in the batch
-    request_index: torch.Tensor | None = None  # int64 [R]: their rows in the batch's request tables
 
 
 @dataclass(frozen=True)
@@ -88,7 +87,6 @@ class GraphDecodeMetadata:
     seq_lens: torch.Tensor  # int32 [R]; padding rows hold 1
     block_table: torch.Tensor  # int32 [R, max_blocks]; padding entries hold the null block
     slot_mapping: torch.Tensor  # int64 [R]; padding tokens write to the null block
-    block_size: int
     max_query_len: int = 1
 
     @property
@@ -128,6 +126,6 @@ def build_paged_metadata(backend: AttentionBackendLike, common: CommonAttentionM
             req = host_to_device(torch.tensor(decodes, dtype=torch.int64), device)
             tok = host_to_device(torch.tensor([qsl[i] for i in decodes], dtype=torch.int64), device)
             decode = DecodeGroup(len(decodes), common.block_table.index_select(0, req),
-                                 common.seq_lens.index_select(0, req), longest, tok, req)
+                                 common.seq_lens.index_select(0, req), longest, tok)
     return PagedAttentionMetadata(backend, common, num_tokens, num_real, common.slot_mapping[:num_real],
                                   decode, tuple(prefills))

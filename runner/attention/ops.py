@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from runner.attention import graph as _graph
 from runner.attention import reference
 from runner.attention.cache_layout import absorbed_mla, mha_cache_views
 from runner.attention.metadata import GraphDecodeMetadata, PagedAttentionMetadata
@@ -37,11 +36,8 @@ def mha_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_ca
         reference.write_kv(kv_cache, meta.slot_mapping, key, value)
         return reference.paged_attention(q, kv_cache, meta, scale, positions)
     _check(meta)
-    k_cache, v_cache = mha_cache_views(kv_cache)
     meta.backend.write_kv(kv_cache, meta, torch.stack((key, value), dim=1))
-    if isinstance(meta, GraphDecodeMetadata):
-        return _graph.graph_paged_attention(q, kv_cache, meta, scale)
-    return meta.backend.attend(q, k_cache, v_cache, meta, scale)
+    return meta.backend.attend(q, *mha_cache_views(kv_cache), meta, scale)
 
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache_entry: torch.Tensor, kv_cache: torch.Tensor,
@@ -53,6 +49,4 @@ def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache_entry: torch
         return reference.paged_mla_attention(q_nope, q_rope, kv_cache, meta, scale, w_uk, w_uv, positions)
     _check(meta)
     meta.backend.write_kv(kv_cache, meta, cache_entry)
-    if isinstance(meta, GraphDecodeMetadata):
-        return _graph.graph_paged_mla_attention(q_nope, q_rope, kv_cache, meta, scale, w_uk, w_uv)
     return absorbed_mla(q_nope, q_rope, kv_cache, meta, scale, w_uk, w_uv)

@@ -65,7 +65,8 @@ def _query_positions(meta: CommonAttentionMetadata, positions: torch.Tensor | No
     return out.to(device)
 
 
-def _slots_for(block_table_row: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+def request_slots(block_table_row: torch.Tensor, n: int, block_size: int) -> torch.Tensor:
+    """Cache slots of positions ``[0, n)`` of one request (device ops only; ``n`` is a host int)."""
     pos = torch.arange(n, device=block_table_row.device)
     return block_table_row[pos // block_size].to(torch.int64) * block_size + pos % block_size
 
@@ -125,7 +126,7 @@ def _paged_attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         s, e = qsl[i], qsl[i + 1]
         if e == s or i in done:
             continue
-        slots = _slots_for(meta.block_table[i].to(q.device), seq[i], block_size)
+        slots = request_slots(meta.block_table[i].to(q.device), seq[i], block_size)
         out[s:e] = _attend_one(q[s:e], k_flat[slots], v_flat[slots], qpos_all[s:e], scale)
     return out
 

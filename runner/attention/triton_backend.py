@@ -32,7 +32,6 @@ def load_paged_decode_kernel() -> PagedDecodeFn:
 
 class TritonAttentionBackend(AttentionBackend):
     name = "triton"
-    paged_decode = True
 
     def __init__(self, decode_fn: PagedDecodeFn | None = None) -> None:
         self.decode_fn = load_paged_decode_kernel() if decode_fn is None else decode_fn
