@@ -80,6 +80,28 @@ class Decode:
         slices = maybe_create_ubatch_slices(True, np.ones(n, dtype=np.int64), n, n, 2)[1] if ubatch else None
         return meta, slices, r.input_ids[:n], r.positions[:n]
 
+    def eager_step(self, model: Any, n: int, ubatch: bool) -> Callable[[], Any]:
+        """One eager decode step of ``n`` requests through ``model`` (the runner's model or a UBatchWrapper),
+        handed what an engine step hands it: the attention backend's metadata, built before the forward."""
+        meta, slices, ids, pos = self.inputs(n, ubatch)
+        attn = self.runner._attention_metadata(meta, slices)
+
+        def run() -> Any:
+            with set_forward_context(attn_metadata=attn, ubatch_slices=slices):
+                return model(input_ids=ids, positions=pos)
+        return run
+
+    def replay_step(self, gr: GraphRunner, n: int, ubatch: bool) -> Callable[[], Any]:
+        """One replay of ``gr``'s graph for ``n`` requests; an error if no graph replays."""
+        meta, slices, ids, pos = self.inputs(n, ubatch)
+
+        def run() -> Any:
+            out = gr.try_replay(meta, slices, ids, pos)
+            if out is NotImplemented:
+                raise RuntimeError(f"no graph replayed for {n} tokens: {dict(gr.stats)}")
+            return out
+        return run
+
 
 def timed(fn: Callable[[], Any], iters: int, warmup: int) -> tuple[float, float]:
     for _ in range(warmup):
@@ -117,30 +139,13 @@ def main() -> int:
         print("  " + ", ".join(f"{key}: {nbytes / 2**20:.1f} MiB" for key, nbytes in report.memory_table()))
     decode = Decode(runner, args.context_len)
 
-    def eager(model: Any, n: int, ubatch: bool) -> Callable[[], Any]:
-        meta, slices, ids, pos = decode.inputs(n, ubatch)
-        attn = runner._attention_metadata(meta, slices)  # what an engine step hands the model
-
-        def run() -> Any:
-            with set_forward_context(attn_metadata=attn, ubatch_slices=slices):
-                return model(input_ids=ids, positions=pos)
-        return run
-
-    def replay(gr: GraphRunner, n: int, ubatch: bool) -> Callable[[], Any]:
-        meta, slices, ids, pos = decode.inputs(n, ubatch)
-
-        def run() -> Any:
-            out = gr.try_replay(meta, slices, ids, pos)
-            if out is NotImplemented:
-                raise RuntimeError(f"no graph replayed for {n} tokens: {dict(gr.stats)}")
-            return out
-        return run
-
     rows = []
     for n in sizes:
-        modes = {"eager-threads-dbo": eager(threads, n, True), "eager-greenlet-dbo": eager(greenlet, n, True),
-                 "eager": eager(runner.model, n, False), "graph-dbo": replay(graph_dbo, n, True),
-                 "graph": replay(graph_plain, n, False)}
+        modes = {"eager-threads-dbo": decode.eager_step(threads, n, True),
+                 "eager-greenlet-dbo": decode.eager_step(greenlet, n, True),
+                 "eager": decode.eager_step(runner.model, n, False),
+                 "graph-dbo": decode.replay_step(graph_dbo, n, True),
+                 "graph": decode.replay_step(graph_plain, n, False)}
         for mode, fn in modes.items():
             step_ms, launch_ms = timed(fn, args.iters, args.warmup)
             rows.append({"tokens": n, "mode": mode, "step_ms": round(step_ms, 3), "launch_ms": round(launch_ms, 3)})

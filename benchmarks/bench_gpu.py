@@ -54,6 +54,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, write_csv  # noqa: E402
 
 from runner.models.loader import TINY_MODELS  # noqa: E402
+from ubatch.trace_metrics import intersect, length  # noqa: E402
 
 MODEL = "bench-qwen3-moe-1b"
 MODEL_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "vocab_size": 8192, "hidden_size": 2048, "intermediate_size": 6144,
@@ -217,23 +218,6 @@ def count_host_syncs(fn: Callable[[], Any]) -> int:
     return sum("synchroniz" in str(w.message) for w in caught)
 
 
-def union_length(intervals: list[tuple[float, float]]) -> float:
-    """Total length covered by ``(start, end)`` intervals, overlaps counted once."""
-    total, current = 0.0, None
-    for a, b in sorted(intervals):
-        if current is None or a > current[1]:
-            total += 0.0 if current is None else current[1] - current[0]
-            current = [a, b]
-        else:
-            current[1] = max(current[1], b)
-    return total + (0.0 if current is None else current[1] - current[0])
-
-
-def overlap_length(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> float:
-    """Length during which some interval of ``a`` and some interval of ``b`` both run."""
-    return union_length(a) + union_length(b) - union_length(a + b)
-
-
 def sleep_overlap_pct(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, dict[str, float]]:
     """Share of the emulated link's sleep-kernel time that overlaps compute kernels, from a profiler trace;
     also the top kernels by GPU time (per call) so the table can say where the time went."""
@@ -250,8 +234,8 @@ def sleep_overlap_pct(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, d
     sleeps = [(e["ts"], e["ts"] + e["dur"]) for e in events if "spin_kernel" in e["name"]]
     compute = [(e["ts"], e["ts"] + e["dur"]) for e in events if "spin_kernel" not in e["name"]]
 
-    slept = union_length(sleeps)
-    hidden = overlap_length(sleeps, compute)
+    slept = length(sleeps)
+    hidden = length(intersect(sleeps, compute))
     top: dict[str, float] = {}
     for e in events:
         top[e["name"][:48]] = top.get(e["name"][:48], 0.0) + e["dur"] / repeats / 1e3
@@ -278,18 +262,7 @@ class StepBench:
         self.runtime = self.runner.model.moe_runtime
 
     def eager(self, dbo: bool) -> Callable[[], Any]:
-        from ubatch.forward_context import set_forward_context
-
-        meta, slices, ids, pos = self.decode.inputs(STEP_TOKENS, dbo)
-        model = self.runner.wrapper if dbo else self.runner.model
-        # What an engine step hands the model: the attention backend's metadata, built before the forward
-        # (per ubatch with DBO), so the eager step times the backend the engine runs, with no host sync.
-        attn = self.runner._attention_metadata(meta, slices)
-
-        def run() -> Any:
-            with set_forward_context(attn_metadata=attn, ubatch_slices=slices):
-                return model(input_ids=ids, positions=pos)
-        return run
+        return self.decode.eager_step(self.runner.wrapper if dbo else self.runner.model, STEP_TOKENS, dbo)
 
     def graphs(self) -> dict[bool, tuple[Any, float]]:
         """A fresh capture of the plain and the DBO graph for the current link: {dbo: (graph runner, MiB)}."""
@@ -306,14 +279,7 @@ class StepBench:
         return out
 
     def replay(self, gr: Any, dbo: bool) -> Callable[[], Any]:
-        meta, slices, ids, pos = self.decode.inputs(STEP_TOKENS, dbo)
-
-        def run() -> Any:
-            out = gr.try_replay(meta, slices, ids, pos)
-            if out is NotImplemented:
-                raise RuntimeError(f"no graph replayed for {STEP_TOKENS} tokens: {dict(gr.stats)}")
-            return out
-        return run
+        return self.decode.replay_step(gr, STEP_TOKENS, dbo)
 
     def measure(self, ratio: float | None, comm: float = 0.0, compute: dict[str, float] | None = None
                 ) -> list[dict[str, Any]]:
