@@ -37,7 +37,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, write_csv  # noqa: E402
+from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, write_csv  # noqa: E402
 
 from runner.models.loader import TINY_MODELS  # noqa: E402
 
@@ -54,7 +54,6 @@ MODELS = {"bench-dsv3-small": _SMALL,
                                   "qk_nope_head_dim": 128, "n_shared_experts": 2}}
 for _name, _config in MODELS.items():  # at import: the spawned ranks resolve them too (temporary cache only)
     TINY_MODELS.setdefault(_name, _config)
-LATENCY_US = 20.0
 BLOCK = 16
 VARIANTS = ("off", "moe", "deepseek")
 # Phases reported per traced step: span names on the ubatch tracks (what the model, kernel and link record).
@@ -134,8 +133,7 @@ def run_rank(model_name: str, cache_dir: str, ratios: list[float], repeats: int,
             nbytes, transfers, compute_s = box[0]
             for ratio in ratios:
                 comm_s = ratio * compute_s
-                gbps = nbytes / max(comm_s - transfers * LATENCY_US * 1e-6, 1e-6) / 1e9
-                runtime.set_link(f"latency_us={LATENCY_US},gbps={gbps:.6g}")
+                runtime.set_link(calibrated_link(nbytes, transfers, comm_s))
                 times: dict[str, list[float]] = {v: [] for v in VARIANTS}
                 outs: dict[str, torch.Tensor] = {}
                 for _ in range(repeats):
@@ -200,7 +198,7 @@ def main() -> None:
             phases += got["phases"]
     print(f"decode steps, DeepSeek-V3-shaped models ({', '.join(args.models)}: 4 layers, the first dense, 16 experts "
           f"top-4), 2 EP ranks (processes, torch_ll), {args.seqs} sequences per rank, cached tokens per sequence: "
-          f"{args.contexts}; medians of {args.repeats}; link latency {LATENCY_US:g} us")
+          f"{args.contexts}; medians of {args.repeats}; link latency {LINK_LATENCY_US:g} us")
     print_table(rows, list(rows[0]))
     print("\nwhere the traced step went (ms per phase, rank 0; phases overlap the link, not each other)")
     cols = ["model", "context", "comm_over_compute", "schedule", "traced_step_ms"] + [

@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, write_csv  # noqa: E402
+from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, write_csv  # noqa: E402
 
 from runner.models.loader import TINY_MODELS  # noqa: E402
 
@@ -50,7 +50,6 @@ MODEL_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "vocab_size": 4096, "hidden_siz
                 "moe_intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 16,
                 "num_key_value_heads": 4, "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4}
 TINY_MODELS.setdefault(MODEL, MODEL_CONFIG)  # at import: spawned DP ranks resolve it too (temporary cache only)
-LATENCY_US = 20.0
 CALIBRATION_RUNS = 3
 WORKLOADS = {  # name -> (prompts per rank, prompt length, max tokens)
     "prefill": (8, 256, 1),
@@ -117,11 +116,8 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
                 calib = box[0]
             nbytes, transfers, compute_s = calib
             for ratio in ratios:
-                # Without DBO every transfer pays the latency once and the wire carries nbytes: solve the
-                # bandwidth that makes that total R x compute.
                 comm_s = ratio * compute_s
-                gbps = nbytes / max(comm_s - transfers * LATENCY_US * 1e-6, 1e-6) / 1e9
-                runtime.set_link(f"latency_us={LATENCY_US},gbps={gbps:.6g}")
+                runtime.set_link(calibrated_link(nbytes, transfers, comm_s))
                 off, on, wire = [], [], {False: 0, True: 0}
                 for _ in range(repeats):
                     for dbo, times in ((False, off), (True, on)):
@@ -228,7 +224,7 @@ def main() -> None:
             assert got is not None
             rows.extend(got)
     print(f"engine DBO: {MODEL} (hidden 1024, 16 experts top-4, 4 layers); medians of {args.repeats}; "
-          f"link latency {LATENCY_US:g} us per transfer")
+          f"link latency {LINK_LATENCY_US:g} us per transfer")
     print_table(rows)
     write_csv(rows, args.output)
     plot(rows, Path(args.output).with_suffix(".png"))

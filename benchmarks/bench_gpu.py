@@ -8,8 +8,8 @@ moe_intermediate 768, 32 query / 4 KV heads, head_dim 128, 4 layers, vocab 8192,
 
 Sections (``--sections kernels step``):
 
-- ``kernels``: one layer's experts at 64 / 512 / 2048 tokens (every experts backend, eager and replayed
-  from a CUDA graph) and decode attention over a paged cache (block 16) at 512 x 512 and 256 x 4096
+- ``kernels``: one layer's experts at 64 / 512 / 2048 tokens (every experts backend but ``deep_gemm``, which
+  takes fp8 masked batches; eager and replayed from a CUDA graph) and decode attention over a paged cache (block 16) at 512 x 512 and 256 x 4096
   (every attention backend the engine has for a GPU). CUDA-event medians. ``limit`` is the larger of the
   memory limit (bytes that must be read once -- the expert weights the batch touches, or the KV cache of
   the batch -- at the *measured* device copy bandwidth) and the FLOP limit (the kernel's FLOPs at the
@@ -51,7 +51,7 @@ if __name__ == "__main__" and not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, write_csv  # noqa: E402
+from common import RESULTS_DIR, calibrated_link, write_csv  # noqa: E402
 
 from runner.models.loader import TINY_MODELS  # noqa: E402
 from ubatch.trace_metrics import intersect, length  # noqa: E402
@@ -64,7 +64,6 @@ TINY_MODELS.setdefault(MODEL, MODEL_CONFIG)
 EXPERT_TOKENS = (64, 512, 2048)
 DECODE_SHAPES = ((512, 512), (256, 4096))  # (requests, context)
 STEP_TOKENS, STEP_CONTEXT = 512, 512
-LATENCY_US = 20.0
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
@@ -146,7 +145,7 @@ def experts_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
         limit = limits.ms(touched * expert_bytes + 2 * tokens * h * 2, 2 * tokens * k * 3 * h * i)
         reference = make_experts("torch").apply(batch, w13, w2).float()
         for name in EXPERTS_BACKENDS:
-            if name in ("auto", "deep_gemm"):  # auto is one of the others; deep_gemm takes fp8 masked batches
+            if name == "deep_gemm":  # it takes fp8 masked batches, not this bf16 contiguous one
                 continue
             row: dict[str, Any] = {"kernel": "experts", "backend": name, "shape": f"{tokens} tokens",
                                    "limit_ms": round(limit, 3)}
@@ -325,8 +324,7 @@ class StepBench:
         compute = {r["mode"]: r["step_ms"] for r in rows}
         for ratio in ratios:
             comm_s = ratio * compute["graph"] * 1e-3  # the production mode's compute sets the link
-            gbps = nbytes / max(comm_s - transfers * LATENCY_US * 1e-6, 1e-6) / 1e9
-            self.runtime.set_link(f"latency_us={LATENCY_US},gbps={gbps:.6g}")
+            self.runtime.set_link(calibrated_link(nbytes, transfers, comm_s))
             rows += self.measure(ratio, comm_s * 1e3, compute)
         return rows
 

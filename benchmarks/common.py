@@ -18,3 +18,15 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {path}")
+
+
+#: latency the calibrated emulated link charges per transfer (benchmarks that set the link relative to compute)
+LINK_LATENCY_US = 20.0
+
+
+def calibrated_link(nbytes: int, transfers: int, comm_s: float) -> str:
+    """``--emulate-link`` spec whose total time for ``transfers`` transfers of ``nbytes`` bytes in all is
+    ``comm_s``: without DBO every transfer pays the latency once and the wire carries ``nbytes``, so the
+    bandwidth is what is left after the latencies."""
+    gbps = nbytes / max(comm_s - transfers * LINK_LATENCY_US * 1e-6, 1e-6) / 1e9
+    return f"latency_us={LINK_LATENCY_US},gbps={gbps:.6g}"

@@ -234,8 +234,10 @@ def main() -> None:
               "a traced DBO run spent behind compute, out of what could hide; *DBO hidden %* is the end-to-end "
               "saving against the best possible one. The gap between them is *split overhead*: running a step as "
               "two half-size ubatches costs more compute on this CPU (expert GEMMs with half the rows, twice the "
-              "Python dispatch, and with two gloo processes twice the real transfers). Real overlap numbers need "
-              "a GPU; none was available for these runs.\n\n")
+              "Python dispatch, and with two gloo processes twice the real transfers)."
+              + (" GPU sections that say 'Not run' need a GPU; none was available for these runs." if not has_gpu
+                 else "")
+              + " Sections marked (recorded) were measured on another machine and are kept as they were.\n\n")
     Path(args.out).write_text(header + "\n".join(sections))
     print(f"wrote {args.out}")
 

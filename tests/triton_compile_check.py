@@ -16,7 +16,6 @@ became asynchronous copies (software-pipelined), since that is what its memory b
 """
 from __future__ import annotations
 
-import os
 import re
 import sys
 from pathlib import Path
@@ -27,6 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
+
+from ubatch.triton_runtime import interpreter_enabled  # noqa: E402
 
 H100 = GPUTarget("cuda", 90, 32)
 
@@ -105,7 +106,7 @@ def check_paged_decode() -> None:
 
 
 if __name__ == "__main__":
-    if os.environ.get("TRITON_INTERPRET", "").strip().lower() in {"1", "true", "yes", "on", "y"}:
+    if interpreter_enabled():
         sys.exit("run with TRITON_INTERPRET=0: interpreter-mode kernels cannot be compiled")
     print(f"triton {triton.__version__}, target {H100}")
     check_moe_experts()

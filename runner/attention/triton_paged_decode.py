@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ubatch.sbo import DeviceProps
 from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard
 
 __all__ = ["DecodeLaunchPlan", "choose_num_splits", "paged_decode_attention", "plan_decode_launch"]
@@ -223,9 +224,7 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 def _num_sms(device: torch.device) -> int:
     """The GPU's SM count; the interpreter runs one program at a time, so it counts as one."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 1
+    return DeviceProps.of(device).sm_count if device.type == "cuda" else 1  # cached per device index
 
 
 def _load_kernels() -> tuple[Any, Any]:

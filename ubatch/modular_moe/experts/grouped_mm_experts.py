@@ -32,7 +32,6 @@ experts -- a host sync, so not capturable. Hence, explicitly:
 """
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -42,6 +41,7 @@ from ubatch.log_once import log_once
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.experts.torch_experts import check_expert_weights
 from ubatch.modular_moe.types import ExpertTokens
+from ubatch.sbo import DeviceProps
 
 logger = logging.getLogger("ubatch.experts")
 
@@ -52,9 +52,8 @@ CPU_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.floa
 _ALIGN_BYTES = 16  # _grouped_mm's rule for base pointers and leading strides
 
 
-@functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    return DeviceProps.of(device).capability  # cached per device index
 
 
 def has_fused_grouped_mm(device: torch.device | str) -> bool:

@@ -30,7 +30,7 @@ from ubatch.modular_moe.experts.torch_experts import check_expert_weights
 from ubatch.modular_moe.types import ExpertTokens
 from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard
 
-__all__ = ["TritonExperts", "interpreter_enabled"]
+__all__ = ["TritonExperts"]
 
 # Filled by _load_kernels(); module globals because the interpreter re-executes kernel source against the
 # defining function's __globals__ (closure variables are invisible to it).
