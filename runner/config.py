@@ -56,6 +56,12 @@ def _check_device(value: Any) -> None:
             raise ConfigError("device", str(e)) from None
 
 
+def check_gpu_memory_utilization(u: Any) -> None:
+    """``--gpu-memory-utilization`` is a share of the GPU's memory: ``ValueError`` naming the value otherwise."""
+    if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
+        raise ValueError(f"gpu_memory_utilization must lie in (0, 1] (a share of the GPU's memory), got {u!r}")
+
+
 class ConfigError(ValueError):
     """A bad setting; ``field`` is the RunnerConfig field (``flag`` its CLI spelling) so callers can point at it."""
 
@@ -164,10 +170,10 @@ class RunnerConfig:
                 parse_link(self.emulate_link)
             except ValueError as e:
                 raise ConfigError("emulate_link", f"emulate_link {self.emulate_link!r}: {e}") from None
-        u = self.gpu_memory_utilization
-        if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
-            raise ConfigError("gpu_memory_utilization", f"gpu_memory_utilization must lie in (0, 1] (a share of the "
-                                                        f"GPU's memory), got {u!r}")
+        try:
+            check_gpu_memory_utilization(self.gpu_memory_utilization)
+        except ValueError as e:
+            raise ConfigError("gpu_memory_utilization", str(e)) from None
         d = self.dist_timeout_s
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0:
             raise ConfigError("dist_timeout_s", f"dist_timeout_s must be > 0 seconds, got {d!r}")

@@ -42,13 +42,15 @@ def capture_agreement(dp_group: Any) -> CaptureAgreement | None:
     return agree
 
 
-def planned_keys(model_runner: Any) -> list[GraphKey]:
-    """The graphs ``make_graph_runner(model_runner)`` would capture (the KV budget's trial needs the largest)."""
+def planned_keys(model_runner: Any, sizes: Sequence[int] | str | None = None,
+                 wrapper: Any = _RUNNERS_WRAPPER) -> list[GraphKey]:
+    """The graphs ``make_graph_runner(model_runner, sizes=..., wrapper=...)`` captures by default (the KV
+    budget's trial capture needs the largest)."""
     cfg = model_runner.cfg
-    sizes = resolve_capture_sizes(getattr(cfg, "cuda_graph_sizes", None), cfg.max_num_seqs,
-                                  model_runner.input_ids.shape[0])
-    wrapper = model_runner.wrapper
-    return plan_captures(sizes, dbo_enabled=wrapper is not None, decode_threshold=cfg.dbo_decode_token_threshold,
+    requested = sizes if sizes is not None else getattr(cfg, "cuda_graph_sizes", None)
+    resolved = resolve_capture_sizes(requested, cfg.max_num_seqs, model_runner.input_ids.shape[0])
+    wrapper = model_runner.wrapper if wrapper is _RUNNERS_WRAPPER else wrapper
+    return plan_captures(resolved, dbo_enabled=wrapper is not None, decode_threshold=cfg.dbo_decode_token_threshold,
                          num_ubatches=wrapper.config.num_ubatches if wrapper is not None else 2)
 
 
@@ -61,8 +63,8 @@ def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = 
     overrides the capture plan (benchmarks compare hand-picked graphs).
     """
     cfg = model_runner.cfg
-    requested = sizes if sizes is not None else getattr(cfg, "cuda_graph_sizes", None)
-    resolved = resolve_capture_sizes(requested, cfg.max_num_seqs, model_runner.input_ids.shape[0])
+    wrapper = model_runner.wrapper if wrapper is _RUNNERS_WRAPPER else wrapper
+    keys = list(keys) if keys is not None else planned_keys(model_runner, sizes, wrapper)
     max_blocks = -(-model_runner.max_model_len // model_runner.block_size)
     null_block = model_runner.num_kv_blocks  # the runner allocated one block past the scheduler's range
 
@@ -71,8 +73,8 @@ def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = 
                                      backend=model_runner.attention_backend)
 
     return GraphRunner(model_runner.model, model_runner.input_ids, model_runner.positions,
-                       metadata_buffers=buffers, capturable_attention=capturable_attention, sizes=resolved,
-                       wrapper=model_runner.wrapper if wrapper is _RUNNERS_WRAPPER else wrapper, keys=keys,
+                       metadata_buffers=buffers, capturable_attention=capturable_attention,
+                       sizes=sorted({k.num_tokens for k in keys}), wrapper=wrapper, keys=keys,
                        dbo_decode_threshold=cfg.dbo_decode_token_threshold, backend=backend,
                        num_warmups=num_warmups, real_token_mask=getattr(model_runner, "real_token_mask", None),
                        agree=capture_agreement(getattr(model_runner, "dp_group", None)),

@@ -76,6 +76,11 @@ def available_memory(device: torch.device | str) -> tuple[int, str] | None:
     return min(found) if found else None
 
 
+def kv_bytes_per_block(specs: Sequence[KVCacheSpec], block_size: int, dtype: torch.dtype) -> int:
+    """Bytes one block id takes over every layer's cache."""
+    return sum(s.bytes_per_block(block_size, dtype) for s in specs)
+
+
 def check_kv_cache_fits(specs: Sequence[KVCacheSpec], num_blocks: int, block_size: int, dtype: torch.dtype,
                         device: torch.device | str) -> None:
     """Raise :class:`KVCacheTooLargeError` before allocating a cache larger than the memory available.
@@ -83,7 +88,7 @@ def check_kv_cache_fits(specs: Sequence[KVCacheSpec], num_blocks: int, block_siz
     Without it, an oversized ``--max-num-seqs`` ends in a raw allocator traceback (or, with overcommit, in the
     OOM killer part-way through a run).
     """
-    need = sum(s.bytes_per_block(block_size, dtype) for s in specs) * num_blocks
+    need = kv_bytes_per_block(specs, block_size, dtype) * num_blocks
     avail = available_memory(device)
     if avail is None or need <= avail[0]:
         return

@@ -36,7 +36,10 @@ from typing import Any
 
 import torch
 
-from runner.kv_cache import KVCacheTooLargeError, allocate_kv_caches, blocks_needed, build_attention_metadata
+from runner.config import check_gpu_memory_utilization
+from runner.kv_cache import (
+    KVCacheTooLargeError, allocate_kv_caches, blocks_needed, build_attention_metadata, kv_bytes_per_block,
+)
 
 logger = logging.getLogger("ubatch.runner")
 GIB = 1 << 30
@@ -106,8 +109,7 @@ def plan_kv_cache(figures: MemoryFigures, *, utilization: float, bytes_per_block
 
     ``min_blocks``: the fewest worth running with (the caller passes one ``max_model_len`` request's blocks).
     """
-    if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
-        raise ValueError(f"gpu_memory_utilization must lie in (0, 1], got {utilization!r}")
+    check_gpu_memory_utilization(utilization)
     if bytes_per_block < 1 or max_useful_blocks < 1 or min_blocks < 1:
         raise ValueError(f"bad KV geometry: bytes_per_block={bytes_per_block}, max_useful_blocks={max_useful_blocks}, "
                          f"min_blocks={min_blocks}")
@@ -147,11 +149,6 @@ def initial_num_kv_blocks(cfg: Any, max_model_len: int, block_size: int, device:
     return sum(blocks_needed(n, block_size) for n in lens)
 
 
-def _cache_bytes_per_block(runner: Any) -> int:
-    dtype = next(runner.model.parameters()).dtype
-    return sum(s.bytes_per_block(runner.block_size, dtype) for s in runner.model.kv_cache_specs())
-
-
 def _profile_activation_peak(runner: Any) -> int:
     """Allocator peak of the largest step (prompt forward and its logits) above what was allocated before."""
     from ubatch.forward_context import DPMetadata, set_forward_context
@@ -171,8 +168,7 @@ def _profile_activation_peak(runner: Any) -> int:
     # Every DP rank profiles the same step at the same point of start-up, so MoE collectives pair up.
     dp = DPMetadata((total,) * max(1, runner.world_size), step_token_bound=total, num_real_tokens=total,
                     any_prefill=True)
-    backend = getattr(runner, "attention_backend", None)  # builds the eager attention's metadata, as a step does
-    attn = backend.build_metadata(meta) if backend is not None else meta
+    attn = runner.attention_backend.build_metadata(meta)  # the eager attention's metadata, as a step builds it
     with torch.inference_mode(), set_forward_context(attn_metadata=attn, trace_rank=runner.rank, dp_metadata=dp):
         ids = torch.zeros(total, dtype=torch.int64, device=runner.device)
         hidden = runner.model(input_ids=ids, positions=meta.positions)
@@ -212,8 +208,8 @@ def fit_kv_cache_to_memory(runner: Any) -> KVCacheBudget | None:
     cfg = runner.cfg
     if not _sizes_from_memory(cfg, runner.device):
         return None
-    per_block = _cache_bytes_per_block(runner)
     dtype = next(runner.model.parameters()).dtype
+    per_block = kv_bytes_per_block(runner.model.kv_cache_specs(), runner.block_size, dtype)
     torch.cuda.synchronize(runner.device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(runner.device)
@@ -221,10 +217,10 @@ def fit_kv_cache_to_memory(runner: Any) -> KVCacheBudget | None:
     in_use = max(0, total - free - minimal_bytes)
     peak = _profile_activation_peak(runner)
     graph = _trial_graph_bytes(runner)
+    per_request = blocks_needed(runner.max_model_len, runner.block_size)
     budget = plan_kv_cache(MemoryFigures(total, in_use, peak, graph), utilization=cfg.gpu_memory_utilization,
-                           bytes_per_block=per_block,
-                           max_useful_blocks=cfg.max_num_seqs * blocks_needed(runner.max_model_len, runner.block_size),
-                           min_blocks=blocks_needed(runner.max_model_len, runner.block_size))
+                           bytes_per_block=per_block, max_useful_blocks=cfg.max_num_seqs * per_request,
+                           min_blocks=per_request)
     runner.num_kv_blocks = budget.num_blocks
     runner.model.bind_kv_caches(allocate_kv_caches(runner.model.kv_cache_specs(), budget.num_blocks + 1,
                                                    runner.block_size, dtype, runner.device))
