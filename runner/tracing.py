@@ -70,7 +70,7 @@ def new_recorder(device: Any, cuda_module: Any = None) -> trace.TraceRecorder:
 
 
 @contextlib.contextmanager
-def record(path: str | None, device: Any = None, cuda_module: Any = None) -> Iterator[Recording | None]:
+def record(path: str | None, device: Any = None) -> Iterator[Recording | None]:
     """``trace.recording()`` around the block when ``path`` is set, else nothing (yields None).
 
     ``device``: where the model runs (the model runner's ``device``); a CUDA device gets the cuda clock.
@@ -78,7 +78,7 @@ def record(path: str | None, device: Any = None, cuda_module: Any = None) -> Ite
     if path is None:
         yield None
         return
-    with trace.recording(new_recorder(device, cuda_module)) as rec:
+    with trace.recording(new_recorder(device)) as rec:
         yield Recording(rec, thread_cpu.snapshot())
 
 

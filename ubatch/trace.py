@@ -31,7 +31,8 @@ host spans that launched them, by however far the host ran ahead. Device and hos
 parts per million, negligible over a traced call.
 
 Inside a CUDA-graph capture nothing can record a timing event (CUDA refuses it), so ``mark``/``device_stamp``
-return no event while the current stream is capturing and the span is dropped; a graph replay is traced as
+return no event while the current stream is capturing and the device side of the span is dropped (the host
+``launch`` span stays); a graph replay is traced as
 one ``graph_replay`` compute span around the replay (``cudagraph/manager.py``), the link and all-to-alls
 inside it cannot be told apart from its compute.
 
@@ -81,6 +82,7 @@ class Instant:
 
 _UBATCH_TRACKS = tuple(f"ubatch{i}" for i in range(16))  # no string formatting on the recording path
 _GPU_TRACKS = {f"ubatch{i}": f"gpu{i}" for i in range(16)}
+_COMM_TRACKS = tuple(f"comm{i}" for i in range(16))
 
 
 def track_name(ubatch: int | str) -> str:
@@ -88,6 +90,11 @@ def track_name(ubatch: int | str) -> str:
     if isinstance(ubatch, str):
         return ubatch
     return _UBATCH_TRACKS[ubatch] if 0 <= ubatch < 16 else f"ubatch{ubatch}"
+
+
+def comm_track(ubatch: int) -> str:
+    """``0`` -> ``"comm0"``: where that ubatch's transfers go."""
+    return _COMM_TRACKS[ubatch] if 0 <= ubatch < 16 else f"comm{ubatch}"
 
 
 def gpu_track(track: str) -> str:
@@ -380,7 +387,7 @@ def to_chrome_trace(rec: TraceRecorder, pid: int | None = None) -> dict[str, Any
     """Trace Event Format dict: "X" spans and "i" instants (µs since the first event), "M" names.
 
     One process per rank (``pid``; ``pid=`` keeps one rank), one thread per track, ordered ubatch0,
-    comm0, ubatch1, comm1, ... Span args (``phase``, ``layer``, ``bytes``, ...) are kept as event args.
+    gpu0, comm0, ubatch1, ... (``gpu<u>`` only in a cuda-clock trace). Span args (``phase``, ``layer``, ``bytes``, ...) are kept as event args.
     """
     spans, instants = rec.resolved()
     if pid is not None:

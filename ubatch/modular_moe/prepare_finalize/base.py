@@ -95,11 +95,11 @@ class PrepareFinalize(ABC):
 
     def traced_hook(self, start: Any, hook: Hook | None, label: str) -> Hook | None:
         """``hook`` followed by an end event on the stream it runs on, closing a comm span opened by
-        ``comm_start`` (DeepEP low-latency: the receive kernel finishes once the data has landed, so the span's
+        ``comm_start`` (DeepEP low-latency and V2: the receive finishes once the data has landed, so the span's
         end is when the hook's kernel did). Without ``start`` the hook is returned as is."""
         if start is None:
             return hook
-        track = f"comm{dbo_current_ubatch_id()}"
+        track = trace.comm_track(dbo_current_ubatch_id())
 
         def run() -> None:
             if hook is not None:
@@ -115,8 +115,8 @@ class PrepareFinalize(ABC):
         it, or that it already waits for, e.g. DeepEP with ``async_finish=False``)."""
         rec = trace.active()
         if start is not None and rec is not None:
-            rec.span(f"{label}{dbo_current_ubatch_id()}", "comm", f"comm{dbo_current_ubatch_id()}", start,
-                     rec.device_stamp())
+            ubatch = dbo_current_ubatch_id()
+            rec.span(f"{label}{ubatch}", "comm", trace.comm_track(ubatch), start, rec.device_stamp())
 
 
 def device_start() -> Any:
@@ -131,7 +131,7 @@ def record_collective_span(start: Any, inner: Handle, label: str, nbytes: int) -
     rec = trace.active()
     if rec is None:
         return
-    track = f"comm{dbo_current_ubatch_id()}"
+    track = trace.comm_track(dbo_current_ubatch_id())
     with rec.on_stream(rec.side_stream(track)):
         _device_wait(inner)
         end = rec.device_stamp()

@@ -189,7 +189,7 @@ class EmulatedLink:
 def _comm_track() -> str:
     from ubatch.context import dbo_current_ubatch_id  # local: context imports nothing from here
 
-    return f"comm{dbo_current_ubatch_id()}"
+    return trace.comm_track(dbo_current_ubatch_id())
 
 
 def parse_link(spec: str | LinkSpec | None) -> LinkSpec | None:
