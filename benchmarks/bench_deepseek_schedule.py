@@ -9,7 +9,7 @@ Two DeepSeek-V3-shaped models (4 layers, the first dense, 16 routed experts top-
 and SHARED are light next to the routed experts, and ``balanced``, whose wider q path and two shared
 experts bring SHARED + ATTN-0 to about one MLP stage, as in DeepSeek's published profile.
 
-Set-up: two rank processes (``runner.launch``, gloo) run the model stack directly -- the engine's
+Set-up: two rank processes (``runner.distributed.launch``, gloo) run the model stack directly -- the engine's
 decode step without scheduler or sampling, so only the schedule differs. Each rank holds ``--seqs``
 sequences of ``--contexts`` cached tokens (random cache contents: timing does not depend on them) and
 decodes one token per sequence per step; DBO splits the step into two ubatches of ``--seqs / 2`` rows,
@@ -67,7 +67,7 @@ def run_rank(model_name: str, cache_dir: str, ratios: list[float], repeats: int,
     import torch
     import torch.distributed as dist
 
-    from runner.kv_cache import allocate_kv_caches, build_attention_metadata
+    from runner.attention.kv_cache import allocate_kv_caches, build_attention_metadata
     from runner.models.loader import load_model
     from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, trace
     from ubatch.distributed import new_ep_groups
@@ -185,7 +185,7 @@ def main() -> None:
     args = ap.parse_args()
     if args.seqs < 2 or args.seqs % 2:
         ap.error(f"--seqs must be an even number >= 2, got {args.seqs}")
-    from runner.launch import launch
+    from runner.distributed.launch import launch
 
     rows: list[dict[str, Any]] = []
     phases: list[dict[str, Any]] = []

@@ -85,8 +85,8 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
     import torch
     import torch.distributed as dist
 
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
 
     torch.set_num_threads(1)
     llm = LLM(**engine_settings(mode, cache_dir, device))
@@ -206,7 +206,7 @@ def main() -> None:
     ap.add_argument("--ratios", nargs="+", type=float, default=[0.25, 0.5, 1.0, 2.0, 4.0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--output", default=str(RESULTS_DIR / "engine_dbo.csv"))
-    from runner.device import DEVICE_CHOICES
+    from runner.distributed.device import DEVICE_CHOICES
 
     ap.add_argument("--device", default="auto", choices=DEVICE_CHOICES,
                     help="as the engine's --device; dp2 on a host with one GPU needs cpu")
@@ -217,7 +217,7 @@ def main() -> None:
             if mode == "single":
                 got = run_mode(mode, cache_dir, args.ratios, args.repeats, args.device)
             else:
-                from runner.launch import launch
+                from runner.distributed.launch import launch
 
                 got = launch(run_mode, 2, args=(mode, cache_dir, args.ratios, args.repeats, args.device),
                              timeout_s=3600, device=args.device)[0]

@@ -248,7 +248,7 @@ class StepBench:
         from bench_cudagraph import Decode
 
         from runner.config import RunnerConfig
-        from runner.model_runner import ModelRunner
+        from runner.worker.model_runner import ModelRunner
 
         self.iters = iters
         self.cache_dir = tempfile.mkdtemp(prefix="bench_gpu_")
@@ -266,7 +266,7 @@ class StepBench:
     def graphs(self) -> dict[bool, tuple[Any, float]]:
         """A fresh capture of the plain and the DBO graph for the current link: {dbo: (graph runner, MiB)}."""
         from cudagraph.dispatch import GraphKey, token_split
-        from runner.cuda_graphs import make_graph_runner
+        from runner.worker.cuda_graphs import make_graph_runner
 
         out = {}
         for dbo in (False, True):

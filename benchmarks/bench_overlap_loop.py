@@ -2,7 +2,7 @@
 
 Each configuration builds one engine and alternates off/on runs of the same workload (random prompts,
 greedy, ``ignore_eos``), so both modes share weights, caches and warm-up; the table shows medians over
-``--repeats`` runs side by side. Definitions (``runner.overlap_loop.LoopStats``):
+``--repeats`` runs side by side. Definitions (``runner.core.overlap_loop.LoopStats``):
 
 - **forward busy**: time the forward side spends inside ``runner.step`` (the executor thread with the loop
   on, the calling thread with it off). **forward idle** = loop wall time - forward busy: the forward side
@@ -41,9 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, write_csv  # noqa: E402
 
-from runner.engine import LLM  # noqa: E402
+from runner.entrypoints.llm import LLM  # noqa: E402
 from runner.models.loader import TINY_MODELS  # noqa: E402
-from runner.sampling import SamplingParams  # noqa: E402
+from runner.sampling_params import SamplingParams  # noqa: E402
 
 WIDE = "bench-wide-qwen3-moe"
 WIDE_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "hidden_size": 256, "intermediate_size": 512,

@@ -24,7 +24,7 @@ activations to the next (the per capture/clear leak). Captures and warm-ups ther
 
 This package sits below the engine: it knows nothing of ``runner``. What a graph needs from the model's
 attention -- persistent decode-metadata buffers and a way to make the attention capturable -- is passed
-in by the caller (``runner/cuda_graphs.py`` wires the engine's own).
+in by the caller (``runner/worker/cuda_graphs.py`` wires the engine's own).
 """
 from __future__ import annotations
 
@@ -362,9 +362,9 @@ class GraphRunner:
     def padded_num_tokens(self, num_tokens: int, is_uniform_decode: bool, decision: Any) -> int:
         """Tokens the step should be built with: the graph's size when one will replay, else DP's count.
 
-        ``decision`` is the runner's :class:`runner.dp.DPDecision`. Padding after DP coordination is
+        ``decision`` is the runner's :class:`runner.distributed.dp.DPDecision`. Padding after DP coordination is
         equivalent to padding before it (bucketing is monotone, so the max of buckets is the bucket of
-        the max) and keeps ``runner/dp.py`` unaware of graphs.
+        the max) and keeps ``runner/distributed/dp.py`` unaware of graphs.
         """
         kind = BatchKind.UNIFORM_DECODE if is_uniform_decode else (BatchKind.DUMMY if num_tokens == 0
                                                                    else BatchKind.MIXED)

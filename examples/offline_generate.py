@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 
-from runner.device import DEVICE_CHOICES
-from runner.engine import LLM, GenerationStats, RequestOutput
-from runner.launch import launch
-from runner.sampling import SamplingParams
+from runner.distributed.device import DEVICE_CHOICES
+from runner.entrypoints.llm import LLM, GenerationStats, RequestOutput
+from runner.distributed.launch import launch
+from runner.sampling_params import SamplingParams
 
 TEXTS = ["The capital of France is", "Mixture-of-experts models route each token to",
          "Dual-batch overlap hides communication by", "The quick brown fox", "Once upon a time",

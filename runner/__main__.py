@@ -1,7 +1,7 @@
-"""``python -m runner generate|bench ...`` (see runner/cli.py)."""
+"""``python -m runner generate|bench ...`` (see runner/entrypoints/cli.py)."""
 import sys
 
-from runner.cli import main
+from runner.entrypoints.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

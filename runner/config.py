@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 UBATCH_SPLITS = ("tokens", "balanced")
-DBO_DP_RULES = ("sglang", "vllm")  # runner.dp: how DP ranks agree to ubatch
-DBO_COST_MODELS = ("measured", "off")  # runner.dbo_cost_model: above the thresholds, ubatch only where it pays
+DBO_DP_RULES = ("sglang", "vllm")  # runner.distributed.dp: how DP ranks agree to ubatch
+DBO_COST_MODELS = ("measured", "off")  # runner.worker.dbo_cost_model: above the thresholds, ubatch only where it pays
 # runner.models.schedules: where the two ubatches yield. "moe": inside the MoE kernel only (vLLM's DBO);
 # "deepseek": DeepSeek's decode pipeline (yields inside attention too) on decode steps, "moe" on prefill.
 DBO_SCHEDULES = ("moe", "deepseek")
@@ -46,7 +46,7 @@ def experts_backends() -> tuple[str, ...]:
 
 def _check_device(value: Any) -> None:
     """A known choice, and ``cuda`` only where CUDA is available (an error here is before any rank starts)."""
-    from runner.device import DEVICE_CHOICES, DeviceUnavailableError, resolve_device_type
+    from runner.distributed.device import DEVICE_CHOICES, DeviceUnavailableError, resolve_device_type
 
     _choice("device", value, DEVICE_CHOICES)
     if value == "cuda":
@@ -122,7 +122,7 @@ class RunnerConfig:
     enable_single_batch_overlap: bool = False
     dist_timeout_s: float = 120.0
     seed: int = 0
-    device: str = "auto"  # runner.device: auto (CUDA when available) | cuda | cpu (gloo ranks, no CUDA)
+    device: str = "auto"  # runner.distributed.device: auto (CUDA when available) | cuda | cpu (gloo ranks, no CUDA)
     cache_dir: str | None = None
     trace_file: str | None = None
 

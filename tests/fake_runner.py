@@ -13,8 +13,9 @@ from typing import Sequence
 
 import torch
 
-from runner.sampling import SamplingParams, make_generator, sample
-from runner.scheduler import SchedulerOutput
+from runner.sampling_params import SamplingParams
+from runner.worker.sampler import make_generator, sample
+from runner.worker.scheduled_batch import SchedulerOutput
 
 
 def logits_for(history: Sequence[int], vocab_size: int) -> torch.Tensor:

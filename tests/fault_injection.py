@@ -2,7 +2,7 @@
 
     python tests/fault_injection.py RANK STEP ACTION -- generate -dp 2 ...
 
-runs the CLI unchanged, except that the job each rank runs first wraps ``runner.engine.run_steps`` so that
+runs the CLI unchanged, except that the job each rank runs first wraps ``runner.entrypoints.llm.run_steps`` so that
 its ``before_launch`` hook (a parameter ``run_steps`` has anyway) also fires the fault: on rank ``RANK``
 (``all``: every rank), before step ``STEP``, it prints ``fault: rank R step S ACTION`` to stderr, then
 
@@ -48,9 +48,9 @@ class Fault:
 
 
 def run_job_with_fault(fault: Fault, job: Any) -> Any:
-    """``runner.cli.run_job`` with ``fault`` wired into the engine loop's ``before_launch`` hook."""
-    import runner.engine as engine
-    from runner.cli import run_job
+    """``runner.entrypoints.cli.run_job`` with ``fault`` wired into the engine loop's ``before_launch`` hook."""
+    import runner.entrypoints.llm as engine
+    from runner.entrypoints.cli import run_job
 
     rank = int(os.environ.get("RANK", "0"))
     original = engine.run_steps
@@ -72,11 +72,11 @@ def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[3] != "--":
         raise SystemExit("usage: fault_injection.py RANK|all STEP ACTION -- <python -m runner arguments>")
     rank, step, action = argv[0], int(argv[1]), argv[2]
-    import runner.cli
+    import runner.entrypoints.cli
 
     fault = Fault(None if rank == "all" else int(rank), step, action)
-    runner.cli.run_job = functools.partial(run_job_with_fault, fault)  # what main() hands to every rank
-    return runner.cli.main(argv[4:])
+    runner.entrypoints.cli.run_job = functools.partial(run_job_with_fault, fault)  # what main() hands to every rank
+    return runner.entrypoints.cli.main(argv[4:])
 
 
 if __name__ == "__main__":

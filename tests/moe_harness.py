@@ -234,7 +234,7 @@ def run_ep(weights: StackWeights, inputs: list[torch.Tensor], backend: str, expe
 
 
 def process_rank_main(weights: StackWeights, inputs: list[torch.Tensor], backend: str, dbo: bool) -> dict[str, Any]:
-    """Body of one real rank process (under ``runner.launch.launch``): EP groups from the default world.
+    """Body of one real rank process (under ``runner.distributed.launch.launch``): EP groups from the default world.
     Returns ``out``, ``dbo`` and the DBO ``yields`` per ubatch (``[]`` without DBO), as :func:`run_ep`."""
     import torch.distributed as dist
 

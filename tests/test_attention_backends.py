@@ -23,7 +23,7 @@ from runner.attention.graph import DecodeMetadataBuffers
 from runner.attention.ops import mha_attention, mla_attention
 from runner.attention.torch_backend import TorchAttentionBackend
 from runner.attention.triton_backend import TritonAttentionBackend
-from runner.kv_cache import build_attention_metadata
+from runner.attention.kv_cache import build_attention_metadata
 from ubatch.slicing import padded_ubatch_slices, split_attn_metadata
 
 BS, NUM_BLOCKS = 4, 48
@@ -226,7 +226,7 @@ def test_bench_support_runs_every_decode_backend_alike() -> None:
 # ---- the engine's choice: --attention-backend ------------------------------------------------------------
 def test_config_and_resolution_of_the_attention_backend() -> None:
     from runner.attention import resolve_attention_backend
-    from runner.cli import build_parser
+    from runner.entrypoints.cli import build_parser
     from runner.config import ConfigError, RunnerConfig, make_config
 
     assert RunnerConfig().attention_backend == "auto"
@@ -244,8 +244,8 @@ def test_config_and_resolution_of_the_attention_backend() -> None:
 @pytest.mark.triton_interpreter
 def test_engine_tokens_equal_with_torch_and_triton_attention() -> None:
     """The whole engine (prefill, chunked prefill, decode, DBO with a cut request) under each backend."""
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
 
     prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate([9, 3, 6])]
     tokens = {}

@@ -17,7 +17,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from devices import device_args
-from runner.cli import build_parser, job_from_args, main
+from runner.entrypoints.cli import build_parser, job_from_args, main
 from runner.models.loader import CheckpointError, load_model, resolve_model_path
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from runner.cli import build_parser, compare_outputs, job_from_args, main, random_prompts
+from runner.entrypoints.cli import build_parser, compare_outputs, job_from_args, main, random_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -181,7 +181,7 @@ def test_output_paths_are_checked_before_any_rank_starts(tmp_path: Path, capsys:
 
 def test_results_that_cannot_be_written_at_the_end_keep_the_summary(tmp_path: Path,
                                                                      capsys: pytest.CaptureFixture) -> None:
-    from runner.report import report_bench, report_generate
+    from runner.entrypoints.report import report_bench, report_generate
 
     out = {"index": 0, "token_ids": [1, 2], "finish_reason": "length", "error": None}
     stats = {"num_steps": 2, "num_ubatched_steps": 0, "num_output_tokens": 2, "elapsed_s": 0.5}
@@ -220,7 +220,7 @@ def test_engine_errors_are_one_line_unless_debug(capsys: pytest.CaptureFixture) 
 
 
 def test_help_states_the_real_max_model_len_default(capsys: pytest.CaptureFixture) -> None:
-    from runner.model_runner import DEFAULT_MAX_MODEL_LEN
+    from runner.worker.model_runner import DEFAULT_MAX_MODEL_LEN
 
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--help"])

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-import runner.cuda_graphs as manager
+import runner.worker.cuda_graphs as manager
 from cudagraph import Why
 from test_cudagraph_dispatch import REPLAY_SIZES, DecodeBatches, check_replay_equals_eager, make_runner
 from ubatch.context import UBatchContext

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-import runner.cuda_graphs as manager
+import runner.worker.cuda_graphs as manager
 from cudagraph import (
     BatchKind, CaptureRuleError, GraphKey, Why, capture_blocker, check_deepep_ll_rules, check_replay,
     classify_batch, default_capture_sizes, pad_to_capture_size, parse_cuda_graph_sizes, plan_captures,
@@ -27,8 +27,8 @@ from cudagraph.backends import EagerReplayBackend, GraphBackend, deepep_ll_count
 from runner import attention as eager_attention
 from runner.attention import graph as ga
 from runner.config import RunnerConfig
-from runner.dp import local_decision
-from runner.kv_cache import build_attention_metadata
+from runner.distributed.dp import local_decision
+from runner.attention.kv_cache import build_attention_metadata
 from ubatch.log_once import forget_logged
 from ubatch.context import UBatchContext
 from ubatch.forward_context import set_forward_context
@@ -267,7 +267,7 @@ def test_capturable_attention_counts_backend_layers_and_patches_nothing() -> Non
 
 # ---- the manager end to end on CPU (eager replay double) -------------------------------------------------
 def make_runner(executor: str = "greenlet", **overrides):
-    from runner.model_runner import ModelRunner
+    from runner.worker.model_runner import ModelRunner
 
     cfg = dict(enable_dbo=True, dbo_decode_token_threshold=4, max_num_seqs=16, max_model_len=64,
                max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner.dbo_cost_model import DBOCostModel
+from runner.worker.dbo_cost_model import DBOCostModel
 
 
 def drive(model: DBOCostModel, steps: int, cost: dict[bool, float], tokens: int = 64,

@@ -16,7 +16,7 @@ import torch
 
 from devices import device_for
 from runner.config import ConfigError, RunnerConfig
-from runner.kv_cache import allocate_kv_caches, build_attention_metadata
+from runner.attention.kv_cache import allocate_kv_caches, build_attention_metadata
 from runner.models.loader import load_model, resolve_model_path
 from runner.models.schedules import DBOSchedule, check_schedule
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, trace
@@ -259,8 +259,8 @@ ENGINE_VARIANTS = {"off": dict(enable_dbo=False), "moe": dict(enable_dbo=True, d
 
 def run_engine_variants(cache_dir: str) -> dict[str, Any]:
     """Rank body: the same prompts under each variant; tokens, ubatched steps, the last step's yields."""
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
 
     prompts = [[(7 * i + 13 * j) % 509 for j in range(n)] for i, n in enumerate([6, 9, 4, 7, 8, 5, 3, 10])]
     out: dict[str, Any] = {}
@@ -277,7 +277,7 @@ def run_engine_variants(cache_dir: str) -> dict[str, Any]:
 
 
 def test_engine_tokens_are_equal_under_both_schedules(cache_dir: Path) -> None:
-    from runner.launch import launch
+    from runner.distributed.launch import launch
 
     results = launch(run_engine_variants, 2, (str(cache_dir),), timeout_s=240, device=device_for(2))
     for rank in (0, 1):
@@ -290,7 +290,7 @@ def test_engine_tokens_are_equal_under_both_schedules(cache_dir: Path) -> None:
 
 
 def test_cli_flag_reaches_the_config() -> None:
-    from runner.cli import build_parser
+    from runner.entrypoints.cli import build_parser
 
     args = build_parser().parse_args(["generate", "--model", MODEL, "--dbo-schedule", "deepseek"])
     assert args.dbo_schedule == "deepseek"

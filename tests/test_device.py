@@ -1,6 +1,6 @@
 """``--device auto|cuda|cpu`` on a machine without a GPU, with CUDA *reported* present where the choice matters.
 
-The decision (``runner/device.py``, the launcher's backend and GPU check, the config's validation) is tested
+The decision (``runner/distributed/device.py``, the launcher's backend and GPU check, the config's validation) is tested
 directly with ``torch.cuda.is_available``/``device_count`` monkeypatched. Real runs check that the setting
 reaches the ranks and that nothing touches CUDA under ``device='cpu'``: this torch has no CUDA, so any
 ``torch.cuda.set_device``, CUDA stream or CUDA tensor would raise. In-process that is a monkeypatch; the
@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from runner.config import ConfigError, RunnerConfig
-from runner.device import DeviceUnavailableError, backend_for, check_world_backend, resolve_device_type
-from runner.launch import LaunchError, default_backend, init_distributed, launch
+from runner.distributed.device import DeviceUnavailableError, backend_for, check_world_backend, resolve_device_type
+from runner.distributed.launch import LaunchError, default_backend, init_distributed, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKLOAD = ["generate", "--enable-expert-parallel", "--enable-dbo", "--dbo-decode-token-threshold", "2",
@@ -123,8 +123,8 @@ ENGINE = dict(model="tiny-qwen3-moe", enable_dbo=True, dbo_decode_token_threshol
 
 
 def _generate(**settings: Any) -> tuple[list[list[int]], Any]:
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
 
     llm = LLM(**settings)
     try:
@@ -149,8 +149,8 @@ def test_llm_on_cpu_touches_no_cuda_when_cuda_is_reported(monkeypatch: pytest.Mo
 
 def test_cli_flag_reaches_the_config_and_the_launcher(monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture) -> None:
-    import runner.launch
-    from runner.cli import build_parser, job_from_args, main
+    import runner.distributed.launch
+    from runner.entrypoints.cli import build_parser, job_from_args, main
 
     def job(argv: list[str]) -> Any:
         args = build_parser().parse_args(argv)
@@ -167,7 +167,7 @@ def test_cli_flag_reaches_the_config_and_the_launcher(monkeypatch: pytest.Monkey
     assert "argument --device: device 'cuda' was requested but CUDA is not available" in capsys.readouterr().err
 
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(runner.launch, "launch", lambda fn, n, **kw: calls.append({"n": n, **kw}) or [None])
+    monkeypatch.setattr(runner.distributed.launch, "launch", lambda fn, n, **kw: calls.append({"n": n, **kw}) or [None])
     assert main(["generate", "-dp", "2", "--device", "cpu", "--num-prompts", "1"]) == 0
     assert calls[0]["n"] == 2 and calls[0]["device"] == "cpu"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runner.dp import coordinate_batch_across_dp, decide, local_decision, vote_table
+from runner.distributed.dp import coordinate_batch_across_dp, decide, local_decision, vote_table
 from ubatch.distributed import run_thread_ranks
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from devices import device_for
-from runner.launch import launch
+from runner.distributed.launch import launch
 
 BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True,
             dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=3,
@@ -50,8 +50,8 @@ WORKLOADS = {
 
 def run_variants() -> dict[str, Any]:
     """Rank body: every workload under every variant; tokens, ubatched steps and the layouts each used."""
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
     from ubatch.modular_moe.layer import FusedMoE
 
     out: dict[str, Any] = {}

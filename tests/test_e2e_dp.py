@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from devices import device_args, device_for
-from runner.launch import launch
+from runner.distributed.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ll",
@@ -61,8 +61,8 @@ SAMPLING = {"sampled": dict(temperature=0.8, top_p=0.9)}
 
 def run_workloads() -> dict:
     """Rank body: every workload under every variant; tokens and step counts as this rank sees them."""
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
 
     results: dict = {}
     settings = {tuple(sorted(w[0].items())) for w in WORKLOADS.values()}

@@ -7,8 +7,8 @@ import pytest
 
 from fake_runner import FakeRunner, reference_generate
 from runner.config import RunnerConfig
-from runner.engine import LLM, GenerationStats
-from runner.sampling import SamplingParams
+from runner.entrypoints.llm import LLM, GenerationStats
+from runner.sampling_params import SamplingParams
 
 VOCAB = 64
 

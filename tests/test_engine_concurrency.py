@@ -12,8 +12,8 @@ import torch
 
 from fake_runner import FakeRunner
 from runner.config import RunnerConfig
-from runner.engine import LLM
-from runner.sampling import SamplingParams
+from runner.entrypoints.llm import LLM
+from runner.sampling_params import SamplingParams
 
 THREADS, PROMPTS = 3, 5
 JOIN_TIMEOUT_S = 120.0

@@ -17,7 +17,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import runner.cuda_graphs as cuda_graphs
+import runner.worker.cuda_graphs as cuda_graphs
 from cudagraph import GraphKey, Why
 from cudagraph.backends import EagerReplayBackend, is_out_of_memory
 from cudagraph.manager import CaptureReport

@@ -296,8 +296,8 @@ def test_ep_equals_dense(backend: str, sizes: list[int], dbo: bool, gemm_calls: 
 
 
 def _engine_tokens(experts_backend: str) -> tuple[list[list[int]], str, set[str]]:
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
 
     llm = LLM(model="tiny-qwen3-moe", experts_backend=experts_backend, max_num_batched_tokens=32, max_num_seqs=3,
               max_model_len=64, disable_overlap_schedule=True)

@@ -1,4 +1,6 @@
-"""The packages' imports form no cycles, and depend one way: ``ubatch`` <- ``cudagraph`` <- ``runner``.
+"""The packages' imports form no cycles, and depend one way: ``ubatch`` <- ``cudagraph`` <- ``runner``, and inside
+``runner`` along the path of a request: front ends (``entrypoints``) -> engine client (``engine``) -> engine
+core (``core``) -> model runner (``worker``) -> models and attention -> process plumbing (``distributed``).
 
 Read from the source with ``ast``, so every import counts: module-level, inside functions (a lazy import
 that closes a loop is still a loop in the design), and under ``TYPE_CHECKING``. ``from pkg import sub``
@@ -101,4 +103,26 @@ def test_no_import_cycles() -> None:
 def test_packages_depend_one_way() -> None:
     upward = sorted(f"{m} -> {t}" for m, targets in import_graph().items() for t in targets
                     if LAYER[t.split(".")[0]] > LAYER[m.split(".")[0]])
+    assert upward == []
+
+
+# Inside runner: each layer may import only the layers after it. Modules directly under ``runner`` (config,
+# sampling_params, tracing, ...) are shared leaves that every layer may use; they import no layer above them
+# except ``distributed`` (device choice) and ``models``/``attention`` helpers, checked by the cycle test.
+RUNNER_LAYERS = ("entrypoints", "engine", "core", "worker", "models", "attention", "distributed")
+
+
+def _runner_layer(module: str) -> int | None:
+    parts = module.split(".")
+    if parts[0] != "runner" or len(parts) < 2 or parts[1] not in RUNNER_LAYERS:
+        return None
+    return RUNNER_LAYERS.index(parts[1])
+
+
+def test_runner_layers_depend_one_way() -> None:
+    graph = import_graph()
+    assert {m.split(".")[1] for m in graph if _runner_layer(m) is not None} >= {"entrypoints", "core", "worker"}
+    upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
+                    if _runner_layer(m) is not None and _runner_layer(t) is not None
+                    and _runner_layer(t) < _runner_layer(m))
     assert upward == []

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from runner.kv_cache import KVCacheSpec, KVCacheTooLargeError, available_memory, check_kv_cache_fits
+from runner.attention.kv_cache import KVCacheSpec, KVCacheTooLargeError, available_memory, check_kv_cache_fits
 from ubatch.modular_moe.prepare_finalize.emulated_link import MAX_LATENCY_US, MIN_GBPS, LinkSpec
 from ubatch.plot import main as plot_main
 
@@ -36,7 +36,7 @@ def test_link_spec_bounds_are_inclusive_and_unlimited_bandwidth_stays_the_defaul
 
 def test_kv_cache_larger_than_memory_names_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     specs = [KVCacheSpec.mha(2, 16)] * 4  # 256 B per token and layer in float32: 16 KiB per 16-token block
-    monkeypatch.setattr("runner.kv_cache.available_memory", lambda device: (1 << 30, "test's figure"))
+    monkeypatch.setattr("runner.attention.kv_cache.available_memory", lambda device: (1 << 30, "test's figure"))
     check_kv_cache_fits(specs, 65536, 16, torch.float32, "cpu")  # exactly 1 GiB fits
     with pytest.raises(KVCacheTooLargeError) as info:
         check_kv_cache_fits(specs, 65537, 16, torch.float32, "cpu")

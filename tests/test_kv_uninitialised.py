@@ -13,7 +13,7 @@ import torch
 
 import runner.attention as eager_attention
 from runner.attention import graph as ga
-from runner.kv_cache import build_attention_metadata
+from runner.attention.kv_cache import build_attention_metadata
 
 BS, NUM_BLOCKS = 4, 40
 

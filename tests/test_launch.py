@@ -10,9 +10,15 @@ import time
 
 import pytest
 
-from runner.launch import LaunchInterrupted, RankFailedError, describe_exception, describe_exit, launch, \
-    torchrun_env_present
-from runner.rendezvous import loopback_env, loopback_interface
+from runner.distributed.launch import (
+    LaunchInterrupted,
+    RankFailedError,
+    describe_exception,
+    describe_exit,
+    launch,
+    torchrun_env_present,
+)
+from runner.distributed.rendezvous import loopback_env, loopback_interface
 
 
 def gather_rank_info(tag: str) -> list:
@@ -120,7 +126,7 @@ def test_helpers(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_nccl_needs_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     import torch
 
-    from runner.launch import check_gpus
+    from runner.distributed.launch import check_gpus
 
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     check_gpus("gloo", 4)  # CPU ranks share the machine
@@ -132,7 +138,7 @@ def test_nccl_needs_a_gpu_per_rank(monkeypatch: pytest.MonkeyPatch) -> None:
 # A rank stand-in without the Linux death signal: only the heartbeat thread's parent check can end it.
 _ORPHAN = """
 import sys, time
-from runner.liveness import start_heartbeat
+from runner.distributed.liveness import start_heartbeat
 start_heartbeat([0.0] * 3, 0, int(sys.argv[1]), interval_s=0.05)
 print("beating", flush=True)
 time.sleep(60)

@@ -7,11 +7,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runner.cli import build_parser
+from runner.entrypoints.cli import build_parser
 from runner.config import ConfigError, RunnerConfig
-from runner.kv_cache import KVCacheTooLargeError
-from runner.memory_budget import (
-    GIB, MemoryFigures, fit_kv_cache_to_memory, initial_num_kv_blocks, plan_kv_cache, profile_query_lens,
+from runner.attention.kv_cache import KVCacheTooLargeError
+from runner.worker.memory_budget import (
+    GIB,
+    MemoryFigures,
+    fit_kv_cache_to_memory,
+    initial_num_kv_blocks,
+    plan_kv_cache,
+    profile_query_lens,
 )
 
 MIB = 1 << 20
@@ -97,7 +102,7 @@ def test_initial_cache_cpu_keeps_its_default_gpu_starts_minimal() -> None:
 
 
 def test_a_cpu_runner_is_not_resized() -> None:
-    from runner.model_runner import ModelRunner
+    from runner.worker.model_runner import ModelRunner
 
     r = ModelRunner(RunnerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, block_size=4))
     try:

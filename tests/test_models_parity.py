@@ -11,7 +11,8 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
-from runner.kv_cache import BlockAllocator, allocate_kv_caches, blocks_needed, build_attention_metadata  # noqa: E402
+from runner.core.kv_blocks import BlockAllocator  # noqa: E402
+from runner.attention.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata
 from runner.models.loader import iter_checkpoint, load_model, load_tokenizer, resolve_model_path  # noqa: E402
 from runner.models.registry import get_model_class, parse_config  # noqa: E402
 from ubatch.forward_context import set_forward_context  # noqa: E402

@@ -154,7 +154,7 @@ def test_link_spec_parsing() -> None:
 @pytest.mark.parametrize("backend", ["torch_ll", "torch_ht"])
 def test_ep_equals_dense_over_real_processes(backend: str) -> None:
     from moe_harness import process_rank_main
-    from runner.launch import launch
+    from runner.distributed.launch import launch
 
     weights = StackWeights.random()
     inputs = rank_inputs([7, 4])

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from runner.config import RunnerConfig
-from runner.kv_cache import build_attention_metadata
-from runner.model_runner import ModelRunner
-from runner.sampling import SamplingParams
-from runner.scheduler import ScheduledChunk, SchedulerOutput
+from runner.attention.kv_cache import build_attention_metadata
+from runner.worker.model_runner import ModelRunner
+from runner.sampling_params import SamplingParams
+from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 from sync_counter import SyncCounter
 from ubatch.forward_context import set_forward_context
 

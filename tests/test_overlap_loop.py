@@ -1,4 +1,4 @@
-"""Overlap loop (runner/overlap_loop.py): same tokens as the synchronous loop, placeholders resolved from the
+"""Overlap loop (runner/core/overlap_loop.py): same tokens as the synchronous loop, placeholders resolved from the
 future-token map, speculative steps after a stop token discarded without freeing in-flight KV blocks, one-step
 look-ahead, no leaks under stress; and ``--trace-file`` in the engine."""
 from __future__ import annotations
@@ -17,14 +17,16 @@ import torch
 
 from devices import device_args
 from fake_runner import FakeRunner, reference_generate
-from runner.cli import build_parser, job_from_args
-from runner.engine import LLM
+from runner.entrypoints.cli import build_parser, job_from_args
+from runner.entrypoints.llm import LLM
 from runner.config import RunnerConfig
-from runner.future_map import FutureTokenMap
-from runner.slots import SlotPool, placeholder
-from runner.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError, forward_step, run_steps
-from runner.sampling import SamplingParams, make_generator
-from runner.scheduler import Scheduler, SchedulerOutput
+from runner.core.future_map import FutureTokenMap
+from runner.core.slots import SlotPool, placeholder
+from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError, forward_step, run_steps
+from runner.sampling_params import SamplingParams
+from runner.worker.sampler import make_generator
+from runner.core.scheduler import Scheduler
+from runner.worker.scheduled_batch import SchedulerOutput
 
 VOCAB = 64
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from runner.sampling import SamplingParams, make_generator, sample
+from runner.sampling_params import SamplingParams
+from runner.worker.sampler import make_generator, sample
 
 
 def gen(seed: int) -> torch.Generator:

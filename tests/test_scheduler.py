@@ -6,8 +6,10 @@ import random
 import pytest
 
 from fake_runner import FakeRunner, reference_generate
-from runner.sampling import SamplingParams, make_generator
-from runner.scheduler import Scheduler, SchedulerOutput, ScheduledChunk
+from runner.sampling_params import SamplingParams
+from runner.worker.sampler import make_generator
+from runner.core.scheduler import Scheduler
+from runner.worker.scheduled_batch import SchedulerOutput, ScheduledChunk
 
 VOCAB = 64
 

@@ -91,12 +91,12 @@ class Probes:
         self.mp.setattr(owner, name, probed)
 
     def install(self) -> None:
-        import runner.model_runner as model_runner
+        import runner.worker.model_runner as model_runner
         import ubatch.modular_moe.experts.torch_experts  # noqa: F401 - its class must exist to be wrapped
         import ubatch.modular_moe.layer as layer
         import ubatch.modular_moe.prepare_finalize.none  # noqa: F401
-        from runner.future_map import FutureTokenMap
-        from runner.scheduler import Scheduler
+        from runner.core.future_map import FutureTokenMap
+        from runner.core.scheduler import Scheduler
         from ubatch.modular_moe.experts.base import MoEExperts
         from ubatch.modular_moe.prepare_finalize.base import PrepareFinalize
 
@@ -159,8 +159,8 @@ def unexplained(calls: list[Call], spans: list[Any]) -> list[str]:
 def traced_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """One traced generate() with every phase probed: the Chrome trace, the raw spans, the probed calls."""
     from runner import tracing
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
 
     tmp = tmp_path_factory.mktemp("attribution")
     trace_file = tmp / "trace.json"

@@ -260,8 +260,8 @@ def test_clock_for_a_bad_device_names_it() -> None:
 @pytest.mark.parametrize("device,clock", [(torch.device("cuda", 0), "cuda"), (torch.device("cpu"), "cpu")])
 def test_engine_traces_on_the_clock_of_its_runners_device(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                           device: torch.device, clock: str) -> None:
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
 
     made: list[tuple[Any, trace.TraceRecorder]] = []
     real = tracing.new_recorder
@@ -291,8 +291,8 @@ def test_engine_traces_on_the_clock_of_its_runners_device(tmp_path: Path, monkey
 # ---- on a GPU ------------------------------------------------------------------------------------------
 @pytest.mark.cuda
 def test_engine_on_cuda_traces_comm_and_hides_some_of_it(tmp_path: Path) -> None:
-    from runner.engine import LLM
-    from runner.sampling import SamplingParams
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
 
     out = tmp_path / "trace.json"
     llm = LLM(model="tiny-qwen3-moe", cache_dir=str(tmp_path / "cache"), enable_dbo=True, dbo_cost_model="off",

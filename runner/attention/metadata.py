@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import torch
 
-from runner.kv_cache import host_to_device
+from runner.attention.kv_cache import host_to_device
 from ubatch.slicing import CommonAttentionMetadata
 
 

@@ -3,7 +3,7 @@
 The engine's torch backend (``torch_backend.py``) computes the same thing from metadata built once per step;
 these functions take ``CommonAttentionMetadata`` directly and may sync the host (``write_kv`` checks for
 padding slots, the decode batch is sized from the device ``seq_lens``), which is fine for a reference and for
-a model called outside the engine, never inside an engine step. See ``runner/kv_cache.py`` for the layout.
+a model called outside the engine, never inside an engine step. See ``runner/attention/kv_cache.py`` for the layout.
 
 Masking is by *position*, not by index inside the batch: a query at position ``p`` sees cache entries at
 positions ``<= p`` of its own request, up to ``seq_lens[i]``. That one rule makes prefill, decode, chunked

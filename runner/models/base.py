@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.kv_cache import KVCacheSpec
+from runner.attention.kv_cache import KVCacheSpec
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from runner.models.schedules import DEFAULT_DBO_SCHEDULE, DBOSchedule, check_schedule
 from runner.models.weights import WeightSpec, load_hf_weights, wants_weight

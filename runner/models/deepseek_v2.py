@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.attention.ops import mla_attention
-from runner.kv_cache import KVCacheSpec
+from runner.attention.kv_cache import KVCacheSpec
 from runner.models.configs import DeepseekV2Config
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
 from runner.config import DBO_SCHEDULES

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from runner.attention.ops import mha_attention
-from runner.kv_cache import KVCacheSpec
+from runner.attention.kv_cache import KVCacheSpec
 from runner.models.configs import Qwen3MoeConfig
 from runner.models.layers import RMSNorm, RotaryEmbedding
 from runner.models.base import DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer

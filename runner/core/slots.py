@@ -2,7 +2,7 @@
 
 A slot is allocated when a request is admitted and freed after the last step that used it has finished,
 so one slot means one request for its whole life. The scheduler hands slots out; the future-token map
-(``runner.future_map``) is indexed by them.
+(``runner.core.future_map``) is indexed by them.
 """
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ _RUNNERS_WRAPPER: Any = object()  # make_graph_runner's default: the model runne
 
 def capture_agreement(dp_group: Any) -> CaptureAgreement | None:
     """How DP ranks agree which graph sizes to keep: one all-reduce of "this rank failed" per size over the
-    runner's gloo DP group (as the step vote in ``runner/dp.py``); ``None`` with one rank."""
+    runner's gloo DP group (as the step vote in ``runner/distributed/dp.py``); ``None`` with one rank."""
     if dp_group is None:
         return None
 

@@ -37,8 +37,12 @@ from typing import Any
 import torch
 
 from runner.config import check_gpu_memory_utilization
-from runner.kv_cache import (
-    KVCacheTooLargeError, allocate_kv_caches, blocks_needed, build_attention_metadata, kv_bytes_per_block,
+from runner.attention.kv_cache import (
+    KVCacheTooLargeError,
+    allocate_kv_caches,
+    blocks_needed,
+    build_attention_metadata,
+    kv_bytes_per_block,
 )
 
 logger = logging.getLogger("ubatch.runner")
@@ -181,7 +185,7 @@ def _profile_activation_peak(runner: Any) -> int:
 
 def _trial_graph_bytes(runner: Any) -> int:
     """Graph memory of the planned ladder, from a trial capture of its largest graph on the minimal cache."""
-    from runner.cuda_graphs import graphs_enabled, make_graph_runner, planned_keys
+    from runner.worker.cuda_graphs import graphs_enabled, make_graph_runner, planned_keys
 
     if not graphs_enabled(runner):  # eager: --enforce-eager or an uncapturable backend
         return 0

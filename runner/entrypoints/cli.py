@@ -5,7 +5,7 @@ Flags default to ``None`` so "not given" is visible: RunnerConfig's own defaults
 or RunnerConfig's validation — exits with code 2 and ``argument --flag: ...``.
 
 Launch modes: under ``torchrun`` every process runs the job and rank 0 reports; otherwise
-``--data-parallel-size N > 1`` spawns N ranks with :func:`runner.launch.launch` and the parent reports.
+``--data-parallel-size N > 1`` spawns N ranks with :func:`runner.distributed.launch.launch` and the parent reports.
 
 Failures are one line each, never a traceback unless ``--debug`` (or ``UBATCH_DEBUG=1``): what can be checked
 before any rank starts is (the model's config and checkpoint headers, ``--max-model-len`` against the model,
@@ -29,9 +29,9 @@ from typing import Any, Sequence
 
 from runner.config import ATTENTION_BACKENDS, DBO_COST_MODELS, DBO_DP_RULES, DBO_SCHEDULES, DTYPES, UBATCH_SPLITS, ConfigError, \
     RunnerConfig, all2all_backends, config_fields, experts_backends, make_config
-from runner.device import DEVICE_CHOICES
-from runner.report import compare_outputs, report_bench, report_generate  # noqa: F401 (compare_outputs: API)
-from runner.sampling import SamplingParams
+from runner.distributed.device import DEVICE_CHOICES
+from runner.entrypoints.report import compare_outputs, report_bench, report_generate  # noqa: F401 (compare_outputs: API)
+from runner.sampling_params import SamplingParams
 from cudagraph.sizes import parse_cuda_graph_sizes
 
 
@@ -47,7 +47,7 @@ DEBUG_HINT = f"(run with --debug or {DEBUG_ENV}=1 for the full traceback)"
 
 
 def _default_max_model_len() -> int:
-    from runner.model_runner import DEFAULT_MAX_MODEL_LEN  # where the engine applies it
+    from runner.worker.model_runner import DEFAULT_MAX_MODEL_LEN  # where the engine applies it
 
     return DEFAULT_MAX_MODEL_LEN
 
@@ -238,7 +238,7 @@ def random_prompts(num: int, length: int, range_ratio: float, vocab_size: int, s
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
     """Validate everything before any process starts; errors go through ``parser.error`` (exit 2)."""
-    from runner.launch import torchrun_env_present
+    from runner.distributed.launch import torchrun_env_present
 
     engine = {k: v for k, v in vars(args).items() if k in config_fields() and v is not None}
     if torchrun_env_present():  # under torchrun: one DP rank per process
@@ -293,7 +293,7 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 # ---------------------------------------------------------------------------------------------- rank side
 def run_job(job: Job) -> dict[str, Any] | None:
     """One rank's work (spawned, torchrun or in-process). Rank 0 returns the results; other ranks None."""
-    from runner.engine import LLM
+    from runner.entrypoints.llm import LLM
     from runner.tracing import result_to_json
 
     runs = []
@@ -327,8 +327,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     job = job_from_args(args, args.subparser)
     debug = _debug(args)
-    from runner.launch import LaunchError, LaunchInterrupted, RankFailedError, describe_exception, launch, \
-        torchrun_env_present
+    from runner.distributed.launch import (
+        LaunchError,
+        LaunchInterrupted,
+        RankFailedError,
+        describe_exception,
+        launch,
+        torchrun_env_present,
+    )
 
     under_torchrun = torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1
     who = f"[rank {os.environ['RANK']}] " if under_torchrun else ""  # every torchrun process reports its own

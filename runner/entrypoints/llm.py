@@ -5,7 +5,7 @@ Every rank calls ``generate`` with the *same* prompt list (SPMD). Prompt ``i`` r
 that no rank has work left (idle ranks run dummy steps meanwhile, so the MoE collectives stay matched), then
 the outputs are all-gathered so every rank returns the full list in input order.
 
-The loop itself is ``runner/overlap_loop.py``: by default the CPU processes step N-1 and schedules N+1 while
+The loop itself is ``runner/core/overlap_loop.py``: by default the CPU processes step N-1 and schedules N+1 while
 step N runs on a forward executor thread (``--disable-overlap-schedule``: one step at a time, in this thread).
 With ``trace_file`` set, each call is recorded and written as a Chrome trace (``runner/tracing.py``).
 
@@ -30,10 +30,11 @@ from typing import Any, Sequence
 
 from runner import tracing
 from runner.config import RunnerConfig, make_config
-from runner.liveness import report_progress
-from runner.overlap_loop import ForwardExecutor, LoopStats, run_steps
-from runner.sampling import SamplingParams, make_generator
-from runner.scheduler import Request, Scheduler
+from runner.distributed.liveness import report_progress
+from runner.core.overlap_loop import ForwardExecutor, LoopStats, run_steps
+from runner.sampling_params import SamplingParams
+from runner.worker.sampler import make_generator
+from runner.core.scheduler import Request, Scheduler
 
 
 
@@ -89,8 +90,8 @@ def resolve_world(cfg: RunnerConfig) -> tuple[int, int]:
     backend of ``cfg.device`` (NCCL on CUDA, gloo on the CPU)."""
     import torch.distributed as dist
 
-    from runner.device import check_world_backend, resolve_device_type
-    from runner.launch import init_distributed, torchrun_env_present
+    from runner.distributed.device import check_world_backend, resolve_device_type
+    from runner.distributed.launch import init_distributed, torchrun_env_present
 
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -104,7 +105,7 @@ def resolve_world(cfg: RunnerConfig) -> tuple[int, int]:
             raise RuntimeError(
                 f"data_parallel_size={cfg.data_parallel_size} needs one process per DP rank: launch with "
                 f"`torchrun --nproc-per-node {cfg.data_parallel_size} ...`, `python -m runner generate "
-                f"--data-parallel-size {cfg.data_parallel_size} ...`, or runner.launch.launch(fn, "
+                f"--data-parallel-size {cfg.data_parallel_size} ...`, or runner.distributed.launch.launch(fn, "
                 f"{cfg.data_parallel_size})")
         raise RuntimeError(f"this torch.distributed world has {world} ranks but data_parallel_size="
                            f"{cfg.data_parallel_size}; they must match")
@@ -151,7 +152,7 @@ class LLM:
         self.rank, self.world_size = resolve_world(cfg) if runner is None else (
             getattr(runner, "rank", 0), getattr(runner, "world_size", 1))
         if runner is None:
-            from runner.model_runner import ModelRunner
+            from runner.worker.model_runner import ModelRunner
             from runner.models.loader import check_max_model_len, model_config
 
             if cfg.max_model_len is not None:  # checked before any weight is read

@@ -6,11 +6,11 @@ user's to choose (README, "Several machines").
 
 Otherwise :func:`launch` is the built-in spawner. It starts ``nprocs`` children with the ``spawn`` start
 method (``fork`` after torch has started threads can deadlock); they meet through a ``FileStore`` in a
-private directory and keep their gloo/NCCL connections on loopback (``runner/rendezvous.py``: nothing a
+private directory and keep their gloo/NCCL connections on loopback (``runner/distributed/rendezvous.py``: nothing a
 single-node launch opens listens beyond this machine); each runs ``fn(*args)`` and sends its result back over
 a pipe.
 
-Both paths take the ``--device`` setting (``runner/device.py``): NCCL and one GPU per rank for CUDA (a host with
+Both paths take the ``--device`` setting (``runner/distributed/device.py``): NCCL and one GPU per rank for CUDA (a host with
 fewer GPUs than ranks is refused before any rank starts, naming ``--device cpu``), gloo for the CPU, where
 nothing here touches CUDA even when a GPU is present.
 
@@ -19,7 +19,7 @@ The parent supervises, so that a failure is named and no rank outlives the launc
 - a rank that dies (non-zero exit or a signal) is named -- "rank 1 exited with signal SIGKILL" -- and the
   others are terminated (SIGTERM, then SIGKILL after ``grace_s``), so a dead peer never leaves the
   survivors hanging in a collective until the timeout;
-- a rank that stops sending heartbeats (``runner/liveness.py``) for ``silence_s`` (default: the collective
+- a rank that stops sending heartbeats (``runner/distributed/liveness.py``) for ``silence_s`` (default: the collective
   timeout, when its peers would time out anyway) is named as having stopped responding, with its process
   state; when a peer fails first -- typically that collective timeout -- a rank silent at that moment is
   named first, as the likely cause, instead of the peer that merely timed out;
@@ -43,10 +43,18 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Sequence
 
-from runner.liveness import BEAT_INTERVAL_S, STALE_S, describe_silence, die_with_parent, new_board, \
-    process_state, silence, start_heartbeat
-from runner.device import backend_for, resolve_device_type
-from runner.rendezvous import PrivateRendezvous, join_store, loopback_env
+from runner.distributed.liveness import (
+    BEAT_INTERVAL_S,
+    STALE_S,
+    describe_silence,
+    die_with_parent,
+    new_board,
+    process_state,
+    silence,
+    start_heartbeat,
+)
+from runner.distributed.device import backend_for, resolve_device_type
+from runner.distributed.rendezvous import PrivateRendezvous, join_store, loopback_env
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -135,7 +143,7 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None, devic
         missing = [k for k in TORCHRUN_ENV if k not in os.environ]
         if missing:
             raise RuntimeError(f"cannot join a torch.distributed world: {', '.join(missing)} not set; launch with "
-                               "torchrun, or use the built-in spawner (--data-parallel-size N / runner.launch.launch)")
+                               "torchrun, or use the built-in spawner (--data-parallel-size N / runner.distributed.launch.launch)")
         backend = backend or default_backend(device)
         if backend == "nccl":
             check_gpus(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

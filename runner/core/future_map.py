@@ -19,8 +19,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from runner.scheduler import SchedulerOutput
-from runner.slots import slot_of
+from runner.worker.scheduled_batch import SchedulerOutput
+from runner.core.slots import slot_of
 
 _EMPTY = (-1, -1)  # (owner request id, token): nothing stored since the last read
 

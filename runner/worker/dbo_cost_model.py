@@ -12,7 +12,7 @@ with DBO on and with it off. The first step of a bucket runs with DBO, the next 
 faster side wins. The losing side is tried again after ``explore_every`` steps of the bucket, and that gap
 doubles each time the result stands (up to ``max_explore_every``), so a wrong early call -- a noisy first
 sample -- is corrected, and a right one costs less and less. The decision is this rank's *vote*; the DP
-vote (``runner.dp``) turns the ranks' votes into one decision, and each rank records what actually ran.
+vote (``runner.distributed.dp``) turns the ranks' votes into one decision, and each rank records what actually ran.
 """
 from __future__ import annotations
 

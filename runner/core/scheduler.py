@@ -16,7 +16,7 @@ fit even in an empty cache is rejected up front with an error.
 Requests that cannot run (empty prompt, token id outside the vocabulary, prompt + 1 > max_model_len, cache too
 small) finish immediately with ``finish_reason == "error"`` and a message; the other requests are unaffected.
 
-**Results may lag one step** (the overlap loop, ``runner/overlap_loop.py``). ``schedule()`` advances each
+**Results may lag one step** (the overlap loop, ``runner/core/overlap_loop.py``). ``schedule()`` advances each
 scheduled request at once, as if its step had already run: ``num_computed_tokens`` moves forward and a
 sampling chunk appends a *placeholder* output (``slots.placeholder(slot)``); ``update()`` later
 replaces the oldest placeholder with the real token and runs the stop checks. So step N+1 can be scheduled
@@ -42,61 +42,14 @@ from typing import Any, Iterable, Sequence
 
 import torch
 
-from runner.slots import SlotPool, placeholder
-from runner.kv_cache import BlockAllocator, blocks_needed
-from runner.sampling import SamplingParams
+from runner.core.slots import SlotPool, placeholder
+from runner.core.kv_blocks import BlockAllocator
+from runner.attention.kv_cache import blocks_needed
+from runner.sampling_params import SamplingParams
+from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 FINISH_REASONS = ("stop", "length", "error")
-
-
-@dataclass
-class ScheduledChunk:
-    """The tokens one request computes in this step, at positions ``num_computed_tokens ..``."""
-
-    req_id: int
-    token_ids: list[int]
-    num_computed_tokens: int
-    block_ids: list[int]  # every block the request holds (a copy): enough for num_computed + len(token_ids)
-    sample: bool  # this chunk reaches the end of the known tokens -> sample one token
-    sampling: SamplingParams
-    generator: torch.Generator | None
-    slot: int = -1  # the request's future-map slot: where the sampled token is stored for the next step
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def is_decode(self) -> bool:
-        return len(self.token_ids) == 1 and self.num_computed_tokens > 0
-
-
-@dataclass
-class SchedulerOutput:
-    chunks: list[ScheduledChunk]
-    finished_req_ids: list[int] = field(default_factory=list)  # finished since the previous schedule()
-    step_id: int = -1  # schedule() numbers its outputs: update() must see them in this order
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
-
-    @property
-    def num_scheduled_tokens(self) -> list[int]:
-        return [len(c.token_ids) for c in self.chunks]
-
-    @property
-    def is_uniform_decode(self) -> bool:
-        """Every chunk is one token on top of cached context (the decode-threshold case); False when empty."""
-        return bool(self.chunks) and all(c.is_decode for c in self.chunks)
-
-    @property
-    def has_prefill(self) -> bool:
-        return any(not c.is_decode for c in self.chunks)
-
-    def __len__(self) -> int:
-        return len(self.chunks)
 
 
 @dataclass(eq=False)  # identity semantics: requests live in lists that are searched and removed from

@@ -12,7 +12,7 @@ order. While it runs step N, the CPU thread processes N-1's results (tokens, sto
 then schedules N+1 and queues it behind N, then waits for N. So the forward side never waits for the CPU as
 long as the CPU's per-step work is shorter than a forward. Step N+1 is scheduled before N's tokens are
 known: its inputs name them by placeholders, which the executor resolves from the future-token map
-(``runner/future_map.py``) right before N+1's forward, after N stored them.
+(``runner/core/future_map.py``) right before N+1's forward, after N stored them.
 
 - ``copy_done`` (the step's ``Future``) is the only CPU wait, bounded by ``step_timeout_s`` (the engine
   passes ``--dist-timeout-s``: a step that long would already have timed out its peers' collectives). It
@@ -60,9 +60,10 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from runner.future_map import FutureTokenMap
+from runner.core.future_map import FutureTokenMap
 from ubatch import trace
-from runner.scheduler import Request, Scheduler, SchedulerOutput
+from runner.core.scheduler import Request, Scheduler
+from runner.worker.scheduled_batch import SchedulerOutput
 
 OnResults = Callable[[SchedulerOutput, Sequence[Any], list[Request]], None]
 

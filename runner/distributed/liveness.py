@@ -50,7 +50,7 @@ def progress(board: Any, rank: int) -> tuple[int, float] | None:
 
 
 def report_progress(step: int) -> None:
-    """Record that this rank reached ``step`` (a no-op outside a rank spawned by ``runner.launch``)."""
+    """Record that this rank reached ``step`` (a no-op outside a rank spawned by ``runner.distributed.launch``)."""
     if _board is not None:
         _board[_row * _FIELDS + 2] = time.monotonic()
         _board[_row * _FIELDS + 1] = step + 1

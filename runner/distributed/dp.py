@@ -8,7 +8,7 @@ sum gives every rank the full table, and :func:`decide` turns it into the same d
 Rows: ``orig`` tokens, ``padded`` tokens, ubatch ``vote`` (the thresholds), ``work`` (has tokens),
 ``prefill`` (the batch is not a uniform decode), ``split`` (this rank's first-ubatch boundary when its split
 is not the default ``padded // n``, e.g. SGLang's balanced split; 0 otherwise) and ``pays`` (the rank's
-measured cost model says ubatching this step is faster; ``runner.dbo_cost_model``; 1 without one).
+measured cost model says ubatching this step is faster; ``runner.worker.dbo_cost_model``; 1 without one).
 
 Two rules decide whether the step ubatches (``--dbo-dp-rule``):
 

@@ -23,16 +23,16 @@ import torch
 import torch.distributed as dist
 
 from runner.attention import make_attention_backend
-from runner.cuda_graphs import maybe_make_graph_runner
-from runner.dbo_cost_model import DBOCostModel
-from runner.device import torch_device
-from runner.dp import DPDecision, coordinate_batch_across_dp, local_decision
+from runner.worker.cuda_graphs import maybe_make_graph_runner
+from runner.worker.dbo_cost_model import DBOCostModel
+from runner.distributed.device import torch_device
+from runner.distributed.dp import DPDecision, coordinate_batch_across_dp, local_decision
 from runner.attention.metadata import PagedAttentionMetadata
-from runner.kv_cache import allocate_kv_caches, build_attention_metadata, copy_from_host
-from runner.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
+from runner.attention.kv_cache import allocate_kv_caches, build_attention_metadata, copy_from_host
+from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
 from runner.models.loader import load_model
-from runner.sampling import sample
-from runner.scheduler import SchedulerOutput
+from runner.worker.sampler import sample
+from runner.worker.scheduled_batch import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
@@ -82,7 +82,7 @@ class ModelRunner:
         self.max_model_len = cfg.max_model_len or min(getattr(mc, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN),
                                                      DEFAULT_MAX_MODEL_LEN)
         self.block_size = cfg.block_size
-        # On a GPU without --num-kv-blocks a minimal cache, re-sized from free memory below (runner/memory_budget.py)
+        # On a GPU without --num-kv-blocks a minimal cache, re-sized from free memory below (runner/worker/memory_budget.py)
         self.num_kv_blocks = initial_num_kv_blocks(cfg, self.max_model_len, self.block_size, self.device)
         dtype = next(self.model.parameters()).dtype
         # One block more than the scheduler hands out: the null block that padded graph slots write to.

@@ -1,0 +1,1 @@
+"""Front ends: the offline ``LLM``, the CLI, and the OpenAI-compatible HTTP server."""
