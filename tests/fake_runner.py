@@ -15,6 +15,7 @@ import torch
 
 from runner.sampling_params import SamplingParams
 from runner.worker.sampler import make_generator, sample
+from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.scheduled_batch import SchedulerOutput
 
 
@@ -49,7 +50,7 @@ class FakeRunner:
         self.num_steps = self.num_ubatched_steps = 0
         self.steps: list[SchedulerOutput] = []
 
-    def step(self, sched: SchedulerOutput) -> list[int | None] | None:
+    def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         if not sched.chunks:
             return None
         self.steps.append(sched)
@@ -69,7 +70,7 @@ class FakeRunner:
                 continue
             history = [self.cache[self._slot(c.block_ids, p)] for p in range(end)]
             results.append(sample(logits_for(history, self.vocab_size)[None], [c.sampling], [c.generator])[0])
-        return results
+        return ModelRunnerOutput(results)
 
     def _slot(self, blocks: list[int], pos: int) -> int:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -2,8 +2,8 @@
 
     python tests/fault_injection.py RANK STEP ACTION -- generate -dp 2 ...
 
-runs the CLI unchanged, except that the job each rank runs first wraps ``runner.entrypoints.llm.run_steps`` so that
-its ``before_launch`` hook (a parameter ``run_steps`` has anyway) also fires the fault: on rank ``RANK``
+runs the CLI unchanged, except that the job each rank runs first wraps the engine core's ``make_step_loop`` so
+that its ``before_launch`` hook (a parameter the step loop has anyway) also fires the fault: on rank ``RANK``
 (``all``: every rank), before step ``STEP``, it prints ``fault: rank R step S ACTION`` to stderr, then
 
 - ``SIGKILL`` / ``SIGSTOP`` / any signal name: sends that signal to its own process;
@@ -49,13 +49,13 @@ class Fault:
 
 def run_job_with_fault(fault: Fault, job: Any) -> Any:
     """``runner.entrypoints.cli.run_job`` with ``fault`` wired into the engine loop's ``before_launch`` hook."""
-    import runner.entrypoints.llm as engine
+    import runner.core.engine_core as engine_core
     from runner.entrypoints.cli import run_job
 
     rank = int(os.environ.get("RANK", "0"))
-    original = engine.run_steps
+    original = engine_core.make_step_loop
 
-    def run_steps(*args: Any, before_launch: Any = None, **kwargs: Any) -> Any:
+    def make_step_loop(*args: Any, before_launch: Any = None, **kwargs: Any) -> Any:
         def hook(step: int) -> None:
             if before_launch is not None:
                 before_launch(step)
@@ -64,7 +64,7 @@ def run_job_with_fault(fault: Fault, job: Any) -> Any:
 
         return original(*args, before_launch=hook, **kwargs)
 
-    engine.run_steps = run_steps
+    engine_core.make_step_loop = make_step_loop
     return run_job(job)
 
 

@@ -188,7 +188,7 @@ class GatedRunner(FakeRunner):
             self.launched.acquire(timeout=2)
         self.received.append(sched)
         out = super().step(sched)
-        self.sampled.append(out or [])
+        self.sampled.append(out.sampled_token_ids if out is not None else [])
         self.active -= 1
         return out
 
@@ -268,7 +268,7 @@ def test_stop_token_in_flight_discards_next_step_and_defers_freeing() -> None:
     assert req.output_token_ids == [placeholder(req.slot)] * 3 and req.num_pending == 3
     free_before, slot = sched.num_free_blocks, req.slot
     fmap = FutureTokenMap(sched.slots.capacity)
-    r1, r2, r3 = (forward_step(runner, fmap, s) for s in (s1, s2, s3))  # the forward side runs ahead
+    r1, r2, r3 = (forward_step(runner, fmap, s).sampled_token_ids for s in (s1, s2, s3))  # forward side runs ahead
     sched.update(s1, r1)
     assert sched.update(s2, r2) == [req] and req.finish_reason == "stop"
     assert req.output_token_ids == ref[:2]  # the speculative placeholder is dropped at once
@@ -289,7 +289,7 @@ def test_known_last_token_is_not_over_scheduled() -> None:
     assert not sched.schedule().chunks  # both last tokens are in flight: nothing more to schedule
     fmap = FutureTokenMap(sched.slots.capacity)
     for s in [s1, s2]:
-        sched.update(s, forward_step(runner, fmap, s))
+        sched.update(s, forward_step(runner, fmap, s).sampled_token_ids)
     assert len(a.output_token_ids) == 2 and len(b.output_token_ids) == 2
     assert (a.finish_reason, b.finish_reason) == ("length", "length")
     assert_clean(sched)

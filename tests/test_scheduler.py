@@ -38,7 +38,7 @@ def run(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, list] | None =
                 step += 1
                 continue
             break
-        sched.update(out, sampled)
+        sched.update(out, sampled.sampled_token_ids)
         step += 1
 
 
@@ -52,12 +52,12 @@ def test_chunked_prefill_positions_and_blocks() -> None:
         out = sched.schedule()
         (c,) = out.chunks
         seen.append((c.num_computed_tokens, c.token_ids, len(c.block_ids), c.sample))
-        sched.update(out, runner.step(out))
+        sched.update(out, runner.step(out).sampled_token_ids)
     assert seen == [(0, prompt[:6], 2, False), (6, prompt[6:12], 3, False), (12, prompt[12:], 4, True)]
     out = sched.schedule()  # now a decode of the sampled token at position 14, still inside block 4
     (c,) = out.chunks
     assert (c.num_computed_tokens, len(c.block_ids), out.is_uniform_decode) == (14, 4, True)
-    sched.update(out, runner.step(out))
+    sched.update(out, runner.step(out).sampled_token_ids)
     assert not sched.has_unfinished_requests() and sched.num_free_blocks == runner.num_kv_blocks
 
 
@@ -68,7 +68,7 @@ def test_decodes_first_then_continuing_prefill_then_new() -> None:
     sched.add_request(list(range(1, 13)), SamplingParams(max_tokens=5), req_id=1)  # 12 tokens: chunked
     out = sched.schedule()
     assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [(0, 2), (1, 6)]
-    sched.update(out, runner.step(out))
+    sched.update(out, runner.step(out).sampled_token_ids)
     sched.add_request([3, 4, 5], SamplingParams(max_tokens=5), req_id=2)
     out = sched.schedule()
     assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [(0, 1), (1, 6), (2, 1)]

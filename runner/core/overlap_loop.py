@@ -56,16 +56,17 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Union
 
 import torch
 
 from runner.core.future_map import FutureTokenMap
 from ubatch import trace
 from runner.core.scheduler import Request, Scheduler
+from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.scheduled_batch import SchedulerOutput
 
-OnResults = Callable[[SchedulerOutput, Sequence[Any], list[Request]], None]
+OnResults = Callable[[SchedulerOutput, ModelRunnerOutput, list[Request]], None]
 
 
 class ForwardExecutor:
@@ -147,62 +148,89 @@ class LoopStats:
         return self.forward_idle_s / self.wall_s if self.wall_s > 0 else 0.0
 
 
-def run_steps(sched: Scheduler, runner: Any, *, executor: ForwardExecutor | None = None,
-              consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
-              on_results: OnResults | None = None, step_timeout_s: float | None = None) -> LoopStats:
-    """Step ``sched`` to completion through ``runner.step``: overlapped on ``executor``, or synchronously in
-    this thread when it is None. ``before_launch(k)`` runs before the k-th step is scheduled;
-    ``on_results(out, sampled, finished)`` after each step's results are applied (progress, streaming).
-    ``step_timeout_s``: how long the CPU thread waits for one step on the executor before a
-    :class:`StepTimeoutError` (None: forever)."""
+StepLoop = Union["SyncStepLoop", "OverlapStepLoop"]
+
+
+def make_step_loop(sched: Scheduler, runner: Any, *, executor: ForwardExecutor | None = None,
+                   consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
+                   on_results: OnResults | None = None, step_timeout_s: float | None = None) -> StepLoop:
+    """A loop over ``sched`` that runs one iteration per :meth:`step` call: overlapped on ``executor``, or
+    synchronously in the caller's thread when it is None.
+
+    ``step()`` returns False once no DP rank had work (every rank sees that in the same step; nothing of this
+    rank is in flight then); requests may be added to ``sched`` between calls and join the next step.
+    ``finish()`` waits for any step still in flight (after an error too) and returns the loop's stats.
+    ``before_launch(k)`` runs before the k-th step is scheduled; ``on_results(out, output, finished)`` after
+    each step's results are applied (outputs, progress, streaming). ``step_timeout_s``: how long the CPU
+    thread waits for one step on the executor before a :class:`StepTimeoutError` (None: forever)."""
     if executor is None:
-        return _run_sync(sched, runner, before_launch, on_results)
-    return _OverlapLoop(sched, runner, executor, consecutive_prefill_overlap, before_launch, on_results,
-                        step_timeout_s).run()
+        return SyncStepLoop(sched, runner, before_launch, on_results)
+    return OverlapStepLoop(sched, runner, executor, consecutive_prefill_overlap, before_launch, on_results,
+                           step_timeout_s)
 
 
-def _run_sync(sched: Scheduler, runner: Any, before_launch: Callable[[int], None] | None,
-              on_results: OnResults | None) -> LoopStats:
-    stats = LoopStats(overlap=False)
-    start = time.perf_counter()
+def run_steps(sched: Scheduler, runner: Any, **kwargs: Any) -> LoopStats:
+    """Step ``sched`` until no DP rank has work (:func:`make_step_loop`'s arguments); returns the loop's stats."""
+    loop = make_step_loop(sched, runner, **kwargs)
     try:
-        while True:
-            if before_launch is not None:
-                before_launch(stats.num_steps)
-            t0 = time.perf_counter()
-            with trace.region("schedule", "step", track="scheduler"):
-                out = sched.schedule()
-            t1 = time.perf_counter()
-            sampled = runner.step(out)
-            t2 = time.perf_counter()
-            stats.forward_busy_s += t2 - t1
-            if sampled is None:  # no DP rank had work: every rank leaves the loop in this same step
-                stats.cpu_work_s += t1 - t0
-                break
-            stats.num_steps += 1
-            with trace.region("update", "step", track="scheduler"):
-                done = sched.update(out, sampled)
-            if on_results is not None:
-                on_results(out, sampled, done)
-            stats.cpu_work_s += (t1 - t0) + (time.perf_counter() - t2)
+        while loop.step():
+            pass
     finally:
-        stats.wall_s = time.perf_counter() - start
+        stats = loop.finish()
     return stats
 
 
-def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> list[int | None] | None:
+class SyncStepLoop:
+    """Schedule, run, process: one step at a time in the caller's thread."""
+
+    def __init__(self, sched: Scheduler, runner: Any, before_launch: Callable[[int], None] | None,
+                 on_results: OnResults | None) -> None:
+        self.sched, self.runner = sched, runner
+        self.before_launch, self.on_results = before_launch, on_results
+        self.stats = LoopStats(overlap=False)
+        self._start = time.perf_counter()
+
+    def step(self) -> bool:
+        stats, sched = self.stats, self.sched
+        if self.before_launch is not None:
+            self.before_launch(stats.num_steps)
+        t0 = time.perf_counter()
+        with trace.region("schedule", "step", track="scheduler"):
+            out = sched.schedule()
+        t1 = time.perf_counter()
+        output = self.runner.step(out)
+        t2 = time.perf_counter()
+        stats.forward_busy_s += t2 - t1
+        if output is None:  # no DP rank had work: every rank leaves the loop in this same step
+            stats.cpu_work_s += t1 - t0
+            return False
+        stats.num_steps += 1
+        with trace.region("update", "step", track="scheduler"):
+            done = sched.update(out, output.sampled_token_ids)
+        if self.on_results is not None:
+            self.on_results(out, output, done)
+        stats.cpu_work_s += (t1 - t0) + (time.perf_counter() - t2)
+        return True
+
+    def finish(self) -> LoopStats:
+        self.stats.wall_s = time.perf_counter() - self._start
+        return self.stats
+
+
+def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> ModelRunnerOutput | None:
     """The forward side of one step: resolve ``out``'s placeholders, run it, store what it sampled under each
     request's slot for the next step. Runs on the executor thread only."""
     with trace.region("resolve", "step", track="step"):
         resolved = future_map.resolve(out)
-    sampled = runner.step(resolved)
+    output = runner.step(resolved)
     with trace.region("store", "step", track="step"):
-        if sampled:
-            picks = [(c.req_id, c.slot, t) for c, t in zip(out.chunks, sampled) if t is not None and c.slot >= 0]
+        if output is not None and output.sampled_token_ids:
+            picks = [(c.req_id, c.slot, t) for c, t in zip(out.chunks, output.sampled_token_ids)
+                     if t is not None and c.slot >= 0]
             if picks:
                 req_ids, slots, tokens = zip(*picks)
                 future_map.store(req_ids, slots, tokens)
-    return sampled
+    return output
 
 
 @dataclass
@@ -215,7 +243,9 @@ class StepTimeoutError(TimeoutError):
     """The forward executor neither finished nor failed a step within the loop's ``step_timeout_s``."""
 
 
-class _OverlapLoop:
+class OverlapStepLoop:
+    """Schedule N+1 and launch it, then process N while N+1 runs (module docstring)."""
+
     def __init__(self, sched: Scheduler, runner: Any, executor: ForwardExecutor, consecutive_prefill_overlap: bool,
                  before_launch: Callable[[int], None] | None, on_results: OnResults | None,
                  step_timeout_s: float | None = None) -> None:
@@ -225,12 +255,15 @@ class _OverlapLoop:
         self.before_launch, self.on_results = before_launch, on_results
         self.future_map = FutureTokenMap(sched.slots.capacity)
         self.stats = LoopStats(overlap=True)
+        self._inflight: _Launched | None = None  # launched, results not yet processed
+        self._launched: _Launched | None = None  # launched in the current iteration, not yet handed on
+        self._busy0, self._start = executor.busy_s, time.perf_counter()
 
     def _launch(self, out: SchedulerOutput) -> _Launched:
         return _Launched(out, self.executor.submit(lambda: forward_step(self.runner, self.future_map, out)))
 
-    def _wait(self, launched: _Launched) -> list[int | None] | None:
-        """The step's sampled tokens (or its exception), waiting at most ``step_timeout_s``."""
+    def _wait(self, launched: _Launched) -> ModelRunnerOutput | None:
+        """The step's output (or its exception), waiting at most ``step_timeout_s``."""
         try:
             return launched.copy_done.result(timeout=self.step_timeout_s)
         except FutureTimeoutError:
@@ -241,16 +274,23 @@ class _OverlapLoop:
 
     def _process(self, launched: _Launched) -> None:
         t0 = time.perf_counter()
-        sampled = self._wait(launched)  # the only CPU wait
+        output = self._wait(launched)  # the only CPU wait
         t1 = time.perf_counter()
         self.stats.copy_wait_s += t1 - t0
-        if sampled is None:
+        if output is None:
             raise RuntimeError(f"model runner reported no work for a step of {len(launched.out.chunks)} chunks")
         with trace.region("update", "step", track="scheduler"):
-            done = self.sched.update(launched.out, sampled)
+            done = self.sched.update(launched.out, output.sampled_token_ids)
             if self.on_results is not None:
-                self.on_results(launched.out, sampled, done)
+                self.on_results(launched.out, output, done)
         self.stats.cpu_work_s += time.perf_counter() - t1
+
+    def _process_inflight(self, reason: str | None = None) -> None:
+        inflight, self._inflight = self._inflight, None
+        assert inflight is not None
+        self._process(inflight)
+        if reason is not None:
+            self.stats.sync_reasons[reason] += 1
 
     def _schedule(self) -> SchedulerOutput:
         t0 = time.perf_counter()
@@ -259,58 +299,51 @@ class _OverlapLoop:
         self.stats.cpu_work_s += time.perf_counter() - t0
         return out
 
-    def run(self) -> LoopStats:
+    def step(self) -> bool:
         stats, sched = self.stats, self.sched
-        busy0, start = self.executor.busy_s, time.perf_counter()
-        inflight: _Launched | None = None
-        launched: _Launched | None = None
-        try:
-            while True:
-                if self.before_launch is not None:
-                    self.before_launch(stats.num_steps)
-                if inflight is not None and sched.wants_sync:
-                    self._process(inflight)
-                    inflight = None
-                    stats.sync_reasons["preemption"] += 1
-                out = self._schedule()
-                if inflight is not None and not out.chunks:
-                    self._process(inflight)
-                    inflight = None
-                    stats.sync_reasons["nothing_to_schedule"] += 1
-                    carried = out.finished_req_ids
-                    out = self._schedule()
-                    out.finished_req_ids[:0] = carried
-                elif inflight is not None and not self.consecutive_prefill_overlap and out.has_prefill \
-                        and inflight.out.has_prefill:
-                    self._process(inflight)
-                    inflight = None
-                    stats.sync_reasons["consecutive_prefill"] += 1
-                launched = self._launch(out)
-                if inflight is not None:
-                    stats.num_overlapped_steps += 1
-                    self._process(inflight)  # N-1's results while N runs
-                    inflight = None
-                if out.chunks:
-                    inflight, launched = launched, None
-                    stats.num_steps += 1
-                    continue
-                # Empty here (dummy step, or the end): nothing is in flight, nothing to overlap.
-                sampled = self._wait(launched)
-                launched = None
-                if sampled is None:
-                    break
-                stats.num_steps += 1
-                stats.sync_reasons["dummy"] += 1
-                sched.update(out, sampled)
-        finally:
-            # On an error, let the steps already handed to the executor finish before anyone reuses the runner.
-            for pending in (inflight, launched):
-                if pending is not None:
-                    try:
-                        self._wait(pending)
-                    except BaseException:  # noqa: BLE001 - the original error is the one to report
-                        pass
-            stats.wall_s = time.perf_counter() - start
-            stats.forward_busy_s = self.executor.busy_s - busy0
-            stats.num_placeholders_resolved = self.future_map.num_resolved
+        if self.before_launch is not None:
+            self.before_launch(stats.num_steps)
+        if self._inflight is not None and sched.wants_sync:
+            self._process_inflight("preemption")
+        out = self._schedule()
+        if self._inflight is not None and not out.chunks:
+            self._process_inflight("nothing_to_schedule")
+            carried = out.finished_req_ids
+            out = self._schedule()
+            out.finished_req_ids[:0] = carried
+        elif self._inflight is not None and not self.consecutive_prefill_overlap and out.has_prefill \
+                and self._inflight.out.has_prefill:
+            self._process_inflight("consecutive_prefill")
+        self._launched = self._launch(out)
+        if self._inflight is not None:
+            stats.num_overlapped_steps += 1
+            self._process_inflight()  # N-1's results while N runs
+        if out.chunks:
+            self._inflight, self._launched = self._launched, None
+            stats.num_steps += 1
+            return True
+        # Empty here (dummy step, or the end): nothing is in flight, nothing to overlap.
+        launched, self._launched = self._launched, None
+        output = self._wait(launched)
+        if output is None:
+            return False
+        stats.num_steps += 1
+        stats.sync_reasons["dummy"] += 1
+        sched.update(out, output.sampled_token_ids)
+        return True
+
+    def finish(self) -> LoopStats:
+        """Wait for the steps already handed to the executor before anyone reuses the runner (also after an
+        error: the original error is the one to report)."""
+        for pending in (self._inflight, self._launched):
+            if pending is not None:
+                try:
+                    self._wait(pending)
+                except BaseException:  # noqa: BLE001
+                    pass
+        self._inflight = self._launched = None
+        stats = self.stats
+        stats.wall_s = time.perf_counter() - self._start
+        stats.forward_busy_s = self.executor.busy_s - self._busy0
+        stats.num_placeholders_resolved = self.future_map.num_resolved
         return stats

@@ -49,7 +49,7 @@ from runner.sampling_params import SamplingParams
 from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
-FINISH_REASONS = ("stop", "length", "error")
+FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
 @dataclass(eq=False)  # identity semantics: requests live in lists that are searched and removed from
@@ -68,6 +68,8 @@ class Request:
     slot: int = -1  # future-token-map slot while admitted
     num_pending: int = 0  # trailing outputs that are still placeholders (their step is in flight)
     inflight: deque[int] = field(default_factory=deque)  # step ids scheduled but not yet updated, oldest first
+    stop_reason: int | None = None  # the stop token id when one of stop_token_ids ended it (vLLM's stop_reason)
+    forgotten: bool = False  # finished and reported: drop it from Scheduler.requests once no step uses it
 
     @property
     def num_tokens(self) -> int:
@@ -131,6 +133,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self._finished_since_schedule: list[int] = []
+        self._finished_unreported: list[Request] = []  # for take_finished(), whatever finished them
         self._next_id = 0
 
     @classmethod
@@ -170,10 +173,31 @@ class Scheduler:
             self.waiting.append(req)
         return req
 
-    def abort_request(self, req_id: int, message: str = "aborted") -> None:
-        req = self.requests[req_id]
+    def abort_request(self, req_id: int, message: str = "aborted", reason: str = "error") -> None:
+        """Finish a request now (``reason`` "error", or "abort" for one its client gave up on); its KV blocks are
+        freed once no step in flight uses them. An id that is unknown or already finished is left alone: a
+        client may abort a request that finished a moment before."""
+        req = self.requests.get(req_id)
+        if req is not None and not req.is_finished:
+            self._finish(req, reason, message)
+
+    def take_finished(self) -> list[Request]:
+        """Requests finished since the last call, in the order they finished, whatever finished them (a stop
+        check in ``update``, an error found while scheduling, an abort, a bad prompt at ``add_request``)."""
+        done, self._finished_unreported = self._finished_unreported, []
+        return done
+
+    def forget(self, req_id: int) -> None:
+        """Drop a finished request from :attr:`requests` once no step in flight uses it (its outputs were read;
+        a server's scheduler would otherwise keep every request it ever saw)."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return
         if not req.is_finished:
-            self._finish(req, "error", message)
+            raise ValueError(f"request {req_id} is still {req.status}: only finished requests can be forgotten")
+        req.forgotten = True
+        if not req.inflight:
+            del self.requests[req_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
@@ -334,6 +358,7 @@ class Scheduler:
         if not s.ignore_eos and token in self.eos_token_ids:
             return "stop"
         if s.stop_token_ids and token in s.stop_token_ids:
+            req.stop_reason = token
             return "stop"
         if num_outputs >= s.max_tokens or len(req.prompt_token_ids) + num_outputs >= self.max_model_len:
             return "length"
@@ -343,6 +368,8 @@ class Scheduler:
         """Free a finished request's KV blocks and slot once no step in flight reads or writes them."""
         if req.inflight:
             return
+        if req.forgotten:
+            self.requests.pop(req.req_id, None)
         if req.block_ids:
             self.allocator.free(req.block_ids)
             req.block_ids = []
@@ -363,3 +390,4 @@ class Scheduler:
         req.error = error
         self._release_if_idle(req)
         self._finished_since_schedule.append(req.req_id)
+        self._finished_unreported.append(req)

@@ -31,10 +31,10 @@ from typing import Any, Sequence
 from runner import tracing
 from runner.config import RunnerConfig, make_config
 from runner.distributed.liveness import report_progress
-from runner.core.overlap_loop import ForwardExecutor, LoopStats, run_steps
+from runner.core.engine_core import EngineCore
+from runner.core.overlap_loop import LoopStats
+from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.sampling_params import SamplingParams
-from runner.worker.sampler import make_generator
-from runner.core.scheduler import Request, Scheduler
 
 
 
@@ -164,7 +164,7 @@ class LLM:
         self.last_stats: GenerationStats | None = None
         self.last_loop_stats: LoopStats | None = None
         self.last_trace: Any = None  # runner.tracing.TraceResult of the last generate() with trace_file set
-        self._executor: ForwardExecutor | None = None
+        self._core: EngineCore | None = None
         # One generate() at a time (module docstring). Waiting on it is bounded by the call ahead, whose own
         # waits (collectives, handoffs) all time out.
         self._busy = threading.Lock()
@@ -191,9 +191,10 @@ class LLM:
             self._busy.release()
 
     def _close(self) -> None:
-        if self._executor is not None:
-            self._executor.close()
-            self._executor = None
+        if self._core is not None:
+            self._core.close()
+            self._core = None
+            return
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
@@ -255,7 +256,7 @@ class LLM:
         Thread-safe: concurrent calls run one after the other (``last_stats`` describes the latest to finish);
         with data_parallel_size > 1 a call made while another runs raises RuntimeError (module docstring).
         """
-        forward_thread = self._executor.thread_id if self._executor is not None else None
+        forward_thread = self._core.forward_thread_id if self._core is not None else None
         if self._busy_thread is not None and threading.get_ident() in (self._busy_thread, forward_thread):
             # from the calling thread or this LLM's forward thread: it would wait for itself forever
             raise RuntimeError("LLM.generate called again from inside a generate() call (same thread, or the "
@@ -282,13 +283,14 @@ class LLM:
         start = time.perf_counter()
         steps0 = getattr(self.runner, "num_steps", 0)
         ubatched0 = getattr(self.runner, "num_ubatched_steps", 0)
-        sched = Scheduler.from_runner(self.cfg, self.runner)
+        core = self._engine_core()
+        sched = core.scheduler
+        preemptions0 = sched.num_preemptions
         local = list(range(self.rank, len(prompt_ids), self.world_size))
         for i in local:
-            sched.add_request(prompt_ids[i], params[i], make_generator(params[i], self.cfg.seed * 1_000_003 + i),
-                              req_id=i)
+            core.add_request(EngineCoreRequest(i, prompt_ids[i], params[i], default_seed=self.cfg.seed * 1_000_003 + i))
         with tracing.record(self.cfg.trace_file, getattr(self.runner, "device", None)) as rec:  # clock: device
-            self._run_loop(sched, len(local), disable_progress)
+            finished = self._run_loop(core, prompt_ids, len(local), disable_progress)
         if sched.allocator.num_free_blocks != sched.allocator.num_blocks:  # a leak would starve later calls
             raise RuntimeError(f"KV blocks leaked: {sched.allocator.num_blocks - sched.allocator.num_free_blocks} "
                                "still allocated after every request finished")
@@ -296,9 +298,9 @@ class LLM:
             tokenizer = self.get_tokenizer()
         except ImportError:
             tokenizer = None
-        outputs = [self._output(sched.requests[i], tokenizer) for i in local]
+        outputs = [self._output(i, prompt_ids[i], finished[i], tokenizer) for i in local]
         elapsed = time.perf_counter() - start
-        mine = (outputs, sched.num_preemptions, elapsed, tracing.local_spans(rec))
+        mine = (outputs, sched.num_preemptions - preemptions0, elapsed, tracing.local_spans(rec))
         gathered = self._all_gather(mine)
         if rec is not None:
             self.last_trace = tracing.export(self.cfg.trace_file, [g[3] for g in gathered], self.rank)
@@ -323,45 +325,61 @@ class LLM:
         return out
 
     @staticmethod
-    def _output(req: Request, tokenizer: Any) -> RequestOutput:
-        text = _decode(tokenizer, req.output_token_ids) if tokenizer is not None and req.finish_reason != "error" \
-            else None
-        return RequestOutput(index=req.req_id, prompt_token_ids=list(req.prompt_token_ids),
-                             token_ids=list(req.output_token_ids), text=text,
-                             finish_reason=req.finish_reason or "error",
-                             error=req.error)
+    def _output(index: int, prompt: Any, final: EngineCoreOutput, tokenizer: Any) -> RequestOutput:
+        tokens = final.new_token_ids
+        text = _decode(tokenizer, tokens) if tokenizer is not None and final.finish_reason != "error" else None
+        return RequestOutput(index=index, prompt_token_ids=list(prompt) if isinstance(prompt, list) else [],
+                             token_ids=list(tokens), text=text, finish_reason=final.finish_reason or "error",
+                             error=final.error)
 
-    def _run_loop(self, sched: Scheduler, num_local: int, disable_progress: bool) -> None:
+    def _run_loop(self, core: EngineCore, prompt_ids: list[Any], num_local: int,
+                  disable_progress: bool) -> dict[int, EngineCoreOutput]:
+        """Step the engine core until the wave ends (no DP rank has work); returns each request's outputs joined
+        into one (all its tokens, its finish reason)."""
         bar = self._progress_bar(num_local, disable_progress)
         out_tokens, t0 = 0, time.perf_counter()
-        if bar is not None:
-            bar.update(sum(r.is_finished for r in sched.requests.values()))
+        joined: dict[int, EngineCoreOutput] = {}
+        finished: dict[int, EngineCoreOutput] = {}
 
-        def on_results(out: Any, sampled: Sequence[int | None], done: list[Request]) -> None:
+        def collect(outputs: list[EngineCoreOutput]) -> None:
             nonlocal out_tokens
-            out_tokens += sum(t is not None for t in sampled)
-            if done:
-                bar.update(len(done))
-            bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s", refresh=False)
+            for o in outputs:
+                acc = joined.setdefault(o.request_id, EngineCoreOutput(o.request_id))
+                acc.new_token_ids.extend(o.new_token_ids)
+                out_tokens += len(o.new_token_ids)
+                if o.finished:
+                    acc.finish_reason, acc.stop_reason, acc.error = o.finish_reason, o.stop_reason, o.error
+                    finished[o.request_id] = joined.pop(o.request_id)
+                    if bar is not None:
+                        bar.update(1)
+            if bar is not None:
+                bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s", refresh=False)
 
         try:
-            self.last_loop_stats = run_steps(
-                sched, self.runner, executor=None if self.cfg.disable_overlap_schedule else self._forward_executor(),
-                consecutive_prefill_overlap=not self.cfg.disable_consecutive_prefill_overlap,
-                before_launch=report_progress,  # the step count, for the launcher's liveness report
-                on_results=on_results if bar is not None else None, step_timeout_s=self.cfg.dist_timeout_s)
+            collect(core.take_outputs())  # requests refused at add time
+            while True:
+                step = core.step()
+                collect(step.outputs)
+                if not step.running:
+                    break
+            self.last_loop_stats = core.last_loop_stats
+            leftover = [rid for rid in joined if rid not in finished] + [
+                r.req_id for r in list(core.scheduler.running) + list(core.scheduler.waiting)
+                if r.req_id not in joined]
+            for rid in leftover:  # only if the runner stopped early: never silent
+                core.scheduler.abort_request(rid, "engine stopped before the request finished (model runner "
+                                                  "reported no work while this request was still queued)")
+            collect(core.take_outputs())
         finally:
             if bar is not None:
                 bar.close()
-        for req in list(sched.running) + list(sched.waiting):  # only if the runner stopped early: never silent
-            sched.abort_request(req.req_id, "engine stopped before the request finished (model runner reported "
-                                            "no work while this request was still queued)")
+        return finished
 
-    def _forward_executor(self) -> ForwardExecutor:
-        """The persistent thread steps run on with the overlap loop (created on first use, closed by close())."""
-        if self._executor is None:
-            self._executor = ForwardExecutor(device=getattr(self.runner, "device", None))
-        return self._executor
+    def _engine_core(self) -> EngineCore:
+        """This rank's engine core (created on first use, closed by close())."""
+        if self._core is None:
+            self._core = EngineCore(self.cfg, self.runner, before_launch=report_progress)  # liveness: step count
+        return self._core
 
     def _progress_bar(self, total: int, disable: bool) -> Any:
         if disable or self.rank != 0 or not sys.stderr.isatty():

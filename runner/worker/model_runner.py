@@ -32,6 +32,7 @@ from runner.attention.kv_cache import allocate_kv_caches, build_attention_metada
 from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
 from runner.models.loader import load_model
 from runner.worker.sampler import sample
+from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.scheduled_batch import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
@@ -161,7 +162,7 @@ class ModelRunner:
                                               split=split, pays=pays, rule=rule), split_point
 
     @torch.inference_mode()
-    def step(self, sched: SchedulerOutput) -> list[int | None] | None:
+    def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         start = time.perf_counter()
         decision, split_point = self.decide(sched)
         if not decision.any_work:
@@ -169,14 +170,14 @@ class ModelRunner:
         self.num_steps += 1
         if sched.num_tokens == 0:
             self._dummy_step(decision)
-            return []
+            return ModelRunnerOutput([])
         hidden, meta = self._forward(sched, decision, split_point)
         with trace.region("sample", "step", track="step"):
             sampled = self._sample(sched, hidden, meta)
         if self.cost_model is not None:
             self.cost_model.record(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch,
                                    time.perf_counter() - start)
-        return sampled
+        return ModelRunnerOutput(sampled)
 
     def _forward(self, sched: SchedulerOutput, decision: DPDecision,
                  split_point: list[int] | int | None) -> tuple[torch.Tensor, Any]:

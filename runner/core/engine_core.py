@@ -1,0 +1,174 @@
+"""EngineCore: one DP rank's engine -- its scheduler, its model runner and the step loop between them.
+
+The offline ``LLM`` drives one in-process; the server runs one per rank process behind ZeroMQ
+(``runner/core/engine_core_proc.py``). Either way requests come in as token ids
+(:class:`~runner.core.requests.EngineCoreRequest`), may be added or aborted between steps, join the running
+batch at the next step (continuous batching), and come out as per-step
+:class:`~runner.core.requests.EngineCoreOutput` s.
+
+**Waves.** With DP every rank must take part in every step (the MoE all-to-alls pair up), so the ranks step
+together from the moment any of them has work until the per-step DP vote finds that none has
+(``runner.step`` returns None on every rank in the same step). That run of steps is a *wave*: :meth:`step`
+returns ``running=False`` at its end, and the caller stops calling it until there is work again (the server
+then blocks on its socket, using no CPU). ``num_waves_finished`` counts them; with one rank a wave ends as
+soon as this rank has nothing left.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop
+from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.scheduler import Request, Scheduler
+from runner.worker.outputs import ModelRunnerOutput
+from runner.worker.sampler import make_generator
+from runner.worker.scheduled_batch import SchedulerOutput
+
+
+@dataclass
+class EngineCoreStep:
+    """What one :meth:`EngineCore.step` produced; ``running`` is False when the wave ended with it."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    running: bool = True
+
+
+class EngineCore:
+    """``EngineCore(cfg, runner)``: ``cfg`` is the ``RunnerConfig`` (loop settings, step timeout), ``runner``
+    the rank's model runner (or a test stand-in with its ``step`` and cache geometry)."""
+
+    def __init__(self, cfg: Any, runner: Any, *, before_launch: Callable[[int], None] | None = None) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.before_launch = before_launch
+        self.scheduler = Scheduler.from_runner(cfg, runner)
+        self.num_waves_finished = 0
+        self.last_loop_stats: LoopStats | None = None  # the loop of the last wave that ended
+        self._executor: ForwardExecutor | None = None
+        self._loop: StepLoop | None = None
+        self._emitted: dict[int, int] = {}  # request id -> output tokens already reported
+        self._step_outputs: dict[int, EngineCoreOutput] = {}  # gathered while steps run, until take_outputs()
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request: EngineCoreRequest) -> None:
+        """Queue a request for the next step; one that cannot run finishes at once with ``finish_reason``
+        "error" (reported by the next :meth:`step` or :meth:`take_outputs`)."""
+        params = request.sampling_params
+        self.scheduler.add_request(request.prompt_token_ids, params, make_generator(params, request.default_seed),
+                                   req_id=request.request_id)
+        self._emitted[request.request_id] = 0
+
+    def abort_requests(self, request_ids: Iterable[int], message: str = "aborted by the client") -> None:
+        """Finish these requests with ``finish_reason`` "abort"; nothing more is reported for them (the caller
+        knows). Their KV blocks are freed once no step in flight uses them. Unknown or finished ids are ignored."""
+        for rid in request_ids:
+            if self._emitted.pop(rid, None) is None:
+                continue
+            self.scheduler.abort_request(rid, message, reason="abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Share of the KV blocks held by requests, in [0, 1]."""
+        a = self.scheduler.allocator
+        return 1.0 - a.num_free_blocks / a.num_blocks
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> EngineCoreStep:
+        """One iteration of the step loop (with the overlap loop: launch step N+1, process step N). Returns
+        what it produced; ``running=False`` when no DP rank had work (the wave is over: see module doc)."""
+        if self._loop is None:
+            self._loop = make_step_loop(
+                self.scheduler, self.runner,
+                executor=None if self.cfg.disable_overlap_schedule else self._forward_executor(),
+                consecutive_prefill_overlap=not self.cfg.disable_consecutive_prefill_overlap,
+                before_launch=self.before_launch, on_results=self._on_results,
+                step_timeout_s=self.cfg.dist_timeout_s)
+        try:
+            running = self._loop.step()
+        except BaseException:
+            self._end_wave()
+            raise
+        if not running:
+            self._end_wave()
+            self.num_waves_finished += 1
+        return EngineCoreStep(self.take_outputs(), running)
+
+    def take_outputs(self) -> list[EngineCoreOutput]:
+        """Outputs gathered since the last call, in order: new tokens, then each request that finished, once
+        (also requests refused at add time while no wave runs)."""
+        by_id = self._step_outputs
+        for req in self.scheduler.take_finished():
+            rid = req.req_id
+            self.scheduler.forget(rid)
+            if self._emitted.pop(rid, None) is None:  # aborted by the client: it reports nothing more
+                continue
+            out = by_id.get(rid)
+            if out is None:
+                out = by_id[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(req.prompt_token_ids))
+            out.finish_reason = req.finish_reason or "error"
+            out.stop_reason, out.error = req.stop_reason, req.error
+        self._step_outputs = {}
+        return list(by_id.values())
+
+    def _end_wave(self) -> None:
+        loop, self._loop = self._loop, None
+        if loop is not None:
+            self.last_loop_stats = loop.finish()
+
+    def _on_results(self, out: SchedulerOutput, output: ModelRunnerOutput, done: list[Request]) -> None:
+        """The tokens one processed step added, per request (finished requests are added by take_outputs)."""
+        logprobs = output.logprobs
+        requests = self.scheduler.requests
+        for i, chunk in enumerate(out.chunks):
+            rid = chunk.req_id
+            start = self._emitted.get(rid)
+            req = requests.get(rid)
+            if start is None or req is None:  # aborted by the client, or already reported finished
+                continue
+            real = len(req.output_token_ids) - req.num_pending
+            if real <= start:
+                continue
+            new = req.output_token_ids[start:real]
+            self._emitted[rid] = real
+            entry = logprobs[i] if logprobs is not None else None
+            prev = self._step_outputs.get(rid)
+            if prev is None:
+                self._step_outputs[rid] = EngineCoreOutput(rid, new, [entry] if entry is not None else None,
+                                                           num_prompt_tokens=len(req.prompt_token_ids))
+            else:  # a second processed step in one call (a sync point): append
+                prev.new_token_ids.extend(new)
+                if entry is not None:
+                    prev.new_logprobs = (prev.new_logprobs or []) + [entry]
+
+    # ------------------------------------------------------------------ lifetime
+    def _forward_executor(self) -> ForwardExecutor:
+        """The persistent thread steps run on with the overlap loop (created on first use, closed by close())."""
+        if self._executor is None:
+            self._executor = ForwardExecutor(device=getattr(self.runner, "device", None))
+        return self._executor
+
+    @property
+    def forward_thread_id(self) -> int | None:
+        return self._executor.thread_id if self._executor is not None else None
+
+    def close(self) -> None:
+        """Wait for anything in flight, stop the forward thread and release the runner."""
+        self._end_wave()
+        if self._executor is not None:
+            self._executor.close()
+            self._executor = None
+        close = getattr(self.runner, "close", None)
+        if close is not None:
+            close()
