@@ -60,10 +60,10 @@ def test_bad_prompt_is_an_error_output_others_run() -> None:
 def test_prompt_forms() -> None:
     llm = make_llm()
     outs = llm.generate(["hi", {"prompt": "yo"}, {"prompt_token_ids": [4, 5]}, [4, 5]],
-                        SamplingParams(max_tokens=3))
+                        SamplingParams(temperature=0.0, max_tokens=3))
     assert outs[0].prompt_token_ids == ToyTokenizer().encode("hi")
     assert outs[2].token_ids == outs[3].token_ids
-    assert len(llm.generate("hello", SamplingParams(max_tokens=1))) == 1  # a single string is one prompt
+    assert len(llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=1))) == 1  # a single string is one prompt
     with pytest.raises(TypeError, match=r"flat list of ints; pass a list of prompts, e.g. \[\[1, 2, 3\]\]"):
         llm.generate([1, 2, 3])
     with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
@@ -137,7 +137,7 @@ def test_numpy_and_torch_integer_token_ids_are_accepted() -> None:
     import torch
 
     llm = make_llm()
-    sp = SamplingParams(max_tokens=3)
+    sp = SamplingParams(temperature=0.0, max_tokens=3)
     want = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], sp)]
     forms = [[np.int64(1), np.int32(2), np.uint8(3)], np.array([4, 5])]
     assert [o.token_ids for o in llm.generate(forms, sp)] == want

@@ -256,11 +256,11 @@ def test_future_map_rejects_stale_or_foreign_reads() -> None:
 # ---------------------------------------------------------------------------------------------- scheduler rules
 def test_stop_token_in_flight_discards_next_step_and_defers_freeing() -> None:
     runner = FakeRunner(vocab_size=VOCAB, block_size=4, num_kv_blocks=16)
-    ref, _ = reference_generate([1, 2, 3], SamplingParams(max_tokens=8), VOCAB, 0)
+    ref, _ = reference_generate([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8), VOCAB, 0)
     runner.eos_token_ids = {ref[1]}  # the second output is a stop token
     sched = make_sched(runner)
     sched.eos_token_ids = frozenset(runner.eos_token_ids)
-    req = sched.add_request([1, 2, 3], SamplingParams(max_tokens=8))
+    req = sched.add_request([1, 2, 3], SamplingParams(temperature=0.0, max_tokens=8))
     s1 = sched.schedule()  # prefill, samples output 0
     s2 = sched.schedule()  # decode of a placeholder, samples output 1 (the stop token)
     s3 = sched.schedule()  # speculative: output 1 is not known yet

@@ -16,7 +16,7 @@ def gen(seed: int) -> torch.Generator:
 
 def test_greedy_is_argmax_first_on_ties() -> None:
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, 1.0, 2.0, 0.0]])
-    assert sample(logits, [SamplingParams()] * 2, [None, None]) == [1, 0]
+    assert sample(logits, [SamplingParams(temperature=0.0)] * 2, [None, None]) == [1, 0]
     assert sample(logits[:1], [SamplingParams(temperature=1e-7)], [gen(0)]) == [1]  # below eps: greedy
     assert sample(torch.zeros(0, 4), [], []) == []
 
@@ -72,18 +72,18 @@ def test_temperature_one_matches_softmax() -> None:
 
 
 def test_make_generator() -> None:
-    assert make_generator(SamplingParams(), 5) is None  # greedy needs no RNG
+    assert make_generator(SamplingParams(temperature=0.0), 5) is None  # greedy needs no RNG
     a = make_generator(SamplingParams(temperature=1.0, seed=11), 5)
     b = make_generator(SamplingParams(temperature=1.0), 11)
     assert torch.rand(3, generator=a).tolist() == torch.rand(3, generator=b).tolist()
 
 
 @pytest.mark.parametrize("kwargs,msg", [
-    ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
-    ({"temperature": -1}, "temperature must be a finite number >= 0"),
+    ({"max_tokens": 0}, r"max_tokens must be an integer >= 1 \(or None\), got 0"),
+    ({"temperature": -1}, r"temperature must be a number in \[0, 2\], got -1"),
     ({"temperature": float("nan")}, "temperature must be"),
-    ({"top_p": 0.0}, r"top_p must lie in \(0, 1\], got 0.0"),
-    ({"top_p": 1.5}, "top_p must lie in"),
+    ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
+    ({"top_p": 1.5}, "top_p must be a number in"),
     ({"seed": "x"}, "seed must be an integer or None"),
     ({"stop_token_ids": [1, -2]}, "stop_token_ids must be non-negative integers, got -2"),
     ({"ignore_eos": 1}, "ignore_eos must be True or False"),

@@ -138,13 +138,13 @@ def test_request_larger_than_cache_is_rejected_up_front() -> None:
 
 def test_stop_conditions() -> None:
     prompt = [5, 6, 7]
-    ref, _ = reference_generate(prompt, SamplingParams(max_tokens=8), VOCAB, 0)
+    ref, _ = reference_generate(prompt, SamplingParams(temperature=0.0, max_tokens=8), VOCAB, 0)
     k = next(i for i in range(1, 8) if ref[i] not in ref[:i])  # first position whose token is new
     cases = {
-        "eos": (SamplingParams(max_tokens=8), {ref[k]}, k + 1, "stop"),
-        "ignore_eos": (SamplingParams(max_tokens=8, ignore_eos=True), {ref[k]}, 8, "length"),
-        "stop_token": (SamplingParams(max_tokens=8, stop_token_ids=[ref[k]]), set(), k + 1, "stop"),
-        "max_tokens": (SamplingParams(max_tokens=2), set(), 2, "length"),
+        "eos": (SamplingParams(temperature=0.0, max_tokens=8), {ref[k]}, k + 1, "stop"),
+        "ignore_eos": (SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), {ref[k]}, 8, "length"),
+        "stop_token": (SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[ref[k]]), set(), k + 1, "stop"),
+        "max_tokens": (SamplingParams(temperature=0.0, max_tokens=2), set(), 2, "length"),
     }
     for name, (params, eos, n, reason) in cases.items():
         runner = FakeRunner(eos_token_ids=eos)
@@ -154,7 +154,7 @@ def test_stop_conditions() -> None:
         assert (req.output_token_ids, req.finish_reason) == (ref[:n], reason), name
     runner = FakeRunner(max_model_len=6)
     sched = make_sched(runner)
-    req = sched.add_request(prompt, SamplingParams(max_tokens=8))
+    req = sched.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=8))
     run(sched, runner)
     assert (req.output_token_ids, req.finish_reason) == (ref[:3], "length")
 
