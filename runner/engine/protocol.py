@@ -1,0 +1,136 @@
+"""What a front end needs from the engine while requests arrive and stream (vLLM's ``EngineClient`` protocol).
+
+The OpenAI server (``runner/entrypoints/openai/``) is written against :class:`EngineClient` only: the
+multi-process client (one engine-core process per DP rank, ``runner/engine/core_client.py``) implements it,
+and so can a test double. Everything here is asyncio-friendly: no call blocks the event loop on a forward step.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Protocol
+
+from runner.outputs import RequestOutput
+from runner.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The engine cannot serve any more requests: a rank died or stopped responding (the message names it)."""
+
+
+class EngineOverloadedError(RuntimeError):
+    """The waiting queue is full (``--max-queued-requests``); the front end answers 503."""
+
+
+class EngineShuttingDownError(RuntimeError):
+    """The server is draining after SIGTERM/SIGINT and takes no new requests; the front end answers 503."""
+
+
+@dataclass
+class RankStats:
+    """One DP rank's engine core, as of its latest report."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0  # share of KV blocks held, [0, 1]
+    num_steps: int = 0  # steps with work on some rank (dummy steps included)
+    num_ubatched_steps: int = 0  # steps run as two DBO ubatches
+    comm_s: float = 0.0  # all-to-all time on the (emulated) link
+    comm_exposed_s: float = 0.0  # of which a ubatch waited for it (not hidden behind compute)
+
+
+@dataclass
+class EngineStats:
+    """All ranks' latest reports. ``comm_hidden_fraction`` is the share of all-to-all time hidden behind compute
+    (None until some all-to-all time was measured)."""
+
+    ranks: list[RankStats] = field(default_factory=list)
+
+    @property
+    def num_running(self) -> int:
+        return sum(r.num_running for r in self.ranks)
+
+    @property
+    def num_waiting(self) -> int:
+        return sum(r.num_waiting for r in self.ranks)
+
+    @property
+    def kv_cache_usage(self) -> float:
+        return max((r.kv_cache_usage for r in self.ranks), default=0.0)
+
+    @property
+    def num_steps(self) -> int:
+        return max((r.num_steps for r in self.ranks), default=0)  # ranks step together
+
+    @property
+    def num_ubatched_steps(self) -> int:
+        return max((r.num_ubatched_steps for r in self.ranks), default=0)
+
+    @property
+    def comm_hidden_fraction(self) -> float | None:
+        comm = sum(r.comm_s for r in self.ranks)
+        if comm <= 0:
+            return None
+        return max(0.0, 1.0 - sum(r.comm_exposed_s for r in self.ranks) / comm)
+
+
+class MetricsSink(Protocol):
+    """Where the engine client reports what it sees (the server's Prometheus metrics implement it)."""
+
+    def on_request_finished(self, output: RequestOutput, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        ...
+
+    def on_tokens(self, num_new_tokens: int, ttft_s: float | None, itl_s: list[float]) -> None:
+        """New tokens of one request: ``ttft_s`` when the first one arrived, ``itl_s`` the gaps between this
+        output and the previous one (one per token after the first of the request)."""
+        ...
+
+    def on_prompt_tokens(self, num_tokens: int) -> None:
+        ...
+
+    def on_engine_stats(self, stats: EngineStats) -> None:
+        ...
+
+
+class EngineClient(ABC):
+    """The engine as the front end sees it: submit, stream, abort, ask about its health and load."""
+
+    @property
+    @abstractmethod
+    def max_model_len(self) -> int:
+        """Prompt + generated tokens a request may hold."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        ...
+
+    @abstractmethod
+    def get_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (transformers), or None when the model ships none."""
+
+    @abstractmethod
+    def default_sampling_params(self) -> dict[str, Any]:
+        """Sampling defaults from the checkpoint's ``generation_config.json`` (empty with
+        ``--generation-config vllm``): fields a request leaves unset take these values."""
+
+    @abstractmethod
+    def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                 params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        """Outputs of one request as they come (``params.output_kind``: DELTA for streaming, FINAL_ONLY for one
+        output). Raises :class:`EngineOverloadedError`, :class:`EngineShuttingDownError` before anything is
+        queued, and :class:`EngineDeadError` if the engine dies while the request runs. Leaving the iterator
+        early (a client that disconnected) aborts the request and frees its KV blocks at the next step."""
+
+    @abstractmethod
+    async def abort(self, request_id: str) -> None:
+        ...
+
+    @property
+    @abstractmethod
+    def dead_error(self) -> str | None:
+        """Why the engine is dead (names the rank), or None while every rank is alive."""
+
+    @abstractmethod
+    def stats(self) -> EngineStats:
+        ...
