@@ -174,11 +174,14 @@ def describe_exception(exc: BaseException) -> str:
 
 
 def _child_main(payload: bytes, rank: int, world_size: int, store_path: str, timeout_s: float, backend: str,
-                num_threads: int, conn: Connection, board: Any, parent_pid: int, print_traceback: bool) -> None:
+                num_threads: int, conn: Connection, board: Any, parent_pid: int, print_traceback: bool,
+                ignore_sigint: bool = False) -> None:
     """Body of one spawned rank: tie its life to the parent, beat, join the world, run ``fn``, send
     ``("ok", result)`` or ``("error", text, when, traceback)``."""
     code = 0
     try:
+        if ignore_sigint:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         die_with_parent(parent_pid)
         start_heartbeat(board, rank, parent_pid)
         fn, args = pickle.loads(payload)  # imports fn's modules (torch...) with the heartbeat already running
@@ -281,56 +284,101 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, tim
     the same device (the engine does, from ``RunnerConfig.device``). Raises :class:`RankFailedError` naming
     the failed ranks, or :class:`LaunchInterrupted` on SIGINT/SIGTERM/SIGHUP.
     """
-    if nprocs < 1:
-        raise ValueError(f"nprocs must be >= 1, got {nprocs}")
-    backend = backend or default_backend(device)
-    check_gpus(backend, nprocs)
-    payload = pickle.dumps((fn, tuple(args)))  # fails here, in the parent, if fn or args cannot travel
-    ctx = mp.get_context(start_method)
-    board = new_board(ctx, nprocs)
-    procs: list[Any] = []
-    conns: list[Connection] = []
-    started: list[float] = []
-    results: list[Any] = []
+    group = RankGroup(fn, nprocs, args, timeout_s=timeout_s, device=device, backend=backend,
+                      num_threads=num_threads, grace_s=grace_s, start_method=start_method,
+                      child_tracebacks=child_tracebacks, silence_s=silence_s)
     interrupted: int | None = None
     stopped: list[int] = []
+    results: list[Any] = []
     guard = _ParentSignals()
-    rdzv = PrivateRendezvous()
     with guard:
         try:
-            # OpenMP reads OMP_NUM_THREADS when torch is imported, which under spawn may happen while the
-            # child imports the parent's main module, before any code of ours runs there: hence the environment.
-            common = {"OMP_NUM_THREADS": str(num_threads), **loopback_env()}
-            for rank in range(nprocs):
-                parent_conn, child_conn = ctx.Pipe(duplex=False)
-                p = ctx.Process(target=_child_main, name=f"ubatch-rank-{rank}",
-                                args=(payload, rank, nprocs, rdzv.store_path, timeout_s, backend, num_threads,
-                                      child_conn, board, os.getpid(), child_tracebacks))
-                procs.append(p)  # before start(): a signal arriving during start() still finds it to stop
-                conns.append(parent_conn)
-                with _environ({**common, "RANK": str(rank), "WORLD_SIZE": str(nprocs), "LOCAL_RANK": str(rank),
-                               "LOCAL_WORLD_SIZE": str(nprocs)}):
-                    p.start()
-                child_conn.close()
-                started.append(time.monotonic())
-            results = _supervise(procs, conns, board, started, timeout_s if silence_s is None else silence_s,
-                                 grace_s)
+            group.start()
+            results = group.supervise()
         except KeyboardInterrupt as exc:  # LaunchInterrupted from our handlers, or a Ctrl-C we did not handle
             interrupted = getattr(exc, "signum", signal.SIGINT)
         finally:
             guard.armed = False
-            stopped = _terminate(procs, grace_s)
-            for c in conns:
-                c.close()
-            rdzv.close()
+            stopped = group.close()
     interrupted = interrupted if interrupted is not None else guard.pending
     if interrupted is not None:
         raise LaunchInterrupted(interrupted, stopped)
     return results
 
 
+class RankGroup:
+    """``nprocs`` spawned ranks of one world, started and supervised by the caller (:func:`launch` is the
+    blocking form). A server starts them, supervises them from a thread (``supervise(stop)``) while it serves,
+    and stops them with :meth:`close`; the ranks still die with this process if it is killed outright.
+
+    ``ignore_sigint``: the ranks ignore SIGINT, so a Ctrl-C that the terminal sends to the whole process group
+    reaches only the parent, which decides how to stop them (the server drains first).
+    """
+
+    def __init__(self, fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
+                 device: str = "auto", backend: str | None = None, num_threads: int = 1, grace_s: float = 5.0,
+                 start_method: str = "spawn", child_tracebacks: bool = True, silence_s: float | None = None,
+                 ignore_sigint: bool = False) -> None:
+        if nprocs < 1:
+            raise ValueError(f"nprocs must be >= 1, got {nprocs}")
+        self.nprocs = nprocs
+        self.timeout_s, self.grace_s, self.num_threads = timeout_s, grace_s, num_threads
+        self.silence_s = timeout_s if silence_s is None else silence_s
+        self.backend = backend or default_backend(device)
+        check_gpus(self.backend, nprocs)
+        self.payload = pickle.dumps((fn, tuple(args)))  # fails here, in the parent, if fn or args cannot travel
+        self.ctx = mp.get_context(start_method)
+        self.board = new_board(self.ctx, nprocs)
+        self.child_tracebacks, self.ignore_sigint = child_tracebacks, ignore_sigint
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        self.started: list[float] = []
+        self.rdzv = PrivateRendezvous()
+        self._closed = False
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def start(self) -> None:
+        # OpenMP reads OMP_NUM_THREADS when torch is imported, which under spawn may happen while the
+        # child imports the parent's main module, before any code of ours runs there: hence the environment.
+        common = {"OMP_NUM_THREADS": str(self.num_threads), **loopback_env()}
+        for rank in range(self.nprocs):
+            parent_conn, child_conn = self.ctx.Pipe(duplex=False)
+            p = self.ctx.Process(target=_child_main, name=f"ubatch-rank-{rank}",
+                                 args=(self.payload, rank, self.nprocs, self.rdzv.store_path, self.timeout_s,
+                                       self.backend, self.num_threads, child_conn, self.board, os.getpid(),
+                                       self.child_tracebacks, self.ignore_sigint))
+            self.procs.append(p)  # before start(): a signal arriving during start() still finds it to stop
+            self.conns.append(parent_conn)
+            with _environ({**common, "RANK": str(rank), "WORLD_SIZE": str(self.nprocs), "LOCAL_RANK": str(rank),
+                           "LOCAL_WORLD_SIZE": str(self.nprocs)}):
+                p.start()
+            child_conn.close()
+            self.started.append(time.monotonic())
+
+    def supervise(self, stop: threading.Event | None = None) -> list[Any]:
+        """Wait until every rank returned (their results, in rank order), one failed or fell silent
+        (:class:`RankFailedError`), or ``stop`` is set (the results so far; ranks still running are left to
+        :meth:`close`)."""
+        return _supervise(self.procs, self.conns, self.board, self.started, self.silence_s, self.grace_s, stop)
+
+    def close(self, grace_s: float | None = None) -> list[int]:
+        """Stop every rank still running (SIGTERM, then SIGKILL after ``grace_s``) and remove the rendezvous
+        directory; returns the ranks that had to be stopped. Idempotent."""
+        if self._closed:
+            return []
+        self._closed = True
+        stopped = _terminate(self.procs, self.grace_s if grace_s is None else grace_s)
+        for c in self.conns:
+            c.close()
+        self.rdzv.close()
+        return stopped
+
+
 def _supervise(procs: list[Any], conns: list[Connection], board: Any, started: list[float], silence_s: float,
-               grace_s: float) -> list[Any]:
+               grace_s: float, stop: threading.Event | None = None) -> list[Any]:
     n = len(procs)
     results: list[Any] = [None] * n
     messages: list[tuple[Any, ...] | None] = [None] * n
@@ -374,7 +422,7 @@ def _supervise(procs: list[Any], conns: list[Connection], board: Any, started: l
                 failed_at[rank] = now - quiet
                 failures.append((rank, describe_silence(board, rank, procs[rank].pid, started[rank], now)))
 
-    while len(done) < n and not failures:
+    while len(done) < n and not failures and not (stop is not None and stop.is_set()):
         pending = [r for r in range(n) if r not in done]
         waitables: dict[Any, tuple[str, int]] = {procs[r].sentinel: ("exit", r) for r in pending}
         waitables.update({conns[r]: ("msg", r) for r in pending if messages[r] is None})

@@ -22,6 +22,15 @@ class EngineOverloadedError(RuntimeError):
     """The waiting queue is full (``--max-queued-requests``); the front end answers 503."""
 
 
+class RequestError(ValueError):
+    """A request the engine cannot run (prompt ids outside the vocabulary, prompt + max_tokens over
+    max_model_len, ...); ``field`` names the request field at fault, for an HTTP 400 naming it."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class EngineShuttingDownError(RuntimeError):
     """The server is draining after SIGTERM/SIGINT and takes no new requests; the front end answers 503."""
 

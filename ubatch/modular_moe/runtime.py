@@ -70,6 +70,14 @@ class MoERuntime:
             self._link = EmulatedLink(spec, device)
         return self._link
 
+    def link_times(self) -> tuple[float, float] | None:
+        """(modelled all-to-all seconds in flight, seconds of it a ubatch waited for) so far, from the emulated
+        link on the CPU; None without one or on a GPU (its waits happen on the device)."""
+        link = self._link
+        if link is None or link._side_stream is not None:
+            return None
+        return link.in_flight_s, link.exposed_s
+
     def wire_bytes(self) -> int:
         """Bytes every backend of this rank has handed to its real collectives so far (both directions)."""
         return sum(pf.wire.total() for pf in self._backends.values())

@@ -82,8 +82,9 @@ class LinkSpec:
 
 
 class _DeadlineHandle:
-    def __init__(self, inner: Handle | None, deadline: float, on_done: Callable[[float], None] | None) -> None:
-        self.inner, self.deadline, self.on_done = inner, deadline, on_done
+    def __init__(self, inner: Handle | None, deadline: float, on_done: Callable[[float], None] | None,
+                 link: "EmulatedLink") -> None:
+        self.inner, self.deadline, self.on_done, self.link = inner, deadline, on_done, link
 
     def wait(self) -> None:
         if self.inner is not None:
@@ -92,6 +93,7 @@ class _DeadlineHandle:
         if remaining > 0:
             with trace.region("link_wait", "link"):  # blocked on the modelled wire, not on CPU work
                 time.sleep(remaining)
+            self.link.add_exposed(remaining)
         if self.on_done is not None:
             self.on_done(self.deadline)
 
@@ -142,6 +144,14 @@ class EmulatedLink:
         self._busy_until = 0.0
         self.total_bytes = 0
         self.num_transfers = 0
+        # CPU path only (a GPU's waits happen on the device): modelled in-flight time of every transfer, and the
+        # part a waiter spent asleep on it, i.e. not hidden behind compute. Cheap enough to keep always on.
+        self.in_flight_s = 0.0
+        self.exposed_s = 0.0
+
+    def add_exposed(self, seconds: float) -> None:
+        with self._lock:
+            self.exposed_s += seconds
 
     def transfer(self, nbytes: int, inner: Handle | None = None, label: str = "a2a") -> Handle:
         """Model sending ``nbytes`` now; ``inner`` is the real transfer to complete underneath."""
@@ -153,6 +163,9 @@ class EmulatedLink:
             self.total_bytes += nbytes
             self.num_transfers += 1
         deadline = wire_done + self.spec.latency_us * 1e-6
+        if self._side_stream is None:
+            with self._lock:
+                self.in_flight_s += deadline - now
         rec = trace.active()
         if self._side_stream is not None:
             return self._cuda_transfer(deadline - now, inner, rec, label, nbytes, now)
@@ -160,7 +173,7 @@ class EmulatedLink:
         if rec is not None:
             track = _comm_track()
             on_done = lambda end: rec.span(label, "comm", track, now, end, bytes=nbytes)  # noqa: E731
-        return _DeadlineHandle(inner, deadline, on_done)
+        return _DeadlineHandle(inner, deadline, on_done, self)
 
     def _cuda_transfer(self, seconds: float, inner: Handle | None, rec: trace.TraceRecorder | None, label: str,
                        nbytes: int, now: float) -> Handle:

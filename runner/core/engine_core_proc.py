@@ -1,0 +1,153 @@
+"""One DP rank's engine-core process for the server: an :class:`EngineCore` behind ZeroMQ (vLLM V1's
+``EngineCoreProc``).
+
+It runs in a rank spawned by ``runner.distributed.launch.RankGroup`` (the process group is joined before
+:func:`run_engine_core` is called), receives requests from the engine client between steps and sends the
+outputs of every step back. The client tokenizes, detokenizes and checks stop strings; this loop only steps.
+
+**Waves** (what keeps the DP collectives paired). A step of any rank takes part in one DP all-reduce (the
+vote) and, with expert parallelism, in every layer's all-to-all, so all ranks must run the same steps. A rank
+with work keeps stepping; the vote tells every rank in the same step when no rank has work left (the wave is
+over, :class:`~runner.core.engine_core.EngineCoreStep` ``running=False``), and each rank then counts
+``wave += 1`` and blocks on its socket: an idle server uses no CPU. A rank given a request while idle starts
+the next wave and tells the client (:class:`~runner.core.messages.WaveStarted`), which wakes every rank for
+that wave (:class:`~runner.core.messages.Wake`). A wake for a wave this rank has not reached yet (it is still
+in the last step of the previous one) is remembered and honoured when that step ends; a wake for a wave
+already over is ignored. So every rank runs every wave, and all leave it in the same step. With one rank a
+wave simply ends when its scheduler is empty.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from runner.core.engine_core import EngineCore
+from runner.core.messages import (
+    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, Outputs, Ready, Shutdown,
+    Wake, WaveDone, WaveStarted,
+)
+from runner.core.requests import EngineCoreOutput
+
+logger = logging.getLogger("ubatch.engine_core")
+
+# How long an idle rank blocks on its socket before looking again (it wakes at once when a message comes).
+IDLE_POLL_MS = 1000
+# Without outputs, a busy rank still reports its load this often, for the server's gauges.
+STATS_INTERVAL_S = 0.5
+
+
+def run_engine_core(cfg: Any, input_addresses: list[str], output_address: str) -> None:
+    """The body of one spawned rank (``RankGroup(run_engine_core, dp, args=(cfg, inputs, output))``)."""
+    import torch.distributed as dist
+    import zmq
+
+    from runner.distributed.launch import describe_exception
+    from runner.distributed.liveness import report_progress
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 2000)  # let the last messages (a failure report) leave before the process ends
+    out.connect(output_address)
+    inp = ctx.socket(zmq.PULL)
+    inp.setsockopt(zmq.LINGER, 0)
+    inp.connect(input_addresses[rank])
+    core: EngineCore | None = None
+    try:
+        from runner.worker.model_runner import ModelRunner
+
+        runner = ModelRunner(cfg, rank, world)
+        core = EngineCore(cfg, runner, before_launch=report_progress)
+        out.send(ENCODER.encode(Ready(CoreInfo(rank, runner.max_model_len, runner.vocab_size, runner.num_kv_blocks,
+                                               runner.block_size, sorted(runner.eos_token_ids)))))
+        CoreLoop(core, inp, out, rank, world).run()
+    except BaseException as exc:  # noqa: BLE001 - reported to the client, then re-raised for the launcher
+        out.send(ENCODER.encode(CoreFailed(rank, describe_exception(exc))))
+        raise
+    finally:
+        if core is not None:
+            core.close()
+        inp.close()
+        out.close()
+        ctx.term()
+
+
+class CoreLoop:
+    """Receive between steps, step while the wave runs, send what each step produced (module docstring)."""
+
+    def __init__(self, core: EngineCore, inp: Any, out: Any, rank: int, world: int) -> None:
+        import zmq
+
+        self.core, self.inp, self.out, self.rank, self.world = core, inp, out, rank, world
+        self.poller = zmq.Poller()
+        self.poller.register(inp, zmq.POLLIN)
+        self.wave = 0
+        self.running = False
+        self.wake_for = -1  # the latest wave a Wake asked for
+        self.stopping = False
+        self._last_stats = 0.0
+
+    def run(self) -> None:
+        while True:
+            self._receive(0 if self.running else IDLE_POLL_MS)
+            if self.stopping and not self.running:
+                return
+            if not self.running:
+                self._send_outputs(self.core.take_outputs())  # requests refused at arrival
+                continue
+            step = self.core.step()
+            self._send_outputs(step.outputs, force_stats=not step.running)
+            if not step.running:
+                self.running = False
+                self.out.send(ENCODER.encode(WaveDone(self.rank, self.wave)))
+                self.wave += 1
+                if self.wake_for >= self.wave and not self.stopping:
+                    self.running = True
+
+    def _receive(self, timeout_ms: int) -> None:
+        while self.poller.poll(timeout_ms):
+            timeout_ms = 0
+            msg = INPUT_DECODER.decode(self.inp.recv())
+            if isinstance(msg, AddRequest):
+                if self.stopping:  # the client stops sending before Shutdown; never start a wave now
+                    refused = EngineCoreOutput(msg.request.request_id, finish_reason="abort",
+                                               error="the engine is shutting down")
+                    self.out.send(ENCODER.encode(Outputs(self.rank, [refused], self._stats())))
+                    continue
+                self.core.add_request(msg.request)
+                self._start_wave()
+            elif isinstance(msg, AbortRequests):
+                self.core.abort_requests(msg.request_ids)
+            elif isinstance(msg, Wake):
+                self.wake_for = max(self.wake_for, msg.wave)
+                if msg.wave == self.wave and not self.running and not self.stopping:
+                    self.running = True
+            elif isinstance(msg, Shutdown):
+                self.stopping = True
+
+    def _start_wave(self) -> None:
+        if self.running:
+            return
+        self.running = True
+        if self.world > 1:
+            self.out.send(ENCODER.encode(WaveStarted(self.rank, self.wave)))
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput], force_stats: bool = False) -> None:
+        now = time.monotonic()
+        if not outputs and not force_stats and now - self._last_stats < STATS_INTERVAL_S:
+            return
+        self._last_stats = now
+        self.out.send(ENCODER.encode(Outputs(self.rank, outputs, self._stats())))
+
+    def _stats(self) -> CoreStats:
+        core, runner = self.core, self.core.runner
+        comm = None
+        runtime = getattr(getattr(runner, "model", None), "moe_runtime", None)
+        if runtime is not None:
+            comm = runtime.link_times()
+        return CoreStats(num_running=core.num_running, num_waiting=core.num_waiting,
+                         kv_cache_usage=core.kv_cache_usage, num_steps=getattr(runner, "num_steps", 0),
+                         num_ubatched_steps=getattr(runner, "num_ubatched_steps", 0),
+                         comm_s=comm[0] if comm else 0.0, comm_exposed_s=comm[1] if comm else 0.0)

@@ -1,0 +1,95 @@
+"""The messages between the engine client and the per-rank engine-core processes, encoded with msgspec's
+msgpack (vLLM V1's choice: typed, fast, no pickle from the network side).
+
+Client -> rank ``r`` (one PUSH/PULL pipe per rank): :class:`AddRequest`, :class:`AbortRequests`,
+:class:`Wake`, :class:`Shutdown`. Every rank -> client (one shared pipe): :class:`Ready` once loaded,
+:class:`Outputs` after steps, :class:`WaveStarted` / :class:`WaveDone` (see ``runner/core/engine_core_proc.py``
+for the wave protocol), :class:`CoreFailed` when the rank's loop raised.
+"""
+from __future__ import annotations
+
+import msgspec
+
+from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+
+
+class CoreInfo(msgspec.Struct):
+    """What the client needs to know of a loaded rank."""
+
+    rank: int
+    max_model_len: int
+    vocab_size: int
+    num_kv_blocks: int
+    block_size: int
+    eos_token_ids: list[int]
+
+
+class CoreStats(msgspec.Struct):
+    """A rank's load and DBO counters, sent with its outputs."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    num_steps: int = 0
+    num_ubatched_steps: int = 0
+    comm_s: float = 0.0  # modelled all-to-all time in flight (emulated link, CPU)
+    comm_exposed_s: float = 0.0  # of which a ubatch waited for it
+
+
+# ---- client -> rank ---------------------------------------------------------------------------------------
+class AddRequest(msgspec.Struct, tag="add"):
+    request: EngineCoreRequest
+
+
+class AbortRequests(msgspec.Struct, tag="abort"):
+    request_ids: list[int]
+
+
+class Wake(msgspec.Struct, tag="wake"):
+    """Some rank started wave ``wave``: every rank must step in it (the DP collectives pair up)."""
+
+    wave: int
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    """Leave the loop once the current wave (if any) has ended, so no peer is left alone in a collective."""
+
+
+InputMessage = AddRequest | AbortRequests | Wake | Shutdown
+
+
+# ---- rank -> client ---------------------------------------------------------------------------------------
+class Ready(msgspec.Struct, tag="ready"):
+    info: CoreInfo
+
+
+class Outputs(msgspec.Struct, tag="outputs"):
+    rank: int
+    outputs: list[EngineCoreOutput]
+    stats: CoreStats
+
+
+class WaveStarted(msgspec.Struct, tag="wave_started"):
+    """Rank ``rank`` got work while idle and started wave ``wave``: the client wakes every rank for it."""
+
+    rank: int
+    wave: int
+
+
+class WaveDone(msgspec.Struct, tag="wave_done"):
+    """No rank had work in the last step of wave ``wave``; rank ``rank`` is idle."""
+
+    rank: int
+    wave: int
+
+
+class CoreFailed(msgspec.Struct, tag="failed"):
+    rank: int
+    message: str
+
+
+OutputMessage = Ready | Outputs | WaveStarted | WaveDone | CoreFailed
+
+ENCODER = msgspec.msgpack.Encoder()
+INPUT_DECODER = msgspec.msgpack.Decoder(InputMessage)
+OUTPUT_DECODER = msgspec.msgpack.Decoder(OutputMessage)

@@ -1,0 +1,372 @@
+"""The engine client of the server: one engine-core process per DP rank behind ZeroMQ, driven from the
+server's asyncio loop (vLLM V1's ``AsyncLLM`` over ``DPAsyncMPClient``).
+
+- **Processes.** :meth:`MPEngineClient.start` spawns the ranks with ``runner.distributed.launch.RankGroup``
+  (private rendezvous, loopback only, heartbeats, ranks die with this process) running
+  ``runner.core.engine_core_proc.run_engine_core``, and supervises them from a thread. Sockets are IPC files
+  in a private (0700) directory: nothing listens on the network but the HTTP server.
+- **Requests.** Each request is validated here (prompt ids in the vocabulary, prompt + max_tokens within
+  max_model_len), split into ``n`` engine requests (int ids, one per sample), and each is sent to the DP rank
+  with the least outstanding work. The ranks step while any has work (waves: see
+  ``runner/core/engine_core_proc.py``); this client relays each rank's ``WaveStarted`` to every rank.
+- **Outputs.** One task reads every rank's outputs, turns them into ``RequestOutput`` s (detokenization, stop
+  strings, ``n``: the output processor) and hands them to the request's queue; a stop string found here
+  aborts the engine request. Leaving :meth:`generate` early (a client that disconnected) aborts the request:
+  its rank frees the KV blocks at its next step.
+- **Failure.** A rank that dies or stops answering heartbeats is named by the launcher; every request in
+  flight then fails with :class:`EngineDeadError` carrying that name, and ``dead_error`` tells the server to
+  answer 503 on /health and exit non-zero.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+from runner.core.messages import (
+    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, Outputs, Ready, Shutdown, Wake,
+    WaveDone, WaveStarted,
+)
+from runner.core.requests import EngineCoreOutput
+from runner.engine.protocol import (
+    EngineClient, EngineDeadError, EngineOverloadedError, EngineShuttingDownError, EngineStats, MetricsSink,
+    RankStats, RequestError,
+)
+from runner.engine.simple_output import RequestTracker
+from runner.outputs import RequestOutput
+from runner.sampling_params import SamplingParams
+
+logger = logging.getLogger("ubatch.engine")
+
+# Loading a checkpoint and capturing graphs happen before a rank says Ready; on top of the collective timeout.
+STARTUP_GRACE_S = 600.0
+# A rank that reports a failure is named by that report only if the launcher has not named a cause by then.
+CORE_FAILED_GRACE_S = 3.0
+
+
+@dataclass
+class _Rank:
+    socket: Any
+    info: CoreInfo | None = None
+    outstanding: int = 0  # engine requests sent and not finished
+    stats: RankStats = field(default_factory=RankStats)
+    running: bool = False  # as last reported (WaveStarted / WaveDone)
+
+
+class MPEngineClient(EngineClient):
+    """``await MPEngineClient(cfg, ...).start()``; then :meth:`generate` from request handlers;
+    ``await shutdown()`` at the end (or :meth:`close` to stop the ranks at once)."""
+
+    def __init__(self, cfg: Any, *, tokenizer: Any = None, default_params: dict[str, Any] | None = None,
+                 max_queued_requests: int | None = None, metrics: MetricsSink | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self._default_params = dict(default_params or {})
+        self.max_queued_requests = max_queued_requests
+        self.metrics = metrics
+        self.on_dead = on_dead
+        self._ranks: list[_Rank] = []
+        self._group: Any = None
+        self._ctx: Any = None
+        self._out_socket: Any = None
+        self._sock_dir: str | None = None
+        self._reader: asyncio.Task | None = None
+        self._supervisor: threading.Thread | None = None
+        self._stop_supervising = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._dead_error: str | None = None
+        self._accepting = False
+        self._stopping = False  # shutdown() told the ranks to leave: their exit is expected
+        self._engine_ids = itertools.count()
+        self._seeds = itertools.count()
+        self.tracker = RequestTracker(tokenizer)
+        self._where: dict[int, int] = {}  # engine request id -> rank
+        self._ready = asyncio.Event()
+
+    # ------------------------------------------------------------------ EngineClient
+    @property
+    def max_model_len(self) -> int:
+        return self._info.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._info.vocab_size
+
+    @property
+    def _info(self) -> CoreInfo:
+        if not self._ranks or self._ranks[0].info is None:
+            raise RuntimeError("the engine has not started yet (call start())")
+        return self._ranks[0].info
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def default_sampling_params(self) -> dict[str, Any]:
+        return dict(self._default_params)
+
+    @property
+    def dead_error(self) -> str | None:
+        return self._dead_error
+
+    def stats(self) -> EngineStats:
+        return EngineStats([r.stats for r in self._ranks])
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return self.tracker.num_requests
+
+    # ------------------------------------------------------------------ start / stop
+    async def start(self) -> None:
+        """Spawn the ranks and wait until each has loaded the model (or one failed: the error names it)."""
+        import zmq
+        import zmq.asyncio
+
+        from runner.core.engine_core_proc import run_engine_core
+        from runner.distributed.launch import RankGroup
+
+        cfg = self.cfg
+        dp = cfg.data_parallel_size
+        self._loop = asyncio.get_running_loop()
+        self._sock_dir = tempfile.mkdtemp(prefix="ubatch-engine-")  # mode 0700
+        inputs = [f"ipc://{os.path.join(self._sock_dir, f'in-{r}')}" for r in range(dp)]
+        output = f"ipc://{os.path.join(self._sock_dir, 'out')}"
+        self._ctx = zmq.asyncio.Context()
+        self._out_socket = self._ctx.socket(zmq.PULL)
+        self._out_socket.bind(output)
+        for addr in inputs:
+            sock = self._ctx.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.bind(addr)
+            self._ranks.append(_Rank(sock))
+        self._group = RankGroup(run_engine_core, dp, args=(cfg, inputs, output), timeout_s=cfg.dist_timeout_s,
+                                device=cfg.device, ignore_sigint=True)
+        self._group.start()
+        self._supervisor = threading.Thread(target=self._supervise, name="ubatch-rank-supervisor", daemon=True)
+        self._supervisor.start()
+        self._reader = asyncio.create_task(self._read_outputs(), name="ubatch-engine-outputs")
+        deadline = STARTUP_GRACE_S + cfg.dist_timeout_s
+        try:
+            await asyncio.wait_for(self._ready.wait(), deadline)
+        except asyncio.TimeoutError:
+            missing = [r for r, rank in enumerate(self._ranks) if rank.info is None]
+            self._die(f"rank {', '.join(map(str, missing))} did not load the model within {deadline:.0f} s")
+        if self._dead_error is not None:
+            await self.close()
+            raise EngineDeadError(self._dead_error)
+        self._accepting = True
+
+    def _supervise(self) -> None:
+        """Thread: wait on the rank processes; a failure (or an unexpected exit) kills the engine."""
+        from runner.distributed.launch import LaunchError
+
+        try:
+            self._group.supervise(self._stop_supervising)
+            message = None if self._stop_supervising.is_set() or self._stopping \
+                else "every rank exited while the server was running"
+        except LaunchError as exc:
+            message = str(exc)
+        except BaseException as exc:  # noqa: BLE001 - reported, never lost in a thread
+            message = f"the rank supervisor failed: {type(exc).__name__}: {exc}"
+        if message is not None and self._loop is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._die, message)
+
+    async def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Abort what is left, let the ranks finish their wave and leave their loops, then stop them."""
+        self._accepting = False
+        for request_id in list(self.tracker.request_ids()):
+            self._abort(request_id, "abort")
+        if self._dead_error is None:
+            deadline = time.monotonic() + timeout_s
+            while any(r.running or r.outstanding for r in self._ranks) and time.monotonic() < deadline \
+                    and self._dead_error is None:
+                await asyncio.sleep(0.02)
+            self._stopping = True
+            for rank in self._ranks:
+                await rank.socket.send(ENCODER.encode(Shutdown()))
+            while time.monotonic() < deadline and self._group is not None \
+                    and any(p.is_alive() for p in self._group.procs):
+                await asyncio.sleep(0.05)
+        await self.close()
+
+    async def close(self) -> None:
+        """Stop every rank now (SIGTERM, then SIGKILL) and release the sockets. Idempotent."""
+        self._accepting = False
+        self._stop_supervising.set()
+        if self._group is not None:
+            group, self._group = self._group, None
+            await asyncio.get_running_loop().run_in_executor(None, group.close)
+        if self._supervisor is not None:
+            self._supervisor.join(timeout=10)
+            self._supervisor = None
+        if self._reader is not None:
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing: its error was already reported
+                pass
+            self._reader = None
+        if self._ctx is not None:
+            for rank in self._ranks:
+                rank.socket.close(linger=0)
+            self._out_socket.close(linger=0)
+            self._ctx.term()
+            self._ctx = None
+        if self._sock_dir is not None:
+            shutil.rmtree(self._sock_dir, ignore_errors=True)
+            self._sock_dir = None
+
+    def stop_accepting(self) -> None:
+        """New requests now fail with :class:`EngineShuttingDownError` (the server is draining)."""
+        self._accepting = False
+
+    # ------------------------------------------------------------------ requests
+    def _check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
+        info = self._info
+        if not prompt_token_ids:
+            raise RequestError("prompt", "the prompt is empty: at least one token is needed")
+        bad = next((t for t in prompt_token_ids if not 0 <= t < info.vocab_size), None)
+        if bad is not None:
+            raise RequestError("prompt", f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+        params.check_vocab(info.vocab_size)
+        room = info.max_model_len - len(prompt_token_ids)
+        if room < 1:
+            raise RequestError("prompt", f"the prompt has {len(prompt_token_ids)} tokens but max_model_len is "
+                                         f"{info.max_model_len}: no room for a generated token")
+        if params.max_tokens is None:
+            params = params.clone()
+            params.max_tokens = room
+        elif params.max_tokens > room:
+            raise RequestError("max_tokens", f"prompt ({len(prompt_token_ids)} tokens) + max_tokens "
+                                             f"({params.max_tokens}) = {len(prompt_token_ids) + params.max_tokens} "
+                                             f"exceeds max_model_len {info.max_model_len}")
+        return params
+
+    def _check_accepting(self, n: int) -> None:
+        if self._dead_error is not None:
+            raise EngineDeadError(self._dead_error)
+        if not self._accepting:
+            raise EngineShuttingDownError("the server is shutting down and takes no new requests")
+        if self.max_queued_requests is not None:  # requests beyond what the ranks can run at once wait
+            capacity = self.cfg.max_num_seqs * len(self._ranks)
+            waiting = max(0, sum(r.outstanding for r in self._ranks) - capacity)
+            if max(0, sum(r.outstanding for r in self._ranks) + n - capacity) > self.max_queued_requests:
+                raise EngineOverloadedError(f"the waiting queue is full ({waiting} requests waiting, "
+                                            f"--max-queued-requests {self.max_queued_requests})")
+
+    def _pick_rank(self) -> int:
+        return min(range(len(self._ranks)), key=lambda r: (self._ranks[r].outstanding, r))
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        self._check_accepting(params.n)
+        params = self._check_request(list(prompt_token_ids), params)
+        if self.tracker.has(request_id):
+            raise RequestError("request_id", f"request id {request_id!r} is already running")
+        queue: asyncio.Queue = asyncio.Queue()
+        children = self.tracker.add(request_id, prompt, list(prompt_token_ids), params, queue,
+                                    lambda: next(self._engine_ids))
+        if self.metrics is not None:
+            self.metrics.on_prompt_tokens(len(prompt_token_ids))
+        for child in children:
+            child.default_seed = self.cfg.seed * 1_000_003 + next(self._seeds)
+            rank = self._pick_rank()
+            self._where[child.request_id] = rank
+            self._ranks[rank].outstanding += 1
+            self._ranks[rank].socket.send(ENCODER.encode(AddRequest(child)))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self._abort(request_id, "abort")
+
+    async def abort(self, request_id: str) -> None:
+        self._abort(request_id, "abort")
+
+    def _abort(self, request_id: str, reason: str) -> None:
+        engine_ids = self.tracker.abort(request_id, reason)
+        self._abort_engine_requests(engine_ids)
+
+    def _abort_engine_requests(self, engine_ids: list[int]) -> None:
+        by_rank: dict[int, list[int]] = {}
+        for eid in engine_ids:
+            rank = self._where.pop(eid, None)
+            if rank is not None:
+                by_rank.setdefault(rank, []).append(eid)
+                self._ranks[rank].outstanding -= 1
+        if self._ctx is None:
+            return
+        for rank, ids in by_rank.items():
+            self._ranks[rank].socket.send(ENCODER.encode(AbortRequests(ids)))
+
+    # ------------------------------------------------------------------ outputs
+    async def _read_outputs(self) -> None:
+        try:
+            while True:
+                msg = OUTPUT_DECODER.decode(await self._out_socket.recv())
+                if isinstance(msg, Outputs):
+                    self._on_outputs(msg)
+                elif isinstance(msg, WaveStarted):
+                    self._ranks[msg.rank].running = True
+                    for rank in self._ranks:
+                        await rank.socket.send(ENCODER.encode(Wake(msg.wave)))
+                elif isinstance(msg, WaveDone):
+                    self._ranks[msg.rank].running = False
+                elif isinstance(msg, Ready):
+                    self._ranks[msg.info.rank].info = msg.info
+                    if all(r.info is not None for r in self._ranks):
+                        self._ready.set()
+                elif isinstance(msg, CoreFailed):
+                    # The rank exits next and the launcher names the likely cause among all failed ranks (a peer
+                    # that died first, not the rank whose collective broke on it): give it a moment to say so.
+                    text = f"rank {msg.rank} failed: {msg.message}"
+                    asyncio.get_running_loop().call_later(CORE_FAILED_GRACE_S, self._die, text)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:  # noqa: BLE001 - a broken output pipe kills the engine, never silently
+            self._die(f"reading the ranks' outputs failed: {type(exc).__name__}: {exc}")
+
+    def _on_outputs(self, msg: Outputs) -> None:
+        rank = self._ranks[msg.rank]
+        s = msg.stats
+        rank.stats = RankStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_steps, s.num_ubatched_steps,
+                               s.comm_s, s.comm_exposed_s)
+        if msg.outputs:
+            self._process(msg.outputs)
+        if self.metrics is not None:
+            self.metrics.on_engine_stats(self.stats())
+
+    def _process(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            if out.finished:
+                rank = self._where.pop(out.request_id, None)
+                if rank is not None:
+                    self._ranks[rank].outstanding -= 1
+        to_abort = self.tracker.process(outputs, self.metrics)
+        self._abort_engine_requests(to_abort)
+
+    def _die(self, message: str) -> None:
+        if self._dead_error is not None:
+            return
+        self._dead_error = message
+        self._accepting = False
+        logger.error("engine dead: %s", message)
+        self.tracker.fail_all(EngineDeadError(message))
+        self._ready.set()  # a start() still waiting learns of it
+        if self.on_dead is not None:
+            self.on_dead(message)
