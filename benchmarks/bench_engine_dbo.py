@@ -46,10 +46,7 @@ from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, write_csv  # n
 from runner.models.loader import TINY_MODELS  # noqa: E402
 
 MODEL = "bench-qwen3-moe-120m"
-MODEL_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2048,
-                "moe_intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 16,
-                "num_key_value_heads": 4, "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4}
-TINY_MODELS.setdefault(MODEL, MODEL_CONFIG)  # at import: spawned DP ranks resolve it too (temporary cache only)
+MODEL_CONFIG = TINY_MODELS[MODEL]  # a built-in benchmark model (runner.models.loader.BENCH_MODELS)
 CALIBRATION_RUNS = 3
 WORKLOADS = {  # name -> (prompts per rank, prompt length, max tokens)
     "prefill": (8, 256, 1),

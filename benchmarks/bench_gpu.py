@@ -57,10 +57,7 @@ from runner.models.loader import TINY_MODELS  # noqa: E402
 from ubatch.trace_metrics import intersect, length  # noqa: E402
 
 MODEL = "bench-qwen3-moe-1b"
-MODEL_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "vocab_size": 8192, "hidden_size": 2048, "intermediate_size": 6144,
-                "moe_intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 32,
-                "num_key_value_heads": 4, "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 8}
-TINY_MODELS.setdefault(MODEL, MODEL_CONFIG)
+MODEL_CONFIG = TINY_MODELS[MODEL]  # a built-in benchmark model (runner.models.loader.BENCH_MODELS)
 EXPERT_TOKENS = (64, 512, 2048)
 DECODE_SHAPES = ((512, 512), (256, 4096))  # (requests, context)
 STEP_TOKENS, STEP_CONTEXT = 512, 512

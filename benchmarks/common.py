@@ -26,7 +26,7 @@ LINK_LATENCY_US = 20.0
 
 def calibrated_link(nbytes: int, transfers: int, comm_s: float) -> str:
     """``--emulate-link`` spec whose total time for ``transfers`` transfers of ``nbytes`` bytes in all is
-    ``comm_s``: without DBO every transfer pays the latency once and the wire carries ``nbytes``, so the
-    bandwidth is what is left after the latencies."""
-    gbps = nbytes / max(comm_s - transfers * LINK_LATENCY_US * 1e-6, 1e-6) / 1e9
-    return f"latency_us={LINK_LATENCY_US},gbps={gbps:.6g}"
+    ``comm_s`` (``LinkSpec.calibrated``: each transfer pays the latency once, the bandwidth carries the rest)."""
+    from ubatch.modular_moe.prepare_finalize.emulated_link import LinkSpec
+
+    return LinkSpec.calibrated(nbytes, transfers, comm_s, LINK_LATENCY_US).to_text()

@@ -18,14 +18,16 @@ wave simply ends when its scheduler is empty.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import pickle
 import time
 from typing import Any
 
 from runner.core.engine_core import EngineCore
 from runner.core.messages import (
-    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, Outputs, Ready, Shutdown,
-    Wake, WaveDone, WaveStarted,
+    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, Outputs, Profile, Ready,
+    Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
 from runner.core.requests import EngineCoreOutput
 
@@ -88,6 +90,8 @@ class CoreLoop:
         self.wake_for = -1  # the latest wave a Wake asked for
         self.stopping = False
         self._last_stats = 0.0
+        self._profile: contextlib.ExitStack | None = None  # open while a /start_profile window records
+        self._recording: Any = None
 
     def run(self) -> None:
         while True:
@@ -126,6 +130,29 @@ class CoreLoop:
                     self.running = True
             elif isinstance(msg, Shutdown):
                 self.stopping = True
+            elif isinstance(msg, StartProfile):
+                self._start_profile()
+            elif isinstance(msg, StopProfile):
+                self._stop_profile()
+
+    def _start_profile(self) -> None:
+        from runner import tracing
+
+        if self._profile is not None:
+            return
+        self._profile = contextlib.ExitStack()
+        self._recording = self._profile.enter_context(tracing.record("profile", getattr(self.core.runner, "device",
+                                                                                          None)))
+
+    def _stop_profile(self) -> None:
+        from runner import tracing
+
+        spans = None
+        if self._profile is not None:
+            spans = tracing.local_spans(self._recording)
+            self._profile.close()
+            self._profile, self._recording = None, None
+        self.out.send(ENCODER.encode(Profile(self.rank, pickle.dumps(spans))))
 
     def _start_wave(self) -> None:
         if self.running:

@@ -55,7 +55,15 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     """Leave the loop once the current wave (if any) has ended, so no peer is left alone in a collective."""
 
 
-InputMessage = AddRequest | AbortRequests | Wake | Shutdown
+class StartProfile(msgspec.Struct, tag="start_profile"):
+    """Start recording this rank's timeline (``runner/tracing.py``) until :class:`StopProfile`."""
+
+
+class StopProfile(msgspec.Struct, tag="stop_profile"):
+    """Stop recording and send the spans back (:class:`Profile`)."""
+
+
+InputMessage = AddRequest | AbortRequests | Wake | Shutdown | StartProfile | StopProfile
 
 
 # ---- rank -> client ---------------------------------------------------------------------------------------
@@ -88,7 +96,15 @@ class CoreFailed(msgspec.Struct, tag="failed"):
     message: str
 
 
-OutputMessage = Ready | Outputs | WaveStarted | WaveDone | CoreFailed
+class Profile(msgspec.Struct, tag="profile"):
+    """A rank's recorded timeline: a pickled ``runner.tracing.RankTrace`` (None when nothing was recording).
+    Pickle, not msgpack: it only ever travels between this server's own processes, over a private socket."""
+
+    rank: int
+    payload: bytes
+
+
+OutputMessage = Ready | Outputs | WaveStarted | WaveDone | CoreFailed | Profile
 
 ENCODER = msgspec.msgpack.Encoder()
 INPUT_DECODER = msgspec.msgpack.Decoder(InputMessage)

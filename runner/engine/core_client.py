@@ -23,6 +23,7 @@ import asyncio
 import itertools
 import logging
 import os
+import pickle
 import shutil
 import tempfile
 import threading
@@ -31,8 +32,8 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 from runner.core.messages import (
-    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, Outputs, Ready, Shutdown, Wake,
-    WaveDone, WaveStarted,
+    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, Outputs, Profile, Ready, Shutdown,
+    StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
 from runner.core.requests import EngineCoreOutput
 from runner.engine.protocol import (
@@ -90,6 +91,8 @@ class MPEngineClient(EngineClient):
         self.tracker = RequestTracker(tokenizer)
         self._where: dict[int, int] = {}  # engine request id -> rank
         self._ready = asyncio.Event()
+        self._profiles: dict[int, Any] = {}
+        self._profiles_done = asyncio.Event()
 
     # ------------------------------------------------------------------ EngineClient
     @property
@@ -314,6 +317,26 @@ class MPEngineClient(EngineClient):
         for rank, ids in by_rank.items():
             self._ranks[rank].socket.send(ENCODER.encode(AbortRequests(ids)))
 
+    # ------------------------------------------------------------------ profiling
+    async def start_profile(self) -> None:
+        """Every rank records its timeline from its next step on (vLLM's ``/start_profile``)."""
+        for rank in self._ranks:
+            await rank.socket.send(ENCODER.encode(StartProfile()))
+
+    async def stop_profile(self, path: str, timeout_s: float = 60.0) -> Any:
+        """Stop recording; write one Chrome trace (a process per rank) to ``path`` and return its
+        ``runner.tracing.TraceResult`` (per-rank overlap metrics), or None if nothing was recording."""
+        from runner import tracing
+
+        self._profiles, self._profiles_done = {}, asyncio.Event()
+        for rank in self._ranks:
+            await rank.socket.send(ENCODER.encode(StopProfile()))
+        await asyncio.wait_for(self._profiles_done.wait(), timeout_s)
+        per_rank = [self._profiles.get(r) for r in range(len(self._ranks))]
+        if all(p is None for p in per_rank):
+            return None
+        return tracing.export(path, per_rank, 0)
+
     # ------------------------------------------------------------------ outputs
     async def _read_outputs(self) -> None:
         try:
@@ -331,6 +354,10 @@ class MPEngineClient(EngineClient):
                     self._ranks[msg.info.rank].info = msg.info
                     if all(r.info is not None for r in self._ranks):
                         self._ready.set()
+                elif isinstance(msg, Profile):
+                    self._profiles[msg.rank] = pickle.loads(msg.payload)
+                    if len(self._profiles) == len(self._ranks):
+                        self._profiles_done.set()
                 elif isinstance(msg, CoreFailed):
                     # The rank exits next and the launcher names the likely cause among all failed ranks (a peer
                     # that died first, not the rank whose collective broke on it): give it a moment to say so.

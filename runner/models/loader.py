@@ -56,6 +56,20 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         "num_nextn_predict_layers": 0,
     },
 }
+# Benchmark models, built the same way (seeded random weights, written to the cache on first use), so that the
+# CLI and the server load them by name: a 120M-parameter Qwen3-MoE for the CPU benchmarks (docs/benchmarks.md,
+# "The engine's DBO") and a 1.2B one with Qwen3-30B-A3B-like layers for the GPU ones.
+BENCH_MODELS: dict[str, dict[str, Any]] = {
+    "bench-qwen3-moe-120m": {
+        **TINY_MODELS["tiny-qwen3-moe"], "vocab_size": 4096, "hidden_size": 1024, "intermediate_size": 2048,
+        "moe_intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 16, "num_key_value_heads": 4,
+        "head_dim": 64, "num_experts": 16, "num_experts_per_tok": 4},
+    "bench-qwen3-moe-1b": {
+        **TINY_MODELS["tiny-qwen3-moe"], "vocab_size": 8192, "hidden_size": 2048, "intermediate_size": 6144,
+        "moe_intermediate_size": 768, "num_hidden_layers": 4, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_experts": 64, "num_experts_per_tok": 8},
+}
+TINY_MODELS.update(BENCH_MODELS)
 TINY_SEED = 1234
 # config.json fields without which the model is undefined (the dataclass defaults are only for tests' configs).
 REQUIRED_CONFIG_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")

@@ -61,6 +61,18 @@ class LinkSpec:
         return self.latency_us * 1e-6 + nbytes / (self.gbps * 1e9)
 
     @classmethod
+    def calibrated(cls, nbytes: int, transfers: int, seconds: float, latency_us: float = 20.0) -> "LinkSpec":
+        """The link on which ``transfers`` transfers of ``nbytes`` bytes in all take ``seconds`` one after the
+        other: each pays ``latency_us`` once and the bandwidth carries the bytes in what is left (benchmarks set
+        the link relative to a measured compute time this way)."""
+        gbps = nbytes / max(seconds - transfers * latency_us * 1e-6, 1e-6) / 1e9
+        return cls(latency_us=latency_us, gbps=max(gbps, MIN_GBPS))
+
+    def to_text(self) -> str:
+        """The ``--emulate-link`` spelling (``parse`` reads it back)."""
+        return f"latency_us={self.latency_us:g}" + ("" if math.isinf(self.gbps) else f",gbps={self.gbps:.6g}")
+
+    @classmethod
     def parse(cls, text: str) -> "LinkSpec":
         """``"latency_us=50,gbps=10"`` (the ``--emulate-link`` syntax); both keys optional."""
         values: dict[str, float] = {}

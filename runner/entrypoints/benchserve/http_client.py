@@ -1,0 +1,63 @@
+"""One streamed completion request, timed as ``vllm bench serve`` times it: TTFT is the first content chunk's
+arrival, every later chunk adds an inter-token gap, and the token counts are the server's own ``usage``."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from runner.entrypoints.benchserve.workload import BenchRequest
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    prompt_tokens: int = 0
+    output_tokens: int = 0  # the server's usage.completion_tokens
+    chunks: int = 0  # content chunks received (one per token with this engine)
+    ttft_s: float = 0.0
+    itl_s: list[float] = field(default_factory=list)
+    latency_s: float = 0.0
+    error: str = ""
+
+
+async def send_completion(client: Any, url: str, model: str, req: BenchRequest, api_key: str | None = None,
+                          timeout_s: float = 600.0) -> RequestResult:
+    """POST ``req`` to ``url`` (``.../v1/completions``) with ``stream`` and ``include_usage``; never raises."""
+    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    result = RequestResult(ok=False)
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                result.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode(errors='replace')[:300]}"
+                return result
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[len("data:"):].strip()
+                if data == "[DONE]":
+                    break
+                chunk = json.loads(data)
+                if chunk.get("usage"):
+                    result.prompt_tokens = chunk["usage"]["prompt_tokens"]
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk.get("choices"):
+                    continue
+                now = time.perf_counter()
+                if result.chunks == 0:
+                    result.ttft_s = now - start
+                else:
+                    result.itl_s.append(now - last)
+                last = now
+                result.chunks += 1
+        result.latency_s = time.perf_counter() - start
+        result.ok = result.output_tokens > 0
+        if not result.ok:
+            result.error = "the stream ended without a usage chunk or any token"
+    except Exception as exc:  # noqa: BLE001 - one failed request is counted and named, not fatal
+        result.error = f"{type(exc).__name__}: {exc}"
+    return result

@@ -1,0 +1,311 @@
+"""``python -m runner bench-serve``: arguments, servers, the runs, and what is printed and written.
+
+Without ``--base-url`` it starts ``python -m runner serve MODEL <--server-args>`` itself (two servers with
+``--compare dbo``: one without ``--enable-dbo`` and one with it, both up for the whole run so that their runs
+alternate, the idle one using no CPU meanwhile). ``--calibrate-link R`` first measures, offline, the model's
+compute and all-to-all bytes on a step of the benchmark's shape and gives both servers an ``--emulate-link``
+whose time is ``R`` x that compute (comm = compute at R = 1), the setting the DBO goals are stated for.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import shlex
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from runner.entrypoints.benchserve.metrics import BenchmarkMetrics
+from runner.entrypoints.benchserve.run import ProfileWindow, RunResult, run_once
+from runner.entrypoints.benchserve.server_proc import ServerProcess
+from runner.entrypoints.benchserve.workload import arrival_offsets, random_requests
+
+LABELS = ("dbo off", "dbo on")
+
+
+def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
+    add = p.add_argument
+    add("model", nargs="?", help="model to serve and to draw prompt token ids for (also --model)")
+    add("--model", dest="model_flag", metavar="MODEL", help="same as the positional MODEL")
+    add("--base-url", help="benchmark a running server (e.g. http://127.0.0.1:8000) instead of starting one")
+    add("--served-model-name", help="model name in requests (default: MODEL)")
+    add("--api-key", help="bearer token for a server started with --api-key")
+    add("--server-args", default="", metavar="ARGS",
+        help="flags for the `python -m runner serve` this starts, as one string (e.g. '-dp 2 "
+             "--enable-expert-parallel --max-num-seqs 512'); default: none")
+    add("--compare", choices=["dbo"], help="dbo: run the workload against a server without and one with "
+                                           "--enable-dbo, alternating, and print both with their ratio")
+    add("--repeats", type=int, default=1, metavar="N", help="runs per server and rate; medians are reported "
+                                                            "(default 1)")
+    add("--num-prompts", type=int, default=200, metavar="N", help="requests per run (default 200)")
+    add("--input-len", type=int, default=128, metavar="N", help="prompt tokens per request (default 128)")
+    add("--output-len", type=int, default=64, metavar="N", help="generated tokens per request, EOS ignored "
+                                                                "(default 64)")
+    add("--range-ratio", type=float, default=0.0, metavar="R",
+        help="lengths vary uniformly in [len*(1-R), len*(1+R)] (default 0)")
+    add("--request-rate", type=float, default=math.inf, metavar="RPS",
+        help="requests per second, Poisson arrivals; inf sends all at once (default inf)")
+    add("--request-rates", type=float, nargs="+", metavar="RPS",
+        help="a sweep of request rates (plots throughput against p99 ITL with --plot)")
+    add("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 = Poisson (default 1)")
+    add("--max-concurrency", type=int, metavar="N", help="at most N requests in flight (default: no cap)")
+    add("--seed", type=int, default=0, help="seed of the prompts and arrival times (default 0)")
+    add("--calibrate-link", type=float, metavar="R",
+        help="give the servers an --emulate-link whose all-to-all time is R x the model's measured compute on "
+             "a step of this workload's shape (offline, DP=1, before the servers start)")
+    add("--profile", type=float, nargs=2, metavar=("DELAY_S", "DURATION_S"),
+        help="record each server's timeline for DURATION_S seconds, DELAY_S seconds into each first run, and say "
+             "where the step time went (compute, exposed all-to-all, host time)")
+    add("--output-json", metavar="PATH", help="write every run's metrics (and profiles) as JSON")
+    add("--output-csv", metavar="PATH", help="write one CSV row per run")
+    add("--plot", metavar="PATH", help="PNG of output throughput against p99 ITL over the request rates")
+    add("--startup-timeout", type=float, default=600.0, metavar="S",
+        help="how long a started server may take to answer /health (default 600)")
+
+
+def _check_output_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    for flag, path in (("--output-json", args.output_json), ("--output-csv", args.output_csv), ("--plot", args.plot)):
+        if path and not Path(path).expanduser().resolve().parent.is_dir():
+            parser.error(f"argument {flag}: the directory of {path!r} does not exist")
+
+
+def _vocab_size(model: str) -> int:
+    from runner.models.loader import model_config
+
+    return model_config(model).vocab_size
+
+
+def print_metrics(title: str, m: BenchmarkMetrics) -> None:
+    print(f"{'=' * 18} {title} {'=' * max(1, 30 - len(title))}")
+    rows = [("Successful requests", m.completed), ("Failed requests", m.failed),
+            ("Benchmark duration (s)", f"{m.duration_s:.2f}"), ("Total input tokens", m.total_input_tokens),
+            ("Total generated tokens", m.total_output_tokens),
+            ("Request throughput (req/s)", f"{m.request_throughput:.2f}"),
+            ("Input token throughput (tok/s)", f"{m.input_throughput:.2f}"),
+            ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}")]
+    if m.engine_steps:
+        rows.append(("Steps ubatched (DBO)", f"{m.ubatched_steps:.0f}/{m.engine_steps:.0f}"))
+    for name, d in (("TTFT", m.ttft_ms), ("TPOT", m.tpot_ms), ("ITL", m.itl_ms), ("E2E latency", m.e2el_ms)):
+        rows += [(f"{stat.capitalize()} {name} (ms)", f"{d[stat]:.2f}") for stat in ("mean", "median", "p90", "p99")]
+    for label, value in rows:
+        print(f"{label:<40}{value:>14}")
+    for err in m.errors:
+        print(f"  error: {err}")
+
+
+COMPARE_ROWS = (("Output token throughput (tok/s)", lambda m: m.output_throughput),
+                ("Request throughput (req/s)", lambda m: m.request_throughput),
+                ("Median TTFT (ms)", lambda m: m.ttft_ms["median"]), ("P99 TTFT (ms)", lambda m: m.ttft_ms["p99"]),
+                ("Median TPOT (ms)", lambda m: m.tpot_ms["median"]), ("P99 ITL (ms)", lambda m: m.itl_ms["p99"]),
+                ("Median ITL (ms)", lambda m: m.itl_ms["median"]), ("Median E2E (ms)", lambda m: m.e2el_ms["median"]),
+                ("Steps ubatched", lambda m: m.ubatched_steps or 0.0), ("Engine steps", lambda m: m.engine_steps or 0.0))
+
+
+def median_metrics(runs: list[BenchmarkMetrics]) -> dict[str, float]:
+    return {name: statistics.median(fn(m) for m in runs) for name, fn in COMPARE_ROWS}
+
+
+def print_comparison(rate: float, off: dict[str, float], on: dict[str, float], repeats: int) -> None:
+    print(f"\n{'=' * 12} DBO off vs on, request rate {rate:g}, medians of {repeats} {'=' * 12}")
+    print(f"{'':<36}{'dbo off':>12}{'dbo on':>12}{'on/off':>9}")
+    for name, _ in COMPARE_ROWS:
+        ratio = on[name] / off[name] if off[name] else float("nan")
+        print(f"{name:<36}{off[name]:>12.2f}{on[name]:>12.2f}{ratio:>9.3f}")
+
+
+def explain(profile: dict[str, Any] | None) -> str:
+    """Per step, from a server's profile window: where its time went."""
+    if not profile or not profile.get("ranks"):
+        return "no profile recorded"
+    steps = max(profile.get("steps", 0.0), 1.0)
+    r = profile["ranks"][0]
+    return (f"per step over {steps:.0f} steps (rank 0): wall {r['wall_ms'] / steps:.2f} ms, compute "
+            f"{r['compute_ms'] / steps:.2f} ms, all-to-all {r['comm_ms'] / steps:.2f} ms of which exposed "
+            f"{r['exposed_ms'] / steps:.2f} ms ({r['hidden_pct']:.0f}% hidden), host (schedule, vote, inputs, "
+            f"sampling, outputs) {r['host_ms'] / steps:.2f} ms")
+
+
+def calibrate(model: str, server_args: str, input_len: int, num_seqs: int, ratio: float) -> str:
+    """An ``--emulate-link`` spec: the model's all-to-all over ``num_seqs`` requests of ``input_len`` tokens
+    decoding 8 tokens, offline without DBO, timed ``ratio`` x its compute (see the module docstring)."""
+    import random
+    import tempfile
+
+    from runner.config import config_fields
+    from runner.entrypoints.cli import build_parser
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
+    from ubatch.modular_moe.prepare_finalize.emulated_link import LinkSpec
+
+    ns = build_parser().parse_args(["generate", "--model", model, *shlex.split(server_args)])
+    engine = {k: v for k, v in vars(ns).items() if k in config_fields() and v is not None}
+    engine.update(model=model, data_parallel_size=1, enable_expert_parallel=False, all2all_backend=None,
+                  enable_dbo=False, emulate_link="latency_us=0,gbps=1000")
+    llm = LLM(**engine)
+    try:
+        link = llm.runner.model.moe_runtime.link()
+        rng = random.Random(7)
+        prompts = [[rng.randrange(llm.runner.vocab_size) for _ in range(input_len)] for _ in range(num_seqs)]
+        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+        llm.generate(prompts[:2], params, disable_progress=True)  # warm-up
+        computes = []
+        with tempfile.TemporaryDirectory() as tmp:
+            for _ in range(3):
+                nbytes, transfers = link.total_bytes, link.num_transfers
+                llm.cfg = llm.cfg.replace(trace_file=str(Path(tmp) / "calib.json"))
+                llm.generate(prompts, params, disable_progress=True)
+                computes.append(llm.last_trace.metrics[0].compute_us * 1e-6)
+                nbytes, transfers = link.total_bytes - nbytes, link.num_transfers - transfers
+        compute = statistics.median(computes)
+        spec = LinkSpec.calibrated(nbytes, transfers, ratio * compute).to_text()
+        print(f"calibrated link: compute {compute * 1e3:.1f} ms for {transfers} transfers of {nbytes / 1e6:.1f} MB in "
+              f"all -> --emulate-link {spec} (comm = {ratio:g} x compute)")
+        return spec
+    finally:
+        llm.close()
+
+
+async def _bench(args: argparse.Namespace, servers: list[tuple[str, str]], model_name: str,
+                 vocab: int) -> list[dict[str, Any]]:
+    """Every (rate, repeat, server) run; servers alternate inside each repeat."""
+    rates = args.request_rates or [args.request_rate]
+    requests = random_requests(args.num_prompts, args.input_len, args.output_len, vocab,
+                               range_ratio=args.range_ratio, seed=args.seed)
+    warmup = random_requests(min(8, args.num_prompts), args.input_len, 4, vocab, seed=args.seed + 99)
+    for _, url in servers:
+        await run_once(url, model_name, warmup, [0.0] * len(warmup), api_key=args.api_key)
+    records: list[dict[str, Any]] = []
+    for rate in rates:
+        offsets = arrival_offsets(len(requests), rate, burstiness=args.burstiness, seed=args.seed)
+        for rep in range(args.repeats):
+            for label, url in servers:
+                profile = ProfileWindow(*args.profile) if args.profile and rep == 0 else None
+                res: RunResult = await run_once(url, model_name, requests, offsets, max_concurrency=args.max_concurrency,
+                                                api_key=args.api_key, profile=profile)
+                print_metrics(f"{label}, rate {rate:g}, run {rep + 1}", res.metrics)
+                if res.profile is not None:
+                    print(f"  where the time went: {explain(res.profile)}")
+                records.append({"server": label, "request_rate": rate, "repeat": rep, **res.metrics.flat(),
+                                "metrics": res.metrics.to_dict(), "profile": res.profile})
+    return records
+
+
+def _summarise(args: argparse.Namespace, records: list[dict[str, Any]], labels: list[str]) -> list[dict[str, Any]]:
+    summary = []
+    for rate in args.request_rates or [args.request_rate]:
+        per = {label: median_metrics([BenchmarkMetrics(**_metrics_kwargs(r["metrics"])) for r in records
+                                      if r["server"] == label and r["request_rate"] == rate]) for label in labels}
+        summary.append({"request_rate": rate, **{label: per[label] for label in labels}})
+        if len(labels) == 2:
+            print_comparison(rate, per[labels[0]], per[labels[1]], args.repeats)
+            for label in labels:
+                prof = next((r["profile"] for r in records if r["server"] == label and r["request_rate"] == rate
+                             and r["profile"]), None)
+                if prof is not None:
+                    print(f"  {label}: {explain(prof)}")
+    return summary
+
+
+def _metrics_kwargs(d: dict[str, Any]) -> dict[str, Any]:
+    return {**d, "errors": tuple(d.get("errors", ()))}
+
+
+def _plot(path: str, summary: list[dict[str, Any]], labels: list[str]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for label in labels:
+        xs = [s[label]["P99 ITL (ms)"] for s in summary]
+        ys = [s[label]["Output token throughput (tok/s)"] for s in summary]
+        ax.plot(xs, ys, marker="o", label=label)
+        for s, x, y in zip(summary, xs, ys):
+            ax.annotate(f"{s['request_rate']:g} rps", (x, y), fontsize=7)
+    ax.set_xlabel("p99 inter-token latency (ms)")
+    ax.set_ylabel("output tokens/s")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    model = args.model or args.model_flag
+    if model is None:
+        parser.error("the following arguments are required: MODEL (or --model)")
+    if args.model and args.model_flag and args.model != args.model_flag:
+        parser.error(f"argument --model: {args.model_flag!r} differs from the positional MODEL {args.model!r}")
+    for flag, value in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len),
+                        ("--output-len", args.output_len), ("--repeats", args.repeats)):
+        if value < 1:
+            parser.error(f"argument {flag}: must be >= 1, got {value}")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error(f"argument --max-concurrency: must be >= 1, got {args.max_concurrency}")
+    if args.base_url and (args.compare or args.calibrate_link is not None):
+        parser.error("argument --base-url: --compare and --calibrate-link start their own servers; drop --base-url")
+    _check_output_paths(args, parser)
+    model_name = args.served_model_name or model
+    vocab = _vocab_size(model)
+    server_args = args.server_args
+    if args.calibrate_link is not None:
+        seqs = args.max_concurrency or args.num_prompts
+        server_args += f" --emulate-link {calibrate(model, server_args, args.input_len, seqs, args.calibrate_link)}"
+    if args.served_model_name:
+        server_args += f" --served-model-name {shlex.quote(args.served_model_name)}"
+    if args.api_key:
+        server_args += f" --api-key {shlex.quote(args.api_key)}"
+    procs: list[ServerProcess] = []
+    try:
+        if args.base_url:
+            servers = [("server", args.base_url.rstrip("/"))]
+        else:
+            variants = [(LABELS[0], server_args), (LABELS[1], server_args + " --enable-dbo")] if args.compare \
+                else [("server", server_args)]
+            for label, extra in variants:
+                proc = ServerProcess(model, extra, startup_timeout_s=args.startup_timeout, name=label)
+                procs.append(proc)
+                proc.start()
+            servers = [(p.name, p.base_url) for p in procs]
+        records = asyncio.run(_bench(args, servers, model_name, vocab))
+    finally:
+        codes = [(p.name, p.stop()) for p in procs]
+    bad = [(name, code) for name, code in codes if code not in (0, None)]
+    labels = [label for label, _ in servers]
+    summary = _summarise(args, records, labels)
+    outputs_ok = True
+    for flag, path, write in (("--output-json", args.output_json,
+                               lambda p: Path(p).write_text(json.dumps({"args": vars(args), "runs": records,
+                                                                        "summary": summary}, indent=1, default=str))),
+                              ("--output-csv", args.output_csv, lambda p: _write_csv(p, records)),
+                              ("--plot", args.plot, lambda p: _plot(p, summary, labels))):
+        if not path:
+            continue
+        try:
+            write(path)
+        except OSError as e:
+            outputs_ok = False
+            print(f"error: argument {flag}: cannot write {path!r}: {e.strerror or e}", file=sys.stderr)
+    for name, code in bad:
+        print(f"error: the {name} server exited with code {code} on SIGTERM (expected 0)", file=sys.stderr)
+    failed = sum(r["failed"] for r in records)
+    return 1 if bad or not outputs_ok or failed == sum(r["completed"] + r["failed"] for r in records) else 0
+
+
+def _write_csv(path: str, records: list[dict[str, Any]]) -> None:
+    import csv
+
+    rows = [{k: v for k, v in r.items() if k not in ("metrics", "profile")} for r in records]
+    with open(path, "w", newline="") as fh:
+        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {path}")
+
+
+

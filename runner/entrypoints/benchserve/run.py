@@ -1,0 +1,79 @@
+"""One benchmark run against one server: send the workload on its schedule, time every request, and read the
+server's step counters (and, optionally, a profile window of a few seconds) around it."""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import httpx
+
+from runner.entrypoints.benchserve.http_client import RequestResult, send_completion
+from runner.entrypoints.benchserve.metrics import BenchmarkMetrics, compute_metrics
+from runner.entrypoints.benchserve.server_proc import scrape
+from runner.entrypoints.benchserve.workload import BenchRequest
+
+STEP_METRICS = ("ubatch:engine_steps_total", "ubatch:dbo_ubatched_steps_total")
+
+
+@dataclass
+class ProfileWindow:
+    """Record the server's timeline from ``delay_s`` after the first request for ``duration_s``."""
+
+    delay_s: float
+    duration_s: float
+
+
+@dataclass
+class RunResult:
+    metrics: BenchmarkMetrics
+    results: list[RequestResult]
+    profile: dict[str, Any] | None = None  # the server's /stop_profile answer, with the steps it covered
+
+
+async def _profile(client: httpx.AsyncClient, base_url: str, window: ProfileWindow,
+                   headers: dict[str, str]) -> dict[str, Any] | None:
+    await asyncio.sleep(window.delay_s)
+    before = await asyncio.to_thread(scrape, base_url, STEP_METRICS)
+    resp = await client.post(f"{base_url}/start_profile", headers=headers, timeout=60)
+    resp.raise_for_status()
+    await asyncio.sleep(window.duration_s)
+    resp = await client.post(f"{base_url}/stop_profile", headers=headers, timeout=120)
+    resp.raise_for_status()
+    after = await asyncio.to_thread(scrape, base_url, STEP_METRICS)
+    answer = resp.json()
+    answer["steps"] = after.get(STEP_METRICS[0], 0.0) - before.get(STEP_METRICS[0], 0.0)
+    return answer
+
+
+async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], offsets: Sequence[float], *,
+                   max_concurrency: int | None = None, api_key: str | None = None,
+                   profile: ProfileWindow | None = None) -> RunResult:
+    """Send ``requests[i]`` at ``offsets[i]`` seconds (at most ``max_concurrency`` in flight)."""
+    url = f"{base_url}/v1/completions"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+    before = await asyncio.to_thread(scrape, base_url, STEP_METRICS)
+    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits, timeout=None) as client:
+        start = time.perf_counter()
+
+        async def one(req: BenchRequest, at: float) -> RequestResult:
+            delay = start + at - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            if limit is None:
+                return await send_completion(client, url, model, req, api_key)
+            async with limit:
+                return await send_completion(client, url, model, req, api_key)
+
+        profiler = asyncio.create_task(_profile(client, base_url, profile, headers)) if profile else None
+        results = list(await asyncio.gather(*[one(r, t) for r, t in zip(requests, offsets)]))
+        duration = time.perf_counter() - start
+        profiled = await profiler if profiler is not None else None
+    after = await asyncio.to_thread(scrape, base_url, STEP_METRICS)
+    metrics = compute_metrics(results, duration)
+    steps = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in STEP_METRICS}
+    metrics.engine_steps, metrics.ubatched_steps = steps[STEP_METRICS[0]], steps[STEP_METRICS[1]]
+    return RunResult(metrics, results, profiled)

@@ -1,0 +1,50 @@
+"""The random-token workload of ``vllm bench serve --dataset-name random``: prompts of ``input_len`` token ids
+(varied by ``range_ratio``), each asking for ``output_len`` tokens with EOS ignored, so every run generates the
+same number of tokens whatever the model says; and when each request is sent."""
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_size: int, *, range_ratio: float = 0.0,
+                    seed: int = 0) -> list[BenchRequest]:
+    """Token ids drawn uniformly from ``[0, vocab_size)``; lengths uniform in ``[len*(1-r), len*(1+r)]``."""
+    for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len),
+                        ("vocab_size", vocab_size)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must lie in [0, 1), got {range_ratio}")
+    rng = random.Random(seed)
+
+    def length(n: int) -> int:
+        return rng.randint(max(1, round(n * (1 - range_ratio))), max(1, round(n * (1 + range_ratio))))
+
+    return [BenchRequest([rng.randrange(vocab_size) for _ in range(length(input_len))], length(output_len))
+            for _ in range(num_prompts)]
+
+
+def arrival_offsets(num: int, request_rate: float, *, burstiness: float = 1.0, seed: int = 0) -> list[float]:
+    """Seconds after the start at which each request is sent: all at 0 for an infinite rate, else a gamma process
+    with mean gap ``1 / request_rate`` (``burstiness`` 1: Poisson arrivals, as vLLM's benchmark)."""
+    if request_rate <= 0 or math.isnan(request_rate):
+        raise ValueError(f"request_rate must be > 0 (or inf), got {request_rate}")
+    if math.isinf(request_rate):
+        return [0.0] * num
+    if burstiness <= 0:
+        raise ValueError(f"burstiness must be > 0, got {burstiness}")
+    rng = random.Random(seed + 1)
+    theta = 1.0 / (request_rate * burstiness)
+    t, out = 0.0, []
+    for _ in range(num):
+        out.append(t)
+        t += rng.gammavariate(burstiness, theta)
+    return out
