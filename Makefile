@@ -16,7 +16,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 	else \
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,serve]'
 	touch $@
 
 install: $(VENV)/.installed

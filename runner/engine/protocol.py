@@ -87,6 +87,7 @@ class MetricsSink(Protocol):
     """Where the engine client reports what it sees (the server's Prometheus metrics implement it)."""
 
     def on_request_finished(self, output: RequestOutput, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        """A finished request; ``output`` holds every sample with its finish_reason."""
         ...
 
     def on_tokens(self, num_new_tokens: int, ttft_s: float | None, itl_s: list[float]) -> None:
@@ -133,7 +134,9 @@ class EngineClient(ABC):
 
     @abstractmethod
     async def abort(self, request_id: str) -> None:
-        ...
+        """End a request: its iterator yields a final output whose unfinished samples have finish_reason
+        "abort" (with FINAL_ONLY, the text generated so far) and ends. A no-op for a finished or unknown id
+        (the server also calls it for requests whose iterator it left)."""
 
     @property
     @abstractmethod

@@ -1,0 +1,202 @@
+"""The FastAPI app (``build_app``) and the uvicorn server around it (``run_server``), as vLLM's
+``vllm/entrypoints/openai/api_server.py``.
+
+Shutdown. uvicorn's own signal handling stops accepting connections at once and, after shutting down, raises
+the captured signal again (the process then dies by SIGTERM, not with status 0). ``DrainingServer`` replaces
+it: a signal starts ``ServerLifecycle.begin_drain`` (new requests get 503 on connections still accepted,
+running ones finish within ``--shutdown-timeout``, the rest are aborted), and only then is uvicorn told to
+exit; ``run_server`` returns 0, or 1 when the engine died, and the caller stops the engine.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import functools
+import importlib.metadata
+import logging
+import signal
+import socket
+import threading
+from http import HTTPStatus
+from types import FrameType
+from typing import Iterator
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from runner.engine.protocol import EngineClient
+from runner.entrypoints.openai.cli_args import served_model_names
+from runner.entrypoints.openai.errors import OpenAIError
+from runner.entrypoints.openai.gate import ServerGate
+from runner.entrypoints.openai.lifecycle import ServerLifecycle
+from runner.entrypoints.openai.metrics import ServerMetrics
+from runner.entrypoints.openai.serving_chat import OpenAIServingChat
+from runner.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from runner.entrypoints.openai.serving_models import ServingModels
+
+logger = logging.getLogger(__name__)
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def build_app(engine_client: EngineClient, served_model_names: list[str], api_key: str | None = None, *,
+              shutdown_timeout_s: float = 30.0, log_requests: bool = True, metrics: ServerMetrics | None = None,
+              model_root: str | None = None) -> FastAPI:
+    """The server's routes over ``engine_client``. ``metrics``: the sink the engine client reports to (made here
+    if not given; ``app.state.metrics``). ``app.state.lifecycle`` drains and stops it."""
+    lifecycle = ServerLifecycle(engine_client, shutdown_timeout_s)
+    models = ServingModels(served_model_names, engine_client.max_model_len, model_root)
+    metrics = metrics if metrics is not None else ServerMetrics(models.names[0], engine_client.max_model_len)
+    completion = OpenAIServingCompletion(engine_client, models, lifecycle, log_requests)
+    chat = OpenAIServingChat(engine_client, models, lifecycle, log_requests)
+
+    app = FastAPI(title="ubatch OpenAI-compatible server", version=package_version())
+    app.state.lifecycle, app.state.metrics, app.state.models = lifecycle, metrics, models
+    app.state.engine_client = engine_client
+    app.add_middleware(ServerGate, lifecycle=lifecycle, api_key=api_key)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.post("/v1/completions")
+    async def create_completion(raw: Request) -> Response:
+        return await completion.create_completion(raw)
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(raw: Request) -> Response:
+        return await chat.create_chat_completion(raw)
+
+    @app.get("/v1/models")
+    async def show_models() -> JSONResponse:
+        return JSONResponse(models.list().model_dump(mode="json"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        """200 while every rank is alive and the server takes requests; 503 saying why otherwise."""
+        reason = lifecycle.dead_error()
+        if reason is not None:
+            return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine is dead: {reason}").response()
+        if lifecycle.draining:
+            return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, "The server is shutting down").response()
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": package_version()})
+
+    @app.get("/metrics")
+    async def show_metrics() -> Response:
+        metrics.on_engine_stats(engine_client.stats())
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+@functools.cache
+def package_version() -> str:
+    """ubatch's version: from the installed distribution, else from the package (which imports torch)."""
+    try:
+        return importlib.metadata.version("ubatch")
+    except importlib.metadata.PackageNotFoundError:
+        import ubatch
+
+        return ubatch.__version__
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn, with SIGTERM/SIGINT starting the drain instead of stopping at once, and not re-raised."""
+
+    def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+            yield
+            return
+        original = {sig: signal.signal(sig, self.handle_exit) for sig in SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        # A Python signal handler runs between bytecodes of the main thread: hand over to the event loop.
+        assert self._loop is not None
+        self._loop.call_soon_threadsafe(self.lifecycle.begin_drain, signal.Signals(sig).name)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=2048)
+
+
+async def run_server(args: argparse.Namespace, engine_client: EngineClient, *,
+                     engine_dead: asyncio.Event | None = None, metrics: ServerMetrics | None = None,
+                     sock: socket.socket | None = None) -> int:
+    """Serve ``engine_client`` with the flags of ``cli_args.add_server_args`` (``args.model`` too) until
+    SIGTERM/SIGINT (then drain; returns 0) or the engine dies (returns 1); see ``serve_app``."""
+    _log_to_stderr()
+    app = build_app(engine_client, served_model_names(args), args.api_key, shutdown_timeout_s=args.shutdown_timeout,
+                    log_requests=not args.disable_log_requests, metrics=metrics, model_root=str(args.model))
+    sock = sock if sock is not None else bind_socket(args.host, args.port)
+    return await serve_app(app, sock, engine_dead=engine_dead, log_level=args.uvicorn_log_level,
+                           access_log=not args.disable_log_requests)
+
+
+async def serve_app(app: FastAPI, sock: socket.socket, *, engine_dead: asyncio.Event | None = None,
+                    log_level: str = "info", access_log: bool = True) -> int:
+    """Run ``app`` (from ``build_app``) under uvicorn on the bound ``sock`` until its lifecycle says to stop:
+    after a drain (SIGTERM/SIGINT, or ``app.state.lifecycle.begin_drain``; returns 0) or once the engine died
+    (returns 1). ``engine_dead``: set by the engine client when a rank dies (``engine_client.dead_error`` says
+    which); the server then fails the running requests with 500 and stops."""
+    lifecycle: ServerLifecycle = app.state.lifecycle
+    engine_client: EngineClient = app.state.engine_client
+    host, port = sock.getsockname()[:2]
+    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=10,
+                            access_log=access_log)
+    server = DrainingServer(config, lifecycle)
+
+    async def exit_when_told() -> None:
+        await lifecycle.should_exit.wait()
+        server.should_exit = True
+
+    async def watch_engine(event: asyncio.Event) -> None:
+        await event.wait()
+        lifecycle.engine_died(engine_client.dead_error or "the engine client reported the engine dead")
+
+    watchers = [asyncio.create_task(exit_when_told(), name="exit when told")]
+    if engine_dead is not None:
+        watchers.append(asyncio.create_task(watch_engine(engine_dead), name="watch engine"))
+    names = ", ".join(m.id for m in app.state.models.list().data)
+    logger.info("Serving %s on http://%s:%d", names, f"[{host}]" if ":" in host else host, port)
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        for task in watchers:
+            task.cancel()
+        await asyncio.gather(*watchers, return_exceptions=True)
+        sock.close()
+    logger.info("Server stopped (exit status %d)", lifecycle.exit_code)
+    return lifecycle.exit_code
+
+
+def _log_to_stderr() -> None:
+    """This package's INFO logs on stderr, unless the application configured logging (as vLLM's loggers)."""
+    package = logging.getLogger("runner.entrypoints.openai")
+    if not package.handlers and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)

@@ -1,0 +1,101 @@
+"""OpenAI-shaped errors (``{"error": {"message", "type", "param", "code"}}``, vLLM's ``ErrorResponse``) and the
+mapping of bad request bodies to them: malformed JSON, pydantic validation errors and fields this server does not
+implement all become a 400 whose ``param`` names the field, so a client can tell which of its settings was wrong.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+
+from runner.entrypoints.openai.protocol import ErrorInfo, ErrorResponse
+
+logger = logging.getLogger(__name__)
+
+# The error ``type`` per status, as vLLM names them (``create_error_response``) and the openai client's classes.
+ERROR_TYPES = {
+    HTTPStatus.BAD_REQUEST: "BadRequestError",
+    HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+    HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
+    HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
+}
+
+
+class OpenAIError(Exception):
+    """An error answered to the client: its HTTP status, message and the request field it names (if any)."""
+
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = HTTPStatus(status)
+        self.message = message
+        self.param = param
+
+    def body(self) -> ErrorResponse:
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=ERROR_TYPES[self.status], param=self.param,
+                                             code=int(self.status)))
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body().model_dump(), status_code=int(self.status))
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIError:
+    return OpenAIError(HTTPStatus.BAD_REQUEST, message, param)
+
+
+# Pydantic puts the member type of a union in the error location (``('prompt', 'list[int]', 1)``); these
+# are not request fields. Field names are identifiers; type tags are not, or are one of these names.
+_TYPE_TAGS = {"str", "int", "float", "bool", "none", "list", "dict", "nullable"}
+_IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def param_path(loc: tuple[Any, ...]) -> str:
+    """``('messages', 0, 'content')`` -> ``messages[0].content``; union type tags and dict keys dropped."""
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif isinstance(part, str) and _IDENT.match(part) and part not in _TYPE_TAGS:
+            out += f".{part}" if out else part
+    return out
+
+
+def from_validation_error(exc: ValidationError) -> OpenAIError:
+    """The first error of a pydantic validation, as a 400 naming its field and the value given."""
+    err = exc.errors(include_url=False)[0]
+    param = param_path(tuple(err["loc"])) or None
+    msg = err["msg"].removeprefix("Value error, ")
+    if err["type"] != "missing" and not isinstance(err.get("input"), (dict, list)) and "got " not in msg:
+        msg += f" (got {err['input']!r})"
+    return bad_request(f"{param}: {msg}" if param and not msg.startswith(param.split("[")[0]) else msg, param)
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def parse_request(raw: bytes, model: type[_M]) -> _M:
+    """A request body as ``model``: malformed JSON, a body that is not a JSON object, invalid values and
+    unimplemented fields are 400s naming the field. Fields no API defines are ignored with a warning."""
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    unsupported: dict[str, tuple[Any, ...]] = getattr(model, "UNSUPPORTED", {})
+    for name, neutral in unsupported.items():
+        if name in data and data[name] not in neutral:
+            raise bad_request(f"{name}={data[name]!r} is not supported by this server", name)
+    try:
+        parsed = model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_error(exc) from None
+    unknown = sorted(set(parsed.model_extra or ()) - set(unsupported))
+    if unknown:
+        logger.warning("Ignoring request fields this server does not know: %s", ", ".join(unknown))
+    return parsed

@@ -1,0 +1,112 @@
+"""``POST /v1/chat/completions`` (vLLM's ``OpenAIServingChat``): the prompt is the checkpoint's chat template
+applied to ``messages`` (rendered, then tokenized without adding special tokens, as
+``tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)`` does). Streamed as vLLM
+streams it: first a ``{"role": "assistant", "content": ""}`` delta per choice, then content deltas, the finish
+reason on the last one, a usage chunk when ``stream_options.include_usage``, then ``[DONE]``."""
+from __future__ import annotations
+
+import time
+from typing import AsyncGenerator, Callable
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from runner.entrypoints.openai.engine_streams import EngineStreams
+from runner.entrypoints.openai.errors import bad_request
+from runner.entrypoints.openai.logprobs import chat_logprobs, token_text_fn
+from runner.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    DeltaMessage,
+    random_id,
+)
+from runner.entrypoints.openai.sampling import build_sampling_params, resolve_max_tokens
+from runner.entrypoints.openai.serving_engine import (
+    Choices,
+    EnginePrompt,
+    OpenAIServing,
+)
+from runner.entrypoints.openai.sse import DONE, chunk_event
+from runner.outputs import Logprob
+
+ROLE = "assistant"
+
+
+class OpenAIServingChat(OpenAIServing):
+    async def create_chat_completion(self, raw: Request) -> Response:
+        request = await self.read(raw, ChatCompletionRequest)
+        model = self.models.resolve(request.model)
+        prompt = self.check_prompt(self._render(request, model), "messages")
+        defaults = self.engine.default_sampling_params()
+        max_tokens = resolve_max_tokens(request, len(prompt.token_ids), self.engine.max_model_len, defaults,
+                                        "messages")
+        params = build_sampling_params(request, max_tokens, defaults, self.engine.vocab_size)
+        request_id = random_id("chatcmpl")
+        streams = await self.start(raw, [request_id], [prompt], [params])
+        choices = Choices([prompt], request.n)
+        text = token_text_fn(self.tokenizer())
+
+        def body() -> ChatCompletionResponse:
+            return ChatCompletionResponse(id=request_id, model=model, usage=choices.usage(), choices=[
+                ChatCompletionResponseChoice(index=i, message=ChatMessage(role=ROLE, content=s.text),
+                                             logprobs=self._logprobs(request, text, s.token_ids, s.logprobs),
+                                             finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                for i, s in enumerate(choices.states)])
+
+        return await self.respond(request.stream, streams, choices,
+                                  lambda: self._events(streams, choices, request, request_id, model, text), body)
+
+    def _render(self, request: ChatCompletionRequest, model: str) -> EnginePrompt:
+        tokenizer = self.tokenizer()
+        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+            raise bad_request(f"The model `{model}` has no chat template, so it cannot serve chat completions: use "
+                              "/v1/completions", "model")
+        kwargs = dict(request.chat_template_kwargs or {})
+        try:
+            text = tokenizer.apply_chat_template([m.template_dict() for m in request.messages], **kwargs,
+                                                 add_generation_prompt=request.add_generation_prompt, tokenize=False)
+        except Exception as exc:  # a template that raises on these messages (jinja's raise_exception, a bad key)
+            raise bad_request(f"The chat template of `{model}` failed on these messages: {exc}", "messages") from None
+        ids = tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"]
+        return EnginePrompt(text, ids)
+
+    @staticmethod
+    def _logprobs(request: ChatCompletionRequest, text: Callable[[int, Logprob], str], token_ids: list[int],
+                  steps: list[dict[int, Logprob]]) -> ChatCompletionLogProbs | None:
+        return chat_logprobs(token_ids, steps, request.top_logprobs or 0, text) if request.logprobs else None
+
+    async def _events(self, streams: EngineStreams, choices: Choices, request: ChatCompletionRequest,
+                      request_id: str, model: str, text: Callable[[int, Logprob], str]) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def chunk(choice: ChatCompletionResponseStreamChoice) -> str:
+            return chunk_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                            choices=[choice]), include_usage)
+
+        for i in range(len(choices.states)):
+            yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content="")))
+        while (item := await self.next_output(streams)) is not None:
+            p, output = item
+            for out in output.outputs:
+                i = choices.index(p, out)
+                choices.states[i].add(out)
+                if out.text or out.token_ids or out.finish_reason is not None:
+                    yield chunk(ChatCompletionResponseStreamChoice(
+                        index=i, delta=DeltaMessage(content=out.text),
+                        logprobs=self._logprobs(request, text, out.token_ids, out.logprobs or []),
+                        finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+        if streams.disconnected:
+            return
+        for i in self.end_unfinished(streams, choices):
+            yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=""),
+                                                           finish_reason="abort"))
+        if include_usage:
+            yield chunk_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                           usage=choices.usage()), include_usage)
+        yield DONE

@@ -1,0 +1,105 @@
+"""``POST /v1/completions`` (vLLM's ``OpenAIServingCompletion``): one engine request per prompt, ``n`` samples each;
+choice ``p * n + k`` is sample k of prompt p. Streamed as server-sent events (one chunk per new piece of a choice,
+a usage chunk when ``stream_options.include_usage``, then ``[DONE]``), or answered once with ``usage``."""
+from __future__ import annotations
+
+import time
+from typing import AsyncGenerator, Callable
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from runner.entrypoints.openai.engine_streams import EngineStreams
+from runner.entrypoints.openai.errors import bad_request
+from runner.entrypoints.openai.logprobs import completion_logprobs, token_text_fn
+from runner.entrypoints.openai.protocol import (
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    random_id,
+)
+from runner.entrypoints.openai.sampling import build_sampling_params, resolve_max_tokens
+from runner.entrypoints.openai.serving_engine import (
+    Choices,
+    EnginePrompt,
+    OpenAIServing,
+)
+from runner.entrypoints.openai.sse import DONE, chunk_event
+from runner.outputs import Logprob
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, raw: Request) -> Response:
+        request = await self.read(raw, CompletionRequest)
+        model = self.models.resolve(request.model)
+        raw_prompts = request.prompts()
+        names = ["prompt"] if len(raw_prompts) == 1 else [f"prompt[{i}]" for i in range(len(raw_prompts))]
+        prompts = [self._prompt(p, name, request, model) for p, name in zip(raw_prompts, names)]
+        defaults = self.engine.default_sampling_params()
+        params = [build_sampling_params(request, resolve_max_tokens(request, len(p.token_ids),
+                                                                    self.engine.max_model_len, defaults, name),
+                                        defaults, self.engine.vocab_size) for p, name in zip(prompts, names)]
+        request_id = random_id("cmpl")
+        streams = await self.start(raw, [f"{request_id}-{i}" for i in range(len(prompts))], prompts, params)
+        choices = Choices(prompts, request.n)
+        text = token_text_fn(self.tokenizer())
+
+        def body() -> CompletionResponse:
+            return CompletionResponse(id=request_id, model=model, usage=choices.usage(), choices=[
+                CompletionResponseChoice(
+                    index=i, text=s.text, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                    logprobs=completion_logprobs(s.token_ids, s.logprobs, request.logprobs, text)
+                    if request.logprobs is not None else None)
+                for i, s in enumerate(choices.states)])
+
+        return await self.respond(request.stream, streams, choices,
+                                  lambda: self._events(streams, choices, request, request_id, model, text), body)
+
+    def _prompt(self, prompt: str | list[int], param: str, request: CompletionRequest, model: str) -> EnginePrompt:
+        if isinstance(prompt, str):
+            tokenizer = self.tokenizer()
+            if tokenizer is None:
+                raise bad_request(f"The model `{model}` is served without a tokenizer: send the prompt as token ids",
+                                  param)
+            engine_prompt = EnginePrompt(prompt, tokenizer(prompt, add_special_tokens=request.add_special_tokens)
+                                         ["input_ids"])
+        else:
+            engine_prompt = EnginePrompt(None, list(prompt))
+        return self.check_prompt(engine_prompt, param)
+
+    async def _events(self, streams: EngineStreams, choices: Choices, request: CompletionRequest, request_id: str,
+                      model: str, text: Callable[[int, Logprob], str]) -> AsyncGenerator[str, None]:
+        created = int(time.time())
+        include_usage = bool(request.stream_options and request.stream_options.include_usage)
+
+        def chunk(choice: CompletionResponseStreamChoice) -> str:
+            return chunk_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]),
+                               include_usage)
+
+        while (item := await self.next_output(streams)) is not None:
+            p, output = item
+            for out in output.outputs:
+                i = choices.index(p, out)
+                state = choices.states[i]
+                logprobs = None
+                if request.logprobs is not None:
+                    # offsets count the tokens' texts, as in the full response (the text itself may lag behind
+                    # while a stop string could still complete)
+                    logprobs = completion_logprobs(out.token_ids, out.logprobs or [], request.logprobs, text,
+                                                   initial_offset=state.token_text_len)
+                    state.token_text_len += sum(len(t) for t in logprobs.tokens)
+                state.add(out)
+                if out.text or out.token_ids or out.finish_reason is not None:
+                    yield chunk(CompletionResponseStreamChoice(index=i, text=out.text, logprobs=logprobs,
+                                                               finish_reason=out.finish_reason,
+                                                               stop_reason=out.stop_reason))
+        if streams.disconnected:
+            return
+        for i in self.end_unfinished(streams, choices):
+            yield chunk(CompletionResponseStreamChoice(index=i, text="", finish_reason="abort"))
+        if include_usage:
+            yield chunk_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                       usage=choices.usage()), include_usage)
+        yield DONE

@@ -1,0 +1,208 @@
+"""What the completion and chat handlers share (vLLM's ``OpenAIServing``): reading the body, the model check,
+tokenization, the checks a prompt must pass before any engine sees it, starting the engine requests, the
+accumulated choices, and the mapping of engine failures to HTTP statuses.
+
+Order of checks, so that nothing reaches the engine unless the whole request is valid: body and fields (400),
+model (404), prompts (tokenized here, on the event loop: the tokenizers are Rust and fast, and the engine's
+step loop runs in other processes), token ids in the vocabulary and prompt + max_tokens within
+``max_model_len`` (400), sampling values (400), then admission (503 draining / 500 dead) and the engine.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from typing import Any, AsyncGenerator, Callable, TypeVar
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from runner.engine.protocol import (
+    EngineClient,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShuttingDownError,
+)
+from runner.entrypoints.openai.engine_streams import EngineStreams
+from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request
+from runner.entrypoints.openai.lifecycle import ServerLifecycle
+from runner.entrypoints.openai.protocol import UsageInfo
+from runner.entrypoints.openai.serving_models import ServingModels
+from runner.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
+from runner.outputs import CompletionOutput, Logprob, RequestOutput
+from runner.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+@dataclass
+class EnginePrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+@dataclass
+class ChoiceState:
+    """One choice as received so far (outputs are deltas: DELTA when streaming, one FINAL_ONLY output otherwise)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    token_text_len: int = 0  # completions' logprobs: the length of the tokens' texts streamed so far
+
+    def add(self, out: CompletionOutput) -> None:
+        self.text += out.text
+        self.token_ids += out.token_ids
+        self.logprobs += out.logprobs or []
+        if out.finish_reason is not None:
+            self.finish_reason, self.stop_reason = out.finish_reason, out.stop_reason
+
+
+class Choices:
+    """The choices of one response: sample k of prompt p is choice ``p * n + k`` (vLLM's order)."""
+
+    def __init__(self, prompts: list[EnginePrompt], n: int) -> None:
+        self.prompts = prompts
+        self.n = n
+        self.states = [ChoiceState() for _ in range(len(prompts) * n)]
+
+    def index(self, prompt: int, out: CompletionOutput) -> int:
+        if not 0 <= out.index < self.n:
+            raise RuntimeError(f"the engine returned sample {out.index} for a request with n={self.n}")
+        return prompt * self.n + out.index
+
+    def unfinished(self) -> list[int]:
+        return [i for i, s in enumerate(self.states) if s.finish_reason is None]
+
+    def usage(self) -> UsageInfo:
+        prompt = sum(len(p.token_ids) for p in self.prompts)
+        completion = sum(len(s.token_ids) for s in self.states)
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+class OpenAIServing:
+    def __init__(self, engine: EngineClient, models: ServingModels, lifecycle: ServerLifecycle,
+                 log_requests: bool = True) -> None:
+        self.engine = engine
+        self.models = models
+        self.lifecycle = lifecycle
+        self.log_requests = log_requests
+
+    # ---- input ------------------------------------------------------------------------------------------
+    @staticmethod
+    async def read(raw: Request, model: type[_M]) -> _M:
+        return parse_request(await raw.body(), model)
+
+    def tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    def check_prompt(self, prompt: EnginePrompt, param: str) -> EnginePrompt:
+        if not prompt.token_ids:
+            raise bad_request(f"{param} is empty after tokenization", param)
+        vocab = self.engine.vocab_size
+        bad = [t for t in prompt.token_ids if not 0 <= t < vocab]
+        if bad:
+            raise bad_request(f"{param} has token id {bad[0]}, outside the model's vocabulary [0, {vocab})", param)
+        return prompt
+
+    # ---- the engine ------------------------------------------------------------------------------------------
+    async def start(self, raw: Request, request_ids: list[str], prompts: list[EnginePrompt],
+                    params: list[SamplingParams]) -> EngineStreams:
+        """Submit one engine request per prompt and wait for each one's first output (so an engine refusal is
+        answered with its status); the returned streams must be closed."""
+        self.lifecycle.check_admission()
+        if self.log_requests:
+            for rid, prompt, sp in zip(request_ids, prompts, params):
+                logger.info("Request %s: %d prompt tokens, %s", rid, len(prompt.token_ids), sp)
+        iterators = []
+        try:
+            for rid, prompt, sp in zip(request_ids, prompts, params):
+                iterators.append(self.engine.generate(rid, prompt.text, prompt.token_ids, sp))
+        except BaseException as exc:  # the engine refused one: leave the ones it took
+            for rid, it in zip(request_ids, iterators):
+                aclose = getattr(it, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+                await self.engine.abort(rid)
+            raise self.failure(exc) from exc
+        streams = self.lifecycle.open_streams(request_ids[:len(iterators)], iterators, raw.receive)
+        try:
+            await streams.prime()
+        except BaseException as exc:
+            await streams.close()
+            raise self.failure(exc) from exc
+        return streams
+
+    async def next_output(self, streams: EngineStreams) -> tuple[int, RequestOutput] | None:
+        """The next output; None at the end. Raises EngineDeadError when the server gave up on a dead engine,
+        and an OpenAIError for a request the engine could not run."""
+        item = await streams.next()
+        if item is None and streams.stop_reason == "dead":
+            raise EngineDeadError(self.lifecycle.dead_reason or "the engine died")
+        if item is not None and item[1].error is not None:
+            raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                              f"The engine could not run request {item[1].request_id}: {item[1].error}")
+        return item
+
+    async def respond(self, stream: bool, streams: EngineStreams, choices: Choices,
+                      events: Callable[[], AsyncGenerator[str, None]], body: Callable[[], BaseModel]) -> Response:
+        """The response: ``events()`` as a server-sent-event stream, or every output read into ``choices`` and
+        answered as ``body()``. The engine requests end with it either way (``streams`` closed)."""
+        if stream:
+            return EventStreamResponse(self._stream_guard(streams, events()))
+        try:
+            while (item := await self.next_output(streams)) is not None:
+                p, output = item
+                for out in output.outputs:
+                    choices.states[choices.index(p, out)].add(out)
+            if streams.disconnected:  # no one will read it
+                return bad_request("Client disconnected").response()
+            self.end_unfinished(streams, choices)
+            return JSONResponse(body().model_dump(mode="json"))
+        except BaseException as exc:
+            raise self.failure(exc) from exc
+        finally:
+            await streams.close()
+
+    async def _stream_guard(self, streams: EngineStreams,
+                            events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
+        """A failure after the 200 goes into the stream as an error event, then ``[DONE]`` (vLLM's way)."""
+        try:
+            async for event in events:
+                yield event
+        except Exception as exc:
+            yield sse_event(self.failure(exc).body().model_dump())
+            yield DONE
+        finally:
+            await events.aclose()
+            await streams.close()
+
+    def end_unfinished(self, streams: EngineStreams, choices: Choices) -> list[int]:
+        """Choices the engine did not finish (the server aborted them, or the engine ended their request
+        without a finish reason) end with finish_reason "abort"; returns their indices."""
+        left = choices.unfinished()
+        if left and not streams.aborted_by_server:
+            logger.error("The engine ended request(s) %s without finishing choice(s) %s; reporting them aborted",
+                         ", ".join(streams.request_ids), left)
+        for i in left:
+            choices.states[i].finish_reason = "abort"
+        return left
+
+    def failure(self, exc: BaseException) -> OpenAIError:
+        """The HTTP error for an exception raised while serving a request."""
+        if isinstance(exc, OpenAIError):
+            return exc
+        if isinstance(exc, EngineDeadError):
+            self.lifecycle.engine_died(str(exc))
+            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine is dead: {exc}")
+        if isinstance(exc, (EngineOverloadedError, EngineShuttingDownError)):
+            return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
+        if isinstance(exc, Exception):
+            logger.error("Request failed", exc_info=exc)
+            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal error: {type(exc).__name__}: {exc}")
+        raise exc  # CancelledError, KeyboardInterrupt: not ours to answer

@@ -1,0 +1,32 @@
+"""The names the model is served under (``--served-model-name``; vLLM's ``OpenAIServingModels``): ``GET /v1/models``
+lists them, and a request naming any other model is a 404 naming it. A request that names no model gets the
+first name, as in vLLM."""
+from __future__ import annotations
+
+from http import HTTPStatus
+
+from runner.entrypoints.openai.errors import OpenAIError
+from runner.entrypoints.openai.protocol import ModelCard, ModelList
+
+
+class ServingModels:
+    def __init__(self, served_model_names: list[str], max_model_len: int, root: str | None = None) -> None:
+        if not served_model_names or not all(isinstance(n, str) and n for n in served_model_names):
+            raise ValueError(f"served_model_names must be a non-empty list of non-empty names, "
+                             f"got {served_model_names!r}")
+        self.names = list(served_model_names)
+        self.max_model_len = max_model_len
+        self.root = root if root is not None else served_model_names[0]
+
+    def resolve(self, requested: str | None) -> str:
+        """The name to answer under; 404 for a model this server does not serve."""
+        if requested is None:
+            return self.names[0]
+        if requested not in self.names:
+            raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist. This server serves: "
+                                                    f"{', '.join(self.names)}", "model")
+        return requested
+
+    def list(self) -> ModelList:
+        return ModelList(data=[ModelCard(id=name, root=self.root, max_model_len=self.max_model_len)
+                               for name in self.names])

@@ -1,0 +1,50 @@
+"""Server-sent events as OpenAI streams them: ``data: {json}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` at the end.
+
+``EventStreamResponse`` sends the events of an async generator and always closes the generator (its ``finally``
+ends the engine requests), also when the client is gone. The client's disconnect itself is noticed by
+``EngineStreams``, which reads the ASGI receive channel, so no second reader runs here.
+"""
+from __future__ import annotations
+
+import json
+from typing import Any, AsyncGenerator
+
+from pydantic import BaseModel
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+DONE = "data: [DONE]\n\n"
+
+
+def sse_event(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
+    """A stream chunk. As OpenAI: with ``stream_options.include_usage`` every chunk has a ``usage`` field (null
+    but on the last), without it none has."""
+    body = chunk.model_dump(mode="json")
+    if not include_usage and body.get("usage") is None:
+        body.pop("usage", None)
+    return sse_event(body)
+
+
+class EventStreamResponse(Response):
+    media_type = "text/event-stream"
+
+    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+        self.events = events
+        self.status_code = 200
+        self.background = None
+        self.init_headers({"Cache-Control": "no-cache"})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async for event in self.events:
+                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:  # the client went away while we wrote; the events' finally ends its requests
+            pass
+        finally:
+            await self.events.aclose()

@@ -1,0 +1,32 @@
+"""``python tests/openai_server_main.py --model NAME [server flags] [--token-delay-s S]``: the OpenAI server over
+``FakeEngineClient`` in a process of its own, through ``run_server`` as ``python -m runner serve`` runs it, so
+tests can send it real signals (run with the repository on PYTHONPATH). Exits with ``run_server``'s status."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from runner.entrypoints.openai.api_server import run_server
+from runner.entrypoints.openai.cli_args import add_server_args
+from runner.entrypoints.openai.metrics import ServerMetrics
+from tests.fake_engine_client import FakeEngineClient
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--token-delay-s", type=float, default=0.0)
+    add_server_args(parser)
+    args = parser.parse_args()
+
+    async def serve() -> int:
+        engine = FakeEngineClient(token_delay_s=args.token_delay_s)
+        engine.metrics = ServerMetrics(args.model, engine.max_model_len)
+        return await run_server(args, engine, engine_dead=engine.dead_event, metrics=engine.metrics)
+
+    return asyncio.run(serve())
+
+
+if __name__ == "__main__":
+    sys.exit(main())
