@@ -29,6 +29,7 @@ from runner.engine.protocol import (
     EngineStats,
     MetricsSink,
     RankStats,
+    RequestError,
 )
 from runner.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams
@@ -118,6 +119,7 @@ class FakeEngineClient(EngineClient):
         self.finished: list[str] = []
         self.running: dict[str, _Request] = {}
         self.shutting_down = False
+        self.request_error: RequestError | None = None  # raised by every generate, as the engine's own checks do
         self._dead: str | None = None
         self._dead_event: asyncio.Event | None = None
         self._steps = 0
@@ -185,6 +187,8 @@ class FakeEngineClient(EngineClient):
             raise EngineDeadError(self._dead)
         if self.shutting_down:
             raise EngineShuttingDownError("the engine is shutting down")
+        if self.request_error is not None:
+            raise self.request_error
         if self.max_running is not None and len(self.running) >= self.max_running:
             raise EngineOverloadedError(f"{len(self.running)} requests are running, the limit is {self.max_running}")
         if params.output_kind not in (RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import openai
 import pytest
 
+from runner.engine.protocol import RequestError
 from tests.fake_engine_client import FakeEngineClient, make_tokenizer
 from tests.openai_harness import MODEL, ServerThread
 
@@ -156,3 +157,13 @@ def test_a_prompt_list_refused_midway_leaves_no_request_behind() -> None:
         code, resp = post(srv, "/v1/completions", {**COMPLETION, "prompt": ["a", "b"], "max_tokens": 50})
         assert code == 503 and "limit is 1" in resp["error"]["message"]
     assert len(engine.submitted) == 1 and engine.aborted == [engine.submitted[0][0]] and engine.running == {}
+
+
+def test_the_engine_refusing_a_request_is_400_naming_its_field() -> None:
+    engine = FakeEngineClient()
+    engine.request_error = RequestError("max_tokens", "prompt + max_tokens exceeds max_model_len 7")
+    with ServerThread(engine) as srv:
+        for path, body in (("/v1/completions", COMPLETION), ("/v1/chat/completions", {**CHAT, "stream": True})):
+            code, resp = post(srv, path, body)
+            assert code == 400 and resp["error"]["param"] == "max_tokens"
+            assert "max_model_len 7" in resp["error"]["message"]

@@ -23,6 +23,7 @@ from runner.engine.protocol import (
     EngineDeadError,
     EngineOverloadedError,
     EngineShuttingDownError,
+    RequestError,
 )
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request
@@ -200,6 +201,8 @@ class OpenAIServing:
         if isinstance(exc, EngineDeadError):
             self.lifecycle.engine_died(str(exc))
             return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine is dead: {exc}")
+        if isinstance(exc, RequestError):  # the engine's own checks (the server's ran first)
+            return bad_request(str(exc), exc.field)
         if isinstance(exc, (EngineOverloadedError, EngineShuttingDownError)):
             return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
         if isinstance(exc, Exception):
