@@ -7,10 +7,21 @@ import argparse
 import asyncio
 import sys
 
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
 from runner.entrypoints.openai.api_server import run_server
 from runner.entrypoints.openai.cli_args import add_server_args
 from runner.entrypoints.openai.metrics import ServerMetrics
 from tests.fake_engine_client import FakeEngineClient
+
+
+def add_echo_route(app: FastAPI) -> None:
+    """A route added through ``run_server(configure_app=...)``, as the serve command adds profiling."""
+
+    @app.post("/echo")
+    async def echo(request: Request) -> JSONResponse:
+        return JSONResponse({"echo": (await request.json())})
 
 
 def main() -> int:
@@ -23,7 +34,8 @@ def main() -> int:
     async def serve() -> int:
         engine = FakeEngineClient(token_delay_s=args.token_delay_s)
         engine.metrics = ServerMetrics(args.model, engine.max_model_len)
-        return await run_server(args, engine, engine_dead=engine.dead_event, metrics=engine.metrics)
+        return await run_server(args, engine, engine_dead=engine.dead_event, metrics=engine.metrics,
+                                configure_app=add_echo_route)
 
     return asyncio.run(serve())
 

@@ -233,4 +233,6 @@ def test_api_key() -> None:
             assert http.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
             for path in ("/health", "/version", "/metrics"):
                 assert http.get(path).status_code == 200
+            assert http.get("/openapi.json").status_code == 401  # every other route needs the key too
+            assert http.get("/openapi.json", headers={"Authorization": "Bearer sekret"}).status_code == 200
     assert srv.engine.submitted[1:] == []  # only the authorized request reached the engine

@@ -130,10 +130,13 @@ def test_shutdown_timeout_aborts_then_exits_0() -> None:
 
 
 @pytest.mark.slow
-def test_no_signal_no_exit() -> None:
-    """Control for the tests above: the server keeps serving until told."""
-    with ServerProcess() as server:
-        with httpx.Client(base_url=server.url, timeout=30) as http:
+def test_no_signal_no_exit_and_added_routes_need_the_key() -> None:
+    """Control for the tests above: the server keeps serving until told. A route added by ``configure_app``
+    works and needs the API key."""
+    with ServerProcess("--api-key", "k") as server:
+        with httpx.Client(base_url=server.url, timeout=30, headers={"Authorization": "Bearer k"}) as http:
+            assert http.post("/echo", json={"a": 1}).json() == {"echo": {"a": 1}}
+            assert httpx.post(server.url + "/echo", json={}).status_code == 401
             for _ in range(3):
                 assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code \
                     == 200

@@ -20,7 +20,7 @@ import socket
 import threading
 from http import HTTPStatus
 from types import FrameType
-from typing import Iterator
+from typing import Callable, Iterator
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -144,12 +144,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 async def run_server(args: argparse.Namespace, engine_client: EngineClient, *,
                      engine_dead: asyncio.Event | None = None, metrics: ServerMetrics | None = None,
-                     sock: socket.socket | None = None) -> int:
+                     sock: socket.socket | None = None,
+                     configure_app: Callable[[FastAPI], None] | None = None) -> int:
     """Serve ``engine_client`` with the flags of ``cli_args.add_server_args`` (``args.model`` too) until
-    SIGTERM/SIGINT (then drain; returns 0) or the engine dies (returns 1); see ``serve_app``."""
+    SIGTERM/SIGINT (then drain; returns 0) or the engine dies (returns 1); see ``serve_app``.
+    ``configure_app``: adds routes the engine client offers beyond ``EngineClient`` (profiling); they need the
+    API key like ``/v1``."""
     _log_to_stderr()
     app = build_app(engine_client, served_model_names(args), args.api_key, shutdown_timeout_s=args.shutdown_timeout,
                     log_requests=not args.disable_log_requests, metrics=metrics, model_root=str(args.model))
+    if configure_app is not None:
+        configure_app(app)
     sock = sock if sock is not None else bind_socket(args.host, args.port)
     return await serve_app(app, sock, engine_dead=engine_dead, log_level=args.uvicorn_log_level,
                            access_log=not args.disable_log_requests)

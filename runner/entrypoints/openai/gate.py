@@ -1,7 +1,8 @@
-"""What every ``/v1`` request passes before its route: the API key (401), then admission (503 while the server
-drains after a signal, 500 once the engine is dead). ``/health``, ``/version`` and ``/metrics`` stay open, as in
-vLLM. A pure ASGI middleware, so the receive channel reaches the routes unwrapped (``EngineStreams`` reads
-``http.disconnect`` from it)."""
+"""What a request passes before its route: the API key (401) on every route but ``/health``, ``/version`` and
+``/metrics``, which stay open as in vLLM (vLLM checks ``/v1`` only; here the routes a caller adds, such as
+profiling, and the API docs need the key too); then, for ``/v1`` routes, admission (503 while the server drains
+after a signal, 500 once the engine is dead). A pure ASGI middleware, so the receive channel reaches the routes
+unwrapped (``EngineStreams`` reads ``http.disconnect`` from it)."""
 from __future__ import annotations
 
 import secrets
@@ -13,6 +14,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from runner.entrypoints.openai.errors import OpenAIError
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
 
+OPEN_PATHS = frozenset({"/health", "/version", "/metrics"})
+
 
 class ServerGate:
     def __init__(self, app: ASGIApp, lifecycle: ServerLifecycle, api_key: str | None) -> None:
@@ -21,7 +24,7 @@ class ServerGate:
         self.api_key = api_key
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http":
             error = self._refusal(scope)
             if error is not None:
                 await error.response()(scope, receive, send)
@@ -29,14 +32,16 @@ class ServerGate:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> OpenAIError | None:
-        if self.api_key is not None and scope["method"] != "OPTIONS":
+        path = scope["path"]
+        if self.api_key is not None and path not in OPEN_PATHS and scope["method"] != "OPTIONS":
             scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
                                                                           self.api_key.encode()):
                 return OpenAIError(HTTPStatus.UNAUTHORIZED,
                                    "Invalid or missing API key: send it as the header 'Authorization: Bearer <key>'")
-        try:
-            self.lifecycle.check_admission()
-        except OpenAIError as exc:
-            return exc
+        if path.startswith("/v1"):
+            try:
+                self.lifecycle.check_admission()
+            except OpenAIError as exc:
+                return exc
         return None
