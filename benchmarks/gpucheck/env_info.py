@@ -1,4 +1,4 @@
-"""Print the machine's GPU environment as one JSON object (``python -m gpucheck.env_info``).
+"""The machine's GPU environment as one JSON object (``python -m gpucheck.env_info --out PATH``).
 
 Run in a subprocess of its own: importing ``deep_ep``/``deep_gemm`` loads CUDA extensions that can abort the
 process, and the check must outlive that. Every probe records its error instead of raising.
@@ -62,13 +62,13 @@ def main() -> int:
     import argparse
     from pathlib import Path
 
+    from common import write_json
+
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    args = p.parse_args()
-    text = json.dumps(collect())
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    p.add_argument("--out", type=Path, required=True, help="where the JSON goes (it is printed too)")
+    doc = collect()
+    write_json(doc, p.parse_args().out)
+    print(json.dumps(doc))
     return 0
 
 

@@ -8,7 +8,7 @@ GPU run uses), into ``DIR/models/bench-qwen3-moe-1b``, where the engine finds a 
 benchmark, the engine runs and the server then all read that directory. The values differ from the CPU
 writer's (another generator), the distribution does not.
 
-Prints (and with ``--out`` writes) one JSON object: the directory, its size, and whether it was already there.
+Writes (``--out``) and prints one JSON object: the directory, its size, and whether it was already there.
 """
 from __future__ import annotations
 
@@ -54,9 +54,10 @@ def main() -> int:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                    help="where the weights are drawn: cuda (bfloat16) or cpu (float32, exactly the engine's own "
                         "writer); auto: cuda when available")
-    p.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    p.add_argument("--out", type=Path, required=True, help="where the JSON goes (it is printed too)")
     args = p.parse_args()
     from bench_gpu import MODEL  # registers the benchmark model
+    from common import write_json
 
     from runner.models.loader import cache_root
 
@@ -68,11 +69,10 @@ def main() -> int:
         cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
         write_checkpoint(name, final, "cuda" if cuda else "cpu", torch.bfloat16 if cuda else torch.float32)
     size = sum(f.stat().st_size for f in final.iterdir() if f.is_file())
-    text = json.dumps({"model": name, "path": str(final), "bytes": size, "existed": existed,
-                       "seconds": round(time.perf_counter() - t0, 1)})
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
+    doc = {"model": name, "path": str(final), "bytes": size, "existed": existed,
+           "seconds": round(time.perf_counter() - t0, 1)}
+    write_json(doc, args.out)
+    print(json.dumps(doc))
     return 0
 
 
