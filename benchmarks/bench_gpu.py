@@ -3,7 +3,7 @@
 What it answers: how far each experts and attention backend is from what the GPU can do on the shapes of a
 Qwen3-30B-A3B-like layer, and what DBO gains on a whole decode step once the compute is fast.
 
-Shapes (``bench-qwen3-moe-1b``, registered below; about 1.2B parameters): hidden 2048, 64 experts, top-8,
+Shapes (``bench-qwen3-moe-1b``, a built-in model; about 1.2B parameters): hidden 2048, 64 experts, top-8,
 moe_intermediate 768, 32 query / 4 KV heads, head_dim 128, 4 layers, vocab 8192, bf16.
 
 Sections (``--sections kernels step``):

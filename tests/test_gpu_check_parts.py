@@ -145,13 +145,22 @@ def test_gpu_test_files_are_the_makefiles_sanitized_list_plus_the_gpu_sensitive_
 
 # ---- the server part ------------------------------------------------------------------------------------------------
 def test_serve_command_uses_the_flags_its_help_lists(tmp_path: Path) -> None:
-    help_text = ("usage: python -m runner bench-serve [-h] [--model MODEL] [--compare {dbo}] [--num-prompts N]\n"
-                 "  --request-rate RATE\n  --output-json PATH\n")
-    args = serve_command(help_text, "/m", tmp_path / "s.json", 60)
-    assert args == ["-m", "runner", "bench-serve", "--compare", "dbo", "--model", "/m", "--request-rate", "inf",
-                    "--output-json", str(tmp_path / "s.json"), "--num-prompts", "2048"]
+    import argparse
+
+    from runner.entrypoints.benchserve.main import add_bench_serve_args
+
+    parser = argparse.ArgumentParser(prog="python -m runner bench-serve")
+    add_bench_serve_args(parser)
+    args = serve_command(parser.format_help(), "/m", tmp_path / "s.json", 60)
+    assert args == ["-m", "runner", "bench-serve", "--compare", "dbo", "--model", "/m", "--server-args",
+                    "--max-num-seqs 256 --gpu-memory-utilization 0.4", "--request-rate", "inf", "--input-len", "16",
+                    "--output-len", "128", "--output-json", str(tmp_path / "s.json"), "--startup-timeout", "60",
+                    "--num-prompts", "512"]
+    parsed = parser.parse_args(args[3:])  # what bench-serve itself makes of it
+    assert (parsed.model_flag, parsed.compare, parsed.num_prompts, parsed.output_len) == ("/m", "dbo", 512, 128)
     with_duration = serve_command("--model M --duration S --output-len N", "/m", tmp_path / "s.json", 60)
-    assert with_duration[-6:] == ["--model", "/m", "--duration", "60", "--output-len", "128"]
+    assert with_duration == ["-m", "runner", "bench-serve", "--compare", "dbo", "--model", "/m", "--output-len",
+                             "128", "--duration", "60"]
 
 
 def test_serve_part_records_not_available_when_the_subcommand_is_missing(tmp_path: Path) -> None:

@@ -1,6 +1,7 @@
 """The engine as a user runs it, on the 1.2B benchmark model (``python -m gpucheck.engine_run``).
 
-Default flags but ``--max-num-seqs``: ``LLM(model=<checkpoint dir>, max_num_seqs=256[, enable_dbo=True])``,
+Default flags but ``--max-num-seqs``: ``LLM(model="bench-qwen3-moe-1b", cache_dir=..., max_num_seqs=256[,
+enable_dbo=True])`` (the check's cache directory holds the checkpoint ``model_prep`` wrote),
 random prompts as ``python -m runner generate`` makes them, greedy, a fixed number of new tokens each. One
 short warm-up call (as ``python -m runner bench`` does), then:
 
@@ -31,8 +32,9 @@ from ubatch.trace_metrics import length
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the torch profiler's GPU activity in a Chrome trace
 
 
-def cli_equivalent(model_dir: str, args: argparse.Namespace) -> str:
-    return (f"python -m runner generate --model {model_dir} --max-num-seqs {args.max_num_seqs} "
+def cli_equivalent(flags: dict[str, Any], args: argparse.Namespace) -> str:
+    cache = f" --cache-dir {flags['cache_dir']}" if "cache_dir" in flags else ""
+    return (f"python -m runner generate --model {flags['model']}{cache} --max-num-seqs {args.max_num_seqs} "
             f"--num-prompts {args.num_prompts} --random-prompt-len {args.prompt_len} --max-tokens {args.max_tokens} "
             f"--ignore-eos" + (" --enable-dbo" if args.enable_dbo else "") +
             (f" --device {args.device}" if args.device else ""))
@@ -118,19 +120,22 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    from bench_gpu import MODEL  # registers the benchmark model
+    from bench_gpu import MODEL
 
     from runner import LLM, SamplingParams
     from runner.entrypoints.cli import random_prompts
     from runner.models.loader import model_config, resolve_model_path
 
-    model_dir = str(resolve_model_path(args.model or MODEL, args.cache_dir))
-    flags: dict[str, Any] = {"model": model_dir, "max_num_seqs": args.max_num_seqs}
+    model = args.model or MODEL
+    model_dir = str(resolve_model_path(model, args.cache_dir))  # written now if missing, not inside LLM's timing
+    flags: dict[str, Any] = {"model": model, "max_num_seqs": args.max_num_seqs}
+    if args.cache_dir:
+        flags["cache_dir"] = args.cache_dir
     if args.enable_dbo:
         flags["enable_dbo"] = True
     if args.device:
         flags["device"] = args.device
-    doc: dict[str, Any] = {"cli_equivalent": cli_equivalent(model_dir, args), "flags": flags,
+    doc: dict[str, Any] = {"cli_equivalent": cli_equivalent(flags, args), "flags": flags, "model_dir": model_dir,
                            "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                                         "max_tokens": args.max_tokens}}
     write_json(doc, args.out)

@@ -1,7 +1,7 @@
 """Write the 1.2B benchmark model's checkpoint once (``python -m gpucheck.model_prep --cache-dir DIR``).
 
-``bench-qwen3-moe-1b`` (registered by ``bench_gpu.py``) is a built-in model: seeded random weights, written as
-a checkpoint directory on first use. The engine's own writer (``runner.models.loader``) builds the model in
+``bench-qwen3-moe-1b`` (``runner.models.loader.BENCH_MODELS``) is a built-in model: seeded random weights,
+written as a checkpoint directory on first use. The engine's own writer (``runner.models.loader``) builds the model in
 float32 on the CPU and draws 1.3 billion values there: minutes on a small machine. The check writes it
 here instead, once, with the same init rule (``_tiny_tensor``) drawn on the GPU in bfloat16 (the dtype every
 GPU run uses), into ``DIR/models/bench-qwen3-moe-1b``, where the engine finds a built-in model; the kernel
@@ -56,7 +56,7 @@ def main() -> int:
                         "writer); auto: cuda when available")
     p.add_argument("--out", type=Path, required=True, help="where the JSON goes (it is printed too)")
     args = p.parse_args()
-    from bench_gpu import MODEL  # registers the benchmark model
+    from bench_gpu import MODEL
     from common import write_json
 
     from runner.models.loader import cache_root

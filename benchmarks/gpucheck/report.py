@@ -129,7 +129,7 @@ def serve_section(part: dict[str, Any]) -> list[str]:
     if data:
         import json
 
-        text = json.dumps(data, indent=1, default=str)
+        text = json.dumps(data.get("summary", data), indent=1, default=str)  # bench-serve's summary when it has one
         lines += ["", "```json", text[:6000] + ("\n..." if len(text) > 6000 else ""), "```"]
     return lines
 
