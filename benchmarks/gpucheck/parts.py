@@ -107,7 +107,8 @@ def tests_part(ctx: Context) -> dict[str, Any]:
     result: dict[str, Any] = {"status": "ok"}
     for i, (name, args, env) in enumerate(runs):
         if deadline_left <= 1:
-            result = {"status": "timeout", "error": f"no time left for the {name} run"}
+            if result["status"] == "ok":
+                result = {"status": "timeout", "error": f"no time left for the {name} run"}
             break
         log = ctx.work_dir / f"tests-{i}.jsonl"
         log.unlink(missing_ok=True)
