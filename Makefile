@@ -1,6 +1,7 @@
 # Two user-facing set-up commands (see README.md):
 #   make demo   install into .venv and run the main job on the built-in tiny model
 #   make test   install into .venv and run the test suite
+# On a GPU machine (docs/gpu_check.md): make gpu-check; make gpu-wheels fetches what a lent GPU machine lacks.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?= -q
@@ -56,6 +57,20 @@ test-triton-min: $(TRITON_MIN_VENV)/.installed
 
 bench: install
 	$(PY) benchmarks/report.py
+
+# One prepared command that proves the GPU paths on one NVIDIA GPU in at most 7 minutes (docs/gpu_check.md):
+# report.md and results.json in GPU_CHECK_OUT; exits 2 without a GPU. No install step: it runs with the
+# venv's Python when there is one, else the system python3 (a lent GPU machine: `make gpu-check PY=python3`).
+GPU_CHECK_OUT ?= build/gpu-check
+GPU_PY = $(if $(wildcard $(PY)),$(PY),python3)
+
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	GPU_CHECK_OUT=$(GPU_CHECK_OUT) $(GPU_PY) benchmarks/gpu_check.py $(GPU_CHECK_ARGS)
+
+# The cp312 wheels a lent GPU machine lacks (greenlet, the server's stack), into .whl/ (ignored by git).
+gpu-wheels:
+	$(GPU_PY) benchmarks/gpucheck/wheels.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

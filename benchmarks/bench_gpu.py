@@ -3,7 +3,7 @@
 What it answers: how far each experts and attention backend is from what the GPU can do on the shapes of a
 Qwen3-30B-A3B-like layer, and what DBO gains on a whole decode step once the compute is fast.
 
-Shapes (``bench-qwen3-moe-1b``, registered below; about 1.2B parameters): hidden 2048, 64 experts, top-8,
+Shapes (``bench-qwen3-moe-1b``, a built-in model; about 1.2B parameters): hidden 2048, 64 experts, top-8,
 moe_intermediate 768, 32 query / 4 KV heads, head_dim 128, 4 layers, vocab 8192, bf16.
 
 Sections (``--sections kernels step``):
@@ -24,10 +24,15 @@ Sections (``--sections kernels step``):
   Eager rows also count the host syncs of one step (``torch.cuda.set_sync_debug_mode("warn")``).
   ``graph MiB`` is the capture report's graph memory for that mode's graph.
 
-Writes ``benchmarks/results/gpu_kernels.csv`` and ``gpu_step.csv``. Without a GPU it exits with status 2
-and says why.
+Writes ``benchmarks/results/gpu_kernels.csv`` and ``gpu_step.csv``; ``--json PATH`` also writes every row,
+the measured limits and the engine's default backends as JSON, rewritten after each row so a run stopped
+part-way keeps what it measured (``make gpu-check`` reads it). A section that fails is recorded in the JSON
+(``errors``) and the next one still runs; the exit status is then 1. ``--quick`` (what ``make gpu-check``
+runs): 5 iterations, experts at 512 and 2048 tokens only, the step at comm/compute 1 only, JSON only (the CSVs
+of a full run are left alone). Without a GPU it exits with status 2 and says why.
 
-Usage: ``python benchmarks/bench_gpu.py [--sections kernels step] [--iters 20] [--ratios 0.5 1 2]``.
+Usage: ``python benchmarks/bench_gpu.py [--sections kernels step] [--iters 20] [--ratios 0.5 1 2] [--quick]
+[--json PATH] [--cache-dir DIR]``.
 """
 from __future__ import annotations
 
@@ -37,9 +42,10 @@ import json
 import statistics
 import sys
 import tempfile
+import traceback
 import warnings
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -51,7 +57,7 @@ if __name__ == "__main__" and not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, calibrated_link, write_csv  # noqa: E402
+from common import RESULTS_DIR, calibrated_link, write_csv, write_json  # noqa: E402
 
 from runner.models.loader import TINY_MODELS  # noqa: E402
 from ubatch.trace_metrics import intersect, length  # noqa: E402
@@ -59,8 +65,32 @@ from ubatch.trace_metrics import intersect, length  # noqa: E402
 MODEL = "bench-qwen3-moe-1b"
 MODEL_CONFIG = TINY_MODELS[MODEL]  # a built-in benchmark model (runner.models.loader.BENCH_MODELS)
 EXPERT_TOKENS = (64, 512, 2048)
+QUICK_EXPERT_TOKENS = (512, 2048)  # the GPU-compute goals' shapes
 DECODE_SHAPES = ((512, 512), (256, 4096))  # (requests, context)
 STEP_TOKENS, STEP_CONTEXT = 512, 512
+QUICK_ITERS, QUICK_RATIOS = 5, (1.0,)
+
+Row = dict[str, Any]
+Emit = Callable[[Row], None]  # called with each row as soon as it is measured
+
+
+def experts_shape(tokens: int) -> str:
+    """The ``shape`` of an experts row (``make gpu-check`` looks rows up by it)."""
+    return f"{tokens} tokens"
+
+
+def attention_shape(requests: int, context: int) -> str:
+    """The ``shape`` of a decode-attention row."""
+    return f"{requests} x {context}"
+
+
+def default_backends(device: str = "cuda") -> dict[str, str]:
+    """What ``--experts-backend auto`` and ``--attention-backend auto`` pick on ``device``: the rows the
+    engine's defaults run."""
+    from runner.attention.selector import resolve_attention_backend
+    from ubatch.modular_moe.experts import resolve_experts_backend
+
+    return {"experts": resolve_experts_backend("auto", device), "attention": resolve_attention_backend("auto", device)}
 
 
 # ---- timing ---------------------------------------------------------------------------------------------
@@ -123,7 +153,8 @@ class Limits:
 
 
 # ---- kernels --------------------------------------------------------------------------------------------
-def experts_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
+def experts_rows(limits: Limits, iters: int, expert_tokens: tuple[int, ...] = EXPERT_TOKENS,
+                 emit: Emit = print) -> list[Row]:
     from ubatch.modular_moe.experts import EXPERTS_BACKENDS, make_experts
     from ubatch.modular_moe.types import ExpertTokens
 
@@ -134,7 +165,7 @@ def experts_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
     w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i ** 0.5
     expert_bytes = (2 * i * h + h * i) * 2
     rows = []
-    for tokens in EXPERT_TOKENS:
+    for tokens in expert_tokens:
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         weights, ids = torch.topk(torch.softmax(torch.randn(tokens, e, device="cuda"), -1), k)
         batch = ExpertTokens("contiguous", x, ids.to(torch.int32), (weights / weights.sum(-1, keepdim=True)).float())
@@ -144,8 +175,8 @@ def experts_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
         for name in EXPERTS_BACKENDS:
             if name == "deep_gemm":  # it takes fp8 masked batches, not this bf16 contiguous one
                 continue
-            row: dict[str, Any] = {"kernel": "experts", "backend": name, "shape": f"{tokens} tokens",
-                                   "limit_ms": round(limit, 3)}
+            row: Row = {"kernel": "experts", "backend": name, "shape": experts_shape(tokens),
+                        "limit_ms": round(limit, 3)}
             try:
                 backend = make_experts(name)
                 run = lambda: backend.apply(batch, w13, w2)  # noqa: E731
@@ -161,11 +192,11 @@ def experts_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
             except Exception as exc:
                 row["eager_ms"] = f"{type(exc).__name__}: {str(exc)[:100]}"
             rows.append(row)
-            print(row, flush=True)
+            emit(row)
     return rows
 
 
-def attention_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
+def attention_rows(limits: Limits, iters: int, emit: Emit = print) -> list[Row]:
     from runner.attention.bench_support import decode_attention_backends
 
     cfg = MODEL_CONFIG
@@ -182,8 +213,8 @@ def attention_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
         limit = limits.ms(kv_bytes + 2 * q.numel() * 2, 4 * reqs * hq * ctx * d)
         reference = None
         for name, run in decode_attention_backends(q, cache, table, seq_lens, d ** -0.5).items():
-            row: dict[str, Any] = {"kernel": "decode attention", "backend": name, "shape": f"{reqs} x {ctx}",
-                                   "limit_ms": round(limit, 3)}
+            row: Row = {"kernel": "decode attention", "backend": name, "shape": attention_shape(reqs, ctx),
+                        "limit_ms": round(limit, 3)}
             try:
                 out = run().float()
                 reference = out if reference is None else reference
@@ -195,7 +226,7 @@ def attention_rows(limits: Limits, iters: int) -> list[dict[str, Any]]:
             except Exception as exc:
                 row["eager_ms"] = f"{type(exc).__name__}: {str(exc)[:100]}"
             rows.append(row)
-            print(row, flush=True)
+            emit(row)
         del cache
     return rows
 
@@ -238,17 +269,44 @@ def sleep_overlap_pct(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, d
     return (100 * hidden / slept if slept else 0.0), dict(sorted(top.items(), key=lambda kv: -kv[1])[:4])
 
 
+def step_row(mode: str, times: dict[str, float], ratio: float | None, comm: float = 0.0,
+             compute: dict[str, float] | None = None, overlap: tuple[float, dict[str, float]] | None = None,
+             graph_mib: float | None = None, host_syncs: int | None = None) -> Row:
+    """One row of the step table from what was measured: ``times`` (ms per mode under this link), ``ratio``
+    (comm/compute the link was set to; None: no link), ``comm`` (the link's ms per step), ``compute`` (each
+    mode's link-free ms), ``overlap`` (link hidden %, top kernels), ``graph_mib`` (graph modes),
+    ``host_syncs`` (eager modes)."""
+    plain = mode.removesuffix("-dbo")
+    dbo = mode.endswith("-dbo")
+    row: Row = {"comm_over_compute": ratio if ratio is not None else 0, "mode": mode,
+                "step_ms": round(times[mode], 3), "vs_no_dbo": round(times[plain] / times[mode], 3) if dbo else 1.0}
+    if ratio is not None and compute is not None:
+        ideal = max(compute[plain], comm)
+        hidden, top = overlap if overlap is not None else (None, {})
+        row.update(compute_ms=round(compute[plain], 3), comm_ms=round(comm, 3), ideal_ms=round(ideal, 3),
+                   step_over_ideal=round(times[mode] / ideal, 3),
+                   link_hidden_pct=round(hidden, 1) if hidden is not None else None,
+                   top_kernels_ms=json.dumps({k: round(v, 3) for k, v in top.items()}))
+    else:
+        row["split_cost_ms"] = round(times[mode] - times[plain], 3) if dbo else 0.0
+    if graph_mib is not None:
+        row["graph_mib"] = round(graph_mib, 1)
+    if host_syncs is not None:
+        row["host_syncs"] = host_syncs
+    return row
+
+
 class StepBench:
     """One ModelRunner on the bench model; eager and graph decode steps with and without DBO."""
 
-    def __init__(self, iters: int) -> None:
+    def __init__(self, iters: int, cache_dir: str | None = None) -> None:
         from bench_cudagraph import Decode
 
         from runner.config import RunnerConfig
         from runner.worker.model_runner import ModelRunner
 
         self.iters = iters
-        self.cache_dir = tempfile.mkdtemp(prefix="bench_gpu_")
+        self.cache_dir = cache_dir or tempfile.mkdtemp(prefix="bench_gpu_")  # where the model's checkpoint goes
         cfg = RunnerConfig(model=MODEL, dtype="bfloat16", cache_dir=self.cache_dir, enable_dbo=True,
                            dbo_decode_token_threshold=2, emulate_link="latency_us=0,gbps=1000000",
                            max_num_seqs=STEP_TOKENS, max_num_batched_tokens=STEP_TOKENS,
@@ -277,8 +335,8 @@ class StepBench:
     def replay(self, gr: Any, dbo: bool) -> Callable[[], Any]:
         return self.decode.replay_step(gr, STEP_TOKENS, dbo)
 
-    def measure(self, ratio: float | None, comm: float = 0.0, compute: dict[str, float] | None = None
-                ) -> list[dict[str, Any]]:
+    def measure(self, ratio: float | None, comm: float = 0.0, compute: dict[str, float] | None = None,
+                emit: Emit = print) -> list[Row]:
         """Every mode under the current link. ``comm``: the link's time per step (ms) it was set to;
         ``compute``: each mode's time without a link (ms), from the first, link-free call."""
         graphs = self.graphs()
@@ -287,42 +345,30 @@ class StepBench:
         times = {m: cuda_median_ms(fn, self.iters) for m, fn in modes.items()}
         rows = []
         for mode, fn in modes.items():
-            plain = mode.removesuffix("-dbo")
-            row: dict[str, Any] = {"comm_over_compute": ratio if ratio is not None else 0, "mode": mode,
-                                   "step_ms": round(times[mode], 3),
-                                   "vs_no_dbo": round(times[plain] / times[mode], 3) if mode.endswith("dbo") else 1.0}
-            if ratio is not None and compute is not None:
-                ideal = max(compute[plain], comm)
-                hidden, top = sleep_overlap_pct(fn)
-                row.update(compute_ms=round(compute[plain], 3), comm_ms=round(comm, 3), ideal_ms=round(ideal, 3),
-                           step_over_ideal=round(times[mode] / ideal, 3), link_hidden_pct=round(hidden, 1),
-                           top_kernels_ms=json.dumps({k: round(v, 3) for k, v in top.items()}))
-            else:
-                row["split_cost_ms"] = round(times[mode] - times[plain], 3) if mode.endswith("dbo") else 0.0
-            if mode.startswith("graph"):
-                row["graph_mib"] = round(graphs[mode == "graph-dbo"][1], 1)
-            else:
-                row["host_syncs"] = count_host_syncs(fn)
+            overlap = sleep_overlap_pct(fn) if ratio is not None and compute is not None else None
+            graph_mib = graphs[mode == "graph-dbo"][1] if mode.startswith("graph") else None
+            syncs = None if mode.startswith("graph") else count_host_syncs(fn)
+            row = step_row(mode, times, ratio, comm, compute, overlap, graph_mib, syncs)
             rows.append(row)
-            print(row, flush=True)
+            emit(row)
         for gr, _ in graphs.values():
             gr.clear()
         gc.collect()
         torch.cuda.empty_cache()
         return rows
 
-    def run(self, ratios: list[float]) -> list[dict[str, Any]]:
+    def run(self, ratios: Sequence[float], emit: Emit = print) -> list[Row]:
         link = self.runtime.link()
         before_bytes, before_transfers = link.total_bytes, link.num_transfers
         self.eager(False)()
         torch.cuda.synchronize()
         nbytes, transfers = link.total_bytes - before_bytes, link.num_transfers - before_transfers
-        rows = self.measure(None)
+        rows = self.measure(None, emit=emit)
         compute = {r["mode"]: r["step_ms"] for r in rows}
         for ratio in ratios:
             comm_s = ratio * compute["graph"] * 1e-3  # the production mode's compute sets the link
             self.runtime.set_link(calibrated_link(nbytes, transfers, comm_s))
-            rows += self.measure(ratio, comm_s * 1e3, compute)
+            rows += self.measure(ratio, comm_s * 1e3, compute, emit=emit)
         return rows
 
     def close(self) -> None:
@@ -337,31 +383,96 @@ def print_table(title: str, rows: list[dict[str, Any]]) -> None:
         print(" | ".join(str(r.get(k, "")) for k in keys))
 
 
-def main() -> int:
+class Results:
+    """The ``--json`` document: rows are added as they are measured and the file is rewritten each time."""
+
+    def __init__(self, path: Path | None, **header: Any) -> None:
+        self.path = path
+        self.doc: dict[str, Any] = {**header, "kernels": [], "step": [], "errors": {}}
+        self.save()
+
+    def save(self) -> None:
+        if self.path is not None:
+            write_json(self.doc, self.path)
+
+    def set(self, key: str, value: Any) -> None:
+        self.doc[key] = value
+        self.save()
+
+    def emitter(self, section: str) -> Emit:
+        def emit(row: Row) -> None:
+            print(row, flush=True)
+            self.doc[section].append(row)
+            self.save()
+        return emit
+
+    def error(self, section: str, exc: BaseException) -> None:
+        self.doc["errors"][section] = f"{type(exc).__name__}: {exc}"
+        self.save()
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", nargs="+", default=["kernels", "step"], choices=["kernels", "step"])
-    p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--ratios", nargs="+", type=float, default=[0.5, 1.0, 2.0])
-    args = p.parse_args()
+    p.add_argument("--iters", type=int, default=None, help=f"default 20 ({QUICK_ITERS} with --quick)")
+    p.add_argument("--ratios", nargs="+", type=float, default=None,
+                   help="comm/compute ratios of the step section (default 0.5 1 2; 1 with --quick)")
+    p.add_argument("--quick", action="store_true",
+                   help=f"{QUICK_ITERS} iterations, experts at {' and '.join(map(str, QUICK_EXPERT_TOKENS))} tokens, "
+                        "comm/compute 1 only, no CSV (make gpu-check)")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH", help="write the rows as JSON too")
+    p.add_argument("--cache-dir", default=None, metavar="DIR",
+                   help="where the model's checkpoint is written (default: a fresh temporary directory)")
+    args = p.parse_args(argv)
+    if args.iters is None:
+        args.iters = QUICK_ITERS if args.quick else 20
+    if args.iters < 1:
+        p.error(f"argument --iters: must be >= 1, got {args.iters}")
+    if args.ratios is None:
+        args.ratios = list(QUICK_RATIOS) if args.quick else [0.5, 1.0, 2.0]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  model {MODEL} (bf16)")
+    results = Results(args.json, device=torch.cuda.get_device_name(), torch=torch.__version__, model=MODEL,
+                      iters=args.iters, quick=args.quick, ratios=args.ratios, step_tokens=STEP_TOKENS,
+                      step_context=STEP_CONTEXT, default_backends=default_backends())
     if "kernels" in args.sections:
-        limits = Limits(args.iters)
-        print(f"measured: copy {2 * limits.read_bytes_per_s / 1e12:.2f} TB/s (read + write), "
-              f"bf16 GEMM {limits.flops_per_s / 1e12:.0f} TFLOP/s")
-        rows = experts_rows(limits, args.iters) + attention_rows(limits, args.iters)
-        print_table("kernels (ms; x limit = time / max(memory limit, FLOP limit))", rows)
-        write_csv(rows, RESULTS_DIR / "gpu_kernels.csv")
-    if "step" in args.sections:
-        bench = StepBench(args.iters)
         try:
-            rows = bench.run(args.ratios)
-        finally:
-            bench.close()
-        print_table(f"decode step, {STEP_TOKENS} tokens at context {STEP_CONTEXT} (CUDA-event medians of "
-                    f"{args.iters})", rows)
-        write_csv(rows, RESULTS_DIR / "gpu_step.csv")
-    return 0
+            limits = Limits(args.iters)
+            results.set("limits", {"copy_tb_s": round(2 * limits.read_bytes_per_s / 1e12, 3),
+                                   "gemm_tflop_s": round(limits.flops_per_s / 1e12, 1)})
+            print(f"measured: copy {2 * limits.read_bytes_per_s / 1e12:.2f} TB/s (read + write), "
+                  f"bf16 GEMM {limits.flops_per_s / 1e12:.0f} TFLOP/s")
+            emit = results.emitter("kernels")
+            rows = experts_rows(limits, args.iters, QUICK_EXPERT_TOKENS if args.quick else EXPERT_TOKENS, emit)
+            rows += attention_rows(limits, args.iters, emit)
+            print_table("kernels (ms; x limit = time / max(memory limit, FLOP limit))", rows)
+            if not args.quick:
+                write_csv(rows, RESULTS_DIR / "gpu_kernels.csv")
+        except Exception as exc:  # noqa: BLE001 - recorded; the step section still runs
+            traceback.print_exc()
+            results.error("kernels", exc)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "step" in args.sections:
+        try:
+            bench = StepBench(args.iters, args.cache_dir)
+            try:
+                rows = bench.run(args.ratios, results.emitter("step"))
+            finally:
+                bench.close()
+            print_table(f"decode step, {STEP_TOKENS} tokens at context {STEP_CONTEXT} (CUDA-event medians of "
+                        f"{args.iters})", rows)
+            if not args.quick:
+                write_csv(rows, RESULTS_DIR / "gpu_step.csv")
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            results.error("step", exc)
+    return 1 if results.doc["errors"] else 0
 
 
 if __name__ == "__main__":

@@ -30,3 +30,16 @@ def calibrated_link(nbytes: int, transfers: int, comm_s: float) -> str:
     from ubatch.modular_moe.prepare_finalize.emulated_link import LinkSpec
 
     return LinkSpec.calibrated(nbytes, transfers, comm_s, LINK_LATENCY_US).to_text()
+
+
+def write_json(obj: Any, path: str | Path) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (a temporary file renamed over it): a reader, or a run
+    killed mid-write, sees the previous complete file or the new one, never half of one."""
+    import json
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
+    os.replace(tmp, path)

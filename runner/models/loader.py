@@ -104,16 +104,18 @@ def cache_root(cache_dir: str | os.PathLike | None = None) -> Path:
     return Path(env) if env else Path.home() / ".cache" / "ubatch"
 
 
-def _tiny_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
+def _tiny_tensor(name: str, shape: tuple[int, ...], gen: torch.Generator,
+                 dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Seeded init with O(1) activations (norm weights near 1, fan-in-scaled matrices) so greedy decoding is
-    not a sea of near-ties."""
+    not a sea of near-ties; on ``gen``'s device (benchmarks write large built-in models from a GPU)."""
+    x = torch.randn(shape, generator=gen, device=gen.device, dtype=dtype)
     if name.endswith("norm.weight"):
-        return 1.0 + 0.1 * torch.randn(shape, generator=gen)
+        return 1.0 + 0.1 * x
     if name.endswith("e_score_correction_bias"):
-        return 0.05 * torch.randn(shape, generator=gen)
+        return 0.05 * x
     if name.endswith("embed_tokens.weight"):
-        return torch.randn(shape, generator=gen)
-    return torch.randn(shape, generator=gen) / (shape[-1] ** 0.5)
+        return x
+    return x / (shape[-1] ** 0.5)
 
 
 def _write_tiny(name: str, final: Path) -> None:

@@ -1,0 +1,41 @@
+"""Per-step figures of an engine run (``engine_run``'s JSON), from the engine's own counters.
+
+- ``wall_ms``: the step loop's wall time per step (``LoopStats.wall_s / num_steps``);
+- ``gpu_ms``: the GPU's busy time per step, the union of its kernels, copies and memsets in the profiled run;
+- ``cpu_thread_ms``: the CPU thread's scheduling and result processing per step (``LoopStats.cpu_work_s``);
+- ``forward_host_ms``: the forward thread's time per step not covered by GPU work,
+  ``max(0, forward_busy_s / num_steps - gpu_ms)``: input and metadata preparation, launches, the step's
+  Python; it runs while the GPU has nothing of this step yet;
+- ``host_ms = cpu_thread_ms + forward_host_ms``: the host's work for one step. When it is below ``gpu_ms`` the
+  host can keep the GPU busy (the overlap loop runs the CPU thread's share beside the GPU);
+- ``gpu_idle_pct``: the share of the wall time the GPU was idle, ``100 * (1 - gpu_ms / wall_ms)``.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+def engine_figures(data: dict[str, Any]) -> dict[str, Any]:
+    """Figures available in ``data`` (missing parts are left out; an unmeasured run gives ``{}``)."""
+    measured = data.get("measured")
+    if not measured:
+        return {}
+    fig: dict[str, Any] = {"output_tokens_per_s": measured["output_tokens_per_s"],
+                           "num_steps": measured["num_steps"], "num_errors": measured["num_errors"],
+                           "num_ubatched_steps": measured["num_ubatched_steps"]}
+    loop = measured.get("loop")
+    steps = loop["num_steps"] if loop else 0
+    if steps:
+        fig.update(wall_ms=1e3 * loop["wall_s"] / steps, cpu_thread_ms=1e3 * loop["cpu_work_s"] / steps,
+                   forward_ms=1e3 * loop["forward_busy_s"] / steps)
+    profiled = data.get("profiled")
+    if profiled and profiled.get("num_steps"):
+        fig["gpu_ms"] = 1e3 * profiled["gpu_busy_s"] / profiled["num_steps"]
+        if "forward_ms" in fig:
+            fig["forward_host_ms"] = max(0.0, fig["forward_ms"] - fig["gpu_ms"])
+            fig["host_ms"] = fig["cpu_thread_ms"] + fig["forward_host_ms"]
+            fig["gpu_idle_pct"] = max(0.0, 100 * (1 - fig["gpu_ms"] / fig["wall_ms"])) if fig["wall_ms"] else None
+    graphs = (data.get("engine") or {}).get("graphs") or {}
+    if graphs.get("graph_bytes") is not None:
+        fig["graph_mib"] = graphs["graph_bytes"] / 2**20
+    return fig

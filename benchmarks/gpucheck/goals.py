@@ -1,0 +1,205 @@
+"""The GPU goals (issue "make gpu-check", from the GPU-compute work) and their PASS/MISS decisions.
+
+Each goal reads the parts' results (``results["parts"]``, as ``schedule`` records them) and returns whether it
+holds and what was measured. A goal whose figures are missing -- its part failed, timed out, was skipped or
+never ran that far -- is a MISS that says so ("not measured: ..."): the report never passes a goal on figures
+it does not have.
+
+Which rows a goal reads: the kernels are those the engine's defaults run on this GPU (``--experts-backend
+auto`` / ``--attention-backend auto``, as ``bench_gpu.py`` records them), timed in a CUDA graph where they can
+be captured (decode steps replay graphs), else eagerly; the report also names the fastest backend. Step
+figures come from ``bench_gpu.py``'s decode step (512 tokens at context 512), engine figures from the engine
+run with default flags (``engine_figures``).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from bench_gpu import attention_shape, experts_shape
+
+PASS, MISS = "PASS", "MISS"
+GRAPH_MEMORY_LIMIT_BYTES = 4 * 10**9  # "<= 4 GB"
+
+
+class NotMeasured(Exception):
+    """The figures a goal needs are not in the results; the message says why."""
+
+
+@dataclass(frozen=True)
+class Goal:
+    key: str
+    text: str
+    check: Callable[[dict[str, Any]], tuple[bool, str]]  # parts -> (holds, what was measured)
+
+
+def part_data(parts: dict[str, Any], name: str) -> dict[str, Any]:
+    part = parts.get(name)
+    if part is None:
+        raise NotMeasured(f"the {name} part did not run")
+    data = part.get("data")
+    if not data:
+        reason = part.get("error") or part.get("status", "no result")
+        raise NotMeasured(f"the {name} part gave no figures ({part.get('status')}: {reason})")
+    return data
+
+
+def _num(value: Any) -> float | None:
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def kernel_x(row: dict[str, Any]) -> tuple[float, str] | None:
+    """(time over the limit, "graph"|"eager") of a kernel row: the graph figure where it was captured."""
+    for mode in ("graph", "eager"):
+        x = _num(row.get(f"{mode}_x_limit"))
+        if x is not None:
+            return x, mode
+    return None
+
+
+def kernel_goal(kernel: str, shape: str, limit_x: float, backend_key: str) -> Callable[[dict[str, Any]], tuple[bool, str]]:
+    def check(parts: dict[str, Any]) -> tuple[bool, str]:
+        bench = part_data(parts, "bench")
+        rows = [r for r in bench.get("kernels", []) if r.get("kernel") == kernel and r.get("shape") == shape]
+        default = (bench.get("default_backends") or {}).get(backend_key)
+        mine = next((r for r in rows if r.get("backend") == default), None)
+        if mine is None:
+            raise NotMeasured(f"no {kernel} row for {shape} with the default backend {default!r} "
+                              f"({len(rows)} rows of other backends)")
+        got = kernel_x(mine)
+        if got is None:
+            raise NotMeasured(f"{default} at {shape} did not run: {mine.get('eager_ms')}")
+        x, mode = got
+        timed = [(kernel_x(r), r["backend"]) for r in rows]
+        best_x, best = min(((t[0], b) for t, b in timed if t is not None), default=(x, default))
+        text = f"{default} ({mode}) {x:.1f}x the limit ({mine.get(f'{mode}_ms')} ms vs {mine.get('limit_ms')} ms)"
+        if best != default:
+            text += f"; fastest: {best} {best_x:.1f}x"
+        return x <= limit_x, text
+    return check
+
+
+def step_row(bench: dict[str, Any], mode: str, ratio: float) -> dict[str, Any]:
+    row = next((r for r in bench.get("step", []) if r.get("mode") == mode and r.get("comm_over_compute") == ratio),
+               None)
+    if row is None:
+        raise NotMeasured(f"no decode-step row for {mode} at comm/compute {ratio:g}")
+    return row
+
+
+def graph_step(parts: dict[str, Any]) -> tuple[bool, str]:
+    bench = part_data(parts, "bench")
+    ms = step_row(bench, "graph", 0)["step_ms"]
+    return ms <= 3.0, f"{ms:.2f} ms ({bench.get('step_tokens')} tokens at context {bench.get('step_context')})"
+
+
+def graph_dbo(parts: dict[str, Any]) -> tuple[bool, str]:
+    row = step_row(part_data(parts, "bench"), "graph-dbo", 1.0)
+    speedup, hidden = row["vs_no_dbo"], row.get("link_hidden_pct")
+    if hidden is None:
+        raise NotMeasured("the graph-DBO row at comm/compute 1 has no link-hidden figure")
+    return speedup >= 1.3 and hidden >= 85, f"{speedup:.2f}x graph without DBO, {hidden:.0f} % of the link hidden"
+
+
+def eager(parts: dict[str, Any]) -> tuple[bool, str]:
+    bench = part_data(parts, "bench")
+    syncs = {(r["mode"], r["comm_over_compute"]): r["host_syncs"] for r in bench.get("step", [])
+             if r.get("mode", "").startswith("eager") and "host_syncs" in r}
+    if not syncs:
+        raise NotMeasured("no eager decode-step row")
+    speedup = step_row(bench, "eager-dbo", 1.0)["vs_no_dbo"]
+    most = max(syncs.values())
+    return most == 0 and speedup >= 1.0, (f"{most} host syncs in a step (most of {len(syncs)} eager rows); "
+                                          f"eager DBO {speedup:.2f}x eager at comm/compute 1")
+
+
+def engine_data(parts: dict[str, Any]) -> dict[str, Any]:
+    return part_data(parts, "engine")
+
+
+def graph_memory(parts: dict[str, Any]) -> tuple[bool, str]:
+    graphs = (engine_data(parts).get("engine") or {}).get("graphs")
+    if not graphs:
+        raise NotMeasured("the engine run recorded no CUDA-graph report")
+    if not graphs.get("enabled"):
+        return False, f"CUDA graphs were off ({graphs.get('error') or 'the engine ran eager'})"
+    if graphs.get("graph_bytes") is None:
+        raise NotMeasured(graphs.get("error") or "no graph memory figure")
+    nbytes, dropped, sizes = graphs["graph_bytes"], graphs.get("dropped") or [], graphs.get("sizes") or []
+    text = f"{nbytes / 2**20:.0f} MiB for {len(sizes)} graphs (largest {max(sizes, default=0)})"
+    if dropped:
+        text += f"; dropped (out of memory): {dropped}"
+    return nbytes <= GRAPH_MEMORY_LIMIT_BYTES and not dropped, text
+
+
+def throughput(parts: dict[str, Any]) -> tuple[bool, str]:
+    from gpucheck.engine_figures import engine_figures
+
+    fig = engine_figures(engine_data(parts))
+    if not fig:
+        raise NotMeasured("the engine run did not finish its measured generate")
+    tok_s = fig["output_tokens_per_s"]
+    text = f"{tok_s:,.0f} output tok/s"
+    if fig["num_errors"]:
+        text += f" ({fig['num_errors']} requests failed)"
+    return tok_s >= 30_000 and not fig["num_errors"], text
+
+
+def host_time(parts: dict[str, Any]) -> tuple[bool, str]:
+    from gpucheck.engine_figures import engine_figures
+
+    fig = engine_figures(engine_data(parts))
+    if "host_ms" not in fig:
+        raise NotMeasured("the engine run has no profiled GPU time or no step-loop counters")
+    return fig["host_ms"] < fig["gpu_ms"], (
+        f"host {fig['host_ms']:.2f} ms (CPU thread {fig['cpu_thread_ms']:.2f} + forward thread "
+        f"{fig['forward_host_ms']:.2f}) vs GPU {fig['gpu_ms']:.2f} ms per step; GPU idle {fig['gpu_idle_pct']:.0f} %")
+
+
+def _tests(parts: dict[str, Any], full: bool) -> tuple[bool, str]:
+    data = part_data(parts, "tests")
+    if full and data.get("mode") != "full":
+        raise NotMeasured("this check ran the GPU tests only (--tests gpu); the whole suite needs "
+                          "`--parts tests --tests full` in a call of its own")
+    status = parts["tests"].get("status")
+    counts = data.get("total") or {}
+    text = (f"{counts.get('passed', 0)} passed, {counts.get('failed', 0)} failed, {counts.get('errors', 0)} errors, "
+            f"{counts.get('skipped', 0)} skipped ({data.get('mode')}" + (f"; {status}" if status != "ok" else "") + ")")
+    ok = status == "ok" and counts.get("passed", 0) > 0 and not counts.get("failed") and not counts.get("errors")
+    return ok, text
+
+
+GOALS: tuple[Goal, ...] = (
+    Goal("experts_512", "Experts per layer at 512 tokens <= 2x the limit",
+         kernel_goal("experts", experts_shape(512), 2.0, "experts")),
+    Goal("experts_2048", "Experts per layer at 2048 tokens <= 3x the limit",
+         kernel_goal("experts", experts_shape(2048), 3.0, "experts")),
+    Goal("attention_512x512", "Decode attention at 512 x 512 <= 2x the limit",
+         kernel_goal("decode attention", attention_shape(512, 512), 2.0, "attention")),
+    Goal("attention_256x4096", "Decode attention at 256 x 4096 <= 2x the limit",
+         kernel_goal("decode attention", attention_shape(256, 4096), 2.0, "attention")),
+    Goal("graph_step", "Graph decode step of the 1.2B model at 512 tokens, compute only, <= 3 ms", graph_step),
+    Goal("graph_dbo", "Graph DBO at comm = compute >= 1.3x graph without DBO, >= 85 % of the link hidden", graph_dbo),
+    Goal("eager", "Eager: 0 host syncs in a decode step; eager DBO >= 1.0x eager", eager),
+    Goal("graph_memory", "Default graph ladder at --max-num-seqs 256 in <= 4 GB of graph memory", graph_memory),
+    Goal("throughput", "Default flags, 256 x 128 tokens: >= 30k output tok/s", throughput),
+    Goal("host_time", "Default flags, 256 x 128 tokens: host time per step below the GPU step time", host_time),
+    Goal("gpu_tests", "GPU tests pass (pytest -m cuda and the GPU-sensitive files) on the GPU",
+         lambda parts: _tests(parts, full=False)),
+    Goal("make_test", "make test on the one-GPU machine passes", lambda parts: _tests(parts, full=True)),
+)
+
+
+def evaluate(parts: dict[str, Any], goals: tuple[Goal, ...] = GOALS) -> list[dict[str, str]]:
+    """One verdict per goal, in the table's order."""
+    out = []
+    for goal in goals:
+        try:
+            holds, measured = goal.check(parts)
+            verdict = PASS if holds else MISS
+        except NotMeasured as exc:
+            verdict, measured = MISS, f"not measured: {exc}"
+        except (KeyError, TypeError, ValueError, ZeroDivisionError) as exc:  # a result of an unexpected shape
+            verdict, measured = MISS, f"not measured: unreadable result ({type(exc).__name__}: {exc})"
+        out.append({"key": goal.key, "goal": goal.text, "verdict": verdict, "measured": measured})
+    return out

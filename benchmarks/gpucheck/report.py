@@ -1,0 +1,162 @@
+"""report.md from the check's results: the goals first (one PASS/MISS row each), then each part's figures.
+
+Pure formatting of ``results`` (what results.json holds): it renders whatever is there, so a check stopped
+part-way still gets a report of what it measured, and parts that failed show the end of their output.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, Sequence
+
+from gpucheck.engine_figures import engine_figures
+
+
+def table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> list[str]:
+    def cell(v: Any) -> str:
+        if v is None:
+            return ""
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 100 else f"{v:,.0f}"
+        return str(v).replace("|", "\\|").replace("\n", " ")
+
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+            *("| " + " | ".join(cell(v) for v in row) + " |" for row in rows)]
+
+
+def _data(results: dict[str, Any], name: str) -> dict[str, Any]:
+    return ((results.get("parts") or {}).get(name) or {}).get("data") or {}
+
+
+def env_section(env: dict[str, Any]) -> list[str]:
+    if not env:
+        return ["No environment recorded."]
+
+    def imp(name: str) -> str:
+        info = env.get(name) or {}
+        if info.get("imports"):
+            has = info.get("has")
+            extra = f" ({', '.join(k for k, v in has.items() if v) or 'none'} of {', '.join(has)})" if has else ""
+            return f"{info.get('version')}{extra}"
+        return f"does not import: {info.get('error')}"
+
+    server = env.get("server_stack") or {}
+    missing = [name for name, info in server.items() if not info.get("imports")]
+    gpu = (f"{env.get('gpu')} x{env.get('gpu_count')} (compute capability {env.get('capability')}, "
+           f"{env.get('gpu_memory_gib')} GiB, {env.get('multiprocessors')} SMs)" if env.get("gpu") else
+           "no CUDA GPU visible")
+    return [f"- GPU: {gpu}; driver {env.get('driver')}",
+            f"- torch {env.get('torch')} (CUDA {env.get('torch_cuda')}), Triton {imp('triton')}, Python "
+            f"{env.get('python')}, transformers {imp('transformers')}, greenlet {imp('greenlet')}",
+            f"- deep_ep: {imp('deep_ep')}", f"- deep_gemm: {imp('deep_gemm')}",
+            f"- server stack ({', '.join(server)}): " + (f"missing {', '.join(missing)}" if missing else "imports")]
+
+
+def tests_section(tests: dict[str, Any]) -> list[str]:
+    if not tests:
+        return ["No test results."]
+    lines = [f"Mode `{tests.get('mode')}`; files: {', '.join(tests.get('files') or [])} (plus every `cuda`-marked "
+             "test)" if tests.get("mode") == "gpu" else f"Mode `{tests.get('mode')}` (what `make test` runs)", ""]
+    lines += table(["run", "passed", "failed", "errors", "skipped", "exit"],
+                   [(r["name"], r["passed"], r["failed"], r["errors"], r["skipped"],
+                     "timeout" if r.get("timed_out") else r.get("returncode")) for r in tests.get("runs", [])])
+    bad = [f for r in tests.get("runs", []) for f in r.get("failures", [])]
+    if bad:
+        lines += ["", "Failures:", *(f"- `{f['nodeid']}` ({f['outcome']}): {f['message']}" for f in bad)]
+    return lines
+
+
+def bench_section(bench: dict[str, Any]) -> list[str]:
+    if not bench:
+        return ["No benchmark results."]
+    limits = bench.get("limits") or {}
+    lines = [f"{bench.get('device')}, torch {bench.get('torch')}, model {bench.get('model')}, CUDA-event medians of "
+             f"{bench.get('iters')}; measured copy {limits.get('copy_tb_s')} TB/s (read + write), bf16 GEMM "
+             f"{limits.get('gemm_tflop_s')} TFLOP/s; the engine's defaults here: {bench.get('default_backends')}", ""]
+    lines += table(["kernel", "shape", "backend", "limit ms", "eager ms", "x limit", "graph ms", "x limit",
+                    "max rel err"],
+                   [(r.get("kernel"), r.get("shape"), r.get("backend"), r.get("limit_ms"), r.get("eager_ms"),
+                     r.get("eager_x_limit"), r.get("graph_ms"), r.get("graph_x_limit"), r.get("max_rel_err"))
+                    for r in bench.get("kernels", [])])
+    lines += ["", f"Decode step, {bench.get('step_tokens')} tokens at context {bench.get('step_context')} "
+                  "(comm/compute 0: no link):", ""]
+    lines += table(["comm/compute", "mode", "step ms", "vs no DBO", "ideal ms", "link hidden %", "host syncs",
+                    "graph MiB"],
+                   [(r.get("comm_over_compute"), r.get("mode"), r.get("step_ms"), r.get("vs_no_dbo"),
+                     r.get("ideal_ms"), r.get("link_hidden_pct"), r.get("host_syncs"), r.get("graph_mib"))
+                    for r in bench.get("step", [])])
+    for section, error in (bench.get("errors") or {}).items():
+        lines += ["", f"Section {section} failed: {error}"]
+    return lines
+
+
+ENGINE_ROWS = (("output tok/s", "output_tokens_per_s"), ("steps", "num_steps"),
+               ("ubatched steps", "num_ubatched_steps"), ("failed requests", "num_errors"),
+               ("wall ms / step", "wall_ms"), ("GPU busy ms / step", "gpu_ms"), ("host ms / step", "host_ms"),
+               ("host: CPU thread (schedule, outputs)", "cpu_thread_ms"),
+               ("host: forward thread beyond GPU time", "forward_host_ms"),
+               ("GPU idle %", "gpu_idle_pct"), ("graph memory MiB", "graph_mib"))
+
+
+def engine_section(runs: dict[str, dict[str, Any]]) -> list[str]:
+    if not any(runs.values()):
+        return ["No engine results."]
+    names = list(runs)
+    figs = {n: engine_figures(d) if d else {} for n, d in runs.items()}
+    rows = [(label, *(figs[n].get(key) for n in names)) for label, key in ENGINE_ROWS]
+
+    def graphs(d: dict[str, Any]) -> str:
+        g = (d.get("engine") or {}).get("graphs") or {}
+        if not g.get("enabled"):
+            return "off" if g else ""
+        return f"{len(g.get('sizes') or [])} plain + {len(g.get('dbo_sizes') or [])} DBO, dropped {g.get('dropped')}"
+
+    rows += [("CUDA graphs", *(graphs(runs[n]) for n in names)),
+             ("start-up s (load, KV sizing, capture)", *(runs[n].get("init_s") for n in names)),
+             ("experts / attention", *("{} / {}".format(*(((runs[n].get("engine") or {}).get(k)) for k in
+                                       ("experts_backend", "attention_backend"))) for n in names))]
+    lines = table(["", *names], rows)
+    lines += ["", "As a command (plus a 2-prompt warm-up call first):", ""]
+    lines += [f"- `{runs[n].get('cli_equivalent')}`" for n in names if runs[n]]
+    return lines
+
+
+def serve_section(part: dict[str, Any]) -> list[str]:
+    if not part:
+        return ["Not run."]
+    if part.get("status") == "not available":
+        return [f"Not available: {part.get('error')}"]
+    lines = [f"Command: `{part.get('command')}`; {part.get('status')}"]
+    data = part.get("data")
+    if data:
+        import json
+
+        text = json.dumps(data.get("summary", data), indent=1, default=str)  # bench-serve's summary when it has one
+        lines += ["", "```json", text[:6000] + ("\n..." if len(text) > 6000 else ""), "```"]
+    return lines
+
+
+def render(results: dict[str, Any]) -> str:
+    parts = results.get("parts") or {}
+    env = _data(results, "env")
+    lines = [f"# GPU check: {env.get('gpu') or 'GPU unknown'}, {results.get('started', '')}", "",
+             f"Commit {results.get('commit') or 'unknown'}; time limit {results.get('time_limit_s')} s"
+             + (f", took {results['elapsed_s']} s" if "elapsed_s" in results else " (still running or stopped)")
+             + f"; `{results.get('command', '')}`. Every child's output is in log.txt beside this file.", "",
+             "## Goals", ""]
+    lines += table(["verdict", "goal", "measured"],
+                   [(g["verdict"], g["goal"], g["measured"]) for g in results.get("goals", [])])
+    lines += ["", "## Parts", ""]
+    lines += table(["part", "status", "seconds", "budget s", "note"],
+                   [(name, p.get("status"), p.get("seconds"), p.get("budget_s"), p.get("error") or "")
+                    for name, p in parts.items()])
+    lines += ["", "## Environment", "", *env_section(env)]
+    lines += ["", "## Tests", "", *tests_section(_data(results, "tests"))]
+    lines += ["", "## Kernels and the decode step (`bench_gpu.py --quick`)", "", *bench_section(_data(results, "bench"))]
+    lines += ["", "## The engine as a user runs it (1.2B model, 256 prompts x 128 new tokens, --max-num-seqs 256)", "",
+              *engine_section({"default flags": _data(results, "engine"), "--enable-dbo": _data(results, "engine_dbo")})]
+    lines += ["", "## Server (`bench-serve --compare dbo`)", "", *serve_section(parts.get("serve") or {})]
+    failed = [(n, p) for n, p in parts.items() if p.get("tail")]
+    if failed:
+        lines += ["", "## End of the output of parts that did not finish cleanly"]
+        for name, p in failed:
+            lines += ["", f"### {name}: {p.get('status')} ({p.get('error')})", "", "```", p["tail"].strip(), "```"]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,282 @@
+"""``make gpu-check``'s own logic on CPU: the no-GPU exit, the goal table's PASS/MISS decisions on recorded
+figures, the part schedule (budgets, the deadline, failures that do not stop the check, results saved after
+every part) and the report. The figures fed in are built with ``bench_gpu.step_row`` and the shapes of
+``engine_run``'s JSON, so the goals read what the benchmarks write. No timing is asserted: the schedule runs on
+a fake clock. The parts' subprocesses are tested in test_gpu_check_parts.py.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "benchmarks")]
+
+import bench_gpu  # noqa: E402
+from gpucheck import goals as goals_mod  # noqa: E402
+from gpucheck.engine_figures import engine_figures  # noqa: E402
+from gpucheck.goals import GOALS, MISS, PASS, evaluate  # noqa: E402
+from gpucheck.report import render  # noqa: E402
+from gpucheck.schedule import MIN_START_S, Context, Part, run_parts, write_outputs  # noqa: E402
+
+
+# ---- the no-GPU exit ---------------------------------------------------------------------------------------
+def test_exits_2_and_says_why_without_a_gpu(tmp_path: Path) -> None:
+    out = tmp_path / "report"
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # hides a GPU where there is one
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--out", str(out)], cwd=REPO,
+                          env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "gpu-check: needs one NVIDIA GPU with CUDA" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()  # nothing written
+
+
+def test_make_target_runs_the_script_with_the_report_directory() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MAKELEVEL", "MFLAGS")}  # under make test
+    proc = subprocess.run(["make", "-n", "--no-print-directory", "gpu-check", "PY=python3", "GPU_CHECK_OUT=/x/y"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "GPU_CHECK_OUT=/x/y python3 benchmarks/gpu_check.py"
+
+
+def test_bad_time_limit_is_refused() -> None:
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--time-limit-s", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "argument --time-limit-s: must be > 0, got 0.0" in proc.stderr
+
+
+# ---- recorded figures ---------------------------------------------------------------------------------------
+def kernel(kernel_name: str, shape: str, backend: str, limit: float, eager: Any, graph: Any = None) -> dict[str, Any]:
+    row = {"kernel": kernel_name, "backend": backend, "shape": shape, "limit_ms": limit, "eager_ms": eager}
+    if isinstance(eager, float):
+        row["eager_x_limit"] = round(eager / limit, 1)
+    if graph is not None:
+        row["graph_ms"] = graph
+        if isinstance(graph, float):
+            row["graph_x_limit"] = round(graph / limit, 1)
+    return row
+
+
+def bench_doc(*, eager_syncs: int = 0, hidden: float = 90.0, graph_dbo_ms: float = 3.6) -> dict[str, Any]:
+    """A bench_gpu.py --quick JSON: grouped_mm experts 1.5x / 3.5x, triton attention 1.8x (graph) and 2.5x
+    (eager only), graph step 2.5 ms, graph DBO 5.0 / graph_dbo_ms at comm = compute, eager DBO 1.05x."""
+    e, a = bench_gpu.experts_shape, bench_gpu.attention_shape
+    kernels = [kernel("experts", e(512), "torch", 0.2, 8.0, "not capturable: RuntimeError"),
+               kernel("experts", e(512), "grouped_mm", 0.2, 0.4, 0.3),
+               kernel("experts", e(2048), "grouped_mm", 0.25, 1.0, 0.875),
+               kernel("experts", e(2048), "triton", 0.25, 2.0, 0.5),
+               kernel("decode attention", a(512, 512), "triton", 0.1, 0.3, 0.18),
+               kernel("decode attention", a(256, 4096), "triton", 0.8, 2.0, "RuntimeError: capture failed")]
+    free = {"eager": 10.0, "eager-dbo": 11.0, "graph": 2.5, "graph-dbo": 3.0}
+    linked = {"eager": 20.0, "eager-dbo": 19.0, "graph": 5.0, "graph-dbo": graph_dbo_ms}
+    step = [bench_gpu.step_row(m, free, None, graph_mib=40.0 if m.startswith("graph") else None,
+                               host_syncs=None if m.startswith("graph") else 0) for m in free]
+    step += [bench_gpu.step_row(m, linked, 1.0, 2.5, free, (hidden, {"k": 1.0}),
+                                graph_mib=40.0 if m.startswith("graph") else None,
+                                host_syncs=None if m.startswith("graph") else (eager_syncs if m == "eager" else 0))
+             for m in linked]
+    return {"device": "H100", "iters": 5, "step_tokens": 512, "step_context": 512, "limits": {"copy_tb_s": 3.0},
+            "default_backends": {"experts": "grouped_mm", "attention": "triton"}, "kernels": kernels, "step": step,
+            "errors": {}}
+
+
+def engine_doc(*, graph_bytes: int = 3 * 10**9, dropped: tuple[int, ...] = (), tok_s: float = 31000.0,
+               enabled: bool = True) -> dict[str, Any]:
+    """An engine_run.py JSON: 130 steps, 10 ms wall / step, CPU thread 2 ms, forward thread 9 ms, GPU 7 ms."""
+    graphs = {"enabled": enabled}
+    if enabled:
+        graphs.update(graph_bytes=graph_bytes, sizes=[1, 2, 4, 256], dbo_sizes=[], dropped=list(dropped))
+    return {"cli_equivalent": "python -m runner generate ...", "init_s": 20.0,
+            "engine": {"experts_backend": "grouped_mm", "attention_backend": "TritonAttentionBackend",
+                       "graphs": graphs},
+            "measured": {"num_requests": 256, "num_errors": 0, "num_output_tokens": 32768, "elapsed_s": 1.3,
+                         "num_steps": 130, "num_ubatched_steps": 0, "output_tokens_per_s": tok_s,
+                         "loop": {"wall_s": 1.3, "forward_busy_s": 1.17, "cpu_work_s": 0.26, "num_steps": 130}},
+            "profiled": {"num_steps": 130, "gpu_busy_s": 0.91, "elapsed_s": 1.4}}
+
+
+def suite_doc(mode: str = "gpu", failed: int = 0) -> dict[str, Any]:
+    run = {"name": "gpu tests", "returncode": 1 if failed else 0, "timed_out": False, "passed": 400,
+           "failed": failed, "errors": 0, "skipped": 3, "failures": []}
+    return {"mode": mode, "files": ["tests/test_a.py"], "runs": [run],
+            "total": {k: run[k] for k in ("passed", "failed", "errors", "skipped")}}
+
+
+def parts(**data: dict[str, Any]) -> dict[str, Any]:
+    return {name: {"status": "ok" if not (name == "tests" and d["total"]["failed"]) else "failed", "data": d}
+            for name, d in data.items()}
+
+
+def verdicts(p: dict[str, Any]) -> dict[str, tuple[str, str]]:
+    return {g["key"]: (g["verdict"], g["measured"]) for g in evaluate(p)}
+
+
+def test_every_goal_is_decided_on_recorded_figures() -> None:
+    v = verdicts(parts(bench=bench_doc(), engine=engine_doc(), tests=suite_doc()))
+    assert [k for k in v] == [g.key for g in GOALS]
+    assert {k: verdict for k, (verdict, _) in v.items()} == {
+        "experts_512": PASS, "experts_2048": MISS, "attention_512x512": PASS, "attention_256x4096": MISS,
+        "graph_step": PASS, "graph_dbo": PASS, "eager": PASS, "graph_memory": PASS, "throughput": PASS,
+        "host_time": PASS, "gpu_tests": PASS, "make_test": MISS}
+    assert v["experts_512"][1] == "grouped_mm (graph) 1.5x the limit (0.3 ms vs 0.2 ms)"
+    assert v["experts_2048"][1] == "grouped_mm (graph) 3.5x the limit (0.875 ms vs 0.25 ms); fastest: triton 2.0x"
+    assert v["attention_256x4096"][1] == "triton (eager) 2.5x the limit (2.0 ms vs 0.8 ms)"  # graph failed
+    assert v["graph_step"][1] == "2.50 ms (512 tokens at context 512)"
+    assert v["graph_dbo"][1] == "1.39x graph without DBO, 90 % of the link hidden"
+    assert v["eager"][1] == "0 host syncs in a step (most of 4 eager rows); eager DBO 1.05x eager at comm/compute 1"
+    assert v["host_time"][1] == ("host 4.00 ms (CPU thread 2.00 + forward thread 2.00) vs GPU 7.00 ms per step; "
+                                 "GPU idle 30 %")
+    assert v["make_test"][1].startswith("not measured: this check ran the GPU tests only")
+
+
+@pytest.mark.parametrize("change, key, measured", [
+    (dict(bench=bench_doc(eager_syncs=3)), "eager", "3 host syncs in a step"),
+    (dict(bench=bench_doc(hidden=80.0)), "graph_dbo", "80 % of the link hidden"),
+    (dict(bench=bench_doc(graph_dbo_ms=4.5)), "graph_dbo", "1.11x graph without DBO"),
+    (dict(engine=engine_doc(graph_bytes=5 * 10**9)), "graph_memory", "4768 MiB for 4 graphs (largest 256)"),
+    (dict(engine=engine_doc(dropped=(256,))), "graph_memory", "dropped (out of memory): [256]"),
+    (dict(engine=engine_doc(enabled=False)), "graph_memory", "CUDA graphs were off"),
+    (dict(engine=engine_doc(tok_s=29000.0)), "throughput", "29,000 output tok/s"),
+    (dict(tests=suite_doc(failed=2)), "gpu_tests", "400 passed, 2 failed, 0 errors, 3 skipped (gpu; failed)"),
+])
+def test_a_goal_missed_is_a_miss_naming_the_figure(change: dict[str, Any], key: str, measured: str) -> None:
+    docs = {"bench": bench_doc(), "engine": engine_doc(), "tests": suite_doc(), **change}
+    verdict, text = verdicts(parts(**docs))[key]
+    assert verdict == MISS and measured in text
+
+
+def test_the_whole_suite_goal_passes_only_on_a_full_run() -> None:
+    assert verdicts(parts(tests=suite_doc("full")))["make_test"] == (
+        PASS, "400 passed, 0 failed, 0 errors, 3 skipped (full)")
+    assert verdicts(parts(tests=suite_doc("full", failed=1)))["make_test"][0] == MISS
+
+
+def test_goals_without_figures_are_misses_saying_why() -> None:
+    v = verdicts({})
+    assert all(verdict == MISS for verdict, _ in v.values())
+    assert v["experts_512"][1] == "not measured: the bench part did not run"
+    timed_out = {"bench": {"status": "timeout", "error": "killed at its 120 s timeout", "data": None}}
+    assert verdicts(timed_out)["graph_step"][1] == ("not measured: the bench part gave no figures (timeout: killed "
+                                                    "at its 120 s timeout)")
+    partial = bench_doc()
+    partial["step"] = partial["step"][:4]  # stopped before the linked rows
+    v = verdicts(parts(bench=partial))
+    assert v["graph_step"][0] == PASS
+    assert v["graph_dbo"] == (MISS, "not measured: no decode-step row for graph-dbo at comm/compute 1")
+    no_default = bench_doc()
+    no_default["default_backends"]["experts"] = "deep_gemm"
+    assert verdicts(parts(bench=no_default))["experts_512"][1] == (
+        "not measured: no experts row for 512 tokens with the default backend 'deep_gemm' (2 rows of other backends)")
+
+
+def test_engine_figures_are_the_engine_counters_per_step() -> None:
+    fig = engine_figures(engine_doc())
+    assert {k: round(v, 6) for k, v in fig.items() if isinstance(v, float)} == {
+        "output_tokens_per_s": 31000.0, "wall_ms": 10.0, "cpu_thread_ms": 2.0, "forward_ms": 9.0, "gpu_ms": 7.0,
+        "forward_host_ms": 2.0, "host_ms": 4.0, "gpu_idle_pct": 30.0, "graph_mib": round(3e9 / 2**20, 6)}
+    doc = engine_doc()
+    doc["profiled"]["gpu_busy_s"] = 1.3  # the forward thread waited on the GPU all the time
+    fig = engine_figures(doc)
+    assert fig["forward_host_ms"] == 0.0 and fig["host_ms"] == pytest.approx(2.0)
+    assert engine_figures({"cli_equivalent": "x"}) == {}
+
+
+# ---- the schedule ----------------------------------------------------------------------------------------------
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def context(tmp_path: Path) -> Context:
+    return Context(repo=REPO, out_dir=tmp_path, work_dir=tmp_path, log_path=tmp_path / "log.txt",
+                   cache_dir=tmp_path, python=sys.executable)
+
+
+def test_parts_run_in_order_under_their_budgets_and_the_deadline(tmp_path: Path) -> None:
+    clock, calls, saved = FakeClock(), [], []
+
+    def part(name: str, spend: float, status: str = "ok") -> Part:
+        def run(ctx: Context) -> dict[str, Any]:
+            calls.append((name, ctx.timeout_s))
+            clock.now += spend
+            return {"status": status, "data": {"n": name}}
+        return Part(name, name.upper(), 100, run)
+
+    def boom(ctx: Context) -> dict[str, Any]:
+        calls.append(("boom", ctx.timeout_s))
+        raise RuntimeError("the check's own bug")
+
+    plan = [part("a", 50), Part("boom", "B", 30, boom), part("c", 90, "timeout"), part("d", 1), part("e", 1)]
+    results = run_parts(plan, context(tmp_path), {}, deadline=150.0, clock=clock,
+                        save=lambda r: saved.append(json.loads(json.dumps(r))), say=lambda s: None)
+    # a: its own budget; boom: its budget; c: what is left of the deadline; d: runs with 10 s left; e: skipped
+    assert calls == [("a", 100), ("boom", 30), ("c", 100), ("d", 10)]
+    assert [(n, p["status"]) for n, p in results["parts"].items()] == [
+        ("a", "ok"), ("boom", "error"), ("c", "timeout"), ("d", "ok"), ("e", "skipped")]
+    assert results["parts"]["boom"]["error"] == "RuntimeError: the check's own bug"
+    assert "Traceback" in results["parts"]["boom"]["tail"]
+    assert results["parts"]["e"]["error"] == ("no time left: 9 s of the check's time limit remained when it was "
+                                              "due") and results["parts"]["e"]["timeout_s"] == 0
+    assert [list(s["parts"]) for s in saved] == [["a"], ["a", "boom"], ["a", "boom", "c"], ["a", "boom", "c", "d"],
+                                                 ["a", "boom", "c", "d", "e"]]
+    assert all(len(s["goals"]) == len(GOALS) for s in saved)
+    assert MIN_START_S == 10.0
+
+
+def test_a_part_with_an_unknown_status_is_an_error(tmp_path: Path) -> None:
+    results = run_parts([Part("x", "X", 10, lambda ctx: {"status": "fine"})], context(tmp_path), {},
+                        deadline=100.0, clock=FakeClock(), save=lambda r: None, say=lambda s: None)
+    assert results["parts"]["x"]["status"] == "error"
+    assert results["parts"]["x"]["error"] == "part returned status 'fine'"
+
+
+def test_results_on_disk_hold_every_finished_part_before_the_next_starts(tmp_path: Path) -> None:
+    seen = []
+
+    def second(ctx: Context) -> dict[str, Any]:
+        seen.append(json.loads((tmp_path / "results.json").read_text()))
+        seen.append((tmp_path / "report.md").read_text())
+        return {"status": "failed", "error": "exit status 1", "tail": "boom at the end", "data": None}
+
+    plan = [Part("bench", "kernels", 60, lambda ctx: {"status": "ok", "data": bench_doc()}),
+            Part("engine", "engine", 60, second)]
+    results = run_parts(plan, context(tmp_path), {"started": "today", "time_limit_s": 420}, deadline=1000.0,
+                        clock=FakeClock(), save=lambda r: write_outputs(r, tmp_path), say=lambda s: None)
+    on_disk, report = seen
+    assert list(on_disk["parts"]) == ["bench"] and on_disk["parts"]["bench"]["data"]["kernels"]
+    assert "| PASS | Graph decode step of the 1.2B model at 512 tokens, compute only, <= 3 ms | 2.50 ms" in report
+    final = (tmp_path / "report.md").read_text()
+    assert json.loads((tmp_path / "results.json").read_text()) == json.loads(json.dumps(results))
+    assert "### engine: failed (exit status 1)" in final and "boom at the end" in final
+
+
+def test_report_has_one_pass_or_miss_line_per_goal_and_every_part() -> None:
+    results = {"started": "2026-01-01 00:00 UTC", "commit": "abc1234", "time_limit_s": 420, "elapsed_s": 300.0,
+               "command": "gpu_check.py", "parts": parts(bench=bench_doc(), engine=engine_doc(), tests=suite_doc()),
+               "goals": []}
+    results["parts"]["engine_dbo"] = {"status": "ok", "data": engine_doc(tok_s=20000.0)}
+    results["parts"]["serve"] = {"status": "not available", "error": "python -m runner bench-serve --help: no"}
+    results["goals"] = evaluate(results["parts"])
+    text = render(results)
+    goal_lines = [line for line in text.splitlines() if line.startswith(("| PASS |", "| MISS |"))]
+    assert [line.split(" | ")[1] for line in goal_lines] == [g.text for g in GOALS]
+    assert "Commit abc1234; time limit 420 s, took 300.0 s" in text
+    assert "| output tok/s | 31,000 | 20,000 |" in text
+    assert "| host ms / step | 4 | 4 |" in text
+    assert "Not available: python -m runner bench-serve --help: no" in text
+    assert "| experts | 2048 tokens | triton | 0.25 | 2 | 8 | 0.5 | 2 |  |" in text
+    assert render({}).startswith("# GPU check: GPU unknown")  # nothing measured still renders
+
+
+def test_goal_table_reads_the_default_backends_bench_gpu_records() -> None:
+    assert bench_gpu.default_backends("cpu") == {"experts": "torch", "attention": "torch"}
+    assert goals_mod.GRAPH_MEMORY_LIMIT_BYTES == 4 * 10**9
