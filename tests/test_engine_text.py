@@ -289,7 +289,9 @@ def test_parallel_sampling_seeds_and_final_aggregation(tok) -> None:
     # streaming (CUMULATIVE): each child's output as it comes, with its index
     ros, _ = proc.process_outputs([out(21, [3]), out(20, [4], "length")])
     assert [(r.outputs[0].index, r.finished) for r in ros] == [(1, False), (0, False)]
-    assert proc.abort_requests(["b", "unknown"]) == [21] and not proc.has_unfinished_requests()
+    (aborted,), engine_ids = proc.abort_requests(["b", "unknown"])
+    assert engine_ids == [21] and not proc.has_unfinished_requests()
+    assert aborted.finished and [(c.index, c.finish_reason) for c in aborted.outputs] == [(1, "abort")]
 
 
 def test_logprobs_become_vllm_dicts_with_decoded_tokens(tok) -> None:

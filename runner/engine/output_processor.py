@@ -65,9 +65,11 @@ class RequestState:
 
 class OutputProcessor:
     """Per-request state of every request in flight. ``tokenizer`` None: token ids only (``text`` stays "").
-    ``max_model_len`` resolves ``max_tokens=None``; ``generation_config`` adds the checkpoint's EOS ids."""
+    ``max_model_len`` resolves ``max_tokens=None`` (None: the caller resolves it before ``add_request``);
+    ``generation_config`` adds the checkpoint's EOS ids."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int, generation_config: GenerationConfig | None = None) -> None:
+    def __init__(self, tokenizer: Any, max_model_len: int | None,
+                 generation_config: GenerationConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.generation_config = generation_config or GenerationConfig()
@@ -93,6 +95,8 @@ class OutputProcessor:
         arrival = time.time() if arrival_time is None else arrival_time
         base = self.generation_config.apply(params)
         if base.max_tokens is None:
+            if self.max_model_len is None:
+                raise ValueError(f"request {request_id!r}: max_tokens=None needs the engine's max_model_len")
             base = base.clone() if base is params else base
             base.max_tokens = max(1, self.max_model_len - (len(prompt_token_ids)
                                                            if isinstance(prompt_token_ids, list) else 0))
@@ -113,15 +117,26 @@ class OutputProcessor:
         self._children[request_id] = ids
         return requests
 
-    def abort_requests(self, request_ids: Iterable[str]) -> list[int]:
-        """Forget these client requests (a client went away); returns their engine request ids still running,
-        which the caller must abort in the engine cores. Unknown or finished ids are ignored."""
+    def abort_requests(self, request_ids: Iterable[str], now: float | None = None,
+                       reason: str = "abort") -> tuple[list[RequestOutput], list[int]]:
+        """Finish these client requests now (a client went away, the server drains): returns their final
+        outputs (``finish_reason`` ``reason`` for every sample still running; a streaming consumer waits for
+        them) and their engine request ids still running, which the caller must abort in the engine cores.
+        Unknown or finished ids are ignored."""
+        now = time.time() if now is None else now
+        outputs: list[RequestOutput] = []
         engine_ids: list[int] = []
         for rid in request_ids:
-            for eid in self._children.pop(rid, []):
-                if self.request_states.pop(eid, None) is not None:
-                    engine_ids.append(eid)
-        return engine_ids
+            for eid in list(self._children.get(rid, ())):
+                state = self.request_states.get(eid)
+                if state is None:
+                    continue
+                engine_ids.append(eid)
+                result = self._request_output(state, [], reason, None, now)
+                if result is not None:
+                    outputs.append(result)
+                self._finish(state)
+        return outputs, engine_ids
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
