@@ -273,7 +273,7 @@ class ModelInfo:
 def _model_info(cfg: RunnerConfig) -> ModelInfo:
     """Checked before any rank starts: the config, every checkpoint file's header, ``max_model_len`` against
     the model, the DBO schedule, the generation config. No weight is read."""
-    from runner.engine.generation_config import load_generation_config
+    from runner.engine.generation_config import load_generation_config, model_eos_token_ids
     from runner.engine.tokenizer import has_tokenizer_files
     from runner.models.loader import check_checkpoint_files, check_max_model_len, load_config, resolve_model_path
     from runner.models.registry import get_model_class
@@ -285,10 +285,8 @@ def _model_info(cfg: RunnerConfig) -> ModelInfo:
     check_max_model_len(cfg.max_model_len, config)
     model_class = get_model_class(config.architectures[0])
     check_schedule(cfg.dbo_schedule, model_class.supported_dbo_schedules, model_class.__name__)
-    eos = getattr(config, "eos_token_id", None)
-    eos_ids = [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
     try:
-        generation = load_generation_config(path, cfg.generation_config, eos_ids)
+        generation = load_generation_config(path, cfg.generation_config, model_eos_token_ids(config))
     except ValueError as e:
         raise ConfigError("generation_config", str(e)) from None
     return ModelInfo(config.vocab_size, has_tokenizer_files(path), generation)

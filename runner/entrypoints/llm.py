@@ -47,7 +47,7 @@ from runner.config import ConfigError, RunnerConfig, make_config
 from runner.core.engine_core import EngineCore
 from runner.core.overlap_loop import LoopStats
 from runner.distributed.liveness import report_progress
-from runner.engine.generation_config import GenerationConfig, load_generation_config
+from runner.engine.generation_config import GenerationConfig, load_generation_config, model_eos_token_ids
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.tokenizer import apply_chat_template, encode, load_tokenizer, load_tokenizer_from_dir
 from runner.entrypoints.output_paths import output_path_error
@@ -150,18 +150,20 @@ class LLM:
                 raise ConfigError("trace_file", f"trace_file: {problem}")
         self.rank, self.world_size = resolve_world(cfg) if runner is None else (
             getattr(runner, "rank", 0), getattr(runner, "world_size", 1))
+        # before any weight is read: the generation config (a bad one is an error) and max_model_len
+        self.generation_config = self._load_generation_config(
+            getattr(runner, "eos_token_ids", ()) if runner is not None else None)
         if runner is None:
-            from runner.worker.model_runner import ModelRunner
             from runner.models.loader import check_max_model_len, model_config
+            from runner.worker.model_runner import ModelRunner
 
-            if cfg.max_model_len is not None:  # checked before any weight is read
+            if cfg.max_model_len is not None:
                 check_max_model_len(cfg.max_model_len, model_config(cfg.model, cfg.cache_dir))
             runner = ModelRunner(cfg, self.rank, self.world_size)
         self.runner = runner
         self._tokenizer = load_tokenizer_from_dir(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) \
             else tokenizer
         self._tokenizer_loaded = tokenizer is not None
-        self.generation_config = self._load_generation_config()
         self.last_stats: GenerationStats | None = None
         self.last_loop_stats: LoopStats | None = None
         self.last_trace: Any = None  # runner.tracing.TraceResult of the last generate() with trace_file set
@@ -173,11 +175,14 @@ class LLM:
         self._busy_thread: int | None = None  # the thread inside generate(), if any
 
     # ------------------------------------------------------------------ helpers
-    def _load_generation_config(self) -> GenerationConfig:
-        from runner.models.loader import resolve_model_path
+    def _load_generation_config(self, model_eos: Any) -> GenerationConfig:
+        """The checkpoint's generation config; ``model_eos`` None: the EOS ids of its config.json."""
+        from runner.models.loader import load_config, resolve_model_path
 
-        gen = load_generation_config(resolve_model_path(self.cfg.model, self.cfg.cache_dir),
-                                     self.cfg.generation_config, getattr(self.runner, "eos_token_ids", ()))
+        path = resolve_model_path(self.cfg.model, self.cfg.cache_dir)
+        if model_eos is None:
+            model_eos = model_eos_token_ids(load_config(path))
+        gen = load_generation_config(path, self.cfg.generation_config, model_eos)
         described = gen.describe()
         if described and self.rank == 0:
             log_once(logger, logging.WARNING, described)
