@@ -72,7 +72,7 @@ def set_dbo(llm: Any, on: bool) -> None:
 def timed(llm: Any, prompts: list[list[int]], params: Any, dbo: bool, trace_file: str | None = None) -> Any:
     set_dbo(llm, dbo)
     llm.cfg = llm.cfg.replace(trace_file=trace_file)
-    llm.generate(prompts, params, disable_progress=True)
+    llm.generate(prompts, params, use_tqdm=False)
     return llm.last_stats
 
 

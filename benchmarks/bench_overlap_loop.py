@@ -62,13 +62,14 @@ CONFIGS = [Config("tiny-qwen3-moe", 16), Config("tiny-qwen3-moe", 128), Config(W
 
 def one_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, overlap: bool) -> dict[str, Any]:
     llm.cfg = llm.cfg.replace(disable_overlap_schedule=not overlap)
-    outs = llm.generate(prompts, params, disable_progress=True)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     st, ls = llm.last_stats, llm.last_loop_stats
     assert st is not None and ls is not None and ls.overlap is overlap
     return {"tok_s": st.output_tokens_per_s, "idle_frac": ls.forward_idle_fraction,
             "idle_ms": 1e3 * ls.forward_idle_s / ls.num_steps, "busy_ms": 1e3 * ls.forward_busy_s / ls.num_steps,
             "wall_ms": 1e3 * ls.wall_s / ls.num_steps, "cpu_ms": 1e3 * ls.cpu_work_s / ls.num_steps,
-            "steps": ls.num_steps, "overlapped": ls.num_overlapped_steps, "tokens": [o.token_ids for o in outs]}
+            "steps": ls.num_steps, "overlapped": ls.num_overlapped_steps,
+            "tokens": [o.outputs[0].token_ids for o in outs]}
 
 
 def bench(cfg: Config, args: argparse.Namespace, cache_dir: str) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def bench(cfg: Config, args: argparse.Namespace, cache_dir: str) -> dict[str, An
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     for overlap in (False, True):  # warm-up: first-call costs, the executor thread
         llm.cfg = llm.cfg.replace(disable_overlap_schedule=not overlap)
-        llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), disable_progress=True)
+        llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
     for _ in range(args.repeats):
         for overlap in (False, True):

@@ -11,20 +11,22 @@ from __future__ import annotations
 
 import argparse
 
+from runner import LLM, SamplingParams
 from runner.distributed.device import DEVICE_CHOICES
-from runner.entrypoints.llm import LLM, GenerationStats, RequestOutput
 from runner.distributed.launch import launch
-from runner.sampling_params import SamplingParams
+from runner.entrypoints.llm import GenerationStats
+from runner.outputs import RequestOutput
 
 TEXTS = ["The capital of France is", "Mixture-of-experts models route each token to",
          "Dual-batch overlap hides communication by", "The quick brown fox", "Once upon a time",
          "In a distant galaxy"]
 
 
-def rank_main(model: str, device: str = "auto") -> tuple[list[RequestOutput], GenerationStats | None]:
-    llm = LLM(model=model, data_parallel_size=2, enable_expert_parallel=True,  # all2all defaults to torch_ll
+def rank_main(model: str, device: str = "auto") -> tuple[list[RequestOutput], GenerationStats | None, bool]:
+    llm = LLM(model=model, data_parallel_size=2, enable_expert_parallel=True,  # all2all defaults to auto
               enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, device=device)
-    if llm.get_tokenizer() is not None:
+    has_tokenizer = llm.get_tokenizer() is not None
+    if has_tokenizer:
         prompts: list = TEXTS
     else:
         prompts = [[(37 * i + 11 * j) % 500 for j in range(3 + 4 * i)] for i in range(len(TEXTS))]
@@ -32,7 +34,7 @@ def rank_main(model: str, device: str = "auto") -> tuple[list[RequestOutput], Ge
     outputs = llm.generate(prompts, params)
     stats = llm.last_stats if llm.rank == 0 else None
     llm.close()
-    return outputs, stats
+    return outputs, stats, has_tokenizer
 
 
 if __name__ == "__main__":
@@ -41,8 +43,9 @@ if __name__ == "__main__":
     parser.add_argument("--device", choices=DEVICE_CHOICES, default="auto")
     args = parser.parse_args()
     # rank 0's view; it holds every result
-    outputs, stats = launch(rank_main, 2, args=(args.model, args.device), device=args.device)[0]
-    for o in outputs:
-        shown = repr(o.text) if o.text is not None else " ".join(map(str, o.token_ids))
-        print(f"[{o.index}] prompt {len(o.prompt_token_ids)} tokens -> {shown} ({o.finish_reason})")
+    outputs, stats, has_tokenizer = launch(rank_main, 2, args=(args.model, args.device), device=args.device)[0]
+    for i, o in enumerate(outputs):
+        c = o.outputs[0]
+        shown = repr(c.text) if has_tokenizer else " ".join(map(str, c.token_ids))
+        print(f"[{i}] prompt {len(o.prompt_token_ids)} tokens -> {shown} ({c.finish_reason})")
     print(stats.summary())

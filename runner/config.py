@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 UBATCH_SPLITS = ("tokens", "balanced")
@@ -60,6 +61,17 @@ def check_gpu_memory_utilization(u: Any) -> None:
     """``--gpu-memory-utilization`` is a share of the GPU's memory: ``ValueError`` naming the value otherwise."""
     if isinstance(u, bool) or not isinstance(u, (int, float)) or not 0 < u <= 1:
         raise ValueError(f"gpu_memory_utilization must lie in (0, 1] (a share of the GPU's memory), got {u!r}")
+
+
+def _check_generation_config(value: Any) -> None:
+    """``auto``, ``vllm``, or a directory with a generation_config.json (vLLM's three forms)."""
+    if value in ("auto", "vllm"):
+        return
+    if not isinstance(value, str) or not value:
+        raise ConfigError("generation_config", f"generation_config must be 'auto', 'vllm' or a directory, got {value!r}")
+    if not (Path(value) / "generation_config.json").is_file():
+        raise ConfigError("generation_config", f"generation_config {value!r} is neither 'auto', 'vllm' nor a "
+                                               "directory holding a generation_config.json")
 
 
 class ConfigError(ValueError):
@@ -125,6 +137,9 @@ class RunnerConfig:
     device: str = "auto"  # runner.distributed.device: auto (CUDA when available) | cuda | cpu (gloo ranks, no CUDA)
     cache_dir: str | None = None
     trace_file: str | None = None
+    # vLLM's --generation-config: "auto" (the model's generation_config.json: EOS ids, sampling defaults),
+    # "vllm" (ignore it), or a directory holding the generation_config.json to use (runner/engine/generation_config.py)
+    generation_config: str = "auto"
 
     def __post_init__(self) -> None:
         if not isinstance(self.model, str) or not self.model:
@@ -174,6 +189,7 @@ class RunnerConfig:
             check_gpu_memory_utilization(self.gpu_memory_utilization)
         except ValueError as e:
             raise ConfigError("gpu_memory_utilization", str(e)) from None
+        _check_generation_config(self.generation_config)
         d = self.dist_timeout_s
         if isinstance(d, bool) or not isinstance(d, (int, float)) or not d > 0:
             raise ConfigError("dist_timeout_s", f"dist_timeout_s must be > 0 seconds, got {d!r}")

@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
-import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -97,11 +96,13 @@ class TraceResult:
     path: str
     metrics: list[OverlapMetrics]
     cpu: list[thread_cpu.CpuSplit | None] = dataclasses.field(default_factory=list)  # per rank
+    error: str | None = None  # why the file could not be written (the metrics below still hold)
 
     def report(self) -> str:
+        head = f"trace NOT written ({self.error})" if self.error else f"trace written to {self.path}"
         if not self.metrics:
-            return f"trace written to {self.path} (no spans: nothing traced ran, e.g. no MoE layer or link)"
-        lines = [f"trace written to {self.path}"]
+            return f"{head} (no spans: nothing traced ran, e.g. no MoE layer or link)"
+        lines = [head]
         for m in self.metrics:
             lines.append(format_metrics(m))
             cpu = self.cpu[m.pid] if m.pid < len(self.cpu) else None
@@ -128,15 +129,18 @@ def export(path: str, per_rank: Sequence[RankTrace | None], rank: int) -> TraceR
     if rank != 0:
         return None
     data = trace.to_chrome_trace(merge(per_rank))
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f)
-    return TraceResult(path, [overlap_metrics(data, pid=p) for p in trace_pids(data)],
-                       [item.cpu if item is not None else None for item in per_rank])
+    result = TraceResult(path, [overlap_metrics(data, pid=p) for p in trace_pids(data)],
+                         [item.cpu if item is not None else None for item in per_rank])
+    try:  # the directory is not created: the front ends checked the path before the run
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(data, f)
+    except OSError as e:  # costs the file, not the run: the metrics are still reported
+        result.error = f"could not write the trace to {path}: {e.strerror or e}"
+    return result
 
 
 def result_to_json(result: Any) -> dict[str, Any] | None:
     """What the CLI's rank side sends back to the reporting process."""
     if result is None:
         return None
-    return {"path": result.path, "report": result.report()}
+    return {"path": result.path, "report": result.report(), "error": result.error}

@@ -255,8 +255,8 @@ def test_engine_tokens_equal_with_torch_and_triton_attention() -> None:
                   block_size=4, max_model_len=32, experts_backend="grouped_mm")
         try:
             assert llm.runner.attention_backend.name == name
-            outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), disable_progress=True)
-            tokens[name] = [o.token_ids for o in outs]
+            outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            tokens[name] = [o.outputs[0].token_ids for o in outs]
             assert llm.last_stats.num_ubatched_steps > 0
         finally:
             llm.close()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from runner.entrypoints.cli import build_parser, compare_outputs, job_from_args, main, random_prompts
+from tiny_checkpoint import tiny_chat_checkpoint  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,7 +63,21 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     (["--dbo-schedule", "deepseek"], "argument --dbo-schedule: Qwen3MoeForCausalLM does not support the 'deepseek' "
                                      "DBO schedule (it supports: moe)"),
     (["--output-json", "/nonexistent/dir/o.json"],
-     "argument --output-json: cannot write '/nonexistent/dir/o.json': No such file or directory"),
+     "argument --output-json: cannot write '/nonexistent/dir/o.json': its directory '/nonexistent/dir' does not "
+     "exist (create it first)"),
+    (["--trace-file", "/nonexistent/t.json"],
+     "argument --trace-file: cannot write '/nonexistent/t.json': its directory '/nonexistent' does not exist"),
+    (["--n", "0"], "argument --n: n must be an integer >= 1, got 0"),
+    (["--n", "2"], "argument --n: n must be 1 with greedy sampling (temperature 0), got 2"),
+    (["--top-k", "-3"], "argument --top-k: top_k must be an integer >= 1, or 0 / -1 for off; got -3"),
+    (["--min-p", "1.5"], "argument --min-p: min_p must be a number in [0, 1], got 1.5"),
+    (["--presence-penalty", "3"], "argument --presence-penalty: presence_penalty must be a number in [-2, 2]"),
+    (["--repetition-penalty", "0"], "argument --repetition-penalty: repetition_penalty must be a finite number > 0"),
+    (["--logprobs", "-1"], "argument --logprobs: logprobs must be an integer >= 0"),
+    (["--min-tokens", "20"], "argument --min-tokens: min_tokens (20) must not exceed max_tokens (16)"),
+    (["--stop", "\n"], "argument --stop: model 'tiny-qwen3-moe' has no tokenizer to find stop strings in the text"),
+    (["--generation-config", "/nonexistent"], "argument --generation-config: generation_config '/nonexistent' is "
+                                              "neither 'auto', 'vllm' nor a directory holding a generation_config.json"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], expected: str, capsys: pytest.CaptureFixture) -> None:
     err = usage_error(["generate", *argv], capsys)
@@ -78,7 +93,7 @@ def test_bad_prompts_file_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -
     f.write_text('{"prompt_token_ids": [1, 2]}\nnot json\n')
     assert f"{f}:2: not valid JSON" in usage_error(["generate", "--prompts-file", str(f)], capsys)
     f.write_text('{"prompt": "hello"}\n')
-    assert "prompt 0 is text but model 'tiny-qwen3-moe' has no tokenizer.json" in usage_error(
+    assert "prompt 0 is text but model 'tiny-qwen3-moe' has no tokenizer" in usage_error(
         ["generate", "--prompts-file", str(f)], capsys)
     f.write_text('{"text": "x"}\n')
     assert 'expected {"prompt": str} or {"prompt_token_ids"' in usage_error(["generate", "--prompts-file", str(f)],
@@ -115,10 +130,14 @@ def test_random_prompts_deterministic_and_in_vocab() -> None:
 
 
 def test_compare_outputs() -> None:
-    a = [{"index": 0, "token_ids": [1, 2]}, {"index": 1, "token_ids": [3, 4]}]
-    b = [{"index": 0, "token_ids": [1, 2]}, {"index": 1, "token_ids": [3, 5]}]
+    def req(i: int, *samples: list[int]) -> dict:
+        return {"index": i, "outputs": [{"token_ids": s} for s in samples]}
+
+    a, b = [req(0, [1, 2]), req(1, [3, 4])], [req(0, [1, 2]), req(1, [3, 5])]
     assert compare_outputs(a, a) is None
     assert compare_outputs(a, b) == "1 of 2 requests differ (first: request 1 at output token 1)"
+    assert compare_outputs([req(0, [1], [2, 3])], [req(0, [1], [2, 4])]) == \
+        "1 of 1 requests differ (first: request 0 sample 1 at output token 1)"
 
 
 def test_generate_in_process_with_a_bad_prompt(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -127,8 +146,9 @@ def test_generate_in_process_with_a_bad_prompt(tmp_path: Path, capsys: pytest.Ca
     out = tmp_path / "o.json"
     assert main(["generate", "--prompts-file", str(f), "--max-tokens", "3", "--output-json", str(out)]) == 0
     res = json.loads(out.read_text())
-    assert [r["finish_reason"] for r in res] == ["length", "error", "length"]
-    assert res[1]["error"] == "prompt is empty: at least one token is needed" and res[1]["token_ids"] == []
+    assert [r["outputs"][0]["finish_reason"] for r in res] == ["length", "error", "length"]
+    assert res[1]["error"] == "prompt is empty: at least one token is needed"
+    assert res[1]["outputs"][0]["token_ids"] == [] and res[0]["prompt_token_ids"] == [1, 2, 3]
     captured = capsys.readouterr()
     assert "request 1: error: prompt is empty" in captured.err
     assert "requests: 3 (1 errors)" in captured.out
@@ -144,8 +164,11 @@ def test_generate_subprocess_writes_json(tmp_path: Path) -> None:
     res = json.loads(out.read_text())
     assert [r["index"] for r in res] == [0, 1]
     for r in res:
-        assert len(r["token_ids"]) == 4 and r["finish_reason"] == "length" and r["error"] is None
-        assert all(isinstance(t, int) and 0 <= t < 512 for t in r["token_ids"])
+        (c,) = r["outputs"]
+        assert len(c["token_ids"]) == 4 and c["finish_reason"] == "length" and r["error"] is None
+        assert all(isinstance(t, int) and 0 <= t < 512 for t in c["token_ids"])
+        assert c["text"] is None and r["prompt"] is None and len(r["prompt_token_ids"]) == 16  # no tokenizer
+        assert f"[{r['index']}] length, 4 tokens: {' '.join(map(str, c['token_ids']))}" in proc.stdout
     assert "requests: 2 (0 errors)" in proc.stdout and "output tokens: 8" in proc.stdout
 
 
@@ -183,7 +206,9 @@ def test_results_that_cannot_be_written_at_the_end_keep_the_summary(tmp_path: Pa
                                                                      capsys: pytest.CaptureFixture) -> None:
     from runner.entrypoints.report import report_bench, report_generate
 
-    out = {"index": 0, "token_ids": [1, 2], "finish_reason": "length", "error": None}
+    out = {"index": 0, "request_id": "0", "prompt": None, "prompt_token_ids": [5], "finished": True, "error": None,
+           "outputs": [{"index": 0, "text": None, "token_ids": [1, 2], "cumulative_logprob": None, "logprobs": None,
+                        "finish_reason": "length", "stop_reason": None}]}
     stats = {"num_steps": 2, "num_ubatched_steps": 0, "num_output_tokens": 2, "elapsed_s": 0.5}
     run = {"dbo": False, "outputs": [out], "stats": stats, "summary": "requests: 1 (0 errors) | ...", "trace": None}
     gone = tmp_path / "removed-during-the-run" / "o.json"
@@ -227,3 +252,70 @@ def test_help_states_the_real_max_model_len_default(capsys: pytest.CaptureFixtur
     text = " ".join(capsys.readouterr().out.split())
     assert (f"--max-model-len N default: the model's max_position_embeddings, capped at {DEFAULT_MAX_MODEL_LEN}; "
             "a value above max_position_embeddings is rejected") in text, text
+
+
+def test_every_flag_has_help_showing_its_default() -> None:
+    parser = build_parser()
+    for sub in ("generate", "bench"):
+        sp = parser._subparsers._group_actions[0].choices[sub]
+        for action in sp._actions:
+            if action.dest in ("help", "subparser"):
+                continue
+            text = action.help or ""
+            assert text, f"{sub} {action.option_strings}: no help text"
+            assert "default" in text, f"{sub} {action.option_strings}: help shows no default: {text!r}"
+
+
+def test_unwritable_trace_file_keeps_the_summary_and_the_other_files(tmp_path: Path, capsys: pytest.CaptureFixture,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trace path passed the check before the run but cannot be written at the end (a directory that
+    vanished): the summary, the trace's metrics and --output-json are still there; exit 1 naming the flag."""
+    import runner.entrypoints.cli as cli
+    import runner.entrypoints.llm as llm_module
+
+    gone = "/proc/no-such-dir/t.json"
+    for module in (cli, llm_module):
+        checked = module.output_path_error
+        monkeypatch.setattr(module, "output_path_error", lambda p, checked=checked: None if p == gone else checked(p))
+    out = tmp_path / "o.json"
+    argv = ["generate", "--num-prompts", "2", "--max-tokens", "3", "--enable-dbo", "--dbo-decode-token-threshold",
+            "1", "--dbo-prefill-token-threshold", "1", "--dbo-cost-model", "off", "--trace-file", gone,
+            "--output-json", str(out)]
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert "requests: 2 (0 errors)" in captured.out and "trace NOT written (could not write the trace to" in captured.out
+    assert "DBO overlap, rank 0" in captured.out  # the metrics survived
+    assert f"error: --trace-file: could not write the trace to {gone}: No such file or directory; only that file " \
+           "is lost" in captured.err
+    assert [len(r["outputs"][0]["token_ids"]) for r in json.loads(out.read_text())] == [3, 3]
+
+
+def test_generate_with_a_tokenizer_prints_text_and_writes_vllm_fields(tmp_path: Path, tiny_chat_checkpoint,
+                                                                      capsys: pytest.CaptureFixture,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    from ubatch.log_once import forget_logged
+
+    forget_logged()
+    ck = tiny_chat_checkpoint
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "The quick brown fox"}\n{"prompt_token_ids": [3, 298, 224]}\n')
+    out = tmp_path / "o.json"
+    assert main(["generate", "--model", str(ck.path), "--prompts-file", str(prompts), "--output-json", str(out),
+                 "--temperature", "0", "--max-tokens", "12"]) == 0
+    captured = capsys.readouterr()
+    res = json.loads(out.read_text())
+    assert res[0]["prompt"] == "The quick brown fox" and res[0]["prompt_token_ids"][0] == 3  # BOS
+    assert res[1]["prompt"] is None and res[1]["prompt_token_ids"] == [3, 298, 224]
+    first = res[0]["outputs"][0]
+    assert first["token_ids"][-1] == ck.second_eos_token_id  # generation_config.json's EOS ended it
+    assert (first["finish_reason"], first["stop_reason"]) == ("stop", ck.second_eos_token_id)
+    assert isinstance(first["text"], str) and first["cumulative_logprob"] is None and first["logprobs"] is None
+    line = f"[0] stop ({ck.second_eos_token_id}), {len(first['token_ids'])} tokens: {first['text']!r}"
+    assert line in captured.out, captured.out
+    said = [r.getMessage() for r in caplog.records if "generation_config.json" in r.getMessage()]
+    assert len(said) == 1 and "default sampling parameters temperature=0.7, top_k=20, top_p=0.9" in said[0]
+    # --n over the checkpoint's sampling defaults (temperature 0.7 there): one line per sample
+    assert main(["generate", "--model", str(ck.path), "--prompts-file", str(prompts), "--n", "2", "--max-tokens",
+                 "4", "--ignore-eos"]) == 0
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("[")]
+    assert [ln.split()[0] for ln in lines] == ["[0.0]", "[0.1]", "[1.0]", "[1.1]"]

@@ -267,9 +267,10 @@ def run_engine_variants(cache_dir: str) -> dict[str, Any]:
     for name, settings in ENGINE_VARIANTS.items():
         llm = LLM(**ENGINE, **settings, cache_dir=cache_dir)
         try:
-            outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), disable_progress=True)
+            outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
             wrapper = llm.runner.wrapper
-            out[name] = {"tokens": [o.token_ids for o in outs], "ubatched": llm.last_stats.num_ubatched_steps,
+            out[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
+                         "ubatched": llm.last_stats.num_ubatched_steps,
                          "last_yields": None if wrapper is None else wrapper.last_yield_counts}
         finally:
             llm.close()

@@ -128,9 +128,9 @@ def _generate(**settings: Any) -> tuple[list[list[int]], Any]:
 
     llm = LLM(**settings)
     try:
-        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True), disable_progress=True)
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
         assert llm.last_stats.num_ubatched_steps > 0  # the wrapper and its streams really ran
-        return [o.token_ids for o in outs], llm.runner
+        return [o.outputs[0].token_ids for o in outs], llm.runner
     finally:
         llm.close()
 
@@ -196,8 +196,8 @@ def test_dp2_on_cpu_with_cuda_reported_equals_a_plain_cpu_run(tmp_path: Path) ->
     assert "ubatched steps: 4/4 (DBO)" in proc.stdout, proc.stdout
     plain, unpatched = _cli([*WORKLOAD, "--device", "cpu", "--output-json", str(ref)], tmp_path, hook=False)
     assert plain.returncode == 0 and unpatched == [], plain.stderr[-3000:]
-    tokens = [r["token_ids"] for r in json.loads(out.read_text())]
-    assert tokens == [r["token_ids"] for r in json.loads(ref.read_text())]
+    tokens = [r["outputs"][0]["token_ids"] for r in json.loads(out.read_text())]
+    assert tokens == [r["outputs"][0]["token_ids"] for r in json.loads(ref.read_text())]
     assert len(tokens) == 4 and all(len(t) == 4 for t in tokens)
 
     # --device auto with the same one "GPU": refused before any rank starts, naming the way out

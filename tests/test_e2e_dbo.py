@@ -60,8 +60,8 @@ def run_variants() -> dict[str, Any]:
         try:
             for name, (prompts, max_tokens) in WORKLOADS.items():
                 outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens],
-                                    disable_progress=True)
-                out[(variant, name)] = {"tokens": [o.token_ids for o in outs],
+                                    use_tqdm=False)
+                out[(variant, name)] = {"tokens": [o.outputs[0].token_ids for o in outs],
                                         "ubatched": llm.last_stats.num_ubatched_steps,
                                         "steps": llm.last_stats.num_steps}
             layers = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]

@@ -76,8 +76,8 @@ def run_workloads() -> dict:
                 outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True, **extra)
                                               for m in max_tokens])
                 st = llm.last_stats
-                results[(variant, name)] = {"token_ids": [o.token_ids for o in outs],
-                                            "reasons": [o.finish_reason for o in outs],
+                results[(variant, name)] = {"token_ids": [o.outputs[0].token_ids for o in outs],
+                                            "reasons": [o.outputs[0].finish_reason for o in outs],
                                             "steps": st.num_steps, "ubatched": st.num_ubatched_steps,
                                             "overlapped": llm.last_loop_stats.num_overlapped_steps}
             llm.close()

@@ -19,7 +19,7 @@ class ToyTokenizer:
     def encode(self, text: str) -> list[int]:
         return [ord(ch) % VOCAB for ch in text]
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
@@ -34,26 +34,31 @@ def test_outputs_in_input_order_match_reference_and_stats() -> None:
     prompts = [[1, 2, 3], list(range(20)), [7], [9, 9, 9, 9]]
     params = [SamplingParams(max_tokens=4), SamplingParams(max_tokens=2, temperature=1.0),
               SamplingParams(max_tokens=5, temperature=0.7, top_p=0.5, seed=3), SamplingParams(max_tokens=1)]
-    outs = llm.generate(prompts, params, disable_progress=True)
-    assert [o.index for o in outs] == [0, 1, 2, 3]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.request_id for o in outs] == ["0", "1", "2", "3"]
     for i, (o, p, s) in enumerate(zip(outs, prompts, params)):
-        assert o.prompt_token_ids == p and o.error is None
-        assert (o.token_ids, o.finish_reason) == reference_generate(p, s, VOCAB, 5 * 1_000_003 + i)
-        assert o.text == ToyTokenizer().decode(o.token_ids)
+        assert o.prompt_token_ids == p and o.error is None and o.finished and o.prompt is None
+        (c,) = o.outputs
+        assert (c.token_ids, c.finish_reason) == reference_generate(p, s, VOCAB, 5 * 1_000_003 + i)
+        assert c.text == ToyTokenizer().decode(c.token_ids) and c.index == 0
+        m = o.metrics
+        assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time
     st = llm.last_stats
     assert isinstance(st, GenerationStats)
     assert (st.num_requests, st.num_errors, st.num_prompt_tokens, st.num_output_tokens) == (4, 0, 28, 12)
     assert st.num_steps == llm.runner.num_steps > 0 and "requests: 4 (0 errors)" in st.summary()
-    again = llm.generate(prompts, params, disable_progress=True)  # state fully released between calls
-    assert [o.token_ids for o in again] == [o.token_ids for o in outs]
+    again = llm.generate(prompts, params, use_tqdm=False)  # state fully released between calls
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    assert [o.request_id for o in again] == ["4", "5", "6", "7"]  # ids continue across calls, as vLLM's
 
 
 def test_bad_prompt_is_an_error_output_others_run() -> None:
     llm = make_llm(max_model_len=10)
     outs = llm.generate([[1, 2], [], [1, 99], list(range(10)), [3]], SamplingParams(max_tokens=2))
-    assert [o.finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
     assert "empty" in outs[1].error and "outside the vocabulary" in outs[2].error
-    assert "max_model_len is 10" in outs[3].error and outs[1].text is None
+    assert "max_model_len is 10" in outs[3].error and outs[1].outputs[0].text == ""
+    assert outs[2].prompt_token_ids == [1, 99] and outs[0].error is None
     assert llm.last_stats.num_errors == 3
 
 
@@ -62,7 +67,8 @@ def test_prompt_forms() -> None:
     outs = llm.generate(["hi", {"prompt": "yo"}, {"prompt_token_ids": [4, 5]}, [4, 5]],
                         SamplingParams(temperature=0.0, max_tokens=3))
     assert outs[0].prompt_token_ids == ToyTokenizer().encode("hi")
-    assert outs[2].token_ids == outs[3].token_ids
+    assert (outs[0].prompt, outs[1].prompt, outs[2].prompt, outs[3].prompt) == ("hi", "yo", None, None)
+    assert outs[2].outputs[0].token_ids == outs[3].outputs[0].token_ids
     assert len(llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=1))) == 1  # a single string is one prompt
     with pytest.raises(TypeError, match=r"flat list of ints; pass a list of prompts, e.g. \[\[1, 2, 3\]\]"):
         llm.generate([1, 2, 3])
@@ -74,9 +80,11 @@ def test_prompt_forms() -> None:
 
 def test_text_prompt_without_tokenizer_is_a_clear_error() -> None:
     llm = LLM(RunnerConfig(), runner=FakeRunner(vocab_size=VOCAB))
-    llm._tokenizer_loaded = True  # what load_tokenizer returns for the built-in models: no tokenizer.json
-    with pytest.raises(ValueError, match="prompt 1 is text but model 'tiny-qwen3-moe' has no tokenizer.json"):
+    llm._tokenizer_loaded = True  # what load_tokenizer returns for the built-in models: no tokenizer files
+    with pytest.raises(ValueError, match="prompt 1 is text but model 'tiny-qwen3-moe' has no tokenizer"):
         llm.generate([[1, 2], "hello"])
+    with pytest.raises(ValueError, match=r"stop strings \['x'\] need a tokenizer .* model 'tiny-qwen3-moe' has none"):
+        llm.generate([[1, 2]], SamplingParams(stop="x"))
 
 
 def test_dp_without_launcher_explains_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -122,13 +130,14 @@ def test_text_prompts_with_a_real_tokenizer_and_model(tmp_path) -> None:
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(model_dir / "tokenizer.json"))
     llm = LLM(model=str(model_dir))
-    outs = llm.generate(["the quick brown fox", "jumps"], SamplingParams(max_tokens=3), disable_progress=True)
+    outs = llm.generate(["the quick brown fox", "jumps"], SamplingParams(max_tokens=3), use_tqdm=False)
     assert outs[0].prompt_token_ids == [1, 2, 3, 4] and outs[1].prompt_token_ids == [5]
     for o in outs:
-        assert len(o.token_ids) == 3 and isinstance(o.text, str)
-        assert o.text == tok.decode(o.token_ids)
-    by_ids = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3))[0]
-    assert by_ids.token_ids == outs[0].token_ids and by_ids.text == outs[0].text  # ids in, text out too
+        (c,) = o.outputs  # the text continues the prompt's: WordLevel's decoder puts a space between words
+        whole, prompt = tok.decode(o.prompt_token_ids + c.token_ids), tok.decode(o.prompt_token_ids)
+        assert len(c.token_ids) == 3 and c.text == whole[len(prompt):]
+    by_ids = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=3))[0].outputs[0]
+    assert by_ids.token_ids == outs[0].outputs[0].token_ids and by_ids.text == outs[0].outputs[0].text
     llm.close()
 
 
@@ -138,13 +147,13 @@ def test_numpy_and_torch_integer_token_ids_are_accepted() -> None:
 
     llm = make_llm()
     sp = SamplingParams(temperature=0.0, max_tokens=3)
-    want = [o.token_ids for o in llm.generate([[1, 2, 3], [4, 5]], sp)]
+    want = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5]], sp)]
     forms = [[np.int64(1), np.int32(2), np.uint8(3)], np.array([4, 5])]
-    assert [o.token_ids for o in llm.generate(forms, sp)] == want
-    assert [o.token_ids for o in llm.generate(np.array([[1, 2, 3]]), sp)] == want[:1]  # a 2-D array: one row each
-    assert [o.token_ids for o in llm.generate([torch.tensor([4, 5])], sp)] == want[1:]
+    assert [o.outputs[0].token_ids for o in llm.generate(forms, sp)] == want
+    assert [o.outputs[0].token_ids for o in llm.generate(np.array([[1, 2, 3]]), sp)] == want[:1]  # a 2-D array: one row each
+    assert [o.outputs[0].token_ids for o in llm.generate([torch.tensor([4, 5])], sp)] == want[1:]
     outs = llm.generate([[np.float64(1.0)], [True, 2]], sp)  # still not token ids: per-request errors
-    assert [o.finish_reason for o in outs] == ["error", "error"]
+    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
     assert "is np.float64(1.0), not an integer token id" in outs[0].error
     assert "position 0 is True, not an integer token id" in outs[1].error
     with pytest.raises(TypeError, match="flat list of ints"):
@@ -166,3 +175,12 @@ def test_max_model_len_above_the_models_positions_is_rejected() -> None:
                                           r"\(4096\); use at most 4096") as info:
         LLM(model="tiny-qwen3-moe", max_model_len=4097)
     assert info.value.flag == "--max-model-len"
+
+
+def test_trace_file_in_a_missing_directory_is_refused_before_the_run(tmp_path) -> None:
+    from runner.config import ConfigError
+
+    with pytest.raises(ConfigError, match=f"trace_file: cannot write '{tmp_path}/no/t.json': its directory "
+                                          f"'{tmp_path}/no' does not exist") as info:
+        make_llm(trace_file=str(tmp_path / "no" / "t.json"))
+    assert info.value.flag == "--trace-file" and not (tmp_path / "no").exists()

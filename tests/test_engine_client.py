@@ -46,7 +46,7 @@ def workload(n: int = 24, seed: int = 0) -> tuple[list[list[int]], list[Sampling
 def offline(prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
     llm = LLM(model="tiny-qwen3-moe", device="cpu", max_num_seqs=8)
     try:
-        return [o.token_ids for o in llm.generate(prompts, params, disable_progress=True)]
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     finally:
         llm.close()
 

@@ -36,7 +36,7 @@ def _run_threads(target, n: int) -> None:  # type: ignore[no-untyped-def]
 def test_concurrent_generate_returns_each_callers_own_tokens(overlap: bool) -> None:
     llm = LLM(model="tiny-qwen3-moe", disable_overlap_schedule=not overlap)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
-    want = {t: [o.token_ids for o in llm.generate(_prompts(t), sp, disable_progress=True)] for t in range(THREADS)}
+    want = {t: [o.outputs[0].token_ids for o in llm.generate(_prompts(t), sp, use_tqdm=False)] for t in range(THREADS)}
     assert len({str(v) for v in want.values()}) == THREADS  # different prompts, different tokens: a mix-up shows
     got: dict[int, list[list[int]]] = {}
     errors: list[BaseException] = []
@@ -44,7 +44,7 @@ def test_concurrent_generate_returns_each_callers_own_tokens(overlap: bool) -> N
     def call(t: int) -> None:
         torch.set_num_threads(1)
         try:
-            got[t] = [o.token_ids for o in llm.generate(_prompts(t), sp, disable_progress=True)]
+            got[t] = [o.outputs[0].token_ids for o in llm.generate(_prompts(t), sp, use_tqdm=False)]
         except BaseException as e:  # noqa: BLE001 - reported below, with the thread's index
             errors.append(e)
 
@@ -90,7 +90,7 @@ def test_concurrent_generate_with_dp_raises_instead_of_mismatching_ranks() -> No
         llm.close()
     runner.gate.set()
     first.join(JOIN_TIMEOUT_S)
-    assert not first.is_alive() and len(results[0]) == 1 and len(results[0][0].token_ids) == 2
+    assert not first.is_alive() and len(results[0]) == 1 and len(results[0][0].outputs[0].token_ids) == 2
     assert len(llm.generate([[3]], SamplingParams(max_tokens=1))) == 1  # free again once the first call returned
     llm.close()
 

@@ -4,11 +4,16 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import shlex
+import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from devices import device_args
+from tiny_checkpoint import tiny_chat_checkpoint  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,3 +71,52 @@ def test_wrap_transformers_model() -> None:
     assert len(diffs) == 6 and max(diffs) <= 1e-5, proc.stdout  # 1 rank and 2 EP ranks, DBO off and on
     yields = re.findall(r"yields per ubatch = \[(\d+), (\d+)\]", proc.stdout)
     assert len(yields) == 3 and all(a == b and int(a) > 0 for a, b in yields), proc.stdout
+
+
+def readme_python_api_block() -> str:
+    """The first ```python block under README's "### Python API" heading."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("### Python API"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+def test_readme_python_api_is_vllm_code_that_runs(tmp_path: Path, tiny_chat_checkpoint) -> None:
+    """README's Python API block, run as it stands: vLLM's calls (only the import differs), with
+    ``Qwen/Qwen3-30B-A3B`` a local directory, here the tiny transformers-written checkpoint under that name."""
+    code = readme_python_api_block()
+    assert "from runner import LLM, SamplingParams" in code
+    assert "outs = llm.generate(prompts, SamplingParams(temperature=0.8, top_p=0.95, max_tokens=32))" in code
+    assert "out.outputs[0].text" in code
+    (tmp_path / "Qwen").mkdir()
+    (tmp_path / "Qwen" / "Qwen3-30B-A3B").symlink_to(tiny_chat_checkpoint.path, target_is_directory=True)
+    (tmp_path / "readme_api.py").write_text(code)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([sys.executable, "readme_api.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert lines[0].startswith("Hello, my name is -> '") and lines[1].startswith("The capital of France is -> '")
+    assert all(ln.rsplit(" ", 1)[1] in ("length", "stop") for ln in lines[:2])
+    assert lines[2].startswith("[1, ")  # the chat template's first token, <|im_start|>, then the rest
+
+
+@pytest.mark.slow
+def test_readme_torchrun_example_ubatches() -> None:
+    """README's single-node torchrun line, run as written (plus this host's test device): every step ubatched."""
+    text = (ROOT / "README.md").read_text()
+    m = re.search(r"^torchrun --nproc-per-node 2 (-m runner generate .*?)(?<!\\)$", text, re.S | re.M)
+    args = shlex.split(m.group(1).replace("\\\n", " "))
+    assert "--enable-dbo" in args
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    proc = subprocess.run([str(Path(sys.executable).with_name("torchrun")), "--nproc-per-node", "2",
+                           "--master-port", str(_free_port()), *args, *device_args(2)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ubatched steps: 16/16 (DBO)" in proc.stdout, proc.stdout
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

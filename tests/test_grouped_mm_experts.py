@@ -303,10 +303,10 @@ def _engine_tokens(experts_backend: str) -> tuple[list[list[int]], str, set[str]
               max_model_len=64, disable_overlap_schedule=True)
     try:
         prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate([5, 9, 3, 12])]
-        outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), disable_progress=True)
+        outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         layers = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
         used = {k.experts.name for m in layers for k in m._kernels.values()}
-        return [o.token_ids for o in outs], llm.runner.experts_backend, used
+        return [o.outputs[0].token_ids for o in outs], llm.runner.experts_backend, used
     finally:
         llm.close()
 

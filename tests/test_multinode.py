@@ -61,5 +61,5 @@ def test_two_torchrun_nodes_match_one_dp2_launch(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
     multi, one = json.loads(written[0].read_text()), json.loads(single.read_text())
     assert [r["index"] for r in multi] == list(range(6))
-    assert [r["token_ids"] for r in multi] == [r["token_ids"] for r in one]
-    assert all(len(r["token_ids"]) == 6 and r["error"] is None for r in multi)
+    assert [r["outputs"][0]["token_ids"] for r in multi] == [r["outputs"][0]["token_ids"] for r in one]
+    assert all(len(r["outputs"][0]["token_ids"]) == 6 and r["error"] is None for r in multi)

@@ -162,7 +162,8 @@ def test_engine_generate_overlap_on_equals_off() -> None:
         runner = FakeRunner(vocab_size=VOCAB, num_kv_blocks=128, eos_token_ids=[5])
         llm = LLM(RunnerConfig(max_num_seqs=4, max_num_batched_tokens=16, disable_overlap_schedule=disable),
                   runner=runner)
-        results[disable] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+        results[disable] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                            for o in llm.generate(prompts, params)]
         st = llm.last_loop_stats
         assert st is not None and st.overlap is not disable and (st.num_overlapped_steps > 0) is not disable
         llm.close()
@@ -392,7 +393,7 @@ def test_flags_parse() -> None:
 
 
 def test_generate_trace_file_writes_chrome_trace_and_prints_metrics(tmp_path: Path) -> None:
-    out = tmp_path / "sub" / "trace.json"
+    out = tmp_path / "trace.json"  # its directory must exist (a missing one is refused: test_cli.py)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     proc = subprocess.run(
         [sys.executable, "-m", "runner", "generate", "--model", "tiny-qwen3-moe", "--enable-dbo",

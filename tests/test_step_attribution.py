@@ -176,7 +176,7 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         try:
             rng = random.Random(0)
             prompts = [[rng.randrange(TINY_MODELS[MODEL]["vocab_size"]) for _ in range(24)] for _ in range(48)]
-            llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), disable_progress=True)
+            llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
             assert llm.last_stats.num_ubatched_steps == llm.last_stats.num_steps > 10
         finally:
             probes.remove()

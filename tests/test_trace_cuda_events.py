@@ -278,7 +278,7 @@ def test_engine_traces_on_the_clock_of_its_runners_device(tmp_path: Path, monkey
               runner=runner)
     runner.device = device
     try:
-        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), disable_progress=True)
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
         llm.close()
     assert [(d, r.clock) for d, r in made] == [(device, clock)]
@@ -301,7 +301,7 @@ def test_engine_on_cuda_traces_comm_and_hides_some_of_it(tmp_path: Path) -> None
     try:
         assert llm.runner.device.type == "cuda"
         prompts = [[(7 * i + j) % 100 for j in range(16)] for i in range(8)]
-        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), disable_progress=True)
+        llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         assert llm.last_stats.num_ubatched_steps > 0
         m = llm.last_trace.metrics[0]
     finally:

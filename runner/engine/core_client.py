@@ -67,7 +67,7 @@ class MPEngineClient(EngineClient):
 
     def __init__(self, cfg: Any, *, tokenizer: Any = None, default_params: dict[str, Any] | None = None,
                  max_queued_requests: int | None = None, metrics: MetricsSink | None = None,
-                 on_dead: Callable[[str], None] | None = None) -> None:
+                 on_dead: Callable[[str], None] | None = None, generation_config: Any = None) -> None:
         self.cfg = cfg
         self.tokenizer = tokenizer
         self._default_params = dict(default_params or {})
@@ -88,7 +88,7 @@ class MPEngineClient(EngineClient):
         self._stopping = False  # shutdown() told the ranks to leave: their exit is expected
         self._engine_ids = itertools.count()
         self._seeds = itertools.count()
-        self.tracker = RequestTracker(tokenizer)
+        self.tracker = RequestTracker(tokenizer, generation_config)  # the checkpoint's EOS ids on every request
         self._where: dict[int, int] = {}  # engine request id -> rank
         self._ready = asyncio.Event()
         self._profiles: dict[int, Any] = {}

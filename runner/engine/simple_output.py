@@ -1,177 +1,108 @@
-"""Per-request state of the server's engine client: the request's queue, its ``n`` engine requests, and the
-``RequestOutput`` s built from their outputs.
+"""The server engine client's requests: each one's queue, over the engine client's :class:`OutputProcessor`
+(``output_processor.py``: detokenization, stop strings, ``n > 1``, output kinds, log-probabilities).
 
-``n > 1``: one engine request per sample; a seeded request's sample ``i`` uses ``seed + i`` (vLLM's parallel
-sampling), so each sample is reproducible on its own.
+The processor turns the ranks' outputs into ``RequestOutput`` s; this puts each on its request's queue (the
+request handler's ``generate`` loop reads it), reports tokens and finished requests to the metrics sink, and
+hands back the engine requests the processor stopped (a stop string), which the client aborts in their
+ranks. ``n > 1``: one engine request per sample; a seeded request's sample ``i`` uses ``seed + i`` (vLLM's
+parallel sampling), so each sample is reproducible on its own.
 """
 from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.engine.generation_config import GenerationConfig
+from runner.engine.output_processor import OutputProcessor
 from runner.engine.protocol import MetricsSink
-from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from runner.sampling_params import RequestOutputKind, SamplingParams
-
-
-@dataclass
-class _Sample:
-    index: int
-    engine_id: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    sent_tokens: int = 0  # DELTA: how much of it was already handed out
-    sent_text: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    error: str | None = None
-    first_token_time: float | None = None
-    last_token_time: float | None = None
-
-
-@dataclass
-class _Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    queue: asyncio.Queue
-    samples: list[_Sample]
-    arrival_time: float
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.samples)
+from runner.outputs import RequestOutput
+from runner.sampling_params import SamplingParams
 
 
 class RequestTracker:
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self._requests: dict[str, _Request] = {}
-        self._by_engine_id: dict[int, tuple[_Request, _Sample]] = {}
+    """``max_tokens`` must be resolved by the caller (the client knows ``max_model_len`` only once the ranks
+    are up); ``generation_config`` adds the checkpoint's EOS ids to every request."""
+
+    def __init__(self, tokenizer: Any, generation_config: GenerationConfig | None = None) -> None:
+        self.processor = OutputProcessor(tokenizer, None, generation_config)
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._arrival: dict[str, float] = {}
+        self._generated: dict[str, int] = {}  # request id -> tokens so far, over its samples
+        self._last_token: dict[int, float] = {}  # engine request id -> when its last token came
 
     @property
     def num_requests(self) -> int:
-        return len(self._requests)
+        return len(self._queues)
 
     def has(self, request_id: str) -> bool:
-        return request_id in self._requests
+        return request_id in self._queues
 
     def request_ids(self) -> Iterable[str]:
-        return list(self._requests)
+        return list(self._queues)
 
     def add(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
             queue: asyncio.Queue, new_engine_id: Callable[[], int]) -> list[EngineCoreRequest]:
         now = time.time()
-        samples, children = [], []
-        for i in range(params.n):
-            child = params.clone()
-            child.n = 1
-            if params.seed is not None:
-                child.seed = params.seed + i
-            eid = new_engine_id()
-            samples.append(_Sample(i, eid))
-            children.append(EngineCoreRequest(eid, prompt_token_ids, child, arrival_time=now))
-        req = _Request(request_id, prompt, prompt_token_ids, params, queue, samples, now)
-        self._requests[request_id] = req
-        for s in samples:
-            self._by_engine_id[s.engine_id] = (req, s)
+        children = self.processor.add_request(request_id, prompt, prompt_token_ids, params, now,
+                                              engine_request_ids=[new_engine_id() for _ in range(params.n)])
+        self._queues[request_id] = queue
+        self._arrival[request_id] = now
+        self._generated[request_id] = 0
         return children
 
     def abort(self, request_id: str, reason: str) -> list[int]:
-        """Finish the request's unfinished samples with ``reason``; returns their engine ids."""
-        req = self._requests.get(request_id)
-        if req is None:
-            return []
-        running = [s for s in req.samples if s.finish_reason is None]
-        for s in running:
-            s.finish_reason = reason
-        self._emit(req, running)
-        return [s.engine_id for s in running]
+        """Finish the request's unfinished samples with ``reason`` (its queue gets that final output); returns
+        their engine ids."""
+        outputs, engine_ids = self.processor.abort_requests([request_id], reason=reason)
+        self._deliver(outputs, None)
+        for eid in engine_ids:
+            self._last_token.pop(eid, None)
+        return engine_ids
 
     def fail_all(self, exc: BaseException) -> None:
-        for req in list(self._requests.values()):
-            req.queue.put_nowait(exc)
-            self._forget(req)
+        for request_id, queue in list(self._queues.items()):
+            queue.put_nowait(exc)
+            _, engine_ids = self.processor.abort_requests([request_id])
+            for eid in engine_ids:
+                self._last_token.pop(eid, None)
+            self._forget(request_id)
 
     def process(self, outputs: list[EngineCoreOutput], metrics: MetricsSink | None) -> list[int]:
+        """Hand the ranks' outputs to their requests; returns the engine requests to abort (stopped here)."""
         now = time.time()
-        touched: dict[str, tuple[_Request, list[_Sample]]] = {}
         for out in outputs:
-            entry = self._by_engine_id.get(out.request_id)
-            if entry is None:
+            if not out.new_token_ids:
                 continue
-            req, sample = entry
-            if out.new_token_ids:
-                itl = [] if sample.last_token_time is None else [now - sample.last_token_time]
-                ttft = now - req.arrival_time if sample.first_token_time is None else None
-                if sample.first_token_time is None:
-                    sample.first_token_time = now
-                sample.last_token_time = now
-                sample.token_ids.extend(out.new_token_ids)
+            state = self.processor.request_states.get(out.request_id)
+            if state is None:
+                continue
+            last = self._last_token.get(out.request_id)
+            self._last_token[out.request_id] = now
+            self._generated[state.request_id] += len(out.new_token_ids)
+            if metrics is not None:
+                ttft = now - self._arrival[state.request_id] if last is None else None
+                metrics.on_tokens(len(out.new_token_ids), ttft, [] if last is None else [now - last])
+        request_outputs, to_abort = self.processor.process_outputs(outputs, now)
+        for out in outputs:
+            if out.finished or out.request_id in to_abort:
+                self._last_token.pop(out.request_id, None)
+        self._deliver(request_outputs, metrics)
+        return to_abort
+
+    def _deliver(self, outputs: list[RequestOutput], metrics: MetricsSink | None) -> None:
+        for ro in outputs:
+            queue = self._queues.get(ro.request_id)
+            if queue is None:
+                continue
+            queue.put_nowait(ro)
+            if ro.finished:
                 if metrics is not None:
-                    metrics.on_tokens(len(out.new_token_ids), ttft, itl)
-            if out.finished:
-                sample.finish_reason, sample.stop_reason, sample.error = out.finish_reason, out.stop_reason, out.error
-            touched.setdefault(req.request_id, (req, []))[1].append(sample)
-        for req, samples in touched.values():
-            self._emit(req, samples)
-            if req.finished and metrics is not None:
-                metrics.on_request_finished(self._final(req), len(req.prompt_token_ids),
-                                            sum(len(s.token_ids) for s in req.samples))
-        return []
+                    metrics.on_request_finished(ro, len(ro.prompt_token_ids), self._generated[ro.request_id])
+                self._forget(ro.request_id)
 
-    # ------------------------------------------------------------------ assembly
-    def _decode(self, ids: list[int], params: SamplingParams) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-
-    def _emit(self, req: _Request, samples: list[_Sample]) -> None:
-        kind = req.params.output_kind
-        for s in samples:
-            s.text = self._decode(s.token_ids, req.params)
-        if req.finished:
-            req.queue.put_nowait(self._final(req) if kind != RequestOutputKind.DELTA else self._delta(req, samples))
-            self._forget(req)
-        elif kind == RequestOutputKind.DELTA:
-            req.queue.put_nowait(self._delta(req, samples))
-        elif kind == RequestOutputKind.CUMULATIVE:
-            req.queue.put_nowait(self._final(req))
-
-    def _delta(self, req: _Request, samples: list[_Sample]) -> RequestOutput:
-        outs = []
-        for s in samples:
-            text = s.text
-            if s.finish_reason is None and text.endswith("\ufffd"):  # a multi-byte character not complete yet
-                text = text[:-1]
-            outs.append(CompletionOutput(s.index, text[s.sent_text:], s.token_ids[s.sent_tokens:],
-                                         finish_reason=s.finish_reason, stop_reason=s.stop_reason))
-            s.sent_text, s.sent_tokens = len(text), len(s.token_ids)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             self._metrics(req), self._error(req))
-
-    def _final(self, req: _Request) -> RequestOutput:
-        outs = [CompletionOutput(s.index, s.text, list(s.token_ids), finish_reason=s.finish_reason,
-                                 stop_reason=s.stop_reason) for s in req.samples]
-        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, outs, req.finished,
-                             self._metrics(req), self._error(req))
-
-    @staticmethod
-    def _metrics(req: _Request) -> RequestMetrics:
-        firsts = [s.first_token_time for s in req.samples if s.first_token_time is not None]
-        lasts = [s.last_token_time for s in req.samples if s.last_token_time is not None]
-        return RequestMetrics(req.arrival_time, min(firsts, default=None), max(lasts, default=None),
-                              time.time() if req.finished else None)
-
-    @staticmethod
-    def _error(req: _Request) -> str | None:
-        return next((s.error for s in req.samples if s.error), None)
-
-    def _forget(self, req: _Request) -> None:
-        self._requests.pop(req.request_id, None)
-        for s in req.samples:
-            self._by_engine_id.pop(s.engine_id, None)
+    def _forget(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+        self._arrival.pop(request_id, None)
+        self._generated.pop(request_id, None)

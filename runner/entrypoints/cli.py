@@ -16,7 +16,6 @@ exits 1, and a results file that cannot be written at the end is reported after 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import os
@@ -30,8 +29,15 @@ from typing import Any, Sequence
 from runner.config import ATTENTION_BACKENDS, DBO_COST_MODELS, DBO_DP_RULES, DBO_SCHEDULES, DTYPES, UBATCH_SPLITS, ConfigError, \
     RunnerConfig, all2all_backends, config_fields, experts_backends, make_config
 from runner.distributed.device import DEVICE_CHOICES
-from runner.entrypoints.report import compare_outputs, report_bench, report_generate  # noqa: F401 (compare_outputs: API)
-from runner.sampling_params import SamplingParams
+from runner.engine.generation_config import GenerationConfig
+from runner.entrypoints.output_paths import output_path_error
+from runner.entrypoints.report import (  # noqa: F401 (compare_outputs: API)
+    compare_outputs,
+    report_bench,
+    report_generate,
+    request_output_json,
+)
+from runner.sampling_params import SamplingParams, SamplingParamsError
 from cudagraph.sizes import parse_cuda_graph_sizes
 
 
@@ -58,12 +64,19 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add("--model", help="built-in tiny model (tiny-qwen3-moe, tiny-deepseek-v3) or a local HF directory")
     add("--dtype", choices=sorted(set(DTYPES) | {"half", "float", "bf16", "fp16", "fp32"}),
         help="default auto: the checkpoint's dtype; a float32 checkpoint runs in bfloat16 on a GPU")
-    add("--data-parallel-size", "-dp", type=int, metavar="N", help="DP ranks (spawned here unless under torchrun)")
-    add("--enable-expert-parallel", action="store_true", default=None, help="spread experts over the DP ranks")
-    add("--enable-dbo", action="store_true", default=None, help="dual-batch overlap: run steps as two ubatches")
-    add("--dbo-decode-token-threshold", type=int, metavar="N")
-    add("--dbo-prefill-token-threshold", type=int, metavar="N")
-    add("--ubatch-split", choices=UBATCH_SPLITS)
+    add("--data-parallel-size", "-dp", type=int, metavar="N",
+        help="DP ranks (spawned here unless under torchrun, where it is the world size)")
+    add("--enable-expert-parallel", action="store_true", default=None,
+        help="spread experts over the DP ranks (default: off, every rank holds every expert)")
+    add("--enable-dbo", action="store_true", default=None,
+        help="dual-batch overlap: run steps as two ubatches (default: off)")
+    add("--dbo-decode-token-threshold", type=int, metavar="N",
+        help="a decode step ubatches only with at least this many tokens on the largest DP rank")
+    add("--dbo-prefill-token-threshold", type=int, metavar="N",
+        help="a step with prefill ubatches only with at least this many tokens on the largest DP rank")
+    add("--ubatch-split", choices=UBATCH_SPLITS,
+        help="where a step is cut in two: tokens (vLLM: at half the padded tokens) or balanced (SGLang TBO: "
+             "balance the ubatches' attention work)")
     add("--dbo-cost-model", choices=DBO_COST_MODELS,
         help="measured: above the thresholds, ubatch only the step sizes where measured steps show DBO is "
              "faster (each side is tried, the loser re-checked now and then); off: the thresholds alone")
@@ -74,7 +87,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     add("--dbo-dp-rule", choices=DBO_DP_RULES,
         help="how DP ranks agree to ubatch: sglang (idle or small ranks never veto; the largest rank decides) "
              "or vllm (all ranks must vote yes)")
-    add("--tbo-token-distribution-threshold", type=float, metavar="T")
+    add("--tbo-token-distribution-threshold", type=float, metavar="T",
+        help="with --ubatch-split balanced: SGLang's two-chunk split applies when one ubatch would hold less than "
+             "this share of the tokens (0 disables it)")
     add("--all2all-backend", choices=all2all_backends(),
         help="default: auto with DP > 1 and --enable-expert-parallel (high-throughput layout for prefill steps, "
              "low-latency for decode: DeepEP V2 where deep_ep with ElasticBuffer imports on a GPU, else "
@@ -84,60 +99,110 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
              "9.x/10.x GPU, torch elsewhere")
     add("--attention-backend", choices=ATTENTION_BACKENDS,
         help="auto: triton (paged decode kernel, SDPA prefill) on CUDA, torch (plain reference) on CPU")
-    add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10")
-    add("--max-num-seqs", type=int, metavar="N")
-    add("--max-num-batched-tokens", type=int, metavar="N")
+    add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10 "
+        "(default: none, the all-to-alls cost what they cost)")
+    add("--max-num-seqs", type=int, metavar="N", help="most requests in one step")
+    add("--max-num-batched-tokens", type=int, metavar="N", help="most tokens in one step (per DP rank)")
     add("--max-model-len", type=int, metavar="N",
         help=f"default: the model's max_position_embeddings, capped at {_default_max_model_len()}; a value above "
              "max_position_embeddings is rejected")
-    add("--block-size", type=int, metavar="N")
+    add("--block-size", type=int, metavar="N", help="tokens per KV-cache block")
     add("--num-kv-blocks", type=int, metavar="N", help="default: sized for --max-num-seqs requests")
     add("--gpu-memory-utilization", type=float, metavar="F",
         help="share of the GPU's memory for weights, activations, CUDA graphs and the KV cache when "
              "--num-kv-blocks is not given (default 0.9); ignored on CPU")
     add("--max-dispatch-tokens-per-rank", type=int, metavar="N", help="default: --max-num-batched-tokens")
-    add("--enforce-eager", action="store_true", default=None)
+    add("--enforce-eager", action="store_true", default=None,
+        help="never capture CUDA graphs (default: off; graphs are captured on a GPU)")
     add("--cuda-graph-sizes", type=_cuda_graph_sizes, metavar="SIZES",
-        help="decode batch sizes to capture, e.g. '1,2,4,8' (one value N: the ladder up to N); GPU only")
+        help="decode batch sizes to capture, e.g. '1,2,4,8' (one value N: the ladder up to N); GPU only; default: "
+             "a vLLM-like ladder up to --max-num-seqs")
     add("--disable-overlap-schedule", action="store_true", default=None,
-        help="run one step at a time (default: the CPU schedules step N+1 while step N runs)")
+        help="run one step at a time (default: off, the CPU schedules step N+1 while step N runs)")
     add("--disable-consecutive-prefill-overlap", action="store_true", default=None,
-        help="a prefill step waits for the previous prefill step's results (time to first token)")
-    add("--enable-single-batch-overlap", action="store_true", default=None)
+        help="a prefill step waits for the previous prefill step's results, for time to first token "
+             "(default: off)")
+    add("--enable-single-batch-overlap", action="store_true", default=None,
+        help="SGLang's single-batch overlap: the dispatch overlaps the shared experts (default: off)")
     add("--dist-timeout-s", type=float, metavar="S",
         help="timeout of every collective, and how long a spawned rank may send no heartbeat before it is named "
              "as having stopped responding")
-    add("--seed", type=int)
+    add("--seed", type=int, help="run seed: random sampling of prompt i without a seed of its own uses "
+        "seed * 1000003 + i")
     add("--device", choices=DEVICE_CHOICES,
         help="where the ranks run: auto (CUDA when available, NCCL: one GPU per rank on a host), cuda, or cpu "
              "(gloo, nothing touches CUDA; any number of DP ranks on one machine)")
     add("--cache-dir", metavar="DIR", help="where built-in models are written; default: $UBATCH_CACHE_DIR or "
         "~/.cache/ubatch")
     add("--trace-file", metavar="PATH", help="write a per-ubatch timeline (Chrome trace JSON, one pid per DP rank) "
-        "and print its overlap metrics; with bench, of the DBO-on run")
+        "and print its overlap metrics; with bench, of the DBO-on run (default: none; its directory must exist)")
+    add("--generation-config", metavar="auto|vllm|DIR",
+        help="auto: the model's generation_config.json gives the EOS ids and the defaults of the sampling flags "
+             "not given; vllm: ignore it; DIR: that directory's generation_config.json")
     defaults = RunnerConfig()
     for action in g._group_actions:  # show RunnerConfig's defaults (argparse's own are None: "not given")
         value = getattr(defaults, action.dest, None)
-        if value is not None and action.dest != "all2all_backend" and not isinstance(value, bool):
+        shown = "default:" in (action.help or "") or "(default" in (action.help or "")
+        if value is not None and not isinstance(value, bool) and not shown:
             action.help = f"{action.help + '; ' if action.help else ''}default: {value}"
 
 
-def _workload_args(p: argparse.ArgumentParser, with_output_json: bool) -> None:
-    g = p.add_argument_group("workload and sampling")
+# The sampling flags: SamplingParams field -> the CLI's default when neither the flag nor the checkpoint's
+# generation_config.json sets it (vLLM's SamplingParams defaults, except temperature: this CLI is greedy unless
+# asked, so runs compare token for token).
+SAMPLING_FLAG_DEFAULTS: dict[str, Any] = {
+    "n": 1, "max_tokens": 16, "min_tokens": 0, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "stop": None, "logprobs": None,
+    "ignore_eos": False, "include_stop_str_in_output": False,
+}
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling (vLLM's SamplingParams; a flag not given takes the model's "
+                             "generation_config.json value, else the default shown)")
     add = g.add_argument
-    add("--prompts-file", metavar="JSONL", help='one {"prompt": str} or {"prompt_token_ids": [int]} per line')
+    add("--n", type=int, metavar="N", help="samples per prompt (needs --temperature > 0); default: 1")
+    add("--max-tokens", type=int, metavar="N", help="most tokens generated per sample; default: 16")
+    add("--min-tokens", type=int, metavar="N", help="EOS and stop tokens are held back until this many; default: 0")
+    add("--temperature", type=float, metavar="T", help="0 is greedy; default: 0 (greedy: runs compare token for "
+        "token; vLLM's SamplingParams default is 1.0)")
+    add("--top-p", type=float, metavar="P", help="nucleus sampling: keep the most likely tokens up to this "
+        "probability mass; default: 1.0 (off)")
+    add("--top-k", type=int, metavar="K", help="keep the K most likely tokens; default: 0 (off)")
+    add("--min-p", type=float, metavar="P", help="drop tokens less likely than P times the most likely; "
+        "default: 0 (off)")
+    add("--presence-penalty", type=float, metavar="X", help="OpenAI's: subtract X from tokens already in the "
+        "output; default: 0")
+    add("--frequency-penalty", type=float, metavar="X", help="OpenAI's: subtract X times a token's count in the "
+        "output; default: 0")
+    add("--repetition-penalty", type=float, metavar="X", help="transformers': divide positive (multiply negative) "
+        "logits of tokens in the prompt or output by X; default: 1 (off)")
+    add("--stop", action="append", metavar="TEXT", help="stop when the text contains TEXT, which is cut from the "
+        "output (repeat the flag for several); needs a model with a tokenizer; default: none")
+    add("--include-stop-str-in-output", action="store_true", default=None,
+        help="keep the stop string in the text (default: off)")
+    add("--logprobs", type=int, metavar="N", help="return each sampled token's log-probability and the N most "
+        "likely tokens' in --output-json; default: none")
+    add("--ignore-eos", action="store_true", default=None, help="keep generating past EOS and the "
+        "generation_config.json EOS ids, up to --max-tokens (default: off)")
+
+
+def _workload_args(p: argparse.ArgumentParser, with_output_json: bool) -> None:
+    g = p.add_argument_group("workload")
+    add = g.add_argument
+    add("--prompts-file", metavar="JSONL", help='one {"prompt": str} or {"prompt_token_ids": [int]} per line '
+        "(default: --num-prompts random token-id prompts)")
     add("--num-prompts", type=int, default=8, metavar="N", help="random prompts when no --prompts-file (default 8)")
     add("--random-prompt-len", type=int, default=16, metavar="N", help="tokens per random prompt (default 16)")
     add("--random-range-ratio", type=float, default=0.0, metavar="R",
         help="random prompt lengths vary uniformly in [len*(1-R), len*(1+R)] (default 0: all equal)")
-    add("--max-tokens", type=int, default=16, metavar="N")
-    add("--temperature", type=float, default=0.0)
-    add("--top-p", type=float, default=1.0)
-    add("--ignore-eos", action="store_true")
     if with_output_json:
-        add("--output-json", metavar="PATH", help="write a JSON list of results in input order")
-    add("--disable-tqdm", action="store_true", help="no progress bar (it is also off when stderr is not a TTY)")
-    add("--debug", action="store_true", help=f"print the full traceback of an error (also: {DEBUG_ENV}=1)")
+        add("--output-json", metavar="PATH", help="write every request in input order: prompt, prompt token ids, "
+            "and per sample the text, token ids, finish and stop reason, logprobs (default: none; its "
+            "directory must exist)")
+    add("--disable-tqdm", action="store_true", help="no progress bar (default: shown when stderr is a TTY)")
+    add("--debug", action="store_true", help=f"print the full traceback of an error (also: {DEBUG_ENV}=1; "
+        "default: off)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -147,9 +212,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed and outputs")
     for p in (gen, bench):
         _engine_args(p)
+        _sampling_args(p)
         _workload_args(p, with_output_json=p is gen)
         p.set_defaults(subparser=p)  # so errors print the subcommand's usage
-    bench.add_argument("--output-csv", metavar="PATH", help="write the comparison table as CSV")
+    bench.add_argument("--output-csv", metavar="PATH", help="write the comparison table as CSV (default: none; its "
+                       "directory must exist)")
     return parser
 
 
@@ -196,9 +263,18 @@ def _read_prompts(path: str) -> list[Any]:
     return prompts
 
 
-def _model_info(cfg: RunnerConfig) -> tuple[int, bool]:
-    """(vocab size, has tokenizer.json), checked before any rank starts: the config, every checkpoint file's
-    header and ``max_model_len`` against the model. No weight is read."""
+@dataclass
+class ModelInfo:
+    vocab_size: int
+    has_tokenizer: bool
+    generation_config: GenerationConfig
+
+
+def _model_info(cfg: RunnerConfig) -> ModelInfo:
+    """Checked before any rank starts: the config, every checkpoint file's header, ``max_model_len`` against
+    the model, the DBO schedule, the generation config. No weight is read."""
+    from runner.engine.generation_config import load_generation_config, model_eos_token_ids
+    from runner.engine.tokenizer import has_tokenizer_files
     from runner.models.loader import check_checkpoint_files, check_max_model_len, load_config, resolve_model_path
     from runner.models.registry import get_model_class
     from runner.models.schedules import check_schedule
@@ -209,31 +285,29 @@ def _model_info(cfg: RunnerConfig) -> tuple[int, bool]:
     check_max_model_len(cfg.max_model_len, config)
     model_class = get_model_class(config.architectures[0])
     check_schedule(cfg.dbo_schedule, model_class.supported_dbo_schedules, model_class.__name__)
-    return config.vocab_size, (path / "tokenizer.json").is_file()
-
-
-def output_path_error(path: str) -> str | None:
-    """Why results could not be written to ``path``, or None. Found by opening it for appending now (a file
-    that did not exist is removed again): before any rank starts, not after the whole run."""
-    p = Path(path)
-    if p.is_dir():
-        return f"{path!r} is a directory"
-    existed = p.exists()
     try:
-        with open(p, "a"):
-            pass
-    except OSError as e:
-        return f"cannot write {path!r}: {e.strerror or e}"
-    if not existed:
-        with contextlib.suppress(OSError):
-            p.unlink()
-    return None
+        generation = load_generation_config(path, cfg.generation_config, model_eos_token_ids(config))
+    except ValueError as e:
+        raise ConfigError("generation_config", str(e)) from None
+    return ModelInfo(config.vocab_size, has_tokenizer_files(path), generation)
 
 
 def random_prompts(num: int, length: int, range_ratio: float, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lo, hi = max(1, round(length * (1 - range_ratio))), max(1, round(length * (1 + range_ratio)))
     return [[rng.randrange(vocab_size) for _ in range(rng.randint(lo, hi))] for _ in range(num)]
+
+
+def _sampling(args: argparse.Namespace, generation: GenerationConfig, parser: argparse.ArgumentParser,
+              check_only: bool = False) -> SamplingParams:
+    """The flags given, over the checkpoint's defaults, over the CLI's (``SAMPLING_FLAG_DEFAULTS``); a bad value
+    exits 2 naming its flag."""
+    given = {k: getattr(args, k) for k in SAMPLING_FLAG_DEFAULTS if getattr(args, k, None) is not None}
+    values = given if check_only else {**SAMPLING_FLAG_DEFAULTS, **generation.sampling_defaults, **given}
+    try:
+        return SamplingParams(**values)
+    except SamplingParamsError as e:
+        parser.error(f"argument --{e.field.replace('_', '-')}: {e}")
 
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
@@ -255,38 +329,37 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f"argument {flag}: must be >= 1, got {value}")
     if not 0.0 <= args.random_range_ratio < 1.0:
         parser.error(f"argument --random-range-ratio: must lie in [0, 1), got {args.random_range_ratio}")
-    try:
-        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                                  seed=None, ignore_eos=args.ignore_eos)
-    except ValueError as e:
-        field = str(e).split()[0]
-        parser.error(f"argument --{field.replace('_', '-')}: {e}")
+    _sampling(args, GenerationConfig(), parser, check_only=True)  # the flags' own values, before the model
     for flag, path in (("--output-json", getattr(args, "output_json", None)),
-                       ("--output-csv", getattr(args, "output_csv", None))):
+                       ("--output-csv", getattr(args, "output_csv", None)), ("--trace-file", cfg.trace_file)):
         problem = output_path_error(path) if path else None
         if problem:
             parser.error(f"argument {flag}: {problem}")
     from runner.models.loader import CacheDirError
 
     try:
-        vocab, has_tokenizer = _model_info(cfg)
+        info = _model_info(cfg)
     except CacheDirError as e:
         parser.error(f"argument --cache-dir: {e}")
     except ConfigError as e:
         parser.error(f"argument {e.flag}: {e}")
     except (OSError, ValueError) as e:
         parser.error(f"argument --model: {e}")
+    sampling = _sampling(args, info.generation_config, parser)
+    if sampling.stop and not info.has_tokenizer:
+        parser.error(f"argument --stop: model {cfg.model!r} has no tokenizer to find stop strings in the text")
     if args.prompts_file:
         try:
             prompts = _read_prompts(args.prompts_file)
         except ValueError as e:
             parser.error(f"argument --prompts-file: {e}")
         text = next((i for i, p in enumerate(prompts) if isinstance(p, str)), None)
-        if text is not None and not has_tokenizer:
+        if text is not None and not info.has_tokenizer:
             parser.error(f"argument --prompts-file: prompt {text} is text but model {cfg.model!r} has no "
-                         "tokenizer.json; use {\"prompt_token_ids\": [...]} lines")
+                         "tokenizer; use {\"prompt_token_ids\": [...]} lines")
     else:
-        prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio, vocab, cfg.seed)
+        prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio,
+                                 info.vocab_size, cfg.seed)
     return Job(args.command, cfg, prompts, sampling, args.disable_tqdm)
 
 
@@ -305,9 +378,11 @@ def run_job(job: Job) -> dict[str, Any] | None:
         rank = llm.rank
         try:
             if job.command == "bench":  # warm-up: first-call costs must not count against either variant
-                llm.generate(job.prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), disable_progress=True)
-            outputs = llm.generate(job.prompts, job.sampling, disable_progress=job.disable_tqdm)
-            runs.append({"dbo": cfg.enable_dbo, "outputs": [o.to_json() for o in outputs],
+                llm.generate(job.prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+            outputs = llm.generate(job.prompts, job.sampling, use_tqdm=not job.disable_tqdm)
+            has_tokenizer = llm.get_tokenizer() is not None
+            runs.append({"dbo": cfg.enable_dbo, "has_tokenizer": has_tokenizer,
+                         "outputs": [request_output_json(i, o, has_tokenizer) for i, o in enumerate(outputs)],
                          "stats": asdict(llm.last_stats), "summary": llm.last_stats.summary(),
                          "trace": result_to_json(llm.last_trace)})
         finally:

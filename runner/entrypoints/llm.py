@@ -1,17 +1,30 @@
-"""LLM: the offline Python API (vLLM's ``LLM.generate`` shape), one instance per DP rank.
+"""LLM: the offline Python API, as vLLM users write it (vLLM's ``vllm/entrypoints/llm.py``), one instance per DP
+rank.
+
+``LLM(model=..., dtype=..., seed=..., data_parallel_size=..., enable_expert_parallel=..., enable_dbo=...,
+max_num_seqs=..., max_model_len=..., gpu_memory_utilization=..., generation_config=...)`` takes vLLM's keyword
+names (RunnerConfig's fields). ``generate(prompts, sampling_params)`` returns one vLLM ``RequestOutput`` per
+prompt (``outputs[0].text``, ``outputs[0].token_ids``, ``prompt_token_ids``, ``finished``; ``n`` outputs with
+``n > 1``); ``chat(messages, sampling_params)`` renders the checkpoint's chat template first. Without sampling
+params, the defaults of the checkpoint's ``generation_config.json`` apply (``get_default_sampling_params``).
+Text in and text out go through the engine client (``runner/engine/``): tokenizer, detokenizer and stop
+strings, ``n > 1`` fan-out, the checkpoint's EOS ids.
 
 Every rank calls ``generate`` with the *same* prompt list (SPMD). Prompt ``i`` runs on DP rank
-``i % data_parallel_size``; each rank loops ``schedule -> runner.step -> update`` until the runner reports
-that no rank has work left (idle ranks run dummy steps meanwhile, so the MoE collectives stay matched), then
-the outputs are all-gathered so every rank returns the full list in input order.
+``i % data_parallel_size``; each rank steps its engine core until no rank has work left (idle ranks run dummy
+steps meanwhile, so the MoE collectives stay matched), then the outputs are all-gathered so every rank
+returns the full list in input order. A bad prompt fails that request only: its outputs have
+``finish_reason`` "error" and ``RequestOutput.error`` says why (vLLM raises instead; one bad prompt must not
+lose a batch).
 
 The loop itself is ``runner/core/overlap_loop.py``: by default the CPU processes step N-1 and schedules N+1 while
 step N runs on a forward executor thread (``--disable-overlap-schedule``: one step at a time, in this thread).
-With ``trace_file`` set, each call is recorded and written as a Chrome trace (``runner/tracing.py``).
+With ``trace_file`` set, each call is recorded and written as a Chrome trace (``runner/tracing.py``); a trace
+that cannot be written at the end costs the file, not the outputs (``last_trace.error`` says why).
 
-Random sampling without an explicit seed uses seed ``cfg.seed * 1_000_003 + i`` for prompt ``i``: a request's
-tokens then depend only on its own prompt, seed and logits — not on which rank ran it, what else was in its
-batch, or whether DBO split the step.
+Random sampling without an explicit seed uses seed ``cfg.seed * 1_000_003 + i`` for prompt ``i`` (sample
+``k`` of ``n``: see ``runner/engine/parallel_sampling.py``): a request's tokens then depend only on its own
+prompt, seed and logits — not on which rank ran it, what else was in its batch, or whether DBO split the step.
 
 One ``LLM`` runs one ``generate`` at a time: its scheduler state, its model runner's persistent input
 buffers and its forward thread serve one call. Calls from several threads are serialised by a lock (each
@@ -20,6 +33,7 @@ same order, which the arrival order of threads cannot guarantee, so there a conc
 """
 from __future__ import annotations
 
+import logging
 import numbers
 import os
 import sys
@@ -29,30 +43,19 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from runner import tracing
-from runner.config import RunnerConfig, make_config
-from runner.distributed.liveness import report_progress
+from runner.config import ConfigError, RunnerConfig, make_config
 from runner.core.engine_core import EngineCore
 from runner.core.overlap_loop import LoopStats
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
-from runner.sampling_params import SamplingParams
+from runner.distributed.liveness import report_progress
+from runner.engine.generation_config import GenerationConfig, load_generation_config, model_eos_token_ids
+from runner.engine.output_processor import OutputProcessor
+from runner.engine.tokenizer import apply_chat_template, encode, load_tokenizer, load_tokenizer_from_dir
+from runner.entrypoints.output_paths import output_path_error
+from runner.outputs import RequestOutput
+from runner.sampling_params import RequestOutputKind, SamplingParams
+from ubatch.log_once import log_once
 
-
-
-@dataclass
-class RequestOutput:
-    index: int  # position in the prompt list given to generate()
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None
-    finish_reason: str  # "stop" | "length" | "error"
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        d = {"index": self.index, "token_ids": self.token_ids, "finish_reason": self.finish_reason,
-             "error": self.error}
-        if self.text is not None:
-            d["text"] = self.text
-        return d
+logger = logging.getLogger("ubatch.engine")
 
 
 @dataclass
@@ -122,23 +125,15 @@ def _as_list(value: Any) -> Any:
     return value.tolist() if hasattr(value, "tolist") and not isinstance(value, (list, tuple, str)) else value
 
 
-def _encode(tokenizer: Any, text: str) -> list[int]:
-    enc = tokenizer.encode(text)
-    return list(enc.ids) if hasattr(enc, "ids") else list(enc)  # tokenizers.Tokenizer vs transformers
-
-
-def _decode(tokenizer: Any, ids: list[int]) -> str:
-    try:
-        return tokenizer.decode(ids, skip_special_tokens=True)
-    except TypeError:
-        return tokenizer.decode(ids)
+def _is_conversation(messages: Any) -> bool:
+    return isinstance(messages, (list, tuple)) and (not messages or isinstance(messages[0], dict))
 
 
 class LLM:
-    """``LLM(cfg)``, ``LLM(model=..., enable_dbo=True, ...)`` or ``LLM("tiny-qwen3-moe")``.
+    """``LLM(model=..., enable_dbo=True, ...)``, ``LLM("tiny-qwen3-moe")`` or ``LLM(cfg)``.
 
-    ``runner`` injects a model runner (tests); ``tokenizer`` overrides the one found next to the model
-    (``tokenizer.json``), which is loaded only when a text prompt needs it.
+    ``runner`` injects a model runner (tests); ``tokenizer`` a tokenizer object or the directory to load one
+    from, instead of the model's own (``runner/engine/tokenizer.py``), which is loaded on first use.
     """
 
     def __init__(self, cfg: RunnerConfig | str | None = None, /, *, runner: Any = None, tokenizer: Any = None,
@@ -149,36 +144,61 @@ class LLM:
         if cfg is None or kwargs:
             cfg = make_config(cfg, **kwargs)
         self.cfg = cfg
+        if cfg.trace_file is not None:  # the CLI checked it before any rank started; the Python API checks here
+            problem = output_path_error(cfg.trace_file)
+            if problem:
+                raise ConfigError("trace_file", f"trace_file: {problem}")
         self.rank, self.world_size = resolve_world(cfg) if runner is None else (
             getattr(runner, "rank", 0), getattr(runner, "world_size", 1))
+        # before any weight is read: the generation config (a bad one is an error) and max_model_len
+        self.generation_config = self._load_generation_config(
+            getattr(runner, "eos_token_ids", ()) if runner is not None else None)
         if runner is None:
-            from runner.worker.model_runner import ModelRunner
             from runner.models.loader import check_max_model_len, model_config
+            from runner.worker.model_runner import ModelRunner
 
-            if cfg.max_model_len is not None:  # checked before any weight is read
+            if cfg.max_model_len is not None:
                 check_max_model_len(cfg.max_model_len, model_config(cfg.model, cfg.cache_dir))
             runner = ModelRunner(cfg, self.rank, self.world_size)
         self.runner = runner
-        self._tokenizer = tokenizer
+        self._tokenizer = load_tokenizer_from_dir(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) \
+            else tokenizer
         self._tokenizer_loaded = tokenizer is not None
         self.last_stats: GenerationStats | None = None
         self.last_loop_stats: LoopStats | None = None
         self.last_trace: Any = None  # runner.tracing.TraceResult of the last generate() with trace_file set
         self._core: EngineCore | None = None
+        self._request_counter = 0  # request ids continue across calls, as vLLM's
         # One generate() at a time (module docstring). Waiting on it is bounded by the call ahead, whose own
         # waits (collectives, handoffs) all time out.
         self._busy = threading.Lock()
         self._busy_thread: int | None = None  # the thread inside generate(), if any
 
     # ------------------------------------------------------------------ helpers
-    def get_tokenizer(self) -> Any:
-        """The model's tokenizer, or None when the model directory has no ``tokenizer.json``."""
-        if not self._tokenizer_loaded:
-            from runner.models.loader import load_tokenizer
+    def _load_generation_config(self, model_eos: Any) -> GenerationConfig:
+        """The checkpoint's generation config; ``model_eos`` None: the EOS ids of its config.json."""
+        from runner.models.loader import load_config, resolve_model_path
 
+        path = resolve_model_path(self.cfg.model, self.cfg.cache_dir)
+        if model_eos is None:
+            model_eos = model_eos_token_ids(load_config(path))
+        gen = load_generation_config(path, self.cfg.generation_config, model_eos)
+        described = gen.describe()
+        if described and self.rank == 0:
+            log_once(logger, logging.WARNING, described)
+        return gen
+
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer (transformers'), or None when the model ships none (the built-in tiny models)."""
+        if not self._tokenizer_loaded:
             self._tokenizer = load_tokenizer(self.cfg.model, self.cfg.cache_dir)
             self._tokenizer_loaded = True
         return self._tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() uses without sampling params: vLLM's defaults, or the checkpoint's
+        ``generation_config.json`` where it sets them (unless ``generation_config="vllm"``)."""
+        return self.generation_config.default_sampling_params()
 
     def close(self) -> None:
         """Stop the forward thread and release the runner; not while a generate() runs in another thread."""
@@ -199,8 +219,9 @@ class LLM:
         if close is not None:
             close()
 
-    def _prompt_ids(self, prompts: Any) -> list[Any]:
-        """Token-id lists (or the raw bad value, which the scheduler rejects per request) in input order."""
+    def _prompt_inputs(self, prompts: Any) -> list[tuple[str | None, Any]]:
+        """(text or None, token ids) per prompt, in input order. Text is encoded on the rank that runs it only;
+        a bad prompt value is kept as given, for the scheduler to refuse as that request's error."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = _as_list(prompts)
@@ -209,49 +230,58 @@ class LLM:
         if prompts and all(_is_int(p) for p in prompts):
             raise TypeError("prompts is a flat list of ints; pass a list of prompts, e.g. [[1, 2, 3]] for one "
                             "token-id prompt")
-        texts = [i for i, p in enumerate(prompts)
-                 if isinstance(p, str) or (isinstance(p, dict) and "prompt" in p)]
+        texts = [i for i, p in enumerate(prompts) if isinstance(p, str)
+                 or (isinstance(p, dict) and "prompt" in p and "prompt_token_ids" not in p)]
         tokenizer = self.get_tokenizer() if texts else None
         if texts and tokenizer is None:
-            raise ValueError(f"prompt {texts[0]} is text but model {self.cfg.model!r} has no tokenizer.json; pass "
+            raise ValueError(f"prompt {texts[0]} is text but model {self.cfg.model!r} has no tokenizer; pass "
                              "token-id lists instead (or give LLM(..., tokenizer=...))")
-        out: list[Any] = []
+        out: list[tuple[str | None, Any]] = []
         for i, p in enumerate(prompts):
-            if isinstance(p, dict):
+            text: str | None = None
+            if isinstance(p, dict):  # vLLM's TextPrompt / TokensPrompt
                 if "prompt_token_ids" in p:
-                    p = p["prompt_token_ids"]
+                    text, p = p.get("prompt"), p["prompt_token_ids"]
                 elif "prompt" in p:
                     p = p["prompt"]
                 else:
                     raise TypeError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids'")
             p = _as_list(p)
             if isinstance(p, str):
-                p = _encode(tokenizer, p) if (i % self.world_size) == self.rank else []
+                text, p = p, encode(tokenizer, p) if (i % self.world_size) == self.rank else []
             elif isinstance(p, Sequence):
                 p = [int(t) if _is_int(t) else t for t in p]  # numpy / torch integers are token ids too
             else:
                 raise TypeError(f"prompt {i} must be a string or a list of token ids, got {type(p).__name__}")
-            out.append(p)
+            out.append((text, p))
         return out
 
-    @staticmethod
-    def _params(sampling_params: Any, n: int) -> list[SamplingParams]:
+    def _params(self, sampling_params: Any, n: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt, each asking for its final output only (as vLLM's LLM sets them)."""
         if sampling_params is None:
-            return [SamplingParams()] * n
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
-            return [sampling_params] * n
-        params = list(sampling_params)
-        if len(params) != n:
-            raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one, or one per prompt")
-        for i, p in enumerate(params):
-            if not isinstance(p, SamplingParams):
-                raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, not SamplingParams")
-        return params
+            params = [sampling_params] * n
+        else:
+            params = list(sampling_params)
+            if len(params) != n:
+                raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one, or one per prompt")
+            for i, p in enumerate(params):
+                if not isinstance(p, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, not SamplingParams")
+        final: dict[int, SamplingParams] = {}
+        for p in params:
+            if id(p) not in final:
+                q = p.clone()
+                q.output_kind = RequestOutputKind.FINAL_ONLY
+                final[id(p)] = q
+        return [final[id(p)] for p in params]
 
     # ------------------------------------------------------------------ generate
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, disable_progress: bool = False) -> list[RequestOutput]:
-        """Generate for every prompt; returns one RequestOutput per prompt, in input order, on every rank.
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or vLLM's ``{"prompt": ...}`` / ``{"prompt_token_ids":
+        ...}`` dicts); returns one RequestOutput per prompt, in input order, on every rank.
 
         Thread-safe: concurrent calls run one after the other (``last_stats`` describes the latest to finish);
         with data_parallel_size > 1 a call made while another runs raises RuntimeError (module docstring).
@@ -271,44 +301,79 @@ class LLM:
             self._busy.acquire()
         self._busy_thread = threading.get_ident()
         try:
-            return self._generate(prompts, sampling_params, disable_progress)
+            return self._generate(prompts, sampling_params, use_tqdm)
         finally:
             self._busy_thread = None
             self._busy.release()
 
+    def chat(self, messages: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, *, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """vLLM's ``LLM.chat``: ``messages`` is one conversation (a list of ``{"role": ..., "content": ...}``)
+        or a list of them. Each is rendered with the checkpoint's chat template (or ``chat_template``), with
+        the generation prompt, and generated from; ``RequestOutput.prompt`` is the rendered text. A model
+        without a chat template raises ValueError naming it."""
+        conversations = [messages] if _is_conversation(messages) else list(messages)
+        prompts = []
+        for conversation in conversations:
+            if not _is_conversation(conversation):
+                raise TypeError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) "
+                                f"or a list of them, got an item of type {type(conversation).__name__}")
+            text, ids = apply_chat_template(self.get_tokenizer(), list(conversation), model=self.cfg.model,
+                                            chat_template=chat_template,
+                                            add_generation_prompt=add_generation_prompt,
+                                            continue_final_message=continue_final_message, tools=tools,
+                                            chat_template_kwargs=chat_template_kwargs)
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
     def _generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None,
-                  disable_progress: bool) -> list[RequestOutput]:
-        prompt_ids = self._prompt_ids(prompts)
-        params = self._params(sampling_params, len(prompt_ids))
+                  use_tqdm: bool) -> list[RequestOutput]:
+        inputs = self._prompt_inputs(prompts)
+        params = self._params(sampling_params, len(inputs))
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:  # checked on every rank alike, before any request is added (SPMD)
+            stop = next((p.stop for p in params if p.stop), None)
+            if stop:
+                raise ValueError(f"stop strings {stop!r} need a tokenizer to find them in the text, and model "
+                                 f"{self.cfg.model!r} has none; use stop_token_ids")
         start = time.perf_counter()
         steps0 = getattr(self.runner, "num_steps", 0)
         ubatched0 = getattr(self.runner, "num_ubatched_steps", 0)
         core = self._engine_core()
         sched = core.scheduler
         preemptions0 = sched.num_preemptions
-        local = list(range(self.rank, len(prompt_ids), self.world_size))
+        processor = OutputProcessor(tokenizer, self.runner.max_model_len, self.generation_config)
+        first_id = self._request_counter
+        self._request_counter += len(inputs)
+        local = list(range(self.rank, len(inputs), self.world_size))
+        engine_id = 0
         for i in local:
-            core.add_request(EngineCoreRequest(i, prompt_ids[i], params[i], default_seed=self.cfg.seed * 1_000_003 + i))
+            text, ids = inputs[i]
+            n = params[i].n
+            for request in processor.add_request(str(first_id + i), text, ids, params[i],
+                                                 engine_request_ids=range(engine_id, engine_id + n),
+                                                 default_seed=self.cfg.seed * 1_000_003 + i):
+                core.add_request(request)
+            engine_id += n
         with tracing.record(self.cfg.trace_file, getattr(self.runner, "device", None)) as rec:  # clock: device
-            finished = self._run_loop(core, prompt_ids, len(local), disable_progress)
+            finished = self._run_loop(core, processor, len(local), not use_tqdm)
         if sched.allocator.num_free_blocks != sched.allocator.num_blocks:  # a leak would starve later calls
             raise RuntimeError(f"KV blocks leaked: {sched.allocator.num_blocks - sched.allocator.num_free_blocks} "
                                "still allocated after every request finished")
-        try:  # detokenize whenever the model ships a tokenizer, whatever form the prompts came in
-            tokenizer = self.get_tokenizer()
-        except ImportError:
-            tokenizer = None
-        outputs = [self._output(i, prompt_ids[i], finished[i], tokenizer) for i in local]
-        elapsed = time.perf_counter() - start
-        mine = (outputs, sched.num_preemptions - preemptions0, elapsed, tracing.local_spans(rec))
+        mine = ([(i, finished[str(first_id + i)]) for i in local], sched.num_preemptions - preemptions0,
+                time.perf_counter() - start, tracing.local_spans(rec))
         gathered = self._all_gather(mine)
         if rec is not None:
             self.last_trace = tracing.export(self.cfg.trace_file, [g[3] for g in gathered], self.rank)
-        outputs = sorted((o for g in gathered for o in g[0]), key=lambda o: o.index)
+            if self.last_trace is not None and self.last_trace.error:
+                logger.warning(self.last_trace.error)
+        outputs = [o for _, o in sorted((pair for g in gathered for pair in g[0]), key=lambda pair: pair[0])]
         self.last_stats = GenerationStats(
-            num_requests=len(outputs), num_errors=sum(o.finish_reason == "error" for o in outputs),
-            num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs if o.finish_reason != "error"),
-            num_output_tokens=sum(len(o.token_ids) for o in outputs),
+            num_requests=len(outputs), num_errors=sum(o.error is not None for o in outputs),
+            num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs if o.error is None),
+            num_output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
             elapsed_s=max(time.perf_counter() - start, max(g[2] for g in gathered)),
             num_steps=getattr(self.runner, "num_steps", 0) - steps0,
             num_ubatched_steps=getattr(self.runner, "num_ubatched_steps", 0) - ubatched0,
@@ -324,32 +389,23 @@ class LLM:
         dist.all_gather_object(out, obj)
         return out
 
-    @staticmethod
-    def _output(index: int, prompt: Any, final: EngineCoreOutput, tokenizer: Any) -> RequestOutput:
-        tokens = final.new_token_ids
-        text = _decode(tokenizer, tokens) if tokenizer is not None and final.finish_reason != "error" else None
-        return RequestOutput(index=index, prompt_token_ids=list(prompt) if isinstance(prompt, list) else [],
-                             token_ids=list(tokens), text=text, finish_reason=final.finish_reason or "error",
-                             error=final.error)
-
-    def _run_loop(self, core: EngineCore, prompt_ids: list[Any], num_local: int,
-                  disable_progress: bool) -> dict[int, EngineCoreOutput]:
-        """Step the engine core until the wave ends (no DP rank has work); returns each request's outputs joined
-        into one (all its tokens, its finish reason)."""
+    def _run_loop(self, core: EngineCore, processor: OutputProcessor, num_local: int,
+                  disable_progress: bool) -> dict[str, RequestOutput]:
+        """Step the engine core until the wave ends (no DP rank has work); returns each local request's final
+        RequestOutput by request id. Requests stopped by a stop string are aborted in the core at once."""
         bar = self._progress_bar(num_local, disable_progress)
         out_tokens, t0 = 0, time.perf_counter()
-        joined: dict[int, EngineCoreOutput] = {}
-        finished: dict[int, EngineCoreOutput] = {}
+        finished: dict[str, RequestOutput] = {}
 
-        def collect(outputs: list[EngineCoreOutput]) -> None:
+        def collect(outputs: list[Any]) -> None:
             nonlocal out_tokens
-            for o in outputs:
-                acc = joined.setdefault(o.request_id, EngineCoreOutput(o.request_id))
-                acc.new_token_ids.extend(o.new_token_ids)
-                out_tokens += len(o.new_token_ids)
-                if o.finished:
-                    acc.finish_reason, acc.stop_reason, acc.error = o.finish_reason, o.stop_reason, o.error
-                    finished[o.request_id] = joined.pop(o.request_id)
+            results, to_abort = processor.process_outputs(outputs)
+            if to_abort:
+                core.abort_requests(to_abort, "stopped by a stop string")
+            out_tokens += sum(len(o.new_token_ids) for o in outputs)
+            for result in results:
+                if result.finished:
+                    finished[result.request_id] = result
                     if bar is not None:
                         bar.update(1)
             if bar is not None:
@@ -363,10 +419,7 @@ class LLM:
                 if not step.running:
                     break
             self.last_loop_stats = core.last_loop_stats
-            leftover = [rid for rid in joined if rid not in finished] + [
-                r.req_id for r in list(core.scheduler.running) + list(core.scheduler.waiting)
-                if r.req_id not in joined]
-            for rid in leftover:  # only if the runner stopped early: never silent
+            for rid in processor.unfinished_engine_request_ids():  # only if the runner stopped early: never silent
                 core.scheduler.abort_request(rid, "engine stopped before the request finished (model runner "
                                                   "reported no work while this request was still queued)")
             collect(core.take_outputs())

@@ -1,9 +1,14 @@
 """What ``python -m runner generate|bench`` prints and writes once the ranks are done, and its exit code.
 
+One line per request (per sample with ``--n`` > 1): its finish reason (and stop reason), how many tokens, and
+the text where the model has a tokenizer, else its first token ids. ``--output-json`` holds every request in
+vLLM's ``RequestOutput`` shape (:func:`request_output_json`).
+
 The summary is printed before any results file is written, so a file that cannot be written at the end
-(the path was checked before the run, but a disk can fill or a directory vanish) costs the file, not the
-report; the message names the flag and the path. A run in which every request failed exits 1: the errors
-are listed, each with its text, and scripts do not mistake the run for a success.
+(the path was checked before the run, but a disk can fill or a directory vanish) costs that file only, not
+the report or the other files; the message names the flag and the path (exit 1). A run in which every
+request failed exits 1: the errors are listed, each with its text, and scripts do not mistake the run for a
+success.
 """
 from __future__ import annotations
 
@@ -13,23 +18,58 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from runner.outputs import CompletionOutput, RequestOutput
+
 NO_UBATCH_HINT = ("note: DBO was on but no step ran ubatched: each DP rank's batch stayed below "
                   "--dbo-decode-token-threshold / --dbo-prefill-token-threshold (or a rank's second ubatch would "
                   "have been empty); lower the thresholds or send more prompts")
 MAX_ERRORS_LISTED = 10
 
 
-def _show(o: dict[str, Any]) -> str:
-    if o["finish_reason"] == "error":
-        return f"[{o['index']}] error: {o['error'] or 'failed without a message'}"
-    shown = " ".join(map(str, o["token_ids"][:12])) + (" ..." if len(o["token_ids"]) > 12 else "")
-    text = f" {o['text']!r}" if o.get("text") else ""
-    return f"[{o['index']}] {o['finish_reason']}: {shown}{text}"
+TEXT_SHOWN = 72  # characters of text per line
+IDS_SHOWN = 8  # token ids per line, for a model without a tokenizer
+
+
+def _completion_json(c: CompletionOutput, has_tokenizer: bool) -> dict[str, Any]:
+    logprobs = None if c.logprobs is None else [
+        {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+         for tid, lp in position.items()} for position in c.logprobs]
+    return {"index": c.index, "text": c.text if has_tokenizer else None, "token_ids": list(c.token_ids),
+            "cumulative_logprob": c.cumulative_logprob, "logprobs": logprobs, "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason}
+
+
+def request_output_json(index: int, o: RequestOutput, has_tokenizer: bool) -> dict[str, Any]:
+    """One request of ``--output-json``: vLLM's RequestOutput fields (``text`` is null without a tokenizer;
+    ``logprobs`` maps each token id, as a string, to its log-probability, rank and text)."""
+    return {"index": index, "request_id": o.request_id, "prompt": o.prompt,
+            "prompt_token_ids": list(o.prompt_token_ids), "finished": o.finished, "error": o.error,
+            "outputs": [_completion_json(c, has_tokenizer) for c in o.outputs]}
+
+
+def _shown_text(c: dict[str, Any]) -> str:
+    if c["text"] is None:
+        ids = c["token_ids"]
+        return " ".join(map(str, ids[:IDS_SHOWN])) + (" ..." if len(ids) > IDS_SHOWN else "")
+    text = c["text"]
+    return repr(text[:TEXT_SHOWN]) + ("..." if len(text) > TEXT_SHOWN else "")
+
+
+def show_request(r: dict[str, Any]) -> list[str]:
+    """The lines for one request of ``--output-json`` (one per sample)."""
+    if r["error"] is not None:
+        return [f"[{r['index']}] error: {r['error'] or 'failed without a message'}"]
+    lines = []
+    for c in r["outputs"]:
+        tag = f"[{r['index']}]" if len(r["outputs"]) == 1 else f"[{r['index']}.{c['index']}]"
+        reason = c["finish_reason"] + (f" ({c['stop_reason']!r})" if c["stop_reason"] is not None else "")
+        lines.append(f"{tag} {reason}, {len(c['token_ids'])} tokens: {_shown_text(c)}")
+    return lines
 
 
 def _list_errors(outputs: list[dict[str, Any]]) -> int:
     """Print the failed requests (each with its error text) to stderr; returns 1 when none succeeded."""
-    errors = [o for o in outputs if o["finish_reason"] == "error"]
+    errors = [o for o in outputs if o["error"] is not None]
     for o in errors[:MAX_ERRORS_LISTED]:
         print(f"request {o['index']}: error: {o['error'] or 'failed without a message'}", file=sys.stderr)
     if len(errors) > MAX_ERRORS_LISTED:
@@ -44,8 +84,8 @@ def _write(flag: str, path: str, write: Callable[[Path], None]) -> int:
     try:
         write(Path(path))
     except OSError as e:
-        print(f"error: could not write the results to {flag} {path}: {e.strerror or e}; the summary above is "
-              "all that was kept", file=sys.stderr)
+        print(f"error: could not write the results to {flag} {path}: {e.strerror or e}; only that file is lost "
+              "(the summary above stands)", file=sys.stderr)
         return 1
     return 0
 
@@ -53,36 +93,50 @@ def _write(flag: str, path: str, write: Callable[[Path], None]) -> int:
 def report_generate(result: dict[str, Any], output_json: str | None) -> int:
     run = result["runs"][0]
     outputs = run["outputs"]
-    for o in outputs[:4]:
-        print(_show(o))
-    if len(outputs) > 4:
-        print(f"... {len(outputs) - 4} more")
+    for o in outputs:
+        for line in show_request(o):
+            print(line)
     code = _list_errors(outputs)
     print(run["summary"])
     if run["dbo"] and run["stats"]["num_steps"] and not run["stats"]["num_ubatched_steps"]:
         print(NO_UBATCH_HINT, file=sys.stderr)
-    _report_trace(run)
+    code = _report_trace(run) or code
     if output_json:
         code = _write("--output-json", output_json,
                       lambda p: p.write_text(json.dumps(outputs, indent=1) + "\n")) or code
     return code
 
 
-def _report_trace(run: dict[str, Any]) -> None:
-    if run.get("trace"):
-        print(run["trace"]["report"])
+def _report_trace(run: dict[str, Any]) -> int:
+    """Print the trace's metrics; 1 when the trace file could not be written (said after the metrics)."""
+    trace = run.get("trace")
+    if not trace:
+        return 0
+    print(trace["report"])
+    if trace.get("error"):
+        print(f"error: --trace-file: {trace['error']}; only that file is lost (its metrics are above)",
+              file=sys.stderr)
+        return 1
+    return 0
+
+
+def _token_ids(r: dict[str, Any]) -> list[list[int]]:
+    return [c["token_ids"] for c in r["outputs"]]
 
 
 def compare_outputs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str | None:
     """None when token outputs are identical, else where they first differ."""
-    diffs = [(x["index"], x["token_ids"], y["token_ids"]) for x, y in zip(a, b) if x["token_ids"] != y["token_ids"]]
     if len(a) != len(b):
         return f"{len(a)} vs {len(b)} results"
+    diffs = [(x["index"], _token_ids(x), _token_ids(y)) for x, y in zip(a, b) if _token_ids(x) != _token_ids(y)]
     if not diffs:
         return None
-    idx, x, y = diffs[0]
+    idx, xs, ys = diffs[0]
+    sample = next((k for k, (x, y) in enumerate(zip(xs, ys)) if x != y), min(len(xs), len(ys)))
+    x, y = (xs[sample] if sample < len(xs) else []), (ys[sample] if sample < len(ys) else [])
     pos = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
-    return f"{len(diffs)} of {len(a)} requests differ (first: request {idx} at output token {pos})"
+    where = f"request {idx}" + (f" sample {sample}" if max(len(xs), len(ys)) > 1 else "")
+    return f"{len(diffs)} of {len(a)} requests differ (first: {where} at output token {pos})"
 
 
 def report_bench(result: dict[str, Any], output_csv: str | None) -> int:
@@ -101,7 +155,7 @@ def report_bench(result: dict[str, Any], output_csv: str | None) -> int:
     code = _list_errors(on["outputs"])
     if on["stats"]["num_steps"] and not on["stats"]["num_ubatched_steps"]:
         print(NO_UBATCH_HINT, file=sys.stderr)
-    _report_trace(on)
+    code = _report_trace(on) or code
     if output_csv:
         code = _write("--output-csv", output_csv, lambda p: _write_csv(p, off, on, diff is None)) or code
     return code

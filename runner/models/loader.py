@@ -364,15 +364,3 @@ def check_spec_covers_parameters(net: nn.Module) -> None:
     if missing:
         raise RuntimeError(f"internal: {type(net).__name__} has parameters its checkpoint spec never loads: "
                            f"{missing[:5]}")
-
-
-def load_tokenizer(model: str, cache_dir: str | os.PathLike | None = None) -> Any:
-    """A ``tokenizers.Tokenizer`` if the model directory has ``tokenizer.json``, else None."""
-    path = resolve_model_path(model, cache_dir)
-    if not (path / "tokenizer.json").is_file():
-        return None
-    try:
-        from tokenizers import Tokenizer
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise ImportError(f"{path / 'tokenizer.json'} needs the 'tokenizers' package (pip install tokenizers)") from e
-    return Tokenizer.from_file(str(path / "tokenizer.json"))

@@ -150,13 +150,13 @@ def calibrate(model: str, server_args: str, input_len: int, num_seqs: int, ratio
         rng = random.Random(7)
         prompts = [[rng.randrange(llm.runner.vocab_size) for _ in range(input_len)] for _ in range(num_seqs)]
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        llm.generate(prompts[:2], params, disable_progress=True)  # warm-up
+        llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
         computes = []
         with tempfile.TemporaryDirectory() as tmp:
             for _ in range(3):
                 nbytes, transfers = link.total_bytes, link.num_transfers
                 llm.cfg = llm.cfg.replace(trace_file=str(Path(tmp) / "calib.json"))
-                llm.generate(prompts, params, disable_progress=True)
+                llm.generate(prompts, params, use_tqdm=False)
                 computes.append(llm.last_trace.metrics[0].compute_us * 1e-6)
                 nbytes, transfers = link.total_bytes - nbytes, link.num_transfers - transfers
         compute = statistics.median(computes)

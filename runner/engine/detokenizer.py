@@ -1,0 +1,129 @@
+"""Incremental detokenization and stop strings, per request (vLLM's ``vllm/v1/engine/detokenizer.py``).
+
+**Text as tokens arrive.** Decoding each new token alone is wrong twice over: a byte-level BPE token may hold
+half of a UTF-8 character (alone it decodes to U+FFFD), and a tokenizer's decoder decides leading spaces from
+the tokens around it. So, as vLLM's detokenizer (after text-generation-inference), each step decodes a short
+window twice: ``ids[prefix_offset:read_offset]`` (text already emitted) and ``ids[prefix_offset:]`` (the same
+plus the new tokens); the new text is the difference. When the longer decode ends in U+FFFD, or adds nothing,
+the tokens wait (the offsets stay) until a later token completes them, so a stream never shows a replacement
+character for a character that is still arriving. The window starts on the prompt's last tokens, so the first
+output token gets its leading space as in the whole text.
+
+**Stop strings** are searched in the new text plus the ``len(stop) - 1`` characters before it, so one that
+spans two or more tokens is found the moment it is complete. The text is cut before it (after it with
+``include_stop_str_in_output``) and the request stops with the string as its ``stop_reason``. Where several
+stop strings complete in one step, the one that starts first wins (vLLM takes the first in list order that
+matches anywhere; the earliest is what a reader of the text expects). While a request streams, the last
+``max(len(stop)) - 1`` characters are held back (``SamplingParams.output_text_buffer_length``): they may be
+the start of a stop string that the next token completes, and text once sent cannot be taken back.
+
+A request that stops on EOS or a stop token (the engine core's ``"stop"``) does not decode that token unless
+``include_stop_str_in_output`` (vLLM does the same); it stays in ``token_ids``.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from runner.engine.tokenizer import make_decoder
+from runner.sampling_params import SamplingParams
+
+# How many prompt tokens before the first output token the window starts with (vLLM's
+# INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET); two more are kept in case some of them are special tokens.
+INITIAL_OFFSET = 5
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def find_stop_string(text: str, new_chars: int, stop: Sequence[str],
+                     include_in_output: bool) -> tuple[str, int] | None:
+    """The stop string that completed within the last ``new_chars`` characters of ``text`` and where to cut
+    the text (its start, or its end with ``include_in_output``); None if none did."""
+    if not new_chars or not stop:
+        return None
+    best: tuple[int, str] | None = None
+    for s in stop:
+        # a match must end inside the new characters: start at most len(s) - 1 characters before them
+        start = text.find(s, max(0, len(text) - new_chars - len(s) + 1))
+        if start != -1 and (best is None or start < best[0]):
+            best = (start, s)
+    if best is None:
+        return None
+    start, s = best
+    return s, start + len(s) if include_in_output else start
+
+
+class IncrementalDetokenizer:
+    """One request's output text. ``tokenizer`` None: no text (token ids only), and no stop strings."""
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+        if params.stop and tokenizer is None:
+            raise ValueError(f"stop strings {params.stop!r} need a tokenizer to find them in the text, and this "
+                             "model has none; use stop_token_ids")
+        self.tokenizer = tokenizer
+        self._decode = None if tokenizer is None else make_decoder(
+            tokenizer, skip_special_tokens=params.skip_special_tokens,
+            spaces_between_special_tokens=params.spaces_between_special_tokens)
+        self._prefix_text: str | None = None  # decode of window[prefix:read], while it stays the same
+        self.stop = list(params.stop)
+        self.include_stop_str_in_output = params.include_stop_str_in_output
+        self.stop_buffer_length = params.output_text_buffer_length
+        self.token_ids: list[int] = []  # every output token, decoded or not
+        self.output_text = ""
+        self._last_output_text_offset = 0
+        # the decode window: the prompt's last tokens, then the outputs (a bad prompt never gets outputs)
+        tail = list(prompt_token_ids[-(INITIAL_OFFSET + 2):]) if isinstance(prompt_token_ids, list) else []
+        self._window: list[int] = [t for t in tail if isinstance(t, int)]
+        self._read_offset = len(self._window)
+        self._prefix_offset = max(self._read_offset - INITIAL_OFFSET, 0)
+
+    def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
+        """Take a step's new tokens; returns the stop string that ended the request, if one did.
+        ``stop_terminated``: the engine core stopped the request on its last token (EOS or a stop token)."""
+        if not new_token_ids:
+            return None
+        self.token_ids.extend(new_token_ids)
+        if self.tokenizer is None:
+            return None
+        to_decode = list(new_token_ids)
+        if stop_terminated and not self.include_stop_str_in_output:
+            to_decode.pop()
+        before = len(self.output_text)
+        for token in to_decode:
+            self._window.append(token)
+            self.output_text += self._decode_next()
+        if stop_terminated or not self.stop:
+            return None
+        found = find_stop_string(self.output_text, len(self.output_text) - before, self.stop,
+                                 self.include_stop_str_in_output)
+        if found is None:
+            return None
+        stop_string, cut = found
+        self.output_text = self.output_text[:cut]
+        return stop_string
+
+    def _decode_next(self) -> str:
+        window, prefix, read = self._window, self._prefix_offset, self._read_offset
+        if self._prefix_text is None:
+            self._prefix_text = self._decode(window[prefix:read])
+        prefix_text = self._prefix_text
+        new_text = self._decode(window[prefix:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+            return ""  # nothing yet, or a character still arriving: wait for the next token
+        self._prefix_offset, self._read_offset, self._prefix_text = read, len(window), None
+        if prefix > 0:  # keep the window short: what lies before prefix_offset is never decoded again
+            del window[:prefix]
+            self._prefix_offset -= prefix
+            self._read_offset -= prefix
+        return new_text[len(prefix_text):]
+
+    def get_next_output_text(self, finished: bool, delta: bool) -> str:
+        """The text to report now: all of it (``delta`` False) or what is new since the last call, less the
+        characters held back for a stop string while the request runs."""
+        hold = 0 if finished else self.stop_buffer_length
+        length = max(0, len(self.output_text) - hold)
+        if not delta:
+            return self.output_text[:length]
+        start = self._last_output_text_offset
+        if start >= length:
+            return ""
+        self._last_output_text_offset = length
+        return self.output_text[start:length]

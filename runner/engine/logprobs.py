@@ -1,0 +1,47 @@
+"""Per-request log-probabilities in vLLM's shape (``vllm/v1/engine/logprobs.py``): for each generated token, a
+dict from token id to :class:`~runner.outputs.Logprob` holding the sampled token (with its rank) and the
+``logprobs`` most likely tokens (ranks 1..N), and the running sum of the sampled tokens' log-probabilities.
+
+Each token's text is that token decoded alone (``decode([id])``, special tokens kept), as vLLM reports it: a
+byte-level piece of a multi-byte character shows as U+FFFD there, while the output text never does.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from runner.engine.tokenizer import make_decoder
+from runner.outputs import Logprob, SampleLogprobs
+from runner.worker.outputs import TokenLogprobs
+
+
+class LogprobsState:
+    """``num_logprobs`` None: the request asked for none (``logprobs`` and ``cumulative_logprob`` stay None)."""
+
+    def __init__(self, tokenizer: Any, num_logprobs: int | None) -> None:
+        self._decode = None if tokenizer is None or num_logprobs is None else \
+            make_decoder(tokenizer, skip_special_tokens=False)
+        self.num_logprobs = num_logprobs
+        self.logprobs: SampleLogprobs | None = None if num_logprobs is None else []
+        self.cumulative_logprob: float | None = None if num_logprobs is None else 0.0
+
+    def update(self, token_ids: Sequence[int], entries: Sequence[TokenLogprobs | None] | None) -> str | None:
+        """Add one entry per new token; returns why the engine's entries do not fit the tokens, or None."""
+        if self.logprobs is None or not token_ids:
+            return None
+        if entries is None or len(entries) != len(token_ids) or any(e is None for e in entries):
+            got = 0 if entries is None else sum(e is not None for e in entries)
+            return (f"logprobs={self.num_logprobs} was asked for, but the engine core returned log-probabilities "
+                    f"for {got} of {len(token_ids)} new tokens (the model runner does not compute them)")
+        for token, entry in zip(token_ids, entries):
+            if entry.token_id != token:
+                return f"the engine core's log-probabilities are for token {entry.token_id}, not the sampled {token}"
+            position = {token: Logprob(entry.logprob, entry.rank, self._text(token))}
+            for rank, (tid, lp) in enumerate(zip(entry.top_token_ids[:self.num_logprobs],
+                                                 entry.top_logprobs[:self.num_logprobs]), start=1):
+                position.setdefault(tid, Logprob(lp, rank, self._text(tid)))
+            self.logprobs.append(position)
+            self.cumulative_logprob += entry.logprob
+        return None
+
+    def _text(self, token: int) -> str | None:
+        return None if self._decode is None else self._decode([token])

@@ -1,0 +1,211 @@
+"""From engine-core outputs (token ids per step) to vLLM's ``RequestOutput`` (vLLM's
+``vllm/v1/engine/output_processor.py``), for the offline ``LLM`` and the OpenAI server alike.
+
+The caller registers each request with :meth:`OutputProcessor.add_request`, which returns the engine-core
+requests to send (one, or ``n`` children; their integer ids are the caller's, unique across every DP rank it
+drives), then feeds every rank's :class:`~runner.core.requests.EngineCoreOutput` s to
+:meth:`~OutputProcessor.process_outputs`, which detokenizes (``detokenizer.py``), finds stop strings, gathers
+log-probabilities (``logprobs.py``) and returns ``(request_outputs, engine_request_ids_to_abort)``. A stop
+string is found here, not in the engine core, so the core does not know the request is done: its id comes
+back in the abort list, and the caller must abort it there.
+
+``SamplingParams.output_kind`` says what each ``RequestOutput`` carries: FINAL_ONLY (the offline ``LLM``) one
+output when the request finishes; CUMULATIVE everything so far; DELTA (streaming) only the text, token ids and
+log-probabilities new since the previous output. Text near the end is held back while a stop string could
+still complete there (``detokenizer.py``).
+
+Pure Python, no blocking, no global state: a server can call it from an asyncio task.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.engine.detokenizer import IncrementalDetokenizer
+from runner.engine.generation_config import GenerationConfig
+from runner.engine.logprobs import LogprobsState
+from runner.engine.parallel_sampling import ParentRequest, child_default_seed, child_params
+from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from runner.sampling_params import RequestOutputKind, SamplingParams
+
+
+@dataclass(eq=False)
+class RequestState:
+    """One engine request (one sample) as the client sees it."""
+
+    engine_request_id: int
+    request_id: str  # the client's id (the parent's, for a child)
+    index: int  # which of the parent's n samples
+    parent: ParentRequest | None
+    prompt: str | None
+    prompt_token_ids: Any  # a list of ids; a bad prompt stays as given, and the engine core refuses it
+    output_kind: RequestOutputKind
+    detokenizer: IncrementalDetokenizer
+    logprobs: LogprobsState
+    metrics: RequestMetrics  # shared by the children of one request
+    error: str | None = None
+
+    def completion(self, new_token_ids: list[int], finish_reason: str | None,
+                   stop_reason: int | str | None) -> CompletionOutput:
+        finished = finish_reason is not None
+        delta = self.output_kind == RequestOutputKind.DELTA
+        text = self.detokenizer.get_next_output_text(finished, delta)
+        token_ids = list(new_token_ids) if delta else list(self.detokenizer.token_ids)
+        logprobs = self.logprobs.logprobs
+        if delta and logprobs is not None:
+            logprobs = logprobs[len(logprobs) - len(new_token_ids):]
+        elif logprobs is not None:
+            logprobs = list(logprobs)
+        return CompletionOutput(index=self.index, text=text, token_ids=token_ids,
+                                cumulative_logprob=self.logprobs.cumulative_logprob, logprobs=logprobs,
+                                finish_reason=finish_reason, stop_reason=stop_reason if finished else None)
+
+
+class OutputProcessor:
+    """Per-request state of every request in flight. ``tokenizer`` None: token ids only (``text`` stays "").
+    ``max_model_len`` resolves ``max_tokens=None`` (None: the caller resolves it before ``add_request``);
+    ``generation_config`` adds the checkpoint's EOS ids."""
+
+    def __init__(self, tokenizer: Any, max_model_len: int | None,
+                 generation_config: GenerationConfig | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.generation_config = generation_config or GenerationConfig()
+        self.request_states: dict[int, RequestState] = {}  # by engine request id
+        self._children: dict[str, list[int]] = {}  # client request id -> its live engine request ids
+
+    # ------------------------------------------------------------------ requests
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: Any, params: SamplingParams,
+                    arrival_time: float | None = None, *, engine_request_ids: Sequence[int],
+                    default_seed: int = 0) -> list[EngineCoreRequest]:
+        """Register a request and return its engine-core requests (``params.n`` of them, with the ids given in
+        ``engine_request_ids``). ``default_seed`` seeds a random request without ``seed`` (child k: see
+        ``parallel_sampling.py``). Raises ValueError for a request that cannot be served at all (a duplicate
+        id, stop strings without a tokenizer)."""
+        if request_id in self._children:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        ids = list(engine_request_ids)
+        if len(ids) != params.n:
+            raise ValueError(f"request {request_id!r} has n={params.n} samples but {len(ids)} engine request ids")
+        taken = [i for i in ids if i in self.request_states]
+        if taken or len(set(ids)) != len(ids):
+            raise ValueError(f"engine request id {taken[0] if taken else ids} is already in use")
+        arrival = time.time() if arrival_time is None else arrival_time
+        base = self.generation_config.apply(params)
+        if base.max_tokens is None:
+            if self.max_model_len is None:
+                raise ValueError(f"request {request_id!r}: max_tokens=None needs the engine's max_model_len")
+            base = base.clone() if base is params else base
+            base.max_tokens = max(1, self.max_model_len - (len(prompt_token_ids)
+                                                           if isinstance(prompt_token_ids, list) else 0))
+        parent = ParentRequest(request_id, base, ids) if base.n > 1 else None
+        metrics = RequestMetrics(arrival_time=arrival)
+        states, requests = [], []
+        for index, engine_id in enumerate(ids):
+            child = child_params(base, index) if parent is not None else base
+            states.append(RequestState(
+                engine_id, request_id, index, parent, prompt, prompt_token_ids, base.output_kind,
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child),
+                LogprobsState(self.tokenizer, child.logprobs), metrics))
+            requests.append(EngineCoreRequest(engine_id, prompt_token_ids, child,
+                                              default_seed=child_default_seed(default_seed, index),
+                                              arrival_time=arrival))
+        for state in states:
+            self.request_states[state.engine_request_id] = state
+        self._children[request_id] = ids
+        return requests
+
+    def abort_requests(self, request_ids: Iterable[str], now: float | None = None,
+                       reason: str = "abort") -> tuple[list[RequestOutput], list[int]]:
+        """Finish these client requests now (a client went away, the server drains): returns their final
+        outputs (``finish_reason`` ``reason`` for every sample still running; a streaming consumer waits for
+        them) and their engine request ids still running, which the caller must abort in the engine cores.
+        Unknown or finished ids are ignored."""
+        now = time.time() if now is None else now
+        outputs: list[RequestOutput] = []
+        engine_ids: list[int] = []
+        for rid in request_ids:
+            for eid in list(self._children.get(rid, ())):
+                state = self.request_states.get(eid)
+                if state is None:
+                    continue
+                engine_ids.append(eid)
+                result = self._request_output(state, [], reason, None, now)
+                if result is not None:
+                    outputs.append(result)
+                self._finish(state)
+        return outputs, engine_ids
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.request_states)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self._children)
+
+    def unfinished_engine_request_ids(self) -> list[int]:
+        return list(self.request_states)
+
+    # ------------------------------------------------------------------ outputs
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput],
+                        now: float | None = None) -> tuple[list[RequestOutput], list[int]]:
+        """Turn one batch of engine-core outputs (from any DP rank, any order) into RequestOutputs; returns
+        them and the engine request ids that stopped here (a stop string, or bad log-probabilities) and must
+        be aborted in the engine core. Outputs of unknown (aborted, finished) requests are ignored."""
+        now = time.time() if now is None else now
+        request_outputs: list[RequestOutput] = []
+        to_abort: list[int] = []
+        for out in outputs:
+            state = self.request_states.get(out.request_id)
+            if state is None:
+                continue
+            new_ids = list(out.new_token_ids)
+            finish_reason, stop_reason, error = out.finish_reason, out.stop_reason, out.error
+            if new_ids:
+                if state.metrics.first_token_time is None:
+                    state.metrics.first_token_time = now
+                state.metrics.last_token_time = now
+            stop_string = state.detokenizer.update(new_ids, finish_reason == "stop")
+            if stop_string is not None:
+                finish_reason, stop_reason = "stop", stop_string
+            problem = state.logprobs.update(new_ids, out.new_logprobs)
+            if problem is not None:
+                finish_reason, stop_reason, error = "error", None, f"request {state.request_id!r}: {problem}"
+            if finish_reason is not None and error is not None:
+                state.error = error
+                if state.parent is not None and state.parent.error is None:
+                    state.parent.error = error
+            result = self._request_output(state, new_ids, finish_reason, stop_reason, now)
+            if result is not None:
+                request_outputs.append(result)
+            if finish_reason is not None:
+                self._finish(state)
+                if not out.finished:  # stopped here: the engine core still runs it
+                    to_abort.append(state.engine_request_id)
+        return request_outputs, to_abort
+
+    def _request_output(self, state: RequestState, new_ids: list[int], finish_reason: str | None,
+                        stop_reason: int | str | None, now: float) -> RequestOutput | None:
+        finished = finish_reason is not None
+        if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        completion = state.completion(new_ids, finish_reason, stop_reason)
+        if state.parent is None:
+            outputs = [completion]
+        else:
+            outputs, finished = state.parent.get_outputs(state.engine_request_id, completion)
+            if not outputs:
+                return None
+        if finished:
+            state.metrics.finished_time = now
+        error = state.error if state.parent is None else state.parent.error
+        return RequestOutput(request_id=state.request_id, prompt=state.prompt,
+                             prompt_token_ids=state.prompt_token_ids if isinstance(state.prompt_token_ids, list)
+                             else [], outputs=outputs, finished=finished, metrics=state.metrics, error=error)
+
+    def _finish(self, state: RequestState) -> None:
+        self.request_states.pop(state.engine_request_id, None)
+        if state.parent is not None and state.parent.running:
+            return
+        self._children.pop(state.request_id, None)

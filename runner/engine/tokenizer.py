@@ -1,0 +1,174 @@
+"""The checkpoint's tokenizer, loaded by transformers, and the three things the engine asks of it: encode a
+prompt, decode ids, render a chat.
+
+transformers already knows every checkpoint convention that matters here (special tokens, BOS through
+``add_bos_token`` or the tokenizer's post-processor, ``chat_template`` in ``tokenizer_config.json`` or
+``chat_template.jinja``), so it loads the tokenizer whenever it can:
+
+- with ``tokenizer_config.json``: ``AutoTokenizer.from_pretrained(dir)``, the tokenizer class the checkpoint
+  names;
+- with only ``tokenizer.json``: ``PreTrainedTokenizerFast(tokenizer_file=...)``, the file's own pipeline.
+  ``AutoTokenizer`` would guess a class from ``config.json``'s ``model_type`` instead, and in transformers 5 a
+  model-specific class rebuilds its own pipeline: a WordLevel ``tokenizer.json`` under a ``qwen3_moe`` config
+  then encodes every text to ``[]``.
+
+Only where transformers is missing or fails to load the files does the ``tokenizers`` library read
+``tokenizer.json`` itself (:class:`TokenizersAdapter`), and that is logged once, naming the file and why: it
+has no chat template and none of ``tokenizer_config.json``'s settings.
+
+Prompts are encoded as vLLM encodes them, ``tokenizer.encode(prompt)`` with the tokenizer's default special
+tokens (a BOS where the tokenizer adds one); a chat is rendered to text by the template, then encoded without
+adding special tokens (the template writes its own), as vLLM's ``LLM.chat`` and transformers'
+``apply_chat_template(tokenize=True)`` do.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from ubatch.log_once import log_once
+
+logger = logging.getLogger("ubatch.engine")
+
+# Any of these in a model directory means it ships a tokenizer (the built-in tiny models have none).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+class NoChatTemplateError(ValueError):
+    """The model's tokenizer has no chat template, and none was given."""
+
+
+def has_tokenizer_files(path: str | os.PathLike) -> bool:
+    return any((Path(path) / name).is_file() for name in TOKENIZER_FILES)
+
+
+class TokenizersAdapter:
+    """A ``tokenizers.Tokenizer`` behind the calls the engine makes (``encode``, ``decode``, ``len``), used
+    only where transformers cannot load the tokenizer: no chat template, no ``tokenizer_config.json``."""
+
+    chat_template = None
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.backend = tokenizer
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def __len__(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+
+def load_tokenizer(model: str, cache_dir: str | os.PathLike | None = None) -> Any | None:
+    """The tokenizer of ``model`` (a local directory or a built-in name), or None when it ships none."""
+    from runner.models.loader import resolve_model_path
+
+    return load_tokenizer_from_dir(resolve_model_path(model, cache_dir))
+
+
+def load_tokenizer_from_dir(path: str | os.PathLike) -> Any | None:
+    """transformers' tokenizer for the files in ``path`` (module docstring), or None if there are none."""
+    path = Path(path)
+    if not has_tokenizer_files(path):
+        return None
+    try:
+        import transformers
+    except ImportError:
+        return _tokenizers_fallback(path, "transformers is not installed")
+    try:
+        if (path / "tokenizer_config.json").is_file() or not (path / "tokenizer.json").is_file():
+            return transformers.AutoTokenizer.from_pretrained(str(path))
+        return transformers.PreTrainedTokenizerFast(tokenizer_file=str(path / "tokenizer.json"))
+    except Exception as e:  # noqa: BLE001 - any failure of transformers' loader: say which, use tokenizers
+        return _tokenizers_fallback(path, f"transformers could not load it ({type(e).__name__}: {e})")
+
+
+def _tokenizers_fallback(path: Path, why: str) -> TokenizersAdapter:
+    file = path / "tokenizer.json"
+    if not file.is_file():
+        raise ValueError(f"cannot load the tokenizer in {str(path)!r}: {why}, and there is no tokenizer.json for "
+                         "the tokenizers library to read") from None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        raise ImportError(f"{file}: {why}, and the tokenizers package is not installed either "
+                          "(pip install transformers)") from None
+    log_once(logger, logging.WARNING, f"{file}: {why}; read with the tokenizers library instead: no chat template "
+                                      "and none of tokenizer_config.json's settings")
+    return TokenizersAdapter(Tokenizer.from_file(str(file)))
+
+
+def _is_transformers(tokenizer: Any) -> bool:
+    try:
+        from transformers import PreTrainedTokenizerBase
+    except ImportError:
+        return False
+    return isinstance(tokenizer, PreTrainedTokenizerBase)
+
+
+def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+    """``text`` as token ids; with ``add_special_tokens`` the tokenizer's defaults apply (vLLM's encode)."""
+    if add_special_tokens:
+        ids = tokenizer.encode(text)
+    else:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    return list(ids.ids) if hasattr(ids, "ids") else [int(t) for t in ids]
+
+
+def make_decoder(tokenizer: Any, *, skip_special_tokens: bool,
+                 spaces_between_special_tokens: bool = True) -> Callable[[list[int]], str]:
+    """A function from ids to text, with no clean-up of spaces (vLLM's detokenizer does none either: it would
+    make incremental text differ from the whole). A fast tokenizer's Rust backend is called directly: that is
+    what its ``decode`` does without clean-up, at a fifth of the cost (the detokenizer decodes twice per
+    token). ``spaces_between_special_tokens=False`` goes to transformers' ``decode``, where slow tokenizers use
+    it; fast ones join added tokens without spaces anyway."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if _is_transformers(tokenizer) else \
+        getattr(tokenizer, "backend", None) if isinstance(tokenizer, TokenizersAdapter) else None
+    if backend is not None:
+        return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
+    if _is_transformers(tokenizer):
+        extra = {} if spaces_between_special_tokens else {"spaces_between_special_tokens": False}
+        return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens,
+                                            clean_up_tokenization_spaces=False, **extra)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
+def decode(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool,
+           spaces_between_special_tokens: bool = True) -> str:
+    """``ids`` as text (:func:`make_decoder`)."""
+    return make_decoder(tokenizer, skip_special_tokens=skip_special_tokens,
+                        spaces_between_special_tokens=spaces_between_special_tokens)(list(ids))
+
+
+def chat_template_of(tokenizer: Any) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    return template or None
+
+
+def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *, model: str,
+                        chat_template: str | None = None, add_generation_prompt: bool = True,
+                        continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
+                        chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:
+    """(the rendered prompt, its ids): the template renders the text, which is encoded without adding special
+    tokens. Raises :class:`NoChatTemplateError` naming ``model`` when neither the tokenizer nor the caller
+    has a template."""
+    if tokenizer is None:
+        raise NoChatTemplateError(f"model {model!r} has no tokenizer, so it has no chat template; pass "
+                                  "token-id prompts to generate() instead")
+    template = chat_template or chat_template_of(tokenizer)
+    if template is None:
+        raise NoChatTemplateError(
+            f"model {model!r} has no chat template (no 'chat_template' in tokenizer_config.json and no "
+            "chat_template.jinja); pass chat_template=... or use generate() with a text prompt")
+    if not _is_transformers(tokenizer):
+        raise NoChatTemplateError(f"model {model!r}: its tokenizer was read without transformers, which renders "
+                                  "chat templates; install transformers")
+    text = tokenizer.apply_chat_template(conversation, chat_template=template, tools=tools, tokenize=False,
+                                         add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message,
+                                         **(chat_template_kwargs or {}))
+    return text, encode(tokenizer, text, add_special_tokens=False)
