@@ -175,13 +175,14 @@ def describe_exception(exc: BaseException) -> str:
 
 def _child_main(payload: bytes, rank: int, world_size: int, store_path: str, timeout_s: float, backend: str,
                 num_threads: int, conn: Connection, board: Any, parent_pid: int, print_traceback: bool,
-                ignore_sigint: bool = False) -> None:
+                parent_handles_signals: bool = False) -> None:
     """Body of one spawned rank: tie its life to the parent, beat, join the world, run ``fn``, send
     ``("ok", result)`` or ``("error", text, when, traceback)``."""
     code = 0
     try:
-        if ignore_sigint:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if parent_handles_signals:  # SIGKILL (or the parent's death) still ends the rank
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
         die_with_parent(parent_pid)
         start_heartbeat(board, rank, parent_pid)
         fn, args = pickle.loads(payload)  # imports fn's modules (torch...) with the heartbeat already running
@@ -311,14 +312,16 @@ class RankGroup:
     blocking form). A server starts them, supervises them from a thread (``supervise(stop)``) while it serves,
     and stops them with :meth:`close`; the ranks still die with this process if it is killed outright.
 
-    ``ignore_sigint``: the ranks ignore SIGINT, so a Ctrl-C that the terminal sends to the whole process group
-    reaches only the parent, which decides how to stop them (the server drains first).
+    ``parent_handles_signals``: the ranks ignore SIGINT, SIGTERM and SIGHUP, so a Ctrl-C that the terminal sends
+    to the whole process group, or a SIGTERM to the group (``kill -- -PGID``, a service manager), reaches only
+    the parent, which decides how to stop them (the server drains first); :meth:`close` then ends any rank still
+    running with SIGKILL after its grace period, and the ranks die with the parent if it is killed.
     """
 
     def __init__(self, fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
                  device: str = "auto", backend: str | None = None, num_threads: int = 1, grace_s: float = 5.0,
                  start_method: str = "spawn", child_tracebacks: bool = True, silence_s: float | None = None,
-                 ignore_sigint: bool = False) -> None:
+                 parent_handles_signals: bool = False) -> None:
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         self.nprocs = nprocs
@@ -329,7 +332,7 @@ class RankGroup:
         self.payload = pickle.dumps((fn, tuple(args)))  # fails here, in the parent, if fn or args cannot travel
         self.ctx = mp.get_context(start_method)
         self.board = new_board(self.ctx, nprocs)
-        self.child_tracebacks, self.ignore_sigint = child_tracebacks, ignore_sigint
+        self.child_tracebacks, self.parent_handles_signals = child_tracebacks, parent_handles_signals
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.started: list[float] = []
@@ -349,7 +352,7 @@ class RankGroup:
             p = self.ctx.Process(target=_child_main, name=f"ubatch-rank-{rank}",
                                  args=(self.payload, rank, self.nprocs, self.rdzv.store_path, self.timeout_s,
                                        self.backend, self.num_threads, child_conn, self.board, os.getpid(),
-                                       self.child_tracebacks, self.ignore_sigint))
+                                       self.child_tracebacks, self.parent_handles_signals))
             self.procs.append(p)  # before start(): a signal arriving during start() still finds it to stop
             self.conns.append(parent_conn)
             with _environ({**common, "RANK": str(rank), "WORLD_SIZE": str(self.nprocs), "LOCAL_RANK": str(rank),

@@ -150,7 +150,7 @@ class MPEngineClient(EngineClient):
             sock.bind(addr)
             self._ranks.append(_Rank(sock))
         self._group = RankGroup(run_engine_core, dp, args=(cfg, inputs, output), timeout_s=cfg.dist_timeout_s,
-                                device=cfg.device, ignore_sigint=True)
+                                device=cfg.device, parent_handles_signals=True)
         self._group.start()
         self._supervisor = threading.Thread(target=self._supervise, name="ubatch-rank-supervisor", daemon=True)
         self._supervisor.start()

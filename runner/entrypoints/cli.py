@@ -207,7 +207,7 @@ def _workload_args(p: argparse.ArgumentParser, with_output_json: bool) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m runner", description="ubatch reference engine")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,serve,bench-serve}")
     gen = sub.add_parser("generate", help="generate for a prompt file or random prompts, print a summary")
     bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed and outputs")
     for p in (gen, bench):
@@ -217,6 +217,16 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(subparser=p)  # so errors print the subcommand's usage
     bench.add_argument("--output-csv", metavar="PATH", help="write the comparison table as CSV (default: none; its "
                        "directory must exist)")
+    from runner.entrypoints.benchserve.main import add_bench_serve_args
+    from runner.entrypoints.serve import add_serve_args
+
+    serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the DP ranks (vLLM's `vllm serve`)")
+    add_serve_args(serve, _engine_args)
+    serve.set_defaults(subparser=serve)
+    bench_serve = sub.add_parser("bench-serve", help="serving throughput and latency as `vllm bench serve` "
+                                                     "measures them; --compare dbo: DBO off against on")
+    add_bench_serve_args(bench_serve)
+    bench_serve.set_defaults(subparser=bench_serve)
     return parser
 
 
@@ -310,8 +320,8 @@ def _sampling(args: argparse.Namespace, generation: GenerationConfig, parser: ar
         parser.error(f"argument --{e.field.replace('_', '-')}: {e}")
 
 
-def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
-    """Validate everything before any process starts; errors go through ``parser.error`` (exit 2)."""
+def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunnerConfig:
+    """The engine flags as a validated RunnerConfig; a bad value exits 2 naming its flag."""
     from runner.distributed.launch import torchrun_env_present
 
     engine = {k: v for k, v in vars(args).items() if k in config_fields() and v is not None}
@@ -321,9 +331,28 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             parser.error(f"argument --data-parallel-size: {engine['data_parallel_size']} does not match torchrun's "
                          f"WORLD_SIZE={world} (omit it under torchrun)")
     try:
-        cfg = make_config(**engine)
+        return make_config(**engine)
     except ConfigError as e:
         parser.error(f"argument {e.flag}: {e}")
+
+
+def model_info_or_exit(cfg: RunnerConfig, parser: argparse.ArgumentParser) -> ModelInfo:
+    """:func:`_model_info`, with every problem an exit 2 naming the flag at fault."""
+    from runner.models.loader import CacheDirError
+
+    try:
+        return _model_info(cfg)
+    except CacheDirError as e:
+        parser.error(f"argument --cache-dir: {e}")
+    except ConfigError as e:
+        parser.error(f"argument {e.flag}: {e}")
+    except (OSError, ValueError) as e:
+        parser.error(f"argument --model: {e}")
+
+
+def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
+    """Validate everything before any process starts; errors go through ``parser.error`` (exit 2)."""
+    cfg = config_from_args(args, parser)
     for flag, value in (("--num-prompts", args.num_prompts), ("--random-prompt-len", args.random_prompt_len)):
         if value < 1:
             parser.error(f"argument {flag}: must be >= 1, got {value}")
@@ -335,16 +364,7 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         problem = output_path_error(path) if path else None
         if problem:
             parser.error(f"argument {flag}: {problem}")
-    from runner.models.loader import CacheDirError
-
-    try:
-        info = _model_info(cfg)
-    except CacheDirError as e:
-        parser.error(f"argument --cache-dir: {e}")
-    except ConfigError as e:
-        parser.error(f"argument {e.flag}: {e}")
-    except (OSError, ValueError) as e:
-        parser.error(f"argument --model: {e}")
+    info = model_info_or_exit(cfg, parser)
     sampling = _sampling(args, info.generation_config, parser)
     if sampling.stop and not info.has_tokenizer:
         parser.error(f"argument --stop: model {cfg.model!r} has no tokenizer to find stop strings in the text")
@@ -400,6 +420,14 @@ def _debug(args: argparse.Namespace) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        from runner.entrypoints.serve import serve_main
+
+        return serve_main(args, args.subparser)
+    if args.command == "bench-serve":
+        from runner.entrypoints.benchserve.main import main as bench_serve_main
+
+        return bench_serve_main(args, args.subparser)
     job = job_from_args(args, args.subparser)
     debug = _debug(args)
     from runner.distributed.launch import (

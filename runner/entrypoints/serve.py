@@ -1,0 +1,98 @@
+"""``python -m runner serve MODEL``: the OpenAI-compatible server over the DP ranks (vLLM's ``vllm serve``).
+
+Everything that can be checked before a rank starts is (the model's config and checkpoint headers,
+``--max-model-len``, the generation config, every engine flag: exit 2 naming the flag). Then one engine-core
+process per DP rank loads the model (``runner/engine/core_client.py``), and the HTTP server runs until
+SIGTERM/SIGINT (drain, exit 0) or until a rank dies (exit 1, naming it). Design: docs/design_notes.md,
+sections 23 and 24.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Any, Callable
+
+logger = logging.getLogger("runner.entrypoints.openai.serve")
+
+
+def add_serve_args(p: argparse.ArgumentParser, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """``MODEL`` (positional, or ``--model``), every engine flag of ``generate``, and the server's flags."""
+    from runner.entrypoints.openai.cli_args import add_server_args
+
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="a local HF checkpoint directory or a built-in model "
+                   "(tiny-qwen3-moe, tiny-deepseek-v3, bench-qwen3-moe-120m, ...); --model also works")
+    engine_args(p)
+    add_server_args(p)
+    p.add_argument("--debug", action="store_true", help="print the full traceback of an error (also: UBATCH_DEBUG=1; "
+                   "default: off)")
+
+
+def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from runner.distributed.launch import torchrun_env_present
+    from runner.entrypoints.cli import config_from_args, model_info_or_exit
+
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"argument --model: {args.model!r} differs from the positional MODEL {args.model_tag!r}")
+    args.model = args.model_tag or args.model
+    if args.model is None:
+        parser.error("the following arguments are required: MODEL (or --model)")
+    if torchrun_env_present() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        parser.error("serve starts its own rank processes (--data-parallel-size); do not run it under torchrun")
+    cfg = config_from_args(args, parser)
+    if cfg.trace_file:
+        parser.error("argument --trace-file: the server records a window with POST /start_profile and "
+                     "/stop_profile instead")
+    info = model_info_or_exit(cfg, parser)
+    from runner.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.model, cfg.cache_dir) if info.has_tokenizer else None
+    note = info.generation_config.describe()
+    if note:
+        print(f"generation config: {note}", file=sys.stderr)
+    try:
+        return asyncio.run(_serve(cfg, args, tokenizer, info.generation_config))
+    except KeyboardInterrupt:  # a signal before the HTTP server took over signal handling (model loading)
+        print("interrupted while the engine was starting", file=sys.stderr)
+        return 130
+    except Exception as e:  # noqa: BLE001 - one line, the traceback only when asked for
+        from runner.distributed.launch import describe_exception
+
+        if args.debug or os.environ.get("UBATCH_DEBUG", "") not in ("", "0"):
+            import traceback
+
+            traceback.print_exc()
+        print(f"error: {describe_exception(e)}", file=sys.stderr)
+        return 1
+
+
+async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any) -> int:
+    from runner.engine.core_client import MPEngineClient
+    from runner.entrypoints.openai.api_server import bind_socket, run_server
+    from runner.entrypoints.openai.cli_args import served_model_names
+    from runner.entrypoints.openai.metrics import ServerMetrics
+    from runner.entrypoints.profiling import add_profile_routes
+
+    sock = bind_socket(args.host, args.port)  # before the ranks load: a busy port fails in a second, not minutes
+    dead = asyncio.Event()
+    client = MPEngineClient(cfg, tokenizer=tokenizer, default_params=generation_config.sampling_defaults,
+                            generation_config=generation_config, max_queued_requests=args.max_queued_requests,
+                            on_dead=lambda message: dead.set())
+    try:
+        await client.start()
+        metrics = ServerMetrics(served_model_names(args)[0], client.max_model_len)
+        client.metrics = metrics
+        code = await run_server(args, client, engine_dead=dead, metrics=metrics, sock=sock,
+                                configure_app=add_profile_routes)
+        if client.dead_error is not None:
+            print(f"error: {client.dead_error}", file=sys.stderr)
+            code = code or 1
+        return code
+    finally:
+        sock.close()
+        if client.dead_error is None:
+            await client.shutdown(args.shutdown_timeout + 30.0)
+        else:
+            await client.close()
