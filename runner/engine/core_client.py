@@ -152,6 +152,8 @@ class MPEngineClient(EngineClient):
         self._group = RankGroup(run_engine_core, dp, args=(cfg, inputs, output), timeout_s=cfg.dist_timeout_s,
                                 device=cfg.device, parent_handles_signals=True)
         self._group.start()
+        logger.info("engine: %d rank process(es): %s", dp, ", ".join(f"rank {r} pid {pid}"
+                                                                   for r, pid in enumerate(self._group.pids)))
         self._supervisor = threading.Thread(target=self._supervise, name="ubatch-rank-supervisor", daemon=True)
         self._supervisor.start()
         self._reader = asyncio.create_task(self._read_outputs(), name="ubatch-engine-outputs")

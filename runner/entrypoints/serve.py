@@ -48,6 +48,7 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     info = model_info_or_exit(cfg, parser)
     from runner.engine.tokenizer import load_tokenizer
 
+    _log_to_stderr()
     tokenizer = load_tokenizer(cfg.model, cfg.cache_dir) if info.has_tokenizer else None
     note = info.generation_config.describe()
     if note:
@@ -66,6 +67,20 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             traceback.print_exc()
         print(f"error: {describe_exception(e)}", file=sys.stderr)
         return 1
+
+
+def _log_to_stderr() -> None:
+    """INFO logs of the server and of its engine client on stderr (which pid each rank has, rank failures),
+    unless the application configured logging."""
+    if logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler()
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
+    for name in ("runner.entrypoints.openai", "ubatch.engine"):
+        log = logging.getLogger(name)
+        if not log.handlers:
+            log.addHandler(handler)
+            log.setLevel(logging.INFO)
 
 
 async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any) -> int:

@@ -34,8 +34,11 @@ class BenchmarkMetrics:
     tpot_ms: dict[str, float]
     itl_ms: dict[str, float]
     e2el_ms: dict[str, float]
-    ubatched_steps: float | None = None
+    ubatched_steps: float | None = None  # from the server's /metrics, over the run
     engine_steps: float | None = None
+    server_prompt_tokens: float | None = None  # what the server counted (ubatch:prompt_tokens_total), over the run
+    server_generation_tokens: float | None = None
+    total_chunks: int = 0  # streamed chunks that carried text
     errors: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
@@ -60,6 +63,6 @@ def compute_metrics(results: Sequence[RequestResult], duration_s: float) -> Benc
         request_throughput=len(done) / duration_s if duration_s > 0 else 0.0,
         input_throughput=sum(r.prompt_tokens for r in done) / duration_s if duration_s > 0 else 0.0,
         output_throughput=out_tokens / duration_s if duration_s > 0 else 0.0,
-        ttft_ms=_stats([r.ttft_s for r in done]), tpot_ms=_stats(tpots),
+        total_chunks=sum(r.chunks for r in done), ttft_ms=_stats([r.ttft_s for r in done]), tpot_ms=_stats(tpots),
         itl_ms=_stats([g for r in done for g in r.itl_s]), e2el_ms=_stats([r.latency_s for r in done]),
         errors=tuple(sorted({r.error for r in results if not r.ok}))[:5])

@@ -15,6 +15,7 @@ from runner.entrypoints.benchserve.server_proc import scrape
 from runner.entrypoints.benchserve.workload import BenchRequest
 
 STEP_METRICS = ("ubatch:engine_steps_total", "ubatch:dbo_ubatched_steps_total")
+TOKEN_METRICS = ("ubatch:prompt_tokens_total", "ubatch:generation_tokens_total")
 
 
 @dataclass
@@ -54,7 +55,7 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
     url = f"{base_url}/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    before = await asyncio.to_thread(scrape, base_url, STEP_METRICS)
+    before = await asyncio.to_thread(scrape, base_url, STEP_METRICS + TOKEN_METRICS)
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=None) as client:
         start = time.perf_counter()
@@ -72,8 +73,9 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
         results = list(await asyncio.gather(*[one(r, t) for r, t in zip(requests, offsets)]))
         duration = time.perf_counter() - start
         profiled = await profiler if profiler is not None else None
-    after = await asyncio.to_thread(scrape, base_url, STEP_METRICS)
+    after = await asyncio.to_thread(scrape, base_url, STEP_METRICS + TOKEN_METRICS)
     metrics = compute_metrics(results, duration)
-    steps = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in STEP_METRICS}
-    metrics.engine_steps, metrics.ubatched_steps = steps[STEP_METRICS[0]], steps[STEP_METRICS[1]]
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in STEP_METRICS + TOKEN_METRICS}
+    metrics.engine_steps, metrics.ubatched_steps = delta[STEP_METRICS[0]], delta[STEP_METRICS[1]]
+    metrics.server_prompt_tokens, metrics.server_generation_tokens = delta[TOKEN_METRICS[0]], delta[TOKEN_METRICS[1]]
     return RunResult(metrics, results, profiled)

@@ -44,6 +44,21 @@ class _Strict(BaseModel):
 class _Body(BaseModel):
     """Responses."""
 
+
+class _TokenIds(_Body):
+    """vLLM's ``return_token_ids`` fields of a choice: sent only when asked for (absent otherwise, as in vLLM)."""
+
+    token_ids: list[int] | None = None
+    prompt_token_ids: list[int] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_token_ids(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        for key in ("token_ids", "prompt_token_ids"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        return data
+
     model_config = ConfigDict(extra="forbid")
 
 
@@ -85,6 +100,8 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # vLLM's: each choice also carries its token ids (and, once, the prompt's), e.g. to check them token for token
+    return_token_ids: bool | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -260,7 +277,7 @@ class CompletionLogProbs(_Body):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(_Body):
+class CompletionResponseChoice(_TokenIds):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -278,7 +295,7 @@ class CompletionResponse(_Body):
     usage: UsageInfo
 
 
-class CompletionResponseStreamChoice(_Body):
+class CompletionResponseStreamChoice(_TokenIds):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
@@ -314,7 +331,7 @@ class ChatMessage(_Body):
     content: str | None = None
 
 
-class ChatCompletionResponseChoice(_Body):
+class ChatCompletionResponseChoice(_TokenIds):
     index: int
     message: ChatMessage
     logprobs: ChatCompletionLogProbs | None = None
@@ -343,7 +360,7 @@ class DeltaMessage(_Body):
         return {k: v for k, v in handler(self).items() if v is not None}
 
 
-class ChatCompletionResponseStreamChoice(_Body):
+class ChatCompletionResponseStreamChoice(_TokenIds):
     index: int
     delta: DeltaMessage
     logprobs: ChatCompletionLogProbs | None = None

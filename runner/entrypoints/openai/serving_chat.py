@@ -55,7 +55,8 @@ class OpenAIServingChat(OpenAIServing):
             return ChatCompletionResponse(id=request_id, model=model, usage=choices.usage(), choices=[
                 ChatCompletionResponseChoice(index=i, message=ChatMessage(role=ROLE, content=s.text),
                                              logprobs=self._logprobs(request, text, s.token_ids, s.logprobs),
-                                             finish_reason=s.finish_reason, stop_reason=s.stop_reason)
+                                             finish_reason=s.finish_reason, stop_reason=s.stop_reason,
+                                             **choices.token_ids(i, s.token_ids, request.return_token_ids, first=True))
                 for i, s in enumerate(choices.states)])
 
         return await self.respond(request.stream, streams, choices,
@@ -95,12 +96,14 @@ class OpenAIServingChat(OpenAIServing):
             p, output = item
             for out in output.outputs:
                 i = choices.index(p, out)
+                first = not choices.states[i].token_ids
                 choices.states[i].add(out)
                 if out.text or out.token_ids or out.finish_reason is not None:
                     yield chunk(ChatCompletionResponseStreamChoice(
                         index=i, delta=DeltaMessage(content=out.text),
                         logprobs=self._logprobs(request, text, out.token_ids, out.logprobs or []),
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason))
+                        finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                        **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first)))
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):

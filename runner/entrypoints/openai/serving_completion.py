@@ -51,7 +51,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 CompletionResponseChoice(
                     index=i, text=s.text, finish_reason=s.finish_reason, stop_reason=s.stop_reason,
                     logprobs=completion_logprobs(s.token_ids, s.logprobs, request.logprobs, text)
-                    if request.logprobs is not None else None)
+                    if request.logprobs is not None else None,
+                    **choices.token_ids(i, s.token_ids, request.return_token_ids, first=True))
                 for i, s in enumerate(choices.states)])
 
         return await self.respond(request.stream, streams, choices,
@@ -90,11 +91,13 @@ class OpenAIServingCompletion(OpenAIServing):
                     logprobs = completion_logprobs(out.token_ids, out.logprobs or [], request.logprobs, text,
                                                    initial_offset=state.token_text_len)
                     state.token_text_len += sum(len(t) for t in logprobs.tokens)
+                first = not state.token_ids
                 state.add(out)
                 if out.text or out.token_ids or out.finish_reason is not None:
-                    yield chunk(CompletionResponseStreamChoice(index=i, text=out.text, logprobs=logprobs,
-                                                               finish_reason=out.finish_reason,
-                                                               stop_reason=out.stop_reason))
+                    yield chunk(CompletionResponseStreamChoice(
+                        index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
+                        stop_reason=out.stop_reason,
+                        **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first)))
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):

@@ -77,6 +77,16 @@ class Choices:
             raise RuntimeError(f"the engine returned sample {out.index} for a request with n={self.n}")
         return prompt * self.n + out.index
 
+    def token_ids(self, i: int, token_ids: list[int], asked: bool | None, *, first: bool) -> dict[str, Any]:
+        """vLLM's ``return_token_ids`` fields of choice ``i``: its (new) token ids, and the prompt's ids with the
+        choice's first piece; nothing unless asked."""
+        if not asked:
+            return {}
+        fields: dict[str, Any] = {"token_ids": list(token_ids)}
+        if first:
+            fields["prompt_token_ids"] = list(self.prompts[i // self.n].token_ids)
+        return fields
+
     def unfinished(self) -> list[int]:
         return [i for i, s in enumerate(self.states) if s.finish_reason is None]
 

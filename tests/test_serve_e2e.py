@@ -1,0 +1,311 @@
+"""``python -m runner serve`` end to end: real server processes on loopback, real engine-core rank processes,
+the official ``openai`` client and plain HTTP, a transformers-written checkpoint with a tokenizer and a chat
+template (``tests/tiny_checkpoint.py``).
+
+What must hold (issue 26): greedy completions and chat equal the offline ``LLM`` token for token, DP=1 and
+DP=2 with EP and DBO; streamed chunks join to the non-streamed response and ``usage`` counts are right; 64
+concurrent streams (mixed lengths, ``n=2``, seeded sampling) give what each gives alone; clients that
+disconnect leave the others alone and the server returns to idle (no request running, KV cache empty);
+errors never reach a rank; an idle server uses almost no CPU; SIGTERM under load exits 0 within the shutdown
+timeout with no process left; a killed rank fails the requests in flight with a 500 naming it and the server
+exits non-zero within ``--dist-timeout-s`` + 10 s.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import httpx
+import openai
+import pytest
+
+from runner import LLM, SamplingParams
+from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
+from tiny_checkpoint import TinyCheckpoint, tiny_chat_checkpoint  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.slow
+ENGINE = "--device cpu --max-num-seqs 16 --dist-timeout-s 30 --dbo-decode-token-threshold 2 " \
+         "--dbo-prefill-token-threshold 4 --dbo-cost-model off"
+DP2 = "-dp 2 --enable-expert-parallel --enable-dbo"
+PROMPTS = ["The quick brown fox", "Hello world! How are", "Caf\u00e9 cr\u00e8me and"]
+MESSAGES = [{"role": "user", "content": "Hello! How are you today?"}]
+RANK_PIDS = re.compile(r"rank (\d+) pid (\d+)")
+
+
+def children_of(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        found.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return found
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")
+
+
+def rank_pids(server: ServerProcess) -> dict[int, int]:
+    return {int(r): int(p) for r, p in RANK_PIDS.findall(server.log_tail(200))}
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[dict[str, ServerProcess]]:  # noqa: F811
+    model = str(tiny_chat_checkpoint.path)
+    started: dict[str, ServerProcess] = {}
+    try:
+        for name, extra in (("dp1", ""), ("dp2", DP2)):
+            started[name] = ServerProcess(model, f"{ENGINE} {extra}", startup_timeout_s=300, name=name)
+            started[name].start()
+        yield started
+    finally:
+        codes = {name: srv.stop() for name, srv in started.items()}
+    assert all(code == 0 for code in codes.values()), codes
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[LLM]:  # noqa: F811
+    llm = LLM(model=str(tiny_chat_checkpoint.path), device="cpu", max_num_seqs=16)
+    yield llm
+    llm.close()
+
+
+def client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.mark.parametrize("dp", ["dp1", "dp2"])
+def test_completions_and_chat_equal_offline_and_streams_join(servers: dict[str, ServerProcess], offline: LLM,
+                                                             tiny_chat_checkpoint: TinyCheckpoint,  # noqa: F811
+                                                             dp: str) -> None:
+    srv, c, model = servers[dp], client(servers[dp]), str(tiny_chat_checkpoint.path)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12)
+    want = offline.generate(PROMPTS, greedy, use_tqdm=False)
+    extra = {"return_token_ids": True}
+    full = c.completions.create(model=model, prompt=PROMPTS, max_tokens=12, temperature=0, extra_body=extra)
+    got = [ch.model_extra["token_ids"] for ch in sorted(full.choices, key=lambda ch: ch.index)]
+    assert got == [list(o.outputs[0].token_ids) for o in want]
+    assert [ch.text for ch in sorted(full.choices, key=lambda ch: ch.index)] == [o.outputs[0].text for o in want]
+    assert full.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
+    assert full.usage.completion_tokens == sum(len(t) for t in got)
+    # streamed: the chunks of each choice join to the full response, and the usage chunk counts the same
+    texts, ids, usage = ["", "", ""], [[], [], []], None
+    for chunk in c.completions.create(model=model, prompt=PROMPTS, max_tokens=12, temperature=0, stream=True,
+                                      stream_options={"include_usage": True}, extra_body=extra):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for ch in chunk.choices:
+            texts[ch.index] += ch.text
+            ids[ch.index] += ch.model_extra.get("token_ids") or []
+    assert ids == got and texts == [ch.text for ch in sorted(full.choices, key=lambda ch: ch.index)]
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    # chat: the checkpoint's template, the same tokens as LLM.chat
+    want_chat = offline.chat(MESSAGES, greedy, use_tqdm=False)[0]
+    chat = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
+                                     extra_body=extra)
+    assert chat.choices[0].model_extra["token_ids"] == list(want_chat.outputs[0].token_ids)
+    assert chat.choices[0].message.content == want_chat.outputs[0].text
+    assert chat.usage.prompt_tokens == len(want_chat.prompt_token_ids)
+    streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=model, messages=MESSAGES, max_tokens=12, temperature=0, stream=True) if ch.choices)
+    assert streamed == chat.choices[0].message.content
+    if dp == "dp2":
+        steps = scrape(srv.base_url, ("ubatch:dbo_ubatched_steps_total",))
+        assert steps["ubatch:dbo_ubatched_steps_total"] > 0  # DBO really ran in the server's steps
+
+
+def _mixed_requests(n: int = 64) -> list[dict[str, Any]]:
+    rng = random.Random(3)
+    reqs = []
+    for i in range(n):
+        body: dict[str, Any] = {"prompt": rng.choice(PROMPTS) + " " * rng.randint(0, 3),
+                                "max_tokens": rng.randint(1, 24), "ignore_eos": True}
+        kind = i % 4
+        if kind == 0:
+            body.update(n=2, temperature=1.0, seed=1000 + i)
+        elif kind == 1:
+            body.update(temperature=0.9, top_p=0.9, seed=i)
+        else:
+            body.update(temperature=0.0)
+        reqs.append(body)
+    return reqs
+
+
+async def _stream_tokens(c: openai.AsyncOpenAI, model: str, body: dict[str, Any]) -> list[list[int]]:
+    body = dict(body)
+    prompt, max_tokens = body.pop("prompt"), body.pop("max_tokens")
+    fields = {k: body.pop(k) for k in ("n", "temperature", "top_p", "seed") if k in body}
+    out: list[list[int]] = [[] for _ in range(fields.get("n", 1))]
+    stream = await c.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, stream=True,
+                                        extra_body={**body, "return_token_ids": True}, **fields)
+    async for chunk in stream:
+        for ch in chunk.choices:
+            out[ch.index] += ch.model_extra.get("token_ids") or []
+    return out
+
+
+def test_64_concurrent_streams_equal_one_at_a_time(servers: dict[str, ServerProcess],
+                                                   tiny_chat_checkpoint: TinyCheckpoint) -> None:  # noqa: F811
+    srv, model = servers["dp2"], str(tiny_chat_checkpoint.path)
+    reqs = _mixed_requests()
+
+    async def run() -> tuple[list[Any], list[Any]]:
+        async with openai.AsyncOpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0,
+                                      timeout=120) as c:
+            together = await asyncio.gather(*[_stream_tokens(c, model, r) for r in reqs])
+            alone = [await _stream_tokens(c, model, r) for r in reqs]
+        return together, alone
+
+    together, alone = asyncio.run(run())
+    assert together == alone
+    assert [len(t) for sample in together for t in sample] == \
+        [r["max_tokens"] for r in reqs for _ in range(r.get("n", 1))]  # ignore_eos: every sample ran to the end
+    assert any(a != b for (a, b) in (s for s in together if len(s) == 2) if len(a) > 2)  # n=2: different samples
+
+
+def test_disconnects_leave_the_others_alone_and_the_server_idle(servers: dict[str, ServerProcess],
+                                                                tiny_chat_checkpoint: TinyCheckpoint  # noqa: F811
+                                                                ) -> None:
+    srv, model = servers["dp2"], str(tiny_chat_checkpoint.path)
+    body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+
+    async def stream(i: int, drop_after: int | None) -> int:
+        chunks = 0
+        async with httpx.AsyncClient(timeout=120) as h:
+            async with h.stream("POST", f"{srv.base_url}/v1/completions",
+                                json={**body, "max_tokens": 400 if drop_after else 40}) as resp:
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        chunks += 1
+                        if drop_after is not None and chunks >= drop_after:
+                            return chunks  # leaving the block closes the connection mid-stream
+        return chunks
+
+    async def run() -> list[int]:
+        return await asyncio.gather(*[stream(i, 3 if i % 2 else None) for i in range(8)])
+
+    chunks = asyncio.run(run())
+    assert [c for i, c in enumerate(chunks) if i % 2 == 0] == [40] * 4  # the others finished whole
+    names = ("ubatch:num_requests_running", "ubatch:kv_cache_usage_perc", "ubatch:num_requests_waiting")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = scrape(srv.base_url, names)
+        if all(m.get(n, 0.0) == 0.0 for n in names):
+            break
+        time.sleep(0.2)
+    assert all(m.get(n, 0.0) == 0.0 for n in names), m
+
+
+def test_bad_requests_reach_no_rank_and_an_idle_server_uses_no_cpu(servers: dict[str, ServerProcess],
+                                                                    tiny_chat_checkpoint: TinyCheckpoint  # noqa: F811
+                                                                    ) -> None:
+    srv, model = servers["dp2"], str(tiny_chat_checkpoint.path)
+    time.sleep(1.0)  # let a wave still ending finish
+    before = scrape(srv.base_url, ("ubatch:engine_steps_total",))
+    url = f"{srv.base_url}/v1/completions"
+    cases = [
+        (httpx.post(url, content=b"{not json", headers={"Content-Type": "application/json"}), 400, None),
+        (httpx.post(url, json={"model": model, "prompt": "hi", "temperature": 5.0}), 400, "temperature"),
+        (httpx.post(url, json={"model": "nope", "prompt": "hi"}), 404, "model"),
+        (httpx.post(url, json={"model": model, "prompt": "hi", "max_tokens": 100000}), 400, "max_tokens"),
+        (httpx.post(url, json={"model": model, "prompt": [[1, 10 ** 6]]}), 400, "prompt"),
+    ]
+    for resp, status, param in cases:
+        assert resp.status_code == status, resp.text
+        err = resp.json()["error"]
+        assert err["code"] == status and err["message"]
+        if param is not None:
+            assert err["param"] is not None and param in err["param"], err
+    after = scrape(srv.base_url, ("ubatch:engine_steps_total",))
+    assert after == before  # no step ran for any of them
+    pids = [srv.proc.pid, *children_of(srv.proc.pid)]
+    used = cpu_seconds(pids)
+    time.sleep(5.0)
+    assert cpu_seconds(pids) - used < 0.5  # heartbeats and the HTTP loop only
+
+
+def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpoint) -> None:  # noqa: F811
+    model = str(tiny_chat_checkpoint.path)
+    srv = ServerProcess(model, f"{ENGINE} {DP2} --shutdown-timeout 3", startup_timeout_s=300, name="sigterm")
+    srv.start()
+    try:
+        ranks = rank_pids(srv)
+        assert sorted(ranks) == [0, 1]
+        results: list[str] = []
+
+        async def one(i: int) -> None:
+            async with httpx.AsyncClient(timeout=120) as h:
+                async with h.stream("POST", f"{srv.base_url}/v1/completions", json={
+                        "model": model, "prompt": PROMPTS[i % 3], "max_tokens": 480, "temperature": 0,
+                        "ignore_eos": True, "stream": True}) as resp:
+                    last = ""
+                    async for line in resp.aiter_lines():
+                        if line.startswith("data: {"):
+                            last = line
+                    results.append(last)
+
+        async def run() -> tuple[int, float]:
+            tasks = [asyncio.create_task(one(i)) for i in range(8)]
+            await asyncio.sleep(2.0)
+            srv.proc.send_signal(signal.SIGTERM)
+            t0 = time.monotonic()
+            await asyncio.sleep(0.3)
+            async with httpx.AsyncClient(timeout=30) as h:
+                refused = (await h.post(f"{srv.base_url}/v1/completions",
+                                        json={"model": model, "prompt": "hi"})).status_code
+            await asyncio.gather(*tasks)
+            await asyncio.to_thread(srv.proc.wait, 60)
+            return refused, time.monotonic() - t0
+
+        refused, seconds = asyncio.run(run())
+        assert refused == 503
+        assert srv.proc.returncode == 0
+        assert seconds < 3 + 15  # the shutdown timeout, plus stopping the ranks
+        assert len(results) == 8 and all('"finish_reason":"abort"' in r or '"finish_reason":"length"' in r
+                                         for r in results)
+        assert all(not os.path.exists(f"/proc/{pid}") for pid in ranks.values())
+    finally:
+        srv.stop()
+
+
+def test_a_killed_rank_fails_requests_with_500_naming_it(tiny_chat_checkpoint: TinyCheckpoint) -> None:  # noqa: F811
+    model = str(tiny_chat_checkpoint.path)
+    srv = ServerProcess(model, f"{ENGINE} {DP2} --dist-timeout-s 10", startup_timeout_s=300, name="killed")
+    srv.start()
+    try:
+        ranks = rank_pids(srv)
+        c = client(srv)
+        stream = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=480, temperature=0,
+                                      stream=True, extra_body={"ignore_eos": True})
+        next(iter(stream))
+        os.kill(ranks[1], signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(openai.APIError, match="rank 1 exited with signal SIGKILL"):
+            for _ in stream:
+                pass
+        resp = httpx.post(f"{srv.base_url}/v1/completions", json={"model": model, "prompt": "hi"}, timeout=30) \
+            if srv.proc.poll() is None else None
+        assert resp is None or resp.status_code in (500, 503)
+        srv.proc.wait(10 + 10)
+        assert srv.proc.returncode not in (0, None) and time.monotonic() - t0 < 10 + 10
+        assert "rank 1 exited with signal SIGKILL" in srv.log_tail(50)
+        assert all(not os.path.exists(f"/proc/{pid}") for pid in ranks.values())
+    finally:
+        srv.stop()
+
