@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 
 from runner.entrypoints.cli import build_parser, compare_outputs, job_from_args, main, random_prompts
-from tiny_checkpoint import tiny_chat_checkpoint  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 

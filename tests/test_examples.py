@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from devices import device_args
-from tiny_checkpoint import tiny_chat_checkpoint  # noqa: F401 (a fixture)
 
 ROOT = Path(__file__).resolve().parents[1]
 

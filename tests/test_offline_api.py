@@ -13,7 +13,7 @@ import torch
 from devices import device_for
 from runner.distributed.launch import launch
 from runner.sampling_params import SamplingParams
-from tiny_checkpoint import PROMPT, SAMPLING_DEFAULTS, TinyCheckpoint, tiny_chat_checkpoint  # noqa: F401 (fixture)
+from tiny_checkpoint import PROMPT, SAMPLING_DEFAULTS, TinyCheckpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -25,7 +25,7 @@ ENGINE = dict(dtype="float32", max_num_seqs=8, dist_timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")
-def ck(tiny_chat_checkpoint: TinyCheckpoint) -> TinyCheckpoint:  # noqa: F811
+def ck(tiny_chat_checkpoint: TinyCheckpoint) -> TinyCheckpoint:
     return tiny_chat_checkpoint
 
 

@@ -18,7 +18,6 @@ import random
 import re
 import signal
 import time
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -27,7 +26,7 @@ import pytest
 
 from runner import LLM, SamplingParams
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
-from tiny_checkpoint import TinyCheckpoint, tiny_chat_checkpoint  # noqa: F401 (fixture)
+from tiny_checkpoint import TinyCheckpoint
 
 pytestmark = pytest.mark.slow
 ENGINE = "--device cpu --max-num-seqs 16 --dist-timeout-s 30 --dbo-decode-token-threshold 2 " \
@@ -65,7 +64,7 @@ def rank_pids(server: ServerProcess) -> dict[int, int]:
 
 
 @pytest.fixture(scope="module")
-def servers(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[dict[str, ServerProcess]]:  # noqa: F811
+def servers(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[dict[str, ServerProcess]]:
     model = str(tiny_chat_checkpoint.path)
     started: dict[str, ServerProcess] = {}
     try:
@@ -79,7 +78,7 @@ def servers(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[dict[str, ServerPr
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[LLM]:  # noqa: F811
+def offline(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[LLM]:
     llm = LLM(model=str(tiny_chat_checkpoint.path), device="cpu", max_num_seqs=16)
     yield llm
     llm.close()
@@ -91,7 +90,7 @@ def client(srv: ServerProcess) -> openai.OpenAI:
 
 @pytest.mark.parametrize("dp", ["dp1", "dp2"])
 def test_completions_and_chat_equal_offline_and_streams_join(servers: dict[str, ServerProcess], offline: LLM,
-                                                             tiny_chat_checkpoint: TinyCheckpoint,  # noqa: F811
+                                                             tiny_chat_checkpoint: TinyCheckpoint,
                                                              dp: str) -> None:
     srv, c, model = servers[dp], client(servers[dp]), str(tiny_chat_checkpoint.path)
     greedy = SamplingParams(temperature=0.0, max_tokens=12)
@@ -160,7 +159,7 @@ async def _stream_tokens(c: openai.AsyncOpenAI, model: str, body: dict[str, Any]
 
 
 def test_64_concurrent_streams_equal_one_at_a_time(servers: dict[str, ServerProcess],
-                                                   tiny_chat_checkpoint: TinyCheckpoint) -> None:  # noqa: F811
+                                                   tiny_chat_checkpoint: TinyCheckpoint) -> None:
     srv, model = servers["dp2"], str(tiny_chat_checkpoint.path)
     reqs = _mixed_requests()
 
@@ -179,7 +178,7 @@ def test_64_concurrent_streams_equal_one_at_a_time(servers: dict[str, ServerProc
 
 
 def test_disconnects_leave_the_others_alone_and_the_server_idle(servers: dict[str, ServerProcess],
-                                                                tiny_chat_checkpoint: TinyCheckpoint  # noqa: F811
+                                                                tiny_chat_checkpoint: TinyCheckpoint
                                                                 ) -> None:
     srv, model = servers["dp2"], str(tiny_chat_checkpoint.path)
     body = {"model": model, "prompt": PROMPTS[0], "max_tokens": 400, "temperature": 0, "ignore_eos": True,
@@ -213,7 +212,7 @@ def test_disconnects_leave_the_others_alone_and_the_server_idle(servers: dict[st
 
 
 def test_bad_requests_reach_no_rank_and_an_idle_server_uses_no_cpu(servers: dict[str, ServerProcess],
-                                                                    tiny_chat_checkpoint: TinyCheckpoint  # noqa: F811
+                                                                    tiny_chat_checkpoint: TinyCheckpoint
                                                                     ) -> None:
     srv, model = servers["dp2"], str(tiny_chat_checkpoint.path)
     time.sleep(1.0)  # let a wave still ending finish
@@ -240,7 +239,7 @@ def test_bad_requests_reach_no_rank_and_an_idle_server_uses_no_cpu(servers: dict
     assert cpu_seconds(pids) - used < 0.5  # heartbeats and the HTTP loop only
 
 
-def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpoint) -> None:  # noqa: F811
+def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpoint) -> None:
     model = str(tiny_chat_checkpoint.path)
     srv = ServerProcess(model, f"{ENGINE} {DP2} --shutdown-timeout 3", startup_timeout_s=300, name="sigterm")
     srv.start()
@@ -284,7 +283,7 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpo
         srv.stop()
 
 
-def test_a_killed_rank_fails_requests_with_500_naming_it(tiny_chat_checkpoint: TinyCheckpoint) -> None:  # noqa: F811
+def test_a_killed_rank_fails_requests_with_500_naming_it(tiny_chat_checkpoint: TinyCheckpoint) -> None:
     model = str(tiny_chat_checkpoint.path)
     srv = ServerProcess(model, f"{ENGINE} {DP2} --dist-timeout-s 10", startup_timeout_s=300, name="killed")
     srv.start()
