@@ -6,16 +6,19 @@ Two measurements, medians of ``--repeats``:
   realistic vocabulary (default 151936, Qwen3's), per decode step as the engine runs it: the step's penalty
   counts fed one input token per row, the metadata built and copied, the device work, the one read-back.
 - ``engine``: ``ModelRunner.step`` of a decode step on the engine benchmark's model
-  (``bench_engine_dbo.py``: ~120M-parameter Qwen3-MoE, vocabulary 4096), every row decoding one token after
+  (``bench-qwen3-moe-120m``: ~120M-parameter Qwen3-MoE, vocabulary 4096), every row decoding one token after
   a short prompt, with the sampler's own time inside the step measured apart (``sample_s``: its penalty
   counts and its sampling; the LM head that computes the logits is the model's).
+
+- ``draw``: the draw alone at the same sizes, this sampler's inverse CDF (one uniform per row) against the
+  exponential race of vLLM's ``random_sample`` (Exp(1) noise over every token, then an argmax).
 
 Modes: ``greedy`` (temperature 0, nothing else: an argmax), ``random`` (temperature 0.8 only: the draw),
 ``all`` (temperature, top-k 50, top-p 0.9, min-p 0.05, repetition / frequency / presence penalties,
 min_tokens holding back the EOS and a stop token, a logit bias on 4 tokens, logprobs 5: every stage).
 
 Usage: ``python benchmarks/bench_sampler.py [--rows 64 256 1024] [--vocab 151936] [--repeats 3]
-[--parts sampler engine]``; CSV to ``benchmarks/results/sampler.csv``.
+[--parts sampler draw engine]``; CSV to ``benchmarks/results/sampler.csv``.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput  # noq
 MODES = ("greedy", "random", "all")
 PROMPT_LEN = 32  # tokens of history each row's penalty counts start from (sampler part)
 EOS = 2
+MODEL = "bench-qwen3-moe-120m"  # the engine benchmark's model (runner.models.loader.BENCH_MODELS)
 
 
 def params_for(mode: str, vocab: int) -> SamplingParams:
@@ -95,8 +99,31 @@ def bench_sampler(rows: int, vocab: int, repeats: int) -> list[dict[str, Any]]:
     return out
 
 
+def bench_draw(rows: int, vocab: int, repeats: int) -> list[dict[str, Any]]:
+    """The draw alone, from the same logits: this sampler's inverse CDF (one uniform per row) against the
+    exponential race vLLM's ``random_sample`` runs (``probs / Exp(1)`` noise over every token, then an argmax;
+    a counter-based Gumbel-max costs a hash per token on top of the same passes)."""
+    from runner.worker.sampling_noise import draw_by_inverse_cdf_
+
+    logits = torch.randn(rows, vocab, generator=torch.Generator().manual_seed(1)) * 3
+    uniforms = torch.rand(rows)
+    work = [logits]
+
+    def setup() -> None:
+        work[0] = logits.clone()
+
+    def race() -> None:
+        probs = work[0].softmax(dim=-1)
+        probs.div_(torch.empty_like(probs).exponential_()).argmax(dim=-1)
+
+    out = []
+    for name, fn in (("inverse_cdf", lambda: draw_by_inverse_cdf_(work[0], uniforms)), ("exponential_race", race)):
+        out.append({"part": "draw", "rows": rows, "vocab": vocab, "mode": name,
+                    "sample_s": round(median_time(fn, repeats, setup), 5)})
+    return out
+
+
 def bench_engine(rows_list: list[int], repeats: int) -> list[dict[str, Any]]:
-    from bench_engine_dbo import MODEL
     from runner.config import make_config
     from runner.worker.model_runner import ModelRunner
 
@@ -148,10 +175,10 @@ def bench_engine(rows_list: list[int], repeats: int) -> list[dict[str, Any]]:
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    print(f"{'part':8}{'rows':>6}{'vocab':>8}  {'mode':8}{'sample ms':>11}{'step ms':>10}{'sample %':>10}")
+    print(f"{'part':8}{'rows':>6}{'vocab':>8}  {'mode':18}{'sample ms':>11}{'step ms':>10}{'sample %':>10}")
     for r in rows:
         step = f"{1e3 * r['step_s']:10.1f}{r['sample_pct_of_step']:10.1f}" if "step_s" in r else ""
-        print(f"{r['part']:8}{r['rows']:6d}{r['vocab']:8d}  {r['mode']:8}{1e3 * r['sample_s']:11.2f}{step}")
+        print(f"{r['part']:8}{r['rows']:6d}{r['vocab']:8d}  {r['mode']:18}{1e3 * r['sample_s']:11.2f}{step}")
 
 
 def main() -> None:
@@ -161,7 +188,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=151936, help="vocabulary of the sampler part (default: %(default)s,"
                                                                " Qwen3's)")
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per case; medians (default: %(default)s)")
-    ap.add_argument("--parts", nargs="+", choices=("sampler", "engine"), default=["sampler", "engine"],
+    ap.add_argument("--parts", nargs="+", choices=("sampler", "draw", "engine"), default=["sampler", "draw", "engine"],
                     help="what to measure (default: %(default)s)")
     ap.add_argument("--output-csv", default=str(RESULTS_DIR / "sampler.csv"), help="default: %(default)s")
     args = ap.parse_args()
@@ -170,7 +197,9 @@ def main() -> None:
     if "sampler" in args.parts:
         for n in args.rows:
             rows += bench_sampler(n, args.vocab, args.repeats)
-            print_table(rows[-len(MODES):])
+    if "draw" in args.parts:
+        for n in args.rows:
+            rows += bench_draw(n, args.vocab, args.repeats)
     if "engine" in args.parts:
         rows += bench_engine(args.rows, args.repeats)
     print_table(rows)

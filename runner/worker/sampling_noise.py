@@ -8,9 +8,10 @@ speculative steps of the overlap loop and the batch around it leave each draw un
 
 **Why one uniform per row and not one per token (Gumbel-max).** The Gumbel-max trick (vLLM's
 ``gumbel_sample``) needs a uniform per vocabulary entry, i.e. a hash and two logarithms over the whole
-``[rows, vocab]`` tensor; an inverse CDF needs one uniform per row, an ``exp`` and a running sum. On the CPU the
-Gumbel noise alone cost about five times the whole inverse-CDF draw at Qwen3's vocabulary (design notes,
-"Sampler"), and on a GPU both are a few memory-bound passes. Both are exact draws from the distribution.
+``[rows, vocab]`` tensor, as does the exponential race of vLLM's ``random_sample``; an inverse CDF needs one
+uniform per row, an ``exp`` and a running sum. Both are exact draws from the distribution; on a GPU both are a
+few memory-bound passes, on the CPU the per-token noise costs several times the whole inverse-CDF draw
+(docs/benchmarks.md, "Sampler cost per decode step", the ``draw`` rows).
 
 **The hash** runs on the host, in exact Python integers, once per random row: SplitMix64's finaliser
 (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014; ``java.util.SplittableRandom``)
