@@ -9,14 +9,14 @@ from collections import Counter
 import torch
 
 from fake_runner import FakeRunner, reference_generate
-from runner.core.overlap_loop import ForwardExecutor, run_steps
+from test_overlap_loop import drive
 from runner.core.scheduler import Scheduler
 from runner.sampling_params import SamplingParams
 from runner.worker.penalties import PenaltyState
-from runner.worker.sampler import request_seed
 from runner.worker.scheduled_batch import ScheduledChunk
 
 V = 64
+SEED_BASE = 1000  # test_overlap_loop.drive seeds request r with SEED_BASE + r
 PEN = SamplingParams(repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=0.2)
 
 
@@ -88,46 +88,36 @@ def workload(seed: int, n: int) -> list[tuple[int, list[int], SamplingParams, in
     return out
 
 
-def drive(requests: list, overlap: bool, num_kv_blocks: int) -> tuple[Scheduler, int]:
+def run(requests: list, overlap: bool, num_kv_blocks: int) -> tuple[Scheduler, int]:
+    """The requests through the scheduler and the step loop (test_overlap_loop's driver: its in-flight guard
+    checks that no block or slot is reused while a step using it runs); the highest slot any chunk used."""
     runner = FakeRunner(vocab_size=V, block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=64,
                         eos_token_ids=[7])
-    sched = Scheduler(max_num_seqs=5, max_num_batched_tokens=16, block_size=4, num_kv_blocks=num_kv_blocks,
-                      max_model_len=64, vocab_size=V, eos_token_ids=[7])
-    by_step: dict[int, list] = {}
-    for step, prompt, params, rid in requests:
-        by_step.setdefault(step, []).append((prompt, params, rid))
     keep_busy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)  # runs past the last arrival
-
-    def before_launch(k: int) -> None:
-        if k == 0:
-            sched.add_request([1, 2], keep_busy, req_id=10_000)
-        for prompt, params, rid in by_step.get(k, []):
-            sched.add_request(prompt, params, request_seed(params, 500 + rid), req_id=rid)
-
-    executor = ForwardExecutor() if overlap else None
-    try:
-        stats = run_steps(sched, runner, executor=executor, before_launch=before_launch)
-    finally:
-        if executor is not None:
-            executor.close()
+    arrivals: dict[int, list] = {0: [([1, 2], keep_busy, 10_000)]}
+    for step, prompt, params, rid in requests:
+        arrivals.setdefault(step, []).append((prompt, params, rid))
+    sched, stats, guard = drive(runner, arrivals, overlap, guard=True, max_num_seqs=5, max_num_batched_tokens=16)
+    assert guard is not None and guard.violations == []
     assert not overlap or stats.num_placeholders_resolved > 50
-    return sched, max((c.slot for s in runner.steps for c in s.chunks), default=-1)
+    return sched, max(c.slot for s in runner.steps for c in s.chunks)
 
 
 def test_penalised_generation_equals_from_scratch_reference_through_the_scheduler() -> None:
     """Every request's tokens equal a reference that rebuilds its counts from its history before every token,
     with the synchronous loop and the overlap loop, with a cache small enough to preempt (recompute) requests."""
     requests = workload(seed=3, n=24)
-    expected = {rid: reference_generate(prompt, params, V, 500 + rid, {7}, 64)
+    expected = {rid: reference_generate(prompt, params, V, SEED_BASE + rid, {7}, 64)
                 for _, prompt, params, rid in requests}
     plain = {rid: reference_generate(prompt, SamplingParams(temperature=params.temperature,
                                                             max_tokens=params.max_tokens,
-                                                            min_tokens=params.min_tokens), V, 500 + rid, {7}, 64)
+                                                            min_tokens=params.min_tokens), V, SEED_BASE + rid,
+                                 {7}, 64)
              for _, prompt, params, rid in requests if params.uses_penalties}
     assert sum(plain[r] != expected[r] for r in plain) >= len(plain) // 2  # the penalties change the tokens
     for overlap in (False, True):
         for blocks in (200, 20):  # 20 blocks of 4 for up to 6 requests of up to 44 tokens: preemption
-            sched, max_slot = drive(requests, overlap, blocks)
+            sched, max_slot = run(requests, overlap, blocks)
             got = {rid: (r.output_token_ids, r.finish_reason) for rid, r in sched.requests.items() if rid != 10_000}
             assert got == expected, f"overlap={overlap}, blocks={blocks}"
             assert max_slot + 1 < len(requests)  # fewer slots than requests: slots were reused
