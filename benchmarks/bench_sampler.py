@@ -203,6 +203,11 @@ def main() -> None:
     if "engine" in args.parts:
         rows += bench_engine(args.rows, args.repeats)
     print_table(rows)
+    engine = [r for r in rows if r["part"] == "engine"]
+    if engine:
+        shares = {m: [r["sample_pct_of_step"] for r in engine if r["mode"] == m] for m in MODES}
+        print(f"sampler's share of a decode step ({MODEL}, {', '.join(str(n) for n in args.rows)} rows): " +
+              ", ".join(f"{m} {min(v):g}-{max(v):g} %" for m, v in shares.items()))
     fields = ("part", "rows", "vocab", "mode", "sample_s", "step_s", "sample_pct_of_step")
     write_csv([{f: r.get(f, "") for f in fields} for r in rows], args.output_csv)
 
