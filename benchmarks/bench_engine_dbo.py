@@ -69,11 +69,13 @@ def set_dbo(llm: Any, on: bool) -> None:
     llm.runner.cfg = llm.runner.cfg.replace(enable_dbo=on)
 
 
-def timed(llm: Any, prompts: list[list[int]], params: Any, dbo: bool, trace_file: str | None = None) -> Any:
+def timed(llm: Any, prompts: list[list[int]], params: Any, dbo: bool,
+          trace_file: str | None = None) -> tuple[Any, list[list[int]]]:
+    """The run's stats and its output tokens per prompt."""
     set_dbo(llm, dbo)
     llm.cfg = llm.cfg.replace(trace_file=trace_file)
-    llm.generate(prompts, params, use_tqdm=False)
-    return llm.last_stats
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    return llm.last_stats, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
@@ -96,9 +98,10 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
         for workload, (per_rank, length, max_tokens) in WORKLOADS.items():
             rng = random.Random(7)
             prompts = [[rng.randrange(llm.runner.vocab_size) for _ in range(length)] for _ in range(per_rank * world)]
-            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-            timed(llm, prompts[:world], SamplingParams(max_tokens=2, ignore_eos=True), True)  # warm-up
-            timed(llm, prompts[:world], SamplingParams(max_tokens=2, ignore_eos=True), False)
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)  # greedy
+            warm_up = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+            timed(llm, prompts[:world], warm_up, True)
+            timed(llm, prompts[:world], warm_up, False)
             computes = []
             for _ in range(CALIBRATION_RUNS):  # one run's compute varies by tens of % on this VM: take a median
                 bytes_before, transfers_before = link.total_bytes, link.num_transfers
@@ -115,13 +118,14 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
             for ratio in ratios:
                 comm_s = ratio * compute_s
                 runtime.set_link(calibrated_link(nbytes, transfers, comm_s))
-                off, on, wire = [], [], {False: 0, True: 0}
+                off, on, wire, tokens = [], [], {False: 0, True: 0}, {}
                 for _ in range(repeats):
                     for dbo, times in ((False, off), (True, on)):
                         before = runtime.wire_bytes()
-                        times.append(timed(llm, prompts, params, dbo).elapsed_s)
+                        stats, tokens[dbo] = timed(llm, prompts, params, dbo)
+                        times.append(stats.elapsed_s)
                         wire[dbo] = runtime.wire_bytes() - before
-                traced = timed(llm, prompts, params, True, trace_path)
+                traced, _ = timed(llm, prompts, params, True, trace_path)
                 if llm.rank == 0:
                     m = llm.last_trace.metrics[0]
                     cpu = llm.last_trace.cpu[0]
@@ -139,6 +143,7 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
                         "copy_cpu_pct_of_rank_cpu": round(100 * cpu.other_s / cpu.total_s, 1) if cpu and cpu.total_s else 0.0,
                         "ubatched_steps": f"{traced.num_ubatched_steps}/{traced.num_steps}",
                         "wire_on_over_off": round(wire[True] / wire[False], 3) if wire[False] else 0.0,
+                        "outputs_identical": tokens[False] == tokens[True],  # greedy: DBO must not change a token
                         # Where the gap to ideal goes, from the traced DBO run: compute grown by the split,
                         # link time behind no compute, and the share of that in the last MoE layer.
                         "compute_on_s": round(m.compute_us * 1e-6, 4),
@@ -223,6 +228,9 @@ def main() -> None:
     print(f"engine DBO: {MODEL} (hidden 1024, 16 experts top-4, 4 layers); medians of {args.repeats}; "
           f"link latency {LINK_LATENCY_US:g} us per transfer")
     print_table(rows)
+    differ = [f"{r['mode']}/{r['workload']}/{r['comm_over_compute']:g}" for r in rows if not r["outputs_identical"]]
+    print("greedy outputs DBO off vs on: " + (f"identical in all {len(rows)} cases" if not differ
+                                                else f"DIFFERENT in {', '.join(differ)}"))
     write_csv(rows, args.output)
     plot(rows, Path(args.output).with_suffix(".png"))
 

@@ -103,6 +103,16 @@ def benches(quick: bool) -> list[Bench]:
               "(SHARED / ATTN-0 / MLP / ATTN-1, deepseek-ai/profile-data). Two shapes: `small` (SHARED + ATTN-0 "
               "light next to the routed experts) and `balanced` (SHARED + ATTN-0 about one MLP stage, as in "
               "DeepSeek's profile). Outputs of both schedules are compared for equality."),
+        Bench("sampler", "Sampler cost per decode step", ["benchmarks/bench_sampler.py", "--repeats", "3"],
+              "The batched sampler (`runner/worker/sampler.py`) per decode step, greedy only (`greedy`: an argmax), "
+              "temperature only (`random`: the draw) and every option on (`all`: temperature, top-k 50, top-p 0.9, "
+              "min-p 0.05, repetition/frequency/presence penalties, min_tokens, a logit bias, logprobs 5). "
+              "`sampler`: alone on `[rows, 151936]` logits (Qwen3's vocabulary), the step's penalty counts, "
+              "metadata, device work and read-back included. `draw`: the draw alone on the same logits, this "
+              "sampler's inverse CDF (one uniform per row) against the exponential race of vLLM's `random_sample` "
+              "(noise over every token). `engine`: `ModelRunner.step` of a decode step of the engine benchmark's "
+              "model (`bench-qwen3-moe-120m`, vocabulary 4096), *sample %* the sampler's share of that step. "
+              "CPU, one thread, no GPU: on a GPU these are a few memory-bound passes over `[rows, vocab]`."),
         Bench("cudagraph", "CUDA graphs: eager DBO vs replayed DBO graph vs replayed plain graph",
               ["benchmarks/bench_cudagraph.py"], "Step time and CPU launch time per step.", needs_gpu=True),
         Bench("gpu", "GPU kernels against the limit, and DBO on a GPU decode step",

@@ -4,7 +4,9 @@ Its "KV cache" stores token ids in the slots the scheduler's block tables point 
 request's whole history back *from those slots*: a wrong block table, a block shared by two live requests or
 a wrong position therefore changes the output, which the tests compare with :func:`reference_generate` (the
 same function applied to the true history). Logits are a deterministic function of the history and go
-through the real sampler.
+through the real sampler, one batched call per step, penalty counts included: the runner keeps them per
+request slot from its resolved inputs as the model runner does, while the reference counts the history from
+scratch at every token, so a slot that is not reset, reused or fed twice changes the tokens.
 """
 from __future__ import annotations
 
@@ -14,8 +16,9 @@ from typing import Sequence
 import torch
 
 from runner.sampling_params import SamplingParams
-from runner.worker.sampler import make_generator, sample
 from runner.worker.outputs import ModelRunnerOutput
+from runner.worker.sampler import Sampler, request_seed
+from runner.worker.sampling_metadata import RowSpec
 from runner.worker.scheduled_batch import SchedulerOutput
 
 
@@ -24,12 +27,26 @@ def logits_for(history: Sequence[int], vocab_size: int) -> torch.Tensor:
     return torch.randn(vocab_size, generator=torch.Generator().manual_seed(seed)) * 3.0
 
 
+def set_penalty_counts(sampler: Sampler, slot: int, prompt: Sequence[int], outputs: Sequence[int]) -> None:
+    """Write one slot's penalty state from scratch: output-token counts, tokens seen in prompt or output."""
+    sampler.penalties.ensure_slots(slot + 1)
+    counts, seen = sampler.penalties.counts, sampler.penalties.seen
+    assert counts is not None and seen is not None
+    counts[slot] = torch.bincount(torch.tensor(list(outputs), dtype=torch.int64), minlength=sampler.vocab_size)
+    seen[slot] = torch.bincount(torch.tensor(list(prompt) + list(outputs), dtype=torch.int64),
+                                minlength=sampler.vocab_size) > 0
+
+
 def reference_generate(prompt: list[int], params: SamplingParams, vocab_size: int, seed: int,
                        eos: set[int] = frozenset(), max_model_len: int = 10**9) -> tuple[list[int], str]:
-    gen = make_generator(params, seed)
+    """One request alone, token by token, its penalty counts rebuilt from its history before every draw."""
+    sampler = Sampler(vocab_size, "cpu", eos)
     history, out = list(prompt), []
     while True:
-        tok = sample(logits_for(history, vocab_size)[None], [params], [gen])[0]
+        if params.uses_penalties:
+            set_penalty_counts(sampler, 0, prompt, out)
+        row = RowSpec(params, request_seed(params, seed), output_index=len(out), slot=0)
+        tok = sampler.sample(logits_for(history, vocab_size)[None], [row]).token_ids[0]
         out.append(tok)
         history.append(tok)
         if (not params.ignore_eos and tok in eos) or tok in (params.stop_token_ids or []):
@@ -46,6 +63,7 @@ class FakeRunner:
         self.vocab_size, self.block_size, self.num_kv_blocks = vocab_size, block_size, num_kv_blocks
         self.max_model_len = max_model_len
         self.eos_token_ids = set(eos_token_ids)
+        self.sampler = Sampler(vocab_size, "cpu", self.eos_token_ids)
         self.cache = [-1] * (num_kv_blocks * block_size)
         self.num_steps = self.num_ubatched_steps = 0
         self.steps: list[SchedulerOutput] = []
@@ -59,17 +77,22 @@ class FakeRunner:
         for c in sched.chunks:
             for b in c.block_ids:
                 assert owners.setdefault(b, c.req_id) == c.req_id, f"block {b} shared by {owners[b]} and {c.req_id}"
-        results: list[int | None] = []
-        for c in sched.chunks:
+        self.sampler.record_inputs(sched.chunks)
+        picks, logits = [], []
+        for i, c in enumerate(sched.chunks):
             end = c.num_computed_tokens + len(c.token_ids)
             assert len(c.block_ids) * self.block_size >= end, "not enough blocks for the chunk"
-            for i, tok in enumerate(c.token_ids):
-                self.cache[self._slot(c.block_ids, c.num_computed_tokens + i)] = tok
-            if not c.sample:
-                results.append(None)
-                continue
-            history = [self.cache[self._slot(c.block_ids, p)] for p in range(end)]
-            results.append(sample(logits_for(history, self.vocab_size)[None], [c.sampling], [c.generator])[0])
+            for j, tok in enumerate(c.token_ids):
+                self.cache[self._slot(c.block_ids, c.num_computed_tokens + j)] = tok
+            if c.sample:
+                picks.append(i)
+                logits.append(logits_for([self.cache[self._slot(c.block_ids, p)] for p in range(end)],
+                                         self.vocab_size))
+        results: list[int | None] = [None] * len(sched.chunks)
+        if picks:
+            out = self.sampler.sample(torch.stack(logits), [sched.chunks[i] for i in picks])
+            for i, tok in zip(picks, out.token_ids):
+                results[i] = tok
         return ModelRunnerOutput(results)
 
     def _slot(self, blocks: list[int], pos: int) -> int:

@@ -33,7 +33,7 @@ def make_runner(model: str, dbo: bool, schedule: str = "moe", device: str = "cpu
 
 
 def chunk(i: int, tokens: list[int], computed: int) -> ScheduledChunk:
-    return ScheduledChunk(i, tokens, computed, list(range(i * 16, (i + 1) * 16)), True, SamplingParams(), None)
+    return ScheduledChunk(i, tokens, computed, list(range(i * 16, (i + 1) * 16)), True, SamplingParams(), 0)
 
 
 def prefill_step() -> SchedulerOutput:

@@ -24,7 +24,7 @@ from runner.core.future_map import FutureTokenMap
 from runner.core.slots import SlotPool, placeholder
 from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError, forward_step, run_steps
 from runner.sampling_params import SamplingParams
-from runner.worker.sampler import make_generator
+from runner.worker.sampler import request_seed
 from runner.core.scheduler import Scheduler
 from runner.worker.scheduled_batch import SchedulerOutput
 
@@ -87,7 +87,7 @@ def drive(runner: Any, arrivals: Arrivals, overlap: bool, guard: bool = False, *
 
     def before_launch(k: int) -> None:
         for prompt, params, rid in arrivals.get(k, []):
-            sched.add_request(prompt, params, make_generator(params, 1000 + rid), req_id=rid)
+            sched.add_request(prompt, params, request_seed(params, 1000 + rid), req_id=rid)
             added.append(rid)
 
     executor = ForwardExecutor() if overlap else None
@@ -101,10 +101,14 @@ def drive(runner: Any, arrivals: Arrivals, overlap: bool, guard: bool = False, *
 
 
 def workload(seed: int, n: int, max_step: int, eos_prob: bool = True) -> Arrivals:
-    """A long request that keeps the loop busy for max_step+ steps, plus ``n`` arrivals at random steps:
-    prompts up to 40 tokens (chunked at 16), greedy or seeded random, some with stop tokens."""
+    """Long requests that keep the loop busy for max_step+ steps (one every 40 steps: each lasts at least 45, one
+    token per step up to max_model_len 48), plus ``n`` arrivals at random steps: prompts up to 40 tokens
+    (chunked at 16), greedy or seeded random, some with stop tokens."""
     rng = random.Random(seed)
-    arrivals: Arrivals = {0: [([1, 2, 3], SamplingParams(max_tokens=max_step + 20, ignore_eos=True), 0)]}
+    arrivals: Arrivals = {}
+    for k, step in enumerate(range(0, max_step, 40)):
+        rid = n + k if k else 0  # ids 1..n are the random arrivals'
+        arrivals[step] = [([1, 2, 3], SamplingParams(max_tokens=max_step + 20, ignore_eos=True), rid)]
     for rid in range(1, n + 1):
         prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 40))]
         params = SamplingParams(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 0.8]), top_p=0.9,
@@ -209,7 +213,7 @@ def test_placeholder_is_resolved_after_its_producer_finished() -> None:
 
     sched.schedule = spy  # type: ignore[method-assign]
     a = sched.add_request([1, 2, 3], SamplingParams(max_tokens=5, ignore_eos=True), req_id=0)
-    b = sched.add_request([4], SamplingParams(max_tokens=3, temperature=1.0), make_generator(
+    b = sched.add_request([4], SamplingParams(max_tokens=3, temperature=1.0), request_seed(
         SamplingParams(temperature=1.0), 9), req_id=1)
     executor = ForwardExecutor()
     stats = run_steps(sched, runner, executor=executor)

@@ -7,7 +7,7 @@ import pytest
 
 from fake_runner import FakeRunner, reference_generate
 from runner.sampling_params import SamplingParams
-from runner.worker.sampler import make_generator
+from runner.worker.sampler import request_seed
 from runner.core.scheduler import Scheduler
 from runner.worker.scheduled_batch import SchedulerOutput, ScheduledChunk
 
@@ -26,7 +26,7 @@ def run(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, list] | None =
     step = 0
     while True:
         for prompt, params, rid in (arrivals or {}).get(step, []):
-            sched.add_request(prompt, params, make_generator(params, rid), req_id=rid)
+            sched.add_request(prompt, params, request_seed(params, rid), req_id=rid)
         out = sched.schedule()
         assert out.num_tokens <= sched.max_num_batched_tokens
         assert len(out.chunks) <= sched.max_num_seqs
@@ -172,9 +172,9 @@ def test_update_rejects_mismatched_results() -> None:
 
 def test_scheduler_output_properties() -> None:
     sp = SamplingParams()
-    dec = ScheduledChunk(0, [1], 5, [0, 1], True, sp, None)
-    pre = ScheduledChunk(1, [1, 2, 3], 0, [2], True, sp, None)
-    first = ScheduledChunk(2, [1], 0, [3], True, sp, None)  # a one-token prompt is a prefill
+    dec = ScheduledChunk(0, [1], 5, [0, 1], True, sp, 0)
+    pre = ScheduledChunk(1, [1, 2, 3], 0, [2], True, sp, 0)
+    first = ScheduledChunk(2, [1], 0, [3], True, sp, 0)  # a one-token prompt is a prefill
     assert SchedulerOutput([dec, dec]).is_uniform_decode
     assert not SchedulerOutput([]).is_uniform_decode and not SchedulerOutput([]).has_prefill
     assert SchedulerOutput([dec, pre]).has_prefill and SchedulerOutput([dec, pre]).num_tokens == 4

@@ -22,7 +22,7 @@ from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.core.scheduler import Request, Scheduler
 from runner.worker.outputs import ModelRunnerOutput
-from runner.worker.sampler import make_generator
+from runner.worker.sampler import request_seed
 from runner.worker.scheduled_batch import SchedulerOutput
 
 
@@ -55,7 +55,7 @@ class EngineCore:
         """Queue a request for the next step; one that cannot run finishes at once with ``finish_reason``
         "error" (reported by the next :meth:`step` or :meth:`take_outputs`)."""
         params = request.sampling_params
-        self.scheduler.add_request(request.prompt_token_ids, params, make_generator(params, request.default_seed),
+        self.scheduler.add_request(request.prompt_token_ids, params, request_seed(params, request.default_seed),
                                    req_id=request.request_id)
         self._emitted[request.request_id] = 0
 

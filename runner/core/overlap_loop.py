@@ -44,8 +44,8 @@ an admission in N+1, as it would have in the synchronous loop (its blocks are fr
 chunked prefill's next chunk is prompt tokens, known in advance; max_tokens / max_model_len are known in
 advance, so a request is never scheduled past them; a stop token found in N for a request already in N+1
 discards N+1's token and delays freeing its KV blocks and slot until N+1 is processed; seeded sampling:
-each request's generator is advanced only by its own steps, in order, and the one speculative draw after
-its final token never matters.
+a draw depends only on the request's seed and output index, and the one speculative draw after its final
+token never matters; penalty counts: kept on the forward side from resolved inputs (runner/worker/penalties.py).
 """
 from __future__ import annotations
 

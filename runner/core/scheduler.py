@@ -8,10 +8,10 @@ much of its prompt as the remaining token budget allows (a long prompt is split 
 KV blocks are allocated as a request grows and freed the moment it finishes, so nothing leaks. When a
 running request needs a block and none is free, the most recently admitted request not yet scheduled in this
 step is *preempted by recompute*: its blocks are freed, it goes back to the front of the waiting queue and
-later recomputes prompt + generated tokens as one prefill (its sampled tokens and RNG state are kept, so its
-output does not change). Admission never preempts: a waiting request waits until blocks free up. FCFS order
-guarantees progress because the oldest request can always reclaim every block, and a request that could not
-fit even in an empty cache is rejected up front with an error.
+later recomputes prompt + generated tokens as one prefill (its sampled tokens are kept, and a draw depends only
+on the request's seed and output index, so its output does not change). Admission never preempts: a waiting
+request waits until blocks free up. FCFS order guarantees progress because the oldest request can always
+reclaim every block, and a request that could not fit even in an empty cache is rejected up front with an error.
 
 Requests that cannot run (empty prompt, token id outside the vocabulary, prompt + 1 > max_model_len, cache too
 small) finish immediately with ``finish_reason == "error"`` and a message; the other requests are unaffected.
@@ -40,12 +40,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-import torch
-
 from runner.core.slots import SlotPool, placeholder
 from runner.core.kv_blocks import BlockAllocator
 from runner.attention.kv_cache import blocks_needed
-from runner.sampling_params import SamplingParams
+from runner.sampling_params import SamplingParams, SamplingParamsError
 from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -57,7 +55,7 @@ class Request:
     req_id: int
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    generator: torch.Generator | None = None
+    seed: int = 0  # the seed of its draws (runner.worker.sampler.request_seed)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
@@ -100,6 +98,15 @@ def _check_prompt(prompt: Any, vocab_size: int, max_model_len: int) -> str | Non
     if len(prompt) + 1 > max_model_len:
         return (f"prompt has {len(prompt)} tokens but max_model_len is {max_model_len}: prompt + 1 generated "
                 f"token must fit (prompt length <= {max_model_len - 1})")
+    return None
+
+
+def _check_sampling(sampling: SamplingParams, vocab_size: int) -> str | None:
+    """Why these settings cannot run on this vocabulary (a token id they name is outside it), or None."""
+    try:
+        sampling.check_vocab(vocab_size)
+    except SamplingParamsError as exc:
+        return str(exc)
     return None
 
 
@@ -146,7 +153,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
-                    generator: torch.Generator | None = None, req_id: int | None = None) -> Request:
+                    seed: int = 0, req_id: int | None = None) -> Request:
         """Queue a request; a bad one is returned already finished with ``finish_reason == "error"``."""
         if req_id is None:
             req_id = self._next_id
@@ -156,9 +163,10 @@ class Scheduler:
         sampling = sampling or SamplingParams()
         prompt = list(prompt_token_ids) if isinstance(prompt_token_ids, Sequence) \
             and not isinstance(prompt_token_ids, (str, bytes)) else prompt_token_ids
-        req = Request(req_id, prompt if isinstance(prompt, list) else [], sampling, generator)
+        req = Request(req_id, prompt if isinstance(prompt, list) else [], sampling, seed)
         self.requests[req_id] = req
-        error = _check_prompt(prompt, self.vocab_size, self.max_model_len)
+        error = _check_prompt(prompt, self.vocab_size, self.max_model_len) or \
+            _check_sampling(sampling, self.vocab_size)
         if error is None:
             # KV positions ever written: every token but the last sampled one.
             longest = min(self.max_model_len, len(prompt) + sampling.max_tokens) - 1
@@ -260,8 +268,8 @@ class Scheduler:
         start = req.num_computed_tokens
         return ScheduledChunk(req_id=req.req_id, token_ids=req.token_slice(start, start + n),
                               num_computed_tokens=start, block_ids=list(req.block_ids),
-                              sample=start + n == req.num_tokens, sampling=req.sampling, generator=req.generator,
-                              slot=req.slot)
+                              sample=start + n == req.num_tokens, sampling=req.sampling, seed=req.seed,
+                              slot=req.slot, prompt_len=len(req.prompt_token_ids))
 
     def _advance(self, out: SchedulerOutput) -> None:
         """Move every scheduled request past its chunk now; a sampling chunk's token is a placeholder until

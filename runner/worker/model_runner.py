@@ -28,11 +28,11 @@ from runner.worker.dbo_cost_model import DBOCostModel
 from runner.distributed.device import torch_device
 from runner.distributed.dp import DPDecision, coordinate_batch_across_dp, local_decision
 from runner.attention.metadata import PagedAttentionMetadata
-from runner.attention.kv_cache import allocate_kv_caches, build_attention_metadata, copy_from_host
+from runner.attention.kv_cache import allocate_kv_caches, build_attention_metadata, copy_from_host, host_to_device
 from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
 from runner.models.loader import load_model
-from runner.worker.sampler import sample
-from runner.worker.outputs import ModelRunnerOutput
+from runner.worker.sampler import Sampler
+from runner.worker.outputs import ModelRunnerOutput, TokenLogprobs
 from runner.worker.scheduled_batch import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
@@ -92,6 +92,7 @@ class ModelRunner:
         self.wrapper = UBatchWrapper(self.model, UBatchConfig(NUM_UBATCHES, handoff_timeout_s=cfg.dist_timeout_s),
                                      self.device) if cfg.enable_dbo else None
         self.max_tokens_per_step = cfg.max_num_batched_tokens
+        self.sampler = Sampler(self.vocab_size, self.device, self.eos_token_ids)  # batched, on the model's device
         self.input_ids = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
         self.real_token_mask = torch.zeros(self.max_tokens_per_step, dtype=torch.bool, device=self.device)
@@ -173,11 +174,11 @@ class ModelRunner:
             return ModelRunnerOutput([])
         hidden, meta = self._forward(sched, decision, split_point)
         with trace.region("sample", "step", track="step"):
-            sampled = self._sample(sched, hidden, meta)
+            sampled, logprobs = self._sample(sched, hidden, meta)
         if self.cost_model is not None:
             self.cost_model.record(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch,
                                    time.perf_counter() - start)
-        return ModelRunnerOutput(sampled)
+        return ModelRunnerOutput(sampled, logprobs)
 
     def _forward(self, sched: SchedulerOutput, decision: DPDecision,
                  split_point: list[int] | int | None) -> tuple[torch.Tensor, Any]:
@@ -268,18 +269,28 @@ class ModelRunner:
                                  real_token_mask=self.real_token_mask[:rows]):
             model(input_ids=self.input_ids[:rows].zero_(), positions=self.positions[:rows].zero_())
 
-    def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor, meta: Any) -> list[int | None]:
+    def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor,
+                meta: Any) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
+        """One token (and its logprobs, when asked) per chunk that reached the end of its known tokens.
+
+        The chunks' inputs are recorded first: the penalty counts are kept here, on the forward side, from
+        resolved input tokens (``runner/worker/penalties.py``), so they are exact with the overlap loop too."""
+        self.sampler.record_inputs(sched.chunks)
+        n = len(sched.chunks)
         qsl = meta.query_start_loc_cpu.tolist()
         picks = [i for i, c in enumerate(sched.chunks) if c.sample]
         if not picks:
-            return [None] * len(sched.chunks)
-        rows = torch.tensor([qsl[i + 1] - 1 for i in picks], device=hidden.device)
-        logits = self.model.compute_logits(hidden[rows])
-        tokens = sample(logits, [sched.chunks[i].sampling for i in picks], [sched.chunks[i].generator for i in picks])
-        out: list[int | None] = [None] * len(sched.chunks)
-        for i, tok in zip(picks, tokens):
-            out[i] = tok
-        return out
+            return [None] * n, None
+        rows = host_to_device(torch.tensor([qsl[i + 1] - 1 for i in picks], dtype=torch.int64), hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))
+        result = self.sampler.sample(logits, [sched.chunks[i] for i in picks])
+        tokens: list[int | None] = [None] * n
+        logprobs: list[TokenLogprobs | None] | None = None if result.logprobs is None else [None] * n
+        for j, i in enumerate(picks):
+            tokens[i] = result.token_ids[j]
+            if logprobs is not None and result.logprobs is not None:
+                logprobs[i] = result.logprobs[j]
+        return tokens, logprobs
 
     def close(self) -> None:
         if self.graph_runner is not None:

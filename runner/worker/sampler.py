@@ -1,65 +1,151 @@
-"""Sampling parameters and the sampler: greedy, or temperature + top-p with a per-request generator.
+"""The batched sampler: one token per row over the whole step, on the model's device, with vLLM's options.
 
-Reproducibility is the design constraint: DBO on vs off, DP layouts and batch composition must not change a
-request's tokens. So each random request draws from its *own* CPU ``torch.Generator`` (one uniform per
-sampled token) and picks its token by inverse-CDF over its own stable-sorted probabilities; nothing depends
-on other rows, on the device's RNG, or on how many requests share the batch. Greedy is a plain argmax.
+Order (vLLM V1, ``vllm/v1/sample/sampler.py``):
+
+1. logprobs, when some row asked: ``raw_logprobs`` (log_softmax of the model's logits, before any processing);
+2. logits to float32;
+3. transforms that can change the argmax: ``min_tokens`` (the stop tokens -- the model's EOS ids, the row's
+   ``all_stop_token_ids`` and ``stop_token_ids`` -- masked while the row has fewer outputs than asked), then
+   ``logit_bias``, then the repetition, frequency and presence penalties (``runner/worker/penalties.py``);
+4. greedy rows: the argmax of those logits (exact, whatever else is in the batch);
+5. random rows: temperature, min-p, top-k/top-p (``runner/worker/sampling_ops.py``), then a draw by inverse
+   CDF whose uniform is a hash of (seed, output index) (``runner/worker/sampling_noise.py``);
+6. the sampled token's logprob and rank, and the top-N (from step 1's logprobs).
+
+Every stage runs over all the rows that use it at once; stages no row uses are skipped. The only wait for the
+device is the single read of the results (sampled ids, and the logprobs asked for) at the end.
+
+**Reproducibility.** A row's result depends only on its own logits, settings, seed and output index: every
+operation is row-wise, and the uniform is a function of (seed, output index) rather than a generator's
+state. So a seeded request samples the same tokens alone or in any batch, on any DP rank, with DBO on or off;
+preemption and recompute resample the same token (same output index); an unseeded request uses the seed the
+engine derives for it (``EngineCoreRequest.default_seed``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
 import torch
 
 from runner.sampling_params import SamplingParams
-
-def make_generator(params: SamplingParams, default_seed: int) -> torch.Generator | None:
-    """The request's private RNG: ``params.seed`` if set, else ``default_seed`` (the engine derives it from the
-    run seed and the request's input index, so unseeded runs are reproducible too). Greedy needs none."""
-    if params.greedy:
-        return None
-    seed = params.seed if params.seed is not None else default_seed
-    return torch.Generator(device="cpu").manual_seed(seed & 0xFFFF_FFFF_FFFF_FFFF)
+from runner.worker import sampling_ops as ops
+from runner.worker.outputs import TokenLogprobs
+from runner.worker.penalties import PenaltyState, apply_penalties_
+from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata
+from runner.worker.sampling_noise import draw_by_inverse_cdf_
+from runner.worker.scheduled_batch import ScheduledChunk
 
 
-def _sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)
-    sorted_probs, order = torch.sort(probs, descending=True, stable=True)
-    if params.top_p < 1.0:
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass *before* it is < top_p
-        # (so the first token always stays).
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
-    cdf = torch.cumsum(sorted_probs, dim=-1)
-    u = torch.rand((), generator=generator).item() if generator is not None else torch.rand(()).item()
-    target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
-    idx = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[0] - 1)
-    # A zero-probability token past the kept prefix can only be hit through rounding: step back onto the prefix.
-    kept = int((sorted_probs > 0).sum().item())
-    return int(order[min(int(idx.item()), max(kept - 1, 0))].item())
+def request_seed(params: SamplingParams, default_seed: int) -> int:
+    """The seed of a request's draws: ``params.seed`` if set, else ``default_seed`` (the engine derives it from
+    the run seed and the request, so unseeded runs are reproducible too)."""
+    return params.seed if params.seed is not None else default_seed
 
 
-def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
-           generators: Sequence[torch.Generator | None]) -> list[int]:
-    """One token per row of ``logits`` ``[num_rows, vocab]``; row ``i`` uses ``params[i]`` and ``generators[i]``.
+@dataclass
+class SamplerOutput:
+    """``token_ids[i]`` for row ``i``; ``logprobs[i]`` for a row that asked (else None); ``logprobs`` is None
+    when no row asked."""
 
-    Greedy rows are argmaxed together; each random row samples on its own so its result depends only on its
-    logits and its generator.
-    """
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [num_rows, vocab], got shape {tuple(logits.shape)}")
-    n = logits.shape[0]
-    if len(params) != n or len(generators) != n:
-        raise ValueError(f"got {n} logit rows but {len(params)} sampling params and {len(generators)} generators")
-    if n == 0:
-        return []
-    out: list[int] = [0] * n
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if greedy:
-        ids = torch.argmax(logits[greedy], dim=-1).tolist()
-        for i, t in zip(greedy, ids):
-            out[i] = int(t)
-    for i, p in enumerate(params):
-        if not p.greedy:
-            out[i] = _sample_row(logits[i], p, generators[i])
-    return out
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+class Sampler:
+    """One rank's sampler: the EOS ids ``min_tokens`` holds back and the per-slot penalty state (on ``device``)."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: Iterable[int] = ()) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.penalties = PenaltyState(vocab_size, self.device)
+
+    def record_inputs(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Feed one step's resolved input tokens to the penalty counts (call before sampling that step)."""
+        self.penalties.record_inputs(chunks)
+
+    def metadata(self, rows: Sequence[SamplingRow]) -> SamplingMetadata:
+        return build_sampling_metadata(rows, self.vocab_size, self.device, self.eos_token_ids)
+
+    def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """One token per row of ``logits`` ``[len(rows), vocab]`` (modified in place)."""
+        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits must be [num_rows, {self.vocab_size}], got shape {tuple(logits.shape)}")
+        if logits.shape[0] != len(rows):
+            raise ValueError(f"got {logits.shape[0]} logit rows but {len(rows)} rows to sample")
+        if not rows:
+            return SamplerOutput([])
+        meta = self.metadata(rows)
+        return read_back(meta, *sample_on_device(logits, meta, self.penalties))
+
+
+def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: PenaltyState | None = None
+                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """The sampled ids ``[rows]`` and, when asked, the logprob tensors (sampled logprob, rank, top ids, top
+    logprobs over the logprob rows); nothing is read back here."""
+    lp = None
+    if meta.wants_logprobs:
+        lp = ops.raw_logprobs(logits if meta.logprob_rows is None else logits.index_select(0, meta.logprob_rows))
+    x = logits if logits.dtype == torch.float32 else logits.float()
+    if meta.stop_mask is not None:
+        ops.mask_tokens_(x, *meta.stop_mask)
+    if meta.bias is not None:
+        ops.add_logit_bias_(x, *meta.bias)
+    if meta.has_penalties:
+        if penalties is None or penalties.counts is None or penalties.seen is None:
+            raise RuntimeError("rows use penalties but the sampler has no penalty counts (record_inputs was not "
+                               "called for their steps)")
+        slots = meta.penalty_slots
+        assert slots is not None
+        counts = penalties.counts.index_select(0, slots)
+        seen = penalties.seen.index_select(0, slots) if meta.repetition is not None else None
+        ops.on_rows_(x, meta.penalty_rows, lambda sub: apply_penalties_(
+            sub, counts, seen, meta.repetition, meta.frequency, meta.presence))
+    sampled = None if meta.num_random == meta.num_rows else x.argmax(dim=-1)
+    if meta.num_random:
+        xr = x if meta.random_rows is None else x.index_select(0, meta.random_rows)
+        if meta.temperature is not None:
+            ops.apply_temperature_(xr, meta.temperature)
+        if meta.min_p is not None:
+            ops.on_rows_(xr, meta.min_p_rows, lambda sub: ops.apply_min_p_(sub, meta.min_p))
+        if meta.top_k is not None:
+            ops.on_rows_(xr, meta.top_k_rows,
+                         lambda sub: ops.apply_top_k_(sub, meta.top_k, meta.max_top_k, meta.top_k_p_floor))
+        if meta.top_p_floor is not None:
+            ops.on_rows_(xr, meta.top_p_rows, lambda sub: ops.apply_top_p_(sub, meta.top_p_floor))
+        assert meta.uniforms is not None
+        drawn = draw_by_inverse_cdf_(xr, meta.uniforms)
+        sampled = drawn if sampled is None else sampled.index_copy_(0, meta.random_rows, drawn)
+    assert sampled is not None
+    if lp is None:
+        return sampled, None
+    chosen = sampled if meta.logprob_rows is None else sampled.index_select(0, meta.logprob_rows)
+    logprob, rank = ops.token_logprobs(lp, chosen)
+    top = lp.topk(meta.max_logprobs, dim=-1) if meta.max_logprobs else None
+    return sampled, (logprob, rank, *((top.indices, top.values) if top is not None else ()))
+
+
+def read_back(meta: SamplingMetadata, sampled: torch.Tensor,
+              lp: tuple[torch.Tensor, ...] | None) -> SamplerOutput:
+    """The one host read of a step's sampling: every result packed into one float64 tensor (token ids and
+    ranks are below 2**53, so exact), copied once."""
+    parts = [sampled.to(torch.float64)]
+    if lp is not None:
+        parts += [t.to(torch.float64).reshape(-1) for t in lp]
+    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+    values = flat.tolist()  # the step's only wait for the device
+    n = meta.num_rows
+    ids = [int(v) for v in values[:n]]
+    if lp is None:
+        return SamplerOutput(ids)
+    num = len(meta.logprob_row_ids)
+    k = meta.max_logprobs
+    logprob, rank = values[n:n + num], values[n + num:n + 2 * num]
+    top_ids, top_lps = values[n + 2 * num:n + 2 * num + num * k], values[n + 2 * num + num * k:]
+    out: list[TokenLogprobs | None] = [None] * n
+    for j, (row, count) in enumerate(zip(meta.logprob_row_ids, meta.num_logprobs)):
+        out[row] = TokenLogprobs(token_id=ids[row], logprob=logprob[j], rank=int(rank[j]),
+                                 top_token_ids=[int(t) for t in top_ids[j * k:j * k + count]],
+                                 top_logprobs=top_lps[j * k:j * k + count])
+    return SamplerOutput(ids, out)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
-
 from runner.sampling_params import SamplingParams
 
 
@@ -22,12 +20,22 @@ class ScheduledChunk:
     block_ids: list[int]  # every block the request holds (a copy): enough for num_computed + len(token_ids)
     sample: bool  # this chunk reaches the end of the known tokens -> sample one token
     sampling: SamplingParams
-    generator: torch.Generator | None
-    slot: int = -1  # the request's future-map slot: where the sampled token is stored for the next step
+    seed: int = 0  # the request's sampling seed: params.seed, else the engine's per-request default
+    slot: int = -1  # the request's slot for its life: its future-map entry and its penalty counts
+    prompt_len: int | None = None  # None: every token up to this chunk's end is prompt (no outputs yet)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.num_computed_tokens + len(self.token_ids) if self.prompt_len is None else self.prompt_len
+
+    @property
+    def output_index(self) -> int:
+        """How many outputs the request has before the token this chunk samples (0: its first)."""
+        return self.num_computed_tokens + len(self.token_ids) - self.num_prompt_tokens
 
     @property
     def is_decode(self) -> bool:

@@ -1,0 +1,120 @@
+"""Repetition, frequency and presence penalties, and the per-request token counts they read.
+
+Definitions (vLLM's ``apply_penalties``, ``vllm/model_executor/layers/utils.py``):
+
+- repetition (transformers' ``RepetitionPenaltyLogitsProcessor``, CTRL): every token seen in the prompt *or* the
+  output so far has its logit divided by the penalty when positive, multiplied by it otherwise;
+- frequency and presence (OpenAI): ``logit - frequency * count - presence * (count > 0)`` where ``count`` is
+  how often the token occurs in the *output* so far.
+
+**The counts live on the forward side, per request slot.** With the overlap loop, step N+1 is scheduled before
+step N's token is known (its input is a placeholder that the forward side resolves), so the host cannot hand
+the sampler the output so far. But every output token is an input of the next step, so
+:class:`PenaltyState` keeps a ``[slots, vocab]`` count tensor of output tokens and a mask of the tokens seen
+in the prompt or the output, on the device, updated from each step's *resolved* input tokens: positions at
+or past the prompt length count as outputs, earlier ones are the prompt. A chunk starting at position 0
+(admission, or recompute after a preemption) resets its slot first. At sampling time a slot's counts are
+then exactly the request's outputs so far. The tensors are allocated when the first request with a penalty
+arrives and grow with the highest slot used.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from runner.attention.kv_cache import host_to_device
+from runner.worker.scheduled_batch import ScheduledChunk
+
+_MIN_SLOTS = 8
+
+
+class PenaltyState:
+    """Output-token counts (float32: exact below 2**24, and no conversion when a penalty multiplies them) and
+    the tokens seen in prompt or output (bool, what the repetition penalty reads), per request slot."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.counts: torch.Tensor | None = None  # [slots, vocab] float32: output tokens so far
+        self.seen: torch.Tensor | None = None  # [slots, vocab] bool: token occurs in the prompt or the output
+
+    @property
+    def num_slots(self) -> int:
+        return 0 if self.counts is None else self.counts.shape[0]
+
+    def ensure_slots(self, num_slots: int) -> None:
+        """Room for slots ``0 .. num_slots - 1`` (rows of new slots start empty)."""
+        if num_slots <= self.num_slots:
+            return
+        size = max(_MIN_SLOTS, self.num_slots * 2, num_slots)
+        counts = torch.zeros(size, self.vocab_size, dtype=torch.float32, device=self.device)
+        seen = torch.zeros(size, self.vocab_size, dtype=torch.bool, device=self.device)
+        if self.counts is not None and self.seen is not None:
+            counts[:self.num_slots] = self.counts
+            seen[:self.num_slots] = self.seen
+        self.counts, self.seen = counts, seen
+
+    def record_inputs(self, chunks: Sequence[ScheduledChunk]) -> None:
+        """Add one step's input tokens (placeholders already resolved) of the requests that use penalties."""
+        resets: list[int] = []
+        prompt_slots: list[int] = []
+        prompt_ids: list[int] = []
+        out_slots: list[int] = []
+        out_ids: list[int] = []
+        for c in chunks:
+            if not c.sampling.uses_penalties:
+                continue
+            if c.slot < 0:
+                raise ValueError(f"request {c.req_id} uses penalties but its chunk has no slot (slot={c.slot}): "
+                                 "penalty counts are kept per request slot")
+            start = c.num_computed_tokens
+            if start == 0:
+                resets.append(c.slot)
+            split = min(max(c.num_prompt_tokens - start, 0), len(c.token_ids))
+            prompt_slots += [c.slot] * split
+            prompt_ids += c.token_ids[:split]
+            out_slots += [c.slot] * (len(c.token_ids) - split)
+            out_ids += c.token_ids[split:]
+        if not (resets or prompt_ids or out_ids):
+            return
+        bad = [t for t in prompt_ids + out_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"penalty state: input token {bad[0]} is outside the vocabulary [0, {self.vocab_size}) "
+                             "(an unresolved placeholder?)")
+        self.ensure_slots(1 + max(resets + prompt_slots + out_slots))
+        n_r, n_p = len(resets), len(prompt_ids)
+        packed = host_to_device(torch.tensor(resets + prompt_slots + prompt_ids + out_slots + out_ids,
+                                             dtype=torch.int64), self.device)
+        assert self.counts is not None and self.seen is not None
+        if n_r:
+            rows = packed[:n_r]
+            self.counts.index_fill_(0, rows, 0.0)
+            self.seen.index_fill_(0, rows, False)
+        true = torch.ones((), dtype=torch.bool, device=self.device)
+        if n_p:
+            p = packed[n_r:n_r + 2 * n_p]
+            self.seen.index_put_((p[:n_p], p[n_p:]), true)
+        n_o = len(out_ids)
+        if n_o:
+            o = packed[n_r + 2 * n_p:]
+            self.counts.index_put_((o[:n_o], o[n_o:]), torch.ones((), device=self.device), accumulate=True)
+            self.seen.index_put_((o[:n_o], o[n_o:]), true)
+
+
+def apply_penalties_(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None,
+                     repetition: torch.Tensor | None, frequency: torch.Tensor | None,
+                     presence: torch.Tensor | None) -> torch.Tensor:
+    """Penalise ``logits`` ``[rows, vocab]`` in place. ``counts`` (float32) are those rows' output-token counts,
+    ``seen`` their prompt-or-output tokens (needed with ``repetition``); each penalty ``[rows]`` float32, None
+    when no row uses it."""
+    if repetition is not None:
+        if seen is None:
+            raise ValueError("the repetition penalty needs the rows' seen tokens")
+        penalty = torch.where(seen, repetition.unsqueeze(1), 1.0)
+        torch.where(logits > 0, logits / penalty, logits * penalty, out=logits)
+    if frequency is not None:
+        logits.addcmul_(counts, frequency.unsqueeze(1), value=-1.0)
+    if presence is not None:
+        torch.where(counts > 0, logits - presence.unsqueeze(1), logits, out=logits)
+    return logits

@@ -1,0 +1,54 @@
+"""Counter-based sampling noise: each draw's uniform is a pure function of (seed, output index).
+
+A request's draws must not depend on its batch, its DP rank or DBO, and the batch is sampled in one pass with
+no per-request generator. So the randomness is not drawn from a stateful RNG but *computed*: the draw for a
+request's ``i``-th output uses the uniform ``row_uniform(seed, i)``, a hash of the two, and picks its token by
+inverse CDF over the row's probabilities (:func:`draw_by_inverse_cdf`). Recomputing a preempted request,
+speculative steps of the overlap loop and the batch around it leave each draw unchanged.
+
+**Why one uniform per row and not one per token (Gumbel-max).** The Gumbel-max trick (vLLM's
+``gumbel_sample``) needs a uniform per vocabulary entry, i.e. a hash and two logarithms over the whole
+``[rows, vocab]`` tensor, as does the exponential race of vLLM's ``random_sample``; an inverse CDF needs one
+uniform per row, an ``exp`` and a running sum. Both are exact draws from the distribution; on a GPU both are a
+few memory-bound passes, on the CPU the per-token noise costs several times the whole inverse-CDF draw
+(docs/benchmarks.md, "Sampler cost per decode step", the ``draw`` rows).
+
+**The hash** runs on the host, in exact Python integers, once per random row: SplitMix64's finaliser
+(Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014; ``java.util.SplittableRandom``)
+applied to the seed, XORed with the output index and applied again; the top 24 bits make the uniform, so it is
+exact in float32 and lies in ``[0, 1 - 2**-24]``. ``tests/test_sampling_noise.py`` checks the finaliser against
+SplitMix64's published first output and the uniforms for uniformity and independence.
+"""
+from __future__ import annotations
+
+import torch
+
+MASK64 = 0xFFFF_FFFF_FFFF_FFFF
+
+
+def splitmix64(x: int) -> int:
+    """SplitMix64's step and finaliser: the generator's next output from state ``x`` (any Python int, mod 2**64)."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def row_uniform(seed: int, output_index: int) -> float:
+    """The uniform in ``[0, 1 - 2**-24]`` of the draw for the ``output_index``-th output (0 = the first generated
+    token) of a request seeded with ``seed`` (any Python int; taken modulo 2**64)."""
+    h = splitmix64(splitmix64(seed & MASK64) ^ (output_index & MASK64))
+    return (h >> 40) * 2.0 ** -24
+
+
+def draw_by_inverse_cdf_(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Row ``r`` draws token ``t`` with probability ``softmax(logits[r])[t]``, the ``t`` whose CDF interval holds
+    ``uniforms[r]`` (vocabulary order: the draw is exact in any order, so nothing is sorted). ``logits`` (float32,
+    ``-inf`` for removed tokens) is overwritten with the unnormalised CDF.
+
+    The target ``u * total`` is kept strictly below the row's total, so the first CDF entry above it is a step of
+    the CDF, i.e. a token of positive probability, never a removed one (nor past the end)."""
+    cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)
+    total = cdf[:, -1]
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)

@@ -1,0 +1,94 @@
+"""The sampler's logits transforms, each over a whole batch of rows with per-row settings as device tensors.
+
+Each one equals transformers' processor for the same setting (``tests/test_sampling_ops.py`` compares them on
+batches that mix settings): ``MinNewTokensLengthLogitsProcessor`` (min_tokens), ``TemperatureLogitsWarper``,
+``MinPLogitsWarper``, ``TopKLogitsWarper`` and ``TopPLogitsWarper`` (their ``min_tokens_to_keep=1``). Rows
+with top-k (and maybe top-p) sort only their ``max_top_k`` largest logits; rows with top-p alone sort the
+vocabulary, as vLLM's ``apply_top_k_top_p`` (``vllm/v1/sample/ops/topk_topp_sampler.py``). Every transform
+works in place on float32 logits and uses no operation whose output shape depends on data, so none makes the
+host wait for the device.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+NEG_INF = float("-inf")
+
+
+def on_rows_(x: torch.Tensor, rows: torch.Tensor | None, fn: Callable[[torch.Tensor], object]) -> torch.Tensor:
+    """Apply the in-place ``fn`` to ``x[rows]`` (all of ``x`` when ``rows`` is None) and write the rows back."""
+    if rows is None:
+        fn(x)
+        return x
+    sub = x.index_select(0, rows)
+    fn(sub)
+    return x.index_copy_(0, rows, sub)
+
+
+def mask_tokens_(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``logits[rows[i], tokens[i]] = -inf``: the stop tokens of rows still below ``min_tokens``."""
+    return logits.index_put_((rows, tokens), torch.full((), NEG_INF, device=logits.device))
+
+
+def add_logit_bias_(logits: torch.Tensor, rows: torch.Tensor, tokens: torch.Tensor,
+                    values: torch.Tensor) -> torch.Tensor:
+    """``logits[rows[i], tokens[i]] += values[i]`` (OpenAI's ``logit_bias``; a row names a token once)."""
+    return logits.index_put_((rows, tokens), values, accumulate=True)
+
+
+def apply_temperature_(logits: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+    """Divide each row by its temperature (> 0: greedy rows never get here)."""
+    return logits.div_(temperature.unsqueeze(1))
+
+
+def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens whose probability is below ``min_p`` times the row's largest (the top token always stays)."""
+    probs = torch.softmax(logits, dim=-1)
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p.unsqueeze(1)
+    return logits.masked_fill_(probs < threshold, NEG_INF)
+
+
+def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int,
+                 top_p_floor: torch.Tensor | None = None) -> torch.Tensor:
+    """Keep each row's ``top_k`` largest logits (ties with the k-th kept), then, where ``top_p_floor`` (``1 -
+    top_p``, ``-1`` for off) is given, the smallest set of those whose probability reaches ``top_p``.
+
+    ``top_k`` ``[rows]`` int64 in ``[1, max_top_k]``. Only the ``max_top_k`` largest logits are gathered and
+    sorted (``topk``), not the vocabulary: top-p after top-k needs only the tokens top-k kept, and the
+    softmax over them equals the softmax over the row with every other token removed. The result is a
+    per-row threshold, applied to the whole row.
+    """
+    top = logits.topk(max_top_k, dim=-1).values  # descending
+    kth = top.gather(1, (top_k - 1).unsqueeze(1))
+    if top_p_floor is not None:
+        ascending = top.masked_fill_(top < kth, NEG_INF).flip(-1)
+        drop = ascending.softmax(dim=-1).cumsum_(dim=-1) <= top_p_floor.unsqueeze(1)
+        drop[:, -1] = False
+        kth = torch.maximum(kth, ascending.masked_fill_(drop, float("inf")).amin(dim=-1, keepdim=True))
+    return logits.masked_fill_(logits < kth, NEG_INF)
+
+
+def apply_top_p_(logits: torch.Tensor, top_p_floor: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of each row's largest logits whose probability reaches ``top_p``: as in
+    transformers, a token goes when the probability of the tokens at or below it (ascending order) is at most
+    ``top_p_floor = 1 - top_p`` (``-1``: off for that row), and the most likely token always stays. One sort of
+    the row (vLLM's ``apply_top_k_top_p`` for rows without top-k)."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    drop = sorted_logits.softmax(dim=-1).cumsum_(dim=-1) <= top_p_floor.unsqueeze(1)
+    drop[:, -1] = False
+    return logits.masked_fill_(drop.scatter(1, order, drop), NEG_INF)
+
+
+def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
+    """vLLM's default ``raw_logprobs``: ``log_softmax`` of the model's logits before any processing (no
+    penalty, bias, temperature or truncation), in float32."""
+    return torch.log_softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's log-probability of ``token_ids[row]`` and its rank: how many tokens are at least as likely
+    (1 = the most likely; ties count against it, as vLLM's ``batched_count_greater_than``)."""
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    return chosen.squeeze(1), (logprobs >= chosen).sum(dim=-1)

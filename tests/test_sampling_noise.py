@@ -1,0 +1,75 @@
+"""The counter-based noise: SplitMix64 as published, per-draw uniforms that are uniform and independent across
+output indices and seeds, and the inverse-CDF draw (exact on a known distribution, never a removed token)."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from runner.worker.sampling_noise import MASK64, draw_by_inverse_cdf_, row_uniform, splitmix64
+
+
+def test_splitmix64_matches_its_published_outputs() -> None:
+    """SplitMix64 seeded with 0 (java.util.SplittableRandom's algorithm, Vigna's splitmix64.c): its first three
+    outputs, each the finaliser of the state advanced once more."""
+    assert [splitmix64(k * 0x9E3779B97F4A7C15) for k in range(3)] == [
+        0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+def uniforms_grid(seeds: range, indices: range) -> torch.Tensor:
+    return torch.tensor([[row_uniform(s, i) for i in indices] for s in seeds], dtype=torch.float64)
+
+
+def test_uniforms_are_exact_float32_inside_zero_one() -> None:
+    u = uniforms_grid(range(50), range(200))
+    assert torch.equal(u.to(torch.float32).double(), u)  # 24 bits: exact in float32
+    assert float(u.min()) >= 0.0 and float(u.max()) <= 1 - 2.0 ** -24
+    assert row_uniform(-1, 3) == row_uniform(MASK64, 3)  # seeds are taken modulo 2**64
+
+
+def test_uniforms_pass_chi_square_and_bit_balance() -> None:
+    """200 seeds x 500 output indices. For 255 degrees of freedom chi-square has mean 255 and standard deviation
+    22.6; each of the 24 bits is set half the time within 6 sigma."""
+    u = uniforms_grid(range(200), range(500))
+    n = u.numel()
+    counts = torch.bincount((u * 256).long().flatten(), minlength=256).double()
+    chi2 = float(((counts - n / 256) ** 2 / (n / 256)).sum())
+    assert abs(chi2 - 255) < 6 * 22.6, chi2
+    bits = (u * 2**24).long()
+    for b in range(24):
+        ones = int(((bits >> b) & 1).sum())
+        assert abs(ones - n / 2) < 6 * math.sqrt(n / 4), f"bit {b}"
+
+
+def _corr(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.flatten() - 0.5, b.flatten() - 0.5
+    return float((a * b).mean() / (a.square().mean() * b.square().mean()).sqrt())
+
+
+def test_uniforms_are_uncorrelated_across_output_indices_and_seeds() -> None:
+    """Neighbours in each coordinate (output i vs i+1 of one seed, seed s vs s+1 at one output, and two seeds'
+    sequences) have correlation within 5/sqrt(n) of zero."""
+    u = uniforms_grid(range(300), range(300))
+    bound = 5 / math.sqrt(300 * 299)
+    assert abs(_corr(u[:, :-1], u[:, 1:])) < bound
+    assert abs(_corr(u[:-1], u[1:])) < bound
+    assert abs(_corr(u[:, :-2], u[:, 2:])) < bound
+
+
+def test_inverse_cdf_draws_the_token_whose_interval_holds_u() -> None:
+    probs = torch.tensor([0.1, 0.0, 0.2, 0.3, 0.4, 0.0])
+    logits = probs.log()  # the zero-probability tokens are -inf: removed
+    u = torch.tensor([0.0, 0.05, 0.15, 0.29, 0.31, 0.59, 0.61, 0.99, 1 - 2.0 ** -24])
+    got = draw_by_inverse_cdf_(logits.expand(len(u), 6).contiguous(), u)
+    assert got.tolist() == [0, 0, 2, 2, 3, 3, 4, 4, 4]  # never 1 or 5, also at u = 0 and at the largest u
+
+
+def test_inverse_cdf_never_lands_past_the_last_kept_token() -> None:
+    """Rows whose last tokens are removed, u at its largest: the target stays below the total, so the draw is
+    the last kept token and not the end of the row (or a removed token after it)."""
+    logits = torch.full((3, 8), float("-inf"))
+    logits[0, :3] = torch.tensor([0.0, 1.0, 2.0])
+    logits[1, 2] = 5.0
+    logits[2, [0, 7]] = torch.tensor([3.0, 20.0])
+    got = draw_by_inverse_cdf_(logits, torch.full((3,), 1 - 2.0 ** -24))
+    assert got.tolist() == [2, 2, 7]
