@@ -94,7 +94,7 @@ def test_readme_python_api_is_vllm_code_that_runs(tmp_path: Path, tiny_chat_chec
                           timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("Hello, my name is -> '") and lines[1].startswith("The capital of France is -> '")
+    assert lines[0].startswith("Hello, my name is -> ") and lines[1].startswith("The capital of France is -> ")
     assert all(ln.rsplit(" ", 1)[1] in ("length", "stop") for ln in lines[:2])
     assert lines[2].startswith("[1, ")  # the chat template's first token, <|im_start|>, then the rest
 

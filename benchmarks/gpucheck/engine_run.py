@@ -73,7 +73,7 @@ def run_figures(llm: Any, outputs: list[Any]) -> dict[str, Any]:
     if loop is not None:
         out["loop"] = {**{k: v for k, v in dataclasses.asdict(loop).items() if k != "sync_reasons"},
                        "sync_reasons": dict(loop.sync_reasons)}
-    errors = [o.error for o in outputs if o.finish_reason == "error"]
+    errors = [o.error for o in outputs if o.error is not None]
     if errors:
         out["first_errors"] = errors[:3]
     return out
@@ -92,7 +92,7 @@ def profiled_run(llm: Any, prompts: list[Any], sampling: Any) -> dict[str, Any]:
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, sampling, disable_progress=True)
+        llm.generate(prompts, sampling, use_tqdm=False)
         torch.cuda.synchronize()
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
@@ -156,8 +156,8 @@ def main() -> int:
                                  llm.cfg.seed)
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
-                     disable_progress=True)
-        outputs = llm.generate(prompts, sampling, disable_progress=True)
+                     use_tqdm=False)
+        outputs = llm.generate(prompts, sampling, use_tqdm=False)
         doc["measured"] = run_figures(llm, outputs)
         write_json(doc, args.out)
         print(llm.last_stats.summary(), flush=True)

@@ -26,10 +26,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from runner.config import ATTENTION_BACKENDS, DBO_COST_MODELS, DBO_DP_RULES, DBO_SCHEDULES, DTYPES, UBATCH_SPLITS, ConfigError, \
-    RunnerConfig, all2all_backends, config_fields, experts_backends, make_config
-from runner.distributed.device import DEVICE_CHOICES
+from runner.config import RunnerConfig
 from runner.engine.generation_config import GenerationConfig
+from runner.entrypoints.engine_args import add_engine_args, config_from_args, model_info_or_exit
 from runner.entrypoints.output_paths import output_path_error
 from runner.entrypoints.report import (  # noqa: F401 (compare_outputs: API)
     compare_outputs,
@@ -38,113 +37,10 @@ from runner.entrypoints.report import (  # noqa: F401 (compare_outputs: API)
     request_output_json,
 )
 from runner.sampling_params import SamplingParams, SamplingParamsError
-from cudagraph.sizes import parse_cuda_graph_sizes
-
-
-def _cuda_graph_sizes(text: str) -> list[int]:
-    try:
-        return parse_cuda_graph_sizes(text)
-    except ValueError as e:  # argparse would print only "invalid value" for a plain ValueError
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 DEBUG_ENV = "UBATCH_DEBUG"
 DEBUG_HINT = f"(run with --debug or {DEBUG_ENV}=1 for the full traceback)"
-
-
-def _default_max_model_len() -> int:
-    from runner.worker.model_runner import DEFAULT_MAX_MODEL_LEN  # where the engine applies it
-
-    return DEFAULT_MAX_MODEL_LEN
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("engine (vLLM names)")
-    add = g.add_argument
-    add("--model", help="built-in tiny model (tiny-qwen3-moe, tiny-deepseek-v3) or a local HF directory")
-    add("--dtype", choices=sorted(set(DTYPES) | {"half", "float", "bf16", "fp16", "fp32"}),
-        help="default auto: the checkpoint's dtype; a float32 checkpoint runs in bfloat16 on a GPU")
-    add("--data-parallel-size", "-dp", type=int, metavar="N",
-        help="DP ranks (spawned here unless under torchrun, where it is the world size)")
-    add("--enable-expert-parallel", action="store_true", default=None,
-        help="spread experts over the DP ranks (default: off, every rank holds every expert)")
-    add("--enable-dbo", action="store_true", default=None,
-        help="dual-batch overlap: run steps as two ubatches (default: off)")
-    add("--dbo-decode-token-threshold", type=int, metavar="N",
-        help="a decode step ubatches only with at least this many tokens on the largest DP rank")
-    add("--dbo-prefill-token-threshold", type=int, metavar="N",
-        help="a step with prefill ubatches only with at least this many tokens on the largest DP rank")
-    add("--ubatch-split", choices=UBATCH_SPLITS,
-        help="where a step is cut in two: tokens (vLLM: at half the padded tokens) or balanced (SGLang TBO: "
-             "balance the ubatches' attention work)")
-    add("--dbo-cost-model", choices=DBO_COST_MODELS,
-        help="measured: above the thresholds, ubatch only the step sizes where measured steps show DBO is "
-             "faster (each side is tried, the loser re-checked now and then); off: the thresholds alone")
-    add("--dbo-schedule", choices=DBO_SCHEDULES,
-        help="where the two ubatches yield: moe (inside the MoE kernel only, vLLM's DBO) or deepseek "
-             "(DeepSeek's decode pipeline: SHARED/ATTN-0/MLP/ATTN-1 stages, yields inside attention; "
-             "DeepSeek-V2/V3 models; prefill steps keep moe)")
-    add("--dbo-dp-rule", choices=DBO_DP_RULES,
-        help="how DP ranks agree to ubatch: sglang (idle or small ranks never veto; the largest rank decides) "
-             "or vllm (all ranks must vote yes)")
-    add("--tbo-token-distribution-threshold", type=float, metavar="T",
-        help="with --ubatch-split balanced: SGLang's two-chunk split applies when one ubatch would hold less than "
-             "this share of the tokens (0 disables it)")
-    add("--all2all-backend", choices=all2all_backends(),
-        help="default: auto with DP > 1 and --enable-expert-parallel (high-throughput layout for prefill steps, "
-             "low-latency for decode: DeepEP V2 where deep_ep with ElasticBuffer imports on a GPU, else "
-             "torch_ht/torch_ll; auto_torch and auto_deepep_v1 name a pair), else none")
-    add("--experts-backend", choices=experts_backends(),
-        help="auto (default): grouped_mm (torch._grouped_mm, CUDA-graph capturable) on a compute capability "
-             "9.x/10.x GPU, torch elsewhere")
-    add("--attention-backend", choices=ATTENTION_BACKENDS,
-        help="auto: triton (paged decode kernel, SDPA prefill) on CUDA, torch (plain reference) on CPU")
-    add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10 "
-        "(default: none, the all-to-alls cost what they cost)")
-    add("--max-num-seqs", type=int, metavar="N", help="most requests in one step")
-    add("--max-num-batched-tokens", type=int, metavar="N", help="most tokens in one step (per DP rank)")
-    add("--max-model-len", type=int, metavar="N",
-        help=f"default: the model's max_position_embeddings, capped at {_default_max_model_len()}; a value above "
-             "max_position_embeddings is rejected")
-    add("--block-size", type=int, metavar="N", help="tokens per KV-cache block")
-    add("--num-kv-blocks", type=int, metavar="N", help="default: sized for --max-num-seqs requests")
-    add("--gpu-memory-utilization", type=float, metavar="F",
-        help="share of the GPU's memory for weights, activations, CUDA graphs and the KV cache when "
-             "--num-kv-blocks is not given (default 0.9); ignored on CPU")
-    add("--max-dispatch-tokens-per-rank", type=int, metavar="N", help="default: --max-num-batched-tokens")
-    add("--enforce-eager", action="store_true", default=None,
-        help="never capture CUDA graphs (default: off; graphs are captured on a GPU)")
-    add("--cuda-graph-sizes", type=_cuda_graph_sizes, metavar="SIZES",
-        help="decode batch sizes to capture, e.g. '1,2,4,8' (one value N: the ladder up to N); GPU only; default: "
-             "a vLLM-like ladder up to --max-num-seqs")
-    add("--disable-overlap-schedule", action="store_true", default=None,
-        help="run one step at a time (default: off, the CPU schedules step N+1 while step N runs)")
-    add("--disable-consecutive-prefill-overlap", action="store_true", default=None,
-        help="a prefill step waits for the previous prefill step's results, for time to first token "
-             "(default: off)")
-    add("--enable-single-batch-overlap", action="store_true", default=None,
-        help="SGLang's single-batch overlap: the dispatch overlaps the shared experts (default: off)")
-    add("--dist-timeout-s", type=float, metavar="S",
-        help="timeout of every collective, and how long a spawned rank may send no heartbeat before it is named "
-             "as having stopped responding")
-    add("--seed", type=int, help="run seed: random sampling of prompt i without a seed of its own uses "
-        "seed * 1000003 + i")
-    add("--device", choices=DEVICE_CHOICES,
-        help="where the ranks run: auto (CUDA when available, NCCL: one GPU per rank on a host), cuda, or cpu "
-             "(gloo, nothing touches CUDA; any number of DP ranks on one machine)")
-    add("--cache-dir", metavar="DIR", help="where built-in models are written; default: $UBATCH_CACHE_DIR or "
-        "~/.cache/ubatch")
-    add("--trace-file", metavar="PATH", help="write a per-ubatch timeline (Chrome trace JSON, one pid per DP rank) "
-        "and print its overlap metrics; with bench, of the DBO-on run (default: none; its directory must exist)")
-    add("--generation-config", metavar="auto|vllm|DIR",
-        help="auto: the model's generation_config.json gives the EOS ids and the defaults of the sampling flags "
-             "not given; vllm: ignore it; DIR: that directory's generation_config.json")
-    defaults = RunnerConfig()
-    for action in g._group_actions:  # show RunnerConfig's defaults (argparse's own are None: "not given")
-        value = getattr(defaults, action.dest, None)
-        shown = "default:" in (action.help or "") or "(default" in (action.help or "")
-        if value is not None and not isinstance(value, bool) and not shown:
-            action.help = f"{action.help + '; ' if action.help else ''}default: {value}"
 
 
 # The sampling flags: SamplingParams field -> the CLI's default when neither the flag nor the checkpoint's
@@ -211,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate for a prompt file or random prompts, print a summary")
     bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed and outputs")
     for p in (gen, bench):
-        _engine_args(p)
+        add_engine_args(p)
         _sampling_args(p)
         _workload_args(p, with_output_json=p is gen)
         p.set_defaults(subparser=p)  # so errors print the subcommand's usage
@@ -221,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     from runner.entrypoints.serve import add_serve_args
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the DP ranks (vLLM's `vllm serve`)")
-    add_serve_args(serve, _engine_args)
+    add_serve_args(serve, add_engine_args)
     serve.set_defaults(subparser=serve)
     bench_serve = sub.add_parser("bench-serve", help="serving throughput and latency as `vllm bench serve` "
                                                      "measures them; --compare dbo: DBO off against on")
@@ -273,35 +169,6 @@ def _read_prompts(path: str) -> list[Any]:
     return prompts
 
 
-@dataclass
-class ModelInfo:
-    vocab_size: int
-    has_tokenizer: bool
-    generation_config: GenerationConfig
-
-
-def _model_info(cfg: RunnerConfig) -> ModelInfo:
-    """Checked before any rank starts: the config, every checkpoint file's header, ``max_model_len`` against
-    the model, the DBO schedule, the generation config. No weight is read."""
-    from runner.engine.generation_config import load_generation_config, model_eos_token_ids
-    from runner.engine.tokenizer import has_tokenizer_files
-    from runner.models.loader import check_checkpoint_files, check_max_model_len, load_config, resolve_model_path
-    from runner.models.registry import get_model_class
-    from runner.models.schedules import check_schedule
-
-    path = resolve_model_path(cfg.model, cfg.cache_dir)
-    config = load_config(path)
-    check_checkpoint_files(path)
-    check_max_model_len(cfg.max_model_len, config)
-    model_class = get_model_class(config.architectures[0])
-    check_schedule(cfg.dbo_schedule, model_class.supported_dbo_schedules, model_class.__name__)
-    try:
-        generation = load_generation_config(path, cfg.generation_config, model_eos_token_ids(config))
-    except ValueError as e:
-        raise ConfigError("generation_config", str(e)) from None
-    return ModelInfo(config.vocab_size, has_tokenizer_files(path), generation)
-
-
 def random_prompts(num: int, length: int, range_ratio: float, vocab_size: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
     lo, hi = max(1, round(length * (1 - range_ratio))), max(1, round(length * (1 + range_ratio)))
@@ -318,36 +185,6 @@ def _sampling(args: argparse.Namespace, generation: GenerationConfig, parser: ar
         return SamplingParams(**values)
     except SamplingParamsError as e:
         parser.error(f"argument --{e.field.replace('_', '-')}: {e}")
-
-
-def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunnerConfig:
-    """The engine flags as a validated RunnerConfig; a bad value exits 2 naming its flag."""
-    from runner.distributed.launch import torchrun_env_present
-
-    engine = {k: v for k, v in vars(args).items() if k in config_fields() and v is not None}
-    if torchrun_env_present():  # under torchrun: one DP rank per process
-        world = int(os.environ["WORLD_SIZE"])
-        if engine.setdefault("data_parallel_size", world) != world:
-            parser.error(f"argument --data-parallel-size: {engine['data_parallel_size']} does not match torchrun's "
-                         f"WORLD_SIZE={world} (omit it under torchrun)")
-    try:
-        return make_config(**engine)
-    except ConfigError as e:
-        parser.error(f"argument {e.flag}: {e}")
-
-
-def model_info_or_exit(cfg: RunnerConfig, parser: argparse.ArgumentParser) -> ModelInfo:
-    """:func:`_model_info`, with every problem an exit 2 naming the flag at fault."""
-    from runner.models.loader import CacheDirError
-
-    try:
-        return _model_info(cfg)
-    except CacheDirError as e:
-        parser.error(f"argument --cache-dir: {e}")
-    except ConfigError as e:
-        parser.error(f"argument {e.flag}: {e}")
-    except (OSError, ValueError) as e:
-        parser.error(f"argument --model: {e}")
 
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:

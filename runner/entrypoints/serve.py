@@ -32,7 +32,7 @@ def add_serve_args(p: argparse.ArgumentParser, engine_args: Callable[[argparse.A
 
 def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from runner.distributed.launch import torchrun_env_present
-    from runner.entrypoints.cli import config_from_args, model_info_or_exit
+    from runner.entrypoints.engine_args import config_from_args, model_info_or_exit
 
     if args.model_tag and args.model and args.model_tag != args.model:
         parser.error(f"argument --model: {args.model!r} differs from the positional MODEL {args.model_tag!r}")

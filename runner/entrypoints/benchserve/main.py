@@ -135,12 +135,14 @@ def calibrate(model: str, server_args: str, input_len: int, num_seqs: int, ratio
     import tempfile
 
     from runner.config import config_fields
-    from runner.entrypoints.cli import build_parser
+    from runner.entrypoints.engine_args import add_engine_args
     from runner.entrypoints.llm import LLM
     from runner.sampling_params import SamplingParams
     from ubatch.modular_moe.prepare_finalize.emulated_link import LinkSpec
 
-    ns = build_parser().parse_args(["generate", "--model", model, *shlex.split(server_args)])
+    engine_parser = argparse.ArgumentParser(prog="bench-serve --server-args", add_help=False)
+    add_engine_args(engine_parser)
+    ns, _ = engine_parser.parse_known_args(["--model", model, *shlex.split(server_args)])  # server flags: ignored
     engine = {k: v for k, v in vars(ns).items() if k in config_fields() and v is not None}
     engine.update(model=model, data_parallel_size=1, enable_expert_parallel=False, all2all_backend=None,
                   enable_dbo=False, emulate_link="latency_us=0,gbps=1000")
