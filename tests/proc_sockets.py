@@ -1,4 +1,5 @@
-"""What processes listen on, and which processes exist, read from /proc (Linux) for the fault and socket tests.
+"""What processes listen on, which processes exist and how much CPU they used, read from /proc (Linux) for the
+fault, socket and server tests.
 
 Listening sockets: ``/proc/net/tcp`` and ``tcp6`` list every TCP socket of the network namespace with its
 inode; ``/proc/<pid>/fd`` links name the inodes a process holds. Matching the two gives each process's
@@ -92,3 +93,13 @@ def alive_per_ps(pids: set[int]) -> dict[int, str]:
         pid, rest = line.strip().split(None, 1)
         out[int(pid)] = rest
     return out
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU time the processes used so far (utime + stime of /proc/<pid>/stat)."""
+    total = 0
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        total += int(fields[11]) + int(fields[12])
+    return total / os.sysconf("SC_CLK_TCK")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from proc_sockets import cpu_seconds
 from runner import LLM
 from runner.config import make_config
 from runner.engine.core_client import MPEngineClient
@@ -58,15 +59,6 @@ async def collect(client: MPEngineClient, rid: str, prompt: list[int], params: S
     async for out in client.generate(rid, None, prompt, params):
         tokens += out.outputs[0].token_ids
     return tokens
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])  # utime + stime
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 @pytest.mark.parametrize("dp", [1, 2], ids=["dp1", "dp2-ep-dbo"])

@@ -13,6 +13,7 @@ exits non-zero within ``--dist-timeout-s`` + 10 s.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import re
@@ -24,6 +25,7 @@ import httpx
 import openai
 import pytest
 
+from proc_sockets import cpu_seconds, descendants
 from runner import LLM, SamplingParams
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
 from tiny_checkpoint import TinyCheckpoint
@@ -35,28 +37,6 @@ DP2 = "-dp 2 --enable-expert-parallel --enable-dbo"
 PROMPTS = ["The quick brown fox", "Hello world! How are", "Caf\u00e9 cr\u00e8me and"]
 MESSAGES = [{"role": "user", "content": "Hello! How are you today?"}]
 RANK_PIDS = re.compile(r"rank (\d+) pid (\d+)")
-
-
-def children_of(pid: int) -> list[int]:
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                pass
-    return found
-
-
-def cpu_seconds(pids: list[int]) -> float:
-    total = 0
-    for pid in pids:
-        with open(f"/proc/{pid}/stat") as fh:
-            fields = fh.read().rsplit(")", 1)[1].split()
-        total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
 
 
 def rank_pids(server: ServerProcess) -> dict[int, int]:
@@ -233,19 +213,28 @@ def test_bad_requests_reach_no_rank_and_an_idle_server_uses_no_cpu(servers: dict
             assert err["param"] is not None and param in err["param"], err
     after = scrape(srv.base_url, ("ubatch:engine_steps_total",))
     assert after == before  # no step ran for any of them
-    pids = [srv.proc.pid, *children_of(srv.proc.pid)]
+    pids = [srv.proc.pid, *descendants(srv.proc.pid)]
     used = cpu_seconds(pids)
     time.sleep(5.0)
     assert cpu_seconds(pids) - used < 0.5  # heartbeats and the HTTP loop only
 
 
-def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpoint) -> None:
-    model = str(tiny_chat_checkpoint.path)
-    srv = ServerProcess(model, f"{ENGINE} {DP2} --shutdown-timeout 3", startup_timeout_s=300, name="sigterm")
+@contextlib.contextmanager
+def dp2_server(model: str, extra: str) -> Iterator[tuple[ServerProcess, dict[int, int]]]:
+    """A DP=2 server of its own (a test that stops or breaks it), with its ranks' pids from its log."""
+    srv = ServerProcess(model, f"{ENGINE} {DP2} {extra}", startup_timeout_s=300, name="dp2-own")
     srv.start()
     try:
         ranks = rank_pids(srv)
         assert sorted(ranks) == [0, 1]
+        yield srv, ranks
+    finally:
+        srv.stop()
+
+
+def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpoint) -> None:
+    model = str(tiny_chat_checkpoint.path)
+    with dp2_server(model, "--shutdown-timeout 3") as (srv, ranks):
         results: list[str] = []
 
         async def one(i: int) -> None:
@@ -279,16 +268,11 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpo
         assert len(results) == 8 and all('"finish_reason":"abort"' in r or '"finish_reason":"length"' in r
                                          for r in results)
         assert all(not os.path.exists(f"/proc/{pid}") for pid in ranks.values())
-    finally:
-        srv.stop()
 
 
 def test_a_killed_rank_fails_requests_with_500_naming_it(tiny_chat_checkpoint: TinyCheckpoint) -> None:
     model = str(tiny_chat_checkpoint.path)
-    srv = ServerProcess(model, f"{ENGINE} {DP2} --dist-timeout-s 10", startup_timeout_s=300, name="killed")
-    srv.start()
-    try:
-        ranks = rank_pids(srv)
+    with dp2_server(model, "--dist-timeout-s 10") as (srv, ranks):
         c = client(srv)
         stream = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=480, temperature=0,
                                       stream=True, extra_body={"ignore_eos": True})
@@ -305,6 +289,4 @@ def test_a_killed_rank_fails_requests_with_500_naming_it(tiny_chat_checkpoint: T
         assert srv.proc.returncode not in (0, None) and time.monotonic() - t0 < 10 + 10
         assert "rank 1 exited with signal SIGKILL" in srv.log_tail(50)
         assert all(not os.path.exists(f"/proc/{pid}") for pid in ranks.values())
-    finally:
-        srv.stop()
 
