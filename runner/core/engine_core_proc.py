@@ -37,6 +37,8 @@ logger = logging.getLogger("ubatch.engine_core")
 IDLE_POLL_MS = 1000
 # Without outputs, a busy rank still reports its load this often, for the server's gauges.
 STATS_INTERVAL_S = 0.5
+# A profile window covers at least this many steps of a busy rank, however soon /stop_profile comes.
+MIN_PROFILE_STEPS = 2
 
 
 def run_engine_core(cfg: Any, input_addresses: list[str], output_address: str) -> None:
@@ -92,6 +94,8 @@ class CoreLoop:
         self._last_stats = 0.0
         self._profile: contextlib.ExitStack | None = None  # open while a /start_profile window records
         self._recording: Any = None
+        self._profiled_steps = 0  # steps run since the window opened
+        self._stop_profile_after = False  # a stop came before MIN_PROFILE_STEPS steps: stop once they ran
 
     def run(self) -> None:
         while True:
@@ -103,6 +107,10 @@ class CoreLoop:
                 continue
             step = self.core.step()
             self._send_outputs(step.outputs, force_stats=not step.running)
+            if self._profile is not None:
+                self._profiled_steps += 1
+                if self._stop_profile_after and (self._profiled_steps >= MIN_PROFILE_STEPS or not step.running):
+                    self._stop_profile()
             if not step.running:
                 self.running = False
                 self.out.send(ENCODER.encode(WaveDone(self.rank, self.wave)))
@@ -133,13 +141,18 @@ class CoreLoop:
             elif isinstance(msg, StartProfile):
                 self._start_profile()
             elif isinstance(msg, StopProfile):
-                self._stop_profile()
+                # A long step can hold both messages in one drain: a window of no step would say nothing.
+                if self.running and self._profile is not None and self._profiled_steps < MIN_PROFILE_STEPS:
+                    self._stop_profile_after = True
+                else:
+                    self._stop_profile()
 
     def _start_profile(self) -> None:
         from runner import tracing
 
         if self._profile is not None:
             return
+        self._profiled_steps, self._stop_profile_after = 0, False
         self._profile = contextlib.ExitStack()
         self._recording = self._profile.enter_context(tracing.record("profile", getattr(self.core.runner, "device",
                                                                                           None)))
@@ -151,7 +164,7 @@ class CoreLoop:
         if self._profile is not None:
             spans = tracing.local_spans(self._recording)
             self._profile.close()
-            self._profile, self._recording = None, None
+            self._profile, self._recording, self._stop_profile_after = None, None, False
         self.out.send(ENCODER.encode(Profile(self.rank, pickle.dumps(spans))))
 
     def _start_wave(self) -> None:
