@@ -1,4 +1,4 @@
-"""Paged KV cache: per-layer cache specs, a block allocator, cache tensors and block-table helpers.
+"""Paged KV cache: per-layer cache specs, cache tensors, the persistent block table and step metadata.
 
 Layout (one tensor per layer, ``[num_blocks, block_size, *spec.per_token_shape]``):
 - MHA/GQA: per token ``(2, num_kv_heads, head_size)`` — key at index 0, value at index 1;
@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from ubatch.slicing import CommonAttentionMetadata
@@ -143,78 +144,151 @@ def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     return dst.copy_(src)
 
 
-def make_block_table(block_lists: Sequence[Sequence[int]], max_blocks: int | None = None,
-                     device: torch.device | str = "cpu") -> torch.Tensor:
-    """Per-request block lists -> int32 ``[num_reqs, max_blocks]`` padded with 0 (never read: seq_lens bound it)."""
-    width = max([len(b) for b in block_lists], default=0)
-    if max_blocks is not None:
-        if width > max_blocks:
-            raise ValueError(f"a request holds {width} blocks, more than max_blocks={max_blocks}")
-        width = max_blocks
-    table = torch.zeros((len(block_lists), max(width, 1)), dtype=torch.int32)
-    for i, blocks in enumerate(block_lists):
-        if blocks:
-            table[i, : len(blocks)] = torch.as_tensor(list(blocks), dtype=torch.int32)
-    return table.to(device)
+class BlockTable:
+    """Every request's KV block ids, kept from step to step as one numpy array (vLLM V1's persistent block
+    table, ``vllm/v1/worker/block_table.py``).
 
+    Row ``r`` holds its request's blocks in its first ``num_blocks[r]`` entries, zeros after them. The scheduler
+    owns one with a row per request slot (``runner/core/slots.py``): a row changes only when its request gets a
+    new block (:meth:`append`, a block at a time as it crosses a block boundary) and when it gives its blocks
+    back (:meth:`clear`). A step's metadata reads the rows of its requests with one vectorised gather, so no
+    per-request list is copied or converted per step.
 
-def compute_slot_mapping(block_table: torch.Tensor, query_start_loc: torch.Tensor, positions: torch.Tensor,
-                         block_size: int) -> torch.Tensor:
-    """Slot of each token: ``block_table[req(t), pos // bs] * bs + pos % bs`` (int64 ``[T]``).
-
-    Tokens past ``query_start_loc[-1]`` (padding) get slot ``-1``.
+    With the overlap loop the scheduler appends blocks for step N+1 while step N's metadata may be gathered:
+    an append only writes entries past what step N's requests use, and a row is cleared only once no step
+    in flight uses it, so a gather never sees a block of its own requests change.
     """
-    qsl = query_start_loc.to(torch.int64)
-    num_tokens = positions.shape[0]
-    num_actual = int(qsl[-1])
-    lens = qsl[1:] - qsl[:-1]
-    req = torch.repeat_interleave(torch.arange(lens.shape[0], device=positions.device), lens.to(positions.device))
-    pos = positions[:num_actual].to(torch.int64)
-    blocks = block_table.to(positions.device)[req, pos // block_size].to(torch.int64)
-    slots = torch.full((num_tokens,), -1, dtype=torch.int64, device=positions.device)
-    slots[:num_actual] = blocks * block_size + pos % block_size
-    return slots
+
+    def __init__(self, num_rows: int, max_blocks_per_row: int) -> None:
+        if num_rows < 1 or max_blocks_per_row < 1:
+            raise ValueError(f"a block table needs >= 1 row and >= 1 block per row, got {num_rows} x "
+                             f"{max_blocks_per_row}")
+        self.table = np.zeros((num_rows, max_blocks_per_row), dtype=np.int32)
+        self.num_blocks = np.zeros(num_rows, dtype=np.int32)
+
+    @classmethod
+    def from_lists(cls, block_lists: Sequence[Sequence[int]], max_blocks: int | None = None) -> "BlockTable":
+        """Row ``i`` = ``block_lists[i]`` (hand-built batches, dummy steps, tests)."""
+        width = max([len(b) for b in block_lists], default=0)
+        if max_blocks is not None:
+            if width > max_blocks:
+                raise ValueError(f"a request holds {width} blocks, more than max_blocks={max_blocks}")
+            width = max_blocks
+        bt = cls(max(len(block_lists), 1), max(width, 1))
+        for i, blocks in enumerate(block_lists):
+            bt.append(i, blocks)
+        return bt
+
+    @property
+    def max_blocks_per_row(self) -> int:
+        return self.table.shape[1]
+
+    def append(self, row: int, blocks: Sequence[int]) -> None:
+        """Give row ``row`` the blocks ``blocks`` after those it holds."""
+        n, k = int(self.num_blocks[row]), len(blocks)
+        if n + k > self.table.shape[1]:
+            raise ValueError(f"block table row {row} would hold {n + k} blocks, more than its "
+                             f"{self.table.shape[1]} (max_model_len / block_size)")
+        if k:
+            self.table[row, n:n + k] = blocks
+            self.num_blocks[row] = n + k
+
+    def clear(self, row: int) -> None:
+        """Row ``row`` holds nothing (its request gave its blocks back); zeroed, so padding reads stay zeros."""
+        self.table[row, :self.num_blocks[row]] = 0
+        self.num_blocks[row] = 0
+
+    def row(self, row: int) -> list[int]:
+        return self.table[row, :self.num_blocks[row]].tolist()
 
 
-def build_attention_metadata(context_lens: Sequence[int], query_lens: Sequence[int],
-                             block_lists: Sequence[Sequence[int]], block_size: int,
+@dataclass(frozen=True)
+class BlockRows:
+    """The block-table rows of a batch's requests: request ``i`` owns ``table`` row ``rows[i]`` and holds its
+    first ``held[i]`` blocks for this batch (in an engine step, the blocks its tokens need: the scheduler may
+    append more to the row for a later step while this one runs)."""
+
+    table: BlockTable
+    rows: np.ndarray  # int64 [num_reqs]
+    held: np.ndarray  # int64 [num_reqs]
+
+    @classmethod
+    def from_lists(cls, block_lists: Sequence[Sequence[int]], max_blocks: int | None = None) -> "BlockRows":
+        table = BlockTable.from_lists(block_lists, max_blocks)
+        return cls(table, np.arange(len(block_lists), dtype=np.int64), table.num_blocks[:len(block_lists)].copy())
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
+def build_attention_metadata(context_lens: Sequence[int] | np.ndarray, query_lens: Sequence[int] | np.ndarray,
+                             blocks: Sequence[Sequence[int]] | BlockRows, block_size: int,
                              device: torch.device | str = "cpu", num_padded_tokens: int | None = None,
                              max_blocks: int | None = None) -> CommonAttentionMetadata:
     """Metadata for a batch where request ``i`` has ``context_lens[i]`` cached tokens and computes
     ``query_lens[i]`` new ones at positions ``context..context+query-1``.
 
     Covers prefill (context 0), decode (query 1), chunked prefill and the second half of a split request
-    (context = tokens already written by the previous chunk/ubatch). ``num_padded_tokens`` appends padding
-    tokens (slot -1, position 0) for graph-sized batches.
+    (context = tokens already written by the previous chunk/ubatch). ``blocks``: each request's block list,
+    or the rows of a persistent :class:`BlockTable` (the engine's steps). ``num_padded_tokens`` appends padding
+    tokens (slot -1, position 0) for graph-sized batches; ``max_blocks`` fixes the block table's width.
+
+    Vectorised over the batch with numpy (no per-request Python): positions, sequence lengths, the block
+    table (a gather of the requests' rows, zero past each request's blocks) and the slot mapping
+    ``block_table[req(t), pos // bs] * bs + pos % bs``. The test suite checks it against the per-request
+    builder it replaced (``tests/reference_metadata.py``).
     """
-    if not (len(context_lens) == len(query_lens) == len(block_lists)):
-        raise ValueError("context_lens, query_lens and block_lists must have one entry per request")
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    for i, (s, blocks) in enumerate(zip(seq_lens, block_lists)):
-        if blocks_needed(s, block_size) > len(blocks):
-            raise ValueError(f"request {i} needs {blocks_needed(s, block_size)} blocks for {s} tokens, "
-                             f"has {len(blocks)}")
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    num_actual = qsl[-1]
+    rows = blocks if isinstance(blocks, BlockRows) else BlockRows.from_lists(blocks, max_blocks)
+    ctx = np.asarray(context_lens, dtype=np.int64).reshape(-1)
+    q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
+    num_reqs = len(q)
+    if not (len(ctx) == num_reqs == len(rows)):
+        raise ValueError("context_lens, query_lens and blocks must have one entry per request")
+    seq = ctx + q
+    need = (seq + (block_size - 1)) // block_size
+    short = np.flatnonzero(need > rows.held)
+    if short.size:
+        i = int(short[0])
+        raise ValueError(f"request {i} needs {int(need[i])} blocks for {int(seq[i])} tokens, has "
+                         f"{int(rows.held[i])}")
+    qsl = np.zeros(num_reqs + 1, dtype=np.int32)
+    np.cumsum(q, out=qsl[1:])
+    num_actual = int(qsl[-1])
     num_tokens = num_actual if num_padded_tokens is None else num_padded_tokens
     if num_tokens < num_actual:
         raise ValueError(f"num_padded_tokens={num_padded_tokens} < actual tokens {num_actual}")
-    positions = torch.zeros(num_tokens, dtype=torch.int64)
+    width = max(int(rows.held.max()) if num_reqs else 0, 1)
+    if max_blocks is not None:
+        if width > max_blocks:
+            raise ValueError(f"a request holds {width} blocks, more than max_blocks={max_blocks}")
+        width = max_blocks
+    block_table = np.zeros((num_reqs, width), dtype=np.int32)
+    cols = min(width, rows.table.max_blocks_per_row)  # held <= what a row holds <= the table's width
+    if num_reqs:
+        # Zero past each request's own blocks: entries the scheduler appended for a later step read as padding.
+        np.multiply(rows.table.table[rows.rows, :cols], np.arange(cols) < rows.held[:, None],
+                    out=block_table[:, :cols])
+    positions = np.zeros(num_tokens, dtype=np.int64)
+    slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
     if num_actual:
-        positions[:num_actual] = torch.cat(
-            [torch.arange(c, c + q, dtype=torch.int64) for c, q in zip(context_lens, query_lens)])
-    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
-    seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
-    block_table = make_block_table(block_lists, max_blocks)
-    slot_mapping = compute_slot_mapping(block_table, qsl_cpu, positions, block_size)
-    # Built on the host from Python ints; each device tensor is one pinned, non-blocking copy (no host sync).
+        if num_actual == num_reqs and int(q.min()) == 1:  # one token per request (decode)
+            pos, token_req = ctx, np.arange(num_reqs)
+        else:
+            token_req = np.repeat(np.arange(num_reqs), q)
+            pos = np.arange(num_actual, dtype=np.int64) - np.repeat(qsl[:-1] - ctx, q)
+        positions[:num_actual] = pos
+        slot_mapping[:num_actual] = block_table[token_req, pos // block_size] * np.int64(block_size) \
+            + pos % block_size
+    qsl_cpu = torch.from_numpy(qsl)
+    seq_cpu = torch.from_numpy(seq.astype(np.int32))
+    positions_cpu, slot_mapping_cpu, block_table_cpu = (torch.from_numpy(a) for a in (positions, slot_mapping,
+                                                                                       block_table))
+    # Built on the host; each device tensor is one pinned, non-blocking copy (no host sync).
     return CommonAttentionMetadata(
         query_start_loc=host_to_device(qsl_cpu, device), query_start_loc_cpu=qsl_cpu,
         seq_lens=host_to_device(seq_cpu, device), seq_lens_cpu=seq_cpu,
-        num_reqs=len(query_lens), num_actual_tokens=num_actual,
-        max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
-        block_table=host_to_device(block_table, device), slot_mapping=host_to_device(slot_mapping, device),
-        positions=host_to_device(positions, device), causal=True,
+        num_reqs=num_reqs, num_actual_tokens=num_actual,
+        max_query_len=int(q.max()) if num_reqs else 0, max_seq_len=int(seq.max()) if num_reqs else 0,
+        block_table=host_to_device(block_table_cpu, device), slot_mapping=host_to_device(slot_mapping_cpu, device),
+        positions=host_to_device(positions_cpu, device), causal=True,
     )

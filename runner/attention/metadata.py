@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from runner.attention.kv_cache import host_to_device
@@ -95,37 +96,45 @@ class GraphDecodeMetadata:
 
 
 def build_paged_metadata(backend: AttentionBackendLike, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
-    """Host-side work for one (micro)batch; device work is slicing and, for a mixed batch, two small copies."""
-    qsl = common.query_start_loc_cpu.tolist()
-    seq = common.seq_lens_cpu.tolist()
+    """Host-side work for one (micro)batch; device work is slicing and, for a mixed batch, two small copies.
+
+    Vectorised over the requests (numpy views of the ``*_cpu`` tensors): only prefill requests, a handful in a
+    step, get a Python object each.
+    """
+    qsl = common.query_start_loc_cpu.numpy()
+    seq = common.seq_lens_cpu.numpy()
     num_reqs = common.num_reqs
     if len(qsl) != num_reqs + 1 or len(seq) != num_reqs:
         raise ValueError(f"metadata for {num_reqs} requests has {len(qsl)} query offsets and {len(seq)} "
                          "sequence lengths")
-    num_real = qsl[-1] if qsl else 0
+    num_real = int(qsl[-1]) if len(qsl) else 0
     num_tokens = common.slot_mapping.shape[0]
     if num_real > num_tokens:
         raise ValueError(f"{num_real} real tokens but a slot mapping of {num_tokens} rows")
-    decodes, prefills = [], []
-    for i in range(num_reqs):
-        s, e = qsl[i], qsl[i + 1]
-        if e - s == 1:
-            decodes.append(i)
-        elif e - s > 1:
-            if seq[i] < e - s:
-                raise ValueError(f"request {i} has {e - s} query tokens but seq_len {seq[i]}")
-            prefills.append(PrefillRequest(i, s, e, seq[i]))
+    q = np.diff(qsl)
+    is_decode = q == 1
+    num_decodes = int(np.count_nonzero(is_decode))
+    prefills: tuple[PrefillRequest, ...] = ()
+    if num_decodes < num_reqs:
+        multi = np.flatnonzero(q > 1)
+        short = multi[seq[multi] < q[multi]]
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"request {i} has {int(q[i])} query tokens but seq_len {int(seq[i])}")
+        prefills = tuple(PrefillRequest(i, s, e, n) for i, s, e, n in
+                         zip(multi.tolist(), qsl[multi].tolist(), qsl[multi + 1].tolist(), seq[multi].tolist()))
     decode = None
-    if decodes:
-        longest = max(seq[i] for i in decodes)
-        if decodes == list(range(len(decodes))):  # the first R requests: their tokens are rows [0, R)
-            r = len(decodes)
+    if num_decodes:
+        longest = int(seq[is_decode].max())
+        if num_decodes == num_reqs or bool(is_decode[:num_decodes].all()):  # the first R requests: rows [0, R)
+            r = num_decodes
             decode = DecodeGroup(r, common.block_table[:r], common.seq_lens[:r], longest)
         else:
             device = common.block_table.device
-            req = host_to_device(torch.tensor(decodes, dtype=torch.int64), device)
-            tok = host_to_device(torch.tensor([qsl[i] for i in decodes], dtype=torch.int64), device)
-            decode = DecodeGroup(len(decodes), common.block_table.index_select(0, req),
+            idx = np.flatnonzero(is_decode)
+            req = host_to_device(torch.from_numpy(idx), device)
+            tok = host_to_device(torch.from_numpy(qsl[idx].astype(np.int64)), device)
+            decode = DecodeGroup(num_decodes, common.block_table.index_select(0, req),
                                  common.seq_lens.index_select(0, req), longest, tok)
     return PagedAttentionMetadata(backend, common, num_tokens, num_real, common.slot_mapping[:num_real],
-                                  decode, tuple(prefills))
+                                  decode, prefills)
