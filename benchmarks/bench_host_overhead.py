@@ -18,18 +18,21 @@ For each workload, DP size (1, 2 rank processes) and loop (``sync``: ``--disable
 ``overlap``: the scheduler-level overlap loop), the engine core is stepped directly (``EngineCore.step``):
 
 - **wall/step**: time per ``EngineCore.step`` call in the measured window (in the overlap loop one call
-  launches step N+1 and processes step N, so this is the step period);
+  launches step N+1 and processes step N, so this is the step period); the outputs are read after the run,
+  as a client in another process would, so their reading is not counted;
 - **forward/step**: the model's forward (forward hooks on ``LLM.runner.model``), per step;
 - **host/step** = wall - forward: the time per step the forward is *not* running. This is the figure the
   goals are about (with the overlap loop, host work hidden behind the forward does not count, and a forward
-  slowed down by host work running next to it under the GIL shows up in forward/step);
+  slowed down by host work running next to it under the GIL shows up in forward/step); **(-sampl)**: the
+  same less the time in ``ModelRunner._sample`` (logits and the sampler, wall clock);
 - **phases**: a second, instrumented run wraps the engine's entry points with timers (exclusive CPU time of
   the thread that runs them, in both threads: their sum can exceed host/step with the overlap loop, where part
-  of it runs next to the forward). ``schedule`` (``Scheduler.schedule`` less KV allocation), ``kv_alloc`` (the block allocator),
-  ``dp_vote`` (``ModelRunner.decide``), ``inputs`` (input ids, positions, attention metadata: the runner's
-  step outside the forward, the vote and sampling), ``sampling`` (``ModelRunner._sample``, logits included),
-  ``outputs`` (``Scheduler.update``, output emission), ``future_map`` (placeholder resolve/store, overlap
-  loop only). The wrappers cost about a microsecond per call, so this run is slower than the first.
+  of it runs next to the forward). ``schedule`` (``Scheduler.schedule`` less KV allocation), ``kv_alloc``
+  (the block allocator), ``dp_vote`` (``ModelRunner.decide``), ``inputs`` (input ids, positions, attention
+  metadata: the runner's step outside the forward, the vote and sampling), ``sampling``
+  (``ModelRunner._sample``, logits included), ``outputs`` (``Scheduler.update``, output emission),
+  ``future_map`` (placeholder resolve/store, overlap loop only). The wrappers cost about a microsecond per
+  call, so this run is slower than the first.
 
 Each (workload, DP, loop) is run ``--repeats`` times, the loops alternating on one engine, and medians are
 reported. Outputs of the two loops are compared token for token. CSV: ``benchmarks/results/host_overhead.csv``.
@@ -95,11 +98,26 @@ def workloads(requests: list[int], decode_tokens: int, mixed: bool) -> list[Work
 
 
 # ---------------------------------------------------------------------------------------------------- timers
-class ForwardClock:
-    """Forward hooks on the model: every forward's (start, end) on the perf_counter clock."""
+class Intervals:
+    """(start, end) of every call of something, on the perf_counter clock."""
+
+    def __init__(self) -> None:
+        self.intervals: list[tuple[float, float]] = []
+
+    def busy_in(self, t0: float, t1: float) -> tuple[float, int]:
+        """Seconds of it inside [t0, t1], and how many calls started in it."""
+        busy, n = 0.0, 0
+        for a, b in self.intervals:
+            busy += max(0.0, min(b, t1) - max(a, t0))
+            n += t0 <= a < t1
+        return busy, n
+
+
+class ForwardClock(Intervals):
+    """Forward hooks on the model: every forward's (start, end)."""
 
     def __init__(self, model: Any) -> None:
-        self.intervals: list[tuple[float, float]] = []
+        super().__init__()
         self._start = threading.local()
         self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
 
@@ -109,17 +127,33 @@ class ForwardClock:
     def _post(self, *_: Any) -> None:
         self.intervals.append((self._start.t, time.perf_counter()))
 
-    def busy_in(self, t0: float, t1: float) -> tuple[float, int]:
-        """Seconds of forward inside [t0, t1], and how many forwards started in it."""
-        busy, n = 0.0, 0
-        for a, b in self.intervals:
-            busy += max(0.0, min(b, t1) - max(a, t0))
-            n += t0 <= a < t1
-        return busy, n
-
     def close(self) -> None:
         for h in self._handles:
             h.remove()
+
+
+class SamplingClock(Intervals):
+    """Every ``ModelRunner._sample`` call's (start, end): the sampler, which another part of the engine owns,
+    reported apart from the rest of the host's work. Two clock reads per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from runner.worker.model_runner import ModelRunner
+
+        self._owner, self._orig = ModelRunner, ModelRunner._sample
+        orig, intervals = self._orig, self.intervals
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return orig(*args, **kwargs)
+            finally:
+                intervals.append((t0, time.perf_counter()))
+
+        ModelRunner._sample = timed  # type: ignore[method-assign]
+
+    def close(self) -> None:
+        self._owner._sample = self._orig  # type: ignore[method-assign]
 
 
 class PhaseTimers:
@@ -193,7 +227,7 @@ def instrument(llm: Any, core: Any) -> PhaseTimers:
 
 # ---------------------------------------------------------------------------------------------------- one run
 def one_run(llm: Any, core: Any, wl: Workload, loop: str, prompts: list[list[int]], clock: ForwardClock,
-            timers: PhaseTimers | None, measure: bool = True) -> dict[str, Any] | None:
+            sampling: SamplingClock, timers: PhaseTimers | None, measure: bool = True) -> dict[str, Any] | None:
     from runner.core.requests import EngineCoreRequest
     from runner.sampling_params import SamplingParams
 
@@ -202,11 +236,13 @@ def one_run(llm: Any, core: Any, wl: Workload, loop: str, prompts: list[list[int
         params = SamplingParams(temperature=0.0, max_tokens=wl.output_lens[i], ignore_eos=True)
         core.add_request(EngineCoreRequest(i, p, params))
     tokens: dict[int, list[int]] = defaultdict(list)
+    collected: list[list[Any]] = []
     calls: list[tuple[float, float, int, int]] = []  # (start, end, running after, waiting after)
     decode = wl.name.startswith("decode")
     n_steps = wl.output_lens[0] if decode else 0
     window: tuple[int, int] | None = (2, n_steps - 2) if decode else None  # call indices [a, b)
     clock.intervals.clear()
+    sampling.intervals.clear()
     k = 0
     while True:
         if timers is not None:
@@ -215,13 +251,15 @@ def one_run(llm: Any, core: Any, wl: Workload, loop: str, prompts: list[list[int
         step = core.step()
         t1 = time.perf_counter()
         calls.append((t0, t1, core.num_running, core.num_waiting))
-        for o in step.outputs:
-            tokens[o.request_id].extend(o.new_token_ids)
+        collected.append(step.outputs)  # read after the run: the client's work is not the engine's step
         k += 1
         if not step.running:
             break
     if timers is not None:
         timers.active = False
+    for outputs in collected:
+        for o in outputs:
+            tokens[o.request_id].extend(o.new_token_ids)
     if not measure:
         return None
     if decode:
@@ -236,7 +274,9 @@ def one_run(llm: Any, core: Any, wl: Workload, loop: str, prompts: list[list[int
     steps = len(sel)
     wall = (t_end - t_start) / steps
     forward = busy / steps
+    sample = sampling.busy_in(t_start, t_end)[0] / steps
     return {"wall_ms": 1e3 * wall, "forward_ms": 1e3 * forward, "host_ms": 1e3 * (wall - forward),
+            "sampling_ms": 1e3 * sample, "host_excl_sampling_ms": 1e3 * (wall - forward - sample),
             "forwards_per_step": starts / steps, "steps": steps, "tokens": [tokens[i] for i in range(len(prompts))]}
 
 
@@ -259,16 +299,16 @@ def run_rank(requests: list[int], dp: int, repeats: int, decode_tokens: int, mix
         rng = random.Random(11 + llm.rank)
         prompts = [[rng.randrange(llm.runner.vocab_size) for _ in range(wl.prompt_len)]
                    for _ in range(wl.num_requests)]
-        clock = ForwardClock(llm.runner.model)
+        clock, sampling = ForwardClock(llm.runner.model), SamplingClock()
         try:
             warm = Workload(wl.name, min(8, wl.num_requests), wl.max_num_seqs, wl.max_num_batched_tokens,
                             wl.prompt_len, wl.output_lens[:8])
             for loop in LOOPS:  # warm-up: first-call costs, the executor thread
-                one_run(llm, core, warm, loop, prompts[:warm.num_requests], clock, None, measure=False)
+                one_run(llm, core, warm, loop, prompts[:warm.num_requests], clock, sampling, None, measure=False)
             runs: dict[str, list[dict[str, Any]]] = {loop: [] for loop in LOOPS}
             for _ in range(repeats):
                 for loop in LOOPS:
-                    r = one_run(llm, core, wl, loop, prompts, clock, None)
+                    r = one_run(llm, core, wl, loop, prompts, clock, sampling, None)
                     assert r is not None
                     runs[loop].append(r)
             split: dict[str, dict[str, float]] = {}
@@ -276,26 +316,29 @@ def run_rank(requests: list[int], dp: int, repeats: int, decode_tokens: int, mix
                 for loop in LOOPS:
                     timers = instrument(llm, core)
                     try:
-                        r = one_run(llm, core, wl, loop, prompts, clock, timers)
+                        r = one_run(llm, core, wl, loop, prompts, clock, sampling, timers)
                     finally:
                         timers.unwrap()
                     assert r is not None
                     split[loop] = {p: 1e3 * timers.totals.get(p, 0.0) / r["steps"] for p in PHASES}
         finally:
             clock.close()
+            sampling.close()
             core.close()
             llm.close()
         reference = runs["sync"][0]["tokens"]
         identical = all(r["tokens"] == reference for rs in runs.values() for r in rs)
         for loop in LOOPS:
             med = {key: statistics.median(r[key] for r in runs[loop])
-                   for key in ("wall_ms", "forward_ms", "host_ms", "forwards_per_step", "steps")}
+                   for key in ("wall_ms", "forward_ms", "host_ms", "sampling_ms", "host_excl_sampling_ms",
+                               "forwards_per_step", "steps")}
             row = {"workload": wl.name, "running": wl.running, "dp": dp, "loop": loop,
                    "wall_ms": round(med["wall_ms"], 3), "forward_ms": round(med["forward_ms"], 3),
-                   "host_ms": round(med["host_ms"], 3), "steps": int(med["steps"]),
+                   "host_ms": round(med["host_ms"], 3), "sampling_ms": round(med["sampling_ms"], 3),
+                   "host_excl_sampling_ms": round(med["host_excl_sampling_ms"], 3), "steps": int(med["steps"]),
                    "forwards_per_step": round(med["forwards_per_step"], 2)}
-            for p in PHASES:
-                row[f"{p}_ms"] = round(split[loop][p], 3) if phases else ""
+            for p in PHASES:  # thread CPU time (the columns above are wall clock)
+                row[f"cpu_{p}_ms"] = round(split[loop][p], 3) if phases else ""
             row.update({"same_tokens": identical, "repeats": repeats})
             rows.append(row)
         print(f"rank {llm.rank}: done {wl.name} dp={dp}", file=sys.stderr)
@@ -307,16 +350,17 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     """One line per (workload, DP), the two loops side by side; then the phase split."""
     by = {(r["workload"], r["dp"], r["loop"]): r for r in rows}
     keys = list(dict.fromkeys((r["workload"], r["dp"]) for r in rows))
-    head = ["workload", "DP", "wall sync", "fwd sync", "host sync", "wall ovl", "fwd ovl", "host ovl", "same"]
-    widths = [11, 3, 10, 9, 10, 9, 8, 9, 5]
-    print("ms per step (median of repeats); host = wall - forward")
+    head = ["workload", "DP", "wall sync", "fwd", "host", "(-sampl)", "wall ovl", "fwd", "host", "(-sampl)",
+            "same"]
+    widths = [11, 3, 10, 7, 7, 8, 9, 7, 7, 8, 5]
+    print("ms per step (median of repeats); host = wall - forward; (-sampl): host less ModelRunner._sample")
     print(" | ".join(f"{h:>{w}}" for h, w in zip(head, widths)))
     for wl, dp in keys:
         s, o = by[(wl, dp, "sync")], by[(wl, dp, "overlap")]
-        cells = [wl, dp, s["wall_ms"], s["forward_ms"], s["host_ms"], o["wall_ms"], o["forward_ms"], o["host_ms"],
-                 "yes" if s["same_tokens"] else "NO"]
+        cells = [wl, dp, s["wall_ms"], s["forward_ms"], s["host_ms"], s["host_excl_sampling_ms"], o["wall_ms"],
+                 o["forward_ms"], o["host_ms"], o["host_excl_sampling_ms"], "yes" if s["same_tokens"] else "NO"]
         print(" | ".join(f"{c:>{w}.3f}" if isinstance(c, float) else f"{c!s:>{w}}" for c, w in zip(cells, widths)))
-    if rows[0]["schedule_ms"] == "":
+    if rows[0]["cpu_schedule_ms"] == "":
         return
     print()
     print("host phases, CPU ms per step (instrumented run; exclusive thread CPU time, both threads)")
@@ -326,7 +370,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     for wl, dp in keys:
         for loop in LOOPS:
             r = by[(wl, dp, loop)]
-            cells = [wl, dp, loop, *[r[f"{p}_ms"] for p in PHASES]]
+            cells = [wl, dp, loop, *[r[f"cpu_{p}_ms"] for p in PHASES]]
             print(" | ".join(f"{c:>{w}.3f}" if isinstance(c, float) else f"{c!s:>{w}}"
                              for c, w in zip(cells, widths)))
 

@@ -129,7 +129,7 @@ class RunnerConfig:
     max_dispatch_tokens_per_rank: int | None = None  # None: derived from max_num_batched_tokens
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # None: a vLLM-like ladder up to --max-num-seqs
-    disable_overlap_schedule: bool = False  # True: one step at a time (no CPU/forward overlap loop)
+    disable_overlap_schedule: bool | None = None  # None: overlap loop on a GPU, one step at a time on the CPU
     disable_consecutive_prefill_overlap: bool = False  # a prefill step waits for the previous prefill's results
     enable_single_batch_overlap: bool = False
     dist_timeout_s: float = 120.0
@@ -163,7 +163,8 @@ class RunnerConfig:
         for name in ("enable_expert_parallel", "enable_dbo", "enforce_eager", "disable_overlap_schedule",
                      "disable_consecutive_prefill_overlap",
                      "enable_single_batch_overlap"):
-            if not isinstance(getattr(self, name), bool):
+            if not isinstance(getattr(self, name), bool) and not (name == "disable_overlap_schedule"
+                                                                  and self.disable_overlap_schedule is None):
                 raise ConfigError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
         _choice("ubatch_split", self.ubatch_split, UBATCH_SPLITS)
         _choice("dbo_dp_rule", self.dbo_dp_rule, DBO_DP_RULES)

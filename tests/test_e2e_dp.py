@@ -1,5 +1,5 @@
 """End to end over DP=2 real processes (built-in spawner, gloo, torch_ll): DBO on == DBO off, token for token,
-and the overlap loop (the default) == the synchronous loop (``disable_overlap_schedule``).
+and the overlap loop (the default on a GPU, asked for here) == the synchronous loop (``disable_overlap_schedule``).
 
 Launches are the expensive part (~3 s each), so one launch runs every workload under four engines (DBO off,
 DBO with the ``tokens`` split, DBO with the ``balanced`` split, all with the overlap loop; and DBO ``tokens``
@@ -25,8 +25,9 @@ ROOT = Path(__file__).resolve().parents[1]
 BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ll",
             dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_cost_model="off", dist_timeout_s=60.0,
             device=device_for(2))
-VARIANTS = {"off": dict(enable_dbo=False), "tokens": dict(enable_dbo=True, ubatch_split="tokens"),
-            "balanced": dict(enable_dbo=True, ubatch_split="balanced"),
+VARIANTS = {"off": dict(enable_dbo=False, disable_overlap_schedule=False),
+            "tokens": dict(enable_dbo=True, ubatch_split="tokens", disable_overlap_schedule=False),
+            "balanced": dict(enable_dbo=True, ubatch_split="balanced", disable_overlap_schedule=False),
             "sync": dict(enable_dbo=True, ubatch_split="tokens", disable_overlap_schedule=True)}
 
 

@@ -411,3 +411,72 @@ def test_generate_trace_file_writes_chrome_trace_and_prints_metrics(tmp_path: Pa
     assert all(e["dur"] >= 0 and e["ts"] >= 0 for e in spans)
     assert f"trace written to {out}" in proc.stdout
     assert "DBO overlap, rank 0" in proc.stdout and "comm hidden" in proc.stdout, proc.stdout
+
+
+def _step_windows(spans: list[Any]) -> list[tuple[float, float]]:
+    """Each step's run on the forward side, from its DP vote to the end of its sampling (a vote with no
+    sampling after it, the wave's last, is no step)."""
+    marks = sorted((s.start, s.name, s.end) for s in spans if s.track == "step" and s.name in ("dp_vote", "sample"))
+    windows, start = [], None
+    for t, name, end in marks:
+        if name == "dp_vote":
+            start = t
+        elif start is not None:
+            windows.append((start, end))
+            start = None
+    return windows
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_trace_shows_next_steps_host_work_inside_the_running_step(tmp_path: Path, overlap: bool,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the overlap loop, the trace of every decode step holds the scheduling of the step after it; with
+    the synchronous loop, none does. So that load cannot decide it, the k-th forward waits (at most 10 s)
+    until the CPU thread has scheduled step k + 2, the one after it: a loop that scheduled only after
+    processing would make it wait the whole timeout, and the test counts those waits."""
+    import time
+
+    from ubatch.trace_metrics import spans_from_chrome
+
+    calls = [0]
+    schedule = Scheduler.schedule
+
+    def counted(self: Scheduler) -> SchedulerOutput:
+        out = schedule(self)
+        calls[0] += 1
+        return out
+
+    monkeypatch.setattr(Scheduler, "schedule", counted)
+    trace_file = tmp_path / "trace.json"
+    llm = LLM(model="tiny-qwen3-moe", cache_dir=str(tmp_path / "cache"), device="cpu", max_num_seqs=32,
+              disable_overlap_schedule=not overlap, trace_file=str(trace_file))
+    forwards, timed_out = [0], []
+
+    def gate(*_: Any) -> None:
+        k, forwards[0] = forwards[0], forwards[0] + 1
+        deadline = time.monotonic() + (0 if timed_out else 10)  # after one timeout, no more waiting
+        while calls[0] < k + 2 and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        if calls[0] < k + 2:
+            timed_out.append(k)
+
+    if overlap:
+        llm.runner.model.register_forward_pre_hook(gate)
+    try:
+        prompts = [[(7 * i + j) % 500 for j in range(8)] for i in range(32)]
+        llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    assert timed_out == []
+    _, spans = spans_from_chrome(json.loads(trace_file.read_text()), 0)
+    windows = _step_windows(spans)
+    assert len(windows) == 10  # one prefill step, then nine decode steps
+    # The k-th schedule() call (0-based) built step k; calls past the tenth found nothing left to schedule.
+    schedules = sorted((s.start, s.end) for s in spans if s.track == "scheduler" and s.name == "schedule")
+    assert len(schedules) >= 11
+    for k in range(1, 10):  # decode step k runs while step k + 1 is scheduled (overlap), or before it (sync)
+        nxt = schedules[k + 1]
+        if overlap:
+            assert windows[k - 1][1] < nxt[0] and nxt[1] < windows[k][1], (k, windows[k - 1:k + 1], nxt)
+        else:
+            assert windows[k][1] < nxt[0], (k, windows[k], nxt)

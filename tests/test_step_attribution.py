@@ -169,6 +169,7 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         original = tracing.local_spans
         mp.setattr(tracing, "local_spans", lambda rec: raw.append(original(rec)) or raw[-1])
         llm = LLM(model=MODEL, cache_dir=str(tmp / "cache"), enable_dbo=True, dbo_cost_model="off",
+                  disable_overlap_schedule=False,  # the overlap loop's phases (resolve) are probed too
                   dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16, max_num_seqs=64,
                   emulate_link="latency_us=50,gbps=2", trace_file=str(trace_file), device="cpu")
         probes = Probes(mp)

@@ -246,9 +246,8 @@ def build_attention_metadata(context_lens: Sequence[int] | np.ndarray, query_len
         raise ValueError("context_lens, query_lens and blocks must have one entry per request")
     seq = ctx + q
     need = (seq + (block_size - 1)) // block_size
-    short = np.flatnonzero(need > rows.held)
-    if short.size:
-        i = int(short[0])
+    if (need > rows.held).any():
+        i = int(np.flatnonzero(need > rows.held)[0])
         raise ValueError(f"request {i} needs {int(need[i])} blocks for {int(seq[i])} tokens, has "
                          f"{int(rows.held[i])}")
     qsl = np.zeros(num_reqs + 1, dtype=np.int32)
@@ -265,9 +264,10 @@ def build_attention_metadata(context_lens: Sequence[int] | np.ndarray, query_len
     block_table = np.zeros((num_reqs, width), dtype=np.int32)
     cols = min(width, rows.table.max_blocks_per_row)  # held <= what a row holds <= the table's width
     if num_reqs:
-        # Zero past each request's own blocks: entries the scheduler appended for a later step read as padding.
-        np.multiply(rows.table.table[rows.rows, :cols], np.arange(cols) < rows.held[:, None],
-                    out=block_table[:, :cols])
+        block_table[:, :cols] = rows.table.table[rows.rows, :cols]
+        if int(rows.held.min()) < cols:
+            # Zero past each request's own blocks: what the scheduler appended for a later step reads as padding.
+            block_table[:, :cols] *= np.arange(cols) < rows.held[:, None]
     positions = np.zeros(num_tokens, dtype=np.int64)
     slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
     if num_actual:

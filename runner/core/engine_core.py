@@ -15,15 +15,43 @@ soon as this rank has nothing left.
 """
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop
+from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop, use_overlap_loop
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
-from runner.core.scheduler import Request, Scheduler
+from runner.core.scheduler import FINISHED, Request, Scheduler
 from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.sampler import request_seed
 from runner.worker.scheduled_batch import SchedulerOutput
+
+
+#: The cyclic collector's first threshold once an engine core is built (CPython's default: 700). See tune_gc().
+GC_THRESHOLD0 = 50_000
+
+
+def tune_gc() -> None:
+    """Keep Python's cyclic garbage collector off the step path; once, when an engine core is built.
+
+    - Every object alive now (the model, the imported modules, the engine) leaves the collector's scans
+      (``gc.freeze()``, after a full collection so no garbage is frozen), as vLLM does once its engine is up
+      (``freeze_gc_heap``, ``vllm/utils/gc_utils.py``): a full collection would otherwise walk hundreds of
+      thousands of objects once torch and a model are loaded.
+    - The first generation's threshold is raised to :data:`GC_THRESHOLD0` (never lowered). The collector runs
+      when allocations minus frees of container objects pass it; a step allocates a few per request (outputs,
+      token lists) and frees them by the end of the step, so at 700 a step of 1024 requests ran about seven
+      collections that found only that step's live objects to walk, and nothing to free (about half a
+      millisecond a step: ``docs/benchmarks.md``, engine host time). Garbage cycles are still collected once
+      that many objects outlive their steps.
+
+    Objects made later are collected as usual; :meth:`EngineCore.close` unfreezes.
+    """
+    gc.collect()
+    gc.freeze()
+    threshold = gc.get_threshold()
+    if threshold[0] < GC_THRESHOLD0:
+        gc.set_threshold(GC_THRESHOLD0, *threshold[1:])
 
 
 @dataclass
@@ -47,8 +75,9 @@ class EngineCore:
         self.last_loop_stats: LoopStats | None = None  # the loop of the last wave that ended
         self._executor: ForwardExecutor | None = None
         self._loop: StepLoop | None = None
-        self._emitted: dict[int, int] = {}  # request id -> output tokens already reported
+        self._live: set[int] = set()  # requests added and neither aborted by the client nor reported finished
         self._step_outputs: dict[int, EngineCoreOutput] = {}  # gathered while steps run, until take_outputs()
+        tune_gc()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -57,14 +86,15 @@ class EngineCore:
         params = request.sampling_params
         self.scheduler.add_request(request.prompt_token_ids, params, request_seed(params, request.default_seed),
                                    req_id=request.request_id)
-        self._emitted[request.request_id] = 0
+        self._live.add(request.request_id)
 
     def abort_requests(self, request_ids: Iterable[int], message: str = "aborted by the client") -> None:
         """Finish these requests with ``finish_reason`` "abort"; nothing more is reported for them (the caller
         knows). Their KV blocks are freed once no step in flight uses them. Unknown or finished ids are ignored."""
         for rid in request_ids:
-            if self._emitted.pop(rid, None) is None:
+            if rid not in self._live:
                 continue
+            self._live.discard(rid)
             self.scheduler.abort_request(rid, message, reason="abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -91,7 +121,8 @@ class EngineCore:
         if self._loop is None:
             self._loop = make_step_loop(
                 self.scheduler, self.runner,
-                executor=None if self.cfg.disable_overlap_schedule else self._forward_executor(),
+                executor=self._forward_executor() if use_overlap_loop(self.cfg.disable_overlap_schedule,
+                                                                      getattr(self.runner, "device", None)) else None,
                 consecutive_prefill_overlap=not self.cfg.disable_consecutive_prefill_overlap,
                 before_launch=self.before_launch, on_results=self._on_results,
                 step_timeout_s=self.cfg.dist_timeout_s)
@@ -112,8 +143,9 @@ class EngineCore:
         for req in self.scheduler.take_finished():
             rid = req.req_id
             self.scheduler.forget(rid)
-            if self._emitted.pop(rid, None) is None:  # aborted by the client: it reports nothing more
+            if rid not in self._live:  # aborted by the client: it reports nothing more
                 continue
+            self._live.discard(rid)
             out = by_id.get(rid)
             if out is None:
                 out = by_id[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(req.prompt_token_ids))
@@ -128,27 +160,33 @@ class EngineCore:
             self.last_loop_stats = loop.finish()
 
     def _on_results(self, out: SchedulerOutput, output: ModelRunnerOutput, done: list[Request]) -> None:
-        """The tokens one processed step added, per request (finished requests are added by take_outputs)."""
+        """The tokens one processed step added, per request (finished requests are added by take_outputs).
+
+        ``update`` has just applied the step: a sampling request got its token unless it had finished before
+        (a stop found in an earlier step, an abort), and the requests it finished are ``done``. So the tokens
+        to report are the step's own, found in one pass without looking at each request's history.
+        """
         logprobs = output.logprobs
-        requests = self.scheduler.requests
-        for i, chunk in enumerate(out.chunks):
-            rid = chunk.req_id
-            start = self._emitted.get(rid)
-            req = requests.get(rid)
-            if start is None or req is None:  # aborted by the client, or already reported finished
+        step_outputs = self._step_outputs
+        finished = set(done)
+        triples = zip(out.requests, out.sample.tolist(), output.sampled_token_ids)
+        if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
+            for req, sample, token in triples:
+                if sample and (req.status is not FINISHED or req in finished):
+                    step_outputs[req.req_id] = EngineCoreOutput(req.req_id, [token],
+                                                                num_prompt_tokens=len(req.prompt_token_ids))
+            return
+        for i, (req, sample, token) in enumerate(triples):
+            if not sample or (req.status is FINISHED and req not in finished):  # no token, or it was discarded
                 continue
-            real = len(req.output_token_ids) - req.num_pending
-            if real <= start:
-                continue
-            new = req.output_token_ids[start:real]
-            self._emitted[rid] = real
+            rid = req.req_id
             entry = logprobs[i] if logprobs is not None else None
-            prev = self._step_outputs.get(rid)
+            prev = step_outputs.get(rid)
             if prev is None:
-                self._step_outputs[rid] = EngineCoreOutput(rid, new, [entry] if entry is not None else None,
-                                                           num_prompt_tokens=len(req.prompt_token_ids))
+                step_outputs[rid] = EngineCoreOutput(rid, [token], None if entry is None else [entry],
+                                                     num_prompt_tokens=len(req.prompt_token_ids))
             else:  # a second processed step in one call (a sync point): append
-                prev.new_token_ids.extend(new)
+                prev.new_token_ids.append(token)
                 if entry is not None:
                     prev.new_logprobs = (prev.new_logprobs or []) + [entry]
 
@@ -164,8 +202,10 @@ class EngineCore:
         return self._executor.thread_id if self._executor is not None else None
 
     def close(self) -> None:
-        """Wait for anything in flight, stop the forward thread and release the runner."""
+        """Wait for anything in flight, stop the forward thread and release the runner (and hand the frozen heap
+        back to the garbage collector, so what this engine leaves behind can be collected)."""
         self._end_wave()
+        gc.unfreeze()
         if self._executor is not None:
             self._executor.close()
             self._executor = None

@@ -16,52 +16,81 @@ same entry (a placeholder resolved without a fresh store), raises instead of ret
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Sequence
+
+import numpy as np
 
 from runner.worker.scheduled_batch import SchedulerOutput
 from runner.core.slots import slot_of
 
-_EMPTY = (-1, -1)  # (owner request id, token): nothing stored since the last read
-
 
 class FutureTokenMap:
-    """``slot -> (owner, token)``; written and read only on the forward side.
+    """``slot -> (owner, token)`` as two numpy arrays; written and read only on the forward side.
 
     ``store`` is called after each step with the tokens it sampled; ``resolve`` on the next step's inputs
     before its forward. An entry is consumed by the read that resolves it, so each placeholder needs exactly
-    one fresh store (``CI mode`` of the pool-indexed SGLang map, always on here: it costs a tuple per token).
+    one fresh store (``CI mode`` of the pool-indexed SGLang map, always on here). Both are vectorised over the
+    step: a few numpy operations, whatever the batch size.
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: list[tuple[int, int]] = [_EMPTY] * capacity
+        self._owner = np.full(capacity, -1, dtype=np.int64)
+        self._token = np.full(capacity, -1, dtype=np.int64)  # -1: nothing stored since the last read
         self.num_resolved = 0  # placeholders replaced so far (tests assert the map really was used)
 
-    def store(self, req_ids: Sequence[int], slots: Sequence[int], tokens: Sequence[int]) -> None:
-        for rid, slot, tok in zip(req_ids, slots, tokens):
-            self._entries[slot] = (rid, tok)
+    def store(self, req_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
+              tokens: Sequence[int] | np.ndarray) -> None:
+        slots = np.asarray(slots, dtype=np.int64)
+        self._owner[slots] = req_ids
+        self._token[slots] = tokens
 
     def resolve_one(self, req_id: int, token: int) -> int:
         if token >= 0:
             return token
-        slot = slot_of(token)
-        owner, value = self._entries[slot]
-        if owner != req_id or value < 0:
-            raise RuntimeError(f"future-token map: request {req_id} reads slot {slot} but it holds "
+        return int(self._take(np.array([req_id]), np.array([slot_of(token)]))[0])
+
+    def _take(self, req_ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The stored tokens of ``slots``, read by ``req_ids``, consumed; raises on a foreign or stale read."""
+        owners, values = self._owner[slots], self._token[slots]
+        bad = np.flatnonzero((owners != req_ids) | (values < 0))
+        if bad.size:
+            i = int(bad[0])
+            rid, slot, owner, value = int(req_ids[i]), int(slots[i]), int(owners[i]), int(values[i])
+            raise RuntimeError(f"future-token map: request {rid} reads slot {slot} but it holds "
                                f"{'nothing' if value < 0 else f'a token of request {owner}'} (a placeholder was "
                                "resolved without its producer's store, or two requests share a slot)")
-        self._entries[slot] = _EMPTY
-        self.num_resolved += 1
-        return value
+        self._token[slots] = -1
+        self.num_resolved += len(slots)
+        return values
 
     def resolve(self, out: SchedulerOutput) -> SchedulerOutput:
-        """``out`` with every placeholder replaced; fresh chunk objects, the scheduler's own are not touched
-        (its CPU thread reads them while this step runs)."""
-        if not any(t < 0 for c in out.chunks for t in c.token_ids):
+        """``out`` with every placeholder replaced; a copy, the scheduler's own output is not touched (its CPU
+        thread reads it while this step runs). A step has at most one placeholder per request: the token its
+        previous step samples."""
+        ids = out.token_ids
+        if not len(ids) or int(ids.min()) >= 0:
             return out
-        chunks = [c if min(c.token_ids) >= 0 else
-                  dataclasses.replace(c, token_ids=[self.resolve_one(c.req_id, t) for t in c.token_ids])
-                  for c in out.chunks]
-        return dataclasses.replace(out, chunks=chunks)
+        where = np.flatnonzero(ids < 0)
+        owners = np.repeat(out.req_ids, out.query_lens)[where]
+        resolved = ids.copy()
+        resolved[where] = self._take(owners, -ids[where] - 1)
+        return out.with_token_ids(resolved)
 
+    def store_sampled(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> None:
+        """Store what step ``out`` sampled (``sampled[i]``: request ``i``'s token, None if it sampled none)
+        under each request's slot; requests without a slot are skipped."""
+        if len(sampled) != out.num_reqs:
+            raise ValueError(f"{len(sampled)} sampled tokens for a step of {out.num_reqs} requests")
+        keep = out.slots >= 0
+        try:
+            tokens = np.array(sampled, dtype=np.int64)  # every request sampled
+        except TypeError:  # None where a request sampled nothing (a prefill chunk)
+            given = np.array([t is not None for t in sampled], dtype=bool)
+            keep &= given
+            tokens = np.zeros(len(sampled), dtype=np.int64)
+            tokens[given] = [t for t in sampled if t is not None]
+        if keep.all():
+            self.store(out.req_ids, out.slots, tokens)
+        elif keep.any():
+            self.store(out.req_ids[keep], out.slots[keep], tokens[keep])

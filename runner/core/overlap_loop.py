@@ -3,7 +3,7 @@
 Synchronous (``--disable-overlap-schedule``): schedule N, run N, process N's results, repeat. The forward
 side idles while the CPU appends tokens, checks stops, frees KV blocks, streams outputs and schedules.
 
-Overlapped (the default)::
+Overlapped (the default on a GPU, ``use_overlap_loop``)::
 
     schedule N+1 -> launch N+1 -> wait copy_done(N) -> process N -> schedule N+2 -> launch N+2 -> ...
 
@@ -19,9 +19,11 @@ known: its inputs name them by placeholders, which the executor resolves from th
   bounds the look-ahead to one step: the CPU schedules N+2 only after N's results are processed, so the
   scheduler's speculative state is at most one step ahead, a request has at most two unresolved outputs, and exactly one step executes at a time
   (the next one waits in the queue, ready to start the moment the current one ends).
-- Inputs are built fresh per step (the chunks' token/block lists are copies; placeholder resolution
-  makes new chunk objects) and the runner's persistent ``input_ids``/``positions`` buffers are written
-  by the executor only, so nothing a running step reads is mutated in place.
+- A step's arrays are built fresh per step (placeholder resolution makes a copy of its token ids); the
+  scheduler's persistent block table is shared, but a request's row only gains entries past those its
+  steps in flight read, and is cleared only once none is in flight (``runner/attention/kv_cache.py``); the
+  runner's persistent ``input_ids``/``positions`` buffers are written by the executor only. So nothing a
+  running step reads is mutated in place.
 - DP: ``runner.step`` does the DP all-reduce and the MoE all-to-alls. They all run on the executor thread,
   one step after the other, so every rank issues its collectives in step order; each loop iteration
   launches exactly one step per rank, which keeps the k-th steps of all ranks paired.
@@ -151,6 +153,23 @@ class LoopStats:
 StepLoop = Union["SyncStepLoop", "OverlapStepLoop"]
 
 
+def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any) -> bool:
+    """Whether the engine runs the overlap loop: as ``--disable-overlap-schedule`` says when it is set; by
+    default (None) unless the forward runs on the CPU.
+
+    On a GPU the forward's kernels run asynchronously to the host thread, so the host's work for step N+1 fits
+    inside step N. On the CPU the forward is host work too, and both threads are Python under one GIL: the
+    scheduling thread's work is paid inside the forward instead of next to it, plus the hand-offs, so the
+    synchronous loop is faster there (measured: ``docs/benchmarks.md``, engine host time per step). A runner
+    that names no device (a test stand-in) gets the overlap loop.
+    """
+    if disable_overlap_schedule is not None:
+        return not disable_overlap_schedule
+    if device is None:
+        return True
+    return torch.device(device).type != "cpu"
+
+
 def make_step_loop(sched: Scheduler, runner: Any, *, executor: ForwardExecutor | None = None,
                    consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
                    on_results: OnResults | None = None, step_timeout_s: float | None = None) -> StepLoop:
@@ -225,11 +244,7 @@ def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) 
     output = runner.step(resolved)
     with trace.region("store", "step", track="step"):
         if output is not None and output.sampled_token_ids:
-            picks = [(c.req_id, c.slot, t) for c, t in zip(out.chunks, output.sampled_token_ids)
-                     if t is not None and c.slot >= 0]
-            if picks:
-                req_ids, slots, tokens = zip(*picks)
-                future_map.store(req_ids, slots, tokens)
+            future_map.store_sampled(out, output.sampled_token_ids)
     return output
 
 
@@ -268,7 +283,7 @@ class OverlapStepLoop:
             return launched.copy_done.result(timeout=self.step_timeout_s)
         except FutureTimeoutError:
             raise StepTimeoutError(
-                f"the engine's CPU thread waited {self.step_timeout_s:g} s for a step of {len(launched.out.chunks)} "
+                f"the engine's CPU thread waited {self.step_timeout_s:g} s for a step of {launched.out.num_reqs} "
                 f"chunks on the forward executor thread {self.executor.name!r}, which neither finished nor failed "
                 "it (raise --dist-timeout-s if one step legitimately takes longer)") from None
 
@@ -278,7 +293,7 @@ class OverlapStepLoop:
         t1 = time.perf_counter()
         self.stats.copy_wait_s += t1 - t0
         if output is None:
-            raise RuntimeError(f"model runner reported no work for a step of {len(launched.out.chunks)} chunks")
+            raise RuntimeError(f"model runner reported no work for a step of {launched.out.num_reqs} chunks")
         with trace.region("update", "step", track="scheduler"):
             done = self.sched.update(launched.out, output.sampled_token_ids)
             if self.on_results is not None:
@@ -306,7 +321,7 @@ class OverlapStepLoop:
         if self._inflight is not None and sched.wants_sync:
             self._process_inflight("preemption")
         out = self._schedule()
-        if self._inflight is not None and not out.chunks:
+        if self._inflight is not None and not out.num_reqs:
             self._process_inflight("nothing_to_schedule")
             carried = out.finished_req_ids
             out = self._schedule()
@@ -318,7 +333,7 @@ class OverlapStepLoop:
         if self._inflight is not None:
             stats.num_overlapped_steps += 1
             self._process_inflight()  # N-1's results while N runs
-        if out.chunks:
+        if out.num_reqs:
             self._inflight, self._launched = self._launched, None
             stats.num_steps += 1
             return True

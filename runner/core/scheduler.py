@@ -32,7 +32,12 @@ synchronous scheduler. With a step in flight:
 - no preemption: victims could be requests whose state is speculative. A request that would need one is
   left out of the step and ``wants_sync`` asks the loop to process the in-flight results first.
 Every request holds a *slot* (allocated at admission, freed at finish or preemption) that names its entry
-in the future-token map for its whole life.
+in the future-token map and its row of the persistent block table (``block_table``) for its whole life.
+
+**Host time.** A step is handed over as arrays over its requests (``SchedulerOutput``), and a request's blocks
+stay in its table row, which changes only when it gets a block (a block at a time as it crosses a block
+boundary) or gives its blocks back: nothing per request is copied per step, and what the model runner derives
+from the step (positions, block table, slot mapping) is vectorised (``docs/design_notes.md``, section 23).
 """
 from __future__ import annotations
 
@@ -40,17 +45,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from runner.core.slots import SlotPool, placeholder
+import numpy as np
+
+from runner.attention.kv_cache import BlockRows, BlockTable, blocks_needed
 from runner.core.kv_blocks import BlockAllocator
-from runner.attention.kv_cache import blocks_needed
+from runner.core.slots import SlotPool, placeholder
 from runner.sampling_params import SamplingParams, SamplingParamsError
-from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
+from runner.worker.scheduled_batch import SchedulerOutput
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 FINISH_REASONS = ("stop", "length", "abort", "error")
 
 
-@dataclass(eq=False)  # identity semantics: requests live in lists that are searched and removed from
+@dataclass(eq=False, slots=True)  # identity semantics: requests live in lists that are searched and removed from
 class Request:
     req_id: int
     prompt_token_ids: list[int]
@@ -63,11 +70,14 @@ class Request:
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
-    slot: int = -1  # future-token-map slot while admitted
+    slot: int = -1  # future-token-map slot (and block-table row) while admitted
     num_pending: int = 0  # trailing outputs that are still placeholders (their step is in flight)
-    inflight: deque[int] = field(default_factory=deque)  # step ids scheduled but not yet updated, oldest first
+    inflight: int = 0  # steps that scheduled it and are not yet updated
     stop_reason: int | None = None  # the stop token id when one of stop_token_ids ended it (vLLM's stop_reason)
     forgotten: bool = False  # finished and reported: drop it from Scheduler.requests once no step uses it
+    # Fixed at add_request, so the per-step checks are one set lookup and one comparison:
+    stop_ids: frozenset[int] = frozenset()  # tokens that stop it: EOS (unless ignore_eos) and stop_token_ids
+    max_outputs: int = 0  # outputs after which it stops for length: max_tokens, or what max_model_len leaves
 
     @property
     def num_tokens(self) -> int:
@@ -77,7 +87,7 @@ class Request:
         p = len(self.prompt_token_ids)
         if stop <= p:
             return self.prompt_token_ids[start:stop]
-        return (self.prompt_token_ids + self.output_token_ids)[start:stop]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(start - p, 0):stop - p]
 
     @property
     def is_finished(self) -> bool:
@@ -132,7 +142,10 @@ class Scheduler:
         # Slots: scheduled requests (<= max_num_seqs), requests whose last token is in flight (they already
         # gave up their seat, < max_num_seqs) and finished ones still in a step in flight (< max_num_seqs).
         self.slots = SlotPool(3 * max_num_seqs)
-        self.num_inflight_steps = 0  # scheduled, non-empty outputs not yet updated
+        # Every admitted request's blocks, a row per slot, kept from step to step (the steps' metadata gathers
+        # the rows); wide enough for max_model_len tokens.
+        self.block_table = BlockTable(self.slots.capacity, blocks_needed(max_model_len, block_size))
+        self._inflight_steps: deque[int] = deque()  # ids of scheduled, non-empty outputs not yet updated
         self.wants_sync = False  # the last schedule() left a request out rather than preempt with a step in flight
         self._step_seq = 0
         self.requests: dict[int, Request] = {}
@@ -142,6 +155,11 @@ class Scheduler:
         self._finished_since_schedule: list[int] = []
         self._finished_unreported: list[Request] = []  # for take_finished(), whatever finished them
         self._next_id = 0
+
+    @property
+    def num_inflight_steps(self) -> int:
+        """Scheduled, non-empty outputs not yet updated."""
+        return len(self._inflight_steps)
 
     @classmethod
     def from_runner(cls, cfg: Any, runner: Any) -> "Scheduler":
@@ -178,6 +196,9 @@ class Scheduler:
         if error is not None:
             self._finish(req, "error", error)
         else:
+            req.stop_ids = frozenset(sampling.stop_token_ids or ()) | (
+                frozenset() if sampling.ignore_eos else self.eos_token_ids)
+            req.max_outputs = min(sampling.max_tokens, self.max_model_len - len(prompt))
             self.waiting.append(req)
         return req
 
@@ -220,100 +241,131 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
+        """The next step: running decodes first, then running prefills' next chunks, then admissions.
+
+        Each scheduled request is advanced at once (module docstring). The per-request work is a few attribute
+        updates and list appends; the step's arrays are built once at the end, and a request's KV blocks are
+        allocated only when it crosses a block boundary (a block at a time for a decode).
+        """
         budget = self.max_num_batched_tokens
-        chunks: list[ScheduledChunk] = []
-        scheduled: set[int] = set()
+        bs = self.block_size
+        step_id = self._step_seq + 1
+        inflight = bool(self._inflight_steps)
         preemptions_before = self.num_preemptions
         self.wants_sync = False
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        for req in decodes + prefills:
-            if budget == 0:
-                break
-            if req.status != RUNNING:  # preempted (or failed) earlier in this loop
+        batch = _StepArrays()
+        reqs, starts, tokens = batch.reqs, batch.starts, batch.tokens
+        prefills: list[Request] = []
+        leaving = 0  # running requests whose last token is in flight: they gave up their seat
+        for req in list(self.running):
+            if req.status is not RUNNING:  # preempted earlier in this loop
                 continue
-            if self._last_token_in_flight(req):
+            out_ids = req.output_token_ids
+            start = req.num_computed_tokens
+            prompt = req.prompt_token_ids
+            if len(prompt) + len(out_ids) - start != 1:
+                prefills.append(req)
+                continue
+            if req.num_pending and len(out_ids) >= req.max_outputs:  # its final token is in flight: it is done
+                leaving += 1
+                continue
+            if not budget:
+                continue
+            if start // bs >= len(req.block_ids) and not self._grow(req, start // bs + 1, batch):
+                continue
+            # A decode: one token (the last one, perhaps a placeholder), and it samples.
+            idx = start - len(prompt)
+            tokens.append(out_ids[idx] if idx >= 0 else prompt[start])
+            reqs.append(req)
+            starts.append(start)
+            req.num_computed_tokens = start + 1
+            req.inflight += 1
+            out_ids.append(-req.slot - 1)  # slots.placeholder(slot): the token this step samples
+            req.num_pending += 1
+            budget -= 1
+        batch.num_decodes = len(reqs)
+        for req in prefills:
+            if not budget:
+                break
+            if req.status is not RUNNING:
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if not self._grow(req, n, scheduled):
+            need = blocks_needed(req.num_computed_tokens + n, bs)
+            if need > len(req.block_ids) and not self._grow(req, need, batch):
                 continue
-            chunks.append(self._chunk(req, n))
-            scheduled.add(req.req_id)
+            self._take(req, n, batch)
             budget -= n
         # Like vLLM: admitting right after a preemption (or instead of one) thrashes. A request whose last token
         # is in flight gives up its seat now, as it would have finished before this step in a synchronous loop.
-        leaving = sum(self._last_token_in_flight(r) for r in self.running) if self.num_inflight_steps else 0
         if self.num_preemptions == preemptions_before and not self.wants_sync:
+            leaving = leaving if inflight else 0
             while self.waiting and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
                 req = self.waiting[0]
                 n = min(req.num_tokens - req.num_computed_tokens, budget)
-                need = blocks_needed(req.num_computed_tokens + n, self.block_size) - len(req.block_ids)
+                need = blocks_needed(req.num_computed_tokens + n, bs) - len(req.block_ids)
                 if not self.allocator.can_allocate(need):
                     break
                 self.waiting.popleft()
-                req.block_ids.extend(self.allocator.allocate(need))
                 req.slot = self.slots.alloc()
+                self._give_blocks(req, need)
                 req.status = RUNNING
                 self.running.append(req)
-                chunks.append(self._chunk(req, n))
-                scheduled.add(req.req_id)
+                self._take(req, n, batch)
                 budget -= n
         finished, self._finished_since_schedule = self._finished_since_schedule, []
-        self._step_seq += 1
-        out = SchedulerOutput(chunks, finished, step_id=self._step_seq)
-        self._advance(out)
-        return out
+        self._step_seq = step_id
+        if reqs:
+            self._inflight_steps.append(step_id)
+        return batch.output(self.block_table, bs, finished, step_id)
 
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+    def _take(self, req: Request, n: int, batch: "_StepArrays") -> None:
+        """Schedule ``n`` tokens of ``req`` (a prefill chunk, or any chunk of an admitted request) and advance it."""
         start = req.num_computed_tokens
-        return ScheduledChunk(req_id=req.req_id, token_ids=req.token_slice(start, start + n),
-                              num_computed_tokens=start, block_ids=list(req.block_ids),
-                              sample=start + n == req.num_tokens, sampling=req.sampling, seed=req.seed,
-                              slot=req.slot, prompt_len=len(req.prompt_token_ids))
+        stop = start + n
+        batch.tokens.extend(req.token_slice(start, stop))
+        batch.reqs.append(req)
+        batch.starts.append(start)
+        batch.lens.append(n)
+        sample = stop == req.num_tokens
+        batch.samples.append(sample)
+        req.num_computed_tokens = stop
+        req.inflight += 1
+        if sample:
+            req.output_token_ids.append(placeholder(req.slot))
+            req.num_pending += 1
 
-    def _advance(self, out: SchedulerOutput) -> None:
-        """Move every scheduled request past its chunk now; a sampling chunk's token is a placeholder until
-        ``update()`` (see the module docstring)."""
-        if not out.chunks:
-            return
-        self.num_inflight_steps += 1
-        for c in out.chunks:
-            req = self.requests[c.req_id]
-            req.num_computed_tokens += len(c.token_ids)
-            req.inflight.append(out.step_id)
-            if c.sample:
-                req.output_token_ids.append(placeholder(req.slot))
-                req.num_pending += 1
-
-    def _last_token_in_flight(self, req: Request) -> bool:
-        """The request's final token (by max_tokens / max_model_len) is already scheduled: it is done."""
-        return req.num_pending > 0 and (len(req.output_token_ids) >= req.sampling.max_tokens
-                                        or req.num_tokens >= self.max_model_len)
-
-    def _grow(self, req: Request, n: int, scheduled: set[int]) -> bool:
-        """Give ``req`` blocks for ``n`` more tokens, preempting later unscheduled requests; False if ``req``
-        itself had to be preempted (or failed)."""
-        need_total = blocks_needed(req.num_computed_tokens + n, self.block_size)
+    def _grow(self, req: Request, need_total: int, batch: "_StepArrays") -> bool:
+        """Give ``req`` blocks up to ``need_total``, preempting later requests not scheduled in this step
+        (``batch``); False if ``req`` itself had to be preempted (or failed)."""
         if need_total > self.allocator.num_blocks:  # cannot happen after add_request's check; never livelock
             self._finish(req, "error", f"request needs {need_total} KV-cache blocks, more than the whole cache "
                                        f"({self.allocator.num_blocks}); raise --num-kv-blocks")
             return False
+        scheduled: set[Request] | None = None
         while not self.allocator.can_allocate(need_total - len(req.block_ids)):
-            if self.num_inflight_steps:  # victims' state may be speculative: leave req out, sync first
+            if self._inflight_steps:  # victims' state may be speculative: leave req out, sync first
                 self.wants_sync = True
                 return False
-            victim = next((r for r in reversed(self.running) if r.req_id not in scheduled), None)
+            scheduled = set(batch.reqs) if scheduled is None else scheduled
+            victim = next((r for r in reversed(self.running) if r not in scheduled), None)
             assert victim is not None  # req itself is running and unscheduled
             self._preempt(victim)
             if victim is req:
                 return False
-        req.block_ids.extend(self.allocator.allocate(need_total - len(req.block_ids)))
+        self._give_blocks(req, need_total - len(req.block_ids))
         return True
+
+    def _give_blocks(self, req: Request, n: int) -> None:
+        if n > 0:
+            blocks = self.allocator.allocate(n)
+            req.block_ids.extend(blocks)
+            self.block_table.append(req.slot, blocks)
 
     def _preempt(self, req: Request) -> None:
         assert not req.inflight, "preemption with a step in flight (the scheduler syncs first)"
         self.allocator.free(req.block_ids)
         req.block_ids = []
+        self.block_table.clear(req.slot)
         self.slots.free(req.slot)
         req.slot = -1
         req.num_computed_tokens = 0
@@ -326,51 +378,59 @@ class Scheduler:
     # ------------------------------------------------------------------ results
     def update(self, sched: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
         """Apply the results of ``sched`` (outputs must come back in schedule order): fill in each sampled
-        token, run the stop checks; return the requests that finished."""
-        if len(sampled) != len(sched.chunks):
-            raise ValueError(f"model runner returned {len(sampled)} results for {len(sched.chunks)} chunks")
-        for chunk, token in zip(sched.chunks, sampled):
-            req = self.requests[chunk.req_id]
-            if not req.inflight or req.inflight[0] != sched.step_id:
-                raise RuntimeError(f"request {req.req_id}: results of step {sched.step_id} arrive out of order "
-                                   f"(update() called twice?)")
-            if chunk.sample and not req.is_finished and (
-                    isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < self.vocab_size):
-                raise RuntimeError(f"request {req.req_id}: model runner sampled {token!r}, expected a token id in "
-                                   f"[0, {self.vocab_size})")
-        if sched.chunks:
-            self.num_inflight_steps -= 1
+        token, run the stop checks; return the requests that finished. Nothing changes if it raises."""
+        reqs = sched.requests
+        if len(sampled) != len(reqs):
+            raise ValueError(f"model runner returned {len(sampled)} results for {len(reqs)} chunks")
+        if not reqs:
+            return []
+        if not self._inflight_steps or self._inflight_steps[0] != sched.step_id:
+            oldest = self._inflight_steps[0] if self._inflight_steps else None
+            raise RuntimeError(f"results of step {sched.step_id} arrive out of order (update() called twice?); the "
+                               f"oldest step in flight is {oldest}")
+        samples = sched.sample.tolist()
+        self._check_sampled(reqs, samples, sampled)
+        self._inflight_steps.popleft()
         done: list[Request] = []
-        for chunk, token in zip(sched.chunks, sampled):
-            req = self.requests[chunk.req_id]
-            req.inflight.popleft()
-            if req.is_finished:  # stopped or aborted while this step ran: its token is discarded
+        for req, token, sample in zip(reqs, sampled, samples):
+            req.inflight -= 1
+            if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
                 self._release_if_idle(req)
                 continue
-            if not chunk.sample:
+            if not sample:
                 continue
-            assert isinstance(token, int)
-            i = len(req.output_token_ids) - req.num_pending
-            req.output_token_ids[i] = token
+            out = req.output_token_ids
+            i = len(out) - req.num_pending
+            out[i] = token
             req.num_pending -= 1
-            reason = self._stop_reason(req, token, i + 1)
-            if reason is not None:
-                self._finish(req, reason)
+            if token in req.stop_ids or i + 1 >= req.max_outputs:
+                self._finish(req, self._stop_reason(req, token), in_running=False)
                 done.append(req)
+        if done:
+            self.running = [r for r in self.running if r.status is RUNNING]
         return done
 
-    def _stop_reason(self, req: Request, token: int, num_outputs: int) -> str | None:
-        """vLLM's order: EOS, then stop_token_ids ("stop"), then max_tokens / max_model_len ("length"), for the
-        request's ``num_outputs``-th output (later outputs may be placeholders of steps still in flight)."""
-        s = req.sampling
-        if not s.ignore_eos and token in self.eos_token_ids:
+    def _check_sampled(self, reqs: Sequence[Request], samples: list[bool], sampled: Sequence[Any]) -> None:
+        """Every token a sampling chunk of a live request got is an ``int`` in the vocabulary (one pass of C
+        over the batch when they all are)."""
+        picked = sampled if all(samples) else [t for t, s in zip(sampled, samples) if s]
+        if not picked or (set(map(type, picked)) == {int} and min(picked) >= 0 and max(picked) < self.vocab_size):
+            return
+        for req, token, sample in zip(reqs, sampled, samples):
+            if sample and req.status is not FINISHED and (
+                    type(token) is not int or not 0 <= token < self.vocab_size):
+                raise RuntimeError(f"request {req.req_id}: model runner sampled {token!r}, expected a token id in "
+                                   f"[0, {self.vocab_size})")
+
+    def _stop_reason(self, req: Request, token: int) -> str:
+        """Why a request whose output ``token`` is in its stop set or reached its length limit stops, in vLLM's
+        order: EOS, then stop_token_ids ("stop", recording ``stop_reason``), then max_tokens / max_model_len
+        ("length")."""
+        if token in req.stop_ids:
+            if req.sampling.ignore_eos or token not in self.eos_token_ids:
+                req.stop_reason = token
             return "stop"
-        if s.stop_token_ids and token in s.stop_token_ids:
-            req.stop_reason = token
-            return "stop"
-        if num_outputs >= s.max_tokens or len(req.prompt_token_ids) + num_outputs >= self.max_model_len:
-            return "length"
-        return None
+        return "length"
 
     def _release_if_idle(self, req: Request) -> None:
         """Free a finished request's KV blocks and slot once no step in flight reads or writes them."""
@@ -382,16 +442,18 @@ class Scheduler:
             self.allocator.free(req.block_ids)
             req.block_ids = []
         if req.slot >= 0:
+            self.block_table.clear(req.slot)
             self.slots.free(req.slot)
             req.slot = -1
 
-    def _finish(self, req: Request, reason: str, error: str | None = None) -> None:
+    def _finish(self, req: Request, reason: str, error: str | None = None, *, in_running: bool = True) -> None:
+        """``in_running=False``: the caller takes finished requests out of ``running`` itself (all at once)."""
         if req.num_pending:  # outputs of steps still in flight, past the finishing token: discarded
             del req.output_token_ids[len(req.output_token_ids) - req.num_pending:]
             req.num_pending = 0
-        if req in self.running:
+        if in_running and req.status is RUNNING:
             self.running.remove(req)
-        if req.status == WAITING and req in self.waiting:
+        if req.status is WAITING and req in self.waiting:
             self.waiting.remove(req)
         req.status = FINISHED
         req.finish_reason = reason
@@ -399,3 +461,34 @@ class Scheduler:
         self._release_if_idle(req)
         self._finished_since_schedule.append(req.req_id)
         self._finished_unreported.append(req)
+
+
+class _StepArrays:
+    """One step's requests as ``schedule()`` collects them: first the decodes (one token each, all sampling,
+    only their start recorded), then chunks with their lengths and sample flags."""
+
+    __slots__ = ("reqs", "starts", "tokens", "lens", "samples", "num_decodes")
+
+    def __init__(self) -> None:
+        self.reqs: list[Request] = []
+        self.starts: list[int] = []
+        self.tokens: list[int] = []
+        self.lens: list[int] = []
+        self.samples: list[bool] = []
+        self.num_decodes = 0
+
+    def output(self, table: BlockTable, block_size: int, finished: list[int], step_id: int) -> SchedulerOutput:
+        reqs, d = self.reqs, self.num_decodes
+        n = len(reqs)
+        starts = np.array(self.starts, dtype=np.int64)
+        lens = np.ones(n, dtype=np.int64)
+        sample = np.ones(n, dtype=bool)
+        if n > d:
+            lens[d:] = self.lens
+            sample[d:] = self.samples
+        slots = np.array([r.slot for r in reqs], dtype=np.int64)
+        held = (starts + lens + (block_size - 1)) // block_size  # a request holds exactly what its tokens need
+        return SchedulerOutput.from_arrays(
+            req_ids=np.array([r.req_id for r in reqs], dtype=np.int64), slots=slots, num_computed=starts,
+            query_lens=lens, sample=sample, token_ids=np.array(self.tokens, dtype=np.int64),
+            blocks=BlockRows(table, slots, held), requests=reqs, finished_req_ids=finished, step_id=step_id)

@@ -67,12 +67,17 @@ def _ubatch_bounds(padded: int, splits: list[int], num_ubatches: int) -> tuple[i
 
 def decide(table: torch.Tensor, rank: int, num_ubatches: int, rule: str = "sglang") -> DPDecision:
     """Pure post-processing of the summed ``[7, dp]`` table (unit-tested without any process group)."""
-    if rule not in DP_RULES:
-        raise ValueError(f"unknown DP ubatch rule {rule!r}; choose one of {', '.join(DP_RULES)}")
     if table.shape[0] != _ROWS:
         raise ValueError(f"the DP vote table needs {_ROWS} rows (orig, padded, vote, work, prefill, split, pays), "
                          f"got {table.shape[0]}")
-    orig, padded, votes, work, prefill, splits, pays = (table[i].tolist() for i in range(_ROWS))
+    return _decide(table.tolist(), rank, num_ubatches, rule)
+
+
+def _decide(rows: list[list[int]], rank: int, num_ubatches: int, rule: str) -> DPDecision:
+    """:func:`decide` on the table as lists of ints (row by row, one entry per rank)."""
+    if rule not in DP_RULES:
+        raise ValueError(f"unknown DP ubatch rule {rule!r}; choose one of {', '.join(DP_RULES)}")
+    orig, padded, votes, work, prefill, splits, pays = rows
     any_work = any(work)
     max_padded = max(padded)
     if rule == "vllm":
@@ -89,9 +94,9 @@ def decide(table: torch.Tensor, rank: int, num_ubatches: int, rule: str = "sglan
                       max_tokens_padded=max_padded)
 
 
-def vote_table(num_tokens: int, vote_ubatch: bool, *, is_prefill: bool, split: int = 0, pays: bool = True,
-               rank: int = 0, world: int = 1, num_tokens_padded: int | None = None) -> torch.Tensor:
-    """This rank's column of the vote table (the others zero), validated."""
+def _vote_column(num_tokens: int, vote_ubatch: bool, *, is_prefill: bool, split: int, pays: bool,
+                 num_tokens_padded: int | None) -> list[int]:
+    """This rank's column of the vote table, validated."""
     if num_tokens < 0:
         raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
     padded = num_tokens if num_tokens_padded is None else num_tokens_padded
@@ -99,9 +104,16 @@ def vote_table(num_tokens: int, vote_ubatch: bool, *, is_prefill: bool, split: i
         raise ValueError(f"num_tokens_padded={padded} is smaller than num_tokens={num_tokens}")
     if split < 0:
         raise ValueError(f"split must be >= 0 (0: the default cut), got {split}")
+    return [num_tokens, padded, int(vote_ubatch), int(num_tokens > 0), int(is_prefill and num_tokens > 0), split,
+            int(pays)]
+
+
+def vote_table(num_tokens: int, vote_ubatch: bool, *, is_prefill: bool, split: int = 0, pays: bool = True,
+               rank: int = 0, world: int = 1, num_tokens_padded: int | None = None) -> torch.Tensor:
+    """This rank's column of the vote table (the others zero), validated."""
     table = torch.zeros(_ROWS, world, dtype=torch.int64)
-    table[:, rank] = torch.tensor([num_tokens, padded, int(vote_ubatch), int(num_tokens > 0),
-                                   int(is_prefill and num_tokens > 0), split, int(pays)])
+    table[:, rank] = torch.tensor(_vote_column(num_tokens, vote_ubatch, is_prefill=is_prefill, split=split,
+                                               pays=pays, num_tokens_padded=num_tokens_padded))
     return table
 
 
@@ -124,6 +136,7 @@ def coordinate_batch_across_dp(num_tokens: int, vote_ubatch: bool, group: Any, n
 
 def local_decision(num_tokens: int, vote_ubatch: bool, num_ubatches: int = 2, *, is_prefill: bool = False,
                    split: int = 0, pays: bool = True, rule: str = "sglang") -> DPDecision:
-    """DP=1: the same rules without a collective."""
-    return decide(vote_table(num_tokens, vote_ubatch, is_prefill=is_prefill, split=split, pays=pays), 0,
-                  num_ubatches, rule)
+    """DP=1: the same rules on this rank's column alone, without a collective and without a tensor."""
+    column = _vote_column(num_tokens, vote_ubatch, is_prefill=is_prefill, split=split, pays=pays,
+                          num_tokens_padded=None)
+    return _decide([[v] for v in column], 0, num_ubatches, rule)

@@ -93,7 +93,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="decode batch sizes to capture, e.g. '1,2,4,8' (one value N: the ladder up to N); GPU only; default: "
              "a vLLM-like ladder up to --max-num-seqs")
     add("--disable-overlap-schedule", action="store_true", default=None,
-        help="run one step at a time (default: off, the CPU schedules step N+1 while step N runs)")
+        help="run one step at a time (default on a GPU: off, the host schedules step N+1 while step N runs; on "
+             "the CPU, where that loses to the GIL, one step at a time)")
     add("--disable-consecutive-prefill-overlap", action="store_true", default=None,
         help="a prefill step waits for the previous prefill step's results, for time to first token "
              "(default: off)")

@@ -17,8 +17,9 @@ returns the full list in input order. A bad prompt fails that request only: its 
 ``finish_reason`` "error" and ``RequestOutput.error`` says why (vLLM raises instead; one bad prompt must not
 lose a batch).
 
-The loop itself is ``runner/core/overlap_loop.py``: by default the CPU processes step N-1 and schedules N+1 while
-step N runs on a forward executor thread (``--disable-overlap-schedule``: one step at a time, in this thread).
+The loop itself is ``runner/core/overlap_loop.py``: on a GPU by default the CPU processes step N-1 and schedules N+1
+while step N runs on a forward executor thread; on the CPU, and with ``--disable-overlap-schedule``, one step at a
+time, in this thread (``use_overlap_loop``).
 With ``trace_file`` set, each call is recorded and written as a Chrome trace (``runner/tracing.py``); a trace
 that cannot be written at the end costs the file, not the outputs (``last_trace.error`` says why).
 
@@ -338,10 +339,10 @@ class LLM:
             if stop:
                 raise ValueError(f"stop strings {stop!r} need a tokenizer to find them in the text, and model "
                                  f"{self.cfg.model!r} has none; use stop_token_ids")
+        core = self._engine_core()  # built on the first call (its one-time set-up is not this call's time)
         start = time.perf_counter()
         steps0 = getattr(self.runner, "num_steps", 0)
         ubatched0 = getattr(self.runner, "num_ubatched_steps", 0)
-        core = self._engine_core()
         sched = core.scheduler
         preemptions0 = sched.num_preemptions
         processor = OutputProcessor(tokenizer, self.runner.max_model_len, self.generation_config)
@@ -429,9 +430,11 @@ class LLM:
         return finished
 
     def _engine_core(self) -> EngineCore:
-        """This rank's engine core (created on first use, closed by close())."""
+        """This rank's engine core (created on first use, closed by close()); it steps with this LLM's current
+        ``cfg`` (benchmarks switch the loop settings between calls with ``llm.cfg = llm.cfg.replace(...)``)."""
         if self._core is None:
             self._core = EngineCore(self.cfg, self.runner, before_launch=report_progress)  # liveness: step count
+        self._core.cfg = self.cfg
         return self._core
 
     def _progress_bar(self, total: int, disable: bool) -> Any:

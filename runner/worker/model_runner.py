@@ -142,7 +142,7 @@ class ModelRunner:
                                        cfg.dbo_prefill_token_threshold):
             return False, None
         if cfg.ubatch_split == "balanced":
-            lens = [len(c.token_ids) for c in sched.chunks]
+            lens = sched.query_lens.tolist()
             points = balanced_split_points(lens, "decode" if sched.is_uniform_decode else "extend",
                                            threshold=cfg.tbo_token_distribution_threshold)
             return (points is not None), points
@@ -183,25 +183,25 @@ class ModelRunner:
     def _forward(self, sched: SchedulerOutput, decision: DPDecision,
                  split_point: list[int] | int | None) -> tuple[torch.Tensor, Any]:
         with trace.region("inputs", "step", track="step"):
-            chunks = sched.chunks
             n = sched.num_tokens
             padded = decision.num_tokens_padded if self.graph_runner is None else \
                 self.graph_runner.padded_num_tokens(n, sched.is_uniform_decode, decision)
             if padded > self.max_tokens_per_step:
                 raise ValueError(f"step of {padded} tokens exceeds --max-num-batched-tokens={self.max_tokens_per_step}")
-            query_lens = [len(c.token_ids) for c in chunks]
-            # Built on the host, copied once through pinned memory (non_blocking): the overlap loop prepares
-            # this step while the previous forward may still run, and nothing here waits for it.
-            meta = build_attention_metadata([c.num_computed_tokens for c in chunks], query_lens,
-                                            [c.block_ids for c in chunks], self.block_size, self.device,
-                                            num_padded_tokens=padded)
-            ids = [t for c in chunks for t in c.token_ids]
-            copy_from_host(self.input_ids[:padded], torch.tensor(ids + [0] * (padded - n), dtype=torch.int64))
+            # Built on the host from the step's arrays and the scheduler's persistent block table (vectorised,
+            # no per-request Python), copied once through pinned memory (non_blocking): the overlap loop
+            # prepares this step while the previous forward may still run, and nothing here waits for it.
+            meta = build_attention_metadata(sched.num_computed, sched.query_lens, sched.blocks, self.block_size,
+                                            self.device, num_padded_tokens=padded)
+            ids = sched.token_ids
+            if padded > n:
+                ids = np.concatenate((ids, np.zeros(padded - n, dtype=np.int64)))
+            copy_from_host(self.input_ids[:padded], torch.from_numpy(ids))
             self.positions[:padded].copy_(meta.positions)
             mask = self._mark_real_tokens(n, padded)
             slices = None
             if decision.should_ubatch:
-                slices = padded_ubatch_slices(np.asarray(query_lens), padded, NUM_UBATCHES, split_point)
+                slices = padded_ubatch_slices(sched.query_lens, padded, NUM_UBATCHES, split_point)
         model = self.wrapper if self.wrapper is not None else self.model
         dp_metadata = self._dp_metadata(decision, n)
         hidden = NotImplemented
