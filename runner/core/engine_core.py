@@ -31,7 +31,7 @@ from runner.worker.scheduled_batch import SchedulerOutput
 GC_THRESHOLD0 = 50_000
 
 
-def tune_gc() -> None:
+def tune_gc() -> tuple[int, ...]:
     """Keep Python's cyclic garbage collector off the step path; once, when an engine core is built.
 
     - Every object alive now (the model, the imported modules, the engine) leaves the collector's scans
@@ -45,13 +45,15 @@ def tune_gc() -> None:
       millisecond a step: ``docs/benchmarks.md``, engine host time). Garbage cycles are still collected once
       that many objects outlive their steps.
 
-    Objects made later are collected as usual; :meth:`EngineCore.close` unfreezes.
+    Objects made later are collected as usual; :meth:`EngineCore.close` unfreezes and puts the thresholds it
+    returns (the ones before) back, so an offline ``LLM`` leaves its user's process as it found it.
     """
     gc.collect()
     gc.freeze()
     threshold = gc.get_threshold()
     if threshold[0] < GC_THRESHOLD0:
         gc.set_threshold(GC_THRESHOLD0, *threshold[1:])
+    return threshold
 
 
 @dataclass
@@ -77,7 +79,7 @@ class EngineCore:
         self._loop: StepLoop | None = None
         self._live: set[int] = set()  # requests added and neither aborted by the client nor reported finished
         self._step_outputs: dict[int, EngineCoreOutput] = {}  # gathered while steps run, until take_outputs()
-        tune_gc()
+        self._gc_threshold = tune_gc()
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request: EngineCoreRequest) -> None:
@@ -206,6 +208,7 @@ class EngineCore:
         back to the garbage collector, so what this engine leaves behind can be collected)."""
         self._end_wave()
         gc.unfreeze()
+        gc.set_threshold(*self._gc_threshold)
         if self._executor is not None:
             self._executor.close()
             self._executor = None
