@@ -149,8 +149,11 @@ class MPEngineClient(EngineClient):
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(addr)
             self._ranks.append(_Rank(sock))
+        # The machine's cores shared among the ranks (the offline LLM with one rank uses them all too); a rank's
+        # torch would otherwise use one thread, as the launcher's default for ranks sharing a machine.
+        threads = max(1, (os.cpu_count() or 1) // dp)
         self._group = RankGroup(run_engine_core, dp, args=(cfg, inputs, output), timeout_s=cfg.dist_timeout_s,
-                                device=cfg.device, parent_handles_signals=True)
+                                device=cfg.device, num_threads=threads, parent_handles_signals=True)
         self._group.start()
         logger.info("engine: %d rank process(es): %s", dp, ", ".join(f"rank {r} pid {pid}"
                                                                    for r, pid in enumerate(self._group.pids)))
