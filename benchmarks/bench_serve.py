@@ -41,7 +41,7 @@ ENGINE = "--max-num-seqs 512 --max-num-batched-tokens 2048 --max-model-len 512 -
 def bench_serve(label: str, args: list[str]) -> dict[str, Any]:
     out = RESULTS_DIR / f"serve_{label}.json"
     cmd = [sys.executable, "-m", "runner", "bench-serve", MODEL, "--output-json", str(out), *args]
-    print(f"$ {shlex.join(cmd[1:])}", flush=True)
+    print(f"$ python {shlex.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"bench-serve {label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -67,16 +67,16 @@ def explain(data: dict[str, Any], server: str) -> str:
 
 def compare_table(title: str, data: dict[str, Any], rows: list[str]) -> list[dict[str, Any]]:
     off, on = medians(data, "dbo off"), medians(data, "dbo on")
-    print(f"\n**{title}** ({data['calibration'] or 'no link calibration'})\n")
-    print("| | DBO off | DBO on | on/off |\n|---|---|---|---|")
+    print(f"\n{title}\n  {data['calibration'] or 'no link calibration'}")
+    print(f"  {'':<34}{'DBO off':>11}{'DBO on':>11}{'on/off':>9}")
     out = []
     for name in rows:
         ratio = on[name] / off[name] if off[name] else float("nan")
-        print(f"| {name} | {off[name]:.2f} | {on[name]:.2f} | {ratio:.3f} |")
+        print(f"  {name:<34}{off[name]:>11.2f}{on[name]:>11.2f}{ratio:>9.3f}")
         out.append({"section": title, "metric": name, "dbo_off": round(off[name], 3), "dbo_on": round(on[name], 3),
                     "ratio": round(ratio, 4)})
     for server in ("dbo off", "dbo on"):
-        print(f"\n- where the time went, {server}: {explain(data, server)}")
+        print(f"  where the time went, {server}: {explain(data, server)}")
     return out
 
 
@@ -112,11 +112,10 @@ def lone_request(repeats: int, input_len: int) -> list[dict[str, Any]]:
     finally:
         llm.close()
     served, local = statistics.median(ttfts) * 1e3, statistics.median(offline) * 1e3
-    print(f"\n**Lone request, {input_len}-token prompt, first token** (medians of {repeats})\n")
-    print("| | ms |\n|---|---|")
-    print(f"| TTFT p50 on an idle server (HTTP, engine-core process) | {served:.2f} |")
-    print(f"| `LLM.generate`, same request, in-process | {local:.2f} |")
-    print(f"| ratio | {served / local:.3f} |")
+    print(f"\nLone request, {input_len}-token prompt, first token (medians of {repeats})")
+    print(f"  {'TTFT p50 on an idle server (HTTP, rank process)':<52}{served:>9.2f} ms")
+    print(f"  {'LLM.generate of the same request, in-process':<52}{local:>9.2f} ms")
+    print(f"  {'ratio':<52}{served / local:>9.3f}")
     return [{"section": "lone request", "metric": "ttft_p50_ms", "dbo_off": round(served, 3), "dbo_on": "",
              "ratio": round(served / local, 4)},
             {"section": "lone request", "metric": "llm_generate_ms", "dbo_off": round(local, 3), "dbo_on": "",

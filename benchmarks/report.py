@@ -122,6 +122,17 @@ def benches(quick: bool) -> list[Bench]:
               "(noise over every token). `engine`: `ModelRunner.step` of a decode step of the engine benchmark's "
               "model (`bench-qwen3-moe-120m`, vocabulary 4096), *sample %* the sampler's share of that step. "
               "CPU, one thread, no GPU: on a GPU these are a few memory-bound passes over `[rows, vocab]`."),
+        Bench("serve", "Serving: what DBO does to throughput and latency (`bench-serve`)",
+              ["benchmarks/bench_serve.py", "--repeats", "3"] + (["--quick"] if quick else []),
+              "`python -m runner bench-serve` (an HTTP client of `python -m runner serve`, timed as `vllm bench "
+              "serve`) on the 120M-parameter `bench-qwen3-moe-120m`, DP=1, the emulated link calibrated offline so "
+              "that its all-to-all time equals the model's compute on a step of the saturation workload "
+              "(`--calibrate-link 1`), default engine flags otherwise (DBO thresholds, the measured cost model). "
+              "A server without and one with `--enable-dbo` run side by side, their runs alternating; medians of "
+              "3. The load generator, the API server and the rank process share the 2 cores. *Where the time "
+              "went*: each server's timeline over a few steps of the first run (`/start_profile`, "
+              "`/stop_profile`): per step, the union of compute spans, the modelled all-to-all and the part of it "
+              "no compute hid, and the host's phases (schedule, DP vote, inputs, sampling, outputs)."),
         Bench("cudagraph", "CUDA graphs: eager DBO vs replayed DBO graph vs replayed plain graph",
               ["benchmarks/bench_cudagraph.py"], "Step time and CPU launch time per step.", needs_gpu=True),
         Bench("gpu", "GPU kernels against the limit, and DBO on a GPU decode step",
