@@ -243,7 +243,8 @@ def test_config_and_resolution_of_the_attention_backend() -> None:
 
 @pytest.mark.triton_interpreter
 def test_engine_tokens_equal_with_torch_and_triton_attention() -> None:
-    """The whole engine (prefill, chunked prefill, decode, DBO with a cut request) under each backend."""
+    """The whole engine (prefill, chunked prefill, decode, DBO with a cut request) under each backend, greedy.
+    On CPU tensors (the interpreter's mode) also on a GPU machine, where the engine would otherwise pick CUDA."""
     from runner.entrypoints.llm import LLM
     from runner.sampling_params import SamplingParams
 
@@ -252,10 +253,11 @@ def test_engine_tokens_equal_with_torch_and_triton_attention() -> None:
     for name in ("torch", "triton"):
         llm = LLM(model="tiny-qwen3-moe", attention_backend=name, enable_dbo=True, dbo_decode_token_threshold=2,
                   dbo_prefill_token_threshold=4, dbo_cost_model="off", max_num_batched_tokens=8, max_num_seqs=3,
-                  block_size=4, max_model_len=32, experts_backend="grouped_mm")
+                  block_size=4, max_model_len=32, experts_backend="grouped_mm", device="cpu")
         try:
             assert llm.runner.attention_backend.name == name
-            outs = llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+            greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
             tokens[name] = [o.outputs[0].token_ids for o in outs]
             assert llm.last_stats.num_ubatched_steps > 0
         finally:

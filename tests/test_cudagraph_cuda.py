@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.triton_compiled,  # Triton compiled 
                                  reason="torch's CUDA sanitizer models captured launches as executed (module doc)")]
 
 LINK = "latency_us=20,gbps=100"
-GPU = dict(experts_backend="triton", max_num_seqs=16, dbo_decode_token_threshold=4, max_model_len=128,
+GPU = dict(experts_backend="triton", dtype="float32", max_num_seqs=16, dbo_decode_token_threshold=4, max_model_len=128,
            block_size=16, num_kv_blocks=16 * 8)
 
 
