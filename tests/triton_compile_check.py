@@ -83,7 +83,7 @@ def check_paged_decode() -> None:
     decode.triton, decode.tl = triton, triton.language  # what paged_decode_attention does before loading
     split, merge = decode._load_kernels()
     # As the launcher specialises them for a contiguous cache with head dims 128 / 576 and 512, blocks of 16;
-    # the block-table column stride and seq_lens stride are 1.
+    # the block-table column stride and seq_lens stride are 1. ``num_splits`` is a runtime i32 (never specialised).
     split_divisible = tuple(name for name in split.arg_names if name.endswith("_ptr") or name.startswith("stride_")
                             or name in ("head_dim_k", "head_dim_v", "block_size"))
     split_divisible = tuple(name for name in split_divisible if name not in ("stride_btc", "stride_sl"))
@@ -96,13 +96,13 @@ def check_paged_decode() -> None:
             types = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", block_table_ptr="*i32",
                          seq_lens_ptr="*i32", part_ptr=f"*{out}", lse_ptr=f"*{out}", qk_scale_log2="fp32")
             compiled = compile_kernel(
-                split, types, dict(NUM_SPLITS=splits, WRITE_LSE=splits > 1, DOT_PRECISION=precision, BLOCK_H=16,
+                split, types, dict(WRITE_LSE=splits > 1, DOT_PRECISION=precision, BLOCK_H=16,
                                    BLOCK_N=block_n, BLOCK_DK1=dk1, BLOCK_DK2=dk2, BLOCK_DV=dv, INTERPRET=False,
                                    NUM_STAGES=decode.KEY_LOOP_STAGES),
                 num_warps=warps, divisible=split_divisible)
             check_pipelined_key_loop(compiled, tile_loads=3 if dk2 else 2)
     compile_kernel(merge, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),
-                   dict(NUM_SPLITS=5, BLOCK_S=8, BLOCK_DV=128))
+                   dict(BLOCK_S=8, BLOCK_DV=128))
 
 
 if __name__ == "__main__":

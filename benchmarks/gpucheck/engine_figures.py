@@ -8,7 +8,9 @@
   Python; it runs while the GPU has nothing of this step yet;
 - ``host_ms = cpu_thread_ms + forward_host_ms``: the host's work for one step. When it is below ``gpu_ms`` the
   host can keep the GPU busy (the overlap loop runs the CPU thread's share beside the GPU);
-- ``gpu_idle_pct``: the share of the wall time the GPU was idle, ``100 * (1 - gpu_ms / wall_ms)``.
+- ``gpu_idle_pct``: the share of the wall time the GPU was idle, ``100 * (1 - gpu_ms / wall_ms)``;
+- ``first_call_tokens_per_s``: with ``--repeats`` above 1, the first measured call's output tok/s (it pays
+  one-time costs); every other figure is the last call's, the engine's steady state.
 """
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ def engine_figures(data: dict[str, Any]) -> dict[str, Any]:
     fig: dict[str, Any] = {"output_tokens_per_s": measured["output_tokens_per_s"],
                            "num_steps": measured["num_steps"], "num_errors": measured["num_errors"],
                            "num_ubatched_steps": measured["num_ubatched_steps"]}
+    runs = data.get("measured_runs") or []
+    if len(runs) > 1:
+        fig["first_call_tokens_per_s"] = runs[0]["output_tokens_per_s"]
     loop = measured.get("loop")
     steps = loop["num_steps"] if loop else 0
     if steps:

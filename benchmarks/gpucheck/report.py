@@ -88,7 +88,8 @@ def bench_section(bench: dict[str, Any]) -> list[str]:
     return lines
 
 
-ENGINE_ROWS = (("output tok/s", "output_tokens_per_s"), ("steps", "num_steps"),
+ENGINE_ROWS = (("output tok/s", "output_tokens_per_s"), ("output tok/s, first call", "first_call_tokens_per_s"),
+               ("steps", "num_steps"),
                ("ubatched steps", "num_ubatched_steps"), ("failed requests", "num_errors"),
                ("wall ms / step", "wall_ms"), ("GPU busy ms / step", "gpu_ms"), ("host ms / step", "host_ms"),
                ("host: CPU thread (schedule, outputs)", "cpu_thread_ms"),
@@ -114,7 +115,8 @@ def engine_section(runs: dict[str, dict[str, Any]]) -> list[str]:
              ("experts / attention", *("{} / {}".format(*(((runs[n].get("engine") or {}).get(k)) for k in
                                        ("experts_backend", "attention_backend"))) for n in names))]
     lines = table(["", *names], rows)
-    lines += ["", "As a command (plus a 2-prompt warm-up call first):", ""]
+    lines += ["", "Figures of the last of the measured calls (the first pays one-time costs: Triton compiles, first "
+              "use of a kernel). As a command (plus a 2-prompt warm-up call first):", ""]
     lines += [f"- `{runs[n].get('cli_equivalent')}`" for n in names if runs[n]]
     return lines
 
