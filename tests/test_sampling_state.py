@@ -5,9 +5,14 @@
   the table (``Sampler.prepare`` + ``sample_step``) equal those of a second sampler given the same rows as
   ``ScheduledChunk`` objects, whose settings are read from each chunk's ``SamplingParams`` every step; the
   table is written exactly once per request per admission (its first chunk).
+- The table-driven metadata equals the per-row builder it replaced (``tests/reference_sampling_metadata.py``)
+  on random batches mixing every option, from a table a row per batch row and from a per-slot table in which
+  the rows sit in shuffled slots among rows of other requests.
 - A step built by hand from chunks (no slots, prompt lengths implied) samples as the rows given by hand.
 - The real engine (``LLM`` on the tiny Qwen3-MoE) generates with every option on without ever building the
   per-request chunk objects.
+- On a GPU (``test_cuda_*``), a step's sampling makes no host sync before its one read-back and samples the
+  CPU's tokens.
 """
 from __future__ import annotations
 
@@ -19,11 +24,12 @@ import pytest
 import torch
 
 from fake_runner import FakeRunner
+from reference_sampling_metadata import reference_sampling_metadata
 from runner.core.overlap_loop import ForwardExecutor, run_steps
 from runner.core.scheduler import Scheduler
 from runner.sampling_params import SamplingParams
 from runner.worker.sampler import Sampler, StepRows, request_seed
-from runner.worker.sampling_metadata import SamplingMetadata, build_sampling_metadata
+from runner.worker.sampling_metadata import RowSpec, SamplingMetadata, build_sampling_metadata, settings_of_rows
 from runner.worker.sampling_settings import SamplingSettings
 from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
@@ -156,6 +162,28 @@ def test_step_arrays_and_slot_table_sample_as_rows_given_by_hand(overlap: bool, 
         assert sched.num_preemptions > 0
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_table_metadata_equals_the_per_row_builder_it_replaced(seed: int) -> None:
+    """Random batches (every option, greedy and random rows, rows below and past ``min_tokens``, seeds of any
+    size): the metadata from a table equals the old per-row builder's, tensor for tensor, both from a table a
+    row per batch row and from the engine's per-slot table with the rows in shuffled slots among others."""
+    rng = random.Random(seed)
+    n = rng.randint(1, 40)
+    rows = [RowSpec(random_params(rng), seed=rng.randrange(-2**70, 2**70), output_index=rng.randrange(6),
+                    slot=slot) for slot in rng.sample(range(100), n)]
+    want = reference_sampling_metadata(rows, V, "cpu", [EOS])
+    assert_same_metadata(build_sampling_metadata(*settings_of_rows(rows, V, [EOS]), "cpu"), want)
+    table = SamplingSettings(V, [EOS])
+    table.ensure_rows(100)
+    for slot in range(100):  # other requests' rows around the batch's
+        table.set(slot, random_params(rng), rng.randrange(2**63), rng.randrange(30), owner=1000 + slot)
+    for r in rows:
+        table.set(r.slot, r.sampling, r.seed, 0, owner=r.slot)
+    slots = np.array([r.slot for r in rows], dtype=np.int64)
+    assert_same_metadata(build_sampling_metadata(table, slots, slots, np.array([r.output_index for r in rows]),
+                                                 "cpu"), want)
+
+
 def test_a_slot_written_by_another_request_is_rewritten() -> None:
     """A request whose slot another request wrote (not at position 0: a batch the scheduler would not make,
     but the table must not trust it) rewrites the row before sampling; so does a request id that comes back
@@ -266,3 +294,64 @@ def test_the_engine_never_builds_chunk_objects(monkeypatch: pytest.MonkeyPatch, 
         assert all(len(lp) == len(t) for lp, t in zip(lps[2::5], outputs[overlap][2::5]))
     assert outputs[False] == outputs[True]
     assert all(len(t) >= 3 for t in outputs[False])
+
+
+@pytest.mark.cuda
+def test_cuda_steps_sample_on_the_device_as_on_the_cpu() -> None:
+    """On CUDA a step's sampling is tensor work on the device: from reading the step's arrays to the sampled
+    tensors nothing syncs (``set_sync_debug_mode("error")``; the metadata and penalty inputs go up through
+    pinned memory), the greedy rows' argmax is ``torch.argmax`` on the device, and over a prefill step and
+    decode steps mixing every option the tokens equal the CPU sampler's on the same logits (logprobs within
+    float32 rounding)."""
+    from runner.attention.kv_cache import BlockRows
+    from runner.worker.sampler import read_back, sample_on_device
+
+    class Req:
+        def __init__(self, params: SamplingParams, seed: int, prompt: list[int]) -> None:
+            self.sampling, self.seed, self.prompt_token_ids = params, seed, prompt
+
+    rng = random.Random(5)
+    n = 24
+    reqs = [Req(random_params(rng), 100 + i, [rng.randrange(V) for _ in range(rng.randint(1, 6))]) for i in range(n)]
+    reqs[0].sampling = reqs[1].sampling = SamplingParams(temperature=0.0)  # plain greedy rows in the mix
+    slots = np.array(rng.sample(range(40), n), dtype=np.int64)
+    samplers = {dev: Sampler(V, dev, [EOS]) for dev in ("cpu", "cuda")}
+    history = [list(r.prompt_token_ids) for r in reqs]
+    g = torch.Generator().manual_seed(1)
+    for k in range(6):
+        start = np.array([0 if k == 0 else len(h) - 1 for h in history], dtype=np.int64)
+        tokens = [h if k == 0 else h[-1:] for h in history]
+        sched = SchedulerOutput.from_arrays(
+            req_ids=np.arange(n, dtype=np.int64), slots=slots, num_computed=start,
+            query_lens=np.array([len(t) for t in tokens], dtype=np.int64), sample=np.ones(n, dtype=bool),
+            token_ids=np.array([t for ts in tokens for t in ts], dtype=np.int64),
+            blocks=BlockRows.from_lists([[i] for i in range(n)]), requests=reqs, finished_req_ids=[], step_id=k)
+        logits = torch.randn(n, V, generator=g) * 3
+        results = {}
+        for dev, sampler in samplers.items():
+            x = logits.to(dev)
+            if dev == "cuda":
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                step = sampler.prepare(sched)
+                meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, dev)
+                sampled, lp = sample_on_device(x, meta, sampler.penalties)
+            finally:
+                if dev == "cuda":
+                    torch.cuda.set_sync_debug_mode("default")
+            assert sampled.device.type == dev
+            results[dev] = read_back(meta, sampled, lp)
+        cpu, gpu = results["cpu"], results["cuda"]
+        assert gpu.token_ids == cpu.token_ids
+        assert (gpu.logprobs is None) == (cpu.logprobs is None)
+        for a, b in zip(gpu.logprobs or [], cpu.logprobs or []):
+            assert (a is None) == (b is None)
+            if a is not None and b is not None:
+                assert (a.token_id, a.rank) == (b.token_id, b.rank)
+                assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
+                assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)
+        for h, t in zip(history, cpu.token_ids):
+            h.append(t)
+    assert samplers["cuda"].penalties.counts is not None
+    assert torch.equal(samplers["cuda"].penalties.counts.cpu(), samplers["cpu"].penalties.counts)
