@@ -85,9 +85,10 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax, int64 (the first index on ties; a NaN counts as the largest, as in ``torch.argmax``).
 
     On the CPU it is numpy's ``argmax`` over a view of the same memory: torch's CPU argmax over the last
-    dimension does not vectorise and costs about ten times as much on ``[rows, vocab]`` logits (0.5 ms against
-    0.05 ms for 1024 x 512 on the project's machine: ``docs/benchmarks.md``, engine host time per step), while
-    numpy's returns the same indices (``tests/test_sampling_ops.py``). On other devices ``torch.argmax``."""
+    dimension does not vectorise and costs several times as much on ``[rows, vocab]`` logits (the greedy rows
+    of ``docs/benchmarks.md``'s sampler section, before and after, in its recorded host-time section), while
+    numpy's returns the same indices (``tests/test_sampling_ops.py``). On any other device ``torch.argmax``,
+    so the step stays tensor work on that device (``tests/test_sampling_state.py``, ``test_cuda_*``)."""
     if logits.device.type == "cpu":
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
