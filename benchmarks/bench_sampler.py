@@ -3,12 +3,14 @@
 Two measurements, medians of ``--repeats``:
 
 - ``sampler``: the batched sampler alone (``runner/worker/sampler.py``) on ``[rows, vocab]`` logits of a
-  realistic vocabulary (default 151936, Qwen3's), per decode step as the engine runs it: the step's penalty
-  counts fed one input token per row, the metadata built and copied, the device work, the one read-back.
+  realistic vocabulary (default 151936, Qwen3's), per decode step as the engine runs it: the step handed over
+  as arrays (``SchedulerOutput``, the requests' settings already in the sampler's per-slot table since their
+  prefill), the penalty counts fed one input token per row, the metadata built and copied, the device work,
+  the one read-back (``Sampler.prepare`` and ``Sampler.sample_step``).
 - ``engine``: ``ModelRunner.step`` of a decode step on the engine benchmark's model
   (``bench-qwen3-moe-120m``: ~120M-parameter Qwen3-MoE, vocabulary 4096), every row decoding one token after
-  a short prompt, with the sampler's own time inside the step measured apart (``sample_s``: its penalty
-  counts and its sampling; the LM head that computes the logits is the model's).
+  a short prompt, with the sampler's own time inside the step measured apart (``sample_s``: ``prepare`` and
+  ``sample_step``; the LM head that computes the logits is the model's).
 
 - ``draw``: the draw alone at the same sizes, this sampler's inverse CDF (one uniform per row) against the
   exponential race of vLLM's ``random_sample`` (Exp(1) noise over every token, then an argmax).
@@ -33,12 +35,15 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from common import RESULTS_DIR, write_csv  # noqa: E402
 
+from runner.attention.kv_cache import BlockRows  # noqa: E402
+from runner.core.scheduler import Request  # noqa: E402
 from runner.sampling_params import SamplingParams  # noqa: E402
-from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput  # noqa: E402
+from runner.worker.scheduled_batch import SchedulerOutput  # noqa: E402
 
 MODES = ("greedy", "random", "all")
 PROMPT_LEN = 32  # tokens of history each row's penalty counts start from (sampler part)
@@ -67,6 +72,21 @@ def median_time(fn: Callable[[], Any], repeats: int, setup: Callable[[], Any] | 
     return statistics.median(times)
 
 
+def step_of(reqs: list[Request], start: int, tokens: list[list[int]], step_id: int) -> SchedulerOutput:
+    """A step as the scheduler hands it over: request ``i`` in slot ``i`` computes ``tokens[i]`` from position
+    ``start`` (the whole prompt at 0, one token later) and samples; its one KV block is block ``i``."""
+    n = len(reqs)
+    return SchedulerOutput.from_arrays(
+        req_ids=np.arange(n, dtype=np.int64), slots=np.arange(n, dtype=np.int64),
+        num_computed=np.full(n, start, dtype=np.int64), query_lens=np.array([len(t) for t in tokens], dtype=np.int64),
+        sample=np.ones(n, dtype=bool), token_ids=np.array([t for ts in tokens for t in ts], dtype=np.int64),
+        blocks=BlockRows.from_lists([[i] for i in range(n)]), requests=reqs, finished_req_ids=[], step_id=step_id)
+
+
+def requests_for(params: SamplingParams, prompts: list[list[int]]) -> list[Request]:
+    return [Request(i, p, params, seed=i) for i, p in enumerate(prompts)]
+
+
 def bench_sampler(rows: int, vocab: int, repeats: int) -> list[dict[str, Any]]:
     from runner.worker.sampler import Sampler
 
@@ -77,22 +97,22 @@ def bench_sampler(rows: int, vocab: int, repeats: int) -> list[dict[str, Any]]:
         params = params_for(mode, vocab)
         sampler = Sampler(vocab, "cpu", eos_token_ids=[EOS])
         history = torch.randint(0, vocab, (rows, PROMPT_LEN), generator=g).tolist()
-        sampler.record_inputs([ScheduledChunk(i, history[i], 0, [], False, params, seed=i, slot=i,
-                                              prompt_len=PROMPT_LEN // 2) for i in range(rows)])
+        reqs = requests_for(params, [h[:PROMPT_LEN // 2] for h in history])
+        sampler.prepare(step_of(reqs, 0, history, 0))  # settings written; a prompt and outputs counted
         position = [PROMPT_LEN]
         logits = [base_logits]
+        steps: list[SchedulerOutput] = []
 
         def setup() -> None:
             logits[0] = base_logits.clone()  # the sampler works in place
+            p = position[0]
+            steps[:] = [step_of(reqs, p, [[h[p % PROMPT_LEN]] for h in history], p)]
 
         def step() -> None:
-            p = position[0]
-            chunks = [ScheduledChunk(i, [history[i][p % PROMPT_LEN]], p, [], True, params, seed=i, slot=i,
-                                     prompt_len=PROMPT_LEN // 2) for i in range(rows)]
-            sampler.record_inputs(chunks)
-            sampler.sample(logits[0], chunks)
+            sampler.sample_step(logits[0], sampler.prepare(steps[0]))
             position[0] += 1
 
+        setup()
         step()  # warm-up
         out.append({"part": "sampler", "rows": rows, "vocab": vocab, "mode": mode,
                     "sample_s": round(median_time(step, repeats, setup), 5)})
@@ -143,22 +163,19 @@ def bench_engine(rows_list: list[int], repeats: int) -> list[dict[str, Any]]:
             return result
         return call
 
-    runner.sampler.record_inputs = timed(runner.sampler.record_inputs)  # type: ignore[method-assign]
-    runner.sampler.sample = timed(runner.sampler.sample)  # type: ignore[method-assign]
+    runner.sampler.prepare = timed(runner.sampler.prepare)  # type: ignore[method-assign]
+    runner.sampler.sample_step = timed(runner.sampler.sample_step)  # type: ignore[method-assign]
     out = []
     try:
         for rows in rows_list:
             for mode in MODES:
                 params = params_for(mode, vocab)
                 prompt = [[(7 * i + 3) % vocab, (11 * i + 5) % vocab] for i in range(rows)]
-
-                def chunk(i: int, tokens: list[int], start: int) -> ScheduledChunk:
-                    return ScheduledChunk(i, tokens, start, [i], True, params, seed=i, slot=i, prompt_len=2)
-
-                runner.step(SchedulerOutput([chunk(i, prompt[i], 0) for i in range(rows)]))  # prefill
+                reqs = requests_for(params, prompt)
+                runner.step(step_of(reqs, 0, prompt, 0))  # prefill
                 steps, samples = [], []
                 for k in range(repeats + 1):  # the first decode step is a warm-up
-                    sched = SchedulerOutput([chunk(i, [(i + k) % vocab], 2 + k) for i in range(rows)])
+                    sched = step_of(reqs, 2 + k, [[(i + k) % vocab] for i in range(rows)], k + 1)
                     spent.clear()
                     t0 = time.perf_counter()
                     runner.step(sched)

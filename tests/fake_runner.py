@@ -4,9 +4,10 @@ Its "KV cache" stores token ids in the slots the scheduler's block tables point 
 request's whole history back *from those slots*: a wrong block table, a block shared by two live requests or
 a wrong position therefore changes the output, which the tests compare with :func:`reference_generate` (the
 same function applied to the true history). Logits are a deterministic function of the history and go
-through the real sampler, one batched call per step, penalty counts included: the runner keeps them per
-request slot from its resolved inputs as the model runner does, while the reference counts the history from
-scratch at every token, so a slot that is not reset, reused or fed twice changes the tokens.
+through the real sampler, one batched call per step read from the step's arrays as the model runner reads it
+(``Sampler.prepare``: settings a row per request slot, penalty counts per slot from the resolved inputs), while
+the reference samples each request alone from settings given by hand and counts its history from scratch at
+every token, so a settings row or penalty slot that is not written, reset or fed right changes the tokens.
 """
 from __future__ import annotations
 
@@ -77,7 +78,7 @@ class FakeRunner:
         for c in sched.chunks:
             for b in c.block_ids:
                 assert owners.setdefault(b, c.req_id) == c.req_id, f"block {b} shared by {owners[b]} and {c.req_id}"
-        self.sampler.record_inputs(sched.chunks)
+        rows = self.sampler.prepare(sched)  # as the model runner: settings per slot, penalty inputs recorded
         picks, logits = [], []
         for i, c in enumerate(sched.chunks):
             end = c.num_computed_tokens + len(c.token_ids)
@@ -90,7 +91,8 @@ class FakeRunner:
                                          self.vocab_size))
         results: list[int | None] = [None] * len(sched.chunks)
         if picks:
-            out = self.sampler.sample(torch.stack(logits), [sched.chunks[i] for i in picks])
+            assert (rows.picks.tolist() if rows.picks is not None else list(range(len(sched.chunks)))) == picks
+            out = self.sampler.sample_step(torch.stack(logits), rows)
             for i, tok in zip(picks, out.token_ids):
                 results[i] = tok
         return ModelRunnerOutput(results)

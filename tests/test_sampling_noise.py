@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
-from runner.worker.sampling_noise import MASK64, draw_by_inverse_cdf_, row_uniform, splitmix64
+from runner.worker.sampling_noise import (
+    MASK64, draw_by_inverse_cdf_, row_uniform, row_uniforms, seed_hash, splitmix64,
+)
 
 
 def test_splitmix64_matches_its_published_outputs() -> None:
@@ -14,6 +17,19 @@ def test_splitmix64_matches_its_published_outputs() -> None:
     outputs, each the finaliser of the state advanced once more."""
     assert [splitmix64(k * 0x9E3779B97F4A7C15) for k in range(3)] == [
         0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+def test_vectorised_uniforms_equal_the_python_definition() -> None:
+    """The engine's numpy uint64 path (seed hashed once, a step's draws at once) gives bit for bit the uniforms
+    of exact Python integers, for seeds of any sign and size and output indices up to 2**40."""
+    rng = np.random.default_rng(0)
+    seeds = [0, 1, -1, MASK64, 2**64 + 5, -(2**70) + 3, 12345678901234567890] + \
+        [int(x) for x in rng.integers(-2**62, 2**62, size=40)] + [int(x) << 40 for x in rng.integers(0, 2**40, 20)]
+    indices = [0, 1, 2, 1023, 2**31, 2**40] + [int(x) for x in rng.integers(0, 100_000, size=30)]
+    pairs = [(s, i) for s in seeds for i in indices]
+    hashes = np.array([seed_hash(s) for s, _ in pairs], dtype=np.uint64)
+    got = row_uniforms(hashes, np.array([i for _, i in pairs], dtype=np.int64))
+    assert got.dtype == np.float64 and got.tolist() == [row_uniform(s, i) for s, i in pairs]
 
 
 def uniforms_grid(seeds: range, indices: range) -> torch.Tensor:

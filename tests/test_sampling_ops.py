@@ -201,3 +201,20 @@ def test_repetition_penalty_alone_equals_transformers() -> None:
     for i in range(3):
         assert torch.equal(got[i], hf(RepetitionPenaltyLogitsProcessor(penalties[i]), logits[i], seen[i]))
     assert got[0, 1] == 0.0
+
+
+def test_argmax_rows_equals_torch_argmax() -> None:
+    """The CPU's numpy argmax returns torch's indices: the first on ties, +inf, rows of -inf only, NaN (the
+    largest, as torch counts it), and on views that are not contiguous."""
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(300, V, generator=g).round()  # rounded: many ties
+    x[3, [5, 9]] = float("inf")
+    x[4] = float("-inf")
+    x[5, [2, 40]] = float("nan")
+    x[6] = 7.0
+    for logits in (x, x[:, 3:], x[::2], x.t().contiguous().t()):
+        assert ops.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
+        assert ops.argmax_rows(logits).dtype == torch.int64
+    with torch.inference_mode():
+        assert ops.argmax_rows(x.clone()).tolist() == x.argmax(dim=-1).tolist()
+    assert ops.argmax_rows(torch.empty(4, V, device="meta")).device.type == "meta"  # off the CPU: torch's

@@ -172,9 +172,9 @@ class ModelRunner:
         if sched.num_tokens == 0:
             self._dummy_step(decision)
             return ModelRunnerOutput([])
-        hidden, meta = self._forward(sched, decision, split_point)
+        hidden, _ = self._forward(sched, decision, split_point)
         with trace.region("sample", "step", track="step"):
-            sampled, logprobs = self._sample(sched, hidden, meta)
+            sampled, logprobs = self._sample(sched, hidden)
         if self.cost_model is not None:
             self.cost_model.record(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch,
                                    time.perf_counter() - start)
@@ -269,28 +269,29 @@ class ModelRunner:
                                  real_token_mask=self.real_token_mask[:rows]):
             model(input_ids=self.input_ids[:rows].zero_(), positions=self.positions[:rows].zero_())
 
-    def _sample(self, sched: SchedulerOutput, hidden: torch.Tensor,
-                meta: Any) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
-        """One token (and its logprobs, when asked) per chunk that reached the end of its known tokens.
+    def _sample(self, sched: SchedulerOutput,
+                hidden: torch.Tensor) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
+        """One token (and its logprobs, when asked) per request whose chunk reached the end of its known tokens.
 
-        The chunks' inputs are recorded first: the penalty counts are kept here, on the forward side, from
-        resolved input tokens (``runner/worker/penalties.py``), so they are exact with the overlap loop too."""
-        self.sampler.record_inputs(sched.chunks)
-        n = len(sched.chunks)
-        qsl = meta.query_start_loc_cpu.tolist()
-        picks = [i for i, c in enumerate(sched.chunks) if c.sample]
-        if not picks:
+        Read from the step's arrays (``Sampler.prepare``): the settings of requests new to their slot are
+        written, the inputs of requests with penalties recorded first -- the penalty counts are kept here, on
+        the forward side, from resolved input tokens (``runner/worker/penalties.py``), so they are exact with
+        the overlap loop too. A step of decodes only samples every row of ``hidden`` as it is."""
+        n = sched.num_reqs
+        step = self.sampler.prepare(sched)
+        if not len(step):
             return [None] * n, None
-        rows = host_to_device(torch.tensor([qsl[i + 1] - 1 for i in picks], dtype=torch.int64), hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))
-        result = self.sampler.sample(logits, [sched.chunks[i] for i in picks])
-        tokens: list[int | None] = [None] * n
-        logprobs: list[TokenLogprobs | None] | None = None if result.logprobs is None else [None] * n
-        for j, i in enumerate(picks):
-            tokens[i] = result.token_ids[j]
-            if logprobs is not None and result.logprobs is not None:
-                logprobs[i] = result.logprobs[j]
-        return tokens, logprobs
+        if step.picks is None and sched.num_tokens == n:  # one token per request, all sampling
+            last = hidden[:n]
+        else:
+            ends = np.cumsum(sched.query_lens) - 1
+            rows = ends if step.picks is None else ends[step.picks]
+            last = hidden.index_select(0, host_to_device(torch.from_numpy(rows), hidden.device))
+        result = self.sampler.sample_step(self.model.compute_logits(last), step)
+        if step.picks is None:
+            return result.token_ids, result.logprobs  # type: ignore[return-value]
+        return _scatter(result.token_ids, step.picks, n), \
+            None if result.logprobs is None else _scatter(result.logprobs, step.picks, n)
 
     def close(self) -> None:
         if self.graph_runner is not None:
@@ -298,3 +299,9 @@ class ModelRunner:
         if self.wrapper is not None:
             self.wrapper.close()
 
+
+def _scatter(values: list[Any], picks: np.ndarray, n: int) -> list[Any]:
+    """A list of ``n`` with ``values[j]`` at ``picks[j]`` and None elsewhere (numpy, no Python per request)."""
+    out = np.full(n, None, dtype=object)
+    out[picks] = values
+    return out.tolist()

@@ -15,12 +15,14 @@ in the prompt or the output, on the device, updated from each step's *resolved* 
 or past the prompt length count as outputs, earlier ones are the prompt. A chunk starting at position 0
 (admission, or recompute after a preemption) resets its slot first. At sampling time a slot's counts are
 then exactly the request's outputs so far. The tensors are allocated when the first request with a penalty
-arrives and grow with the highest slot used.
+arrives and grow with the highest slot used. A step's inputs are recorded with numpy over the requests that
+use penalties (:meth:`PenaltyState.record`); a step in which none does costs the model runner one check.
 """
 from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from runner.attention.kv_cache import host_to_device
@@ -56,36 +58,49 @@ class PenaltyState:
         self.counts, self.seen = counts, seen
 
     def record_inputs(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Add one step's input tokens (placeholders already resolved) of the requests that use penalties."""
-        resets: list[int] = []
-        prompt_slots: list[int] = []
-        prompt_ids: list[int] = []
-        out_slots: list[int] = []
-        out_ids: list[int] = []
-        for c in chunks:
-            if not c.sampling.uses_penalties:
-                continue
-            if c.slot < 0:
-                raise ValueError(f"request {c.req_id} uses penalties but its chunk has no slot (slot={c.slot}): "
-                                 "penalty counts are kept per request slot")
-            start = c.num_computed_tokens
-            if start == 0:
-                resets.append(c.slot)
-            split = min(max(c.num_prompt_tokens - start, 0), len(c.token_ids))
-            prompt_slots += [c.slot] * split
-            prompt_ids += c.token_ids[:split]
-            out_slots += [c.slot] * (len(c.token_ids) - split)
-            out_ids += c.token_ids[split:]
-        if not (resets or prompt_ids or out_ids):
+        """Add the input tokens (placeholders already resolved) of the chunks whose requests use penalties
+        (a batch of chunks given by hand: :meth:`record` on their arrays)."""
+        chunks = [c for c in chunks if c.sampling.uses_penalties]
+        if not chunks:
             return
-        bad = [t for t in prompt_ids + out_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"penalty state: input token {bad[0]} is outside the vocabulary [0, {self.vocab_size}) "
-                             "(an unresolved placeholder?)")
-        self.ensure_slots(1 + max(resets + prompt_slots + out_slots))
-        n_r, n_p = len(resets), len(prompt_ids)
-        packed = host_to_device(torch.tensor(resets + prompt_slots + prompt_ids + out_slots + out_ids,
-                                             dtype=torch.int64), self.device)
+        self.record(np.array([c.req_id for c in chunks], dtype=np.int64),
+                    np.array([c.slot for c in chunks], dtype=np.int64),
+                    np.array([c.num_computed_tokens for c in chunks], dtype=np.int64),
+                    np.array([len(c.token_ids) for c in chunks], dtype=np.int64),
+                    np.array([c.num_prompt_tokens for c in chunks], dtype=np.int64),
+                    np.array([t for c in chunks for t in c.token_ids], dtype=np.int64))
+
+    def record(self, req_ids: np.ndarray, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray,
+               prompt_lens: np.ndarray, token_ids: np.ndarray) -> None:
+        """Add one step's input tokens of requests that use penalties, as arrays over those requests (numpy,
+        no Python per request): request ``i`` (``req_ids[i]``, in slot ``slots[i]``, prompt of
+        ``prompt_lens[i]`` tokens) computes ``lens[i]`` tokens from position ``starts[i]``; ``token_ids`` holds
+        them all, request after request. Positions below the prompt length are prompt, the others outputs; a
+        request whose chunk starts at position 0 has its slot reset first."""
+        if not len(slots):
+            return
+        if slots.min() < 0:
+            k = int(np.argmax(slots < 0))
+            raise ValueError(f"request {int(req_ids[k])} uses penalties but its chunk has no slot "
+                             f"(slot={int(slots[k])}): penalty counts are kept per request slot")
+        if len(token_ids) != int(lens.sum()):
+            raise ValueError(f"penalty state: {len(token_ids)} token ids for chunks of {int(lens.sum())} tokens")
+        bad = (token_ids < 0) | (token_ids >= self.vocab_size)
+        if bad.any():
+            raise ValueError(f"penalty state: input token {int(token_ids[np.argmax(bad)])} is outside the "
+                             f"vocabulary [0, {self.vocab_size}) (an unresolved placeholder?)")
+        resets = slots[starts == 0]
+        offset = np.arange(len(token_ids)) - np.repeat(np.cumsum(lens) - lens, lens)  # index inside its chunk
+        token_slots = np.repeat(slots, lens)
+        prompt = np.repeat(starts, lens) + offset < np.repeat(prompt_lens, lens)
+        n_r, n_p = len(resets), int(prompt.sum())
+        n_o = len(token_ids) - n_p
+        if not (n_r or len(token_ids)):
+            return
+        self.ensure_slots(1 + int(slots.max()))
+        output = ~prompt
+        packed = host_to_device(torch.from_numpy(np.concatenate(
+            (resets, token_slots[prompt], token_ids[prompt], token_slots[output], token_ids[output]))), self.device)
         assert self.counts is not None and self.seen is not None
         if n_r:
             rows = packed[:n_r]
@@ -95,7 +110,6 @@ class PenaltyState:
         if n_p:
             p = packed[n_r:n_r + 2 * n_p]
             self.seen.index_put_((p[:n_p], p[n_p:]), true)
-        n_o = len(out_ids)
         if n_o:
             o = packed[n_r + 2 * n_p:]
             self.counts.index_put_((o[:n_o], o[n_o:]), torch.ones((), device=self.device), accumulate=True)

@@ -15,6 +15,12 @@ Order (vLLM V1, ``vllm/v1/sample/sampler.py``):
 Every stage runs over all the rows that use it at once; stages no row uses are skipped. The only wait for the
 device is the single read of the results (sampled ids, and the logprobs asked for) at the end.
 
+**Host work per step.** The engine's steps come as arrays (``SchedulerOutput``); the requests' settings live in
+a persistent per-slot table (``runner/worker/sampling_settings.py``), written once per request when its first
+chunk arrives. :meth:`Sampler.prepare` and :func:`build_sampling_metadata` read a step with numpy over its
+arrays: a step of greedy or plain-temperature requests costs a constant amount of Python, whatever its size.
+Rows given by hand (:meth:`Sampler.sample`: tests, benchmarks) get a table of their own built per call.
+
 **Reproducibility.** A row's result depends only on its own logits, settings, seed and output index: every
 operation is row-wise, and the uniform is a function of (seed, output index) rather than a generator's
 state. So a seeded request samples the same tokens alone or in any batch, on any DP rank, with DBO on or off;
@@ -26,15 +32,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+import numpy as np
 import torch
 
 from runner.sampling_params import SamplingParams
 from runner.worker import sampling_ops as ops
 from runner.worker.outputs import TokenLogprobs
 from runner.worker.penalties import PenaltyState, apply_penalties_
-from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata
+from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, settings_of_rows
 from runner.worker.sampling_noise import draw_by_inverse_cdf_
-from runner.worker.scheduled_batch import ScheduledChunk
+from runner.worker.sampling_settings import PENALTIES, SamplingSettings
+from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
 
 def request_seed(params: SamplingParams, default_seed: int) -> int:
@@ -52,32 +60,117 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None] | None = None
 
 
+@dataclass
+class StepRows:
+    """The rows of one step that sample, as :func:`build_sampling_metadata` reads them: settings row
+    ``rows[i]`` of ``settings``, penalty slot ``slots[i]``, output index ``output_index[i]``; ``picks`` are
+    their positions in the step (None: every request of the step samples, in order)."""
+
+    settings: SamplingSettings
+    rows: np.ndarray
+    slots: np.ndarray
+    output_index: np.ndarray
+    picks: np.ndarray | None
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+
 class Sampler:
-    """One rank's sampler: the EOS ids ``min_tokens`` holds back and the per-slot penalty state (on ``device``)."""
+    """One rank's sampler: the EOS ids ``min_tokens`` holds back, the requests' settings a row per request slot
+    (``settings``, written once per request) and the per-slot penalty state (on ``device``)."""
 
     def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: Iterable[int] = ()) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = frozenset(eos_token_ids)
         self.penalties = PenaltyState(vocab_size, self.device)
+        self.settings = SamplingSettings(vocab_size, self.eos_token_ids)
 
+    # ---- a step of the engine -----------------------------------------------------------------------------
+    def prepare(self, sched: SchedulerOutput) -> StepRows:
+        """Read one step (placeholders resolved): write the settings of requests new to their slot, feed the
+        inputs of requests with penalties to their counts, and return the rows that sample. Numpy over the
+        step's arrays; Python runs per request only for requests whose first chunk this is.
+
+        A step built by hand from ``ScheduledChunk`` objects (tests, stand-ins; slots and prompt lengths may be
+        missing) gets a table of its own, a row per chunk."""
+        n = sched.num_reqs
+        if sched.hand_built:
+            chunks = sched.chunks
+            settings = SamplingSettings.of_rows([c.sampling for c in chunks], [c.seed for c in chunks],
+                                                [c.num_prompt_tokens for c in chunks], self.vocab_size,
+                                                self.eos_token_ids)
+            rows = np.arange(n)
+        else:
+            settings, rows = self.settings, sched.slots
+            self._admit(sched)
+        prompt_lens = settings.prompt_len[rows]
+        if settings.num_penalty_rows:
+            uses = settings.flags[rows] & PENALTIES
+            if uses.any():
+                j = np.flatnonzero(uses)
+                lens = sched.query_lens
+                spans = np.repeat(uses.astype(bool), lens)  # the tokens of those requests
+                self.penalties.record(sched.req_ids[j], sched.slots[j], sched.num_computed[j], lens[j],
+                                      prompt_lens[j], sched.token_ids[spans])
+        output_index = sched.num_computed + sched.query_lens - prompt_lens
+        if n and sched.sample.all():
+            return StepRows(settings, rows, sched.slots, output_index, None)
+        picks = np.flatnonzero(sched.sample)
+        return StepRows(settings, rows[picks], sched.slots[picks], output_index[picks], picks)
+
+    def _admit(self, sched: SchedulerOutput) -> None:
+        """Write the settings row of every request of ``sched`` whose slot does not hold them yet: its first
+        chunk (position 0: admission, or recompute after a preemption) or a slot another request wrote."""
+        if not sched.num_reqs:
+            return
+        slots = sched.slots
+        if slots.min() < 0:
+            k = int(np.argmax(slots < 0))
+            raise ValueError(f"request {int(sched.req_ids[k])} has no slot (slot={int(slots[k])}): a scheduled "
+                             "step's requests keep their sampling settings per request slot")
+        top = int(slots.max())
+        if top >= self.settings.num_rows:
+            self.settings.ensure_rows(top + 1)
+        stale = self.settings.owner[slots] != sched.req_ids
+        if not sched.is_uniform_decode:  # otherwise no chunk starts at position 0
+            stale |= sched.num_computed == 0
+        fresh = np.flatnonzero(stale)
+        for i in fresh.tolist() if len(fresh) else ():
+            req = sched.requests[i]
+            self.settings.set(int(slots[i]), req.sampling, req.seed, len(req.prompt_token_ids),
+                              int(sched.req_ids[i]))
+
+    def sample_step(self, logits: torch.Tensor, step: StepRows) -> SamplerOutput:
+        """One token per row of ``step`` from ``logits`` ``[len(step), vocab]`` (modified in place)."""
+        self._check(logits, len(step))
+        if not len(step):
+            return SamplerOutput([])
+        meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
+        return read_back(meta, *sample_on_device(logits, meta, self.penalties))
+
+    # ---- rows given by hand -------------------------------------------------------------------------------
     def record_inputs(self, chunks: Sequence[ScheduledChunk]) -> None:
-        """Feed one step's resolved input tokens to the penalty counts (call before sampling that step)."""
+        """Feed the resolved input tokens of chunks given by hand to the penalty counts (before sampling)."""
         self.penalties.record_inputs(chunks)
 
     def metadata(self, rows: Sequence[SamplingRow]) -> SamplingMetadata:
-        return build_sampling_metadata(rows, self.vocab_size, self.device, self.eos_token_ids)
+        return build_sampling_metadata(*settings_of_rows(rows, self.vocab_size, self.eos_token_ids), self.device)
 
     def sample(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """One token per row of ``logits`` ``[len(rows), vocab]`` (modified in place)."""
-        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
-            raise ValueError(f"logits must be [num_rows, {self.vocab_size}], got shape {tuple(logits.shape)}")
-        if logits.shape[0] != len(rows):
-            raise ValueError(f"got {logits.shape[0]} logit rows but {len(rows)} rows to sample")
+        self._check(logits, len(rows))
         if not rows:
             return SamplerOutput([])
         meta = self.metadata(rows)
         return read_back(meta, *sample_on_device(logits, meta, self.penalties))
+
+    def _check(self, logits: torch.Tensor, num_rows: int) -> None:
+        if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
+            raise ValueError(f"logits must be [num_rows, {self.vocab_size}], got shape {tuple(logits.shape)}")
+        if logits.shape[0] != num_rows:
+            raise ValueError(f"got {logits.shape[0]} logit rows but {num_rows} rows to sample")
 
 
 def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: PenaltyState | None = None
@@ -102,7 +195,7 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
         seen = penalties.seen.index_select(0, slots) if meta.repetition is not None else None
         ops.on_rows_(x, meta.penalty_rows, lambda sub: apply_penalties_(
             sub, counts, seen, meta.repetition, meta.frequency, meta.presence))
-    sampled = None if meta.num_random == meta.num_rows else x.argmax(dim=-1)
+    sampled = None if meta.num_random == meta.num_rows else ops.argmax_rows(x)
     if meta.num_random:
         xr = x if meta.random_rows is None else x.index_select(0, meta.random_rows)
         if meta.temperature is not None:
@@ -128,17 +221,13 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
 
 def read_back(meta: SamplingMetadata, sampled: torch.Tensor,
               lp: tuple[torch.Tensor, ...] | None) -> SamplerOutput:
-    """The one host read of a step's sampling: every result packed into one float64 tensor (token ids and
-    ranks are below 2**53, so exact), copied once."""
-    parts = [sampled.to(torch.float64)]
-    if lp is not None:
-        parts += [t.to(torch.float64).reshape(-1) for t in lp]
-    flat = torch.cat(parts) if len(parts) > 1 else parts[0]
-    values = flat.tolist()  # the step's only wait for the device
+    """The one host read of a step's sampling: the sampled ids, or, when some row asked for logprobs, every
+    result packed into one float64 tensor (token ids and ranks are below 2**53, so exact), copied once."""
+    if lp is None:
+        return SamplerOutput(sampled.tolist())  # the step's only wait for the device
+    values = torch.cat([sampled.to(torch.float64), *(t.to(torch.float64).reshape(-1) for t in lp)]).tolist()
     n = meta.num_rows
     ids = [int(v) for v in values[:n]]
-    if lp is None:
-        return SamplerOutput(ids)
     num = len(meta.logprob_row_ids)
     k = meta.max_logprobs
     logprob, rank = values[n:n + num], values[n + num:n + 2 * num]

@@ -1,21 +1,30 @@
-"""One step's sampling settings as per-row device tensors, built once on the host.
+"""One step's sampling settings as per-row device tensors, built on the host with numpy over the batch.
 
-The sampler works on the rows that sample in a step. Their settings are gathered here in one pass over the
-rows into Python lists, packed into one int64 and one float32 host tensor and copied to the device through
-pinned memory (``host_to_device``, as the attention metadata), then sliced into per-stage views. A stage that
-no row uses gets None and is skipped; a stage that only some rows use carries the index of those rows, so a
-row whose settings are all off costs nothing beyond the batched argmax (greedy) or draw (random).
+The sampler works on the rows that sample in a step. Their settings live in a :class:`SamplingSettings` table
+(a row per request slot in the engine, written when the request arrived); :func:`build_sampling_metadata`
+gathers the step's rows from it with numpy, one stage at a time and only for the stages the step's OR-ed
+flags say some row needs, packs everything into one int64 and one float32 host array, copies each to the
+device once through pinned memory (``host_to_device``, as the attention metadata) and slices it into
+per-stage views. A stage that no row uses gets None and is skipped; a stage that only some rows use carries
+the index of those rows, so a row whose settings are all off costs nothing beyond the batched argmax (greedy)
+or draw (random). Python runs per row only for the rows that need per-row data: ``min_tokens`` stop tokens
+(while the row is below ``min_tokens``) and ``logit_bias`` entries (concatenated), and the logprob rows'
+counts.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Iterable, Protocol, Sequence
 
+import numpy as np
 import torch
 
 from runner.attention.kv_cache import host_to_device
-from runner.sampling_params import SamplingParams, SamplingParamsError
-from runner.worker.sampling_noise import row_uniform
+from runner.sampling_params import SamplingParams
+from runner.worker.sampling_noise import row_uniforms
+from runner.worker.sampling_settings import (
+    LOGIT_BIAS, LOGPROBS, MIN_P, MIN_TOKENS, PENALTIES, RANDOM, TEMPERATURE, TOP_K, TOP_P, SamplingSettings,
+)
 
 
 class SamplingRow(Protocol):
@@ -31,7 +40,8 @@ class SamplingRow(Protocol):
 
 @dataclass
 class RowSpec:
-    """A row given by hand (tests, benchmarks): its settings, seed, output index and penalty slot."""
+    """A row given by hand (tests, benchmarks, reference generation): its settings, seed, output index and
+    penalty slot."""
 
     sampling: SamplingParams
     seed: int = 0
@@ -86,149 +96,144 @@ class SamplingMetadata:
 
 
 class _Pack:
-    """Host lists packed into one int64 and one float32 tensor, one pinned copy each, then sliced by name."""
+    """Host arrays packed into one int64 and one float32 array, one pinned copy each, then sliced by name."""
 
     def __init__(self) -> None:
-        self._ints: list[int] = []
-        self._floats: list[float] = []
+        self._ints: list[np.ndarray] = []
+        self._floats: list[np.ndarray] = []
+        self._num_ints = self._num_floats = 0
         self._spans: dict[str, tuple[bool, int, int]] = {}
-        self.views: dict[str, torch.Tensor] = {}
 
-    def ints(self, name: str, values: Sequence[int]) -> None:
-        self._spans[name] = (True, len(self._ints), len(values))
-        self._ints.extend(values)
+    def ints(self, name: str, values: np.ndarray) -> None:
+        self._spans[name] = (True, self._num_ints, len(values))
+        self._ints.append(values)
+        self._num_ints += len(values)
 
-    def floats(self, name: str, values: Sequence[float]) -> None:
-        self._spans[name] = (False, len(self._floats), len(values))
-        self._floats.extend(values)
+    def floats(self, name: str, values: np.ndarray) -> None:
+        self._spans[name] = (False, self._num_floats, len(values))
+        self._floats.append(values)
+        self._num_floats += len(values)
 
     def to_device(self, device: torch.device) -> dict[str, torch.Tensor]:
-        ints = host_to_device(torch.tensor(self._ints, dtype=torch.int64), device) if self._ints else None
-        floats = host_to_device(torch.tensor(self._floats, dtype=torch.float32), device) if self._floats else None
+        ints = _one_copy(self._ints, np.int64, device)
+        floats = _one_copy(self._floats, np.float32, device)
+        views = {}
         for name, (is_int, start, n) in self._spans.items():
             src = ints if is_int else floats
             assert src is not None
-            self.views[name] = src[start:start + n]
-        return self.views
+            views[name] = src[start:start + n]
+        return views
 
 
-def _subset(pack: _Pack, name: str, rows: list[int], total: int) -> None:
+def _one_copy(parts: list[np.ndarray], dtype: type, device: torch.device) -> torch.Tensor | None:
+    if not parts:
+        return None
+    host = np.concatenate(parts).astype(dtype, copy=False) if len(parts) > 1 else parts[0].astype(dtype)
+    return host_to_device(torch.from_numpy(host), device)
+
+
+def _subset(pack: _Pack, name: str, rows: np.ndarray, total: int) -> None:
     """Pack ``rows`` as an index unless it is every row (then the stage runs on the whole tensor)."""
     if len(rows) != total:
         pack.ints(name, rows)
 
 
-def build_sampling_metadata(rows: Sequence[SamplingRow], vocab_size: int, device: torch.device | str,
-                            eos_token_ids: Iterable[int] = ()) -> SamplingMetadata:
-    """The step's metadata for ``rows`` (row ``i`` is logits row ``i``). ``eos_token_ids`` are the model's EOS
-    ids, masked with each row's stop tokens while it has fewer than ``min_tokens`` outputs."""
+def build_sampling_metadata(settings: SamplingSettings, rows: np.ndarray, slots: np.ndarray,
+                            output_index: np.ndarray, device: torch.device | str) -> SamplingMetadata:
+    """The metadata of a step whose sampled row ``i`` (logits row ``i``) has its settings in ``settings``'s
+    row ``rows[i]``, its penalty counts in request slot ``slots[i]`` and samples its ``output_index[i]``-th
+    output (0: its first), which picks the draw's uniform and says whether ``min_tokens`` still applies."""
     device = torch.device(device)
-    eos = frozenset(eos_token_ids)
-    random_rows: list[int] = []
-    uniforms: list[float] = []
-    temps: list[float] = []
-    minp_idx: list[int] = []
-    minp: list[float] = []
-    k_idx: list[int] = []
-    top_k: list[int] = []
-    k_floor: list[float] = []
-    p_idx: list[int] = []
-    p_floor: list[float] = []
-    stop_rows: list[int] = []
-    stop_toks: list[int] = []
-    bias_rows: list[int] = []
-    bias_toks: list[int] = []
-    bias_vals: list[float] = []
-    pen_rows: list[int] = []
-    pen_slots: list[int] = []
-    rep: list[float] = []
-    freq: list[float] = []
-    pres: list[float] = []
+    n = len(rows)
+    flags = settings.flags[rows]
+    used = int(np.bitwise_or.reduce(flags)) if n else 0
+    pack = _Pack()
+    num_random, max_top_k = 0, 0
+    if used & RANDOM:
+        r = np.flatnonzero(flags & RANDOM)
+        num_random = len(r)
+        r_rows, r_flags = rows[r], flags[r]
+        _subset(pack, "random_rows", r, n)
+        pack.floats("uniforms", row_uniforms(settings.seed_hash[r_rows], output_index[r]))
+        if used & TEMPERATURE:
+            pack.floats("temperature", settings.temperature[r_rows])
+        if used & MIN_P:
+            j = np.flatnonzero(r_flags & MIN_P)
+            _subset(pack, "min_p_rows", j, num_random)
+            pack.floats("min_p", settings.min_p[r_rows[j]])
+        if used & TOP_K:
+            j = np.flatnonzero(r_flags & TOP_K)
+            top_k = settings.top_k[r_rows[j]]
+            max_top_k = int(top_k.max())
+            _subset(pack, "top_k_rows", j, num_random)
+            pack.ints("top_k", top_k)
+            if np.any(r_flags[j] & TOP_P):
+                pack.floats("top_k_p_floor", settings.top_p_floor[r_rows[j]])
+        if used & TOP_P:
+            j = np.flatnonzero((r_flags & (TOP_P | TOP_K)) == TOP_P)  # top-p without top-k
+            if len(j):
+                _subset(pack, "top_p_rows", j, num_random)
+                pack.floats("top_p_floor", settings.top_p_floor[r_rows[j]])
+    stop_mask = bias = False
+    if used & MIN_TOKENS:
+        j = np.flatnonzero(flags & MIN_TOKENS)
+        j = j[output_index[j] < settings.min_tokens[rows[j]]]  # still below min_tokens
+        stop_mask = _ragged(pack, "stop", j, [settings.stop_tokens[t] for t in rows[j].tolist()])
+    if used & LOGIT_BIAS:
+        j = np.flatnonzero(flags & LOGIT_BIAS)
+        entries = [settings.bias[t] for t in rows[j].tolist()]
+        bias = _ragged(pack, "bias", j, [e[0] for e in entries])  # type: ignore[index]
+        if bias:
+            pack.floats("bias_vals", np.concatenate([e[1] for e in entries]))  # type: ignore[index]
+    if used & PENALTIES:
+        j = np.flatnonzero(flags & PENALTIES)
+        pen_slots = slots[j]
+        if pen_slots.min() < 0:
+            k = int(j[np.argmax(pen_slots < 0)])
+            raise ValueError(f"row {k} uses penalties but has no request slot (slot={int(slots[k])})")
+        _subset(pack, "penalty_rows", j, n)
+        pack.ints("penalty_slots", pen_slots)
+        pen_rows = rows[j]
+        for name, values, off in (("repetition", settings.repetition, 1.0), ("frequency", settings.frequency, 0.0),
+                                  ("presence", settings.presence, 0.0)):
+            v = values[pen_rows]
+            if np.any(v != off):
+                pack.floats(name, v)
     lp_rows: list[int] = []
     lp_n: list[int] = []
-    for i, r in enumerate(rows):
-        p = r.sampling
-        if not p.greedy:
-            j = len(random_rows)
-            random_rows.append(i)
-            uniforms.append(row_uniform(r.seed, r.output_index))
-            temps.append(p.temperature)
-            if p.min_p > 0.0:
-                minp_idx.append(j)
-                minp.append(p.min_p)
-            floor = 1.0 - p.top_p if p.top_p < 1.0 else -1.0
-            if 0 < p.top_k < vocab_size:
-                k_idx.append(j)
-                top_k.append(p.top_k)
-                k_floor.append(floor)
-            elif p.top_p < 1.0:
-                p_idx.append(j)
-                p_floor.append(floor)
-        if p.min_tokens and r.output_index < p.min_tokens:
-            stops = sorted(t for t in eos | p.all_stop_token_ids | set(p.stop_token_ids) if t < vocab_size)
-            stop_rows += [i] * len(stops)
-            stop_toks += stops
-        if p.logit_bias:
-            for tok, val in p.logit_bias.items():
-                if not 0 <= tok < vocab_size:
-                    raise SamplingParamsError("logit_bias", f"logit_bias names token id {tok}, outside the "
-                                                            f"vocabulary [0, {vocab_size})")
-                bias_rows.append(i)
-                bias_toks.append(tok)
-                bias_vals.append(val)
-        if p.uses_penalties:
-            if r.slot < 0:
-                raise ValueError(f"row {i} uses penalties but has no request slot (slot={r.slot})")
-            pen_rows.append(i)
-            pen_slots.append(r.slot)
-            rep.append(p.repetition_penalty)
-            freq.append(p.frequency_penalty)
-            pres.append(p.presence_penalty)
-        if p.logprobs is not None:
-            lp_rows.append(i)
-            lp_n.append(min(p.logprobs, vocab_size))
-
-    n, nr = len(rows), len(random_rows)
-    pack = _Pack()
-    if nr:
-        _subset(pack, "random_rows", random_rows, n)
-        pack.floats("uniforms", uniforms)
-        if any(t != 1.0 for t in temps):
-            pack.floats("temperature", temps)
-        if minp:
-            _subset(pack, "min_p_rows", minp_idx, nr)
-            pack.floats("min_p", minp)
-        if k_idx:
-            _subset(pack, "top_k_rows", k_idx, nr)
-            pack.ints("top_k", top_k)
-            if any(f >= 0.0 for f in k_floor):
-                pack.floats("top_k_p_floor", k_floor)
-        if p_idx:
-            _subset(pack, "top_p_rows", p_idx, nr)
-            pack.floats("top_p_floor", p_floor)
-    if stop_rows:
-        pack.ints("stop_rows", stop_rows)
-        pack.ints("stop_toks", stop_toks)
-    if bias_rows:
-        pack.ints("bias_rows", bias_rows)
-        pack.ints("bias_toks", bias_toks)
-        pack.floats("bias_vals", bias_vals)
-    if pen_rows:
-        _subset(pack, "penalty_rows", pen_rows, n)
-        pack.ints("penalty_slots", pen_slots)
-        for name, values, off in (("repetition", rep, 1.0), ("frequency", freq, 0.0), ("presence", pres, 0.0)):
-            if any(v != off for v in values):
-                pack.floats(name, values)
-    if lp_rows:
-        _subset(pack, "logprob_rows", lp_rows, n)
+    if used & LOGPROBS:
+        j = np.flatnonzero(flags & LOGPROBS)
+        _subset(pack, "logprob_rows", j, n)
+        lp_rows, lp_n = j.tolist(), settings.logprobs[rows[j]].tolist()
     v = pack.to_device(device)
     return SamplingMetadata(
-        num_rows=n, num_random=nr, random_rows=v.get("random_rows"), uniforms=v.get("uniforms"),
+        num_rows=n, num_random=num_random, random_rows=v.get("random_rows"), uniforms=v.get("uniforms"),
         temperature=v.get("temperature"), min_p_rows=v.get("min_p_rows"), min_p=v.get("min_p"),
-        top_k_rows=v.get("top_k_rows"), top_k=v.get("top_k"), max_top_k=max(top_k, default=0),
+        top_k_rows=v.get("top_k_rows"), top_k=v.get("top_k"), max_top_k=max_top_k,
         top_k_p_floor=v.get("top_k_p_floor"), top_p_rows=v.get("top_p_rows"), top_p_floor=v.get("top_p_floor"),
-        stop_mask=(v["stop_rows"], v["stop_toks"]) if stop_rows else None,
-        bias=(v["bias_rows"], v["bias_toks"], v["bias_vals"]) if bias_rows else None,
+        stop_mask=(v["stop_rows"], v["stop_toks"]) if stop_mask else None,
+        bias=(v["bias_rows"], v["bias_toks"], v["bias_vals"]) if bias else None,
         penalty_rows=v.get("penalty_rows"), penalty_slots=v.get("penalty_slots"), repetition=v.get("repetition"),
         frequency=v.get("frequency"), presence=v.get("presence"), logprob_rows=v.get("logprob_rows"),
         logprob_row_ids=lp_rows, num_logprobs=lp_n, max_logprobs=max(lp_n, default=0))
+
+
+def _ragged(pack: _Pack, name: str, rows: np.ndarray, tokens: list[np.ndarray]) -> bool:
+    """Pack ``{name}_rows`` (each of ``rows`` repeated once per token of its list) and ``{name}_toks``; False
+    (nothing packed) when there are no tokens at all."""
+    lens = np.fromiter((len(t) for t in tokens), dtype=np.int64, count=len(tokens))
+    if not lens.sum():
+        return False
+    pack.ints(f"{name}_rows", np.repeat(rows, lens))
+    pack.ints(f"{name}_toks", np.concatenate(tokens))
+    return True
+
+
+def settings_of_rows(rows: Sequence[SamplingRow], vocab_size: int, eos_token_ids: Iterable[int] = ()
+                     ) -> tuple[SamplingSettings, np.ndarray, np.ndarray, np.ndarray]:
+    """A batch of rows given by hand as :func:`build_sampling_metadata`'s arguments: a table with a row per
+    batch row, its row indices, the rows' penalty slots and their output indices."""
+    table = SamplingSettings.of_rows([r.sampling for r in rows], [r.seed for r in rows], [0] * len(rows),
+                                     vocab_size, eos_token_ids)
+    return (table, np.arange(len(rows)), np.array([r.slot for r in rows], dtype=np.int64),
+            np.array([r.output_index for r in rows], dtype=np.int64))

@@ -13,14 +13,18 @@ uniform per row, an ``exp`` and a running sum. Both are exact draws from the dis
 few memory-bound passes, on the CPU the per-token noise costs several times the whole inverse-CDF draw
 (docs/benchmarks.md, "Sampler cost per decode step", the ``draw`` rows).
 
-**The hash** runs on the host, in exact Python integers, once per random row: SplitMix64's finaliser
-(Steele, Lea and Flood, "Fast splittable pseudorandom number generators", 2014; ``java.util.SplittableRandom``)
-applied to the seed, XORed with the output index and applied again; the top 24 bits make the uniform, so it is
-exact in float32 and lies in ``[0, 1 - 2**-24]``. ``tests/test_sampling_noise.py`` checks the finaliser against
-SplitMix64's published first output and the uniforms for uniformity and independence.
+**The hash** runs on the host: SplitMix64's finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom
+number generators", 2014; ``java.util.SplittableRandom``) applied to the seed, XORed with the output index and
+applied again; the top 24 bits make the uniform, so it is exact in float32 and lies in ``[0, 1 - 2**-24]``.
+:func:`row_uniform` is the definition, in exact Python integers; the engine hashes each request's seed once
+(:func:`seed_hash`, when the request arrives) and a whole step's draws at once in numpy ``uint64``, whose
+arithmetic is the same modulo 2**64 (:func:`row_uniforms`). ``tests/test_sampling_noise.py`` checks the
+finaliser against SplitMix64's published outputs, the vectorised uniforms against :func:`row_uniform`, and the
+uniforms for uniformity and independence.
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MASK64 = 0xFFFF_FFFF_FFFF_FFFF
@@ -39,6 +43,29 @@ def row_uniform(seed: int, output_index: int) -> float:
     token) of a request seeded with ``seed`` (any Python int; taken modulo 2**64)."""
     h = splitmix64(splitmix64(seed & MASK64) ^ (output_index & MASK64))
     return (h >> 40) * 2.0 ** -24
+
+
+def seed_hash(seed: int) -> int:
+    """The first half of :func:`row_uniform`, fixed for a request's life: ``splitmix64(seed mod 2**64)``."""
+    return splitmix64(seed & MASK64)
+
+
+_U = np.uint64
+
+
+def splitmix64_array(x: np.ndarray) -> np.ndarray:
+    """:func:`splitmix64` of every element of a ``uint64`` array (numpy's unsigned arithmetic wraps modulo 2**64)."""
+    x = x + _U(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> _U(30))) * _U(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> _U(27))) * _U(0x94D049BB133111EB)
+    return x ^ (x >> _U(31))
+
+
+def row_uniforms(seed_hashes: np.ndarray, output_index: np.ndarray) -> np.ndarray:
+    """``row_uniform(seed_i, output_index[i])`` for every row at once, from the rows' :func:`seed_hash` es
+    (``uint64``) and output indices (any integer dtype; taken modulo 2**64), as float64 (exact in float32)."""
+    h = splitmix64_array(seed_hashes ^ output_index.astype(np.uint64))
+    return (h >> _U(40)).astype(np.float64) * 2.0 ** -24
 
 
 def draw_by_inverse_cdf_(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:

@@ -81,6 +81,19 @@ def apply_top_p_(logits: torch.Tensor, top_p_floor: torch.Tensor) -> torch.Tenso
     return logits.masked_fill_(drop.scatter(1, order, drop), NEG_INF)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, int64 (the first index on ties; a NaN counts as the largest, as in ``torch.argmax``).
+
+    On the CPU it is numpy's ``argmax`` over a view of the same memory: torch's CPU argmax over the last
+    dimension does not vectorise and costs several times as much on ``[rows, vocab]`` logits (the greedy rows
+    of ``docs/benchmarks.md``'s sampler section, before and after, in its recorded host-time section), while
+    numpy's returns the same indices (``tests/test_sampling_ops.py``). On any other device ``torch.argmax``,
+    so the step stays tensor work on that device (``tests/test_sampling_state.py``, ``test_cuda_*``)."""
+    if logits.device.type == "cpu":
+        return torch.from_numpy(logits.numpy().argmax(axis=-1))
+    return logits.argmax(dim=-1)
+
+
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:
     """vLLM's default ``raw_logprobs``: ``log_softmax`` of the model's logits before any processing (no
     penalty, bias, temperature or truncation), in float32."""

@@ -13,8 +13,9 @@ hand from chunks keeps them).
 **Per-request sampling information** (for the sampler): ``sample[i]`` says whether request ``i`` samples a
 token this step; ``requests[i]`` is its scheduler-side request, of which only the fields fixed for its life
 may be read on the forward side (``sampling``, ``seed``, ``prompt_token_ids``; the scheduler keeps changing
-the rest for the next step while this one runs), with the lists ``sampling`` and ``seeds`` over all requests
-built from them on first use; the index of the output token it samples is
+the rest for the next step while this one runs). The sampler reads them once per request, when its first
+chunk (position 0) arrives, into a table a row per slot (``runner/worker/sampling_settings.py``); every step
+after that it reads only the arrays. The index of the output token request ``i`` samples is
 ``num_computed[i] + query_lens[i] - len(requests[i].prompt_token_ids)``. The chunk views carry the same
 (``seed``, ``prompt_len``, ``output_index``).
 """
@@ -121,8 +122,6 @@ class SchedulerOutput:
         decode = int(np.count_nonzero((query_lens == 1) & (num_computed > 0))) if n else 0
         self.is_uniform_decode = n > 0 and decode == n  # every chunk is one token on top of cached context
         self.has_prefill = decode < n
-        self._sampling: list[SamplingParams] | None = None
-        self._seeds: list[int] | None = None
 
     # ---- per-request views ----------------------------------------------------------------------------
     @property
@@ -130,16 +129,9 @@ class SchedulerOutput:
         return self.query_lens.tolist()
 
     @property
-    def sampling(self) -> list[SamplingParams]:
-        if self._sampling is None:
-            self._sampling = [r.sampling for r in self.requests]
-        return self._sampling
-
-    @property
-    def seeds(self) -> list[int]:
-        if self._seeds is None:
-            self._seeds = [r.seed for r in self.requests]
-        return self._seeds
+    def hand_built(self) -> bool:
+        """Built from :class:`ScheduledChunk` objects (``requests`` are the chunks), not by the scheduler."""
+        return self._chunks is not None and self.requests is self._chunks
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -169,7 +161,7 @@ class SchedulerOutput:
             raise ValueError(f"{len(token_ids)} token ids for a step of {self.num_tokens} tokens")
         out = copy.copy(self)
         out.token_ids = token_ids
-        if self._chunks is not None and self.requests is self._chunks:  # hand-built: keep its chunk objects' type
+        if self.hand_built:  # keep its chunk objects' type
             tokens, a = token_ids.tolist(), 0
             chunks = []
             for c in self._chunks:
