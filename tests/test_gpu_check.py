@@ -187,6 +187,16 @@ def test_engine_figures_are_the_engine_counters_per_step() -> None:
     assert engine_figures({"cli_equivalent": "x"}) == {}
 
 
+def test_forward_host_time_leaves_out_the_wait_for_sampled_ids_and_the_first_call_is_reported() -> None:
+    doc = engine_doc()
+    doc["measured"]["loop"]["read_wait_s"] = 0.91  # 7 ms a step in the read-back: 2 ms of the forward's own work
+    first = {**doc["measured"], "output_tokens_per_s": 9000.0}
+    doc["measured_runs"] = [first, doc["measured"]]
+    fig = engine_figures(doc)
+    assert fig["forward_host_ms"] == pytest.approx(2.0) and fig["host_ms"] == pytest.approx(4.0)
+    assert fig["first_call_tokens_per_s"] == 9000.0 and fig["output_tokens_per_s"] == 31000.0
+
+
 # ---- the schedule ----------------------------------------------------------------------------------------------
 class FakeClock:
     def __init__(self) -> None:

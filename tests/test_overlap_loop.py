@@ -170,6 +170,8 @@ def test_engine_generate_overlap_on_equals_off() -> None:
                             for o in llm.generate(prompts, params)]
         st = llm.last_loop_stats
         assert st is not None and st.overlap is not disable and (st.num_overlapped_steps > 0) is not disable
+        # The forward side's wait for sampled ids is counted, inside its busy time (both loops).
+        assert 0 < st.read_wait_s <= st.forward_busy_s
         llm.close()
     assert results[False] == results[True]
 

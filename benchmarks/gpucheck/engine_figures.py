@@ -3,9 +3,10 @@
 - ``wall_ms``: the step loop's wall time per step (``LoopStats.wall_s / num_steps``);
 - ``gpu_ms``: the GPU's busy time per step, the union of its kernels, copies and memsets in the profiled run;
 - ``cpu_thread_ms``: the CPU thread's scheduling and result processing per step (``LoopStats.cpu_work_s``);
-- ``forward_host_ms``: the forward thread's time per step not covered by GPU work,
-  ``max(0, forward_busy_s / num_steps - gpu_ms)``: input and metadata preparation, launches, the step's
-  Python; it runs while the GPU has nothing of this step yet;
+- ``forward_host_ms``: the forward thread's own work per step, ``(forward_busy_s - read_wait_s) / num_steps``:
+  input and metadata preparation, launches, the step's Python, less its wait for the sampled ids
+  (``LoopStats.read_wait_s``, the step's one host read). A run without that counter falls back to
+  ``max(0, forward_busy_s / num_steps - gpu_ms)``, which also counted launch-bound waits as host work;
 - ``host_ms = cpu_thread_ms + forward_host_ms``: the host's work for one step. When it is below ``gpu_ms`` the
   host can keep the GPU busy (the overlap loop runs the CPU thread's share beside the GPU);
 - ``gpu_idle_pct``: the share of the wall time the GPU was idle, ``100 * (1 - gpu_ms / wall_ms)``;
@@ -37,7 +38,10 @@ def engine_figures(data: dict[str, Any]) -> dict[str, Any]:
     if profiled and profiled.get("num_steps"):
         fig["gpu_ms"] = 1e3 * profiled["gpu_busy_s"] / profiled["num_steps"]
         if "forward_ms" in fig:
-            fig["forward_host_ms"] = max(0.0, fig["forward_ms"] - fig["gpu_ms"])
+            if "read_wait_s" in loop:
+                fig["forward_host_ms"] = 1e3 * (loop["forward_busy_s"] - loop["read_wait_s"]) / steps
+            else:
+                fig["forward_host_ms"] = max(0.0, fig["forward_ms"] - fig["gpu_ms"])
             fig["host_ms"] = fig["cpu_thread_ms"] + fig["forward_host_ms"]
             fig["gpu_idle_pct"] = max(0.0, 100 * (1 - fig["gpu_ms"] / fig["wall_ms"])) if fig["wall_ms"] else None
     graphs = (data.get("engine") or {}).get("graphs") or {}

@@ -136,6 +136,9 @@ class LoopStats:
     forward_busy_s: float = 0.0
     cpu_work_s: float = 0.0  # CPU thread: schedule + process results (not waiting for copy_done)
     copy_wait_s: float = 0.0  # CPU thread blocked on copy_done
+    # Forward side: part of forward_busy_s spent in the step's one host read of sampled ids, i.e. waiting for the
+    # device (Sampler.read_back_s); forward_busy_s - read_wait_s is the forward side's own host work.
+    read_wait_s: float = 0.0
     num_steps: int = 0  # launched steps with work somewhere (including this rank's dummy steps)
     num_overlapped_steps: int = 0  # launched while the previous step's results were still unprocessed
     num_placeholders_resolved: int = 0  # inputs taken from the future-token map on the forward side
@@ -151,6 +154,11 @@ class LoopStats:
 
 
 StepLoop = Union["SyncStepLoop", "OverlapStepLoop"]
+
+
+def read_back_seconds(runner: Any) -> float:
+    """The runner's sampler's time in its host read so far (0 for a runner without one, e.g. a test stand-in)."""
+    return float(getattr(getattr(runner, "sampler", None), "read_back_s", 0.0))
 
 
 def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any) -> bool:
@@ -208,6 +216,7 @@ class SyncStepLoop:
         self.before_launch, self.on_results = before_launch, on_results
         self.stats = LoopStats(overlap=False)
         self._start = time.perf_counter()
+        self._read0 = read_back_seconds(runner)
 
     def step(self) -> bool:
         stats, sched = self.stats, self.sched
@@ -233,6 +242,7 @@ class SyncStepLoop:
 
     def finish(self) -> LoopStats:
         self.stats.wall_s = time.perf_counter() - self._start
+        self.stats.read_wait_s = read_back_seconds(self.runner) - self._read0
         return self.stats
 
 
@@ -273,6 +283,7 @@ class OverlapStepLoop:
         self._inflight: _Launched | None = None  # launched, results not yet processed
         self._launched: _Launched | None = None  # launched in the current iteration, not yet handed on
         self._busy0, self._start = executor.busy_s, time.perf_counter()
+        self._read0 = read_back_seconds(runner)
 
     def _launch(self, out: SchedulerOutput) -> _Launched:
         return _Launched(out, self.executor.submit(lambda: forward_step(self.runner, self.future_map, out)))
@@ -360,5 +371,6 @@ class OverlapStepLoop:
         stats = self.stats
         stats.wall_s = time.perf_counter() - self._start
         stats.forward_busy_s = self.executor.busy_s - self._busy0
+        stats.read_wait_s = read_back_seconds(self.runner) - self._read0
         stats.num_placeholders_resolved = self.future_map.num_resolved
         return stats

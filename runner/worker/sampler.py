@@ -29,6 +29,8 @@ engine derives for it (``EngineCoreRequest.default_seed``).
 """
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -86,6 +88,9 @@ class Sampler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.penalties = PenaltyState(vocab_size, self.device)
         self.settings = SamplingSettings(vocab_size, self.eos_token_ids)
+        # Seconds spent in read_back, the step's one wait for the device: the step loop subtracts it from the
+        # forward side's busy time to tell the host's own work from waiting on the GPU (LoopStats.read_wait_s).
+        self.read_back_s = 0.0
 
     # ---- a step of the engine -----------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput) -> StepRows:
@@ -148,7 +153,7 @@ class Sampler:
         if not len(step):
             return SamplerOutput([])
         meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
-        return read_back(meta, *sample_on_device(logits, meta, self.penalties))
+        return self._read_back(meta, *sample_on_device(logits, meta, self.penalties))
 
     # ---- rows given by hand -------------------------------------------------------------------------------
     def record_inputs(self, chunks: Sequence[ScheduledChunk]) -> None:
@@ -164,7 +169,15 @@ class Sampler:
         if not rows:
             return SamplerOutput([])
         meta = self.metadata(rows)
-        return read_back(meta, *sample_on_device(logits, meta, self.penalties))
+        return self._read_back(meta, *sample_on_device(logits, meta, self.penalties))
+
+    def _read_back(self, meta: SamplingMetadata, sampled: torch.Tensor,
+                   lp: tuple[torch.Tensor, ...] | None) -> SamplerOutput:
+        t0 = time.perf_counter()
+        try:
+            return read_back(meta, sampled, lp)
+        finally:
+            self.read_back_s += time.perf_counter() - t0
 
     def _check(self, logits: torch.Tensor, num_rows: int) -> None:
         if logits.dim() != 2 or logits.shape[1] != self.vocab_size:
