@@ -170,6 +170,7 @@ def run(b: Bench) -> tuple[str, float, int]:
     t0 = time.perf_counter()
     proc = subprocess.run([PY, *b.argv], cwd=ROOT, capture_output=True, text=True, timeout=3600)
     out = (proc.stdout + ("\n" + proc.stderr if proc.returncode else "")).strip()
+    out = out.replace(f"{ROOT}/", "")  # paths as a reader's checkout has them
     return out, time.perf_counter() - t0, proc.returncode
 
 
