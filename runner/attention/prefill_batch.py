@@ -44,7 +44,7 @@ PAD_FACTOR = 2.0  # a group's padded score count may be up to this many times it
 PAD_SLACK = 1 << 16  # ... or exceed it by at most this many score entries
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class PrefillGroup:
     """Prefill requests attended together, padded to ``max_query_len`` queries and ``max_seq_len`` keys.
 
