@@ -7,10 +7,11 @@ Prefill runs one ``torch.nn.functional.scaled_dot_product_attention`` per padded
 (``prefill_batch.py``). A group of fresh prompts of one length asks for ``is_causal`` (GQA through
 ``enable_gqa``: the flash kernel on a GPU takes both). Any other group passes its mask, bottom-right
 aligned per request (chunked prefill, the second part of a request cut across two ubatches) with the
-padding hidden, as an additive bias; since CUDA's memory-efficient kernel takes a bias but not
-``enable_gqa``, and flash takes no mask, GQA is folded into the query length instead: the ``G`` query
-heads sharing a KV head become ``G`` runs of queries of that head, ``[R, Hkv, G * Lmax, D]``, with the
-mask repeated ``G`` times. The math is the same; no kernel needs both features.
+padding hidden, as an additive bias. Flash takes no mask, and CUDA's memory-efficient kernel, which takes
+a bias, is not known to take ``enable_gqa`` as well (``benchmarks/bench_prefill.py`` lists which kernel
+takes each form on the GPU at hand), so GQA is folded into the query length instead: the ``G`` query heads
+sharing a KV head become ``G`` runs of queries of that head, ``[R, Hkv, G * Lmax, D]``, with the mask
+repeated ``G`` times. The math is the same, and no kernel needs both features.
 
 The decode function is a constructor argument so tests can run the plumbing against a stand-in with the
 kernel's API; the engine always passes the kernel (:func:`load_paged_decode_kernel`).
@@ -69,7 +70,10 @@ class TritonAttentionBackend(AttentionBackend):
 def _folded_bias(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
     """``mask [R, L, S]`` (True = attend) -> additive bias ``[R, 1, G * L, S]`` in ``dtype`` (0 or -inf), the
     mask repeated for each of the ``G`` query heads of a KV head. What SDPA would make of a boolean mask,
-    made here once per step and group rather than in every layer (``PrefillGroup.memo``)."""
+    made here once per step and group rather than in every layer (``PrefillGroup.memo``). Its rows are
+    allocated 16 elements aligned, as CUDA's memory-efficient kernel wants them (else SDPA pads the bias again
+    in every call)."""
     r, lq, s = mask.shape
     rep = mask[:, None].expand(r, g, lq, s).reshape(r, 1, g * lq, s)
-    return torch.zeros(rep.shape, dtype=dtype, device=mask.device).masked_fill_(~rep, float("-inf"))
+    bias = torch.zeros(r, 1, g * lq, -(-s // 16) * 16, dtype=dtype, device=mask.device)[..., :s]
+    return bias.masked_fill_(~rep, float("-inf"))
