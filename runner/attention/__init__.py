@@ -4,6 +4,7 @@
   (its module docstring states the masking rule by position and the absorbed-MLA maths);
 - ``backend.py``: :class:`AttentionBackend`, what a backend supplies (decode, prefill) and what it inherits
   (metadata built once per step, KV writes, graph buffers); ``metadata.py``: that per-step metadata;
+  ``prefill_batch.py``: a step's prefill requests as a few padded groups (one attention call each);
 - ``torch_backend.py`` (the CPU path) and ``triton_backend.py`` (Triton paged decode, SDPA prefill);
   ``selector.py``: ``--attention-backend auto|torch|triton``;
 - ``graph.py``: persistent decode metadata for CUDA graphs; ``ops.py``: what the model layers call.

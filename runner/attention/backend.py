@@ -6,11 +6,14 @@ A backend supplies two computations and inherits the rest:
 - :meth:`AttentionBackend.decode`: one query token per request, reading the paged cache through a block
   table, the query at position ``seq_len - 1`` (the Triton kernel's contract,
   ``runner/attention/triton_paged_decode.py``);
-- :meth:`AttentionBackend.prefill`: one request's queries (the last ``L`` positions of ``[0, S)``) against
-  its ``S`` keys, gathered from the cache (a query at position ``p`` sees keys ``<= p``).
+- :meth:`AttentionBackend.prefill`: a padded group of prefill requests at once, ``[R, Lmax]`` queries (request
+  ``r``'s are the last ``L_r`` positions of ``[0, S_r)``) against ``[R, Smax]`` keys gathered from the cache,
+  under a mask that is causal bottom-right aligned per request and hides the padding
+  (``runner/attention/prefill_batch.py``: why batched, and how requests are grouped).
 
 The base class builds per-step metadata (:meth:`build_metadata`, before the forward), writes KV and splits a
-batch into its decode group and its prefill requests (:meth:`attend`); CUDA-graph decode metadata
+batch into its decode group and its prefill groups (:meth:`attend`): a step's attention is a handful of
+launches per layer whatever its number of requests, with no host sync; CUDA-graph decode metadata
 (``graph.DecodeMetadataBuffers(..., backend=...)``) routes every row to the same :meth:`decode`. A layer
 never picks a backend: the metadata it is handed names the backend that built it (``runner/attention/ops.py``).
 """
@@ -22,7 +25,7 @@ from typing import ClassVar
 import torch
 
 from runner.attention.metadata import GraphDecodeMetadata, PagedAttentionMetadata, build_paged_metadata
-from runner.attention.reference import request_slots
+from runner.attention.prefill_batch import PrefillGroup
 from ubatch.slicing import CommonAttentionMetadata
 
 
@@ -46,9 +49,15 @@ class AttentionBackend(ABC):
         """
 
     @abstractmethod
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        """``q [L, Hq, Dk]`` (positions ``S - L .. S - 1``), ``k [S, Hkv, Dk]``, ``v [S, Hkv, Dv]`` ->
-        ``[L, Hq, Dv]``, causal by position."""
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PrefillGroup,
+                scale: float) -> torch.Tensor:
+        """``q [R, Lmax, Hq, Dk]``, ``k [R, Smax, Hkv, Dk]``, ``v [R, Smax, Hkv, Dv]`` -> ``[R, Lmax, Hq, Dv]``.
+
+        ``group.mask`` bool ``[R, Lmax, Smax]``, True = attend; no row is all False, and every key (padding
+        included) is finite. ``group.causal``: the mask is the plain causal one (``Lmax == Smax``, no padding),
+        which a kernel may take instead. ``group.memo`` keeps what a backend derives from the mask for the
+        step's other layers. Query head ``h`` uses KV head ``h // (Hq // Hkv)``.
+        """
 
     # ---- metadata ---------------------------------------------------------------------------------------------
     def build_metadata(self, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
@@ -90,12 +99,17 @@ class AttentionBackend(ABC):
                 res = self.decode(q.index_select(0, group.token_index), k_cache, v_cache, group.block_table,
                                   group.seq_lens, group.max_seq_len, scale)
                 out.index_copy_(0, group.token_index, res)
-        if meta.prefills:
-            block_size = k_cache.shape[1]
+        if meta.prefill_groups:
+            block_size, hq, hkv = k_cache.shape[1], q.shape[1], k_cache.shape[2]
             k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
-            table = meta.common.block_table
-            for p in meta.prefills:
-                slots = request_slots(table[p.index], p.seq_len, block_size)
-                out[p.token_start:p.token_stop] = self.prefill(q[p.token_start:p.token_stop], k_flat[slots],
-                                                               v_flat[slots], scale)
+            for g in meta.prefill_groups:  # a few groups (prefill_batch.group_prefills), not one per request
+                r, lq, s = g.num_reqs, g.max_query_len, g.max_seq_len
+                slots = g.key_slots(meta.common.block_table, block_size)
+                res = self.prefill(q.index_select(0, g.query_rows).view(r, lq, hq, q.shape[2]),
+                                   k_flat.index_select(0, slots).view(r, s, hkv, k_flat.shape[-1]),
+                                   v_flat.index_select(0, slots).view(r, s, hkv, v_flat.shape[-1]),
+                                   g, scale).reshape(r * lq, hq, out.shape[-1])
+                if g.real_index is not None:
+                    res = res.index_select(0, g.real_index)
+                out.index_copy_(0, g.out_rows, res)
         return out

@@ -4,8 +4,9 @@ A layer must not make the host wait for the GPU: a sync in one DBO ubatch stops 
 other ubatch's work. So everything a layer needs that is not already a device tensor of
 :class:`CommonAttentionMetadata` is worked out here, on the host, from its ``*_cpu`` twins:
 
-- host ints for the per-request loop of prefill (query starts, sequence lengths) and the decode batch's
-  longest sequence (no ``int(seq_lens.max())`` in a layer);
+- the prefill requests as a few padded groups (``prefill_batch.py``): their index arrays built with numpy and
+  sent in one copy, so a layer attends every prefill request in a handful of launches; the decode batch's
+  longest sequence as a host int (no ``int(seq_lens.max())`` in a layer);
 - the number of real tokens (the rest are padding rows with slot ``-1``, always at the tail), so the KV write
   needs no ``bool((slots >= 0).all())``;
 - the decode requests (query length 1) as one group: rows ``[0, R)`` when they are the batch's first
@@ -23,6 +24,7 @@ import numpy as np
 import torch
 
 from runner.attention.kv_cache import host_to_device
+from runner.attention.prefill_batch import PrefillGroup, build_prefill_groups
 from ubatch.slicing import CommonAttentionMetadata
 
 
@@ -72,7 +74,8 @@ class PagedAttentionMetadata:
     num_real_tokens: int  # rows with a KV slot: ``[0, num_real_tokens)``
     slot_mapping: torch.Tensor  # int64 [num_real_tokens]
     decode: DecodeGroup | None
-    prefills: tuple[PrefillRequest, ...]
+    prefills: tuple[PrefillRequest, ...]  # what the groups hold, per request (tests, logs)
+    prefill_groups: tuple[PrefillGroup, ...] = ()  # what a layer attends: a few groups, whatever len(prefills)
 
     @property
     def num_reqs(self) -> int:
@@ -96,10 +99,11 @@ class GraphDecodeMetadata:
 
 
 def build_paged_metadata(backend: AttentionBackendLike, common: CommonAttentionMetadata) -> PagedAttentionMetadata:
-    """Host-side work for one (micro)batch; device work is slicing and, for a mixed batch, two small copies.
+    """Host-side work for one (micro)batch; device work is slicing, for a mixed batch two small copies, and for
+    prefill requests one copy of their groups' index arrays plus a mask per group.
 
-    Vectorised over the requests (numpy views of the ``*_cpu`` tensors): only prefill requests, a handful in a
-    step, get a Python object each.
+    Vectorised over the requests (numpy views of the ``*_cpu`` tensors): only prefill requests get a Python
+    object each (``prefills``, for tests and logs); layers read ``prefill_groups``.
     """
     qsl = common.query_start_loc_cpu.numpy()
     seq = common.seq_lens_cpu.numpy()
@@ -115,6 +119,7 @@ def build_paged_metadata(backend: AttentionBackendLike, common: CommonAttentionM
     is_decode = q == 1
     num_decodes = int(np.count_nonzero(is_decode))
     prefills: tuple[PrefillRequest, ...] = ()
+    groups: tuple[PrefillGroup, ...] = ()
     if num_decodes < num_reqs:
         multi = np.flatnonzero(q > 1)
         short = multi[seq[multi] < q[multi]]
@@ -123,6 +128,9 @@ def build_paged_metadata(backend: AttentionBackendLike, common: CommonAttentionM
             raise ValueError(f"request {i} has {int(q[i])} query tokens but seq_len {int(seq[i])}")
         prefills = tuple(PrefillRequest(i, s, e, n) for i, s, e, n in
                          zip(multi.tolist(), qsl[multi].tolist(), qsl[multi + 1].tolist(), seq[multi].tolist()))
+        groups = build_prefill_groups(multi.astype(np.int64), qsl[multi].astype(np.int64),
+                                      q[multi].astype(np.int64), seq[multi].astype(np.int64),
+                                      common.block_table.device)
     decode = None
     if num_decodes:
         longest = int(seq[is_decode].max())
@@ -137,4 +145,4 @@ def build_paged_metadata(backend: AttentionBackendLike, common: CommonAttentionM
             decode = DecodeGroup(num_decodes, common.block_table.index_select(0, req),
                                  common.seq_lens.index_select(0, req), longest, tok)
     return PagedAttentionMetadata(backend, common, num_tokens, num_real, common.slot_mapping[:num_real],
-                                  decode, prefills)
+                                  decode, prefills, groups)

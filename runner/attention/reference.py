@@ -24,7 +24,10 @@ latent output is projected with ``W_UV``. Mathematically identical to HF's expan
 """
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+import torch.nn.functional as F
 
 from ubatch.slicing import CommonAttentionMetadata
 
@@ -69,6 +72,37 @@ def request_slots(block_table_row: torch.Tensor, n: int, block_size: int) -> tor
     """Cache slots of positions ``[0, n)`` of one request (device ops only; ``n`` is a host int)."""
     pos = torch.arange(n, device=block_table_row.device)
     return block_table_row[pos // block_size].to(torch.int64) * block_size + pos % block_size
+
+
+def per_request_prefill(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
+                        scale: float) -> dict[int, torch.Tensor]:
+    """The backends' former prefill, request by request over a ``PagedAttentionMetadata``'s ``prefills``: batch
+    row -> output row ``[Hq, Dv]`` of every prefill query. ``kind`` ``"torch"``: the torch backend's einsums;
+    ``"sdpa"``: the Triton backend's ``scaled_dot_product_attention`` (``is_causal`` for a fresh prompt, else a
+    bottom-right-aligned boolean mask). The reference the batched prefill (``prefill_batch.py``) is tested and
+    benchmarked against; some fifteen launches per request, so never what an engine step runs."""
+    if kind not in ("torch", "sdpa"):
+        raise ValueError(f"per_request_prefill kind must be 'torch' or 'sdpa', got {kind!r}")
+    bs = k_cache.shape[1]
+    k_flat, v_flat = k_cache.flatten(0, 1), v_cache.flatten(0, 1)
+    rows: dict[int, torch.Tensor] = {}
+    for p in meta.prefills:
+        slots = request_slots(meta.common.block_table[p.index], p.seq_len, bs)
+        qi, k, v = q[p.token_start:p.token_stop], k_flat[slots], v_flat[slots]
+        lq, s = qi.shape[0], k.shape[0]
+        if kind == "torch":
+            qpos = torch.arange(s - lq, s, device=q.device)
+            res = _attend_one(qi, k, v, qpos, scale)
+        else:
+            qh, kh, vh = qi.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]
+            if lq == s:
+                o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                mask = torch.arange(s, device=q.device)[None, :] <= torch.arange(s - lq, s, device=q.device)[:, None]
+                o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
+            res = o[0].transpose(0, 1)
+        rows.update({p.token_start + j: res[j] for j in range(lq)})
+    return rows
 
 
 def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scale: float) -> torch.Tensor:

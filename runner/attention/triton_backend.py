@@ -3,10 +3,15 @@
 Decode reads each request's blocks through the block table up to its ``seq_len``
 (``runner/attention/triton_paged_decode.py``): nothing of size requests x max_model_len is materialised, in
 eager steps or inside a CUDA graph, and the grid depends on shapes only, so the same call is captured.
-Prefill runs ``torch.nn.functional.scaled_dot_product_attention`` per request (flash / cuDNN / efficient on
-a GPU, GQA through ``enable_gqa``) on the keys gathered for that request: a causal mask when the request
-has no earlier context (every query sees the keys up to itself), else the bottom-right-aligned mask of
-chunked prefill and of the second part of a request cut across two ubatches.
+Prefill runs one ``torch.nn.functional.scaled_dot_product_attention`` per padded group of requests
+(``prefill_batch.py``). A group of fresh prompts of one length asks for ``is_causal`` (GQA through
+``enable_gqa``: the flash kernel on a GPU takes both). Any other group passes its mask, bottom-right
+aligned per request (chunked prefill, the second part of a request cut across two ubatches) with the
+padding hidden, as an additive bias. Flash takes no mask, and CUDA's memory-efficient kernel, which takes
+a bias, is not known to take ``enable_gqa`` as well (``benchmarks/bench_prefill.py`` lists which kernel
+takes each form on the GPU at hand), so GQA is folded into the query length instead: the ``G`` query heads
+sharing a KV head become ``G`` runs of queries of that head, ``[R, Hkv, G * Lmax, D]``, with the mask
+repeated ``G`` times. The math is the same, and no kernel needs both features.
 
 The decode function is a constructor argument so tests can run the plumbing against a stand-in with the
 kernel's API; the engine always passes the kernel (:func:`load_paged_decode_kernel`).
@@ -19,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from runner.attention.backend import AttentionBackend
+from runner.attention.prefill_batch import PrefillGroup
 
 PagedDecodeFn = Callable[..., torch.Tensor]  # paged_decode_attention's signature
 
@@ -45,13 +51,29 @@ class TritonAttentionBackend(AttentionBackend):
                out: torch.Tensor | None = None) -> torch.Tensor:
         return self.decode_fn(q, k_cache, v_cache, block_table, seq_lens, scale, out=out)
 
-    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-        lq, s = q.shape[0], k.shape[0]
-        qh, kh, vh = q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, H, L, D]
-        if lq == s:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            kpos = torch.arange(s, device=q.device)
-            mask = kpos[None, :] <= torch.arange(s - lq, s, device=q.device)[:, None]  # [L, S], True = attend
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale, enable_gqa=True)
-        return out[0].transpose(0, 1)
+    def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PrefillGroup,
+                scale: float) -> torch.Tensor:
+        r, lq, hq, dk = q.shape
+        hkv, dv = k.shape[2], v.shape[-1]
+        kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [R, Hkv, S, D]
+        if group.causal:
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, is_causal=True, scale=scale,
+                                                 enable_gqa=True)
+            return out.transpose(1, 2)
+        g = hq // hkv
+        qf = q.view(r, lq, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * lq, dk)
+        bias = group.memo(("folded_bias", g, q.dtype), lambda: _folded_bias(group.mask, g, q.dtype))
+        out = F.scaled_dot_product_attention(qf, kh, vh, attn_mask=bias, scale=scale)  # [R, Hkv, G * L, Dv]
+        return out.view(r, hkv, g, lq, dv).permute(0, 3, 1, 2, 4).reshape(r, lq, hq, dv)
+
+
+def _folded_bias(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """``mask [R, L, S]`` (True = attend) -> additive bias ``[R, 1, G * L, S]`` in ``dtype`` (0 or -inf), the
+    mask repeated for each of the ``G`` query heads of a KV head. What SDPA would make of a boolean mask,
+    made here once per step and group rather than in every layer (``PrefillGroup.memo``). Its rows are
+    allocated 16 elements aligned, as CUDA's memory-efficient kernel wants them (else SDPA pads the bias again
+    in every call)."""
+    r, lq, s = mask.shape
+    rep = mask[:, None].expand(r, g, lq, s).reshape(r, 1, g * lq, s)
+    bias = torch.zeros(r, 1, g * lq, -(-s // 16) * 16, dtype=dtype, device=mask.device)[..., :s]
+    return bias.masked_fill_(~rep, float("-inf"))

@@ -1,0 +1,152 @@
+"""A step's prefill requests as a few padded batches: what a layer needs to run their attention in a handful
+of launches, whatever the number of requests.
+
+A prefill request (more than one query token: a fresh prompt, a chunk of a longer one, or the part of a request
+cut across two ubatches) has its ``L`` queries at the last ``L`` positions of ``[0, S)`` and reads its ``S``
+keys from the paged cache. Attending request by request costs some fifteen launches per request and layer
+(slot arithmetic, gathers, a mask, the attention), so a step of 32 prompts over 16 layers kept the host busy
+launching for tens of milliseconds while the GPU waited. Here the requests are padded to ``[R, Lmax]`` queries
+and ``[R, Smax]`` keys and attended with one call per *group*, with a boolean mask ``[R, Lmax, Smax]`` that is
+causal bottom-right aligned per request (query ``j`` of request ``r`` at position ``S_r - L_r + j`` sees the
+keys at positions ``<=`` it) and hides the padding.
+
+Grouping rule (:func:`group_prefills`): requests sorted by ``S`` (then ``L``) descending are taken greedily,
+and a request joins the current group when what it adds to the group's padded score count ``R * Lmax * Smax``
+is at most ``PAD_FACTOR`` (2) times its own ``L * S``, or when the group's padding ``R * Lmax * Smax -
+sum_r L_r * S_r`` stays within ``PAD_SLACK`` (65 536 score entries: a little padding costs less than a
+launch); otherwise it opens a new group. So a group computes at most about twice its real scores (plus the
+slack), same-size requests (every step of a batch of same-length prompts) make one group, and a short prompt
+is not padded to a long chunk beside it. Since a request that opens a group is less than half the size of the
+group before it (or joined it), sizes spread over a factor ``k`` make at most about ``log2(k / PAD_SLACK)``
+groups above the slack: a step has a handful of groups, never one per request.
+
+Padding never reads an unwritten cache slot (the cache is not zero-filled, so one could hold NaN, and a
+masked score times NaN is still NaN): padded key positions repeat the request's last key
+(``min(s, S - 1)``), padded query rows repeat its last query row, and so no mask row is all False. The results
+of padded query rows are dropped.
+
+Everything is computed on the host with numpy from the step's ``*_cpu`` metadata and sent to the device in
+one copy per step (``host_to_device``); the cache slots of the keys need the cache's block size, which only
+the layer knows, so they are computed on the device by the first layer that asks (:meth:`PrefillGroup.key_slots`,
+one vectorised gather) and kept for the other layers of the step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from runner.attention.kv_cache import host_to_device
+
+PAD_FACTOR = 2.0  # a group's padded score count may be up to this many times its real count ...
+PAD_SLACK = 1 << 16  # ... or exceed it by at most this many score entries
+
+
+@dataclass(frozen=True, eq=False)
+class PrefillGroup:
+    """Prefill requests attended together, padded to ``max_query_len`` queries and ``max_seq_len`` keys.
+
+    Device tensors (views of one per-step host-to-device copy, plus the mask made from them):
+    ``query_rows`` int64 ``[R * Lmax]``: the batch row of each padded query (padding repeats the request's last
+    row); ``out_rows`` int64 ``[N]``: the batch rows of the real queries, in padded order; ``real_index`` int64
+    ``[N]``: where those sit among the ``R * Lmax`` padded rows, ``None`` when no query row is padding;
+    ``req_rows`` int64 ``[R]``: the requests' rows in the block table; ``key_pos`` int64 ``[R, Smax]``: the key
+    positions, padding clipped to ``S - 1``; ``mask`` bool ``[R, Lmax, Smax]``, True = attend.
+    ``causal``: every request is a fresh prompt of exactly ``Lmax == Smax`` tokens, so the mask is the plain
+    causal one and a backend may ask its kernel for that instead.
+    """
+
+    num_reqs: int
+    max_query_len: int
+    max_seq_len: int
+    causal: bool
+    query_rows: torch.Tensor
+    out_rows: torch.Tensor
+    real_index: torch.Tensor | None
+    req_rows: torch.Tensor
+    key_pos: torch.Tensor
+    mask: torch.Tensor
+    _memo: dict[Any, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def key_slots(self, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
+        """Cache slots of the padded keys, int64 ``[R * Smax]``: ``block_table[req, pos // bs] * bs + pos % bs``.
+        Computed on the device on first use for this block size, then reused by every layer of the step."""
+        return self.memo(("slots", block_size), lambda: (
+            block_table[self.req_rows[:, None], self.key_pos // block_size].to(torch.int64) * block_size
+            + self.key_pos % block_size).view(-1))
+
+    def memo(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A per-step tensor derived from this group (slots, a backend's form of the mask), made once: the
+        layers of a step share one metadata object, and a DBO ubatch has its own."""
+        got = self._memo.get(key)
+        if got is None:
+            got = self._memo[key] = make()
+        return got
+
+
+def group_prefills(query_lens: np.ndarray, seq_lens: np.ndarray, pad_factor: float = PAD_FACTOR,
+                   pad_slack: int = PAD_SLACK) -> list[np.ndarray]:
+    """Split requests (``query_lens``/``seq_lens``, one entry each) into groups attended together: index arrays
+    into the inputs. The rule is the module docstring's; one pass over host ints, once per step."""
+    order = np.lexsort((-query_lens, -seq_lens))  # by seq_len, then query_len, descending
+    groups: list[np.ndarray] = []
+    start, n, lmax, smax, real = 0, 0, 0, 0, 0
+    for k, (ql, sl) in enumerate(zip(query_lens[order].tolist(), seq_lens[order].tolist())):
+        if n:
+            lm, sm, rl = max(lmax, ql), max(smax, sl), real + ql * sl
+            padded = (n + 1) * lm * sm
+            if padded - n * lmax * smax <= pad_factor * ql * sl or padded - rl <= pad_slack:
+                n, lmax, smax, real = n + 1, lm, sm, rl
+                continue
+            groups.append(order[start:k])
+        start, n, lmax, smax, real = k, 1, ql, sl, ql * sl
+    if n:
+        groups.append(order[start:])
+    return groups
+
+
+def build_prefill_groups(req_index: np.ndarray, query_start: np.ndarray, query_lens: np.ndarray,
+                         seq_lens: np.ndarray, device: torch.device) -> tuple[PrefillGroup, ...]:
+    """The groups of a (micro)batch's prefill requests: request ``req_index[i]`` of the batch has its
+    ``query_lens[i]`` queries at batch rows ``query_start[i]...`` and ``seq_lens[i]`` keys.
+
+    All index arrays of all groups are built with numpy and go to the device in one copy; the masks are made
+    on the device from them (two small launches per group, once per step).
+    """
+    parts: list[np.ndarray] = []
+    shapes = []
+    for members in group_prefills(query_lens, seq_lens):
+        ql, sl, qs = query_lens[members], seq_lens[members], query_start[members]
+        r, lmax, smax = len(members), int(ql.max()), int(sl.max())
+        j = np.minimum(np.arange(lmax)[None, :], ql[:, None] - 1)  # padded query rows repeat the last one
+        query_rows = (qs[:, None] + j).reshape(-1)
+        query_pos = (sl[:, None] - ql[:, None] + j).reshape(-1)
+        real = (np.arange(lmax)[None, :] < ql[:, None]).reshape(-1)
+        real_index = np.flatnonzero(real)
+        key_pos = np.minimum(np.arange(smax)[None, :], sl[:, None] - 1).reshape(-1)
+        padded_rows = len(real_index) < r * lmax
+        causal = bool((ql == lmax).all() and (sl == lmax).all() and smax == lmax)
+        arrays = [query_rows, query_rows[real_index], req_index[members], key_pos, query_pos]
+        if padded_rows:
+            arrays.append(real_index)
+        parts.extend(arrays)
+        shapes.append((r, lmax, smax, causal, [len(a) for a in arrays]))
+    if not parts:
+        return ()
+    flat = host_to_device(torch.from_numpy(np.concatenate(parts).astype(np.int64, copy=False)), device)
+    groups = []
+    offset = 0
+    for r, lmax, smax, causal, sizes in shapes:
+        views = []
+        for size in sizes:
+            views.append(flat[offset:offset + size])
+            offset += size
+        query_rows, out_rows, req_rows, key_pos, query_pos = views[:5]
+        real_index = views[5] if len(views) > 5 else None
+        key_pos = key_pos.view(r, smax)
+        mask = torch.arange(smax, device=device) <= query_pos.view(r, lmax, 1)  # [R, Lmax, Smax]
+        groups.append(PrefillGroup(r, lmax, smax, causal, query_rows, out_rows, real_index, req_rows, key_pos,
+                                   mask))
+    return tuple(groups)
