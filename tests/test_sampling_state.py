@@ -329,7 +329,7 @@ def test_cuda_steps_sample_on_the_device_as_on_the_cpu() -> None:
         logits = torch.randn(n, V, generator=g) * 3
         results = {}
         for dev, sampler in samplers.items():
-            x = logits.to(dev)
+            x = logits.to(dev, copy=True)  # the sampler works in place: each device gets its own copy
             if dev == "cuda":
                 torch.cuda.synchronize()
                 torch.cuda.set_sync_debug_mode("error")
