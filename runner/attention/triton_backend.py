@@ -13,6 +13,13 @@ takes each form on the GPU at hand), so GQA is folded into the query length inst
 sharing a KV head become ``G`` runs of queries of that head, ``[R, Hkv, G * Lmax, D]``, with the mask
 repeated ``G`` times. The math is the same, and no kernel needs both features.
 
+Prefill's SDPA calls prefer flash, then the memory-efficient kernel, then math, over cuDNN
+(:data:`PREFILL_SDPA_ORDER`). From torch 2.11 on an H100 (its bundled cuDNN is past the version PyTorch gates
+on) the default order puts cuDNN first, and cuDNN builds an execution plan for every new shape; prefill groups
+change shape from step to step. On an H100 the engine's first generate call ran at about a third of its
+steady-state speed with cuDNN first (docs/benchmarks.md, the recorded GPU check); whether this order removes
+that gap is still to be measured on a GPU.
+
 The decode function is a constructor argument so tests can run the plumbing against a stand-in with the
 kernel's API; the engine always passes the kernel (:func:`load_paged_decode_kernel`).
 """
@@ -22,11 +29,15 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runner.attention.backend import AttentionBackend
 from runner.attention.prefill_batch import PrefillGroup
 
 PagedDecodeFn = Callable[..., torch.Tensor]  # paged_decode_attention's signature
+
+# Shape-generic kernels first; cuDNN, which plans per shape, is left out (module docstring).
+PREFILL_SDPA_ORDER = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def load_paged_decode_kernel() -> PagedDecodeFn:
@@ -57,13 +68,15 @@ class TritonAttentionBackend(AttentionBackend):
         hkv, dv = k.shape[2], v.shape[-1]
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [R, Hkv, S, D]
         if group.causal:
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, is_causal=True, scale=scale,
-                                                 enable_gqa=True)
+            with sdpa_kernel(PREFILL_SDPA_ORDER, set_priority=True):
+                out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, is_causal=True, scale=scale,
+                                                     enable_gqa=True)
             return out.transpose(1, 2)
         g = hq // hkv
         qf = q.view(r, lq, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * lq, dk)
         bias = group.memo(("folded_bias", g, q.dtype), lambda: _folded_bias(group.mask, g, q.dtype))
-        out = F.scaled_dot_product_attention(qf, kh, vh, attn_mask=bias, scale=scale)  # [R, Hkv, G * L, Dv]
+        with sdpa_kernel(PREFILL_SDPA_ORDER, set_priority=True):
+            out = F.scaled_dot_product_attention(qf, kh, vh, attn_mask=bias, scale=scale)  # [R, Hkv, G * L, Dv]
         return out.view(r, hkv, g, lq, dv).permute(0, 3, 1, 2, 4).reshape(r, lq, hq, dv)
 
 
