@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import re
 import shlex
@@ -38,11 +39,17 @@ MODEL = "bench-qwen3-moe-120m"
 ENGINE = "--max-num-seqs 512 --max-num-batched-tokens 2048 --max-model-len 512 --device cpu"
 
 
+# The saturation and low-load runs give the rank one torch thread (its calibration too, so that comm = compute
+# holds in the run): on the 2-core machine the other core goes to the API server and the load generator, which
+# otherwise take CPU from the rank's compute mid-step. The lone request keeps the default (every core).
+RANK_THREADS = "1"
+
+
 def bench_serve(label: str, args: list[str]) -> dict[str, Any]:
     out = RESULTS_DIR / f"serve_{label}.json"
     cmd = [sys.executable, "-m", "runner", "bench-serve", MODEL, "--output-json", str(out), *args]
-    print(f"$ python {shlex.join(cmd[1:])}", flush=True)
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    print(f"$ OMP_NUM_THREADS={RANK_THREADS} python {shlex.join(cmd[1:])}", flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": RANK_THREADS})
     if proc.returncode != 0:
         raise RuntimeError(f"bench-serve {label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     link = next((ln for ln in proc.stdout.splitlines() if ln.startswith("calibrated link:")), "")

@@ -141,3 +141,17 @@ def test_a_killed_rank_fails_requests_in_flight_naming_it() -> None:
     message, seconds = asyncio.run(asyncio.wait_for(run(), TIMEOUT_S))
     assert "rank 1 exited with signal SIGKILL" in message
     assert seconds < 10
+
+
+def test_rank_threads_follow_omp_num_threads_else_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    from runner.engine.core_client import rank_threads
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert rank_threads(1) == 3 and rank_threads(2) == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    assert rank_threads(1) == 8 and rank_threads(2) == 4 and rank_threads(16) == 1
+    for bad in ("0", "two", "-1"):
+        monkeypatch.setenv("OMP_NUM_THREADS", bad)
+        with pytest.raises(ValueError, match=f"OMP_NUM_THREADS='{bad}'"):
+            rank_threads(1)

@@ -61,6 +61,18 @@ class _Rank:
     running: bool = False  # as last reported (WaveStarted / WaveDone)
 
 
+def rank_threads(dp: int) -> int:
+    """Torch threads of each rank process: ``OMP_NUM_THREADS`` when the server's environment sets it (as for any
+    torch program), else the machine's cores shared among the ranks (the offline LLM with one rank uses them
+    all too); the launcher's default for ranks sharing a machine would be one thread."""
+    value = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if not value:
+        return max(1, (os.cpu_count() or 1) // dp)
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"OMP_NUM_THREADS={value!r} must be a positive integer (the rank processes' torch threads)")
+    return int(value)
+
+
 class MPEngineClient(EngineClient):
     """``await MPEngineClient(cfg, ...).start()``; then :meth:`generate` from request handlers;
     ``await shutdown()`` at the end (or :meth:`close` to stop the ranks at once)."""
@@ -149,9 +161,7 @@ class MPEngineClient(EngineClient):
             sock.setsockopt(zmq.LINGER, 0)
             sock.bind(addr)
             self._ranks.append(_Rank(sock))
-        # The machine's cores shared among the ranks (the offline LLM with one rank uses them all too); a rank's
-        # torch would otherwise use one thread, as the launcher's default for ranks sharing a machine.
-        threads = max(1, (os.cpu_count() or 1) // dp)
+        threads = rank_threads(dp)
         self._group = RankGroup(run_engine_core, dp, args=(cfg, inputs, output), timeout_s=cfg.dist_timeout_s,
                                 device=cfg.device, num_threads=threads, parent_handles_signals=True)
         self._group.start()
