@@ -12,7 +12,7 @@ every token, so a settings row or penalty slot that is not written, reset or fed
 from __future__ import annotations
 
 import zlib
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -99,3 +99,17 @@ class FakeRunner:
 
     def _slot(self, blocks: list[int], pos: int) -> int:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size
+
+
+def run_wave(sched: Any, runner: Any, overlap: bool, before_launch: Any = None) -> None:
+    """Run ``sched``'s steps on ``runner`` to the end of the wave, with the overlap loop's forward thread when
+    ``overlap`` (closed afterwards), else the synchronous loop."""
+    from runner.core.overlap_loop import ForwardExecutor, run_steps
+
+    executor = ForwardExecutor() if overlap else None
+    try:
+        run_steps(sched, runner, executor=executor, before_launch=before_launch)
+    finally:
+        if executor is not None:
+            executor.close()
+

@@ -20,12 +20,11 @@ from typing import Any
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
-from fake_runner import FakeRunner
+from fake_runner import FakeRunner, run_wave
 from reference_metadata import reference_attention_metadata, reference_request_groups
 from runner.attention.kv_cache import blocks_needed, build_attention_metadata
 from runner.attention.metadata import build_paged_metadata
 from runner.attention.torch_backend import TorchAttentionBackend
-from runner.core.overlap_loop import ForwardExecutor, run_steps
 from runner.core.scheduler import Scheduler
 from runner.sampling_params import SamplingParams
 from runner.worker.outputs import ModelRunnerOutput
@@ -181,12 +180,7 @@ def engine_run(seed: int, overlap: bool, num_kv_blocks: int) -> tuple[dict[int, 
             sched.abort_request(aborts[k], reason="abort")
         assert_table_matches(sched)
 
-    executor = ForwardExecutor() if overlap else None
-    try:
-        run_steps(sched, runner, executor=executor, before_launch=before_launch)
-    finally:
-        if executor is not None:
-            executor.close()
+    run_wave(sched, runner, overlap, before_launch)
     assert len(added) == 41, "the wave ended before every arrival"
     return {rid: (r.output_token_ids, r.finish_reason) for rid, r in sched.requests.items()}, sched, runner
 

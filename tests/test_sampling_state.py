@@ -23,9 +23,8 @@ import numpy as np
 import pytest
 import torch
 
-from fake_runner import FakeRunner
+from fake_runner import FakeRunner, run_wave
 from reference_sampling_metadata import reference_sampling_metadata
-from runner.core.overlap_loop import ForwardExecutor, run_steps
 from runner.core.scheduler import Scheduler
 from runner.sampling_params import SamplingParams
 from runner.worker.sampler import Sampler, StepRows, request_seed
@@ -141,12 +140,7 @@ def run(seed: int, overlap: bool, num_kv_blocks: int) -> tuple[TwinRunner, Sched
             sched.add_request(prompt, params, request_seed(params, 1000 + rid), req_id=rid)
 
     added: set[int] = set()
-    executor = ForwardExecutor() if overlap else None
-    try:
-        run_steps(sched, runner, executor=executor, before_launch=before_launch)
-    finally:
-        if executor is not None:
-            executor.close()
+    run_wave(sched, runner, overlap, before_launch)
     assert not arrivals, "the wave ended before every arrival"
     return runner, sched, reused
 
