@@ -43,6 +43,7 @@ ENGINE = "--max-num-seqs 512 --max-num-batched-tokens 2048 --max-model-len 512 -
 # holds in the run): on the 2-core machine the other core goes to the API server and the load generator, which
 # otherwise take CPU from the rank's compute mid-step. The lone request keeps the default (every core).
 RANK_THREADS = "1"
+IDLE_S = 0.2  # the lone-request runs' pause before each request
 
 
 def bench_serve(label: str, args: list[str]) -> dict[str, Any]:
@@ -98,26 +99,27 @@ def lone_request(repeats: int, input_len: int) -> list[dict[str, Any]]:
 
     vocab = model_config(MODEL).vocab_size
     reqs = random_requests(repeats, input_len, 1, vocab, seed=5)
-    ttfts = []
-    with ServerProcess(MODEL, ENGINE, name="lone") as srv:
-        asyncio.run(run_once(srv.base_url, MODEL, random_requests(2, input_len, 1, vocab, seed=9), [0.0, 0.0]))
-        for r in reqs:
-            res = asyncio.run(run_once(srv.base_url, MODEL, [r], [0.0]))
-            ttfts.append(res.results[0].ttft_s)
-            time.sleep(0.2)  # idle between requests: each one arrives at an idle server
     from runner import LLM, SamplingParams
 
-    llm = LLM(model=MODEL, max_num_seqs=512, max_num_batched_tokens=2048, max_model_len=512, device="cpu")
-    try:
-        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        llm.generate([reqs[0].prompt_token_ids], params, use_tqdm=False)  # warm-up
-        offline = []
-        for r in reqs:
-            t0 = time.perf_counter()
-            llm.generate([r.prompt_token_ids], params, use_tqdm=False)
-            offline.append(time.perf_counter() - t0)
-    finally:
-        llm.close()
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    ttfts, offline = [], []
+    # Served and in-process requests alternate, each after the same idle pause, so that drift in the machine's
+    # speed and the wake-up of idle thread pools fall on both sides alike.
+    with ServerProcess(MODEL, ENGINE, name="lone") as srv:
+        llm = LLM(model=MODEL, max_num_seqs=512, max_num_batched_tokens=2048, max_model_len=512, device="cpu")
+        try:
+            asyncio.run(run_once(srv.base_url, MODEL, random_requests(2, input_len, 1, vocab, seed=9), [0.0, 0.0]))
+            llm.generate([reqs[0].prompt_token_ids], params, use_tqdm=False)  # warm-up
+            for r in reqs:
+                time.sleep(IDLE_S)  # each request arrives at an idle server
+                res = asyncio.run(run_once(srv.base_url, MODEL, [r], [0.0]))
+                ttfts.append(res.results[0].ttft_s)
+                time.sleep(IDLE_S)
+                t0 = time.perf_counter()
+                llm.generate([r.prompt_token_ids], params, use_tqdm=False)
+                offline.append(time.perf_counter() - t0)
+        finally:
+            llm.close()
     served, local = statistics.median(ttfts) * 1e3, statistics.median(offline) * 1e3
     print(f"\nLone request, {input_len}-token prompt, first token (medians of {repeats})")
     print(f"  {'TTFT p50 on an idle server (HTTP, rank process)':<52}{served:>9.2f} ms")

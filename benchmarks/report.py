@@ -131,7 +131,8 @@ def benches(quick: bool) -> list[Bench]:
               "A server without and one with `--enable-dbo` run side by side, their runs alternating; medians of "
               "3. The load generator, the API server and the rank process share the 2 cores; in the saturation "
               "and low-load runs the rank has one torch thread (`OMP_NUM_THREADS=1`, its calibration too), "
-              "leaving the other core to the API server and the load generator; the lone request uses both. *Where the time "
+              "leaving the other core to the API server and the load generator; the lone request uses both, its "
+              "served and in-process requests alternating, each after the same 0.2 s idle pause. *Where the time "
               "went*: each server's timeline over a few steps of the first run (`/start_profile`, "
               "`/stop_profile`): per step, the union of compute spans, the modelled all-to-all and the part of it "
               "no compute hid, and the host's phases (schedule, DP vote, inputs, sampling, outputs)."),
