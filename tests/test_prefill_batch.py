@@ -122,6 +122,35 @@ def test_batched_prefill_equals_the_per_request_path(name: str, case: str, hq: i
     assert compared == sum(q for q in qlen if q > 1)
 
 
+@pytest.mark.parametrize("case", ["same-length prompts", "chunked with context"])
+def test_triton_prefill_sdpa_leaves_cudnn_out(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both SDPA forms (the causal group and the folded-bias group) run with cuDNN attention disabled and flash
+    / memory-efficient / math allowed (``PREFILL_SDPA_ORDER``); equality with the per-request path is the test
+    above."""
+    import runner.attention.triton_backend as tb
+
+    seen: list[tuple[bool, bool, bool, bool]] = []
+    real = tb.F.scaled_dot_product_attention
+
+    def recording(*args, **kwargs):
+        b = torch.backends.cuda
+        seen.append((b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(),
+                     b.math_sdp_enabled()))
+        return real(*args, **kwargs)
+
+    ctx, qlen = CASES[case]
+    step = Step(ctx, qlen, 4, 4, 2)
+    backend = backend_for("triton")
+    meta = backend.build_metadata(step.common)
+    want = backend.attend(step.q, step.k_cache, step.v_cache, meta, 0.3)
+    monkeypatch.setattr(tb.F, "scaled_dot_product_attention", recording)  # F is torch's module: patch, call, check
+    got = backend.attend(step.q, step.k_cache, step.v_cache, meta, 0.3)
+    monkeypatch.undo()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert seen and all(flags == (False, True, True, True) for flags in seen), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the call
+
+
 def test_torch_backend_slices_a_large_group_and_gets_the_same(monkeypatch: pytest.MonkeyPatch) -> None:
     """Scores beyond ``SCORE_BUDGET`` are computed a few requests at a time: the same results."""
     from runner.attention import torch_backend
