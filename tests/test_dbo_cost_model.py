@@ -46,6 +46,40 @@ def test_a_wrong_first_call_is_corrected_when_the_costs_change() -> None:
     assert ran.index(True) == 3 and sum(not r for r in ran[3:]) == 2 and all(ran[20:])
 
 
+def drive_costs(model: DBOCostModel, costs: dict[bool, list[float]], tokens: int = 64) -> list[bool]:
+    """Like ``drive``, but each side's step costs are consumed in turn (the last one repeats)."""
+    ran, used = [], {True: 0, False: 0}
+    for _ in range(sum(len(c) for c in costs.values()) + 40):
+        ubatched = model.vote(tokens, False)
+        seq = costs[ubatched]
+        model.record(tokens, False, ubatched, seq[min(used[ubatched], len(seq) - 1)])
+        used[ubatched] += 1
+        ran.append(ubatched)
+    return ran
+
+
+def test_one_slow_first_step_does_not_keep_the_losing_side() -> None:
+    """The first step without DBO compiles a kernel (50x a normal step): DBO, the real loser, runs until the
+    first look back at the other side, and not after it."""
+    ran = drive_costs(DBOCostModel(explore_every=8), {True: [1.5], False: [50.0, 1.0]})
+    # DBO after the slow step, the look back at step 8 turns it off; then DBO only in its own looks
+    assert [i for i, r in enumerate(ran) if r] == [0, 2, 3, 4, 5, 6, 7, 17, 34]
+
+
+def test_one_slow_step_of_the_winner_does_not_flip_the_decision() -> None:
+    """A garbage collection or a noisy neighbour in the middle of a run: one step 20x slower."""
+    ran = drive_costs(DBOCostModel(explore_every=8), {True: [0.7] * 5 + [14.0] + [0.7], False: [1.0]})
+    assert [i for i, r in enumerate(ran) if not r] == [1, 8, 25]  # the same looks as without the slow step
+
+
+def test_a_side_that_really_slows_down_loses_within_the_window() -> None:
+    model = DBOCostModel(explore_every=8, window=3)
+    ran = drive_costs(model, {True: [0.7] * 6 + [2.0], False: [1.0]})
+    # DBO's 7th step (run step 7) and all after it cost 2.0: its best of the last 3 passes 1.0 after its
+    # third slow step (run steps 7, 9, 10; step 8 was a look at the other side), and it is off from step 11
+    assert "".join("D" if r else "." for r in ran[:26]) == "D.DDDDDD.DD" + "." * 14 + "D"
+
+
 def test_buckets_by_phase_and_size_are_independent() -> None:
     model = DBOCostModel(explore_every=8)
     drive(model, 5, {True: 2.0, False: 1.0}, tokens=32)  # small decodes: DBO loses
@@ -67,5 +101,5 @@ def test_time_is_compared_per_token() -> None:
 def test_bad_settings_raise() -> None:
     with pytest.raises(ValueError, match="explore_every"):
         DBOCostModel(explore_every=0)
-    with pytest.raises(ValueError, match="alpha must lie in"):
-        DBOCostModel(alpha=0.0)
+    with pytest.raises(ValueError, match="window must be at least 1 step, got 0"):
+        DBOCostModel(window=0)

@@ -7,15 +7,24 @@ at any batch size, a compute-bound one with a slow link wins well below the thre
 thresholds (which still apply first), the engine measures.
 
 Steps are grouped by phase (prefill or uniform decode) and size (the bit length of the rank's token count:
-each bucket spans a factor of two). Per bucket it keeps an exponential moving average of seconds per token
-with DBO on and with it off. The first step of a bucket runs with DBO, the next without; after that the
-faster side wins. The losing side is tried again after ``explore_every`` steps of the bucket, and that gap
-doubles each time the result stands (up to ``max_explore_every``), so a wrong early call -- a noisy first
-sample -- is corrected, and a right one costs less and less. The decision is this rank's *vote*; the DP
+each bucket spans a factor of two). Per bucket it keeps the seconds per token of the last ``window`` steps
+with DBO on and of the last ``window`` with it off, and compares the two sides by their fastest recent step.
+The first step of a bucket runs with DBO, the next without; after that the faster side wins. The losing side
+is tried again after ``explore_every`` steps of the bucket, and that gap doubles each time the result stands
+(up to ``max_explore_every``), so a wrong early call is corrected, and a right one costs less and less.
+
+Why the fastest recent step and not an average: what disturbs a step time is one-sided. A step that compiles
+a kernel for a new shape, plans an attention kernel, collects garbage or shares the CPU with another process
+is slower, never faster, and one such step can be 100x the others. The exponential average this model used
+before remembered it: one slow first step without DBO kept a bucket ubatched for hundreds of steps, since each
+later look at that side added only a fraction of a normal sample and the looks grow rarer. The minimum of the
+last few forgets a slow step after one more look, and follows a real change within ``window`` steps of that
+side. Both sides keep the same number of samples, so neither gets more chances at a low one. The decision is this rank's *vote*; the DP
 vote (``runner.distributed.dp``) turns the ranks' votes into one decision, and each rank records what actually ran.
 """
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 COST_MODELS = ("measured", "off")
@@ -23,12 +32,20 @@ COST_MODELS = ("measured", "off")
 
 @dataclass
 class _Side:
-    mean: float = 0.0  # EWMA of seconds per token
-    count: int = 0
+    """The last few seconds-per-token samples of one side (DBO on, or off) of a bucket."""
+    recent: deque[float] = field(default_factory=deque)
+    count: int = 0  # every sample ever recorded, not only the recent ones
 
-    def add(self, value: float, alpha: float) -> None:
-        self.mean = value if self.count == 0 else (1 - alpha) * self.mean + alpha * value
+    def add(self, value: float, window: int) -> None:
+        self.recent.append(value)
+        if len(self.recent) > window:
+            self.recent.popleft()
         self.count += 1
+
+    @property
+    def best(self) -> float:
+        """The fastest recent step: slow outliers (compiles, GC, other processes) never lower it."""
+        return min(self.recent)
 
 
 @dataclass
@@ -39,18 +56,18 @@ class _Bucket:
     explore_every: int = 0
 
     def prefers_dbo(self) -> bool:
-        return self.on.mean <= self.off.mean
+        return self.on.best <= self.off.best
 
 
 class DBOCostModel:
     """Per-rank DBO vote from measured step times; ``vote(...)`` before a step, ``record(...)`` after it."""
 
-    def __init__(self, explore_every: int = 32, max_explore_every: int = 512, alpha: float = 0.3) -> None:
+    def __init__(self, explore_every: int = 32, max_explore_every: int = 512, window: int = 3) -> None:
         if explore_every < 1 or max_explore_every < explore_every:
             raise ValueError(f"need 1 <= explore_every <= max_explore_every, got {explore_every}, {max_explore_every}")
-        if not 0.0 < alpha <= 1.0:
-            raise ValueError(f"alpha must lie in (0, 1], got {alpha}")
-        self.explore_every, self.max_explore_every, self.alpha = explore_every, max_explore_every, alpha
+        if window < 1:
+            raise ValueError(f"window must be at least 1 step, got {window}")
+        self.explore_every, self.max_explore_every, self.window = explore_every, max_explore_every, window
         self.buckets: dict[tuple[bool, int], _Bucket] = {}
 
     @staticmethod
@@ -75,7 +92,7 @@ class DBOCostModel:
         b = self.buckets.setdefault(self.key(num_tokens, is_prefill), _Bucket(explore_every=self.explore_every))
         was_preferred = b.on.count > 0 and b.off.count > 0 and b.prefers_dbo() == ubatched
         exploring = b.on.count > 0 and b.off.count > 0 and not was_preferred
-        (b.on if ubatched else b.off).add(seconds / num_tokens, self.alpha)
+        (b.on if ubatched else b.off).add(seconds / num_tokens, self.window)
         if exploring:  # the loser had its look: if it still loses, wait twice as long before the next one
             stands = b.prefers_dbo() != ubatched
             b.explore_every = min(2 * b.explore_every, self.max_explore_every) if stands else self.explore_every
@@ -89,5 +106,5 @@ class DBOCostModel:
             if b.on.count and b.off.count:
                 lo, hi = (1 << (bits - 1)), (1 << bits) - 1
                 parts.append(f"{'prefill' if prefill else 'decode'} {lo}-{hi} tok: DBO "
-                             f"{'on' if b.prefers_dbo() else 'off'} ({b.off.mean / b.on.mean:.2f}x)")
+                             f"{'on' if b.prefers_dbo() else 'off'} ({b.off.best / b.on.best:.2f}x)")
         return "; ".join(parts)
