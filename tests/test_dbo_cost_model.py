@@ -10,13 +10,18 @@ import pytest
 from runner.worker.dbo_cost_model import DBOCostModel
 
 
-def drive(model: DBOCostModel, steps: int, cost: dict[bool, float], tokens: int = 64,
+def drive(model: DBOCostModel, steps: int, cost: dict[bool, float | list[float]], tokens: int = 64,
           prefill: bool = False) -> list[bool]:
-    """Run ``steps`` steps; ``cost[ubatched]`` is the step's seconds. Returns what each step ran."""
-    ran = []
+    """Run ``steps`` steps; ``cost[ubatched]`` is the step's seconds, or that side's steps' seconds in turn (the
+    last one repeats). Returns what each step ran."""
+    ran: list[bool] = []
+    used = {True: 0, False: 0}
     for _ in range(steps):
         ubatched = model.vote(tokens, prefill)
-        model.record(tokens, prefill, ubatched, cost[ubatched])
+        side = cost[ubatched]
+        seconds = side[min(used[ubatched], len(side) - 1)] if isinstance(side, list) else side
+        model.record(tokens, prefill, ubatched, seconds)
+        used[ubatched] += 1
         ran.append(ubatched)
     return ran
 
@@ -46,35 +51,23 @@ def test_a_wrong_first_call_is_corrected_when_the_costs_change() -> None:
     assert ran.index(True) == 3 and sum(not r for r in ran[3:]) == 2 and all(ran[20:])
 
 
-def drive_costs(model: DBOCostModel, costs: dict[bool, list[float]], tokens: int = 64) -> list[bool]:
-    """Like ``drive``, but each side's step costs are consumed in turn (the last one repeats)."""
-    ran, used = [], {True: 0, False: 0}
-    for _ in range(sum(len(c) for c in costs.values()) + 40):
-        ubatched = model.vote(tokens, False)
-        seq = costs[ubatched]
-        model.record(tokens, False, ubatched, seq[min(used[ubatched], len(seq) - 1)])
-        used[ubatched] += 1
-        ran.append(ubatched)
-    return ran
-
-
 def test_one_slow_first_step_does_not_keep_the_losing_side() -> None:
     """The first step without DBO compiles a kernel (50x a normal step): DBO, the real loser, runs until the
     first look back at the other side, and not after it."""
-    ran = drive_costs(DBOCostModel(explore_every=8), {True: [1.5], False: [50.0, 1.0]})
+    ran = drive(DBOCostModel(explore_every=8), 48, {True: 1.5, False: [50.0, 1.0]})
     # DBO after the slow step, the look back at step 8 turns it off; then DBO only in its own looks
     assert [i for i, r in enumerate(ran) if r] == [0, 2, 3, 4, 5, 6, 7, 17, 34]
 
 
 def test_one_slow_step_of_the_winner_does_not_flip_the_decision() -> None:
     """A garbage collection or a noisy neighbour in the middle of a run: one step 20x slower."""
-    ran = drive_costs(DBOCostModel(explore_every=8), {True: [0.7] * 5 + [14.0] + [0.7], False: [1.0]})
+    ran = drive(DBOCostModel(explore_every=8), 48, {True: [0.7] * 5 + [14.0] + [0.7], False: 1.0})
     assert [i for i, r in enumerate(ran) if not r] == [1, 8, 25]  # the same looks as without the slow step
 
 
 def test_a_side_that_really_slows_down_loses_within_the_window() -> None:
     model = DBOCostModel(explore_every=8, window=3)
-    ran = drive_costs(model, {True: [0.7] * 6 + [2.0], False: [1.0]})
+    ran = drive(model, 48, {True: [0.7] * 6 + [2.0], False: 1.0})
     # DBO's 7th step (run step 7) and all after it cost 2.0: its best of the last 3 passes 1.0 after its
     # third slow step (run steps 7, 9, 10; step 8 was a look at the other side), and it is off from step 11
     assert "".join("D" if r else "." for r in ran[:26]) == "D.DDDDDD.DD" + "." * 14 + "D"

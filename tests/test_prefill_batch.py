@@ -12,6 +12,7 @@ sizes 4 and 16; fp32 on CPU.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import numpy as np
 import pytest
@@ -132,7 +133,7 @@ def test_triton_prefill_sdpa_leaves_cudnn_out(case: str, monkeypatch: pytest.Mon
     seen: list[tuple[bool, bool, bool, bool]] = []
     real = tb.F.scaled_dot_product_attention
 
-    def recording(*args, **kwargs):
+    def recording(*args: Any, **kwargs: Any) -> torch.Tensor:
         b = torch.backends.cuda
         seen.append((b.cudnn_sdp_enabled(), b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(),
                      b.math_sdp_enabled()))

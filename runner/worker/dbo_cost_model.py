@@ -19,44 +19,36 @@ is slower, never faster, and one such step can be 100x the others. The exponenti
 before remembered it: one slow first step without DBO kept a bucket ubatched for hundreds of steps, since each
 later look at that side added only a fraction of a normal sample and the looks grow rarer. The minimum of the
 last few forgets a slow step after one more look, and follows a real change within ``window`` steps of that
-side. Both sides keep the same number of samples, so neither gets more chances at a low one. The decision is this rank's *vote*; the DP
-vote (``runner.distributed.dp``) turns the ranks' votes into one decision, and each rank records what actually ran.
+side. Both sides keep the same number of samples, so neither gets more chances at a low one.
+
+The decision is this rank's *vote*; the DP vote (``runner.distributed.dp``) turns the ranks' votes into one decision, and each rank records what actually ran.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 COST_MODELS = ("measured", "off")
 
 
-@dataclass
-class _Side:
-    """The last few seconds-per-token samples of one side (DBO on, or off) of a bucket."""
-    recent: deque[float] = field(default_factory=deque)
-    count: int = 0  # every sample ever recorded, not only the recent ones
+class _Bucket:
+    """One (phase, size) bucket: the seconds per token of the last ``window`` steps of each side, and when to
+    look at the losing side again."""
 
-    def add(self, value: float, window: int) -> None:
-        self.recent.append(value)
-        if len(self.recent) > window:
-            self.recent.popleft()
-        self.count += 1
+    def __init__(self, window: int, explore_every: int) -> None:
+        self.on: deque[float] = deque(maxlen=window)  # DBO on
+        self.off: deque[float] = deque(maxlen=window)
+        self.since_explore = 0
+        self.explore_every = explore_every
 
     @property
-    def best(self) -> float:
-        """The fastest recent step: slow outliers (compiles, GC, other processes) never lower it."""
-        return min(self.recent)
-
-
-@dataclass
-class _Bucket:
-    on: _Side = field(default_factory=_Side)
-    off: _Side = field(default_factory=_Side)
-    since_explore: int = 0
-    explore_every: int = 0
+    def measured(self) -> bool:
+        """Both sides have run at least once."""
+        return bool(self.on) and bool(self.off)
 
     def prefers_dbo(self) -> bool:
-        return self.on.best <= self.off.best
+        """The side whose fastest recent step is faster: slow outliers (compiles, GC, other processes) never
+        lower a minimum."""
+        return min(self.on) <= min(self.off)
 
 
 class DBOCostModel:
@@ -70,16 +62,23 @@ class DBOCostModel:
         self.explore_every, self.max_explore_every, self.window = explore_every, max_explore_every, window
         self.buckets: dict[tuple[bool, int], _Bucket] = {}
 
+    def _bucket(self, num_tokens: int, is_prefill: bool) -> _Bucket:
+        key = self.key(num_tokens, is_prefill)
+        b = self.buckets.get(key)
+        if b is None:
+            b = self.buckets[key] = _Bucket(self.window, self.explore_every)
+        return b
+
     @staticmethod
     def key(num_tokens: int, is_prefill: bool) -> tuple[bool, int]:
         return is_prefill, max(num_tokens, 1).bit_length()
 
     def vote(self, num_tokens: int, is_prefill: bool) -> bool:
         """Does this rank want the step ubatched? (Called only once the thresholds allow it.)"""
-        b = self.buckets.setdefault(self.key(num_tokens, is_prefill), _Bucket(explore_every=self.explore_every))
-        if b.on.count == 0:
+        b = self._bucket(num_tokens, is_prefill)
+        if not b.on:
             return True
-        if b.off.count == 0:
+        if not b.off:
             return False
         if b.since_explore >= b.explore_every:  # time to look at the losing side again
             return not b.prefers_dbo()
@@ -89,10 +88,9 @@ class DBOCostModel:
         """What a step of this rank's ``num_tokens`` took, and whether it actually ran ubatched."""
         if num_tokens <= 0 or seconds <= 0:
             return
-        b = self.buckets.setdefault(self.key(num_tokens, is_prefill), _Bucket(explore_every=self.explore_every))
-        was_preferred = b.on.count > 0 and b.off.count > 0 and b.prefers_dbo() == ubatched
-        exploring = b.on.count > 0 and b.off.count > 0 and not was_preferred
-        (b.on if ubatched else b.off).add(seconds / num_tokens, self.window)
+        b = self._bucket(num_tokens, is_prefill)
+        exploring = b.measured and b.prefers_dbo() != ubatched
+        (b.on if ubatched else b.off).append(seconds / num_tokens)
         if exploring:  # the loser had its look: if it still loses, wait twice as long before the next one
             stands = b.prefers_dbo() != ubatched
             b.explore_every = min(2 * b.explore_every, self.max_explore_every) if stands else self.explore_every
@@ -103,8 +101,8 @@ class DBOCostModel:
     def summary(self) -> str:
         parts = []
         for (prefill, bits), b in sorted(self.buckets.items()):
-            if b.on.count and b.off.count:
+            if b.measured:
                 lo, hi = (1 << (bits - 1)), (1 << bits) - 1
                 parts.append(f"{'prefill' if prefill else 'decode'} {lo}-{hi} tok: DBO "
-                             f"{'on' if b.prefers_dbo() else 'off'} ({b.off.best / b.on.best:.2f}x)")
+                             f"{'on' if b.prefers_dbo() else 'off'} ({min(b.off) / min(b.on):.2f}x)")
         return "; ".join(parts)
