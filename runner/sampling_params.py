@@ -17,6 +17,15 @@ from typing import Any
 SAMPLING_EPS = 1e-5
 # logit_bias values are clamped to this range, as in vLLM and OpenAI's API.
 LOGIT_BIAS_LIMIT = 100.0
+# The repetition penalty divides or multiplies logits by itself: beyond 100x either way no setting means anything
+# more, and extreme values (1e-300 is 0 in float32) overflow float32 logits to inf.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+# Integers travel to the engine as 64-bit values (vLLM bounds seed to torch.long's range the same way).
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+# Stop strings are searched in every new piece of text of every sample: their number and length are bounded so
+# that one request cannot make that search expensive (OpenAI's API allows 4).
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 1024
 
 
 class RequestOutputKind(enum.Enum):
@@ -42,6 +51,16 @@ def _is_number(v: Any) -> bool:
 
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def wrap_int64(value: int) -> int:
+    """``value`` modulo 2**64, as a signed 64-bit integer."""
+    return (value - INT64_MIN) % (1 << 64) + INT64_MIN
+
+
+def _check_int64(name: str, value: Any) -> None:
+    if _is_int(value) and not INT64_MIN <= value <= INT64_MAX:
+        raise SamplingParamsError(name, f"{name} must fit in 64 bits ([{INT64_MIN}, {INT64_MAX}]), got {value!r}")
 
 
 def _check_range(name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False) -> None:
@@ -84,10 +103,9 @@ class SamplingParams:
             raise SamplingParamsError("n", f"n must be an integer >= 1, got {self.n!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_range(name, getattr(self, name), -2.0, 2.0)
-        rp = self.repetition_penalty
-        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
-            raise SamplingParamsError("repetition_penalty", f"repetition_penalty must be a finite number > 0 "
-                                                            f"(1 = off), got {rp!r}")
+        _check_range("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
+        for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs"):
+            _check_int64(name, getattr(self, name))
         _check_range("temperature", self.temperature, 0.0, 2.0)
         _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if not _is_int(self.top_k) or self.top_k < -1:
@@ -99,6 +117,8 @@ class SamplingParams:
             raise SamplingParamsError("seed", f"seed must be an integer or None, got {self.seed!r}")
         if self.seed == -1:  # vLLM and OpenAI clients use -1 for "no seed"
             self.seed = None
+        if self.seed is not None:  # draws read a seed modulo 2**64: kept as that residue, so it travels as 64 bits
+            self.seed = wrap_int64(self.seed)
         self.stop = self._stop_strings(self.stop)
         self.stop_token_ids = self._token_ids("stop_token_ids", self.stop_token_ids)
         for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
@@ -140,6 +160,12 @@ class SamplingParams:
             raise SamplingParamsError("stop", f"stop must be a string or a list of strings, got {stop!r}")
         if any(s == "" for s in stop):
             raise SamplingParamsError("stop", "stop must not contain an empty string")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SamplingParamsError("stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}")
+        longest = max(stop, key=len, default="")
+        if len(longest) > MAX_STOP_STRING_CHARS:
+            raise SamplingParamsError("stop", f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters, "
+                                              f"got one of {len(longest)}")
         return list(dict.fromkeys(stop))
 
     @staticmethod
@@ -149,7 +175,7 @@ class SamplingParams:
         if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
             raise SamplingParamsError(name, f"{name} must be a list of token ids, got {ids!r}")
         ids = list(ids)
-        bad = [t for t in ids if not _is_int(t) or t < 0]
+        bad = [t for t in ids if not _is_int(t) or not 0 <= t <= INT64_MAX]
         if bad:
             raise SamplingParamsError(name, f"{name} must be non-negative integers, got {bad[0]!r}")
         return list(dict.fromkeys(ids))
@@ -166,7 +192,7 @@ class SamplingParams:
                 token = int(key) if not isinstance(key, bool) else None
             except (TypeError, ValueError):
                 token = None
-            if token is None or token < 0:
+            if token is None or not 0 <= token <= INT64_MAX:
                 raise SamplingParamsError("logit_bias", f"logit_bias key {key!r} is not a token id")
             if not _is_number(value) or not math.isfinite(value):
                 raise SamplingParamsError("logit_bias", f"logit_bias[{key!r}] must be a finite number, got {value!r}")
@@ -198,3 +224,6 @@ class SamplingParams:
             if bad:
                 raise SamplingParamsError(name, f"{name} names token id {bad[0]}, outside the vocabulary "
                                                 f"[0, {vocab_size})")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise SamplingParamsError("logprobs", f"logprobs asks for {self.logprobs} alternatives, more than the "
+                                                  f"vocabulary's {vocab_size} tokens")

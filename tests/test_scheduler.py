@@ -166,8 +166,23 @@ def test_update_rejects_mismatched_results() -> None:
     out = sched.schedule()
     with pytest.raises(ValueError, match="returned 0 results for 1 chunks"):
         sched.update(out, [])
-    with pytest.raises(RuntimeError, match="sampled 99"):
-        sched.update(out, [99])
+    with pytest.raises(RuntimeError, match="sampled 1.5"):  # not a token id at all: a model runner bug
+        sched.update(out, [1.5])
+
+
+def test_a_token_outside_the_vocabulary_ends_only_its_request() -> None:
+    """A sampled id outside the vocabulary (the sampler's INVALID_TOKEN for non-finite logits) ends that request
+    with an error; the other request of the step keeps its token and goes on."""
+    runner = FakeRunner()
+    sched = make_sched(runner)
+    bad, good = sched.add_request([1, 2]), sched.add_request([3, 4])
+    out = sched.schedule()
+    done = sched.update(out, [-1, 7])
+    assert done == [bad]
+    assert (bad.finish_reason, bad.output_token_ids) == ("error", [])
+    assert "not finite" in (bad.error or "")
+    assert good.finish_reason is None and good.output_token_ids == [7]
+    assert [r.req_id for r in sched.running] == [good.req_id]
 
 
 def test_scheduler_output_properties() -> None:

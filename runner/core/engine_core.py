@@ -174,12 +174,12 @@ class EngineCore:
         triples = zip(out.requests, out.sample.tolist(), output.sampled_token_ids)
         if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
             for req, sample, token in triples:
-                if sample and (req.status is not FINISHED or req in finished):
+                if sample and (req.status is not FINISHED or _reports_token(req, finished)):
                     step_outputs[req.req_id] = EngineCoreOutput(req.req_id, [token],
                                                                 num_prompt_tokens=len(req.prompt_token_ids))
             return
         for i, (req, sample, token) in enumerate(triples):
-            if not sample or (req.status is FINISHED and req not in finished):  # no token, or it was discarded
+            if not sample or (req.status is FINISHED and not _reports_token(req, finished)):  # none, or discarded
                 continue
             rid = req.req_id
             entry = logprobs[i] if logprobs is not None else None
@@ -215,3 +215,9 @@ class EngineCore:
         close = getattr(self.runner, "close", None)
         if close is not None:
             close()
+
+
+def _reports_token(req: Request, finished: set[Request]) -> bool:
+    """Whether a request that is finished now reports the token of the step just processed: yes if that step
+    finished it (a stop token, its length), unless it ended in error (no valid token was sampled)."""
+    return req in finished and req.finish_reason != "error"

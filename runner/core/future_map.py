@@ -90,6 +90,9 @@ class FutureTokenMap:
             keep &= given
             tokens = np.zeros(len(sampled), dtype=np.int64)
             tokens[given] = [t for t in sampled if t is not None]
+        # A row that sampled no valid token (the sampler's INVALID_TOKEN) feeds the step already in flight a
+        # harmless id 0: the scheduler ends that request with an error and discards what that step computes.
+        np.maximum(tokens, 0, out=tokens)
         if keep.all():
             self.store(out.req_ids, out.slots, tokens)
         elif keep.any():

@@ -55,6 +55,10 @@ from runner.worker.scheduled_batch import SchedulerOutput
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 FINISH_REASONS = ("stop", "length", "abort", "error")
+# Why a request whose step sampled no valid token ends (its logits were NaN or infinite once its sampling
+# settings were applied: a model overflow, or extreme settings); the rank goes on with the other requests.
+INVALID_SAMPLE_ERROR = ("sampling produced no valid token: the logits were not finite (NaN or infinite) after this "
+                        "request's sampling settings were applied")
 
 
 @dataclass(eq=False, slots=True)  # identity semantics: requests live in lists that are searched and removed from
@@ -389,15 +393,19 @@ class Scheduler:
             raise RuntimeError(f"results of step {sched.step_id} arrive out of order (update() called twice?); the "
                                f"oldest step in flight is {oldest}")
         samples = sched.sample.tolist()
-        self._check_sampled(reqs, samples, sampled)
+        invalid = self._invalid_samples(reqs, samples, sampled)
         self._inflight_steps.popleft()
         done: list[Request] = []
-        for req, token, sample in zip(reqs, sampled, samples):
+        for i_req, (req, token, sample) in enumerate(zip(reqs, sampled, samples)):
             req.inflight -= 1
             if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
                 self._release_if_idle(req)
                 continue
             if not sample:
+                continue
+            if invalid and i_req in invalid:
+                self._finish(req, "error", INVALID_SAMPLE_ERROR, in_running=False)
+                done.append(req)
                 continue
             out = req.output_token_ids
             i = len(out) - req.num_pending
@@ -410,17 +418,23 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RUNNING]
         return done
 
-    def _check_sampled(self, reqs: Sequence[Request], samples: list[bool], sampled: Sequence[Any]) -> None:
-        """Every token a sampling chunk of a live request got is an ``int`` in the vocabulary (one pass of C
-        over the batch when they all are)."""
+    def _invalid_samples(self, reqs: Sequence[Request], samples: list[bool], sampled: Sequence[Any]) -> set[int]:
+        """The positions of live sampling chunks whose token is outside the vocabulary (the sampler's
+        ``INVALID_TOKEN`` for non-finite logits): those requests end with an error, the others go on. One pass
+        of C over the batch when every token is valid. A token that is not an ``int`` is a bug of the model
+        runner, not of a request: it raises."""
         picked = sampled if all(samples) else [t for t, s in zip(sampled, samples) if s]
         if not picked or (set(map(type, picked)) == {int} and min(picked) >= 0 and max(picked) < self.vocab_size):
-            return
-        for req, token, sample in zip(reqs, sampled, samples):
-            if sample and req.status is not FINISHED and (
-                    type(token) is not int or not 0 <= token < self.vocab_size):
-                raise RuntimeError(f"request {req.req_id}: model runner sampled {token!r}, expected a token id in "
-                                   f"[0, {self.vocab_size})")
+            return set()
+        invalid = set()
+        for i, (req, token, sample) in enumerate(zip(reqs, sampled, samples)):
+            if not sample or req.status is FINISHED:
+                continue
+            if type(token) is not int:
+                raise RuntimeError(f"request {req.req_id}: model runner sampled {token!r}, expected a token id")
+            if not 0 <= token < self.vocab_size:
+                invalid.add(i)
+        return invalid
 
     def _stop_reason(self, req: Request, token: int) -> str:
         """Why a request whose output ``token`` is in its stop set or reached its length limit stops, in vLLM's

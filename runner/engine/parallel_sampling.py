@@ -15,7 +15,7 @@ from __future__ import annotations
 import copy
 
 from runner.outputs import CompletionOutput
-from runner.sampling_params import RequestOutputKind, SamplingParams
+from runner.sampling_params import RequestOutputKind, SamplingParams, wrap_int64
 
 CHILD_SEED_STRIDE = 0x9E3779B97F4A7C15  # 2**64 / the golden ratio: odd, and far from small multiples in its low bits
 
@@ -24,8 +24,8 @@ def child_params(params: SamplingParams, index: int) -> SamplingParams:
     """The sampling parameters of child ``index`` (a copy; ``params`` is not modified)."""
     child = copy.copy(params)
     child.n = 1
-    if params.seed is not None:
-        child.seed = params.seed + index
+    if params.seed is not None:  # wraps within 64 bits: the draws read the seed modulo 2**64 anyway
+        child.seed = wrap_int64(params.seed + index)
     return child
 
 

@@ -42,7 +42,7 @@ from runner.worker import sampling_ops as ops
 from runner.worker.outputs import TokenLogprobs
 from runner.worker.penalties import PenaltyState, apply_penalties_
 from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, settings_of_rows
-from runner.worker.sampling_noise import draw_by_inverse_cdf_
+from runner.worker.sampling_noise import INVALID_TOKEN, draw_by_inverse_cdf_
 from runner.worker.sampling_settings import PENALTIES, SamplingSettings
 from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
@@ -208,7 +208,7 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
         seen = penalties.seen.index_select(0, slots) if meta.repetition is not None else None
         ops.on_rows_(x, meta.penalty_rows, lambda sub: apply_penalties_(
             sub, counts, seen, meta.repetition, meta.frequency, meta.presence))
-    sampled = None if meta.num_random == meta.num_rows else ops.argmax_rows(x)
+    sampled = None if meta.num_random == meta.num_rows else greedy_rows(x)
     if meta.num_random:
         xr = x if meta.random_rows is None else x.index_select(0, meta.random_rows)
         if meta.temperature is not None:
@@ -230,6 +230,15 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
     logprob, rank = ops.token_logprobs(lp, chosen)
     top = lp.topk(meta.max_logprobs, dim=-1) if meta.max_logprobs else None
     return sampled, (logprob, rank, *((top.indices, top.values) if top is not None else ()))
+
+
+def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, or ``INVALID_TOKEN`` where the row's largest logit is not finite (a NaN counts as the
+    largest, so the value at the argmax is non-finite exactly when the row's maximum is): read at one position
+    per row, so the check costs no pass over the vocabulary."""
+    ids = ops.argmax_rows(logits)
+    best = logits.gather(1, ids.to(logits.device).unsqueeze(1)).squeeze(1)
+    return ids.masked_fill_(~torch.isfinite(best).to(ids.device), INVALID_TOKEN)
 
 
 def read_back(meta: SamplingMetadata, sampled: torch.Tensor,

@@ -30,6 +30,10 @@ import torch
 MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
+# What a row with no valid distribution samples (non-finite logits): never a token id, so the scheduler ends that
+# request with finish_reason "error" instead of emitting a token.
+INVALID_TOKEN = -1
+
 def splitmix64(x: int) -> int:
     """SplitMix64's step and finaliser: the generator's next output from state ``x`` (any Python int, mod 2**64)."""
     x = (x + 0x9E3779B97F4A7C15) & MASK64
@@ -74,8 +78,13 @@ def draw_by_inverse_cdf_(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.
     ``-inf`` for removed tokens) is overwritten with the unnormalised CDF.
 
     The target ``u * total`` is kept strictly below the row's total, so the first CDF entry above it is a step of
-    the CDF, i.e. a token of positive probability, never a removed one (nor past the end)."""
-    cdf = logits.sub_(logits.amax(dim=-1, keepdim=True)).exp_().cumsum_(dim=-1)
+    the CDF, i.e. a token of positive probability, never a removed one (nor past the end).
+
+    A row whose largest logit is not finite (NaN, +inf, or every token removed) has no distribution: it draws
+    ``INVALID_TOKEN``, which the engine turns into an error for that request alone."""
+    peak = logits.amax(dim=-1, keepdim=True)
+    cdf = logits.sub_(peak).exp_().cumsum_(dim=-1)
     total = cdf[:, -1]
     target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    drawn = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+    return drawn.masked_fill_(~torch.isfinite(peak.squeeze(1)), INVALID_TOKEN)

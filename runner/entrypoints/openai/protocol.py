@@ -25,6 +25,8 @@ from pydantic import (
     model_validator,
 )
 
+from runner.sampling_params import INT64_MAX, INT64_MIN
+
 # OpenAI's range for chat top_logprobs, and vLLM's default --max-logprobs for completions' logprobs.
 MAX_LOGPROBS = 20
 
@@ -81,7 +83,7 @@ class _SamplingFields(_Strict):
     model: str | None = None
     n: int = 1
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # vLLM's bound: torch.long's range
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
