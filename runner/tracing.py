@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -124,15 +125,18 @@ def merge(per_rank: Sequence[RankTrace | None]) -> trace.TraceRecorder:
     return merged
 
 
-def export(path: str, per_rank: Sequence[RankTrace | None], rank: int) -> TraceResult | None:
-    """On rank 0: write the merged Chrome trace to ``path`` and compute the metrics; other ranks: None."""
+def export(path: str, per_rank: Sequence[RankTrace | None], rank: int, *,
+           exclusive: bool = False) -> TraceResult | None:
+    """On rank 0: write the merged Chrome trace to ``path`` and compute the metrics; other ranks: None.
+    ``exclusive``: ``path`` must not exist yet and is never a link followed (a server's profile files)."""
     if rank != 0:
         return None
     data = trace.to_chrome_trace(merge(per_rank))
     result = TraceResult(path, [overlap_metrics(data, pid=p) for p in trace_pids(data)],
                          [item.cpu if item is not None else None for item in per_rank])
     try:  # the directory is not created: the front ends checked the path before the run
-        with open(path, "w", encoding="utf-8") as f:
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL | os.O_NOFOLLOW if exclusive else os.O_TRUNC)
+        with os.fdopen(os.open(path, flags, 0o600 if exclusive else 0o666), "w", encoding="utf-8") as f:
             json.dump(data, f)
     except OSError as e:  # costs the file, not the run: the metrics are still reported
         result.error = f"could not write the trace to {path}: {e.strerror or e}"

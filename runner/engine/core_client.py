@@ -317,7 +317,7 @@ class MPEngineClient(EngineClient):
         self._abort(request_id, "abort")
 
     def _abort(self, request_id: str, reason: str) -> None:
-        engine_ids = self.tracker.abort(request_id, reason)
+        engine_ids = self.tracker.abort(request_id, reason, self.metrics)
         self._abort_engine_requests(engine_ids)
 
     def _abort_engine_requests(self, engine_ids: list[int]) -> None:
@@ -350,7 +350,7 @@ class MPEngineClient(EngineClient):
         per_rank = [self._profiles.get(r) for r in range(len(self._ranks))]
         if all(p is None for p in per_rank):
             return None
-        return tracing.export(path, per_rank, 0)
+        return tracing.export(path, per_rank, 0, exclusive=True)
 
     # ------------------------------------------------------------------ outputs
     async def _read_outputs(self) -> None:

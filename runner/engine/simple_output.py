@@ -52,11 +52,11 @@ class RequestTracker:
         self._generated[request_id] = 0
         return children
 
-    def abort(self, request_id: str, reason: str) -> list[int]:
-        """Finish the request's unfinished samples with ``reason`` (its queue gets that final output); returns
-        their engine ids."""
+    def abort(self, request_id: str, reason: str, metrics: MetricsSink | None) -> list[int]:
+        """Finish the request's unfinished samples with ``reason`` (its queue gets that final output, and
+        ``metrics`` counts it finished with that reason); returns their engine ids."""
         outputs, engine_ids = self.processor.abort_requests([request_id], reason=reason)
-        self._deliver(outputs, None)
+        self._deliver(outputs, metrics)
         for eid in engine_ids:
             self._last_token.pop(eid, None)
         return engine_ids

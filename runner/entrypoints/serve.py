@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import sys
@@ -100,7 +101,8 @@ async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_
         metrics = ServerMetrics(served_model_names(args)[0], client.max_model_len)
         client.metrics = metrics
         code = await run_server(args, client, engine_dead=dead, metrics=metrics, sock=sock,
-                                configure_app=add_profile_routes)
+                                configure_app=None if args.profile_dir is None else
+                                functools.partial(add_profile_routes, root=args.profile_dir))
         if client.dead_error is not None:
             print(f"error: {client.dead_error}", file=sys.stderr)
             code = code or 1

@@ -14,6 +14,7 @@ import json
 import math
 import shlex
 import statistics
+import tempfile
 import sys
 from pathlib import Path
 from typing import Any
@@ -262,6 +263,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         server_args += f" --served-model-name {shlex.quote(args.served_model_name)}"
     if args.api_key:
         server_args += f" --api-key {shlex.quote(args.api_key)}"
+    if args.profile:  # the servers it starts record into private directories of their own
+        server_args += f" --profile-dir {shlex.quote(tempfile.gettempdir())}"
     procs: list[ServerProcess] = []
     try:
         if args.base_url:

@@ -15,9 +15,11 @@ import contextlib
 import functools
 import importlib.metadata
 import logging
+import math
 import signal
 import socket
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from types import FrameType
 from typing import Callable, Iterator
@@ -28,10 +30,11 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from runner.engine.protocol import EngineClient
-from runner.entrypoints.openai.cli_args import served_model_names
-from runner.entrypoints.openai.errors import OpenAIError
+from runner.entrypoints.openai.cli_args import server_limits, served_model_names
+from runner.entrypoints.openai.errors import OpenAIError, redact
 from runner.entrypoints.openai.gate import ServerGate
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
+from runner.entrypoints.openai.limits import ServerLimits, with_header_timeout
 from runner.entrypoints.openai.metrics import ServerMetrics
 from runner.entrypoints.openai.serving_chat import OpenAIServingChat
 from runner.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -44,19 +47,22 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def build_app(engine_client: EngineClient, served_model_names: list[str], api_key: str | None = None, *,
               shutdown_timeout_s: float = 30.0, log_requests: bool = True, metrics: ServerMetrics | None = None,
-              model_root: str | None = None) -> FastAPI:
+              model_root: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
     """The server's routes over ``engine_client``. ``metrics``: the sink the engine client reports to (made here
     if not given; ``app.state.metrics``). ``app.state.lifecycle`` drains and stops it."""
     lifecycle = ServerLifecycle(engine_client, shutdown_timeout_s)
     models = ServingModels(served_model_names, engine_client.max_model_len, model_root)
     metrics = metrics if metrics is not None else ServerMetrics(models.names[0], engine_client.max_model_len)
-    completion = OpenAIServingCompletion(engine_client, models, lifecycle, log_requests)
-    chat = OpenAIServingChat(engine_client, models, lifecycle, log_requests)
+    tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+    completion = OpenAIServingCompletion(engine_client, models, lifecycle, log_requests,
+                                         max_request_bytes=limits.max_request_bytes, tokenizer_thread=tokenizer_thread)
+    chat = OpenAIServingChat(engine_client, models, lifecycle, log_requests,
+                             max_request_bytes=limits.max_request_bytes, tokenizer_thread=tokenizer_thread)
 
     app = FastAPI(title="ubatch OpenAI-compatible server", version=package_version())
     app.state.lifecycle, app.state.metrics, app.state.models = lifecycle, metrics, models
-    app.state.engine_client = engine_client
-    app.add_middleware(ServerGate, lifecycle=lifecycle, api_key=api_key)
+    app.state.engine_client, app.state.limits = engine_client, limits
+    app.add_middleware(ServerGate, lifecycle=lifecycle, api_key=api_key, max_request_bytes=limits.max_request_bytes)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -79,7 +85,7 @@ def build_app(engine_client: EngineClient, served_model_names: list[str], api_ke
         """200 while every rank is alive and the server takes requests; 503 saying why otherwise."""
         reason = lifecycle.dead_error()
         if reason is not None:
-            return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine is dead: {reason}").response()
+            return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"The engine is dead: {redact(reason)}").response()
         if lifecycle.draining:
             return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, "The server is shutting down").response()
         return Response(status_code=200)
@@ -152,7 +158,8 @@ async def run_server(args: argparse.Namespace, engine_client: EngineClient, *,
     API key like ``/v1``."""
     _log_to_stderr()
     app = build_app(engine_client, served_model_names(args), args.api_key, shutdown_timeout_s=args.shutdown_timeout,
-                    log_requests=not args.disable_log_requests, metrics=metrics, model_root=str(args.model))
+                    log_requests=not args.disable_log_requests, metrics=metrics, model_root=str(args.model),
+                    limits=server_limits(args))
     if configure_app is not None:
         configure_app(app)
     sock = sock if sock is not None else bind_socket(args.host, args.port)
@@ -168,9 +175,12 @@ async def serve_app(app: FastAPI, sock: socket.socket, *, engine_dead: asyncio.E
     which); the server then fails the running requests with 500 and stops."""
     lifecycle: ServerLifecycle = app.state.lifecycle
     engine_client: EngineClient = app.state.engine_client
+    limits: ServerLimits = app.state.limits
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=10,
-                            access_log=access_log)
+                            access_log=access_log, http=with_header_timeout(limits.header_timeout_s),
+                            timeout_keep_alive=int(math.ceil(limits.timeout_keep_alive_s)),
+                            limit_concurrency=limits.limit_concurrency)
     server = DrainingServer(config, lifecycle)
 
     async def exit_when_told() -> None:

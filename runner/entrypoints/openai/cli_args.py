@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from runner.entrypoints.openai.limits import ServerLimits
+
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
@@ -27,8 +29,15 @@ def _non_negative_seconds(value: str) -> float:
 def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
-        raise argparse.ArgumentTypeError(f"--max-queued-requests must be >= 1, got {value}")
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
     return number
+
+
+def _positive_seconds(value: str) -> float:
+    seconds = float(value)
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 seconds, got {value}")
+    return seconds
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
@@ -37,16 +46,33 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="address to listen on (default 127.0.0.1; 0.0.0.0 exposes the server on every interface)")
     group.add_argument("--port", type=_port, default=8000, help="port to listen on (default 8000; 0: any free port)")
     group.add_argument("--api-key", default=os.environ.get("UBATCH_API_KEY"),
-                       help="require 'Authorization: Bearer <key>' on every /v1 route (default: $UBATCH_API_KEY; "
-                            "unset: no key)")
+                       help="require 'Authorization: Bearer <key>' on every route except /health, /version and "
+                            "/metrics (default: $UBATCH_API_KEY; unset: no key)")
     group.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="the model name(s) clients send in 'model' (default: the --model value); the first "
                             "is the name in responses to requests that name none, and in the metrics")
     group.add_argument("--shutdown-timeout", type=_non_negative_seconds, default=30.0, metavar="SECONDS",
                        help="after SIGTERM/SIGINT, how long running requests may finish before they are aborted "
                             "(default 30)")
-    group.add_argument("--max-queued-requests", type=_positive_int, default=None, metavar="N",
-                       help="requests that may wait for a slot; more get 503 (default: no limit)")
+    group.add_argument("--max-queued-requests", "--max-waiting-requests", type=_positive_int, default=None,
+                       metavar="N", dest="max_queued_requests",
+                       help="requests that may wait for a slot; more get 503 with Retry-After (default: no limit)")
+    group.add_argument("--max-request-bytes", type=_positive_int, default=ServerLimits.max_request_bytes,
+                       metavar="BYTES", help="the largest request body accepted; larger ones get 413 "
+                                             f"(default {ServerLimits.max_request_bytes})")
+    group.add_argument("--header-timeout", type=_positive_seconds, default=ServerLimits.header_timeout_s,
+                       metavar="SECONDS", help="a connection that has not sent a whole request head this long "
+                                               f"after connecting is closed (default {ServerLimits.header_timeout_s:g})")
+    group.add_argument("--timeout-keep-alive", type=_positive_seconds, default=ServerLimits.timeout_keep_alive_s,
+                       metavar="SECONDS", help="an idle keep-alive connection is closed after this long "
+                                               f"(uvicorn's; default {ServerLimits.timeout_keep_alive_s:g})")
+    group.add_argument("--limit-concurrency", type=_positive_int, default=ServerLimits.limit_concurrency,
+                       metavar="N", help="open connections and requests at once; more get 503 "
+                                         f"(uvicorn's; default {ServerLimits.limit_concurrency})")
+    group.add_argument("--profile-dir", default=None, metavar="DIR",
+                       help="enable POST /start_profile and /stop_profile: the server records every rank's "
+                            "timeline into a private directory (mode 0700) it creates inside DIR (default: off, "
+                            "the routes do not exist)")
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="do not log each request (its id, prompt length and sampling parameters)")
@@ -56,3 +82,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
 def served_model_names(args: argparse.Namespace) -> list[str]:
     """``--served-model-name``, or the model path/name."""
     return list(args.served_model_name) if args.served_model_name else [str(args.model)]
+
+
+def server_limits(args: argparse.Namespace) -> ServerLimits:
+    """The per-client limits the flags set."""
+    return ServerLimits(max_request_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
+                        timeout_keep_alive_s=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)

@@ -1,6 +1,8 @@
 """OpenAI-shaped errors (``{"error": {"message", "type", "param", "code"}}``, vLLM's ``ErrorResponse``) and the
-mapping of bad request bodies to them: malformed JSON, pydantic validation errors and fields this server does not
-implement all become a 400 whose ``param`` names the field, so a client can tell which of its settings was wrong.
+mapping of bad request bodies to them: malformed JSON, JSON nested deeper than the parser's recursion allows,
+strings holding a lone UTF-16 surrogate (``"\\ud800"``: valid JSON, but no Unicode text for a tokenizer),
+pydantic validation errors and fields this server does not implement all become a 400 whose ``param`` names the
+field, so a client can tell which of its settings was wrong.
 """
 from __future__ import annotations
 
@@ -22,6 +24,8 @@ ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.CONFLICT: "ConflictError",
+    HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
@@ -30,18 +34,32 @@ ERROR_TYPES = {
 class OpenAIError(Exception):
     """An error answered to the client: its HTTP status, message and the request field it names (if any)."""
 
-    def __init__(self, status: HTTPStatus, message: str, param: str | None = None) -> None:
+    def __init__(self, status: HTTPStatus, message: str, param: str | None = None, *,
+                 retry_after_s: int | None = None) -> None:
         super().__init__(message)
         self.status = HTTPStatus(status)
         self.message = message
         self.param = param
+        self.retry_after_s = retry_after_s  # sent as Retry-After (a 503 that will pass)
 
     def body(self) -> ErrorResponse:
         return ErrorResponse(error=ErrorInfo(message=self.message, type=ERROR_TYPES[self.status], param=self.param,
                                              code=int(self.status)))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body().model_dump(), status_code=int(self.status))
+        headers = None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        return JSONResponse(self.body().model_dump(), status_code=int(self.status), headers=headers)
+
+
+# Where a failure happened inside the server (``[/pytorch/third_party/gloo/.../pair.cc:534]``, a file path): for
+# the server's log, not for clients.
+_SOURCE_LOCATION = re.compile(r"\[[^\]\s]*\.(?:cc|cpp|cu|h|hpp|py):\d+\]\s*")
+_ABSOLUTE_PATH = re.compile(r"(?<![\w.])/(?:[\w.+-]+/)+[\w.+-]*")
+
+
+def redact(message: str) -> str:
+    """``message`` without source locations and absolute file paths, for an error body a client reads."""
+    return _ABSOLUTE_PATH.sub("<path>", _SOURCE_LOCATION.sub("", message))
 
 
 def bad_request(message: str, param: str | None = None) -> OpenAIError:
@@ -75,6 +93,31 @@ def from_validation_error(exc: ValidationError) -> OpenAIError:
     return bad_request(f"{param}: {msg}" if param and not msg.startswith(param.split("[")[0]) else msg, param)
 
 
+def check_text(data: Any, raw: bytes, path: str = "") -> None:
+    """Raise a 400 naming the first string of ``data`` (a parsed body) that is not Unicode text (a lone
+    surrogate). Only JSON escapes can produce one, so a body without ``\\ud``/``\\uD`` is not walked."""
+    if b"\\ud" not in raw and b"\\uD" not in raw:
+        return
+    _walk(data, path)
+
+
+def _walk(data: Any, path: str) -> None:
+    if isinstance(data, str):
+        try:
+            data.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise bad_request(f"{path or 'the request'} is not valid Unicode text: it holds a lone surrogate "
+                              f"{data[exc.start]!r} at character {exc.start}", path or None) from None
+    elif isinstance(data, dict):
+        for key, value in data.items():
+            _walk(key, path)
+            _walk(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            if isinstance(value, (str, dict, list)):
+                _walk(value, f"{path}[{i}]")
+
+
 _M = TypeVar("_M", bound=BaseModel)
 
 
@@ -85,8 +128,11 @@ def parse_request(raw: bytes, model: type[_M]) -> _M:
         data = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad_request("The request body nests JSON arrays or objects too deeply") from None
     if not isinstance(data, dict):
         raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
+    check_text(data, raw)
     unsupported: dict[str, tuple[Any, ...]] = getattr(model, "UNSUPPORTED", {})
     for name, neutral in unsupported.items():
         if name in data and data[name] not in neutral:
@@ -95,6 +141,8 @@ def parse_request(raw: bytes, model: type[_M]) -> _M:
         parsed = model.model_validate(data)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
+    except RecursionError:
+        raise bad_request("The request body nests JSON arrays or objects too deeply") from None
     unknown = sorted(set(parsed.model_extra or ()) - set(unsupported))
     if unknown:
         logger.warning("Ignoring request fields this server does not know: %s", ", ".join(unknown))

@@ -17,7 +17,7 @@ from typing import AsyncIterator
 
 from runner.engine.protocol import EngineClient
 from runner.entrypoints.openai.engine_streams import EngineStreams, Receive
-from runner.entrypoints.openai.errors import OpenAIError
+from runner.entrypoints.openai.errors import OpenAIError, redact
 from runner.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
@@ -51,7 +51,7 @@ class ServerLifecycle:
         """Raise the error a new request gets now: 500 once the engine died, 503 while draining."""
         reason = self.dead_error()
         if reason is not None:
-            raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine is dead: {reason}")
+            raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine is dead: {redact(reason)}")
         if self.draining:
             raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE,
                               "The server is shutting down and takes no new requests")

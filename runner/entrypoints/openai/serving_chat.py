@@ -41,7 +41,7 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(self, raw: Request) -> Response:
         request = await self.read(raw, ChatCompletionRequest)
         model = self.models.resolve(request.model)
-        prompt = self.check_prompt(self._render(request, model), "messages")
+        prompt = self.check_prompt(await self.off_loop(self._render, request, model), "messages")
         defaults = self.engine.default_sampling_params()
         max_tokens = resolve_max_tokens(request, len(prompt.token_ids), self.engine.max_model_len, defaults,
                                         "messages")

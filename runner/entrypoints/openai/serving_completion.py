@@ -36,7 +36,7 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.models.resolve(request.model)
         raw_prompts = request.prompts()
         names = ["prompt"] if len(raw_prompts) == 1 else [f"prompt[{i}]" for i in range(len(raw_prompts))]
-        prompts = [self._prompt(p, name, request, model) for p, name in zip(raw_prompts, names)]
+        prompts = [await self.off_loop(self._prompt, p, name, request, model) for p, name in zip(raw_prompts, names)]
         defaults = self.engine.default_sampling_params()
         params = [build_sampling_params(request, resolve_max_tokens(request, len(p.token_ids),
                                                                     self.engine.max_model_len, defaults, name),

@@ -3,13 +3,16 @@ tokenization, the checks a prompt must pass before any engine sees it, starting 
 accumulated choices, and the mapping of engine failures to HTTP statuses.
 
 Order of checks, so that nothing reaches the engine unless the whole request is valid: body and fields (400),
-model (404), prompts (tokenized here, on the event loop: the tokenizers are Rust and fast, and the engine's
-step loop runs in other processes), token ids in the vocabulary and prompt + max_tokens within
-``max_model_len`` (400), sampling values (400), then admission (503 draining / 500 dead) and the engine.
+model (404), prompts (tokenized here, in one tokenizer thread off the event loop, so a long prompt or chat
+template delays no other request's stream nor ``/health``; one thread, as vLLM does, because a tokenizer is not
+safe to use from several at once), token ids in the vocabulary and prompt + max_tokens within ``max_model_len``
+(400), sampling values (400), then admission (503 draining / 500 dead) and the engine.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any, AsyncGenerator, Callable, TypeVar
@@ -26,8 +29,9 @@ from runner.engine.protocol import (
     RequestError,
 )
 from runner.entrypoints.openai.engine_streams import EngineStreams
-from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request
+from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request, redact
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
+from runner.entrypoints.openai.limits import read_body
 from runner.entrypoints.openai.protocol import UsageInfo
 from runner.entrypoints.openai.serving_models import ServingModels
 from runner.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
@@ -37,6 +41,9 @@ from runner.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=BaseModel)
+_R = TypeVar("_R")
+# When a client refused for a full waiting queue may try again (seconds): about the time a few steps free slots.
+RETRY_AFTER_S = 1
 
 
 @dataclass
@@ -98,16 +105,22 @@ class Choices:
 
 class OpenAIServing:
     def __init__(self, engine: EngineClient, models: ServingModels, lifecycle: ServerLifecycle,
-                 log_requests: bool = True) -> None:
+                 log_requests: bool = True, *, max_request_bytes: int = 8 << 20,
+                 tokenizer_thread: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.models = models
         self.lifecycle = lifecycle
         self.log_requests = log_requests
+        self.max_request_bytes = max_request_bytes
+        self.tokenizer_thread = tokenizer_thread or ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
 
     # ---- input ------------------------------------------------------------------------------------------
-    @staticmethod
-    async def read(raw: Request, model: type[_M]) -> _M:
-        return parse_request(await raw.body(), model)
+    async def read(self, raw: Request, model: type[_M]) -> _M:
+        return parse_request(await read_body(raw, self.max_request_bytes), model)
+
+    async def off_loop(self, fn: Callable[..., _R], *args: Any) -> _R:
+        """``fn(*args)`` in the tokenizer thread (tokenization, chat templates)."""
+        return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
 
     def tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
@@ -157,7 +170,7 @@ class OpenAIServing:
             raise EngineDeadError(self.lifecycle.dead_reason or "the engine died")
         if item is not None and item[1].error is not None:
             raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR,
-                              f"The engine could not run request {item[1].request_id}: {item[1].error}")
+                              f"The engine could not run request {item[1].request_id}: {redact(item[1].error)}")
         return item
 
     async def respond(self, stream: bool, streams: EngineStreams, choices: Choices,
@@ -210,12 +223,15 @@ class OpenAIServing:
             return exc
         if isinstance(exc, EngineDeadError):
             self.lifecycle.engine_died(str(exc))
-            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine is dead: {exc}")
+            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine is dead: {redact(str(exc))}")
         if isinstance(exc, RequestError):  # the engine's own checks (the server's ran first)
             return bad_request(str(exc), exc.field)
-        if isinstance(exc, (EngineOverloadedError, EngineShuttingDownError)):
+        if isinstance(exc, EngineOverloadedError):
+            return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc), retry_after_s=RETRY_AFTER_S)
+        if isinstance(exc, EngineShuttingDownError):
             return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
         if isinstance(exc, Exception):
             logger.error("Request failed", exc_info=exc)
-            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"Internal error: {type(exc).__name__}: {exc}")
+            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                               f"Internal error: {type(exc).__name__}: {redact(str(exc))} (details in the server's log)")
         raise exc  # CancelledError, KeyboardInterrupt: not ours to answer
