@@ -14,6 +14,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -25,6 +26,8 @@ import pytest
 from runner import LLM, SamplingParams
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
 from runner.entrypoints.openai.errors import redact
+from tests.openai_harness import MODEL, ServerThread
+from tests.fake_engine_client import FakeEngineClient
 from tiny_checkpoint import TinyCheckpoint
 
 pytestmark = pytest.mark.slow
@@ -58,6 +61,8 @@ HOSTILE: list[tuple[str, str, Any, int, str | None]] = [
                                                   "stop": ["x" * 10 + str(i) for i in range(1000)]}, 400, "stop"),
     ("a stop string of a megabyte", "/v1/completions", {"prompt": "hi", "stop": "y" * 1_000_000}, 400, "stop"),
     ("a body over --max-request-bytes", "/v1/completions", {"prompt": "z " * 2_500_000}, 413, None),
+    ("a prompt too long to fit, refused before tokenizing", "/v1/completions",
+     {"prompt": "The quick brown fox. " * 150_000}, 400, "prompt"),
     ("logprobs beyond the vocabulary", "/v1/completions", {"prompt": "hi", "logprobs": BIG}, 400, "logprobs"),
 ]
 
@@ -142,28 +147,51 @@ def test_a_64_bit_seed_with_n_samples_wraps_instead_of_failing(server: ServerPro
     assert [c["text"] for c in first.json()["choices"]] == [c["text"] for c in again.json()["choices"]]
 
 
-def test_health_answers_while_a_huge_prompt_is_tokenized(server: ServerProcess,
-                                                         tiny_chat_checkpoint: TinyCheckpoint) -> None:
-    """A prompt just under the body limit is tokenized off the event loop: ``/health`` answers before it."""
-    body = {"model": str(tiny_chat_checkpoint.path), "prompt": "The quick brown fox. " * 180_000, "max_tokens": 2}
+class GatedTokenizer:
+    """A tokenizer whose encoding waits until the test opens its gate: a prompt that takes long to tokenize."""
 
-    async def run() -> list[str]:
-        order: list[str] = []
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as h:
-            async def big() -> None:
-                resp = await h.post("/v1/completions", json=body, headers=AUTH)
-                assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt", resp.text[:300]
-                order.append("big")
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.entered = threading.Event()
+        self.gate = threading.Event()
 
-            async def health() -> None:
-                await asyncio.sleep(0.3)  # the big body is sent and being tokenized
-                assert (await h.get("/health")).status_code == 200
-                order.append("health")
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
-            await asyncio.gather(big(), health())
-        return order
+    def __call__(self, text: str, **kwargs: Any) -> Any:
+        self.entered.set()
+        assert self.gate.wait(60), "the test never opened the gate"
+        return self.inner(text, **kwargs)
 
-    assert asyncio.run(run()) == ["health", "big"]
+
+def test_health_and_other_streams_go_on_while_a_prompt_is_tokenized() -> None:
+    """Tokenization runs off the event loop: while one prompt is being tokenized, ``/health`` answers and a
+    request given as token ids is served."""
+    engine = FakeEngineClient()
+    tokenizer = engine.tokenizer = GatedTokenizer(engine.tokenizer)
+    with ServerThread(engine) as srv:
+        async def run() -> list[str]:
+            order: list[str] = []
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as h:
+                async def slow() -> None:
+                    resp = await h.post("/v1/completions", json={"model": MODEL, "prompt": "a long prompt",
+                                                                 "max_tokens": 2})
+                    assert resp.status_code == 200, resp.text
+                    order.append("tokenized prompt")
+
+                async def others() -> None:
+                    await asyncio.get_running_loop().run_in_executor(None, tokenizer.entered.wait, 60)
+                    assert (await h.get("/health")).status_code == 200
+                    order.append("health")
+                    resp = await h.post("/v1/completions", json={"model": MODEL, "prompt": [5, 6], "max_tokens": 2})
+                    assert resp.status_code == 200, resp.text
+                    order.append("token-id prompt")
+                    tokenizer.gate.set()
+
+                await asyncio.gather(slow(), others())
+            return order
+
+        assert asyncio.run(run()) == ["health", "token-id prompt", "tokenized prompt"]
 
 
 def test_aborted_requests_are_counted_under_abort(server: ServerProcess,

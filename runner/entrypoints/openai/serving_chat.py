@@ -73,8 +73,7 @@ class OpenAIServingChat(OpenAIServing):
                                                  add_generation_prompt=request.add_generation_prompt, tokenize=False)
         except Exception as exc:  # a template that raises on these messages (jinja's raise_exception, a bad key)
             raise bad_request(f"The chat template of `{model}` failed on these messages: {exc}", "messages") from None
-        ids = tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"]
-        return EnginePrompt(text, ids)
+        return EnginePrompt(text, self.tokenize(text, "messages", request.add_special_tokens))
 
     @staticmethod
     def _logprobs(request: ChatCompletionRequest, text: Callable[[int, Logprob], str], token_ids: list[int],

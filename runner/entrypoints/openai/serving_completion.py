@@ -36,7 +36,8 @@ class OpenAIServingCompletion(OpenAIServing):
         model = self.models.resolve(request.model)
         raw_prompts = request.prompts()
         names = ["prompt"] if len(raw_prompts) == 1 else [f"prompt[{i}]" for i in range(len(raw_prompts))]
-        prompts = [await self.off_loop(self._prompt, p, name, request, model) for p, name in zip(raw_prompts, names)]
+        prompts = [await self.off_loop(self._prompt, p, name, request, model) if isinstance(p, str)
+                   else self._prompt(p, name, request, model) for p, name in zip(raw_prompts, names)]
         defaults = self.engine.default_sampling_params()
         params = [build_sampling_params(request, resolve_max_tokens(request, len(p.token_ids),
                                                                     self.engine.max_model_len, defaults, name),
@@ -64,8 +65,7 @@ class OpenAIServingCompletion(OpenAIServing):
             if tokenizer is None:
                 raise bad_request(f"The model `{model}` is served without a tokenizer: send the prompt as token ids",
                                   param)
-            engine_prompt = EnginePrompt(prompt, tokenizer(prompt, add_special_tokens=request.add_special_tokens)
-                                         ["input_ids"])
+            engine_prompt = EnginePrompt(prompt, self.tokenize(prompt, param, request.add_special_tokens))
         else:
             engine_prompt = EnginePrompt(None, list(prompt))
         return self.check_prompt(engine_prompt, param)

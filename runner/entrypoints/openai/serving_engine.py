@@ -32,6 +32,7 @@ from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request, redact
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
 from runner.entrypoints.openai.limits import read_body
+from runner.entrypoints.openai.prompt_bounds import check_prompt_chars, max_prompt_chars, release_memory_after
 from runner.entrypoints.openai.protocol import UsageInfo
 from runner.entrypoints.openai.serving_models import ServingModels
 from runner.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
@@ -113,10 +114,21 @@ class OpenAIServing:
         self.log_requests = log_requests
         self.max_request_bytes = max_request_bytes
         self.tokenizer_thread = tokenizer_thread or ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._max_prompt_chars: int | None = None
 
     # ---- input ------------------------------------------------------------------------------------------
     async def read(self, raw: Request, model: type[_M]) -> _M:
         return parse_request(await read_body(raw, self.max_request_bytes), model)
+
+    def tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
+        """``text``'s token ids (in the tokenizer thread); a text too long to fit is refused before tokenizing."""
+        tokenizer = self.tokenizer()
+        if self._max_prompt_chars is None:
+            self._max_prompt_chars = max_prompt_chars(tokenizer, self.engine.max_model_len)
+        check_prompt_chars(text, self._max_prompt_chars, param)
+        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        release_memory_after(text)
+        return ids
 
     async def off_loop(self, fn: Callable[..., _R], *args: Any) -> _R:
         """``fn(*args)`` in the tokenizer thread (tokenization, chat templates)."""
