@@ -29,12 +29,13 @@ GPU_TEST_FILES = (
     "tests/test_no_host_sync.py", "tests/test_device.py",  # sync-free eager step, device choice
 )
 SERVE_SECONDS = 60
-# pytest-xdist workers for the gpu tests (at most half the CPU cores). One process ran them in about 175 s on an
-# H200, past the part's budget; the GPU machines' image has pytest-xdist. Files stay whole on one worker
-# (``--dist loadfile``): a module's fixtures (a runner, a model) are built once. Each worker is a process of its
-# own on the one GPU, so a test reads only its own process's memory counters (``torch.cuda.memory_allocated``).
-TEST_WORKERS = 6
 SERVE_PROMPTS = 512  # per server: two waves of 256 sequences, 128 steps each
+# pytest-xdist workers for the gpu tests (at most half the CPU cores). In one process they reached 86 % in 150 s
+# on an H200 (about 175 s in all), past the part's budget; the GPU machines' image has pytest-xdist. Files stay
+# whole on one worker (``--dist loadfile``): a module's fixtures (a runner, a model) are built once. Each worker
+# is a process of its own on the one GPU, so a test reads only its own process's memory counters
+# (``torch.cuda.memory_allocated``).
+TEST_WORKERS = 6
 
 
 def sanitized_tests(makefile: str) -> list[str]:
@@ -107,8 +108,8 @@ def xdist_workers(ctx: Context) -> int | None:
 
 
 def no_xdist_note(python: str) -> str:
-    return (f"pytest-xdist does not import in {python}: the gpu tests run in one process, which took about 175 s "
-            "on an H200, more than this part's budget; install pytest-xdist, or run every test with "
+    return (f"pytest-xdist does not import in {python}: the gpu tests run in one process, about 175 s on an "
+            "H200, more than this part's budget; install pytest-xdist, or run every test with "
             "--parts tests --tests full")
 
 
