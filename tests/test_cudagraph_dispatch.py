@@ -273,8 +273,8 @@ def make_runner(executor: str = "greenlet", **overrides):
     compute float32 exactly on a GPU too (``grouped_mm``, auto's pick there, rounds operands to bf16)."""
     from runner.worker.model_runner import ModelRunner
 
-    cfg = dict(dtype="float32", experts_backend="torch", enable_dbo=True, dbo_decode_token_threshold=4, max_num_seqs=16, max_model_len=64,
-               max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16)
+    cfg = dict(dtype="float32", experts_backend="torch", enable_dbo=True, dbo_decode_token_threshold=4,
+               max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16)
     cfg.update(overrides)
     runner = ModelRunner(RunnerConfig(**cfg))
     if executor != "greenlet" and runner.wrapper is not None:
