@@ -26,6 +26,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 import pytest  # noqa: E402
 
 from ubatch.triton_runtime import interpreter_enabled  # noqa: E402
+from env_guard import process_state_module, process_state_session, process_state_test  # noqa: E402,F401
 from tiny_checkpoint import tiny_chat_checkpoint  # noqa: E402,F401  (a session fixture: a checkpoint with a tokenizer)
 from stream_sanitizer_plugin import (  # noqa: E402,F401  (--stream-sanitizer)
     pytest_addoption, stream_sanitizer_fresh_history, stream_sanitizer_session,

@@ -29,6 +29,7 @@ from runner.attention import graph as ga
 from runner.config import RunnerConfig
 from runner.distributed.dp import local_decision
 from runner.attention.kv_cache import build_attention_metadata
+from step_numerics import assert_bit_equal, assert_steps_close
 from ubatch.log_once import forget_logged
 from ubatch.context import UBatchContext
 from ubatch.forward_context import set_forward_context
@@ -267,10 +268,13 @@ def test_capturable_attention_counts_backend_layers_and_patches_nothing() -> Non
 
 # ---- the manager end to end on CPU (eager replay double) -------------------------------------------------
 def make_runner(executor: str = "greenlet", **overrides):
+    """A small runner on the machine's device, in float32 with the torch experts unless ``overrides`` say
+    otherwise: replays are compared with eager steps in float32 (``step_numerics``), and the torch experts
+    compute float32 exactly on a GPU too (``grouped_mm``, auto's pick there, rounds operands to bf16)."""
     from runner.worker.model_runner import ModelRunner
 
-    cfg = dict(enable_dbo=True, dbo_decode_token_threshold=4, max_num_seqs=16, max_model_len=64,
-               max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16)
+    cfg = dict(dtype="float32", experts_backend="torch", enable_dbo=True, dbo_decode_token_threshold=4,
+               max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16)
     cfg.update(overrides)
     runner = ModelRunner(RunnerConfig(**cfg))
     if executor != "greenlet" and runner.wrapper is not None:
@@ -355,13 +359,13 @@ def test_replay_plumbing_matches_eager_with_and_without_dbo(qwen_runner, caplog)
         _, ref = batches.step(n)
         got_padded, out = batches.step(n, gr)
         assert got_padded == padded
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+        assert_steps_close(out, ref, f"{n} tokens")
     assert gr.stats == {Why.REPLAY: 7}
     # 8 decode tokens that DP did not agree to ubatch: size 8 only has a DBO graph -> eager (vLLM downgrade)
     _, ref = batches.step(8, ubatch=False)
     padded, out = batches.step(8, gr, ubatch=False)
     assert padded == 8 and gr.stats[Why.DBO_ONLY] == 1
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_bit_equal(out, ref, "the eager fallback")  # both eager, same shapes
     # a balanced split that cuts elsewhere than the captured graph runs eager -- ubatched at (3, 5) -- and its
     # output is the eager step's (and, the split changing no result, the (4, 4) graph's)
     _, replayed = batches.step(8, gr)
@@ -369,8 +373,8 @@ def test_replay_plumbing_matches_eager_with_and_without_dbo(qwen_runner, caplog)
     steps = runner.wrapper.num_ubatched_steps
     _, out = batches.step(8, gr, split_point=[3])
     assert gr.stats[Why.SPLIT_MISMATCH] == 1 and runner.wrapper.num_ubatched_steps == steps + 1
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out, replayed, rtol=1e-5, atol=1e-5)
+    assert_bit_equal(out, ref, "the eager fallback at (3, 5)")
+    assert_steps_close(out, replayed, "(3, 5) eager vs the (4, 4) graph")
     gr.clear()
     assert not gr.graphs
 
@@ -402,10 +406,12 @@ REPLAY_SIZES = (1, 3, 4, 6, 8, 13, 16)  # up to the largest capture size; 13 pad
 
 
 def check_replay_equals_eager(runner, batches: "DecodeBatches", gr, dbo: bool, link: str | None,
-                              sizes: Sequence[int] = REPLAY_SIZES, tol: float = 1e-5) -> None:
+                              sizes: Sequence[int] = REPLAY_SIZES, tol: float | None = None) -> None:
     """Each size's replay equals its eager step, and is a replay of the graph it should be: exactly one graph
     replayed per step, of the padded size, ubatched exactly when DBO is on and the step reaches the DBO
-    threshold. With a link, every eager reference step really went over it."""
+    threshold. With a link, every eager reference step really went over it. Replay and eager differ in
+    shapes (padding, the graph metadata's width), so "equals" is within ``tol``, by default the float32 step
+    tolerance (``step_numerics``; a 16-bit runner is refused there)."""
     assert any(k.ubatched for k in gr.graphs) is dbo
     assert batches.num_reqs >= max(sizes), "DecodeBatches needs one request per decode token"
     counter = CountingReplays(gr.backend)
@@ -423,7 +429,7 @@ def check_replay_equals_eager(runner, batches: "DecodeBatches", gr, dbo: bool, l
         assert len(counter.replayed) == replays + 1, f"{n} tokens: no graph replayed"
         key = key_of[id(counter.replayed[-1])]
         assert key.num_tokens == padded >= n and key.ubatched is (dbo and n >= threshold), (n, key)
-        torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m: f"{n} tokens: {m}")
+        assert_steps_close(out, ref, f"{n} tokens", tol)
     assert gr.stats[Why.REPLAY] == len(sizes), dict(gr.stats)
 
 
@@ -454,7 +460,7 @@ def test_mixed_batches_never_replay_and_a_dbo_decode_step_replays(qwen_runner) -
     _, ref = batches.step(8)
     _, out = batches.step(8, gr)
     assert gr.stats[Why.REPLAY] == 1
-    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert_steps_close(out, ref, "8 tokens")
 
 
 def test_a_failed_capture_names_the_graph_and_leaves_nothing_behind(qwen_runner) -> None:
@@ -490,7 +496,7 @@ def test_threads_executor_warms_every_ubatch_thread_and_replays_mla() -> None:
         for n in (2, 6, 8):
             _, ref = batches.step(n)
             _, out = batches.step(n, gr)
-            torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+            assert_steps_close(out, ref, f"{n} tokens")
         assert gr.stats == {Why.REPLAY: 3}
     finally:
         runner.close()

@@ -24,9 +24,10 @@ from gpucheck import wheels  # noqa: E402
 from gpucheck.goals import MISS, evaluate  # noqa: E402
 from gpucheck.outcomes import count_tests  # noqa: E402
 from gpucheck.parts import (  # noqa: E402
-    GPU_TEST_FILES, all_parts, bench_part, child_env, engine_part, env_part, gpu_test_files, model_part,
-    sanitized_tests, serve_command, serve_part,
+    GPU_TEST_FILES, TEST_WORKERS, all_parts, bench_part, child_env, engine_part, env_part, gpu_test_files,
+    model_part, sanitized_tests, serve_command, serve_part,
 )
+from gpucheck import parts, select_tests  # noqa: E402
 from gpucheck.report import render  # noqa: E402
 from gpucheck.schedule import Context, Part, run_parts, write_outputs  # noqa: E402
 from gpucheck.subproc import run_logged  # noqa: E402
@@ -141,6 +142,52 @@ def test_gpu_test_files_are_the_makefiles_sanitized_list_plus_the_gpu_sensitive_
     assert sanitized_tests("X = 1\nSANITIZED_TESTS ?= a.py b.py \\\n\tc.py\nY = 2\n") == ["a.py", "b.py", "c.py"]
     with pytest.raises(ValueError, match="no 'SANITIZED_TESTS"):
         sanitized_tests("TESTS = a.py\n")
+
+
+def fake_python(tmp_path: Path, xdist: bool) -> str:
+    """A ``python`` that imports pytest-xdist or not, and otherwise only prints its arguments (a pytest run)."""
+    fake = tmp_path / ("python-xdist" if xdist else "python-plain")
+    fake.write_text("#!/bin/sh\nif [ \"$2\" = \"import xdist\" ]; then exit " + ("0" if xdist else "1") + "; fi\n"
+                    "echo \"ARGS $*\"\n")
+    fake.chmod(0o755)
+    return str(fake)
+
+
+@pytest.mark.parametrize("xdist", [True, False], ids=["xdist", "no-xdist"])
+def test_gpu_tests_run_on_xdist_workers_where_it_imports_else_say_so(tmp_path: Path, xdist: bool) -> None:
+    ctx = context(tmp_path, tests="gpu")
+    ctx.python = fake_python(tmp_path, xdist)
+    said: list[str] = []
+    out = parts.tests_part(ctx, say=said.append)  # module-qualified: a bare tests_* name would be collected
+    args = next(line for line in (tmp_path / "log.txt").read_text().splitlines() if line.startswith("ARGS "))
+    workers = min(TEST_WORKERS, (os.cpu_count() or 2) // 2) if xdist else None
+    assert out["status"] == "ok" and out["data"]["workers"] == workers
+    assert " -m not triton_interpreter tests" in args and " --durations 15 " in args
+    assert (f" -n {workers} --dist loadfile " in args) is xdist and (" -n " in args) is xdist
+    if xdist:
+        assert said == [] and "note" not in out["data"]
+        assert f"On {workers} pytest-xdist workers." in render_tests(out["data"])
+    else:
+        assert said == [f"gpu-check: {out['data']['note']}"] and "pytest-xdist does not import" in said[0]
+        assert "--tests full" in said[0] and f"Note: {out['data']['note']}" in render_tests(out["data"])
+
+
+def render_tests(data: dict) -> str:
+    from gpucheck.report import tests_section
+
+    return "\n".join(tests_section(data))
+
+
+def test_an_xdist_worker_leaves_the_outcomes_to_the_controller(tmp_path: Path, monkeypatch) -> None:
+    """Under ``-n`` every report reaches the controller's hook too: a worker writing as well would log it twice."""
+    log = tmp_path / "outcomes.jsonl"
+    monkeypatch.setenv("GPU_CHECK_TEST_LOG", str(log))
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    select_tests._record({"nodeid": "a", "when": "call", "outcome": "passed"})
+    assert not log.exists()
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")
+    select_tests._record({"nodeid": "a", "when": "call", "outcome": "passed"})
+    assert count_tests(log.read_text().splitlines())["passed"] == 1
 
 
 # ---- the server part ------------------------------------------------------------------------------------------------

@@ -296,11 +296,15 @@ def test_ep_equals_dense(backend: str, sizes: list[int], dbo: bool, gemm_calls: 
 
 
 def _engine_tokens(experts_backend: str) -> tuple[list[list[int]], str, set[str]]:
+    """Greedy tokens of the engine on CPU, on a GPU machine too: there both backends compute float32 exactly,
+    so the tokens must be equal. On a GPU ``grouped_mm`` runs bf16 GEMMs (``auto`` picks it there, and
+    ``test_cuda_bf16_equals_torch_and_captures_without_host_sync`` compares it with torch's at a bf16
+    tolerance), and near-tied logits of the random model may then pick another token."""
     from runner.entrypoints.llm import LLM
     from runner.sampling_params import SamplingParams
 
     llm = LLM(model="tiny-qwen3-moe", experts_backend=experts_backend, max_num_batched_tokens=32, max_num_seqs=3,
-              max_model_len=64, disable_overlap_schedule=True)
+              max_model_len=64, disable_overlap_schedule=True, device="cpu")
     try:
         prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate([5, 9, 3, 12])]
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)

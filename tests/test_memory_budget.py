@@ -102,11 +102,28 @@ def test_initial_cache_cpu_keeps_its_default_gpu_starts_minimal() -> None:
 
 
 def test_a_cpu_runner_is_not_resized() -> None:
+    """``device="cpu"``: on a GPU machine too (``auto`` would pick the GPU, whose runner is resized)."""
     from runner.worker.model_runner import ModelRunner
 
-    r = ModelRunner(RunnerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, block_size=4))
+    r = ModelRunner(RunnerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, block_size=4,
+                                 device="cpu"))
     try:
         assert r.kv_budget is None and fit_kv_cache_to_memory(r) is None
         assert r.num_kv_blocks == 4 * (64 // 4)
+    finally:
+        r.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.triton_compiled  # the GPU runner's default attention is the compiled Triton kernel
+def test_a_gpu_runner_is_sized_from_memory_up_to_what_its_requests_can_use() -> None:
+    """The twin of the CPU test above: on a GPU the cache is measured, and capped at 4 requests x 16 blocks."""
+    from runner.worker.model_runner import ModelRunner
+
+    r = ModelRunner(RunnerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, block_size=4,
+                                 device="cuda"))
+    try:
+        assert r.kv_budget is not None and r.kv_budget.utilization == 0.9
+        assert r.kv_budget.max_useful_blocks == r.kv_budget.num_blocks == r.num_kv_blocks == 4 * (64 // 4)
     finally:
         r.close()

@@ -25,6 +25,7 @@ import pytest
 import torch
 
 import runner.attention.triton_paged_decode as tpd
+from ubatch.triton_runtime import interpreter_enabled
 from runner.attention.triton_paged_decode import (
     MAX_SPLITS, DecodeShape, choose_num_splits, paged_decode_attention, plan_decode_launch,
 )
@@ -69,6 +70,12 @@ class Case:
 
     def args(self) -> tuple[Any, ...]:
         return self.q, self.k_cache, self.v_cache, self.block_table, self.seq_lens, self.scale
+
+    def to(self, device: torch.device) -> Case:
+        """Every tensor on ``device`` (each copied alone: for the ``separate`` layout only, whose caches are
+        not views of one another)."""
+        return Case(self.q.to(device), self.k_cache.to(device), self.v_cache.to(device),
+                    self.block_table.to(device), self.seq_lens.to(device), self.scale)
 
 
 def make_case(seq_lens: list[int], num_q_heads: int, num_kv_heads: int, dk: int, dv: int, *,
@@ -285,29 +292,43 @@ def test_plan_depends_on_shapes_only() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ bad input
-def _bad_inputs() -> tuple[list[tuple[str, dict[str, Any], type[Exception], str]], Case]:
-    c = make_case([3, 9], 4, 2, dk=16, dv=16)
+def launch_device() -> torch.device:
+    """Where this process's Triton mode launches kernels: CPU tensors interpreted, CUDA tensors compiled."""
+    if interpreter_enabled():
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        pytest.skip("TRITON_INTERPRET=0 without a CUDA GPU: this process can launch no Triton kernel")
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _bad_inputs(device: torch.device) -> tuple[list[tuple[str, dict[str, Any], type[Exception], str]], Case]:
+    c = make_case([3, 9], 4, 2, dk=16, dv=16).to(device)
     return [
         ("q_2d", dict(q=c.q[0]), ValueError, r"q must be \[R, Hq, Dk\], got shape \(4, 16\)"),
         ("q_int", dict(q=c.q.to(torch.int32)), TypeError, "q dtype torch.int32"),
         ("k_f64", dict(k_cache=c.k_cache.double()), TypeError, "k_cache dtype torch.float64"),
         ("q_last_stride", dict(q=c.q.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "q needs a unit-stride"),
-        ("heads", dict(q=torch.randn(2, 3, 16)), ValueError, "3 query heads are not a multiple of 2 KV heads"),
-        ("dk", dict(q=torch.randn(2, 4, 8)), ValueError, "k_cache head dim 16 != q head dim 8"),
+        ("heads", dict(q=torch.randn(2, 3, 16, device=device)), ValueError,
+         "3 query heads are not a multiple of 2 KV heads"),
+        ("dk", dict(q=torch.randn(2, 4, 8, device=device)), ValueError, "k_cache head dim 16 != q head dim 8"),
         ("v_shape", dict(v_cache=c.v_cache[:, :4]), ValueError, r"v_cache shape \(\d+, 4, 2, 16\) does not match"),
         ("table_dtype", dict(block_table=c.block_table.long()), TypeError, "block_table must be int32, got torch.int64"),
         ("seq_dtype", dict(seq_lens=c.seq_lens.long()), TypeError, "seq_lens must be int32"),
         ("table_rows", dict(block_table=c.block_table[:1]), ValueError, r"block_table shape \(1, 3\) must be \[2,"),
         ("seq_rows", dict(seq_lens=c.seq_lens[:1]), ValueError, r"seq_lens shape \(1,\) must be \[2\]"),
         ("scale", dict(scale=float("nan")), ValueError, "scale=nan must be a finite float"),
-        ("out_dtype", dict(out=torch.empty(2, 4, 16, dtype=torch.float16)), ValueError, "out must be .* torch.float16"),
-        ("out_shape", dict(out=torch.empty(2, 4, 8)), ValueError, r"got \[2, 4, 8\]"),
+        ("out_dtype", dict(out=torch.empty(2, 4, 16, dtype=torch.float16, device=device)), ValueError,
+         "out must be .* torch.float16"),
+        ("out_shape", dict(out=torch.empty(2, 4, 8, device=device)), ValueError, r"got \[2, 4, 8\]"),
+        ("out_device", dict(out=torch.empty(2, 4, 16, device="meta")), ValueError, r"got \[2, 4, 16\] .* on meta"),
         ("splits", dict(num_splits=0), ValueError, "num_splits=0"),
     ], c
 
 
 def test_bad_input_raises_naming_the_value() -> None:
-    cases, c = _bad_inputs()
+    """On the device this process launches on (CPU interpreted, a GPU compiled), so every check runs, the
+    ones after the device check (``num_splits``) included."""
+    cases, c = _bad_inputs(launch_device())
     for name, change, exc, pattern in cases:
         kwargs = dict(q=c.q, k_cache=c.k_cache, v_cache=c.v_cache, block_table=c.block_table,
                       seq_lens=c.seq_lens, scale=c.scale)

@@ -13,7 +13,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from bench_gpu import MODEL as BENCH_MODEL
 from gpucheck.outcomes import count_tests
@@ -30,6 +30,12 @@ GPU_TEST_FILES = (
 )
 SERVE_SECONDS = 60
 SERVE_PROMPTS = 512  # per server: two waves of 256 sequences, 128 steps each
+# pytest-xdist workers for the gpu tests (at most half the CPU cores). In one process they reached 86 % in 150 s
+# on an H200 (about 175 s in all), past the part's budget; the GPU machines' image has pytest-xdist. Files stay
+# whole on one worker (``--dist loadfile``): a module's fixtures (a runner, a model) are built once. Each worker
+# is a process of its own on the one GPU, so a test reads only its own process's memory counters
+# (``torch.cuda.memory_allocated``).
+TEST_WORKERS = 6
 
 
 def sanitized_tests(makefile: str) -> list[str]:
@@ -88,26 +94,57 @@ def env_part(ctx: Context) -> dict[str, Any]:
     return _run(ctx, "env", ["-m", "gpucheck.env_info", "--out", str(path)], path)
 
 
-def tests_part(ctx: Context) -> dict[str, Any]:
-    """``--tests gpu`` (default): the GPU-sensitive files and every cuda-marked test, one pytest run.
+def xdist_workers(ctx: Context) -> int | None:
+    """How many pytest-xdist workers the gpu tests get, or ``None`` where pytest-xdist does not import in the
+    tests' Python (``ctx.python`` with the parts' environment)."""
+    try:
+        probe = subprocess.run([ctx.python, "-c", "import xdist"], capture_output=True, text=True, timeout=60,
+                               env=child_env(ctx), cwd=ctx.repo)
+    except subprocess.TimeoutExpired:
+        return None
+    if probe.returncode != 0:
+        return None
+    return max(1, min(TEST_WORKERS, (os.cpu_count() or 2) // 2))
+
+
+def no_xdist_note(python: str) -> str:
+    return (f"pytest-xdist does not import in {python}: the gpu tests run in one process, about 175 s on an "
+            "H200, more than this part's budget; install pytest-xdist, or run every test with "
+            "--parts tests --tests full")
+
+
+def gpu_test_args(base: list[str], workers: int | None) -> list[str]:
+    """The gpu tests' pytest arguments: ``base``, the workers (none: one process), the slowest tests listed."""
+    # Without the triton_interpreter-marked tests: on a GPU machine each one runs in a TRITON_INTERPRET=1 child
+    # process (tests/conftest.py), seconds apiece, on CPU tensors; CI runs them. On an H100 they kept this run
+    # from getting past 15 % of its files in 150 s.
+    parallel = ["-n", str(workers), "--dist", "loadfile"] if workers else []
+    return base + parallel + ["--durations", "15", "-m", "not triton_interpreter", "tests"]
+
+
+def tests_part(ctx: Context, say: Callable[[str], None] = print) -> dict[str, Any]:
+    """``--tests gpu`` (default): the GPU-sensitive files and every cuda-marked test, one pytest run, on
+    pytest-xdist workers where it imports (else in one process, with a note said and reported).
     ``--tests full``: what ``make test`` runs, the suite and then the sanitized files."""
     mode = ctx.options.get("tests", "gpu")
     base = ["-m", "pytest", "-rs", "-q", "-p", "no:cacheprovider", "-p", "gpucheck.select_tests",
             "--continue-on-collection-errors"]
+    data: dict[str, Any] = {"mode": mode, "runs": []}
     if mode == "gpu":
         files = gpu_test_files(ctx.repo)
-        # Without the triton_interpreter-marked tests: on a GPU machine each one runs in a TRITON_INTERPRET=1
-        # child process (tests/conftest.py), seconds apiece, on CPU tensors; CI runs them. On an H100 they kept
-        # this run from getting past 15 % of its files in 150 s.
-        runs = [("gpu tests", base + ["-m", "not triton_interpreter", "tests"],
-                 {"GPU_CHECK_TEST_FILES": " ".join(files)})]
+        workers = xdist_workers(ctx)
+        data["workers"] = workers
+        if workers is None:
+            data["note"] = no_xdist_note(ctx.python)
+            say(f"gpu-check: {data['note']}")
+        runs = [("gpu tests", gpu_test_args(base, workers), {"GPU_CHECK_TEST_FILES": " ".join(files)})]
     elif mode == "full":
         files = sanitized_tests((ctx.repo / "Makefile").read_text())
         runs = [("suite", base, {}), ("sanitized", base + ["--stream-sanitizer", *files], {})]
     else:
         raise ValueError(f"tests mode must be gpu or full, got {mode!r}")
     deadline_left = ctx.timeout_s
-    data: dict[str, Any] = {"mode": mode, "files": files, "runs": []}
+    data["files"] = files
     result: dict[str, Any] = {"status": "ok"}
     for i, (name, args, env) in enumerate(runs):
         if deadline_left <= 1:
@@ -197,7 +234,7 @@ def serve_part(ctx: Context) -> dict[str, Any]:
 def all_parts() -> list[Part]:
     return [
         Part("env", "GPU, driver, torch, Triton, CUDA, deep_ep/deep_gemm", 30, env_part),
-        Part("tests", "the GPU tests", 150, tests_part),
+        Part("tests", "the GPU tests", 120, tests_part),
         Part("model", "the 1.2B benchmark model's checkpoint", 90, model_part),
         Part("bench", "kernels and the decode step against their limits (bench_gpu.py --quick)", 120, bench_part),
         Part("engine", "the engine with default flags, 256 x 128 tokens", 90, lambda c: engine_part(c, False)),

@@ -55,6 +55,10 @@ def tests_section(tests: dict[str, Any]) -> list[str]:
         return ["No test results."]
     lines = [f"Mode `{tests.get('mode')}`; files: {', '.join(tests.get('files') or [])} (plus every `cuda`-marked "
              "test)" if tests.get("mode") == "gpu" else f"Mode `{tests.get('mode')}` (what `make test` runs)", ""]
+    if tests.get("workers"):
+        lines += [f"On {tests['workers']} pytest-xdist workers.", ""]
+    if tests.get("note"):
+        lines += [f"Note: {tests['note']}", ""]
     lines += table(["run", "passed", "failed", "errors", "skipped", "exit"],
                    [(r["name"], r["passed"], r["failed"], r["errors"], r["skipped"],
                      "timeout" if r.get("timed_out") else r.get("returncode")) for r in tests.get("runs", [])])

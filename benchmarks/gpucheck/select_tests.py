@@ -4,6 +4,7 @@
   and every ``cuda``-marked test anywhere; deselect the rest. Unset: keep everything.
 - ``GPU_CHECK_TEST_LOG`` (a path): append one JSON line per test phase report and per failed collection,
   flushed at once, so a run killed at its timeout still leaves the outcomes so far (``parts.count_tests``).
+  Under pytest-xdist (``-n``) the controller writes them, as the workers' reports reach it.
 """
 from __future__ import annotations
 
@@ -34,8 +35,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def _record(entry: dict[str, Any]) -> None:
+    """Append ``entry`` to the log; not in a pytest-xdist worker, whose reports the controller records."""
     path = os.environ.get("GPU_CHECK_TEST_LOG")
-    if path:
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):
         with open(path, "a") as fh:
             fh.write(json.dumps(entry) + "\n")
 
