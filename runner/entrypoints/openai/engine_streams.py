@@ -105,6 +105,10 @@ class EngineStreams:
         """(prompt index, output) in arrival order; None when all requests ended or the stream was stopped."""
         return await self._take()
 
+    def has_ready(self) -> bool:
+        """Whether :meth:`next` would return without waiting (outputs queued, or the stream ended)."""
+        return bool(self._buffer) or not self._queue.empty() or self.stop_reason is not None
+
     @property
     def disconnected(self) -> bool:
         return self.stop_reason == "disconnect"

@@ -5,7 +5,7 @@ its headers or sit idle, and how many connections and requests may be open at on
   read, or as soon as a streamed body passes the limit (``read_body``). (Malformed bodies are 400s:
   ``errors.parse_request``.)
 - **Connections**: uvicorn times out an idle keep-alive connection but waits forever for a request's headers;
-  ``HeaderTimeoutProtocol`` closes a connection whose headers have not all arrived within ``header_timeout_s``
+  ``HeaderTimeout`` closes a connection whose headers have not all arrived within ``header_timeout_s``
   of its opening (or of its previous response), so half-sent headers do not hold a file descriptor each.
   ``limit_concurrency`` (uvicorn's) answers 503 beyond that many open connections and tasks.
 """
@@ -18,6 +18,11 @@ from typing import Any
 
 from fastapi import Request
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+try:  # uvicorn's faster HTTP parser (uvicorn[standard]), which it picks itself when installed
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _FastestProtocol
+except ImportError:  # pragma: no cover - httptools is in the serve extra
+    _FastestProtocol = H11Protocol  # type: ignore[assignment,misc]
 
 from runner.entrypoints.openai.errors import OpenAIError
 
@@ -60,12 +65,15 @@ def declared_too_large(headers: dict[bytes, bytes] | list[tuple[bytes, bytes]], 
     return False
 
 
-class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, closing a connection that has not sent a whole request head within
-    ``HEADER_TIMEOUT_S`` of connecting or of its previous response (set by ``with_header_timeout``)."""
+class HeaderTimeout:
+    """Mixed into one of uvicorn's HTTP protocols (httptools, else h11): closes a connection that has not sent a
+    whole request head within ``HEADER_TIMEOUT_S`` of connecting or of its previous response."""
 
     HEADER_TIMEOUT_S = 10.0
     _head_timer: asyncio.TimerHandle | None = None
+    cycle: Any
+    loop: asyncio.AbstractEventLoop
+    transport: asyncio.Transport
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -103,6 +111,7 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def with_header_timeout(seconds: float) -> type[HeaderTimeoutProtocol]:
-    """The protocol class uvicorn runs (``Config(http=...)``), with its header timeout set to ``seconds``."""
-    return type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"HEADER_TIMEOUT_S": seconds})
+def with_header_timeout(seconds: float) -> type[asyncio.Protocol]:
+    """The protocol class uvicorn runs (``Config(http=...)``): its fastest parser, with a header timeout of
+    ``seconds``."""
+    return type("HeaderTimeoutProtocol", (HeaderTimeout, _FastestProtocol), {"HEADER_TIMEOUT_S": seconds})

@@ -26,7 +26,7 @@ from runner.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
 )
-from runner.entrypoints.openai.sse import DONE, chunk_event
+from runner.entrypoints.openai.sse import DONE, TextChunks, chunk_event
 from runner.outputs import Logprob
 
 
@@ -79,11 +79,19 @@ class OpenAIServingCompletion(OpenAIServing):
             return chunk_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]),
                                include_usage)
 
+        plain = TextChunks(lambda i, t: chunk(CompletionResponseStreamChoice(index=i, text=t)))
+        plain_only = request.logprobs is None and not request.return_token_ids
+        events: list[str] = []
         while (item := await self.next_output(streams)) is not None:
             p, output = item
             for out in output.outputs:
                 i = choices.index(p, out)
                 state = choices.states[i]
+                if plain_only and out.finish_reason is None:
+                    state.add(out)
+                    if out.text or out.token_ids:
+                        events.append(plain.event(i, out.text))
+                    continue
                 logprobs = None
                 if request.logprobs is not None:
                     # offsets count the tokens' texts, as in the full response (the text itself may lag behind
@@ -94,10 +102,15 @@ class OpenAIServingCompletion(OpenAIServing):
                 first = not state.token_ids
                 state.add(out)
                 if out.text or out.token_ids or out.finish_reason is not None:
-                    yield chunk(CompletionResponseStreamChoice(
+                    events.append(chunk(CompletionResponseStreamChoice(
                         index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
                         stop_reason=out.stop_reason,
-                        **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first)))
+                        **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
+            if events and not streams.has_ready():  # what is ready goes out in one write
+                yield "".join(events)
+                events.clear()
+        if events:
+            yield "".join(events)
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):

@@ -7,7 +7,8 @@ ends the engine requests), also when the client is gone. The client's disconnect
 from __future__ import annotations
 
 import json
-from typing import Any, AsyncGenerator
+from json.encoder import encode_basestring  # type: ignore[attr-defined]  # C-accelerated; ensure_ascii=False
+from typing import Any, AsyncGenerator, Callable
 
 from pydantic import BaseModel
 from starlette.responses import Response
@@ -27,6 +28,28 @@ def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
     if not include_usage and body.get("usage") is None:
         body.pop("usage", None)
     return sse_event(body)
+
+
+class TextChunks:
+    """The events of a stream's plain text chunks (no logprobs, no token ids, not the last) without building a
+    pydantic model per token: the chunk of choice ``index`` is rendered once through ``render(index, text)``
+    (the model path, with a marker text), split around the marker, and each token's event is that head, the
+    text as a JSON string, and that tail: the same bytes the model path writes."""
+
+    _MARK = "\x00ubatch-text\x00"
+
+    def __init__(self, render: Callable[[int, str], str]) -> None:
+        self._render = render
+        self._parts: dict[int, tuple[str, str]] = {}
+
+    def event(self, index: int, text: str) -> str:
+        parts = self._parts.get(index)
+        if parts is None:
+            head, mark, tail = self._render(index, self._MARK).partition(encode_basestring(self._MARK))
+            if not mark or self._MARK in tail:
+                raise RuntimeError(f"the stream chunk template of choice {index} does not hold its text once")
+            parts = self._parts[index] = (head, tail)
+        return parts[0] + encode_basestring(text) + parts[1]
 
 
 class EventStreamResponse(Response):
