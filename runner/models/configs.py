@@ -130,6 +130,9 @@ class BaseMoEConfig:
         self.rope = RopeConfig.from_hf(d, self.max_position_embeddings)
         self.rope_theta = self.rope.rope_theta
 
+    def check_context_length(self, max_model_len: int) -> None:
+        """Raise ``ValueError`` if this model cannot serve contexts of ``max_model_len`` tokens (default: any)."""
+
 
 @dataclass
 class Qwen3MoeConfig(BaseMoEConfig):
