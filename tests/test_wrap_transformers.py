@@ -132,18 +132,29 @@ def test_an_ep_rank_keeps_only_its_experts(reference: nn.Module) -> None:
     assert torch.equal(experts.w13_weight, reference.model.layers[0].mlp.experts.gate_up_proj[4:])
 
 
-class Qwen3MoeBlock4x(nn.Module):
-    """transformers 4.51-4.57's Qwen3MoeSparseMoeBlock (nn.Linear gate, per-expert MLPs, returns the router
-    logits too), rebuilt from the 5.x modules for the layout test; its forward follows 4.5x line for line."""
+class Expert4x(nn.Module):
+    """One 4.x per-expert SwiGLU MLP under the family's projection names (``gate_proj``... or Mixtral's ``w1``...)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, hidden: int, inter: int, names: tuple[str, str, str]) -> None:
         super().__init__()
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+        self.names = names
+        for name, (n_in, n_out) in zip(names, ((hidden, inter), (hidden, inter), (inter, hidden))):
+            self.add_module(name, nn.Linear(n_in, n_out, bias=False))
 
-        self.num_experts, self.top_k, self.norm_topk_prob = config.num_experts, config.num_experts_per_tok, True
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(Qwen3MoeMLP(config, intermediate_size=config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (self.get_submodule(n) for n in self.names)
+        return down(F.silu(gate(x)) * up(x))
+
+
+class SparseBlock4x(nn.Module):
+    """transformers 4.x's Qwen3-MoE / Mixtral sparse block (nn.Linear gate, per-expert MLPs, returns the router
+    logits too), rebuilt for the layout test; its forward follows 4.5x line for line."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, names: tuple[str, str, str]) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert4x(hidden, inter, names) for _ in range(num_experts))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, h = hidden_states.shape
@@ -162,15 +173,19 @@ class Qwen3MoeBlock4x(nn.Module):
         return final.reshape(b, s, h), router_logits
 
 
-def test_the_transformers_4x_layout_converts_too() -> None:
-    config = transformers.Qwen3MoeConfig(**CONFIG)
-    block = Qwen3MoeBlock4x(config).eval()
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_transformers_4x_layout_converts_too(family: str) -> None:
+    cfg_name, _, kwargs, _ = MODELS[family]
+    config = getattr(transformers, cfg_name)(**kwargs)
+    spec = FAMILIES[family]
+    block = SparseBlock4x(spec.num_experts(config), config.num_experts_per_tok, config.hidden_size,
+                          spec.intermediate_size(config), spec.expert_proj_names).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    x = torch.randn(2, 5, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(2))
-    ours = fused_moe_from_block(block, config, MoERuntime())
+    x = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    ours = fused_moe_from_block(block, config, MoERuntime(), spec)
     with torch.no_grad():
         want, want_logits = block(x)
         got, got_logits = ours(x)
@@ -178,10 +193,10 @@ def test_the_transformers_4x_layout_converts_too() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     block.experts = block.experts[:4]
     with pytest.raises(ValueError, match="the block has 4 experts, the config says 8"):
-        fused_moe_from_block(block, config, MoERuntime())
+        fused_moe_from_block(block, config, MoERuntime(), spec)
     block.gate = nn.Identity()
-    with pytest.raises(ValueError, match="unsupported Qwen3MoeSparseMoeBlock layout"):
-        fused_moe_from_block(block, config, MoERuntime())
+    with pytest.raises(ValueError, match=f"unsupported {spec.block_class} layout"):
+        fused_moe_from_block(block, config, MoERuntime(), spec)
 
 
 # ---- logits: one rank ----------------------------------------------------------------------------------------
