@@ -6,7 +6,7 @@ weights, unsupported RoPE scaling, sliding windows) instead of silently computin
 Unknown keys are ignored, so newer config files still load.
 
 Aliases handled (all seen in the wild):
-- Qwen3-MoE: ``num_experts`` (original checkpoints) or ``num_local_experts`` (what transformers 5 writes);
+- Qwen3-MoE (``standard_configs.py``): ``num_experts`` (original checkpoints) or ``num_local_experts``;
 - DeepSeek: ``n_routed_experts`` / ``num_local_experts``; ``num_nextn_predict_layers`` / ``num_mtp_layers``;
 - RoPE: top-level ``rope_theta`` + ``rope_scaling`` (transformers 4 / original repos) or a
   ``rope_parameters`` dict (transformers 5). Supported types: ``default`` and ``yarn``.
@@ -132,35 +132,6 @@ class BaseMoEConfig:
 
     def check_context_length(self, max_model_len: int) -> None:
         """Raise ``ValueError`` if this model cannot serve contexts of ``max_model_len`` tokens (default: any)."""
-
-
-@dataclass
-class Qwen3MoeConfig(BaseMoEConfig):
-    head_dim: int | None = None
-    num_experts: int = 8
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    use_sliding_window: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Qwen3MoeConfig":
-        out = cls._prepare(d)
-        if "num_experts" not in out and "num_local_experts" in out:
-            out["num_experts"] = out["num_local_experts"]
-        if out.get("use_sliding_window"):
-            raise ValueError("Qwen3-MoE with use_sliding_window=true is not supported")
-        if out.get("mlp_only_layers") is None:
-            out["mlp_only_layers"] = []
-        cfg = cls(**_filter(cls, out))
-        if cfg.head_dim is None:
-            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        cfg._finish(d)
-        return cfg
-
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        """Same rule as HF's ``Qwen3MoeDecoderLayer``."""
-        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
 
 
 @dataclass

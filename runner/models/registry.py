@@ -8,9 +8,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from runner.models.configs import BaseMoEConfig, DeepseekV2Config, Qwen3MoeConfig
+from runner.models.configs import BaseMoEConfig, DeepseekV2Config
 from runner.models.standard_configs import (
-    LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+    LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
 )
 
 # architecture -> (module, class name, config class)

@@ -1,6 +1,6 @@
 """Configs of the "standard" decoder families: GQA attention, then a SwiGLU MLP or a routed-expert block.
 
-Llama, Qwen2, Qwen3 (dense) and Mixtral, Qwen2-MoE, OLMoE (MoE) differ only in a few switches, so one
+Llama, Qwen2, Qwen3 (dense) and Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE (MoE) differ only in a few switches, so one
 :class:`StandardConfig` holds them under one set of names and each family's ``from_dict`` maps its
 ``config.json`` onto it (Mixtral and OLMoE call the expert size ``intermediate_size``, Mixtral calls the
 expert count ``num_local_experts``, ...). The model built from it is ``runner/models/standard.py``'s; a new
@@ -166,4 +166,24 @@ class OlmoeConfig(StandardConfig):
         out.update(num_experts=out.get("num_experts", 64), moe_intermediate_size=out["intermediate_size"],
                    qkv_bias=bias, o_bias=bias, qk_norm="whole", decoder_sparse_step=1, mlp_only_layers=[],
                    shared_expert_intermediate_size=0, sliding_window=None, head_dim=None)
+        return cls._build(out, d)
+
+
+@dataclass
+class Qwen3MoeConfig(StandardConfig):
+    """Qwen3's attention (per-head q/k RMSNorm, ``attention_bias``) with routed experts of
+    ``moe_intermediate_size``, ``decoder_sparse_step`` / ``mlp_only_layers``; ``num_experts`` is also read as
+    ``num_local_experts``."""
+
+    family: ClassVar[str] = "Qwen3MoeForCausalLM"
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Qwen3MoeConfig":
+        cls._refuse_sliding_layers(cls.family, d)
+        out = cls._prepare(d)
+        if "num_experts" not in out and "num_local_experts" in out:
+            out["num_experts"] = out["num_local_experts"]
+        bias = bool(out.get("attention_bias", False))
+        out.update(num_experts=out.get("num_experts", 8), qkv_bias=bias, o_bias=bias, qk_norm="per_head",
+                   sliding_window=None, shared_expert_intermediate_size=0)
         return cls._build(out, d)
