@@ -30,12 +30,17 @@ FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
                "clip_qkv": 1.5, "attention_bias": True}),
     "llama": ("LlamaConfig", "LlamaForCausalLM",
               {**COMMON, "intermediate_size": 96, "attention_bias": True, "mlp_bias": True, "head_dim": 24}),
+    # Llama 3's RoPE scaling, with an original context short enough that every frequency band is hit
+    "llama-rope3": ("LlamaConfig", "LlamaForCausalLM",
+                    {**COMMON, "intermediate_size": 96, "rope_parameters": {
+                        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                        "high_freq_factor": 4.0, "original_max_position_embeddings": 16}}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {**COMMON, "intermediate_size": 96}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
               {**COMMON, "intermediate_size": 96, "head_dim": 24, "attention_bias": True}),
 }
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "olmoe")
-DENSE_FAMILIES = ("llama", "qwen2", "qwen3")
+DENSE_FAMILIES = ("llama", "llama-rope3", "qwen2", "qwen3")
 #: layers whose MLP is routed, as the configs above say (Qwen2-MoE's layer 1 is in mlp_only_layers)
 MOE_LAYERS = {"mixtral": 3, "qwen2_moe": 2, "olmoe": 3}
 

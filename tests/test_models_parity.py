@@ -237,8 +237,8 @@ def test_unknown_architecture_and_bad_paths(tmp_path: Path) -> None:
         load_model(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(str(tmp_path.parent))
-    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'llama3'"):
-        parse_config({"architectures": ["Qwen3MoeForCausalLM"], "rope_scaling": {"rope_type": "llama3"}})
+    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'longrope'"):
+        parse_config({"architectures": ["Qwen3MoeForCausalLM"], "rope_scaling": {"rope_type": "longrope"}})
     with pytest.raises(ValueError, match="quantized checkpoints"):
         parse_config({"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}})
 

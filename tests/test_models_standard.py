@@ -208,6 +208,8 @@ def test_qwen2_moe_sparse_step_picks_the_layers_transformers_does() -> None:
     ("qwen2_moe", {"use_sliding_window": True}, "Qwen2MoeForCausalLM with sliding-window attention"),
     ("mixtral", {"hidden_act": "gelu"}, "unsupported hidden_act 'gelu'"),
     ("olmoe", {"num_experts_per_tok": 9}, r"num_experts_per_tok=9 must be in \[1, 8\]"),
+    ("llama", {"rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4}},
+     "llama3 RoPE scaling needs low_freq_factor, high_freq_factor, original_max_position_embeddings"),
 ])
 def test_unsupported_settings_are_refused(family: str, edit: dict[str, Any], message: str) -> None:
     cfg_name, model_name, kwargs = FAMILIES[family]

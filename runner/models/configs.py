@@ -9,7 +9,7 @@ Aliases handled (all seen in the wild):
 - Qwen3-MoE (``standard_configs.py``): ``num_experts`` (original checkpoints) or ``num_local_experts``;
 - DeepSeek: ``n_routed_experts`` / ``num_local_experts``; ``num_nextn_predict_layers`` / ``num_mtp_layers``;
 - RoPE: top-level ``rope_theta`` + ``rope_scaling`` (transformers 4 / original repos) or a
-  ``rope_parameters`` dict (transformers 5). Supported types: ``default`` and ``yarn``.
+  ``rope_parameters`` dict (transformers 5). Supported types: ``default``, ``yarn`` and ``llama3``.
 - dtype: ``torch_dtype`` (transformers 4) or ``dtype`` (transformers 5).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16}
-SUPPORTED_ROPE_TYPES = ("default", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "yarn", "llama3")
 
 
 @dataclass
@@ -39,6 +39,8 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], max_position_embeddings: int) -> "RopeConfig":
@@ -54,11 +56,18 @@ class RopeConfig:
             raise ValueError(f"unsupported RoPE scaling type {rope_type!r} (rope_parameters/rope_scaling = {params}); "
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         cfg = cls(rope_theta=float(params["rope_theta"]), rope_type=rope_type)
-        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                     "low_freq_factor", "high_freq_factor"):
             if params.get(name) is not None:
                 setattr(cfg, name, float(params[name]))
         if "truncate" in params and params["truncate"] is not None:
             cfg.truncate = bool(params["truncate"])
+        if rope_type == "llama3":
+            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                       if params.get(k) is None]
+            if missing:
+                raise ValueError(f"llama3 RoPE scaling needs {', '.join(missing)} (rope_parameters = {params})")
+            cfg.original_max_position_embeddings = int(params["original_max_position_embeddings"])
         if rope_type == "yarn":
             cfg.original_max_position_embeddings = int(
                 d.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
