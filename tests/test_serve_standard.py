@@ -1,6 +1,7 @@
 """``python -m runner serve`` on standard-decoder families, through the official ``openai`` client: Mixtral over
 DP=2 with expert parallelism and DBO, and Llama (dense) with ``--enable-dbo``, which the server runs without
-DBO and says so in its log. The two servers start concurrently (start-up is most of this module's time). Greedy completions equal transformers' greedy continuation of the same token ids.
+DBO and says so in its log. Greedy completions equal transformers' greedy continuation of the same token
+ids. The two servers start concurrently (start-up is most of this module's time).
 
 The checkpoints are ``standard_families.py``'s, with the trained tokenizer of ``tiny_checkpoint.py``.
 """

@@ -1,14 +1,17 @@
 """The standard decoder on the paged-attention runner: GQA attention, then a SwiGLU MLP or a routed-expert block.
 
-One body serves Llama, Qwen2, Qwen3 (dense) and Mixtral, Qwen2-MoE, OLMoE (MoE), with Hugging Face's names
+One body serves Llama, Qwen2, Qwen3 (dense) and Qwen3-MoE, Mixtral, Qwen2-MoE, OLMoE (MoE), with Hugging Face's names
 and numerics; what differs is a :class:`~runner.models.standard_configs.StandardConfig` switch (projection
 biases, q/k RMSNorm per head or over the whole projection, ``clip_qkv``, which layers are MoE, a gated shared
 expert, top-k renormalisation) or, for checkpoint names, a family's ``checkpoint_aliases``. A family file is
 then a subclass naming its config and aliases.
 
-As in ``qwen3_moe.py``, attention reads its batch layout from the forward context on every call (the DBO
-ubatch threads run these modules alternately), and the MoE block is a FusedMoE, whose kernel holds the DBO
-yield points and the all-to-all.
+Tokens are flattened (``[T]``, all requests of the (micro)batch back to back); attention reads its batch
+layout from ``get_forward_context().attn_metadata`` on every call -- never from module state -- because the
+two DBO ubatch threads run these same module objects alternately, each with its own metadata. The metadata's
+type picks the attention path (``runner/attention/ops.py``): the engine's backend, graph decode, or the
+plain-torch reference for a model called with ``CommonAttentionMetadata``. The MoE block is a FusedMoE,
+whose kernel holds the DBO yield points and the all-to-all.
 """
 from __future__ import annotations
 
