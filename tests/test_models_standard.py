@@ -216,3 +216,15 @@ def test_unsupported_settings_are_refused(family: str, edit: dict[str, Any], mes
     d = json.loads(getattr(transformers, cfg_name)(**kwargs).to_json_string())
     with pytest.raises(ValueError, match=message):
         parse_config({**d, "architectures": [model_name], **edit})
+
+
+def test_the_cli_refuses_a_short_sliding_window_before_any_rank_starts(saved, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    path = _mixtral_with_window(saved, tmp_path, 16)
+    proc = subprocess.run([sys.executable, "-m", "runner", "generate", "--model", str(path), "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "argument --max-model-len: MixtralForCausalLM: sliding_window=16 is shorter than max_model_len 512" \
+        in proc.stderr
