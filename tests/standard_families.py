@@ -7,7 +7,6 @@ bias or a norm that our model dropped or misplaced changes the logits.
 """
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -60,8 +59,3 @@ def make_hf(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
             elif name.endswith("norm.weight"):
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
     return model
-
-
-def save(model: torch.nn.Module, path: Path) -> Path:
-    model.save_pretrained(path)
-    return path

@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
@@ -138,7 +141,6 @@ def test_dp2_expert_parallel_dbo_greedy_equals_transformers(saved) -> None:
 # ---------------------------------------------------------------------------------------------- Mixtral layouts
 def test_mixtral_loads_the_hub_layout_and_the_fused_one_and_shards_experts(saved, tmp_path: Path) -> None:
     hf, path = saved("mixtral")
-    from safetensors import safe_open
     with safe_open(str(path / "model.safetensors"), "pt") as fh:
         keys = set(fh.keys())
     assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in keys  # what transformers writes: the Hub names
@@ -219,9 +221,6 @@ def test_unsupported_settings_are_refused(family: str, edit: dict[str, Any], mes
 
 
 def test_the_cli_refuses_a_short_sliding_window_before_any_rank_starts(saved, tmp_path: Path) -> None:
-    import subprocess
-    import sys
-
     path = _mixtral_with_window(saved, tmp_path, 16)
     proc = subprocess.run([sys.executable, "-m", "runner", "generate", "--model", str(path), "--device", "cpu"],
                           capture_output=True, text=True, timeout=120)
