@@ -251,12 +251,12 @@ def test_decode_buffers_reject_what_a_graph_cannot_serve() -> None:
 
 
 def test_capturable_attention_counts_backend_layers_and_patches_nothing() -> None:
-    from runner.models.qwen3_moe import Qwen3MoeAttention
+    from runner.models.standard import StandardAttention
 
     class Probe(torch.nn.Module):  # a layer with its own attention: not counted
         pass
 
-    layer = Qwen3MoeAttention.__new__(Qwen3MoeAttention)
+    layer = StandardAttention.__new__(StandardAttention)
     torch.nn.Module.__init__(layer)
     model = torch.nn.Sequential(Probe(), layer, torch.nn.Sequential(layer))
     before = dict(vars(eager_attention))

@@ -230,15 +230,15 @@ def test_spec_covers_every_parameter(saved) -> None:
 
 
 def test_unknown_architecture_and_bad_paths(tmp_path: Path) -> None:
-    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"]}))
-    with pytest.raises(ValueError, match=r"'MixtralForCausalLM'.*Qwen3MoeForCausalLM"):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["BloomForCausalLM"]}))
+    with pytest.raises(ValueError, match=r"'BloomForCausalLM'.*MixtralForCausalLM.*Qwen3MoeForCausalLM"):
         load_model(str(tmp_path))
     with pytest.raises(FileNotFoundError, match="neither a local directory nor a built-in"):
         load_model(str(tmp_path / "nope"))
     with pytest.raises(FileNotFoundError, match="no config.json"):
         load_model(str(tmp_path.parent))
-    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'llama3'"):
-        parse_config({"architectures": ["Qwen3MoeForCausalLM"], "rope_scaling": {"rope_type": "llama3"}})
+    with pytest.raises(ValueError, match="unsupported RoPE scaling type 'longrope'"):
+        parse_config({"architectures": ["Qwen3MoeForCausalLM"], "rope_scaling": {"rope_type": "longrope"}})
     with pytest.raises(ValueError, match="quantized checkpoints"):
         parse_config({"architectures": ["DeepseekV3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}})
 

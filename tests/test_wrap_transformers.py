@@ -1,4 +1,5 @@
-"""An unmodified transformers Qwen3-MoE made DBO-capable by ``make_dbo_capable``, run as batch-split ubatches.
+"""Unmodified transformers MoE models (Qwen3-MoE, Qwen2-MoE with its shared expert, Mixtral, OLMoE) made
+DBO-capable by ``make_dbo_capable``, run as batch-split ubatches.
 
 Reference: the same model, unpatched. Logits are compared DBO off and on, on one rank and on two EP ranks
 (threads over gloo). Exact equality where the arithmetic is the same (one rank: DBO off against the whole
@@ -20,7 +21,7 @@ transformers = pytest.importorskip("transformers")
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context  # noqa: E402
 from ubatch.distributed import run_thread_ranks  # noqa: E402
 from ubatch.integrations.transformers import (  # noqa: E402
-    DBOQwen3MoeSparseMoeBlock, fused_moe_from_block, make_dbo_capable,
+    FAMILIES, DBOSparseMoeBlock, fused_moe_from_block, make_dbo_capable,
 )
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
 from ubatch.modular_moe.router import select_experts  # noqa: E402
@@ -32,12 +33,33 @@ CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermed
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
               norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.1, attn_implementation="eager")
 MOE_LAYERS = 2  # layer 1 is dense (mlp_only_layers)
+SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+             num_experts_per_tok=2, initializer_range=0.1, attn_implementation="eager")
+# family -> (config class, model class, config, MoE layers); each family's own features on
+MODELS = {
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", CONFIG, MOE_LAYERS),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  {**SMALL, "num_experts": 8, "moe_intermediate_size": 32, "intermediate_size": 96,
+                   "shared_expert_intermediate_size": 48, "mlp_only_layers": [1], "norm_topk_prob": False}, 2),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**SMALL, "num_local_experts": 8, "intermediate_size": 32}, 3),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM",
+              {**SMALL, "num_experts": 8, "intermediate_size": 32, "norm_topk_prob": False}, 3),
+}
+_built: dict[str, nn.Module] = {}
+
+
+def hf_model(family: str) -> nn.Module:
+    """The family's reference model, built once per session (tests patch deep copies)."""
+    if family not in _built:
+        cfg_name, model_name, config, _ = MODELS[family]
+        torch.manual_seed(0)
+        _built[family] = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**config)).eval()
+    return _built[family]
 
 
 @pytest.fixture(scope="module")
 def reference() -> nn.Module:
-    torch.manual_seed(0)
-    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**CONFIG)).eval()
+    return hf_model("qwen3_moe")
 
 
 def batch(rank: int = 0) -> dict[str, torch.Tensor]:
@@ -62,20 +84,34 @@ def plain(model: nn.Module, inputs: dict[str, Any], **kwargs: Any) -> Any:
 
 
 # ---- the patch ---------------------------------------------------------------------------------------------
-def test_every_sparse_block_becomes_a_fused_moe_with_the_same_weights(reference: nn.Module) -> None:
+@pytest.mark.parametrize("family", list(MODELS))
+def test_every_sparse_block_becomes_a_fused_moe_with_the_same_weights(family: str) -> None:
+    reference = hf_model(family)
     model = make_dbo_capable(copy.deepcopy(reference))
-    for i, (mine, theirs) in enumerate(zip(model.model.layers, reference.model.layers)):
-        if i in CONFIG["mlp_only_layers"]:
+    patched = 0
+    for mine, theirs in zip(model.model.layers, reference.model.layers):
+        if not type(theirs.mlp).__name__.endswith("SparseMoeBlock"):
             assert type(mine.mlp) is type(theirs.mlp)  # dense layers untouched
             continue
-        assert isinstance(mine.mlp, DBOQwen3MoeSparseMoeBlock)
+        patched += 1
+        assert isinstance(mine.mlp, DBOSparseMoeBlock)
         assert torch.equal(mine.mlp.gate.weight, theirs.mlp.gate.weight)
         assert torch.equal(mine.mlp.experts.w13_weight, theirs.mlp.experts.gate_up_proj)
         assert torch.equal(mine.mlp.experts.w2_weight, theirs.mlp.experts.down_proj)
+        if family == "qwen2_moe":  # the shared expert and its gate kept, with transformers' names
+            assert torch.equal(mine.mlp.shared_expert_gate.weight, theirs.mlp.shared_expert_gate.weight)
+            assert torch.equal(mine.mlp.shared_expert.up_proj.weight, theirs.mlp.shared_expert.up_proj.weight)
+            assert mine.mlp.experts.shared_experts.gate is mine.mlp.shared_expert_gate
+        assert mine.mlp.experts.renormalize == (family in ("qwen3_moe", "mixtral"))
+    assert patched == MODELS[family][3]
     assert all(m.runtime is model.moe_runtime for m in model.modules() if hasattr(m, "local_expert_range"))
+
+
+def test_a_patched_or_non_moe_model_is_refused(reference: nn.Module) -> None:
+    model = make_dbo_capable(copy.deepcopy(reference))
     with pytest.raises(ValueError, match="make_dbo_capable was already applied"):
         make_dbo_capable(model)
-    with pytest.raises(ValueError, match="has no Qwen3-MoE config"):
+    with pytest.raises(ValueError, match="has no MoE config"):
         make_dbo_capable(nn.Linear(2, 2))
 
 
@@ -96,18 +132,29 @@ def test_an_ep_rank_keeps_only_its_experts(reference: nn.Module) -> None:
     assert torch.equal(experts.w13_weight, reference.model.layers[0].mlp.experts.gate_up_proj[4:])
 
 
-class Qwen3MoeBlock4x(nn.Module):
-    """transformers 4.51-4.57's Qwen3MoeSparseMoeBlock (nn.Linear gate, per-expert MLPs, returns the router
-    logits too), rebuilt from the 5.x modules for the layout test; its forward follows 4.5x line for line."""
+class Expert4x(nn.Module):
+    """One 4.x per-expert SwiGLU MLP under the family's projection names (``gate_proj``... or Mixtral's ``w1``...)."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, hidden: int, inter: int, names: tuple[str, str, str]) -> None:
         super().__init__()
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeMLP
+        self.names = names
+        for name, (n_in, n_out) in zip(names, ((hidden, inter), (hidden, inter), (inter, hidden))):
+            self.add_module(name, nn.Linear(n_in, n_out, bias=False))
 
-        self.num_experts, self.top_k, self.norm_topk_prob = config.num_experts, config.num_experts_per_tok, True
-        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts = nn.ModuleList(Qwen3MoeMLP(config, intermediate_size=config.moe_intermediate_size)
-                                     for _ in range(config.num_experts))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (self.get_submodule(n) for n in self.names)
+        return down(F.silu(gate(x)) * up(x))
+
+
+class SparseBlock4x(nn.Module):
+    """transformers 4.x's Qwen3-MoE / Mixtral sparse block (nn.Linear gate, per-expert MLPs, returns the router
+    logits too), rebuilt for the layout test; its forward follows 4.5x line for line."""
+
+    def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, names: tuple[str, str, str]) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = nn.ModuleList(Expert4x(hidden, inter, names) for _ in range(num_experts))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, s, h = hidden_states.shape
@@ -126,15 +173,19 @@ class Qwen3MoeBlock4x(nn.Module):
         return final.reshape(b, s, h), router_logits
 
 
-def test_the_transformers_4x_layout_converts_too() -> None:
-    config = transformers.Qwen3MoeConfig(**CONFIG)
-    block = Qwen3MoeBlock4x(config).eval()
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_the_transformers_4x_layout_converts_too(family: str) -> None:
+    cfg_name, _, kwargs, _ = MODELS[family]
+    config = getattr(transformers, cfg_name)(**kwargs)
+    spec = FAMILIES[family]
+    block = SparseBlock4x(spec.num_experts(config), config.num_experts_per_tok, config.hidden_size,
+                          spec.intermediate_size(config), spec.expert_proj_names).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in block.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.2)
-    x = torch.randn(2, 5, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(2))
-    ours = fused_moe_from_block(block, config, MoERuntime())
+    x = torch.randn(2, 5, config.hidden_size, generator=torch.Generator().manual_seed(2))
+    ours = fused_moe_from_block(block, config, MoERuntime(), spec)
     with torch.no_grad():
         want, want_logits = block(x)
         got, got_logits = ours(x)
@@ -142,15 +193,16 @@ def test_the_transformers_4x_layout_converts_too() -> None:
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     block.experts = block.experts[:4]
     with pytest.raises(ValueError, match="the block has 4 experts, the config says 8"):
-        fused_moe_from_block(block, config, MoERuntime())
+        fused_moe_from_block(block, config, MoERuntime(), spec)
     block.gate = nn.Identity()
-    with pytest.raises(ValueError, match="unsupported Qwen3-MoE block layout"):
-        fused_moe_from_block(block, config, MoERuntime())
+    with pytest.raises(ValueError, match=f"unsupported {spec.block_class} layout"):
+        fused_moe_from_block(block, config, MoERuntime(), spec)
 
 
 # ---- logits: one rank ----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("executor", ["greenlet", "threads"])
-def test_one_rank_logits_equal_the_unpatched_model(reference: nn.Module, executor: str) -> None:
+@pytest.mark.parametrize("family, executor", [(f, "greenlet") for f in MODELS] + [("qwen3_moe", "threads")])
+def test_one_rank_logits_equal_the_unpatched_model(family: str, executor: str) -> None:
+    reference = hf_model(family)
     model = make_dbo_capable(copy.deepcopy(reference))
     inputs = batch()
     want = plain(reference, inputs).logits
@@ -160,7 +212,7 @@ def test_one_rank_logits_equal_the_unpatched_model(reference: nn.Module, executo
                         for a, b in ((0, BATCH // 2), (BATCH // 2, BATCH))])
     assert torch.equal(out.logits, halves)  # each ubatch is the unpatched model on its half, bit for bit
     torch.testing.assert_close(out.logits, want, rtol=0, atol=1e-5)
-    assert yields == [2 * MOE_LAYERS] * 2
+    assert yields == [2 * MODELS[family][3]] * 2
     assert type(out) is type(plain(reference, inputs)) and out.past_key_values is None
 
 
@@ -181,8 +233,9 @@ def test_the_kv_cache_must_be_off(reference: nn.Module) -> None:
 
 
 # ---- logits: two EP ranks over gloo -----------------------------------------------------------------------
-@pytest.mark.parametrize("backend", ["torch_ll", "torch_ht"])
-def test_two_ep_ranks_logits_equal_the_unpatched_model(reference: nn.Module, backend: str) -> None:
+@pytest.mark.parametrize("family, backend", [(f, "torch_ll") for f in MODELS] + [("qwen3_moe", "torch_ht")])
+def test_two_ep_ranks_logits_equal_the_unpatched_model(family: str, backend: str) -> None:
+    reference = hf_model(family)
     want = [plain(reference, batch(r)).logits for r in (0, 1)]
 
     def rank_main(rank: int, groups: list[Any]) -> dict[str, Any]:
@@ -199,7 +252,7 @@ def test_two_ep_ranks_logits_equal_the_unpatched_model(reference: nn.Module, bac
         assert res["local"] == range(4 * rank, 4 * rank + 4)
         torch.testing.assert_close(res["off"], want[rank], rtol=0, atol=1e-5)
         torch.testing.assert_close(res["on"], want[rank], rtol=0, atol=1e-5)
-        assert res["yields"] == [2 * MOE_LAYERS] * 2
+        assert res["yields"] == [2 * MODELS[family][3]] * 2
 
 
 # ---- the wrapper's batch split -------------------------------------------------------------------------------

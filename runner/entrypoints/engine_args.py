@@ -142,7 +142,8 @@ def model_info(cfg: RunnerConfig) -> ModelInfo:
     path = resolve_model_path(cfg.model, cfg.cache_dir)
     config = load_config(path)
     check_checkpoint_files(path)
-    check_max_model_len(cfg.max_model_len, config)
+    # the engine's default too, so that a model refusing it (a short sliding window) fails before any rank starts
+    check_max_model_len(cfg.max_model_len or min(config.max_position_embeddings, _default_max_model_len()), config)
     model_class = get_model_class(config.architectures[0])
     check_schedule(cfg.dbo_schedule, model_class.supported_dbo_schedules, model_class.__name__)
     try:

@@ -112,6 +112,11 @@ class MoECausalLM(nn.Module):
         with trace.compute_span("final_norm", "N"):
             return self.model.norm(hidden)
 
+    @property
+    def has_moe_layers(self) -> bool:
+        """Whether any layer routes tokens to experts: without one, DBO has no all-to-all to overlap."""
+        return bool(self.weight_spec().moe_layers)
+
     def set_dbo_schedule(self, name: str) -> None:
         """Pick where the ubatches yield (``--dbo-schedule``); a schedule this family cannot run is an error."""
         self.dbo_schedule.name = check_schedule(name, self.supported_dbo_schedules, type(self).__name__)

@@ -6,10 +6,10 @@ weights, unsupported RoPE scaling, sliding windows) instead of silently computin
 Unknown keys are ignored, so newer config files still load.
 
 Aliases handled (all seen in the wild):
-- Qwen3-MoE: ``num_experts`` (original checkpoints) or ``num_local_experts`` (what transformers 5 writes);
+- Qwen3-MoE (``standard_configs.py``): ``num_experts`` (original checkpoints) or ``num_local_experts``;
 - DeepSeek: ``n_routed_experts`` / ``num_local_experts``; ``num_nextn_predict_layers`` / ``num_mtp_layers``;
 - RoPE: top-level ``rope_theta`` + ``rope_scaling`` (transformers 4 / original repos) or a
-  ``rope_parameters`` dict (transformers 5). Supported types: ``default`` and ``yarn``.
+  ``rope_parameters`` dict (transformers 5). Supported types: ``default``, ``yarn`` and ``llama3``.
 - dtype: ``torch_dtype`` (transformers 4) or ``dtype`` (transformers 5).
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16}
-SUPPORTED_ROPE_TYPES = ("default", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "yarn", "llama3")
 
 
 @dataclass
@@ -39,6 +39,8 @@ class RopeConfig:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None  # llama3
 
     @classmethod
     def from_hf(cls, d: dict[str, Any], max_position_embeddings: int) -> "RopeConfig":
@@ -54,11 +56,18 @@ class RopeConfig:
             raise ValueError(f"unsupported RoPE scaling type {rope_type!r} (rope_parameters/rope_scaling = {params}); "
                              f"supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
         cfg = cls(rope_theta=float(params["rope_theta"]), rope_type=rope_type)
-        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+        for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                     "low_freq_factor", "high_freq_factor"):
             if params.get(name) is not None:
                 setattr(cfg, name, float(params[name]))
         if "truncate" in params and params["truncate"] is not None:
             cfg.truncate = bool(params["truncate"])
+        if rope_type == "llama3":
+            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+                       if params.get(k) is None]
+            if missing:
+                raise ValueError(f"llama3 RoPE scaling needs {', '.join(missing)} (rope_parameters = {params})")
+            cfg.original_max_position_embeddings = int(params["original_max_position_embeddings"])
         if rope_type == "yarn":
             cfg.original_max_position_embeddings = int(
                 d.get("original_max_position_embeddings") or params.get("original_max_position_embeddings")
@@ -130,34 +139,8 @@ class BaseMoEConfig:
         self.rope = RopeConfig.from_hf(d, self.max_position_embeddings)
         self.rope_theta = self.rope.rope_theta
 
-
-@dataclass
-class Qwen3MoeConfig(BaseMoEConfig):
-    head_dim: int | None = None
-    num_experts: int = 8
-    decoder_sparse_step: int = 1
-    mlp_only_layers: list[int] = field(default_factory=list)
-    use_sliding_window: bool = False
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Qwen3MoeConfig":
-        out = cls._prepare(d)
-        if "num_experts" not in out and "num_local_experts" in out:
-            out["num_experts"] = out["num_local_experts"]
-        if out.get("use_sliding_window"):
-            raise ValueError("Qwen3-MoE with use_sliding_window=true is not supported")
-        if out.get("mlp_only_layers") is None:
-            out["mlp_only_layers"] = []
-        cfg = cls(**_filter(cls, out))
-        if cfg.head_dim is None:
-            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
-        cfg._finish(d)
-        return cfg
-
-    def is_moe_layer(self, layer_idx: int) -> bool:
-        """Same rule as HF's ``Qwen3MoeDecoderLayer``."""
-        return (layer_idx not in self.mlp_only_layers and self.num_experts > 0
-                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+    def check_context_length(self, max_model_len: int) -> None:
+        """Raise ``ValueError`` if this model cannot serve contexts of ``max_model_len`` tokens (default: any)."""
 
 
 @dataclass

@@ -80,6 +80,23 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     return inter * (1 - extra_factor) + extra * extra_factor, float(attention_factor)
 
 
+def _llama3_inv_freq(rope: RopeConfig, dim: int) -> torch.Tensor:
+    """HF ``_compute_llama3_parameters``: long wavelengths divided by ``factor``, short ones kept, the band
+    between smoothly interpolated."""
+    assert rope.factor is not None and rope.low_freq_factor is not None and rope.high_freq_factor is not None
+    assert rope.original_max_position_embeddings is not None
+    inv_freq = 1.0 / (rope.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
+    factor, low, high = rope.factor, rope.low_freq_factor, rope.high_freq_factor
+    old_context_len = rope.original_max_position_embeddings
+    low_freq_wavelen, high_freq_wavelen = old_context_len / low, old_context_len / high
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low) / (high - low)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama)
+
+
 def yarn_softmax_mscale(rope: RopeConfig) -> float:
     """DeepSeek's extra softmax-scale factor under yarn (HF ``yarn_apply_mscale``).
 
@@ -107,6 +124,8 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
         if rope.rope_type == "yarn":
             inv_freq, self.attention_scaling = _yarn_inv_freq(rope, dim)
+        elif rope.rope_type == "llama3":
+            inv_freq, self.attention_scaling = _llama3_inv_freq(rope, dim), 1.0
         else:
             inv_freq = 1.0 / (rope.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim))
             self.attention_scaling = 1.0

@@ -30,7 +30,7 @@ from torch import nn
 from runner.config import ConfigError
 from runner.models.configs import BaseMoEConfig
 from runner.models.registry import architecture_of, get_model_class, parse_config, supported_architectures
-from runner.models.weights import FUSED_RE, expand_fused
+from runner.models.weights import FUSED_RE, canonical_name, expand_fused
 from ubatch.modular_moe.config import MoEParallelConfig
 
 TINY_MODELS: dict[str, dict[str, Any]] = {
@@ -205,6 +205,11 @@ def check_max_model_len(max_model_len: int | None, config: BaseMoEConfig) -> Non
     if max_model_len is not None and max_model_len > limit:
         raise ConfigError("max_model_len", f"max_model_len {max_model_len} is above the model's "
                                            f"max_position_embeddings ({limit}); use at most {limit}")
+    if max_model_len is not None:
+        try:
+            config.check_context_length(max_model_len)  # e.g. a sliding window shorter than the context
+        except ValueError as e:
+            raise ConfigError("max_model_len", str(e)) from None
 
 
 def checkpoint_files(path: Path) -> list[Path]:
@@ -252,9 +257,10 @@ def iter_checkpoint(path: Path, model: nn.Module) -> Iterator[tuple[str, torch.T
     for file in checkpoint_files(path):
         with open_checkpoint_file(file) as fh:
             for key in fh.keys():
-                if FUSED_RE.match(key):
+                if FUSED_RE.match(canonical_name(spec, key)):
                     sl = fh.get_slice(key)
-                    yield from expand_fused(spec, key, tuple(sl.get_shape()), lambda a, b, sl=sl: sl[a:b])
+                    yield from expand_fused(spec, canonical_name(spec, key), tuple(sl.get_shape()),
+                                            lambda a, b, sl=sl: sl[a:b])
                 elif model.wants_weight(key):
                     yield key, fh.get_tensor(key)
 

@@ -8,13 +8,22 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from runner.models.configs import BaseMoEConfig, DeepseekV2Config, Qwen3MoeConfig
+from runner.models.configs import BaseMoEConfig, DeepseekV2Config
+from runner.models.standard_configs import (
+    LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+)
 
 # architecture -> (module, class name, config class)
 _MODELS: dict[str, tuple[str, str, type[BaseMoEConfig]]] = {
     "Qwen3MoeForCausalLM": ("runner.models.qwen3_moe", "Qwen3MoeForCausalLM", Qwen3MoeConfig),
     "DeepseekV2ForCausalLM": ("runner.models.deepseek_v2", "DeepseekV2ForCausalLM", DeepseekV2Config),
     "DeepseekV3ForCausalLM": ("runner.models.deepseek_v2", "DeepseekV3ForCausalLM", DeepseekV2Config),
+    "MixtralForCausalLM": ("runner.models.mixtral", "MixtralForCausalLM", MixtralConfig),
+    "Qwen2MoeForCausalLM": ("runner.models.qwen2_moe", "Qwen2MoeForCausalLM", Qwen2MoeConfig),
+    "OlmoeForCausalLM": ("runner.models.olmoe", "OlmoeForCausalLM", OlmoeConfig),
+    "LlamaForCausalLM": ("runner.models.dense", "LlamaForCausalLM", LlamaConfig),
+    "Qwen2ForCausalLM": ("runner.models.dense", "Qwen2ForCausalLM", Qwen2Config),
+    "Qwen3ForCausalLM": ("runner.models.dense", "Qwen3ForCausalLM", Qwen3Config),
 }
 
 

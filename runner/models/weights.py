@@ -11,6 +11,9 @@ keeps only its local experts):
   checkpoints hold and what ``save_pretrained`` writes in transformers 5.23 (it converts back on save);
 - fused: ``model.layers.N.mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and
   ``model.layers.N.mlp.experts.down_proj [E, H, I]`` — transformers 5's in-memory layout (``state_dict()``).
+
+A family whose checkpoints name tensors otherwise (Mixtral's ``block_sparse_moe.experts.E.w1``) lists
+``aliases``: each name is rewritten to the names above (:func:`canonical_name`) before anything else.
 """
 from __future__ import annotations
 
@@ -42,6 +45,8 @@ class WeightSpec:
     num_extra_layers: int = 0
     tied_lm_head: bool = False
     rename: dict[str, str] = field(default_factory=dict)
+    #: (regex, replacement) pairs applied in order to every checkpoint name (:func:`canonical_name`)
+    aliases: tuple[tuple[re.Pattern[str], str], ...] = ()
 
     def expert_shape(self, proj: str) -> tuple[int, int]:
         i, h = self.moe_intermediate_size, self.hidden_size
@@ -61,8 +66,16 @@ def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None
         raise ValueError(f"weight {name!r} has shape {tuple(got)}, expected {tuple(want)}")
 
 
+def canonical_name(spec: WeightSpec, name: str) -> str:
+    """A checkpoint tensor's name under the spec's naming (its ``aliases`` applied)."""
+    for pattern, replacement in spec.aliases:
+        name = pattern.sub(replacement, name)
+    return name
+
+
 def wants_weight(spec: WeightSpec, name: str) -> bool:
     """False for tensors this rank can skip without reading (other ranks' experts, MTP layers, buffers)."""
+    name = canonical_name(spec, name)
     if ALWAYS_IGNORED.search(name) or (spec.tied_lm_head and name == "lm_head.weight"):
         return False
     m = LAYER_RE.match(name)
@@ -125,6 +138,7 @@ def load_hf_weights(model: nn.Module, spec: WeightSpec, weights: Iterable[tuple[
         loaded.add(name)
 
     for name, tensor in weights:
+        name = canonical_name(spec, name)
         if FUSED_RE.match(name):
             for sub_name, sub in expand_fused(spec, name, tuple(tensor.shape), lambda a, b: tensor[a:b]):
                 load_one(sub_name, sub)

@@ -30,6 +30,7 @@ from runner.distributed.dp import DPDecision, coordinate_batch_across_dp, local_
 from runner.attention.metadata import PagedAttentionMetadata
 from runner.attention.kv_cache import allocate_kv_caches, build_attention_metadata, copy_from_host, host_to_device
 from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
+from runner.config import ConfigError
 from runner.models.loader import load_model
 from runner.worker.sampler import Sampler
 from runner.worker.outputs import ModelRunnerOutput, TokenLogprobs
@@ -76,12 +77,22 @@ class ModelRunner:
         self.model, self.model_config = load_model(cfg.model, parallel, resolve_dtype(cfg.dtype), cfg.cache_dir,
                                                    self.device)
         self.model.set_dbo_schedule(cfg.dbo_schedule)  # where the ubatches yield (runner/models/schedules.py)
+        if cfg.enable_dbo and not self.model.has_moe_layers:
+            if rank == 0:
+                logger.warning("%s has no MoE layers: --enable-dbo has nothing to overlap (DBO hides the MoE "
+                               "all-to-all behind the other ubatch's compute); running without it",
+                               type(self.model).__name__)
+            self.cfg = cfg = cfg.replace(enable_dbo=False)
         mc = self.model_config
         self.vocab_size = mc.vocab_size
         eos = getattr(mc, "eos_token_id", None)
         self.eos_token_ids: set[int] = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
         self.max_model_len = cfg.max_model_len or min(getattr(mc, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN),
                                                      DEFAULT_MAX_MODEL_LEN)
+        try:  # the default too (LLM and the CLI checked a given one): e.g. a sliding window shorter than it
+            mc.check_context_length(self.max_model_len)
+        except ValueError as e:
+            raise ConfigError("max_model_len", str(e)) from None
         self.block_size = cfg.block_size
         # On a GPU without --num-kv-blocks a minimal cache, re-sized from free memory below (runner/worker/memory_budget.py)
         self.num_kv_blocks = initial_num_kv_blocks(cfg, self.max_model_len, self.block_size, self.device)

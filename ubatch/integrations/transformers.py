@@ -1,25 +1,30 @@
-"""Make an unmodified Hugging Face ``Qwen3MoeForCausalLM`` DBO-capable with one call.
+"""Make an unmodified Hugging Face MoE model DBO-capable with one call.
 
-:func:`make_dbo_capable` swaps every ``Qwen3MoeSparseMoeBlock`` of the model for a
-:class:`DBOQwen3MoeSparseMoeBlock`: the same gate weight (the router stays bit-compatible: fp32 softmax over
-the activation-dtype logits, top-k, optional renormalisation, as ``ubatch.modular_moe.router`` mirrors) and a
-:class:`~ubatch.modular_moe.layer.FusedMoE` that takes over the experts -- this EP rank's share only; the
-transformers expert tensors are released. The ``dbo_yield`` points are inside FusedMoE's kernel, so the
-rest of the model needs no change: run transformers' own ``forward`` through
+:func:`make_dbo_capable` swaps every sparse MoE block of a ``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``,
+``MixtralForCausalLM`` or ``OlmoeForCausalLM`` (or their ``*Model``) for a :class:`DBOSparseMoeBlock`: the same
+gate weight (the router stays bit-compatible: fp32 softmax over the activation-dtype logits, top-k, the
+family's renormalisation, as ``ubatch.modular_moe.router`` mirrors), Qwen2-MoE's shared expert and its sigmoid
+gate as they are, and a :class:`~ubatch.modular_moe.layer.FusedMoE` that takes over the experts -- this EP
+rank's share only; the transformers expert tensors are released. The ``dbo_yield`` points are inside
+FusedMoE's kernel, so the rest of the model needs no change: run transformers' own ``forward`` through
 ``UBatchWrapper(model, UBatchConfig(split_dim="batch"))`` under ``set_forward_context(ubatch_slices=
 batch_ubatch_slices(batch_size))`` and each ubatch is a slice of the batch (see ``examples/
 wrap_transformers_model.py``).
 
+What differs between the families is data (:data:`FAMILIES`): the config's names for the expert count and
+size, whether top-k weights are always renormalised (Mixtral), the per-expert projection names of the 4.x
+layout (Mixtral's ``w1``/``w3``/``w2``), a shared expert (Qwen2-MoE).
+
 Supported transformers versions (checked by layout, not by version number):
 
-- 5.x (tested: 5.23, the version in this project's environment): ``mlp.gate`` is a ``Qwen3MoeTopKRouter``
-  with ``weight [E, H]``; ``mlp.experts`` holds fused ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows)
-  and ``down_proj [E, H, I]``; the block returns the hidden states. Router logits for
-  ``output_router_logits`` are recorded by transformers from the router module, which is replaced here:
-  they are not recorded (an inference integration; no auxiliary loss).
-- 4.51 - 4.57 (Qwen3-MoE appeared in 4.51): ``mlp.gate`` is an ``nn.Linear(H, E)``; ``mlp.experts`` is a
-  ``ModuleList`` of per-expert ``gate_proj``/``up_proj [I, H]`` and ``down_proj [H, I]``; the block returns
-  ``(hidden_states, router_logits)``, which the replacement keeps.
+- 5.x (tested: the version in this project's environment): ``gate`` is a ``*TopKRouter`` with
+  ``weight [E, H]``; ``experts`` holds fused ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and
+  ``down_proj [E, H, I]``; the block returns the hidden states. Router logits for ``output_router_logits``
+  are recorded by transformers from the router module, which is replaced here: they are not recorded (an
+  inference integration; no auxiliary loss).
+- 4.x (Qwen3-MoE from 4.51): ``gate`` is an ``nn.Linear(H, E)``; ``experts`` is a ``ModuleList`` of per-expert
+  MLPs (``gate_proj``/``up_proj [I, H]`` and ``down_proj [H, I]``; Mixtral's ``w1``/``w3`` and ``w2``); the
+  block returns ``(hidden_states, router_logits)``, which the replacement keeps.
 
 Anything else raises ``ValueError`` naming what was found. The KV cache: each ubatch would build its own
 ``past_key_values``, which cannot be merged into one cache object, so run the ubatched forward with
@@ -29,6 +34,8 @@ The patched model's ``state_dict`` is not a transformers checkpoint (expert name
 """
 from __future__ import annotations
 
+import importlib
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,6 +48,41 @@ from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.runtime import MoERuntime
 
 
+@dataclass(frozen=True)
+class BlockFamily:
+    """One transformers sparse-block class and what this module must know about it."""
+
+    module: str  # the transformers module that defines the block
+    block_class: str
+    num_experts_attr: str  # the config attribute holding the expert count ...
+    intermediate_attr: str  # ... and one expert's intermediate size
+    always_renormalize: bool = False  # Mixtral: top-k weights renormalised; others follow norm_topk_prob
+    expert_proj_names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")  # 4.x per-expert MLPs
+    shared_expert: bool = False  # Qwen2-MoE: ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))``
+
+    def num_experts(self, config: Any) -> int:
+        return int(getattr(config, self.num_experts_attr))
+
+    def intermediate_size(self, config: Any) -> int:
+        return int(getattr(config, self.intermediate_attr))
+
+    def renormalize(self, config: Any) -> bool:
+        return self.always_renormalize or bool(config.norm_topk_prob)
+
+
+_MODELS = "transformers.models."
+FAMILIES: dict[str, BlockFamily] = {
+    "qwen3_moe": BlockFamily(_MODELS + "qwen3_moe.modeling_qwen3_moe", "Qwen3MoeSparseMoeBlock", "num_experts",
+                             "moe_intermediate_size"),
+    "qwen2_moe": BlockFamily(_MODELS + "qwen2_moe.modeling_qwen2_moe", "Qwen2MoeSparseMoeBlock", "num_experts",
+                             "moe_intermediate_size", shared_expert=True),
+    "mixtral": BlockFamily(_MODELS + "mixtral.modeling_mixtral", "MixtralSparseMoeBlock", "num_local_experts",
+                           "intermediate_size", always_renormalize=True, expert_proj_names=("w1", "w3", "w2")),
+    "olmoe": BlockFamily(_MODELS + "olmoe.modeling_olmoe", "OlmoeSparseMoeBlock", "num_experts",
+                         "intermediate_size"),
+}
+
+
 class _Gate(nn.Module):
     """Holds the router weight under transformers' name (``mlp.gate.weight``)."""
 
@@ -49,12 +91,29 @@ class _Gate(nn.Module):
         self.weight = nn.Parameter(weight.detach(), requires_grad=False)
 
 
-class DBOQwen3MoeSparseMoeBlock(nn.Module):
-    """Qwen3-MoE's sparse block over a FusedMoE: ``[..., H] -> [..., H]`` (or with router logits, as 4.x)."""
+class GatedSharedExpert(nn.Module):
+    """Qwen2-MoE's shared expert, ``sigmoid(gate(x)) * mlp(x)``, run by FusedMoE's kernel beside the routed ones."""
 
-    def __init__(self, gate_weight: torch.Tensor, experts: FusedMoE, return_router_logits: bool) -> None:
+    def __init__(self, mlp: nn.Module, gate: nn.Module) -> None:
+        super().__init__()
+        self.mlp, self.gate = mlp, gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.sigmoid(self.gate(x)) * self.mlp(x)
+
+
+class DBOSparseMoeBlock(nn.Module):
+    """A sparse block over a FusedMoE: ``[..., H] -> [..., H]`` (or with router logits, as 4.x).
+
+    A shared expert keeps transformers' module and names (``shared_expert``, ``shared_expert_gate``).
+    """
+
+    def __init__(self, gate_weight: torch.Tensor, experts: FusedMoE, return_router_logits: bool,
+                 shared: GatedSharedExpert | None = None) -> None:
         super().__init__()
         self.gate = _Gate(gate_weight)
+        if shared is not None:  # before `experts`, so these are the parameters' first (transformers') names
+            self.shared_expert, self.shared_expert_gate = shared.mlp, shared.gate
         self.experts = experts
         self.return_router_logits = return_router_logits
 
@@ -67,19 +126,29 @@ class DBOQwen3MoeSparseMoeBlock(nn.Module):
         return (out, router_logits) if self.return_router_logits else out
 
 
-def _sparse_block_class() -> type:
+def _block_classes() -> dict[type, BlockFamily]:
+    """The sparse-block classes of the installed transformers (a family it does not have is left out)."""
     try:
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        importlib.import_module("transformers")
     except ImportError as e:
-        raise ImportError("make_dbo_capable needs transformers >= 4.51 (the first release with Qwen3-MoE) "
-                          f"installed: {e}") from e
-    return Qwen3MoeSparseMoeBlock
+        raise ImportError(f"make_dbo_capable needs transformers installed: {e}") from e
+    found: dict[type, BlockFamily] = {}
+    for family in FAMILIES.values():
+        try:
+            module = importlib.import_module(family.module)
+        except ImportError:
+            continue
+        cls = module.__dict__.get(family.block_class)
+        if isinstance(cls, type):
+            found[cls] = family
+    return found
 
 
-def fused_moe_from_block(block: nn.Module, config: Any, runtime: MoERuntime) -> DBOQwen3MoeSparseMoeBlock:
+def fused_moe_from_block(block: nn.Module, config: Any, runtime: MoERuntime,
+                         family: BlockFamily = FAMILIES["qwen3_moe"]) -> DBOSparseMoeBlock:
     """The DBO-capable replacement of one transformers sparse block (either layout; see the module doc)."""
-    num_experts, top_k = config.num_experts, config.num_experts_per_tok
-    hidden, inter = config.hidden_size, config.moe_intermediate_size
+    num_experts, top_k = family.num_experts(config), config.num_experts_per_tok
+    hidden, inter = config.hidden_size, family.intermediate_size(config)
     gate = block.gate
     experts = block.experts
     if isinstance(gate, nn.Linear) and isinstance(experts, nn.ModuleList):
@@ -87,14 +156,16 @@ def fused_moe_from_block(block: nn.Module, config: Any, runtime: MoERuntime) -> 
     elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj") and hasattr(gate, "weight"):
         layout, gate_weight = "5.x", gate.weight
     else:
-        raise ValueError(f"unsupported Qwen3-MoE block layout (gate {type(gate).__name__}, experts "
-                         f"{type(experts).__name__}); make_dbo_capable knows transformers 4.51-4.57 (nn.Linear gate, "
+        raise ValueError(f"unsupported {family.block_class} layout (gate {type(gate).__name__}, experts "
+                         f"{type(experts).__name__}); make_dbo_capable knows transformers 4.x (nn.Linear gate, "
                          "ModuleList of experts) and 5.x (router module, fused gate_up_proj/down_proj)")
     if tuple(gate_weight.shape) != (num_experts, hidden):
         raise ValueError(f"gate weight has shape {tuple(gate_weight.shape)}, expected {(num_experts, hidden)}")
+    shared = GatedSharedExpert(block.shared_expert, block.shared_expert_gate) if family.shared_expert else None
     dtype = gate_weight.dtype
-    fused = FusedMoE(num_experts, top_k, hidden, inter, renormalize=bool(config.norm_topk_prob),
-                     scoring_func="softmax", runtime=runtime, params_dtype=dtype).to(gate_weight.device)
+    fused = FusedMoE(num_experts, top_k, hidden, inter, renormalize=family.renormalize(config),
+                     scoring_func="softmax", shared_experts=shared, runtime=runtime,
+                     params_dtype=dtype).to(gate_weight.device)
     with torch.no_grad():
         if layout == "5.x":
             w13, w2 = experts.gate_up_proj, experts.down_proj
@@ -106,37 +177,40 @@ def fused_moe_from_block(block: nn.Module, config: Any, runtime: MoERuntime) -> 
         else:
             if len(experts) != num_experts:
                 raise ValueError(f"the block has {len(experts)} experts, the config says {num_experts}")
+            gate_name, up_name, down_name = family.expert_proj_names
             for e in fused.local_expert_range:
                 mlp = experts[e]
-                fused.load_expert_weight(e, "gate", mlp.gate_proj.weight)
-                fused.load_expert_weight(e, "up", mlp.up_proj.weight)
-                fused.load_expert_weight(e, "down", mlp.down_proj.weight)
-    return DBOQwen3MoeSparseMoeBlock(gate_weight, fused, return_router_logits=layout == "4.x")
+                fused.load_expert_weight(e, "gate", mlp.get_submodule(gate_name).weight)
+                fused.load_expert_weight(e, "up", mlp.get_submodule(up_name).weight)
+                fused.load_expert_weight(e, "down", mlp.get_submodule(down_name).weight)
+    return DBOSparseMoeBlock(gate_weight, fused, return_router_logits=layout == "4.x", shared=shared)
 
 
 def make_dbo_capable(model: nn.Module, parallel: MoEParallelConfig | None = None) -> nn.Module:
-    """Replace every Qwen3-MoE sparse block of ``model`` (in place) by a FusedMoE-backed one; returns ``model``.
+    """Replace every sparse MoE block of ``model`` (in place) by a FusedMoE-backed one; returns ``model``.
 
     ``parallel``: this rank's expert-parallel settings (default: one rank, no all-to-all). Under EP each
     rank keeps its own experts only, so build the model with the *same* weights on every rank (same seed or
     checkpoint). The layers share one :class:`MoERuntime` (one backend, one modelled link), kept as
-    ``model.moe_runtime``. Raises ``ValueError`` if the model has no Qwen3-MoE sparse block (or was already
-    patched).
+    ``model.moe_runtime``. Raises ``ValueError`` if the model has no sparse block of a family in
+    :data:`FAMILIES` (or was already patched).
     """
-    block_cls = _sparse_block_class()
+    classes = _block_classes()
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_experts_per_tok"):
-        raise ValueError(f"{type(model).__name__} has no Qwen3-MoE config (config.num_experts_per_tok missing)")
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, block_cls)]
+        raise ValueError(f"{type(model).__name__} has no MoE config (config.num_experts_per_tok missing)")
+    targets = [(name, m, family) for name, m in model.named_modules()
+               for cls, family in classes.items() if isinstance(m, cls)]
     if not targets:
-        patched = any(isinstance(m, DBOQwen3MoeSparseMoeBlock) for m in model.modules())
-        raise ValueError(f"{type(model).__name__} has no transformers Qwen3MoeSparseMoeBlock"
+        patched = any(isinstance(m, DBOSparseMoeBlock) for m in model.modules())
+        known = ", ".join(f.block_class for f in FAMILIES.values())
+        raise ValueError(f"{type(model).__name__} has no transformers sparse MoE block"
                          + (": make_dbo_capable was already applied" if patched else
-                            "; make_dbo_capable supports Qwen3MoeForCausalLM / Qwen3MoeModel"))
+                            f"; make_dbo_capable supports {known}"))
     runtime = MoERuntime(parallel)
-    for name, block in targets:
+    for name, block, family in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, fused_moe_from_block(block, config, runtime))
+        setattr(parent, child, fused_moe_from_block(block, config, runtime, family))
     model.moe_runtime = runtime
     return model
