@@ -85,6 +85,7 @@ def _log_to_stderr() -> None:
 
 
 async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any) -> int:
+    from runner.core.engine_core import tune_gc
     from runner.engine.core_client import MPEngineClient
     from runner.entrypoints.openai.api_server import bind_socket, run_server
     from runner.entrypoints.openai.cli_args import served_model_names
@@ -98,6 +99,7 @@ async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_
                             on_dead=lambda message: dead.set())
     try:
         await client.start()
+        tune_gc()  # the API server's objects by now (tokenizer, app) leave the collector's scans, as the cores'
         metrics = ServerMetrics(served_model_names(args)[0], client.max_model_len)
         client.metrics = metrics
         code = await run_server(args, client, engine_dead=dead, metrics=metrics, sock=sock,

@@ -1,0 +1,161 @@
+"""What the OpenAI server's front end costs per streamed token, against the offline engine on the same prompts.
+
+Workload: a small Qwen3-MoE chat checkpoint written by transformers (``tests/tiny_checkpoint.py``: hidden 64,
+2 layers, 8 experts, a byte-level BPE tokenizer, float32), 256 prompts of 16 token ids, 64 output tokens each
+(``ignore_eos``, greedy). Side by side, ``--repeats`` times, medians:
+
+- ``offline``: ``LLM.generate`` on the 256 prompts in a process of its own;
+- ``served``: ``python -m runner serve`` with ``--max-num-seqs 256``, 256 concurrent streamed completions from
+  an ``httpx`` client in a process of its own; output tok/s, the API-server process's CPU seconds per streamed
+  token (its own CPU, not its ranks'), and the load generator's CPU share (it must not be the bottleneck).
+
+``--checkout DIR`` serves from another checkout of the project (an earlier commit): before/after on one machine.
+Writes ``benchmarks/results/api_server.csv``. Usage: ``python benchmarks/bench_api_server.py [--repeats 3]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(ROOT / "tests"))
+
+from common import RESULTS_DIR, write_csv  # noqa: E402
+
+NUM_PROMPTS, PROMPT_LEN, OUTPUT_LEN = 256, 16, 64
+
+OFFLINE = """
+import json, random, sys, time
+from runner import LLM, SamplingParams
+model, n, plen, out = sys.argv[1], *map(int, sys.argv[2:5])
+prompts = [[random.Random(i).randrange(3, 200) for _ in range(plen)] for i in range(n)]
+llm = LLM(model=model, device="cpu", max_num_seqs=n)
+params = SamplingParams(temperature=0, max_tokens=out, ignore_eos=True)
+llm.generate(prompts[:8], params, use_tqdm=False)
+t = time.perf_counter()
+res = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+wall = time.perf_counter() - t
+print(json.dumps({"tok_s": sum(len(r.outputs[0].token_ids) for r in res) / wall}))
+llm.close()
+"""
+
+LOAD = """
+import asyncio, json, os, random, sys, time, httpx
+base, model, pid, n, plen, out = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+def cpu(p):
+    f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+async def one(h, i):
+    body = {"model": model, "prompt": [random.Random(i).randrange(3, 200) for _ in range(plen)], "max_tokens": out,
+            "ignore_eos": True, "temperature": 0, "stream": True}
+    chunks = 0
+    async with h.stream("POST", f"{base}/v1/completions", json=body) as r:
+        async for line in r.aiter_lines():
+            chunks += line.startswith("data: {")
+    return chunks
+async def main():
+    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as h:
+        await asyncio.gather(*[one(h, i) for i in range(8)])  # warm-up
+        server0, self0, t0 = cpu(pid), time.process_time(), time.perf_counter()
+        chunks = sum(await asyncio.gather(*[one(h, i) for i in range(n)]))
+        wall = time.perf_counter() - t0
+        server, me = cpu(pid) - server0, time.process_time() - self0
+    tokens = n * out
+    print(json.dumps({"tok_s": tokens / wall, "api_us_per_token": server / tokens * 1e6,
+                      "client_cpu_share": me / wall, "chunks": chunks, "tokens": tokens}))
+asyncio.run(main())
+"""
+
+
+def env_for(checkout: Path) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(checkout), "OMP_NUM_THREADS": "1"}
+
+
+def last_json(text: str) -> dict[str, Any]:
+    return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
+
+
+def offline(model: str, checkout: Path) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, "-c", OFFLINE, model, str(NUM_PROMPTS), str(PROMPT_LEN), str(OUTPUT_LEN)],
+                         cwd=checkout, env=env_for(checkout), capture_output=True, text=True, timeout=1200)
+    if out.returncode:
+        raise RuntimeError(f"offline run failed:\n{out.stderr[-3000:]}")
+    return last_json(out.stdout)
+
+
+def served(model: str, checkout: Path) -> dict[str, Any]:
+    from runner.entrypoints.benchserve.server_proc import ServerProcess, free_port
+
+    srv = ServerProcess(model, f"--device cpu --max-num-seqs {NUM_PROMPTS} --uvicorn-log-level warning",
+                        startup_timeout_s=600, name="api-bench")
+    srv.port = free_port()
+    srv.base_url = f"http://127.0.0.1:{srv.port}"
+    srv.cmd[srv.cmd.index("--port") + 1] = str(srv.port)
+    old_env, old_cwd = dict(os.environ), os.getcwd()
+    os.environ.update(env_for(checkout))
+    os.chdir(checkout)
+    try:
+        srv.start()
+    finally:
+        os.environ.clear()
+        os.environ.update(old_env)
+        os.chdir(old_cwd)
+    try:
+        assert srv.proc is not None
+        out = subprocess.run([sys.executable, "-c", LOAD, srv.base_url, model, str(srv.proc.pid), str(NUM_PROMPTS),
+                              str(PROMPT_LEN), str(OUTPUT_LEN)], capture_output=True, text=True, timeout=1200)
+        if out.returncode:
+            raise RuntimeError(f"load run failed:\n{out.stderr[-3000:]}")
+        result = last_json(out.stdout)
+        if result["chunks"] < result["tokens"]:
+            raise RuntimeError(f"the server streamed {result['chunks']} chunks for {result['tokens']} tokens")
+        return result
+    finally:
+        srv.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--checkout", type=Path, default=ROOT, help="the project checkout that serves (default: this one)")
+    p.add_argument("--label", default="this checkout", help="the label of this run's rows in the CSV")
+    args = p.parse_args()
+    from tiny_checkpoint import write_checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="ubatch-api-bench-") as tmp:
+        model = str(Path(tmp) / "chat-qwen3-moe")
+        write_checkpoint(Path(model))
+        runs = []
+        for rep in range(args.repeats):  # offline and served alternate, so machine drift falls on both
+            off, srv = offline(model, args.checkout.resolve()), served(model, args.checkout.resolve())
+            runs.append((off, srv))
+            print(f"repeat {rep}: offline {off['tok_s']:.0f} tok/s, served {srv['tok_s']:.0f} tok/s, "
+                  f"API server {srv['api_us_per_token']:.1f} us/token, client CPU {srv['client_cpu_share']:.0%}")
+    med = {
+        "offline_tok_s": statistics.median(o["tok_s"] for o, _ in runs),
+        "served_tok_s": statistics.median(s["tok_s"] for _, s in runs),
+        "api_us_per_token": statistics.median(s["api_us_per_token"] for _, s in runs),
+        "client_cpu_share": statistics.median(s["client_cpu_share"] for _, s in runs),
+    }
+    med["served_over_offline"] = med["served_tok_s"] / med["offline_tok_s"]
+    print(f"| {args.label} | {med['offline_tok_s']:.0f} | {med['served_tok_s']:.0f} | "
+          f"{med['served_over_offline']:.2f}x | {med['api_us_per_token']:.1f} | {med['client_cpu_share']:.0%} |")
+    write_csv(RESULTS_DIR / "api_server.csv", [{"label": args.label, "repeats": args.repeats, **med}],
+              append=True)
+    if med["client_cpu_share"] > 0.8:
+        print("warning: the load generator used more than 80% of a core: it may be what limits the served rate")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
