@@ -110,6 +110,18 @@ def test_plan_one_graph_per_shape() -> None:
     assert plan_captures([1, 2], dbo_enabled=True, decode_threshold=32) == [GraphKey(1), GraphKey(2)]
 
 
+def test_plan_holds_both_kinds_where_the_cost_model_may_choose_either() -> None:
+    """With the measured cost model every size that may ubatch has a plain and a DBO graph (no threshold - 1
+    graph is needed: a batch below the threshold pads into a plain graph); sizes below the threshold, where
+    the thresholds alone say no, stay plain only."""
+    keys = plan_captures([1, 2, 4, 8], dbo_enabled=True, decode_threshold=4, both_kinds=True)
+    assert keys == [GraphKey(1), GraphKey(2), GraphKey(4), GraphKey(4, (2, 2)), GraphKey(8), GraphKey(8, (4, 4))]
+    assert plan_captures([1, 2], dbo_enabled=False, decode_threshold=1, both_kinds=True) == [GraphKey(1), GraphKey(2)]
+    for n, ubatch in [(3, False), (4, False), (4, True), (5, False), (8, True)]:  # every choice replays
+        d = select_graph(UD, n, ubatch, keys)
+        assert d.replay and d.key is not None and d.key.ubatched is ubatch, (n, ubatch, d)
+
+
 # ---- dispatch rules ------------------------------------------------------------------------------------
 LADDER = plan_captures([1, 2, 4, 8, 16, 24, 32, 40, 48], dbo_enabled=True, decode_threshold=32)
 PLAIN_ONLY = plan_captures([8, 16], dbo_enabled=False, decode_threshold=32)
@@ -269,8 +281,9 @@ def test_capturable_attention_counts_backend_layers_and_patches_nothing() -> Non
 def make_runner(executor: str = "greenlet", **overrides):
     from runner.worker.model_runner import ModelRunner
 
+    # the thresholds alone by default (one graph per size); tests of the cost model's plan pass "measured"
     cfg = dict(enable_dbo=True, dbo_decode_token_threshold=4, max_num_seqs=16, max_model_len=64,
-               max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16)
+               max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16, dbo_cost_model="off")
     cfg.update(overrides)
     runner = ModelRunner(RunnerConfig(**cfg))
     if executor != "greenlet" and runner.wrapper is not None:
