@@ -177,6 +177,7 @@ class GraphRunner:
         self.pool: Any = None
         self.graphs: dict[GraphKey, GraphEntry] = {}
         self.stats: collections.Counter[Why] = collections.Counter()
+        self.last_replayed = False  # whether the latest try_replay replayed a graph (the DBO cost model reads it)
         self.warmed_threads: set[int] = set()
         self.report: CaptureReport | None = None  # the last capture's (graph memory per size, sizes dropped)
 
@@ -393,6 +394,7 @@ class GraphRunner:
         """
         d = self.dispatch(meta, slices, input_ids.shape[0])
         self.stats[d.why] += 1
+        self.last_replayed = d.replay
         if d.key is None:
             logger.debug("eager step: %s (%s)", d.why.value, d.detail)
             return NotImplemented
