@@ -7,8 +7,8 @@ driven by the test (``cuda.host = 2.0``), and GPU work is queued with ``cuda.run
 current stream), ``cuda.wait_ns(ns)`` (the emulated link's wait kernel) or ``cuda._sleep(cycles)``
 (``CYCLES_PER_SECOND`` cycles a second). Events follow ``torch.cuda.Event``: ``record(stream=None)``,
 ``synchronize()``, ``query()``, ``elapsed_time(other)`` in milliseconds, which raises when either event was not
-recorded or was made without ``enable_timing`` (CUDA refuses both). Recording a timing event while ``capturing`` is set raises,
-as ``cudaEventRecord`` of a timing event does inside a stream capture.
+recorded or was made without ``enable_timing`` (CUDA refuses both). Recording a timing event while
+``capturing`` is set raises, as ``cudaEventRecord`` of a timing event does inside a stream capture.
 
 Tests pass an instance explicitly (``TraceRecorder(clock="cuda", cuda_module=cuda)``,
 ``EmulatedLink(..., cuda_module=cuda)``); nothing selects it at run time.
