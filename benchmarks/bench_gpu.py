@@ -18,8 +18,8 @@ Sections (``--sections kernels step``):
   ``none`` all-to-all (a wait kernel on the GPU's global timer, on a side stream: GPU time, no CPU). Modes
   ``eager``, ``eager-dbo``, ``graph``, ``graph-dbo``. First without a link (compute only; ``split cost`` =
   DBO compute - plain compute), then with the link calibrated to comm/compute 0.5, 1 and 2 (bytes per step
-  measured on an eager run, latency 20 us per transfer, bandwidth solving the rest; graphs are re-captured per link because the
-  wait length is baked into a capture). ``ideal = max(compute, comm)``; ``hidden %`` comes from a
+  measured on an eager run, latency 20 us per transfer, bandwidth solving the rest; graphs are re-captured
+  per link because the wait length is baked into a capture). ``ideal = max(compute, comm)``; ``hidden %`` comes from a
   profiler trace of three replays: the share of the link's wait-kernel time that overlaps compute kernels.
   Eager rows also count the host syncs of one step (``torch.cuda.set_sync_debug_mode("warn")``).
   ``graph MiB`` is the capture report's graph memory for that mode's graph.
