@@ -19,6 +19,7 @@ from runner.worker.cuda_graphs import make_graph_runner
 from runner.worker.dbo_cost_model import Execution, StepRecord
 from runner.worker.model_runner import ModelRunner
 from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
+from ubatch import trace
 
 NUM_REQS, PROMPT, BLOCKS_PER_REQ = 8, 5, 16
 
@@ -112,7 +113,8 @@ def test_every_decode_step_replays_and_the_faster_graph_is_kept(dbo_replayed: fl
                                                                 decode_keys: list[GraphKey]) -> None:
     runner, timer, replayed = runner_with_graphs(h200_times(dbo_replayed))
     try:
-        run_decodes(runner, len(decode_keys))
+        with trace.recording(trace.TraceRecorder()) as rec:
+            run_decodes(runner, len(decode_keys))
         assert replayed == decode_keys  # no decode step ran eager
         prefill, *decodes = timer.steps
         assert prefill.execution is Execution.EAGER and prefill.is_prefill
@@ -120,6 +122,10 @@ def test_every_decode_step_replays_and_the_faster_graph_is_kept(dbo_replayed: fl
         [decision] = [d for d in runner.cost_model.decisions() if not d.is_prefill]
         assert decision.execution is Execution.REPLAYED and decision.dbo_on is (dbo_replayed < 2.5e-3)
         assert decision.ratio == pytest.approx(2.5e-3 / dbo_replayed)
+        # the trace marks the decision once, when the bucket first ran both ways
+        marks = [i.args for i in rec.instants if i.name == "dbo_cost_model" and "decode" in i.args["bucket"]]
+        assert marks == [{"bucket": "decode 8-15 tok replayed", "dbo": "on" if decision.dbo_on else "off",
+                          "speedup": round(decision.ratio, 3)}]
     finally:
         runner.close()
 
@@ -134,3 +140,19 @@ def test_dbo_and_plain_graphs_sample_the_same_tokens() -> None:
     finally:
         loses.close()
         wins.close()
+
+
+def test_the_run_summary_says_what_the_cost_model_decided() -> None:
+    """``generate``'s summary line names each bucket that ran both ways, DBO on or off and the speed-up."""
+    from runner.entrypoints.llm import LLM
+
+    llm = LLM(RunnerConfig(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2,
+                           max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64, block_size=4))
+    try:
+        llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
+        stats = llm.last_stats
+        assert stats is not None and stats.dbo_decisions
+        assert stats.dbo_decisions == [d.describe() for d in llm.runner.cost_model.decisions()]
+        assert "DBO cost model: decode 4-7 tok eager: DBO o" in stats.summary()
+    finally:
+        llm.close()

@@ -8,7 +8,8 @@ there is no device clock, and the forward's host time is what a step costs. Both
 
 :class:`MeasuredDBO` ties the cost model, the timer and the captured graphs together for ``ModelRunner``:
 its vote names how the step would execute (a graph replay with DBO and without, eager both ways, or not the
-same way, see ``runner.worker.dbo_cost_model``), and a step is recorded with how it actually ran.
+same way, see ``runner.worker.dbo_cost_model``), and a step is recorded with how it actually ran. What it
+decided is in the run summary, the server's ``/metrics`` and, when a trace is recording, the trace.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import torch
 from cudagraph.dispatch import BatchKind, select_graph
 from cudagraph.manager import GraphRunner
 from runner.worker.dbo_cost_model import BucketDecision, DBOCostModel, Execution, StepRecord
+from ubatch import trace
 
 
 class StepTimer(Protocol):
@@ -108,6 +110,7 @@ class MeasuredDBO:
     def __init__(self, model: DBOCostModel, timer: StepTimer) -> None:
         self.model, self.timer = model, timer
         self.graph_runner: GraphRunner | None = None
+        self._traced: dict[str, tuple[int, bool]] = {}  # bucket -> (recorder, DBO on) last marked in a trace
 
     def execution(self, num_tokens: int, is_prefill: bool) -> Execution | None:
         """How the step would run with DBO and without, when that is the same; ``None`` when it is not."""
@@ -121,9 +124,18 @@ class MeasuredDBO:
         return self.model.vote(num_tokens, is_prefill, self.execution(num_tokens, is_prefill))
 
     def collect(self) -> None:
-        """Record every step whose time is known by now."""
+        """Record every step whose time is known by now; a bucket's decision, when it is new to the recording
+        trace, is marked there (an instant on the ``step`` track with the bucket, DBO on or off and the ratio)."""
         for step, seconds in self.timer.finished():
             self.model.record(step, seconds)
+        rec = trace.active()
+        if rec is None:
+            return
+        for d in self.model.decisions():
+            if self._traced.get(d.label) != (id(rec), d.dbo_on):
+                self._traced[d.label] = (id(rec), d.dbo_on)
+                rec.instant("dbo_cost_model", "decision", "step", bucket=d.label, dbo="on" if d.dbo_on else "off",
+                            speedup=round(d.ratio, 3))
 
     def start(self) -> None:
         self.timer.start()
