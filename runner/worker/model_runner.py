@@ -99,7 +99,7 @@ class ModelRunner:
         self.num_steps = 0
         self.num_ubatched_steps = 0
         self.num_dummy_steps = 0
-        # the measured DBO cost model, fed the forward's device time (host time on CPU): runner/worker/dbo_step_timing.py
+        # the measured DBO cost model, fed the forward's device time (host time on CPU): worker/dbo_step_timing.py
         self.cost_model = MeasuredDBO(DBOCostModel(), make_step_timer(self.device)) \
             if cfg.enable_dbo and cfg.dbo_cost_model == "measured" else None
         # --attention-backend: builds each step's attention metadata; graph decode goes through it too
