@@ -82,3 +82,12 @@ def test_the_float32_check_reruns_both_variants_in_float32_when_bfloat16_tokens_
     assert len(got["off"]) == 4 and [r["outputs"][0]["token_ids"] for r in got["off"]] == \
         [r["outputs"][0]["token_ids"] for r in got["on"]]
     assert token_verdict(off, on, got)[1]
+
+
+def test_a_dbo_run_without_ubatched_steps_says_whether_the_cost_model_or_the_thresholds_kept_it_off() -> None:
+    from runner.entrypoints.report import COST_MODEL_OFF_HINT, NO_UBATCH_HINT, no_ubatch_hint
+
+    stats = {"num_steps": 4, "num_ubatched_steps": 0, "dbo_decisions": ["decode 8-15 tok eager: DBO off (0.64x)"]}
+    assert no_ubatch_hint(stats) == COST_MODEL_OFF_HINT
+    assert no_ubatch_hint({**stats, "dbo_decisions": []}) == NO_UBATCH_HINT
+    assert no_ubatch_hint({**stats, "num_ubatched_steps": 1}) is None

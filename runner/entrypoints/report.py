@@ -25,7 +25,16 @@ from runner.outputs import CompletionOutput, RequestOutput
 NO_UBATCH_HINT = ("note: DBO was on but no step ran ubatched: each DP rank's batch stayed below "
                   "--dbo-decode-token-threshold / --dbo-prefill-token-threshold (or a rank's second ubatch would "
                   "have been empty); lower the thresholds or send more prompts")
+COST_MODEL_OFF_HINT = ("note: DBO was on but no step ran ubatched: the measured DBO cost model found DBO slower in "
+                       "the buckets it measured (above); --dbo-cost-model off runs it wherever the thresholds allow")
 MAX_ERRORS_LISTED = 10
+
+
+def no_ubatch_hint(stats: dict[str, Any]) -> str | None:
+    """Why a DBO run ran no step ubatched, when it did not: the cost model's choice, or the thresholds."""
+    if not stats["num_steps"] or stats["num_ubatched_steps"]:
+        return None
+    return COST_MODEL_OFF_HINT if stats.get("dbo_decisions") else NO_UBATCH_HINT
 
 
 TEXT_SHOWN = 72  # characters of text per line
@@ -100,8 +109,9 @@ def report_generate(result: dict[str, Any], output_json: str | None) -> int:
             print(line)
     code = _list_errors(outputs)
     print(run["summary"])
-    if run["dbo"] and run["stats"]["num_steps"] and not run["stats"]["num_ubatched_steps"]:
-        print(NO_UBATCH_HINT, file=sys.stderr)
+    hint = no_ubatch_hint(run["stats"]) if run["dbo"] else None
+    if hint:
+        print(hint, file=sys.stderr)
     code = _report_trace(run) or code
     if output_json:
         code = _write("--output-json", output_json,
@@ -202,8 +212,9 @@ def report_bench(result: dict[str, Any], output_csv: str | None) -> int:
     if decisions:
         print("DBO cost model: " + "; ".join(decisions))
     code = _list_errors(on["outputs"])
-    if on["stats"]["num_steps"] and not on["stats"]["num_ubatched_steps"]:
-        print(NO_UBATCH_HINT, file=sys.stderr)
+    hint = no_ubatch_hint(on["stats"])
+    if hint:
+        print(hint, file=sys.stderr)
     code = _report_trace(on) or code
     if output_csv:
         code = _write("--output-csv", output_csv, lambda p: _write_csv(p, off, on, identical, speed)) or code
