@@ -440,6 +440,39 @@ def check_replay_equals_eager(runner, batches: "DecodeBatches", gr, dbo: bool, l
     assert gr.stats[Why.REPLAY] == len(sizes), dict(gr.stats)
 
 
+def check_both_kinds_replay(runner, batches: "DecodeBatches", gr, sizes: Sequence[int] = REPLAY_SIZES,
+                            tol: float = 1e-5) -> None:
+    """With the measured cost model's plan, a step at a size that may ubatch replays the plain graph when it runs
+    without DBO and the DBO graph when it runs with it; both equal the eager step."""
+    threshold = runner.cfg.dbo_decode_token_threshold
+    counter = CountingReplays(gr.backend)
+    gr.backend = counter
+    key_of = {id(entry.graph): key for key, entry in gr.graphs.items()}
+    for n in [n for n in sizes if n >= threshold]:
+        for ubatch in (False, True):
+            _, ref = batches.step(n, ubatch=ubatch)
+            replays = len(counter.replayed)
+            padded, out = batches.step(n, gr, ubatch=ubatch)
+            assert len(counter.replayed) == replays + 1, f"{n} tokens, ubatch={ubatch}: ran eager"
+            key = key_of[id(counter.replayed[-1])]
+            assert (key.num_tokens, key.ubatched) == (padded, ubatch), (n, ubatch, key)
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m: f"{n} tokens, {ubatch}: {m}")
+    assert set(gr.stats) == {Why.REPLAY}, dict(gr.stats)
+
+
+def test_the_measured_cost_models_plan_replays_both_kinds_on_the_eager_stand_in() -> None:
+    """tests/test_cudagraph_cuda.py's ``test_both_kinds_replay`` on CPU."""
+    runner = make_runner(dbo_cost_model="measured")
+    try:
+        batches = DecodeBatches(runner, num_reqs=max(REPLAY_SIZES))
+        gr = manager.make_graph_runner(runner, backend=EagerReplayBackend(), num_warmups=0, progress=False)
+        gr.capture()
+        check_both_kinds_replay(runner, batches, gr)
+        gr.clear()
+    finally:
+        runner.close()
+
+
 @pytest.mark.parametrize("link", [None, "latency_us=20,gbps=100"], ids=["none", "emulated"])
 @pytest.mark.parametrize("dbo", [True, False], ids=["dbo", "no-dbo"])
 def test_replay_equals_eager_on_the_eager_stand_in(link: str | None, dbo: bool) -> None:
