@@ -20,16 +20,14 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from common import calibrated_link, write_json
-from gpucheck.engine_run import run_figures
+from gpucheck.engine_run import profiled_events, run_figures
 from ubatch.modular_moe.prepare_finalize import device_wait
 from ubatch.trace_metrics import intersect, length
 
@@ -50,20 +48,6 @@ def hidden_pct(trace_events: list[dict[str, Any]]) -> float | None:
     link, compute = link_and_compute(trace_events)
     total = length(link)
     return 100 * length(intersect(link, compute)) / total if total else None
-
-
-def profiled(llm: Any, prompts: list[Any], sampling: Any) -> list[dict[str, Any]]:
-    """The trace events of one ``generate`` under the torch profiler (GPU activity only)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        llm.generate(prompts, sampling, use_tqdm=False)
-        torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "trace.json"
-        prof.export_chrome_trace(str(path))
-        return json.loads(path.read_text())["traceEvents"]
 
 
 def moe_link(llm: Any) -> Any:
@@ -88,7 +72,7 @@ def calibrate(flags: dict[str, Any], prompts: list[Any], sampling: Any, ratio: f
         llm.generate(prompts[:2], warm_up_params(), use_tqdm=False)
         link = moe_link(llm)
         bytes0, transfers0 = link.total_bytes, link.num_transfers
-        events = profiled(llm, prompts, sampling)
+        events = profiled_events(llm, prompts, sampling)
         steps = llm.last_stats.num_steps
         nbytes, transfers = link.total_bytes - bytes0, link.num_transfers - transfers0
     finally:
@@ -111,7 +95,7 @@ def measure(flags: dict[str, Any], prompts: list[Any], sampling: Any, profile_li
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
         out = run_figures(llm, outputs)
         if profile_link:
-            out["link_hidden_pct"] = hidden_pct(profiled(llm, prompts, sampling))
+            out["link_hidden_pct"] = hidden_pct(profiled_events(llm, prompts, sampling))
     finally:
         llm.close()
         del llm
