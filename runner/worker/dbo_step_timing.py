@@ -109,15 +109,27 @@ class MeasuredDBO:
 
     def __init__(self, model: DBOCostModel, timer: StepTimer) -> None:
         self.model, self.timer = model, timer
-        self.graph_runner: GraphRunner | None = None
+        self._graph_runner: GraphRunner | None = None
+        self._executions: dict[tuple[int, bool], Execution | None] = {}  # per (tokens, prefill), for these graphs
         self._traced: dict[str, tuple[int, bool]] = {}  # bucket -> (recorder, DBO on) last marked in a trace
 
+    @property
+    def graph_runner(self) -> GraphRunner | None:
+        return self._graph_runner
+
+    @graph_runner.setter
+    def graph_runner(self, graph_runner: GraphRunner | None) -> None:
+        self._graph_runner = graph_runner
+        self._executions.clear()
+
     def execution(self, num_tokens: int, is_prefill: bool) -> Execution | None:
-        """How the step would run with DBO and without, when that is the same; ``None`` when it is not."""
-        plain, dbo = replays(self.graph_runner, num_tokens, not is_prefill)
-        if plain != dbo:
-            return None
-        return Execution.REPLAYED if plain else Execution.EAGER
+        """How the step would run with DBO and without, when that is the same; ``None`` when it is not (looked up
+        once per size: the captured graphs do not change while they serve)."""
+        key = (num_tokens, is_prefill)
+        if key not in self._executions:
+            plain, dbo = replays(self._graph_runner, num_tokens, not is_prefill)
+            self._executions[key] = None if plain != dbo else Execution.REPLAYED if plain else Execution.EAGER
+        return self._executions[key]
 
     def vote(self, num_tokens: int, is_prefill: bool) -> bool:
         self.collect()
@@ -142,7 +154,7 @@ class MeasuredDBO:
 
     def stop(self, num_tokens: int, is_prefill: bool, ubatched: bool) -> None:
         """After the forward: how it ran is the graph runner's last dispatch (eager without graphs)."""
-        replayed = self.graph_runner is not None and self.graph_runner.last_replayed
+        replayed = self._graph_runner is not None and self._graph_runner.last_replayed
         self.timer.stop(StepRecord(num_tokens, is_prefill, ubatched,
                                    Execution.REPLAYED if replayed else Execution.EAGER))
 
