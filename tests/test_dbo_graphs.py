@@ -156,3 +156,30 @@ def test_the_run_summary_says_what_the_cost_model_decided() -> None:
         assert "DBO cost model: decode 4-7 tok eager: DBO o" in stats.summary()
     finally:
         llm.close()
+
+
+def test_a_size_whose_dbo_step_runs_eager_is_left_to_the_thresholds() -> None:
+    """Both graphs are captured, but the DBO step does not replay (a ``--ubatch-split balanced`` cut the DBO graph
+    was not captured with): after that step the size is not compared at all, rather than eager DBO against a
+    replayed plain step."""
+    runner, timer, _ = runner_with_graphs(h200_times(4.4e-3))
+    graph_runner = runner.graph_runner
+    assert graph_runner is not None and runner.cost_model is not None
+    original = graph_runner.try_replay
+
+    def no_dbo_replay(meta: Any, slices: Any, input_ids: Any, positions: Any) -> Any:
+        if slices:
+            graph_runner.last_replayed = False
+            return NotImplemented  # the runner runs the step eager
+        return original(meta, slices, input_ids, positions)
+
+    graph_runner.try_replay = no_dbo_replay  # type: ignore[method-assign]
+    try:
+        run_decodes(runner, 4)
+        decodes = [s for s in timer.steps if not s.is_prefill]
+        assert decodes[0] == StepRecord(NUM_REQS, False, True, Execution.EAGER)  # predicted replayed, ran eager
+        assert runner.cost_model.execution(NUM_REQS, False) is None
+        assert all(s.ubatched for s in decodes)  # the thresholds decide: DBO on
+        assert not [d for d in runner.cost_model.decisions() if not d.is_prefill]  # nothing compared
+    finally:
+        runner.close()

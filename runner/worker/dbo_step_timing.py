@@ -111,6 +111,7 @@ class MeasuredDBO:
         self.model, self.timer = model, timer
         self._graph_runner: GraphRunner | None = None
         self._executions: dict[tuple[int, bool], Execution | None] = {}  # per (tokens, prefill), for these graphs
+        self._voted: tuple[int, bool] | None = None  # the step the last vote was for
         self._traced: dict[str, tuple[int, bool]] = {}  # bucket -> (recorder, DBO on) last marked in a trace
 
     @property
@@ -124,7 +125,8 @@ class MeasuredDBO:
 
     def execution(self, num_tokens: int, is_prefill: bool) -> Execution | None:
         """How the step would run with DBO and without, when that is the same; ``None`` when it is not (looked up
-        once per size: the captured graphs do not change while they serve)."""
+        once per size: the captured graphs do not change while they serve). A size whose step ran otherwise than
+        this said (a ubatch split the DBO graph was not captured with runs eager) is ``None`` from then on."""
         key = (num_tokens, is_prefill)
         if key not in self._executions:
             plain, dbo = replays(self._graph_runner, num_tokens, not is_prefill)
@@ -133,6 +135,7 @@ class MeasuredDBO:
 
     def vote(self, num_tokens: int, is_prefill: bool) -> bool:
         self.collect()
+        self._voted = (num_tokens, is_prefill)
         return self.model.vote(num_tokens, is_prefill, self.execution(num_tokens, is_prefill))
 
     def collect(self) -> None:
@@ -155,8 +158,11 @@ class MeasuredDBO:
     def stop(self, num_tokens: int, is_prefill: bool, ubatched: bool) -> None:
         """After the forward: how it ran is the graph runner's last dispatch (eager without graphs)."""
         replayed = self._graph_runner is not None and self._graph_runner.last_replayed
-        self.timer.stop(StepRecord(num_tokens, is_prefill, ubatched,
-                                   Execution.REPLAYED if replayed else Execution.EAGER))
+        ran = Execution.REPLAYED if replayed else Execution.EAGER
+        key = (num_tokens, is_prefill)
+        if self._voted == key and self._executions.get(key, ran) != ran:
+            self._executions[key] = None  # the two choices do not execute alike at this size: never compared
+        self.timer.stop(StepRecord(num_tokens, is_prefill, ubatched, ran))
 
     def decisions(self) -> list[BucketDecision]:
         return self.model.decisions()
