@@ -91,3 +91,15 @@ def test_a_dbo_run_without_ubatched_steps_says_whether_the_cost_model_or_the_thr
     assert no_ubatch_hint(stats) == COST_MODEL_OFF_HINT
     assert no_ubatch_hint({**stats, "dbo_decisions": []}) == NO_UBATCH_HINT
     assert no_ubatch_hint({**stats, "num_ubatched_steps": 1}) is None
+
+
+def test_bench_times_each_variant_as_often_as_asked(capsys: pytest.CaptureFixture) -> None:
+    from runner.entrypoints.cli import main
+
+    assert main(["bench", "--num-prompts", "2", "--max-tokens", "3", "--ignore-eos", "--bench-repeats", "2",
+                 "--disable-tqdm"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("(2 runs)") == 2 and "token outputs DBO off vs on: identical (2 requests)" in out
+    with pytest.raises(SystemExit):
+        main(["bench", "--bench-repeats", "0"])
+    assert "argument --bench-repeats: must be >= 1, got 0" in capsys.readouterr().err

@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m runner", description="ubatch reference engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,serve,bench-serve}")
     gen = sub.add_parser("generate", help="generate for a prompt file or random prompts, print a summary")
-    bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed and outputs")
+    bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed (median of "
+                           "--bench-repeats runs, with their spread) and outputs (in a half-precision dtype, a "
+                           "difference is checked again in float32)")
     for p in (gen, bench):
         add_engine_args(p)
         _sampling_args(p)
