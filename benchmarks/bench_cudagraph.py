@@ -1,7 +1,7 @@
 """Decode step time: eager DBO (threads) vs a replayed DBO graph vs a replayed non-DBO graph, on one GPU.
 
 The model is the built-in tiny MoE (or ``--model``) on the ``none`` all-to-all wrapped in the emulated
-link (a sleep kernel on a side stream, so the communication costs GPU time but no CPU), the engine's default
+link (a wait kernel on a side stream, so the communication costs GPU time but no CPU), the engine's default
 experts and attention backends (``--experts-backend``, ``--attention-backend``: auto).
 For each decode size, side by side in one run (medians over ``--iters`` steps):
 

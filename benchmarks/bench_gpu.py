@@ -15,12 +15,12 @@ Sections (``--sections kernels step``):
   the batch -- at the *measured* device copy bandwidth) and the FLOP limit (the kernel's FLOPs at the
   *measured* bf16 dense-GEMM rate). ``x limit`` is the kernel's time over that.
 - ``step``: a decode step of 512 tokens at context 512 on the whole model with the emulated link on the
-  ``none`` all-to-all (a sleep kernel on a side stream: GPU time, no CPU). Modes ``eager``, ``eager-dbo``,
-  ``graph``, ``graph-dbo``. First without a link (compute only; ``split cost`` = DBO compute - plain
-  compute), then with the link calibrated to comm/compute 0.5, 1 and 2 (bytes per step measured on an eager
-  run, latency 20 us per transfer, bandwidth solving the rest; graphs are re-captured per link because the
-  sleep length is baked into a capture). ``ideal = max(compute, comm)``; ``hidden %`` comes from a
-  profiler trace of three replays: the share of the link's sleep-kernel time that overlaps compute kernels.
+  ``none`` all-to-all (a wait kernel on the GPU's global timer, on a side stream: GPU time, no CPU). Modes
+  ``eager``, ``eager-dbo``, ``graph``, ``graph-dbo``. First without a link (compute only; ``split cost`` =
+  DBO compute - plain compute), then with the link calibrated to comm/compute 0.5, 1 and 2 (bytes per step
+  measured on an eager run, latency 20 us per transfer, bandwidth solving the rest; graphs are re-captured
+  per link because the wait length is baked into a capture). ``ideal = max(compute, comm)``; ``hidden %`` comes from a
+  profiler trace of three replays: the share of the link's wait-kernel time that overlaps compute kernels.
   Eager rows also count the host syncs of one step (``torch.cuda.set_sync_debug_mode("warn")``).
   ``graph MiB`` is the capture report's graph memory for that mode's graph.
 
@@ -60,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RESULTS_DIR, calibrated_link, write_csv, write_json  # noqa: E402
 
 from runner.models.loader import TINY_MODELS  # noqa: E402
+from ubatch.modular_moe.prepare_finalize import device_wait  # noqa: E402
 from ubatch.trace_metrics import intersect, length  # noqa: E402
 
 MODEL = "bench-qwen3-moe-1b"
@@ -246,7 +247,7 @@ def count_host_syncs(fn: Callable[[], Any]) -> int:
 
 
 def sleep_overlap_pct(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, dict[str, float]]:
-    """Share of the emulated link's sleep-kernel time that overlaps compute kernels, from a profiler trace;
+    """Share of the emulated link's wait-kernel time that overlaps compute kernels, from a profiler trace;
     also the top kernels by GPU time (per call) so the table can say where the time went."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -258,8 +259,8 @@ def sleep_overlap_pct(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, d
     with tempfile.NamedTemporaryFile(suffix=".json") as fh:
         prof.export_chrome_trace(fh.name)
         events = [e for e in json.load(open(fh.name))["traceEvents"] if e.get("cat") == "kernel"]
-    sleeps = [(e["ts"], e["ts"] + e["dur"]) for e in events if "spin_kernel" in e["name"]]
-    compute = [(e["ts"], e["ts"] + e["dur"]) for e in events if "spin_kernel" not in e["name"]]
+    sleeps = [(e["ts"], e["ts"] + e["dur"]) for e in events if device_wait.KERNEL_NAME in e["name"]]
+    compute = [(e["ts"], e["ts"] + e["dur"]) for e in events if device_wait.KERNEL_NAME not in e["name"]]
 
     slept = length(sleeps)
     hidden = length(intersect(sleeps, compute))

@@ -138,6 +138,15 @@ def benches(quick: bool) -> list[Bench]:
               "no compute hid, and the host's phases (schedule, DP vote, inputs, sampling, outputs)."),
         Bench("cudagraph", "CUDA graphs: eager DBO vs replayed DBO graph vs replayed plain graph",
               ["benchmarks/bench_cudagraph.py"], "Step time and CPU launch time per step.", needs_gpu=True),
+        Bench("engine_dbo_gpu", "The engine's DBO on one GPU: default flags vs `--enable-dbo`, without and with a link",
+              ["benchmarks/gpu_check.py", "--parts", "env", "model", "engine", "engine_dbo", "engine_link",
+               "--out", "benchmarks/results/gpu_check_engine_dbo"],
+              "The 1.2B `bench-qwen3-moe-1b`, 256 prompts x 128 new tokens, `--max-num-seqs 256`, CUDA graphs, the "
+              "measured cost model: default flags against `--enable-dbo` with no link (DBO cannot win there: goal "
+              ">= 0.98x), then both over an emulated link calibrated so that a step's all-to-all takes as long as "
+              "its compute (`gpucheck.engine_link`: goal >= 1.3x with >= 85 % of the link hidden). The report "
+              "(`report.md` in the output directory) has the figures and the cost model's decision per bucket.",
+              needs_gpu=True),
         Bench("gpu", "GPU kernels against the limit, and DBO on a GPU decode step",
               ["benchmarks/bench_gpu.py"],
               "Every experts and attention backend on a Qwen3-30B-A3B-like layer against the measured memory/FLOP "

@@ -8,7 +8,8 @@ a reason as well as the answer, and is table-tested on CPU:
 - only uniform-decode batches replay (one query token per request: the graph's attention assumes it);
 - the key holds the ubatch decision *and* split: a DBO graph never serves a non-ubatched step and vice
   versa; when DP coordination aborts ubatching at a size that only has a DBO graph, the step runs eager
-  (vLLM's downgrade: one graph per shape, not a second non-DBO graph);
+  (vLLM's downgrade); with the measured cost model every DBO size has a plain graph as well, so both of its
+  choices replay;
 - a batch is padded to the nearest captured size; one past the largest runs eager;
 - backends with a host sync cannot be captured at all, and DeepEP low-latency has its own rules.
 """
@@ -59,12 +60,16 @@ class GraphKey:
 
 
 def plan_captures(sizes: Sequence[int], *, dbo_enabled: bool, decode_threshold: int,
-                  num_ubatches: int = 2) -> list[GraphKey]:
-    """One graph per size (vLLM #25779): DBO where a decode batch of that size would ubatch, else plain.
+                  num_ubatches: int = 2, both_kinds: bool = False) -> list[GraphKey]:
+    """The graphs to capture: per size a DBO graph where a decode batch of that size would ubatch, else plain.
 
     A size ubatches when DBO is on, it reaches ``--dbo-decode-token-threshold`` and every ubatch gets at
-    least one token — the same vote the runner takes at run time, so the common case finds its graph.
-    The runner votes on the *real* token count, so a batch just below the threshold (25..31 with the
+    least one token -- the same vote the runner takes at run time, so the common case finds its graph.
+
+    ``both_kinds``: the measured DBO cost model runs such a size either way, so it gets a plain graph too
+    (one graph per size, as vLLM #25779, would run every step the cost model tries without DBO eager, and
+    the cost model would compare a replayed DBO step with an eager one). Without it, one graph per size:
+    the runner votes on the *real* token count, so a batch just below the threshold (25..31 with the
     default ladder and threshold 32) would pad into a DBO-only size and run eager; a plain graph at
     ``threshold - 1`` is added so those batches replay too.
     """
@@ -73,9 +78,15 @@ def plan_captures(sizes: Sequence[int], *, dbo_enabled: bool, decode_threshold: 
                 and not is_last_ubatch_empty(size, size, num_ubatches))
 
     wanted = set(sizes)
-    if any(ubatches(s) for s in wanted) and decode_threshold > 1:
+    if not both_kinds and any(ubatches(s) for s in wanted) and decode_threshold > 1:
         wanted.add(decode_threshold - 1)
-    return [GraphKey(s, token_split(s, num_ubatches) if ubatches(s) else ()) for s in sorted(wanted)]
+    keys = []
+    for s in sorted(wanted):
+        if not ubatches(s) or both_kinds:
+            keys.append(GraphKey(s))
+        if ubatches(s):
+            keys.append(GraphKey(s, token_split(s, num_ubatches)))
+    return keys
 
 
 class Why(str, enum.Enum):

@@ -19,7 +19,9 @@ output per size -- provided nothing else keeps capture-time tensors alive. Autog
 enabled (``ModelRunner.__init__`` is not under inference mode), every output held its step's saved
 activations, so graph memory grew with every size, and the KV cache's in-place writes chained each capture's
 activations to the next (the per capture/clear leak). Captures and warm-ups therefore run under
-``torch.no_grad()``. The plan has one graph per size (DBO or plain, never both), so DBO does not double it.
+``torch.no_grad()``. Where the measured DBO cost model may run a size either way the plan holds a plain and
+a DBO graph of that size: both share the pool, so the second adds its static output and whatever more
+its own intermediates need than the first's.
 ``CaptureReport.bytes_by_key`` records what each size added; a size that runs out of memory is dropped.
 
 This package sits below the engine: it knows nothing of ``runner``. What a graph needs from the model's
@@ -175,6 +177,7 @@ class GraphRunner:
         self.pool: Any = None
         self.graphs: dict[GraphKey, GraphEntry] = {}
         self.stats: collections.Counter[Why] = collections.Counter()
+        self.last_replayed = False  # whether the latest try_replay replayed a graph (the DBO cost model reads it)
         self.warmed_threads: set[int] = set()
         self.report: CaptureReport | None = None  # the last capture's (graph memory per size, sizes dropped)
 
@@ -391,6 +394,7 @@ class GraphRunner:
         """
         d = self.dispatch(meta, slices, input_ids.shape[0])
         self.stats[d.why] += 1
+        self.last_replayed = d.replay
         if d.key is None:
             logger.debug("eager step: %s (%s)", d.why.value, d.detail)
             return NotImplemented

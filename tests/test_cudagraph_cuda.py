@@ -20,8 +20,10 @@ import pytest
 import torch
 
 import runner.worker.cuda_graphs as manager
-from cudagraph import Why
-from test_cudagraph_dispatch import REPLAY_SIZES, DecodeBatches, check_replay_equals_eager, make_runner
+from cudagraph import GraphKey, Why, token_split
+from test_cudagraph_dispatch import (
+    REPLAY_SIZES, DecodeBatches, check_both_kinds_replay, check_replay_equals_eager, make_runner,
+)
 from ubatch.context import UBatchContext
 
 pytestmark = [pytest.mark.cuda, pytest.mark.triton_compiled,  # Triton compiled for CUDA tensors (conftest)
@@ -33,8 +35,8 @@ GPU = dict(experts_backend="triton", dtype="float32", max_num_seqs=16, dbo_decod
            block_size=16, num_kv_blocks=16 * 8)
 
 
-def captured(link: str | None, dbo: bool = True, executor: str = "greenlet"):
-    runner = make_runner(executor, emulate_link=link, enable_dbo=dbo, **GPU)
+def captured(link: str | None, dbo: bool = True, executor: str = "greenlet", cost_model: str = "off"):
+    runner = make_runner(executor, emulate_link=link, enable_dbo=dbo, dbo_cost_model=cost_model, **GPU)
     batches = DecodeBatches(runner, num_reqs=GPU["max_num_seqs"])  # one request per token of the largest graph
     graph_runner = manager.maybe_make_graph_runner(runner)  # the real entry point: captures here
     assert graph_runner is not None
@@ -48,6 +50,19 @@ def test_replay_equals_eager(link: str | None, dbo: bool) -> None:
     try:
         assert max(REPLAY_SIZES) == GPU["max_num_seqs"]
         check_replay_equals_eager(runner, batches, gr, dbo, link, tol=2e-3)
+    finally:
+        gr.clear()
+        runner.close()
+
+
+def test_both_kinds_replay() -> None:
+    """The measured cost model's plan: a plain and a DBO graph at every size that may ubatch, each replaying
+    what its eager step computes (the CPU run is ``test_the_measured_cost_models_plan_replays_both_kinds...``)."""
+    runner, batches, gr = captured(LINK, cost_model="measured")
+    try:
+        assert {k for k in gr.graphs if k.num_tokens == GPU["max_num_seqs"]} == {
+            GraphKey(GPU["max_num_seqs"]), GraphKey(GPU["max_num_seqs"], token_split(GPU["max_num_seqs"], 2))}
+        check_both_kinds_replay(runner, batches, gr, tol=2e-3)
     finally:
         gr.clear()
         runner.close()

@@ -111,6 +111,18 @@ def test_plan_one_graph_per_shape() -> None:
     assert plan_captures([1, 2], dbo_enabled=True, decode_threshold=32) == [GraphKey(1), GraphKey(2)]
 
 
+def test_plan_holds_both_kinds_where_the_cost_model_may_choose_either() -> None:
+    """With the measured cost model every size that may ubatch has a plain and a DBO graph (no threshold - 1
+    graph is needed: a batch below the threshold pads into a plain graph); sizes below the threshold, where
+    the thresholds alone say no, stay plain only."""
+    keys = plan_captures([1, 2, 4, 8], dbo_enabled=True, decode_threshold=4, both_kinds=True)
+    assert keys == [GraphKey(1), GraphKey(2), GraphKey(4), GraphKey(4, (2, 2)), GraphKey(8), GraphKey(8, (4, 4))]
+    assert plan_captures([1, 2], dbo_enabled=False, decode_threshold=1, both_kinds=True) == [GraphKey(1), GraphKey(2)]
+    for n, ubatch in [(3, False), (4, False), (4, True), (5, False), (8, True)]:  # every choice replays
+        d = select_graph(UD, n, ubatch, keys)
+        assert d.replay and d.key is not None and d.key.ubatched is ubatch, (n, ubatch, d)
+
+
 # ---- dispatch rules ------------------------------------------------------------------------------------
 LADDER = plan_captures([1, 2, 4, 8, 16, 24, 32, 40, 48], dbo_enabled=True, decode_threshold=32)
 PLAIN_ONLY = plan_captures([8, 16], dbo_enabled=False, decode_threshold=32)
@@ -273,8 +285,10 @@ def make_runner(executor: str = "greenlet", **overrides):
     compute float32 exactly on a GPU too (``grouped_mm``, auto's pick there, rounds operands to bf16)."""
     from runner.worker.model_runner import ModelRunner
 
+    # the thresholds alone by default (one graph per size); tests of the cost model's plan pass "measured"
     cfg = dict(dtype="float32", experts_backend="torch", enable_dbo=True, dbo_decode_token_threshold=4,
-               max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16)
+               max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16,
+               dbo_cost_model="off")
     cfg.update(overrides)
     runner = ModelRunner(RunnerConfig(**cfg))
     if executor != "greenlet" and runner.wrapper is not None:
@@ -431,6 +445,39 @@ def check_replay_equals_eager(runner, batches: "DecodeBatches", gr, dbo: bool, l
         assert key.num_tokens == padded >= n and key.ubatched is (dbo and n >= threshold), (n, key)
         assert_steps_close(out, ref, f"{n} tokens", tol)
     assert gr.stats[Why.REPLAY] == len(sizes), dict(gr.stats)
+
+
+def check_both_kinds_replay(runner, batches: "DecodeBatches", gr, sizes: Sequence[int] = REPLAY_SIZES,
+                            tol: float = 1e-5) -> None:
+    """With the measured cost model's plan, a step at a size that may ubatch replays the plain graph when it runs
+    without DBO and the DBO graph when it runs with it; both equal the eager step."""
+    threshold = runner.cfg.dbo_decode_token_threshold
+    counter = CountingReplays(gr.backend)
+    gr.backend = counter
+    key_of = {id(entry.graph): key for key, entry in gr.graphs.items()}
+    for n in [n for n in sizes if n >= threshold]:
+        for ubatch in (False, True):
+            _, ref = batches.step(n, ubatch=ubatch)
+            replays = len(counter.replayed)
+            padded, out = batches.step(n, gr, ubatch=ubatch)
+            assert len(counter.replayed) == replays + 1, f"{n} tokens, ubatch={ubatch}: ran eager"
+            key = key_of[id(counter.replayed[-1])]
+            assert (key.num_tokens, key.ubatched) == (padded, ubatch), (n, ubatch, key)
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m: f"{n} tokens, {ubatch}: {m}")
+    assert set(gr.stats) == {Why.REPLAY}, dict(gr.stats)
+
+
+def test_the_measured_cost_models_plan_replays_both_kinds_on_the_eager_stand_in() -> None:
+    """tests/test_cudagraph_cuda.py's ``test_both_kinds_replay`` on CPU."""
+    runner = make_runner(dbo_cost_model="measured")
+    try:
+        batches = DecodeBatches(runner, num_reqs=max(REPLAY_SIZES))
+        gr = manager.make_graph_runner(runner, backend=EagerReplayBackend(), num_warmups=0, progress=False)
+        gr.capture()
+        check_both_kinds_replay(runner, batches, gr)
+        gr.clear()
+    finally:
+        runner.close()
 
 
 @pytest.mark.parametrize("link", [None, "latency_us=20,gbps=100"], ids=["none", "emulated"])

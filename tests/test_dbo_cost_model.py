@@ -1,26 +1,30 @@
-"""The measured DBO cost model: tries both sides, keeps the faster, re-checks the loser with back-off.
+"""The measured DBO cost model: tries both sides, keeps the faster, re-checks the loser with back-off, and
+compares a step only with steps that executed the same way (graph replay or eager).
 
 Step times are injected, so the decisions are exact; ``drive`` plays the engine's part (vote, then record
-what ran, at the cost the test says each side has).
+what ran, at the cost the test says each side has). The step timers are tested here too: the CUDA one on
+the CPU stand-in of ``torch.cuda``. tests/test_dbo_graphs.py runs the whole runner with the graph stand-in.
 """
 from __future__ import annotations
 
 import pytest
 
-from runner.worker.dbo_cost_model import DBOCostModel
+from runner.worker.dbo_cost_model import BucketDecision, DBOCostModel, Execution, StepRecord
+
+EAGER, REPLAYED = Execution.EAGER, Execution.REPLAYED
 
 
 def drive(model: DBOCostModel, steps: int, cost: dict[bool, float | list[float]], tokens: int = 64,
-          prefill: bool = False) -> list[bool]:
+          prefill: bool = False, execution: Execution = EAGER) -> list[bool]:
     """Run ``steps`` steps; ``cost[ubatched]`` is the step's seconds, or that side's steps' seconds in turn (the
     last one repeats). Returns what each step ran."""
     ran: list[bool] = []
     used = {True: 0, False: 0}
     for _ in range(steps):
-        ubatched = model.vote(tokens, prefill)
+        ubatched = model.vote(tokens, prefill, execution)
         side = cost[ubatched]
         seconds = side[min(used[ubatched], len(side) - 1)] if isinstance(side, list) else side
-        model.record(tokens, prefill, ubatched, seconds)
+        model.record(StepRecord(tokens, prefill, ubatched, execution), seconds)
         used[ubatched] += 1
         ran.append(ubatched)
     return ran
@@ -78,17 +82,18 @@ def test_buckets_by_phase_and_size_are_independent() -> None:
     drive(model, 5, {True: 2.0, False: 1.0}, tokens=32)  # small decodes: DBO loses
     drive(model, 5, {True: 0.5, False: 1.0}, tokens=512)  # large decodes: DBO wins
     drive(model, 5, {True: 0.5, False: 1.0}, tokens=32, prefill=True)  # small prefills: DBO wins
-    assert not model.vote(40, False) and model.vote(600, False) and model.vote(40, True)
-    assert "decode 32-63 tok: DBO off (0.50x)" in model.summary()
-    assert "decode 512-1023 tok: DBO on (2.00x)" in model.summary()
+    assert not model.vote(40, False, EAGER) and model.vote(600, False, EAGER) and model.vote(40, True, EAGER)
+    assert "decode 32-63 tok eager: DBO off (0.50x)" in model.summary()
+    assert "decode 512-1023 tok eager: DBO on (2.00x)" in model.summary()
+    assert model.decisions()[0] == BucketDecision(False, 32, 63, EAGER, False, 0.5)
 
 
 def test_time_is_compared_per_token() -> None:
     """Two steps of the same bucket but different sizes: the longer one is not penalised for its size."""
     model = DBOCostModel()
-    model.record(40, False, True, 0.40)  # 10 ms per token with DBO
-    model.record(60, False, False, 0.72)  # 12 ms per token without
-    assert model.vote(50, False)
+    model.record(StepRecord(40, False, True, EAGER), 0.40)  # 10 ms per token with DBO
+    model.record(StepRecord(60, False, False, EAGER), 0.72)  # 12 ms per token without
+    assert model.vote(50, False, EAGER)
 
 
 def test_bad_settings_raise() -> None:
@@ -96,3 +101,61 @@ def test_bad_settings_raise() -> None:
         DBOCostModel(explore_every=0)
     with pytest.raises(ValueError, match="window must be at least 1 step, got 0"):
         DBOCostModel(window=0)
+
+
+def test_eager_steps_are_never_compared_with_replayed_ones() -> None:
+    """The issue's run: DBO steps replay a graph (4.4 ms), steps without DBO run eager (12 ms) -- and replayed
+    plain steps take 2.5 ms. DBO wins no comparison: each execution kind has its own bucket."""
+    model = DBOCostModel(explore_every=8)
+    model.record(StepRecord(256, False, True, REPLAYED), 4.4)
+    model.record(StepRecord(256, False, False, EAGER), 12.0)
+    assert model.decisions() == []  # neither kind has run both ways: nothing compared yet
+    assert not model.vote(256, False, REPLAYED)  # the replayed bucket wants its plain side measured ...
+    assert model.vote(256, False, EAGER)  # ... the eager one its DBO side
+    model.record(StepRecord(256, False, False, REPLAYED), 2.5)
+    assert not model.vote(256, False, REPLAYED)
+    assert [d.describe() for d in model.decisions()] == ["decode 256-511 tok replayed: DBO off (0.57x)"]
+
+
+def test_a_step_whose_two_choices_execute_differently_is_left_to_the_thresholds() -> None:
+    model = DBOCostModel()
+    drive(model, 4, {True: 2.0, False: 1.0}, execution=REPLAYED)  # DBO loses where both replay
+    assert not model.vote(64, False, REPLAYED)
+    assert model.vote(64, False, None)  # one choice would replay and the other not: no like-for-like figure
+
+
+# ---- step timers ---------------------------------------------------------------------------------------
+def test_the_cuda_timer_reads_device_time_one_step_later_without_a_sync() -> None:
+    """GPU time of the forward, not the host's: the host launches both steps long before the GPU ends them,
+    and a step's time is handed over only once the GPU has passed its end event (``query``, no sync)."""
+    from standins.cuda_events import FakeCuda
+
+    from runner.worker.dbo_step_timing import CudaEventStepTimer
+
+    cuda = FakeCuda()
+    timer = CudaEventStepTimer(cuda)
+    first, second = StepRecord(64, False, True, REPLAYED), StepRecord(64, False, False, REPLAYED)
+    for step, gpu_seconds in ((first, 0.004), (second, 0.0025)):
+        timer.start()
+        cuda.run(gpu_seconds)  # the forward's kernels
+        timer.stop(step)
+        cuda.host += 0.0001  # the host goes on launching: it does not wait for the GPU
+        cuda.run(0.001)  # sampling, not timed
+    assert timer.finished() == [] and cuda.num_syncs == 0  # the GPU is still on the first step
+    cuda.host = 0.0045
+    assert timer.finished() == [(first, pytest.approx(0.004))]
+    cuda.host = 1.0
+    assert timer.finished() == [(second, pytest.approx(0.0025))] and cuda.num_syncs == 0
+    with pytest.raises(RuntimeError, match="without start"):
+        timer.stop(first)
+
+
+def test_the_host_timer_hands_each_step_over_at_once() -> None:
+    from runner.worker.dbo_step_timing import HostStepTimer
+
+    timer = HostStepTimer()
+    step = StepRecord(8, True, False, EAGER)
+    timer.start()
+    timer.stop(step)
+    (got, seconds), = timer.finished()
+    assert got == step and seconds >= 0 and timer.finished() == []

@@ -131,6 +131,7 @@ def test_bench_cli_reports_identical_outputs(tmp_path: Path) -> None:
         [sys.executable, "-m", "runner", "bench", "--data-parallel-size", "2", "--enable-expert-parallel",
          "--dbo-decode-token-threshold", "2", "--dbo-prefill-token-threshold", "8", "--num-prompts", "6",
          "--random-prompt-len", "10", "--random-range-ratio", "0.5", "--max-tokens", "6", "--ignore-eos",
+         "--bench-repeats", "1",  # one timed run: its first steps are the cost model's look at DBO
          "--output-csv", str(csv_path), "--trace-file", str(trace_path), *device_args(2)],
         cwd=ROOT, env=_env(TMPDIR=str(tmp_path)), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-3000:]

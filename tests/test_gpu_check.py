@@ -101,6 +101,16 @@ def engine_doc(*, graph_bytes: int = 3 * 10**9, dropped: tuple[int, ...] = (), t
             "profiled": {"num_steps": 130, "gpu_busy_s": 0.91, "elapsed_s": 1.4}}
 
 
+def engine_link_doc(default_tok_s: float = 15000.0, dbo_tok_s: float = 21000.0,
+                    hidden: float | None = 90.0) -> dict[str, Any]:
+    """An engine_link.py JSON: the link calibrated to comm = compute, default flags and --enable-dbo over it."""
+    run = {"num_steps": 138, "num_errors": 0, "num_ubatched_steps": 0, "output_tokens_per_s": default_tok_s}
+    return {"calibration": {"num_steps": 138, "compute_ms_per_step": 2.5, "bytes_per_step": 1.2e8,
+                            "transfers_per_step": 8.0, "comm_over_compute": 1.0, "link": "latency_us=20,gbps=51.2"},
+            "default": run, "dbo": {**run, "num_ubatched_steps": 128, "output_tokens_per_s": dbo_tok_s,
+                                    "link_hidden_pct": hidden}}
+
+
 def suite_doc(mode: str = "gpu", failed: int = 0) -> dict[str, Any]:
     run = {"name": "gpu tests", "returncode": 1 if failed else 0, "timed_out": False, "passed": 400,
            "failed": failed, "errors": 0, "skipped": 3, "failures": []}
@@ -118,12 +128,16 @@ def verdicts(p: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 
 def test_every_goal_is_decided_on_recorded_figures() -> None:
-    v = verdicts(parts(bench=bench_doc(), engine=engine_doc(), tests=suite_doc()))
+    v = verdicts(parts(bench=bench_doc(), engine=engine_doc(), engine_dbo=engine_doc(tok_s=30690.0),
+                       engine_link=engine_link_doc(), tests=suite_doc()))
     assert [k for k in v] == [g.key for g in GOALS]
     assert {k: verdict for k, (verdict, _) in v.items()} == {
         "experts_512": PASS, "experts_2048": MISS, "attention_512x512": PASS, "attention_256x4096": MISS,
         "graph_step": PASS, "graph_dbo": PASS, "eager": PASS, "graph_memory": PASS, "throughput": PASS,
-        "host_time": PASS, "gpu_tests": PASS, "make_test": MISS}
+        "host_time": PASS, "engine_dbo": PASS, "engine_dbo_link": PASS, "gpu_tests": PASS, "make_test": MISS}
+    assert v["engine_dbo"][1] == "0.99x default flags (30,690 vs 31,000 output tok/s; 0/130 steps ubatched)"
+    assert v["engine_dbo_link"][1] == ("1.40x default flags, 90 % of the link hidden (link latency_us=20,gbps=51.2: "
+                                       "comm/compute 1 of 2.50 ms per step; 128/138 steps ubatched)")
     assert v["experts_512"][1] == "grouped_mm (graph) 1.5x the limit (0.3 ms vs 0.2 ms)"
     assert v["experts_2048"][1] == "grouped_mm (graph) 3.5x the limit (0.875 ms vs 0.25 ms); fastest: triton 2.0x"
     assert v["attention_256x4096"][1] == "triton (eager) 2.5x the limit (2.0 ms vs 0.8 ms)"  # graph failed
@@ -144,9 +158,15 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
     (dict(engine=engine_doc(enabled=False)), "graph_memory", "CUDA graphs were off"),
     (dict(engine=engine_doc(tok_s=29000.0)), "throughput", "29,000 output tok/s"),
     (dict(tests=suite_doc(failed=2)), "gpu_tests", "400 passed, 2 failed, 0 errors, 3 skipped (gpu; failed)"),
+    (dict(engine_dbo=engine_doc(tok_s=0.79 * 31000)), "engine_dbo", "0.79x default flags"),  # the issue's H200
+    (dict(engine_link=engine_link_doc(dbo_tok_s=18000.0)), "engine_dbo_link", "1.20x default flags, 90 %"),
+    (dict(engine_link=engine_link_doc(hidden=70.0)), "engine_dbo_link", "1.40x default flags, 70 % of the link"),
+    (dict(engine_link=engine_link_doc(hidden=None)), "engine_dbo_link", "not measured: the --enable-dbo run with "
+                                                                         "the link has no link-hidden figure"),
 ])
 def test_a_goal_missed_is_a_miss_naming_the_figure(change: dict[str, Any], key: str, measured: str) -> None:
-    docs = {"bench": bench_doc(), "engine": engine_doc(), "tests": suite_doc(), **change}
+    docs = {"bench": bench_doc(), "engine": engine_doc(), "engine_dbo": engine_doc(), "engine_link": engine_link_doc(),
+            "tests": suite_doc(), **change}
     verdict, text = verdicts(parts(**docs))[key]
     assert verdict == MISS and measured in text
 
@@ -169,6 +189,10 @@ def test_goals_without_figures_are_misses_saying_why() -> None:
     v = verdicts(parts(bench=partial))
     assert v["graph_step"][0] == PASS
     assert v["graph_dbo"] == (MISS, "not measured: no decode-step row for graph-dbo at comm/compute 1")
+    stopped = engine_link_doc()
+    del stopped["dbo"]
+    assert verdicts(parts(engine_link=stopped))["engine_dbo_link"] == (
+        MISS, "not measured: the engine_link run stopped before its dbo figures")
     no_default = bench_doc()
     no_default["default_backends"]["experts"] = "deep_gemm"
     assert verdicts(parts(bench=no_default))["experts_512"][1] == (
@@ -274,6 +298,9 @@ def test_report_has_one_pass_or_miss_line_per_goal_and_every_part() -> None:
                "command": "gpu_check.py", "parts": parts(bench=bench_doc(), engine=engine_doc(), tests=suite_doc()),
                "goals": []}
     results["parts"]["engine_dbo"] = {"status": "ok", "data": engine_doc(tok_s=20000.0)}
+    results["parts"]["engine_dbo"]["data"]["measured"]["dbo_decisions"] = ["decode 256-511 tok replayed: DBO off "
+                                                                           "(0.57x)"]
+    results["parts"]["engine_link"] = {"status": "ok", "data": engine_link_doc()}
     results["parts"]["serve"] = {"status": "not available", "error": "python -m runner bench-serve --help: no"}
     results["goals"] = evaluate(results["parts"])
     text = render(results)
@@ -282,6 +309,9 @@ def test_report_has_one_pass_or_miss_line_per_goal_and_every_part() -> None:
     assert "Commit abc1234; time limit 420 s, took 300.0 s" in text
     assert "| output tok/s | 31,000 | 20,000 |" in text
     assert "| host ms / step | 4 | 4 |" in text
+    assert "| DBO cost model |  | decode 256-511 tok replayed: DBO off (0.57x) |" in text
+    assert "Link `latency_us=20,gbps=51.2`: comm/compute 1 of 2.50 ms of GPU compute per step" in text
+    assert "| output tok/s | 15,000 | 21,000 |" in text and "| link hidden % |  | 90 |" in text
     assert "Not available: python -m runner bench-serve --help: no" in text
     assert "| experts | 2048 tokens | triton | 0.25 | 2 | 8 | 0.5 | 2 |  |" in text
     assert render({}).startswith("# GPU check: GPU unknown")  # nothing measured still renders

@@ -24,7 +24,8 @@ from gpucheck import wheels  # noqa: E402
 from gpucheck.goals import MISS, evaluate  # noqa: E402
 from gpucheck.outcomes import count_tests  # noqa: E402
 from gpucheck.parts import (  # noqa: E402
-    GPU_TEST_FILES, TEST_WORKERS, all_parts, bench_part, child_env, engine_part, env_part, gpu_test_files,
+    GPU_TEST_FILES, TEST_WORKERS, all_parts, bench_part, child_env, engine_link_part, engine_part, env_part,
+    gpu_test_files,
     model_part, sanitized_tests, serve_command, serve_part,
 )
 from gpucheck import parts, select_tests  # noqa: E402
@@ -276,7 +277,15 @@ def test_parts_on_cpu_give_results_the_goals_and_report_read(tmp_path: Path) -> 
 def test_children_import_the_repo_and_benchmarks_first(tmp_path: Path) -> None:
     env = child_env(context(tmp_path))
     assert env["PYTHONPATH"].split(":")[:2] == [str(REPO), str(REPO / "benchmarks")]
-    assert [p.name for p in all_parts()] == ["env", "tests", "model", "bench", "engine", "engine_dbo", "serve"]
+    assert [p.name for p in all_parts()] == ["env", "tests", "model", "bench", "engine", "engine_dbo", "engine_link",
+                                             "serve"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the part really runs (minutes, the 1.2B model)")
+def test_the_engine_link_part_needs_a_gpu_and_says_so(tmp_path: Path) -> None:
+    out = engine_link_part(context(tmp_path))
+    assert (out["status"], out["error"], out["data"]) == ("failed", "exit status 2", None)
+    assert "engine_link: needs a CUDA GPU" in out["tail"] and "Traceback" not in out["tail"]
 
 
 # ---- bench_gpu.py's quick mode and JSON ------------------------------------------------------------------------------

@@ -85,3 +85,26 @@ def test_separate_registries_and_no_ratio_before_any_all_to_all() -> None:
     assert got_a[("ubatch:request_success_total", (("finished_reason", "stop"), ("model_name", "a")))] == 1
     assert got_a[("ubatch:request_success_total", (("finished_reason", "length"), ("model_name", "a")))] == 1
     assert not any(name == "ubatch:dbo_comm_hidden_ratio" for name, _ in got_a)
+
+
+def test_the_dbo_cost_model_decision_per_bucket() -> None:
+    """A gauge per (rank, bucket): DBO on (1) or off (0), and the measured speed-up; none before a bucket ran
+    both ways. The figures come from the rank's stats message as the engine client decodes it."""
+    from runner.core.messages import ENCODER, OUTPUT_DECODER, CoreStats, DBOBucketStat, Outputs
+
+    sent = Outputs(0, [], CoreStats(dbo_buckets=[DBOBucketStat("decode 256-511 tok replayed", False, 0.57),
+                                                 DBOBucketStat("prefill 512-1023 tok eager", True, 1.4)]))
+    got_msg = OUTPUT_DECODER.decode(ENCODER.encode(sent))
+    assert isinstance(got_msg, Outputs)
+    rank0 = RankStats(dbo_buckets={b.bucket: (b.dbo_on, b.speedup) for b in got_msg.stats.dbo_buckets})
+    m = ServerMetrics(MODEL, 100)
+    m.on_engine_stats(EngineStats(ranks=[rank0, RankStats()]))
+    got = samples(m.render().decode())
+    decode, prefill = "decode 256-511 tok replayed", "prefill 512-1023 tok eager"
+    assert value(got, "ubatch:dbo_cost_model_enabled", engine="0", bucket=decode) == 0
+    assert value(got, "ubatch:dbo_cost_model_speedup", engine="0", bucket=decode) == 0.57
+    assert value(got, "ubatch:dbo_cost_model_enabled", engine="0", bucket=prefill) == 1
+    assert value(got, "ubatch:dbo_cost_model_speedup", engine="0", bucket=prefill) == 1.4
+    assert sum(name == "ubatch:dbo_cost_model_enabled" for name, _ in got) == 2  # rank 1 has measured nothing
+    m.on_engine_stats(EngineStats(ranks=[RankStats()]))
+    assert not any(name.startswith("ubatch:dbo_cost_model") for name, _ in samples(m.render().decode()))

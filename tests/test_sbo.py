@@ -506,7 +506,7 @@ GPU_VARIANTS = [SBO_OFF, D, CS, DG_CS]
 @pytest.mark.parametrize("dbo", [False, True], ids=["no-dbo", "dbo"])
 def test_cuda_two_stream_modes_equal_dense_single_rank_emulated_link(dbo: bool) -> None:
     """The GPU twin of ``test_sbo_with_emulated_link_single_rank``: the same checks with real streams and a
-    real link delay (a ``torch.cuda._sleep`` kernel), so a combine read before it landed would be O(1) off."""
+    real link delay (a wait kernel on the GPU's global timer), so a combine read before it landed would be O(1) off."""
     weights = StackWeights.random(layers=2)
     shared = shared_weights(2)
     inputs = rank_inputs([16])

@@ -20,7 +20,7 @@ from standins.cuda_events import FakeCuda
 from ubatch import trace
 from ubatch.distributed import run_thread_ranks
 from ubatch.forward_context import ForwardContext, override_forward_context, set_forward_context
-from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink, LinkSpec, _gpu_cycles_per_second
+from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink, LinkSpec
 from ubatch.modular_moe.prepare_finalize.torch_ll import TorchLowLatency
 from ubatch.trace_metrics import format_metrics, is_cpu_track, overlap_metrics, spans_from_chrome
 
@@ -28,14 +28,8 @@ MS = 1e-3
 
 
 def fresh_cuda() -> FakeCuda:
-    """A stand-in device whose sleep calibration already ran (it queues 20 ms on the default stream)."""
-    cuda = FakeCuda()
-    assert _gpu_cycles_per_second(cuda) == pytest.approx(FakeCuda.CYCLES_PER_SECOND)
-    cuda.synchronize()
-    for s in cuda.streams:
-        s.t = 0.0
-    cuda.host = 0.0
-    return cuda
+    """A stand-in device at time 0 (the link's wait kernel counts nanoseconds: nothing to calibrate)."""
+    return FakeCuda()
 
 
 def on_ubatch(ubatch: int) -> Any:
@@ -54,7 +48,7 @@ def gpu_spans(rec: trace.TraceRecorder) -> dict[tuple[str, str], tuple[float, fl
 
 
 # ---- the emulated link's side stream and per-ubatch compute -------------------------------------------
-def test_link_sleep_kernel_and_ubatch_compute_give_known_spans_and_metrics() -> None:
+def test_link_wait_kernel_and_ubatch_compute_give_known_spans_and_metrics() -> None:
     """A0 [0,3] ms, dispatch0 sent after it flies 1 ms while A1 [3,5] runs; E0 [5,6] waits for it; combine0
     [6,7] has no compute after it. So comm 2 ms, hidden 1 ms (the dispatch), exposed 1 ms (the combine)."""
     cuda = fresh_cuda()
@@ -66,7 +60,7 @@ def test_link_sleep_kernel_and_ubatch_compute_give_known_spans_and_metrics() -> 
         dispatch = link.transfer(4096, label="dispatch0")
         with on_ubatch(1), trace.compute_span("attention", "A", layer=0):
             cuda.run(2 * MS)
-        dispatch.wait()  # the compute stream now waits for the sleep kernel's end
+        dispatch.wait()  # the compute stream now waits for the wait kernel's end
         with on_ubatch(0), trace.compute_span("experts", "E"):
             cuda.run(1 * MS)
         link.transfer(4096, label="combine0").wait()
@@ -90,6 +84,21 @@ def test_link_sleep_kernel_and_ubatch_compute_give_known_spans_and_metrics() -> 
     assert m.hidden_pct == pytest.approx(50, abs=0.01)
     assert m.layers[0].comm_us == pytest.approx(2000, abs=0.05)  # the comm spans took the ubatch's layer
     assert m.graph_replays == 0
+
+
+def test_gpu_link_queues_transfers_on_its_side_stream_not_on_the_host_clock() -> None:
+    """Each transfer waits its own latency + bytes / bandwidth, after the previous one on the side stream: two
+    sent at once end 1.1 ms apart. Its length owes nothing to the host's send times (the host runs ahead of
+    the GPU; a queue computed from them would add the first transfer's time to the second's wait as well)."""
+    cuda = fresh_cuda()
+    link = EmulatedLink(LinkSpec(latency_us=100, gbps=1.0), cuda_module=cuda)  # 1 MB: 1 ms on the wire
+    cuda.run(2 * MS)  # compute before the sends: the transfers start after it
+    first, second = link.transfer(1_000_000), link.transfer(1_000_000)
+    first.wait()
+    assert cuda.current_stream().t == pytest.approx(3.1 * MS)
+    second.wait()
+    assert cuda.current_stream().t == pytest.approx(4.2 * MS)
+    assert (link.num_transfers, link.total_bytes, cuda.num_syncs) == (2, 2_000_000, 0)
 
 
 def test_nothing_synchronises_until_the_spans_are_resolved() -> None:

@@ -105,9 +105,21 @@ def check_paged_decode() -> None:
                    dict(BLOCK_S=8, BLOCK_DV=128))
 
 
+def check_device_wait() -> None:
+    """The emulated link's wait: spins on %globaltimer (the nanosecond clock), never on clock cycles."""
+    from ubatch.modular_moe.prepare_finalize import device_wait
+
+    kernel = device_wait._load_kernel()
+    for ns_type in ("i32", "i64"):  # the launcher passes counts past 2**31 ns as i64
+        compiled = compile_kernel(kernel, dict(ns=ns_type), {}, num_warps=1)
+        if "%globaltimer" not in compiled.asm["ptx"]:
+            raise RuntimeError("the device wait does not read %globaltimer:\n" + compiled.asm["ptx"])
+
+
 if __name__ == "__main__":
     if interpreter_enabled():
         sys.exit("run with TRITON_INTERPRET=0: interpreter-mode kernels cannot be compiled")
     print(f"triton {triton.__version__}, target {H100}")
     check_moe_experts()
     check_paged_decode()
+    check_device_wait()

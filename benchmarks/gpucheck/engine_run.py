@@ -87,7 +87,8 @@ def gpu_busy(trace_events: list[dict[str, Any]]) -> dict[str, Any]:
             "gpu_kernel_s": length(kernels) / 1e6, "num_kernels": len(kernels)}
 
 
-def profiled_run(llm: Any, prompts: list[Any], sampling: Any) -> dict[str, Any]:
+def profiled_events(llm: Any, prompts: list[Any], sampling: Any) -> list[dict[str, Any]]:
+    """The Chrome-trace events of one ``generate`` under the torch profiler (GPU activity only)."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -97,7 +98,11 @@ def profiled_run(llm: Any, prompts: list[Any], sampling: Any) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "trace.json"
         prof.export_chrome_trace(str(path))
-        events = json.loads(path.read_text())["traceEvents"]
+        return json.loads(path.read_text())["traceEvents"]
+
+
+def profiled_run(llm: Any, prompts: list[Any], sampling: Any) -> dict[str, Any]:
+    events = profiled_events(llm, prompts, sampling)
     stats = llm.last_stats
     return {"num_steps": stats.num_steps, "elapsed_s": stats.elapsed_s,
             "output_tokens_per_s": round(stats.output_tokens_per_s, 1), **gpu_busy(events)}

@@ -9,7 +9,8 @@ Which rows a goal reads: the kernels are those the engine's defaults run on this
 auto`` / ``--attention-backend auto``, as ``bench_gpu.py`` records them), timed in a CUDA graph where they can
 be captured (decode steps replay graphs), else eagerly; the report also names the fastest backend. Step
 figures come from ``bench_gpu.py``'s decode step (512 tokens at context 512), engine figures from the engine
-run with default flags (``engine_figures``).
+run with default flags and with ``--enable-dbo`` (``engine_figures``), and with an emulated link calibrated to
+comm = compute (``engine_link``).
 """
 from __future__ import annotations
 
@@ -158,6 +159,37 @@ def host_time(parts: dict[str, Any]) -> tuple[bool, str]:
         f"{fig['forward_host_ms']:.2f}) vs GPU {fig['gpu_ms']:.2f} ms per step; GPU idle {fig['gpu_idle_pct']:.0f} %")
 
 
+def engine_dbo_no_link(parts: dict[str, Any]) -> tuple[bool, str]:
+    """``--enable-dbo`` against default flags on one GPU without a link, where DBO cannot win: the measured cost
+    model must keep it from costing throughput."""
+    from gpucheck.engine_figures import engine_figures
+
+    base, dbo = engine_figures(part_data(parts, "engine")), engine_figures(part_data(parts, "engine_dbo"))
+    if not base or not dbo:
+        raise NotMeasured(f"the {'engine' if not base else 'engine_dbo'} run did not finish its measured generate")
+    ratio = dbo["output_tokens_per_s"] / base["output_tokens_per_s"]
+    return ratio >= 0.98 and not dbo["num_errors"], (
+        f"{ratio:.2f}x default flags ({dbo['output_tokens_per_s']:,.0f} vs {base['output_tokens_per_s']:,.0f} output "
+        f"tok/s; {dbo['num_ubatched_steps']}/{dbo['num_steps']} steps ubatched)")
+
+
+def engine_dbo_link(parts: dict[str, Any]) -> tuple[bool, str]:
+    """``--enable-dbo`` against default flags with the emulated link calibrated to comm = compute."""
+    data = part_data(parts, "engine_link")
+    cal, base, dbo = data.get("calibration"), data.get("default"), data.get("dbo")
+    if not cal or not base or not dbo:
+        missing = next(name for name, d in (("calibration", cal), ("default", base), ("dbo", dbo)) if not d)
+        raise NotMeasured(f"the engine_link run stopped before its {missing} figures")
+    hidden = dbo.get("link_hidden_pct")
+    if hidden is None:
+        raise NotMeasured("the --enable-dbo run with the link has no link-hidden figure")
+    ratio = dbo["output_tokens_per_s"] / base["output_tokens_per_s"]
+    return ratio >= 1.3 and hidden >= 85 and not dbo["num_errors"], (
+        f"{ratio:.2f}x default flags, {hidden:.0f} % of the link hidden (link {cal['link']}: comm/compute "
+        f"{cal['comm_over_compute']:g} of {cal['compute_ms_per_step']:.2f} ms per step; "
+        f"{dbo['num_ubatched_steps']}/{dbo['num_steps']} steps ubatched)")
+
+
 def _tests(parts: dict[str, Any], full: bool) -> tuple[bool, str]:
     data = part_data(parts, "tests")
     if full and data.get("mode") != "full":
@@ -186,6 +218,10 @@ GOALS: tuple[Goal, ...] = (
     Goal("graph_memory", "Default graph ladder at --max-num-seqs 256 in <= 4 GB of graph memory", graph_memory),
     Goal("throughput", "Default flags, 256 x 128 tokens: >= 30k output tok/s", throughput),
     Goal("host_time", "Default flags, 256 x 128 tokens: host time per step below the GPU step time", host_time),
+    Goal("engine_dbo", "One GPU, no link: --enable-dbo >= 0.98x default flags (engine, 256 x 128 tokens)",
+         engine_dbo_no_link),
+    Goal("engine_dbo_link", "Link at comm = compute: --enable-dbo >= 1.3x default flags, >= 85 % of the link "
+         "hidden (engine)", engine_dbo_link),
     Goal("gpu_tests", "GPU tests pass (pytest -m cuda and the GPU-sensitive files) on the GPU",
          lambda parts: _tests(parts, full=False)),
     Goal("make_test", "make test on the one-GPU machine passes", lambda parts: _tests(parts, full=True)),

@@ -188,6 +188,14 @@ def engine_part(ctx: Context, dbo: bool) -> dict[str, Any]:
     return _run(ctx, "engine --enable-dbo" if dbo else "engine", args, path)
 
 
+def engine_link_part(ctx: Context) -> dict[str, Any]:
+    """Default flags against ``--enable-dbo`` with the emulated link calibrated to comm = compute
+    (``gpucheck.engine_link``)."""
+    path = ctx.work_dir / "engine_link.json"
+    args = ["-m", "gpucheck.engine_link", "--cache-dir", str(ctx.cache_dir), "--out", str(path)]
+    return _run(ctx, "engine with a link", args + list(ctx.options.get("engine_args", ())), path)
+
+
 def has_flag(help_text: str, flag: str) -> bool:
     return re.search(rf"(^|[\s,\[]){re.escape(flag)}\b", help_text) is not None
 
@@ -239,5 +247,6 @@ def all_parts() -> list[Part]:
         Part("bench", "kernels and the decode step against their limits (bench_gpu.py --quick)", 120, bench_part),
         Part("engine", "the engine with default flags, 256 x 128 tokens", 90, lambda c: engine_part(c, False)),
         Part("engine_dbo", "the same with --enable-dbo", 90, lambda c: engine_part(c, True)),
+        Part("engine_link", "default flags vs --enable-dbo, emulated link at comm = compute", 240, engine_link_part),
         Part("serve", "bench-serve --compare dbo", 150, serve_part),
     ]

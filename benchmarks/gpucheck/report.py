@@ -114,7 +114,9 @@ def engine_section(runs: dict[str, dict[str, Any]]) -> list[str]:
             return "off" if g else ""
         return f"{len(g.get('sizes') or [])} plain + {len(g.get('dbo_sizes') or [])} DBO, dropped {g.get('dropped')}"
 
-    rows += [("CUDA graphs", *(graphs(runs[n]) for n in names)),
+    rows += [("DBO cost model", *("; ".join((runs[n].get("measured") or {}).get("dbo_decisions") or []) or ""
+                                  for n in names)),
+             ("CUDA graphs", *(graphs(runs[n]) for n in names)),
              ("start-up s (load, KV sizing, capture)", *(runs[n].get("init_s") for n in names)),
              ("experts / attention", *("{} / {}".format(*(((runs[n].get("engine") or {}).get(k)) for k in
                                        ("experts_backend", "attention_backend"))) for n in names))]
@@ -122,6 +124,24 @@ def engine_section(runs: dict[str, dict[str, Any]]) -> list[str]:
     lines += ["", "Figures of the last of the measured calls (the first pays one-time costs: Triton compiles, first "
               "use of a kernel). As a command (plus a 2-prompt warm-up call first):", ""]
     lines += [f"- `{runs[n].get('cli_equivalent')}`" for n in names if runs[n]]
+    return lines
+
+
+def engine_link_section(data: dict[str, Any]) -> list[str]:
+    """``engine_link``: the calibration, then default flags and ``--enable-dbo`` over the calibrated link."""
+    cal = data.get("calibration")
+    if not cal:
+        return ["No results."]
+    lines = [f"Link `{cal['link']}`: comm/compute {cal['comm_over_compute']:g} of {cal['compute_ms_per_step']:.2f} ms "
+             f"of GPU compute per step ({cal['bytes_per_step'] / 2**20:.1f} MiB in {cal['transfers_per_step']:.0f} "
+             "transfers per step, from an eager run over a free link).", ""]
+    runs = {name: data.get(key) or {} for name, key in (("default flags", "default"), ("--enable-dbo", "dbo"))}
+    lines += table(["", *runs], [
+        ("output tok/s", *(r.get("output_tokens_per_s") for r in runs.values())),
+        ("ubatched steps", *(f"{r.get('num_ubatched_steps')}/{r.get('num_steps')}" if r else None
+                             for r in runs.values())),
+        ("link hidden %", *(r.get("link_hidden_pct") for r in runs.values())),
+        ("DBO cost model", *("; ".join(r.get("dbo_decisions") or []) for r in runs.values()))])
     return lines
 
 
@@ -159,6 +179,8 @@ def render(results: dict[str, Any]) -> str:
     lines += ["", "## Kernels and the decode step (`bench_gpu.py --quick`)", "", *bench_section(_data(results, "bench"))]
     lines += ["", "## The engine as a user runs it (1.2B model, 256 prompts x 128 new tokens, --max-num-seqs 256)", "",
               *engine_section({"default flags": _data(results, "engine"), "--enable-dbo": _data(results, "engine_dbo")})]
+    lines += ["", "## The engine with an emulated link at comm = compute (`gpucheck.engine_link`)", "",
+              *engine_link_section(_data(results, "engine_link"))]
     lines += ["", "## Server (`bench-serve --compare dbo`)", "", *serve_section(parts.get("serve") or {})]
     failed = [(n, p) for n, p in parts.items() if p.get("tail")]
     if failed:

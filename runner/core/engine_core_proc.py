@@ -26,8 +26,8 @@ from typing import Any
 
 from runner.core.engine_core import EngineCore
 from runner.core.messages import (
-    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, Outputs, Profile, Ready,
-    Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
+    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, DBOBucketStat, Outputs,
+    Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
 from runner.core.requests import EngineCoreOutput
 
@@ -187,7 +187,10 @@ class CoreLoop:
         runtime = getattr(getattr(runner, "model", None), "moe_runtime", None)
         if runtime is not None:
             comm = runtime.link_times()
+        cost_model = getattr(runner, "cost_model", None)  # the measured DBO cost model (None without it)
         return CoreStats(num_running=core.num_running, num_waiting=core.num_waiting,
                          kv_cache_usage=core.kv_cache_usage, num_steps=getattr(runner, "num_steps", 0),
                          num_ubatched_steps=getattr(runner, "num_ubatched_steps", 0),
-                         comm_s=comm[0] if comm else 0.0, comm_exposed_s=comm[1] if comm else 0.0)
+                         comm_s=comm[0] if comm else 0.0, comm_exposed_s=comm[1] if comm else 0.0,
+                         dbo_buckets=[] if cost_model is None else [DBOBucketStat(d.label, d.dbo_on, d.ratio)
+                                                                    for d in cost_model.decisions()])

@@ -24,6 +24,14 @@ class CoreInfo(msgspec.Struct):
     eos_token_ids: list[int]
 
 
+class DBOBucketStat(msgspec.Struct):
+    """One bucket of a rank's measured DBO cost model (``runner.worker.dbo_cost_model.BucketDecision``)."""
+
+    bucket: str  # "decode 256-511 tok replayed"
+    dbo_on: bool
+    speedup: float  # DBO off time / on time per token (> 1: DBO is faster)
+
+
 class CoreStats(msgspec.Struct):
     """A rank's load and DBO counters, sent with its outputs."""
 
@@ -34,6 +42,7 @@ class CoreStats(msgspec.Struct):
     num_ubatched_steps: int = 0
     comm_s: float = 0.0  # modelled all-to-all time in flight (emulated link, CPU)
     comm_exposed_s: float = 0.0  # of which a ubatch waited for it
+    dbo_buckets: list[DBOBucketStat] = []  # the measured DBO cost model's buckets that ran both ways
 
 
 # ---- client -> rank ---------------------------------------------------------------------------------------

@@ -387,7 +387,7 @@ class MPEngineClient(EngineClient):
         rank = self._ranks[msg.rank]
         s = msg.stats
         rank.stats = RankStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_steps, s.num_ubatched_steps,
-                               s.comm_s, s.comm_exposed_s)
+                               s.comm_s, s.comm_exposed_s, {b.bucket: (b.dbo_on, b.speedup) for b in s.dbo_buckets})
         if msg.outputs:
             self._process(msg.outputs)
         if self.metrics is not None:

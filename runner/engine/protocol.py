@@ -46,6 +46,8 @@ class RankStats:
     num_ubatched_steps: int = 0  # steps run as two DBO ubatches
     comm_s: float = 0.0  # all-to-all time on the (emulated) link
     comm_exposed_s: float = 0.0  # of which a ubatch waited for it (not hidden behind compute)
+    # the measured DBO cost model per bucket ("decode 256-511 tok replayed"): (DBO on, DBO's speed-up)
+    dbo_buckets: dict[str, tuple[bool, float]] = field(default_factory=dict)
 
 
 @dataclass

@@ -105,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m runner", description="ubatch reference engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,serve,bench-serve}")
     gen = sub.add_parser("generate", help="generate for a prompt file or random prompts, print a summary")
-    bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed and outputs")
+    bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed (median of "
+                           "--bench-repeats runs, with their spread) and outputs (in a half-precision dtype, a "
+                           "difference is checked again in float32)")
     for p in (gen, bench):
         add_engine_args(p)
         _sampling_args(p)
@@ -113,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(subparser=p)  # so errors print the subcommand's usage
     bench.add_argument("--output-csv", metavar="PATH", help="write the comparison table as CSV (default: none; its "
                        "directory must exist)")
+    bench.add_argument("--bench-repeats", type=int, default=3, metavar="N",
+                       help="timed runs of the workload per variant after the warm-up; tok/s is their median and "
+                       "the run-to-run spread (max - min) / median is reported (default 3)")
     from runner.entrypoints.benchserve.main import add_bench_serve_args
     from runner.entrypoints.serve import add_serve_args
 
@@ -135,6 +140,7 @@ class Job:
     prompts: list[Any]
     sampling: SamplingParams
     disable_tqdm: bool
+    repeats: int = 1  # bench: timed runs per variant
 
 
 def _read_prompts(path: str) -> list[Any]:
@@ -193,6 +199,8 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     for flag, value in (("--num-prompts", args.num_prompts), ("--random-prompt-len", args.random_prompt_len)):
         if value < 1:
             parser.error(f"argument {flag}: must be >= 1, got {value}")
+    if getattr(args, "bench_repeats", 1) < 1:
+        parser.error(f"argument --bench-repeats: must be >= 1, got {args.bench_repeats}")
     if not 0.0 <= args.random_range_ratio < 1.0:
         parser.error(f"argument --random-range-ratio: must lie in [0, 1), got {args.random_range_ratio}")
     _sampling(args, GenerationConfig(), parser, check_only=True)  # the flags' own values, before the model
@@ -217,12 +225,18 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     else:
         prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio,
                                  info.vocab_size, cfg.seed)
-    return Job(args.command, cfg, prompts, sampling, args.disable_tqdm)
+    return Job(args.command, cfg, prompts, sampling, args.disable_tqdm, getattr(args, "bench_repeats", 1))
 
 
 # ---------------------------------------------------------------------------------------------- rank side
 def run_job(job: Job) -> dict[str, Any] | None:
-    """One rank's work (spawned, torchrun or in-process). Rank 0 returns the results; other ranks None."""
+    """One rank's work (spawned, torchrun or in-process). Rank 0 returns the results; other ranks None.
+
+    ``bench``: DBO off, then on, each warmed up and then run ``job.repeats`` times (every run's stats are kept).
+    When the model computes in a half-precision dtype and the two variants' tokens differ, both run once more
+    in float32 with DBO on every step the thresholds allow (:func:`float32_check`): what a comparison in
+    bfloat16 cannot tell apart, rounding or a wrong result, float32 does.
+    """
     from runner.entrypoints.llm import LLM
     from runner.tracing import result_to_json
 
@@ -236,17 +250,58 @@ def run_job(job: Job) -> dict[str, Any] | None:
         try:
             if job.command == "bench":  # warm-up: first-call costs must not count against either variant
                 llm.generate(job.prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
-            outputs = llm.generate(job.prompts, job.sampling, use_tqdm=not job.disable_tqdm)
+            repeats = []
+            for _ in range(job.repeats if job.command == "bench" else 1):
+                outputs = llm.generate(job.prompts, job.sampling, use_tqdm=not job.disable_tqdm)
+                repeats.append(asdict(llm.last_stats))
             has_tokenizer = llm.get_tokenizer() is not None
             runs.append({"dbo": cfg.enable_dbo, "has_tokenizer": has_tokenizer,
                          "outputs": [request_output_json(i, o, has_tokenizer) for i, o in enumerate(outputs)],
-                         "stats": asdict(llm.last_stats), "summary": llm.last_stats.summary(),
-                         "trace": result_to_json(llm.last_trace)})
+                         "stats": asdict(llm.last_stats), "repeats": repeats, "summary": llm.last_stats.summary(),
+                         "trace": result_to_json(llm.last_trace), "dtype": model_dtype(llm),
+                         "experts_backend": llm.runner.experts_backend})
         finally:
             llm.close()
             del llm
             gc.collect()
-    return {"runs": runs} if rank == 0 else None
+    result: dict[str, Any] = {"runs": runs}
+    if job.command == "bench":
+        result["float32_check"] = float32_check(job, runs)
+    return result if rank == 0 else None
+
+
+def model_dtype(llm: Any) -> str:
+    """The dtype the rank's model computes in (``bfloat16``, ``float32``, ...)."""
+    return str(next(llm.runner.model.parameters()).dtype).removeprefix("torch.")
+
+
+def float32_check(job: Job, runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """DBO off vs on once more in float32 when the timed runs computed in a half-precision dtype and their tokens
+    differ (``None`` otherwise; every DP rank decides alike, from the same gathered outputs).
+
+    DBO splits a step's GEMMs into two halves of the rows, and bfloat16 rounds a half-size GEMM differently on
+    logits that are nearly flat; float32 does not. DBO runs on every step the thresholds allow (cost model off)
+    so the check covers DBO, and ``grouped_mm`` experts (bf16-only GEMMs) are replaced by ``triton``.
+    """
+    from runner.entrypoints.llm import LLM
+
+    off, on = runs
+    if off["dtype"] == "float32" or compare_outputs(off["outputs"], on["outputs"]) is None:
+        return None
+    experts = "triton" if on["experts_backend"] == "grouped_mm" else job.cfg.experts_backend
+    outputs = []
+    for dbo in (False, True):
+        llm = LLM(job.cfg.replace(dtype="float32", enable_dbo=dbo, dbo_cost_model="off", experts_backend=experts,
+                                  trace_file=None))
+        try:
+            has_tokenizer = llm.get_tokenizer() is not None
+            got = llm.generate(job.prompts, job.sampling, use_tqdm=False)
+            outputs.append([request_output_json(i, o, has_tokenizer) for i, o in enumerate(got)])
+        finally:
+            llm.close()
+            del llm
+            gc.collect()
+    return {"dtype": off["dtype"], "experts_backend": experts, "off": outputs[0], "on": outputs[1]}
 
 
 # ---------------------------------------------------------------------------------------------- parent side

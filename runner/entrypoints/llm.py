@@ -40,7 +40,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from runner import tracing
@@ -72,6 +72,8 @@ class GenerationStats:
     num_ubatched_steps: int
     num_preemptions: int
     enable_dbo: bool = False
+    # the measured DBO cost model's buckets as they stand at the end (per DP rank, "rank r: " with several)
+    dbo_decisions: list[str] = field(default_factory=list)
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -86,6 +88,8 @@ class GenerationStats:
             parts.append(f"ubatched steps: {self.num_ubatched_steps}/{self.num_steps} (DBO)")
         if self.num_preemptions:
             parts.append(f"preemptions: {self.num_preemptions}")
+        if self.dbo_decisions:
+            parts.append("DBO cost model: " + "; ".join(self.dbo_decisions))
         return " | ".join(parts)
 
 
@@ -364,7 +368,7 @@ class LLM:
             raise RuntimeError(f"KV blocks leaked: {sched.allocator.num_blocks - sched.allocator.num_free_blocks} "
                                "still allocated after every request finished")
         mine = ([(i, finished[str(first_id + i)]) for i in local], sched.num_preemptions - preemptions0,
-                time.perf_counter() - start, tracing.local_spans(rec))
+                time.perf_counter() - start, tracing.local_spans(rec), self._dbo_decisions())
         gathered = self._all_gather(mine)
         if rec is not None:
             self.last_trace = tracing.export(self.cfg.trace_file, [g[3] for g in gathered], self.rank)
@@ -378,8 +382,15 @@ class LLM:
             elapsed_s=max(time.perf_counter() - start, max(g[2] for g in gathered)),
             num_steps=getattr(self.runner, "num_steps", 0) - steps0,
             num_ubatched_steps=getattr(self.runner, "num_ubatched_steps", 0) - ubatched0,
-            num_preemptions=sum(g[1] for g in gathered), enable_dbo=self.cfg.enable_dbo)
+            num_preemptions=sum(g[1] for g in gathered), enable_dbo=self.cfg.enable_dbo,
+            dbo_decisions=[(f"rank {r}: " if len(gathered) > 1 else "") + d
+                           for r, g in enumerate(gathered) for d in g[4]])
         return outputs
+
+    def _dbo_decisions(self) -> list[str]:
+        """This rank's DBO cost-model buckets, one line each (none without the measured cost model)."""
+        cost_model = getattr(self.runner, "cost_model", None)  # as num_steps: a test's stand-in runner has none
+        return [] if cost_model is None else [d.describe() for d in cost_model.decisions()]
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:

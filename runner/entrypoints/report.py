@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import csv
 import json
+import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
@@ -23,7 +25,16 @@ from runner.outputs import CompletionOutput, RequestOutput
 NO_UBATCH_HINT = ("note: DBO was on but no step ran ubatched: each DP rank's batch stayed below "
                   "--dbo-decode-token-threshold / --dbo-prefill-token-threshold (or a rank's second ubatch would "
                   "have been empty); lower the thresholds or send more prompts")
+COST_MODEL_OFF_HINT = ("note: DBO was on but no step ran ubatched: the measured DBO cost model found DBO slower in "
+                       "the buckets it measured (above); --dbo-cost-model off runs it wherever the thresholds allow")
 MAX_ERRORS_LISTED = 10
+
+
+def no_ubatch_hint(stats: dict[str, Any]) -> str | None:
+    """Why a DBO run ran no step ubatched, when it did not: the cost model's choice, or the thresholds."""
+    if not stats["num_steps"] or stats["num_ubatched_steps"]:
+        return None
+    return COST_MODEL_OFF_HINT if stats.get("dbo_decisions") else NO_UBATCH_HINT
 
 
 TEXT_SHOWN = 72  # characters of text per line
@@ -98,8 +109,9 @@ def report_generate(result: dict[str, Any], output_json: str | None) -> int:
             print(line)
     code = _list_errors(outputs)
     print(run["summary"])
-    if run["dbo"] and run["stats"]["num_steps"] and not run["stats"]["num_ubatched_steps"]:
-        print(NO_UBATCH_HINT, file=sys.stderr)
+    hint = no_ubatch_hint(run["stats"]) if run["dbo"] else None
+    if hint:
+        print(hint, file=sys.stderr)
     code = _report_trace(run) or code
     if output_json:
         code = _write("--output-json", output_json,
@@ -139,35 +151,83 @@ def compare_outputs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str | N
     return f"{len(diffs)} of {len(a)} requests differ (first: {where} at output token {pos})"
 
 
+def tok_per_s(stats: dict[str, Any]) -> float:
+    return stats["num_output_tokens"] / stats["elapsed_s"] if stats["elapsed_s"] else 0.0
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """A variant's output tok/s over its timed runs: the median, and the spread (max - min) / median."""
+
+    runs: list[float]
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.runs)
+
+    @property
+    def spread(self) -> float:
+        return (max(self.runs) - min(self.runs)) / self.median if self.median else 0.0
+
+    @classmethod
+    def of(cls, run: dict[str, Any]) -> "Throughput":
+        return cls([tok_per_s(s) for s in run.get("repeats") or [run["stats"]]])
+
+
+def token_verdict(off: dict[str, Any], on: dict[str, Any], float32: dict[str, Any] | None) -> tuple[str, bool]:
+    """What the token comparison says, and whether the outputs count as identical.
+
+    In float32 a difference is a difference. In a half-precision dtype DBO changes the GEMMs' row counts and so
+    their rounding: a difference there is reported as such, with the float32 re-run's verdict beside it, and
+    only the float32 verdict decides.
+    """
+    diff = compare_outputs(off["outputs"], on["outputs"])
+    dtype = off.get("dtype", "float32")
+    if diff is None:
+        return f"identical ({len(on['outputs'])} requests{'' if dtype == 'float32' else ', ' + dtype})", True
+    if float32 is None:
+        return f"DIFFERENT: {diff}", False
+    exact = compare_outputs(float32["off"], float32["on"])
+    checked = (f"in float32 (DBO on every step the thresholds allow, {float32['experts_backend']} experts): " +
+               (f"identical ({len(float32['on'])} requests)" if exact is None else f"DIFFERENT: {exact}"))
+    return (f"{diff} in {dtype}, which may differ by rounding (DBO halves each step's GEMMs, and {dtype} rounds "
+            f"a half-size GEMM differently); {checked}"), exact is None
+
+
 def report_bench(result: dict[str, Any], output_csv: str | None) -> int:
     off, on = result["runs"]
-    rows = [("output tok/s", lambda s: f"{s['num_output_tokens'] / s['elapsed_s']:.1f}" if s["elapsed_s"] else "0"),
-            ("total time (s)", lambda s: f"{s['elapsed_s']:.3f}"),
-            ("output tokens", lambda s: str(s["num_output_tokens"])),
-            ("steps", lambda s: str(s["num_steps"])),
-            ("ubatched steps", lambda s: str(s["num_ubatched_steps"]))]
-    print(f"{'':<16}{'DBO off':>12}{'DBO on':>12}")
+    speed = {id(off): Throughput.of(off), id(on): Throughput.of(on)}
+    rows = [("output tok/s", lambda r: f"{speed[id(r)].median:.1f}"),
+            ("run-to-run", lambda r: f"{100 * speed[id(r)].spread:.1f} % ({len(speed[id(r)].runs)} runs)"),
+            ("total time (s)", lambda r: f"{r['stats']['elapsed_s']:.3f}"),
+            ("output tokens", lambda r: str(r["stats"]["num_output_tokens"])),
+            ("steps", lambda r: str(r["stats"]["num_steps"])),
+            ("ubatched steps", lambda r: str(r["stats"]["num_ubatched_steps"]))]
+    print(f"{'':<16}{'DBO off':>20}{'DBO on':>20}")
     for name, fmt in rows:
-        print(f"{name:<16}{fmt(off['stats']):>12}{fmt(on['stats']):>12}")
-    diff = compare_outputs(off["outputs"], on["outputs"])
-    verdict = f"identical ({len(on['outputs'])} requests)" if diff is None else f"DIFFERENT: {diff}"
+        print(f"{name:<16}{fmt(off):>20}{fmt(on):>20}")
+    verdict, identical = token_verdict(off, on, result.get("float32_check"))
     print(f"token outputs DBO off vs on: {verdict}")
+    decisions = on["stats"].get("dbo_decisions")
+    if decisions:
+        print("DBO cost model: " + "; ".join(decisions))
     code = _list_errors(on["outputs"])
-    if on["stats"]["num_steps"] and not on["stats"]["num_ubatched_steps"]:
-        print(NO_UBATCH_HINT, file=sys.stderr)
+    hint = no_ubatch_hint(on["stats"])
+    if hint:
+        print(hint, file=sys.stderr)
     code = _report_trace(on) or code
     if output_csv:
-        code = _write("--output-csv", output_csv, lambda p: _write_csv(p, off, on, diff is None)) or code
+        code = _write("--output-csv", output_csv, lambda p: _write_csv(p, off, on, identical, speed)) or code
     return code
 
 
-def _write_csv(path: Path, off: dict[str, Any], on: dict[str, Any], identical: bool) -> None:
+def _write_csv(path: Path, off: dict[str, Any], on: dict[str, Any], identical: bool,
+               speed: dict[int, Throughput]) -> None:
     with open(path, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["dbo", "output_tok_per_s", "total_time_s", "output_tokens", "steps", "ubatched_steps",
-                    "outputs_identical"])
+                    "outputs_identical", "runs", "spread_pct"])
         for run in (off, on):
-            s = run["stats"]
-            w.writerow([run["dbo"], round(s["num_output_tokens"] / s["elapsed_s"], 3) if s["elapsed_s"] else 0,
-                        round(s["elapsed_s"], 4), s["num_output_tokens"], s["num_steps"], s["num_ubatched_steps"],
-                        identical])
+            s, t = run["stats"], speed[id(run)]
+            w.writerow([run["dbo"], round(t.median, 3), round(s["elapsed_s"], 4), s["num_output_tokens"],
+                        s["num_steps"], s["num_ubatched_steps"], identical, len(t.runs), round(100 * t.spread, 2)])

@@ -45,13 +45,15 @@ def capture_agreement(dp_group: Any) -> CaptureAgreement | None:
 def planned_keys(model_runner: Any, sizes: Sequence[int] | str | None = None,
                  wrapper: Any = _RUNNERS_WRAPPER) -> list[GraphKey]:
     """The graphs ``make_graph_runner(model_runner, sizes=..., wrapper=...)`` captures by default (the KV
-    budget's trial capture needs the largest)."""
+    budget's trial capture needs the largest): with the measured DBO cost model, a plain and a DBO graph at
+    every size that may ubatch, so each choice it makes replays."""
     cfg = model_runner.cfg
     requested = sizes if sizes is not None else getattr(cfg, "cuda_graph_sizes", None)
     resolved = resolve_capture_sizes(requested, cfg.max_num_seqs, model_runner.input_ids.shape[0])
     wrapper = model_runner.wrapper if wrapper is _RUNNERS_WRAPPER else wrapper
     return plan_captures(resolved, dbo_enabled=wrapper is not None, decode_threshold=cfg.dbo_decode_token_threshold,
-                         num_ubatches=wrapper.config.num_ubatches if wrapper is not None else 2)
+                         num_ubatches=wrapper.config.num_ubatches if wrapper is not None else 2,
+                         both_kinds=wrapper is not None and cfg.dbo_cost_model == "measured")
 
 
 def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = None,

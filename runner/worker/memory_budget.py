@@ -19,9 +19,10 @@ exists (:func:`fit_kv_cache_to_memory`, called from ``ModelRunner.__init__``):
 2. the memory in use is read (device-wide, from the driver, less the minimal cache);
 3. a profiling forward of the largest step (``max_num_batched_tokens`` prompt tokens spread over up to
    ``max_num_seqs`` requests, plus their logits) gives the activation peak (allocator peak above the start);
-4. a trial capture of the largest planned graph on the minimal cache gives the graph memory: the graphs
-   share one pool and are captured largest first, so the largest graph's pool is what the ladder needs,
-   plus each smaller graph's static output; the trial is then released;
+4. a trial capture of the largest planned size on the minimal cache (its plain and its DBO graph where the
+   plan holds both) gives the graph memory: the graphs share one pool and are captured largest first, so
+   the largest size's pool is what the ladder needs, plus each smaller graph's static output; the trial is
+   then released;
 5. the minimal cache is replaced by the sized one; the caller then captures the real graphs.
 
 A capture that still runs out of memory drops sizes (``cudagraph.manager``) rather than failing. On CPU
@@ -184,14 +185,16 @@ def _profile_activation_peak(runner: Any) -> int:
 
 
 def _trial_graph_bytes(runner: Any) -> int:
-    """Graph memory of the planned ladder, from a trial capture of its largest graph on the minimal cache."""
+    """Graph memory of the planned ladder, from a trial capture of its largest size on the minimal cache (both
+    its graphs where the plan holds a plain and a DBO one: they share the pool, each with its own needs)."""
     from runner.worker.cuda_graphs import graphs_enabled, make_graph_runner, planned_keys
 
     if not graphs_enabled(runner):  # eager: --enforce-eager or an uncapturable backend
         return 0
     keys = planned_keys(runner)
-    largest = max(keys, key=lambda k: k.num_tokens)
-    trial = make_graph_runner(runner, keys=[largest], progress=False)
+    size = max(k.num_tokens for k in keys)
+    largest = [k for k in keys if k.num_tokens == size]
+    trial = make_graph_runner(runner, keys=largest, progress=False)
     runner.graph_capture_stream = trial.capture_stream  # the real capture reuses it (no new cuBLAS workspaces)
     try:
         report = trial.capture()
@@ -199,7 +202,7 @@ def _trial_graph_bytes(runner: Any) -> int:
         trial.clear()
     torch.cuda.empty_cache()
     hidden_bytes = runner.model_config.hidden_size * next(runner.model.parameters()).element_size()
-    outputs = sum(k.num_tokens for k in keys if k != largest) * hidden_bytes  # each graph's static output
+    outputs = sum(k.num_tokens for k in keys if k not in largest) * hidden_bytes  # each graph's static output
     return report.graph_bytes + outputs
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 from typing import Any
 
 import logging
-import time
 
 import numpy as np
 import torch
@@ -25,6 +24,7 @@ import torch.distributed as dist
 from runner.attention import make_attention_backend
 from runner.worker.cuda_graphs import maybe_make_graph_runner
 from runner.worker.dbo_cost_model import DBOCostModel
+from runner.worker.dbo_step_timing import MeasuredDBO, make_step_timer
 from runner.distributed.device import torch_device
 from runner.distributed.dp import DPDecision, coordinate_batch_across_dp, local_decision
 from runner.attention.metadata import PagedAttentionMetadata
@@ -110,12 +110,16 @@ class ModelRunner:
         self.num_steps = 0
         self.num_ubatched_steps = 0
         self.num_dummy_steps = 0
-        self.cost_model = DBOCostModel() if cfg.enable_dbo and cfg.dbo_cost_model == "measured" else None
+        # the measured DBO cost model, fed the forward's device time (host time on CPU): worker/dbo_step_timing.py
+        self.cost_model = MeasuredDBO(DBOCostModel(), make_step_timer(self.device)) \
+            if cfg.enable_dbo and cfg.dbo_cost_model == "measured" else None
         # --attention-backend: builds each step's attention metadata; graph decode goes through it too
         self.attention_backend = make_attention_backend(cfg.attention_backend, self.device,
                                                         log=rank == 0)
         self.kv_budget = fit_kv_cache_to_memory(self)  # GPU without --num-kv-blocks: KV from --gpu-memory-utilization
         self.graph_runner = maybe_make_graph_runner(self)  # None on CPU / --enforce-eager; captures on GPU
+        if self.cost_model is not None:
+            self.cost_model.graph_runner = self.graph_runner  # steps are compared with steps that ran the same way
 
     # ---- set-up ----------------------------------------------------------------------------------
     def _dp_group(self) -> Any:
@@ -175,7 +179,6 @@ class ModelRunner:
 
     @torch.inference_mode()
     def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
-        start = time.perf_counter()
         decision, split_point = self.decide(sched)
         if not decision.any_work:
             return None
@@ -183,12 +186,13 @@ class ModelRunner:
         if sched.num_tokens == 0:
             self._dummy_step(decision)
             return ModelRunnerOutput([])
+        if self.cost_model is not None:
+            self.cost_model.start()
         hidden, _ = self._forward(sched, decision, split_point)
+        if self.cost_model is not None:
+            self.cost_model.stop(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch)
         with trace.region("sample", "step", track="step"):
             sampled, logprobs = self._sample(sched, hidden)
-        if self.cost_model is not None:
-            self.cost_model.record(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch,
-                                   time.perf_counter() - start)
         return ModelRunnerOutput(sampled, logprobs)
 
     def _forward(self, sched: SchedulerOutput, decision: DPDecision,

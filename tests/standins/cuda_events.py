@@ -4,11 +4,11 @@ It simulates a GPU timeline so span times are known exactly: every stream has a 
 queued work finishes; work enqueued on a stream starts when both the stream and the host have reached it
 (``max(stream.t, host)``), as on a GPU that never runs ahead of the launch. The host clock ``host`` is
 driven by the test (``cuda.host = 2.0``), and GPU work is queued with ``cuda.run(seconds)`` (a kernel on the
-current stream) or ``cuda._sleep(cycles)`` (the emulated link's delay kernel, ``CYCLES_PER_SECOND`` cycles a
-second). Events follow ``torch.cuda.Event``: ``record(stream=None)``, ``synchronize()``, ``query()``,
-``elapsed_time(other)`` in milliseconds, which raises when either event was not recorded or was made
-without ``enable_timing`` (CUDA refuses both). Recording a timing event while ``capturing`` is set raises,
-as ``cudaEventRecord`` of a timing event does inside a stream capture.
+current stream), ``cuda.wait_ns(ns)`` (the emulated link's wait kernel) or ``cuda._sleep(cycles)``
+(``CYCLES_PER_SECOND`` cycles a second). Events follow ``torch.cuda.Event``: ``record(stream=None)``,
+``synchronize()``, ``query()``, ``elapsed_time(other)`` in milliseconds, which raises when either event was not
+recorded or was made without ``enable_timing`` (CUDA refuses both). Recording a timing event while
+``capturing`` is set raises, as ``cudaEventRecord`` of a timing event does inside a stream capture.
 
 Tests pass an instance explicitly (``TraceRecorder(clock="cuda", cuda_module=cuda)``,
 ``EmulatedLink(..., cuda_module=cuda)``); nothing selects it at run time.
@@ -144,6 +144,11 @@ class FakeCuda:
 
     def _sleep(self, cycles: int) -> None:
         self.current_stream().enqueue(cycles / self.CYCLES_PER_SECOND)
+
+    def wait_ns(self, ns: int) -> None:
+        """The emulated link's device wait kernel (``device_wait.wait_ns``): ``ns`` nanoseconds on the current
+        stream."""
+        self.current_stream().enqueue(ns * 1e-9)
 
     def is_current_stream_capturing(self) -> bool:
         return self.capturing

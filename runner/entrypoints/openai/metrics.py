@@ -147,3 +147,16 @@ class _EngineStatsCollector(Collector):
                                       "compute (1 - exposed / total), over all DP ranks.", labels=["model_name"])
             ratio.add_metric([name], hidden)
             yield ratio
+        buckets = [(rank, bucket, on_speedup) for rank, r in enumerate(stats.ranks)
+                   for bucket, on_speedup in sorted(r.dbo_buckets.items())]
+        if buckets:  # the measured DBO cost model has run some bucket both ways
+            on = GaugeMetricFamily(PREFIX + "dbo_cost_model_enabled", "1 where the measured DBO cost model runs this "
+                                   "bucket of steps with DBO, 0 where without.",
+                                   labels=["model_name", "engine", "bucket"])
+            speedup = GaugeMetricFamily(PREFIX + "dbo_cost_model_speedup", "The DBO cost model's measured speed-up "
+                                        "of DBO in this bucket (time per token without DBO / with it, from each "
+                                        "side's fastest recent step).", labels=["model_name", "engine", "bucket"])
+            for rank, bucket, (dbo_on, ratio) in buckets:
+                on.add_metric([name, str(rank), bucket], 1.0 if dbo_on else 0.0)
+                speedup.add_metric([name, str(rank), bucket], ratio)
+            yield from (on, speedup)

@@ -6,12 +6,19 @@ for every byte. Transfers on one rank share the link: a transfer starts when the
 (``busy_until``), so two ubatches cannot both get the full bandwidth. The real transfer still happens
 underneath (so results stay exact); the model only decides *when* it may be observed.
 
-On a GPU the delay is a ``torch.cuda._sleep`` kernel on a side stream joined by an event, which keeps the
-step CUDA-graph capturable. Traced with the cuda clock, the sleep kernel has a timing event before and
-after it on the side stream: that interval is the modelled transfer, the ``comm`` span. With the cpu clock
-on a GPU the span is the modelled ``[send, deadline]`` on the host clock. Inside a capture nothing is
-recorded (timing events cannot be captured), so a graph replay's link time is not separated from its
-compute. ``cuda_module`` replaces ``torch.cuda`` (tests pass ``tests/standins/cuda_events.py``).
+On a GPU the link lives on the device: each transfer is a wait kernel of its own modelled time
+(``latency + bytes / bandwidth``) on the rank's one side stream, joined by an event, which keeps the step
+CUDA-graph capturable. The side stream is the shared wire: a transfer's wait starts once the previous one's
+has ended, so the GPU serialises transfers without a host clock (the host runs ahead of the GPU, and a
+queue computed from host send times would count the same wait twice). The wait spins on the GPU's global
+nanosecond timer (``device_wait.py``), not on clock cycles (``torch.cuda._sleep`` counts SM cycles, whose
+length follows the SM clock: an idle GPU runs at a fraction of its loaded clock, so identical runs would get
+different link times). Traced with the cuda clock, the wait kernel has a timing event before and after it on the side
+stream: that interval is the modelled transfer, the ``comm`` span. With the cpu clock on a GPU the span is
+the modelled ``[send, send + time]`` on the host clock. Inside a capture nothing is recorded (timing events
+cannot be captured), so a graph replay's link time is not separated from its compute. ``cuda_module``
+replaces ``torch.cuda`` (tests pass ``tests/standins/cuda_events.py``, whose ``wait_ns`` stands for the
+wait kernel).
 """
 from __future__ import annotations
 
@@ -25,6 +32,7 @@ import torch
 
 from ubatch import streams, trace
 from ubatch.modular_moe.comm import Handle
+from ubatch.modular_moe.prepare_finalize import device_wait
 
 
 # Bounds of a modelled link. A transfer is waited for while the run holds its collectives open, so a latency
@@ -110,7 +118,7 @@ class _DeadlineHandle:
             self.on_done(self.deadline)
 
 
-class _CudaSleepHandle:
+class _DeviceWaitHandle:
 
     def __init__(self, inner: Handle | None, done_event: Any, cuda: Any) -> None:
         self.inner, self.done_event, self.cuda = inner, done_event, cuda
@@ -121,37 +129,25 @@ class _CudaSleepHandle:
         self.cuda.current_stream().wait_event(self.done_event)
 
 
-_cycles_per_second: dict[int, float] = {}  # per CUDA module (torch.cuda, or a test's stand-in)
-
-
-def _gpu_cycles_per_second(cuda: Any = torch.cuda) -> float:
-    """Calibrate ``cuda._sleep`` once (its argument is in GPU clock cycles)."""
-    rate = _cycles_per_second.get(id(cuda))
-    if rate is None:
-        start, end = cuda.Event(enable_timing=True), cuda.Event(enable_timing=True)
-        cycles = 10_000_000
-        cuda._sleep(cycles)  # warm-up
-        start.record()
-        cuda._sleep(cycles)
-        end.record()
-        end.synchronize()
-        rate = _cycles_per_second[id(cuda)] = cycles / (start.elapsed_time(end) * 1e-3)
-    return rate
-
-
 class EmulatedLink:
     """Per-rank link model shared by every ubatch and layer of that rank."""
 
     def __init__(self, spec: LinkSpec, device: torch.device | str | None = None, cuda_module: Any = None) -> None:
         self.spec = spec
         self._cuda = cuda_module if cuda_module is not None else torch.cuda
+        self._wait_ns: Callable[[int], None] | None = None  # the device wait kernel (GPU path only)
         if cuda_module is not None:  # a stand-in device: the GPU path on its simulated timeline
             self.device = torch.device("cuda", 0)
             self._side_stream = cuda_module.Stream()
+            self._wait_ns = cuda_module.wait_ns
         else:
             self.device = streams.resolve_device(device)
             self._side_stream = streams.new_stream(self.device, name="emulated-link") \
                 if self.device.type == "cuda" else None
+            if self._side_stream is not None:
+                with torch.cuda.stream(self._side_stream):
+                    device_wait.prepare()  # compiled now, never inside a CUDA-graph capture
+                self._wait_ns = device_wait.wait_ns
         self._lock = threading.Lock()
         self._busy_until = 0.0
         self.total_bytes = 0
@@ -168,6 +164,11 @@ class EmulatedLink:
     def transfer(self, nbytes: int, inner: Handle | None = None, label: str = "a2a") -> Handle:
         """Model sending ``nbytes`` now; ``inner`` is the real transfer to complete underneath."""
         now = time.perf_counter()
+        if self._side_stream is not None:  # the GPU serialises transfers on the side stream (module doc)
+            with self._lock:
+                self.total_bytes += nbytes
+                self.num_transfers += 1
+            return self._cuda_transfer(self.spec.seconds(nbytes), inner, trace.active(), label, nbytes, now)
         with self._lock:
             start = max(now, self._busy_until)
             wire_done = start + nbytes / (self.spec.gbps * 1e9)
@@ -175,12 +176,9 @@ class EmulatedLink:
             self.total_bytes += nbytes
             self.num_transfers += 1
         deadline = wire_done + self.spec.latency_us * 1e-6
-        if self._side_stream is None:
-            with self._lock:
-                self.in_flight_s += deadline - now
+        with self._lock:
+            self.in_flight_s += deadline - now
         rec = trace.active()
-        if self._side_stream is not None:
-            return self._cuda_transfer(deadline - now, inner, rec, label, nbytes, now)
         on_done = None
         if rec is not None:
             track = _comm_track()
@@ -189,8 +187,9 @@ class EmulatedLink:
 
     def _cuda_transfer(self, seconds: float, inner: Handle | None, rec: trace.TraceRecorder | None, label: str,
                        nbytes: int, now: float) -> Handle:
-        cuda = self._cuda
-        cycles = max(1, int(seconds * _gpu_cycles_per_second(cuda)))
+        cuda, wait_ns = self._cuda, self._wait_ns
+        if wait_ns is None:
+            raise RuntimeError("the emulated link has a side stream but no device wait kernel")
         ready = cuda.Event()
         ready.record()
         done = cuda.Event()
@@ -199,7 +198,7 @@ class EmulatedLink:
             self._side_stream.wait_event(ready)
             if rec is not None:
                 start = rec.device_stamp(self._side_stream)  # None: cpu clock, or inside a capture
-            cuda._sleep(cycles)
+            wait_ns(max(1, round(seconds * 1e9)))
             if start is not None:
                 end = rec.device_stamp(self._side_stream)
             done.record()
@@ -208,7 +207,7 @@ class EmulatedLink:
                 rec.span(label, "comm", _comm_track(), start, end, bytes=nbytes)
             elif rec.clock == "cpu" and not cuda.is_current_stream_capturing():
                 rec.span(label, "comm", _comm_track(), now, now + seconds, bytes=nbytes)  # the modelled interval
-        return _CudaSleepHandle(inner, done, cuda)
+        return _DeviceWaitHandle(inner, done, cuda)
 
 
 def _comm_track() -> str:
