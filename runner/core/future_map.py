@@ -25,24 +25,44 @@ from runner.core.slots import slot_of
 
 
 class FutureTokenMap:
-    """``slot -> (owner, token)`` as two numpy arrays; written and read only on the forward side.
+    """``slot -> (owner, token)`` as numpy arrays; written and read only on the forward side.
 
     ``store`` is called after each step with the tokens it sampled; ``resolve`` on the next step's inputs
     before its forward. An entry is consumed by the read that resolves it, so each placeholder needs exactly
     one fresh store (``CI mode`` of the pool-indexed SGLang map, always on here). Both are vectorised over the
-    step: a few numpy operations, whatever the batch size.
+    step: a few numpy operations, whatever the batch size. The owner and freshness checks are host
+    bookkeeping that needs no token value, so the device-resident map of the model runner
+    (``runner/worker/device_future_map.py``) reuses them (:meth:`claim`, :meth:`mark_stored`).
     """
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._owner = np.full(capacity, -1, dtype=np.int64)
-        self._token = np.full(capacity, -1, dtype=np.int64)  # -1: nothing stored since the last read
+        self._stored = np.zeros(capacity, dtype=bool)  # False: nothing stored since the last read
+        self._token = np.full(capacity, -1, dtype=np.int64)
         self.num_resolved = 0  # placeholders replaced so far (tests assert the map really was used)
+
+    def ensure_capacity(self, capacity: int) -> None:
+        """Room for slots ``0 .. capacity - 1`` (new slots hold nothing)."""
+        if capacity <= self.capacity:
+            return
+        grow = capacity - self.capacity
+        self._owner = np.concatenate((self._owner, np.full(grow, -1, dtype=np.int64)))
+        self._stored = np.concatenate((self._stored, np.zeros(grow, dtype=bool)))
+        self._token = np.concatenate((self._token, np.full(grow, -1, dtype=np.int64)))
+        self.capacity = capacity
+
+    def mark_stored(self, req_ids: Sequence[int] | np.ndarray, slots: np.ndarray) -> None:
+        """Record that ``slots`` now hold a fresh token of ``req_ids`` (the value is kept by the caller)."""
+        if len(slots) and int(slots.max()) >= self.capacity:
+            self.ensure_capacity(int(slots.max()) + 1)
+        self._owner[slots] = req_ids
+        self._stored[slots] = True
 
     def store(self, req_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
               tokens: Sequence[int] | np.ndarray) -> None:
         slots = np.asarray(slots, dtype=np.int64)
-        self._owner[slots] = req_ids
+        self.mark_stored(req_ids, slots)
         self._token[slots] = tokens
 
     def resolve_one(self, req_id: int, token: int) -> int:
@@ -50,31 +70,47 @@ class FutureTokenMap:
             return token
         return int(self._take(np.array([req_id]), np.array([slot_of(token)]))[0])
 
-    def _take(self, req_ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
-        """The stored tokens of ``slots``, read by ``req_ids``, consumed; raises on a foreign or stale read."""
-        owners, values = self._owner[slots], self._token[slots]
-        bad = np.flatnonzero((owners != req_ids) | (values < 0))
+    def claim(self, req_ids: np.ndarray, slots: np.ndarray) -> None:
+        """Consume the entries of ``slots`` for the reads of ``req_ids``; raises on a foreign or stale read."""
+        inside = slots < self.capacity
+        owners = np.where(inside, self._owner[np.minimum(slots, self.capacity - 1)], -1)
+        stored = inside & self._stored[np.minimum(slots, self.capacity - 1)]
+        bad = np.flatnonzero((owners != req_ids) | ~stored)
         if bad.size:
             i = int(bad[0])
-            rid, slot, owner, value = int(req_ids[i]), int(slots[i]), int(owners[i]), int(values[i])
+            rid, slot, owner = int(req_ids[i]), int(slots[i]), int(owners[i])
             raise RuntimeError(f"future-token map: request {rid} reads slot {slot} but it holds "
-                               f"{'nothing' if value < 0 else f'a token of request {owner}'} (a placeholder was "
-                               "resolved without its producer's store, or two requests share a slot)")
-        self._token[slots] = -1
+                               f"{'a token of request ' + str(owner) if stored[i] else 'nothing'} (a placeholder "
+                               "was resolved without its producer's store, or two requests share a slot)")
+        self._stored[slots] = False
         self.num_resolved += len(slots)
-        return values
+
+    def _take(self, req_ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
+        """The stored tokens of ``slots``, read by ``req_ids``, consumed; raises on a foreign or stale read."""
+        self.claim(req_ids, slots)
+        return self._token[slots]
+
+    @staticmethod
+    def placeholders(out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """Where ``out``'s placeholders are (token positions), whose they are (request ids) and which slots they
+        name; None when it has none."""
+        ids = out.token_ids
+        if not len(ids) or int(ids.min()) >= 0:
+            return None
+        where = np.flatnonzero(ids < 0)
+        owners = np.repeat(out.req_ids, out.query_lens)[where]
+        return where, owners, -ids[where] - 1
 
     def resolve(self, out: SchedulerOutput) -> SchedulerOutput:
         """``out`` with every placeholder replaced; a copy, the scheduler's own output is not touched (its CPU
         thread reads it while this step runs). A step has at most one placeholder per request: the token its
         previous step samples."""
-        ids = out.token_ids
-        if not len(ids) or int(ids.min()) >= 0:
+        found = self.placeholders(out)
+        if found is None:
             return out
-        where = np.flatnonzero(ids < 0)
-        owners = np.repeat(out.req_ids, out.query_lens)[where]
-        resolved = ids.copy()
-        resolved[where] = self._take(owners, -ids[where] - 1)
+        where, owners, slots = found
+        resolved = out.token_ids.copy()
+        resolved[where] = self._take(owners, slots)
         return out.with_token_ids(resolved)
 
     def store_sampled(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> None:

@@ -66,6 +66,7 @@ from runner.core.future_map import FutureTokenMap
 from ubatch import trace
 from runner.core.scheduler import Request, Scheduler
 from runner.worker.outputs import ModelRunnerOutput
+from runner.worker.pending import LaunchingRunner, PendingStep
 from runner.worker.scheduled_batch import SchedulerOutput
 
 OnResults = Callable[[SchedulerOutput, ModelRunnerOutput, list[Request]], None]
@@ -143,6 +144,10 @@ class LoopStats:
     num_overlapped_steps: int = 0  # launched while the previous step's results were still unprocessed
     num_placeholders_resolved: int = 0  # inputs taken from the future-token map on the forward side
     sync_reasons: collections.Counter = field(default_factory=collections.Counter)
+    # Steps (0-based launch order, steps with work) whose launch began only after the previous step's results
+    # had been read on the host: with the pipelined loop only after a sync point (sync_reasons) or when the host
+    # fell behind the device; with the synchronous loop every step after the first.
+    launches_after_read: list[int] = field(default_factory=list)
 
     @property
     def forward_idle_s(self) -> float:
@@ -161,9 +166,10 @@ def read_back_seconds(runner: Any) -> float:
     return float(getattr(getattr(runner, "sampler", None), "read_back_s", 0.0))
 
 
-def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any) -> bool:
+def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any, emulated_device: bool = False) -> bool:
     """Whether the engine runs the overlap loop: as ``--disable-overlap-schedule`` says when it is set; by
-    default (None) unless the forward runs on the CPU.
+    default (None) unless the forward runs on the CPU without ``--emulate-device`` (with it, the steps have a
+    device time that runs asynchronously to the host, as on a GPU).
 
     On a GPU the forward's kernels run asynchronously to the host thread, so the host's work for step N+1 fits
     inside step N. On the CPU the forward is host work too, and both threads are Python under one GIL: the
@@ -173,7 +179,7 @@ def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any) -> bool
     """
     if disable_overlap_schedule is not None:
         return not disable_overlap_schedule
-    if device is None:
+    if device is None or emulated_device:
         return True
     return torch.device(device).type != "cpu"
 
@@ -217,6 +223,7 @@ class SyncStepLoop:
         self.stats = LoopStats(overlap=False)
         self._start = time.perf_counter()
         self._read0 = read_back_seconds(runner)
+        self._resolved0 = placeholders_resolved(runner)
 
     def step(self) -> bool:
         stats, sched = self.stats, self.sched
@@ -232,6 +239,8 @@ class SyncStepLoop:
         if output is None:  # no DP rank had work: every rank leaves the loop in this same step
             stats.cpu_work_s += t1 - t0
             return False
+        if stats.num_steps:  # launched after the previous step's results were read, by construction
+            stats.launches_after_read.append(stats.num_steps)
         stats.num_steps += 1
         with trace.region("update", "step", track="scheduler"):
             done = sched.update(out, output.sampled_token_ids)
@@ -243,7 +252,24 @@ class SyncStepLoop:
     def finish(self) -> LoopStats:
         self.stats.wall_s = time.perf_counter() - self._start
         self.stats.read_wait_s = read_back_seconds(self.runner) - self._read0
+        self.stats.num_placeholders_resolved = placeholders_resolved(self.runner) - self._resolved0
         return self.stats
+
+
+def placeholders_resolved(runner: Any) -> int:
+    """Placeholders the runner's own (device-resident) future-token map has resolved so far; 0 for a runner
+    whose steps are resolved by the loop's host map (a test stand-in)."""
+    return runner.num_placeholders_resolved if isinstance(runner, LaunchingRunner) else 0
+
+
+def launch_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> PendingStep | None:
+    """Launch one step on the forward side without waiting for its results. A :class:`LaunchingRunner` (the
+    model runner) resolves ``out``'s placeholders on its device; any other runner (a stand-in whose ``step``
+    computes on the host) gets them resolved from ``future_map`` and runs the step here, its result ready."""
+    if isinstance(runner, LaunchingRunner):
+        return runner.launch(out)
+    output = forward_step(runner, future_map, out)
+    return None if output is None else PendingStep.ready(output)
 
 
 def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -261,7 +287,9 @@ def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) 
 @dataclass
 class _Launched:
     out: SchedulerOutput
-    copy_done: Future  # set by the executor once the step's sampled tokens are on the CPU side
+    launched: Future | None = None  # set by the executor once the step is launched (its PendingStep)
+    launch_started: float = 0.0  # perf_counter when the executor began launching it
+    pending: PendingStep | None = None  # once launched: its results, read by the CPU thread
 
 
 class StepTimeoutError(TimeoutError):
@@ -284,19 +312,46 @@ class OverlapStepLoop:
         self._launched: _Launched | None = None  # launched in the current iteration, not yet handed on
         self._busy0, self._start = executor.busy_s, time.perf_counter()
         self._read0 = read_back_seconds(runner)
+        self._resolved0 = placeholders_resolved(runner)
+        self._previous: _Launched | None = None  # the last step with work whose results were read
 
     def _launch(self, out: SchedulerOutput) -> _Launched:
-        return _Launched(out, self.executor.submit(lambda: forward_step(self.runner, self.future_map, out)))
+        item = _Launched(out)
+
+        def launch() -> PendingStep | None:
+            item.launch_started = time.perf_counter()
+            return launch_step(self.runner, self.future_map, out)
+
+        item.launched = self.executor.submit(launch)
+        return item
 
     def _wait(self, launched: _Launched) -> ModelRunnerOutput | None:
-        """The step's output (or its exception), waiting at most ``step_timeout_s``."""
+        """The step's output (or its exception): its launch on the executor, then its results, each waited for
+        at most ``step_timeout_s``."""
+        assert launched.launched is not None
         try:
-            return launched.copy_done.result(timeout=self.step_timeout_s)
+            pending = launched.launched.result(timeout=self.step_timeout_s)
         except FutureTimeoutError:
             raise StepTimeoutError(
                 f"the engine's CPU thread waited {self.step_timeout_s:g} s for a step of {launched.out.num_reqs} "
                 f"chunks on the forward executor thread {self.executor.name!r}, which neither finished nor failed "
                 "it (raise --dist-timeout-s if one step legitimately takes longer)") from None
+        if pending is None:
+            return None
+        launched.pending = pending
+        try:
+            return pending.result(self.step_timeout_s)
+        except TimeoutError as exc:
+            raise StepTimeoutError(f"the results of a step of {launched.out.num_reqs} chunks were not on the host "
+                                   f"after {self.step_timeout_s:g} s: {exc}") from None
+
+    def _count_wait(self, launched: _Launched) -> None:
+        """Whether ``launched`` began launching only after the previous step's results had been read."""
+        prev, self._previous = self._previous, launched
+        if prev is None or prev.pending is None or prev.pending.read_at is None:
+            return
+        if prev.pending.read_at <= launched.launch_started:
+            self.stats.launches_after_read.append(self.stats.num_steps - 1)
 
     def _process(self, launched: _Launched) -> None:
         t0 = time.perf_counter()
@@ -305,6 +360,7 @@ class OverlapStepLoop:
         self.stats.copy_wait_s += t1 - t0
         if output is None:
             raise RuntimeError(f"model runner reported no work for a step of {launched.out.num_reqs} chunks")
+        self._count_wait(launched)
         with trace.region("update", "step", track="scheduler"):
             done = self.sched.update(launched.out, output.sampled_token_ids)
             if self.on_results is not None:
@@ -372,5 +428,6 @@ class OverlapStepLoop:
         stats.wall_s = time.perf_counter() - self._start
         stats.forward_busy_s = self.executor.busy_s - self._busy0
         stats.read_wait_s = read_back_seconds(self.runner) - self._read0
-        stats.num_placeholders_resolved = self.future_map.num_resolved
+        stats.num_placeholders_resolved = self.future_map.num_resolved + placeholders_resolved(self.runner) \
+            - self._resolved0
         return stats
