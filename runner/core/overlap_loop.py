@@ -3,28 +3,37 @@
 Synchronous (``--disable-overlap-schedule``): schedule N, run N, process N's results, repeat. The forward
 side idles while the CPU appends tokens, checks stops, frees KV blocks, streams outputs and schedules.
 
-Overlapped (the default on a GPU, ``use_overlap_loop``)::
+Overlapped (the default on a GPU and with ``--emulate-device``, ``use_overlap_loop``)::
 
-    schedule N+1 -> launch N+1 -> wait copy_done(N) -> process N -> schedule N+2 -> launch N+2 -> ...
+    schedule N+1 -> launch N+1 -> read N's results -> process N -> schedule N+2 -> launch N+2 -> ...
 
-Steps run on one persistent executor thread, the CPU's "forward stream" (``ForwardExecutor``), in launch
-order. While it runs step N, the CPU thread processes N-1's results (tokens, stop checks, KV frees, progress),
-then schedules N+1 and queues it behind N, then waits for N. So the forward side never waits for the CPU as
-long as the CPU's per-step work is shorter than a forward. Step N+1 is scheduled before N's tokens are
-known: its inputs name them by placeholders, which the executor resolves from the future-token map
-(``runner/core/future_map.py``) right before N+1's forward, after N stored them.
+Steps are launched on one persistent executor thread, the CPU's "forward stream" (``ForwardExecutor``), in
+launch order. Launching does the step's host work (DP vote, inputs, metadata) and queues its forward and
+sampling on the device without waiting for them (``LaunchingRunner.launch``, ``runner/worker/pending.py``):
+so the executor launches N+1 while N still runs on the device, and never reads a result itself. The CPU thread
+reads N's results (``PendingStep.result``: an event after a ``non_blocking`` copy into pinned memory) only
+after N+1 is launched, then processes them (tokens, stop checks, KV frees, progress) and schedules N+2. So
+the device always has the next step queued as long as the host's work per step is shorter than a step on
+the device. Step N+1 is scheduled before N's tokens are known: its inputs name them by placeholders. The model
+runner resolves them on its device from its own future-token map (``runner/worker/device_future_map.py``: N
+scatters its sampled ids there, N+1 gathers them in stream order); a stand-in runner whose ``step`` computes
+on the host gets them resolved from the loop's host map (``runner/core/future_map.py``) instead. On the CPU
+the same path runs: the "device" is the executor thread, whose launch computes the step.
 
-- ``copy_done`` (the step's ``Future``) is the only CPU wait, bounded by ``step_timeout_s`` (the engine
-  passes ``--dist-timeout-s``: a step that long would already have timed out its peers' collectives). It
-  bounds the look-ahead to one step: the CPU schedules N+2 only after N's results are processed, so the
-  scheduler's speculative state is at most one step ahead, a request has at most two unresolved outputs, and exactly one step executes at a time
-  (the next one waits in the queue, ready to start the moment the current one ends).
+- The CPU thread's waits (the step's launch on the executor, then its results) are each bounded by
+  ``step_timeout_s`` (the engine passes ``--dist-timeout-s``: a step that long would already have timed out
+  its peers' collectives). They bound the look-ahead to one step: the CPU schedules N+2 only after N's
+  results are processed, so the scheduler's speculative state is at most one step ahead, a request has at
+  most two unresolved outputs, and at most two steps are queued on the device.
+- ``LoopStats.launches_after_read`` lists the steps whose launch began only after the previous step's
+  results had been read: in steady decode none (``tests/test_pipelined_steps.py`` checks it on the emulated
+  device); the sync points below, and a host slower than the device, add to it.
 - A step's arrays are built fresh per step (placeholder resolution makes a copy of its token ids); the
   scheduler's persistent block table is shared, but a request's row only gains entries past those its
   steps in flight read, and is cleared only once none is in flight (``runner/attention/kv_cache.py``); the
   runner's persistent ``input_ids``/``positions`` buffers are written by the executor only. So nothing a
   running step reads is mutated in place.
-- DP: ``runner.step`` does the DP all-reduce and the MoE all-to-alls. They all run on the executor thread,
+- DP: ``runner.launch`` does the DP all-reduce and the MoE all-to-alls. They all run on the executor thread,
   one step after the other, so every rank issues its collectives in step order; each loop iteration
   launches exactly one step per rank, which keeps the k-th steps of all ranks paired.
 
@@ -47,7 +56,8 @@ chunked prefill's next chunk is prompt tokens, known in advance; max_tokens / ma
 advance, so a request is never scheduled past them; a stop token found in N for a request already in N+1
 discards N+1's token and delays freeing its KV blocks and slot until N+1 is processed; seeded sampling:
 a draw depends only on the request's seed and output index, and the one speculative draw after its final
-token never matters; penalty counts: kept on the forward side from resolved inputs (runner/worker/penalties.py).
+token never matters; penalty counts: kept on the forward side from the inputs as resolved on the device
+(runner/worker/penalties.py).
 """
 from __future__ import annotations
 
@@ -130,7 +140,9 @@ class ForwardExecutor:
 @dataclass
 class LoopStats:
     """One generate() call's loop. ``forward_idle_fraction``: share of the wall time the forward side was not
-    running a step (waiting for the CPU to schedule / process), ``1 - forward_busy_s / wall_s``."""
+    running or launching a step (waiting for the CPU to schedule / process), ``1 - forward_busy_s / wall_s``.
+    With a :class:`LaunchingRunner` the forward side's busy time is its launches (host work); the wait for the
+    device is then the CPU thread's ``copy_wait_s``."""
 
     overlap: bool
     wall_s: float = 0.0
