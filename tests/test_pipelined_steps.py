@@ -187,3 +187,23 @@ def test_pipelined_tokens_equal_the_synchronous_loops_with_dp2_and_dbo(tiny_chat
         assert rank["pipelined"]["outputs"] == rank["sync"]["outputs"]
         assert rank["pipelined"]["ubatched"] > 0 and rank["pipelined"]["placeholders"] > 0
     assert ranks[1]["pipelined"]["dummy"] > 0 and ranks[1]["sync"]["dummy"] > 0  # rank 1 idled while rank 0 ran
+
+
+# --------------------------------------------------------------------------------- one copy for the metadata
+def test_metadata_arrays_travel_as_one_packed_copy() -> None:
+    """The attention metadata's five arrays go to the device in one copy: packed at aligned offsets into one
+    staging tensor and viewed back with their dtypes and shapes (here the host stands for the device)."""
+    from runner.attention.kv_cache import PACK_ALIGN, arrays_to_device, pack_arrays, unpack_arrays
+
+    rng = np.random.default_rng(0)
+    arrays = [rng.integers(-9, 9, 5).astype(np.int32), rng.integers(-9, 9, (3, 7)).astype(np.int64),
+              np.zeros((0, 4), np.int32), rng.integers(-9, 9, (4, 3)).astype(np.int32), np.array([-1], np.int64)]
+    staging, offsets = pack_arrays(arrays)
+    assert all(off % PACK_ALIGN == 0 for off in offsets) and staging.dtype == torch.uint8
+    moved = unpack_arrays(staging.clone(), offsets, arrays)  # a copy, as the device's would be
+    assert [(t.dtype, tuple(t.shape)) for t in moved] == [(torch.from_numpy(a).dtype, a.shape) for a in arrays]
+    assert all(np.array_equal(t.numpy(), a) for t, a in zip(moved, arrays))
+    assert all(np.array_equal(t.numpy(), a) for t, a in zip(arrays_to_device(arrays, "cpu"), arrays))
+    if torch.cuda.is_available():
+        on_gpu = arrays_to_device(arrays, "cuda")
+        assert all(np.array_equal(t.cpu().numpy(), a) for t, a in zip(on_gpu, arrays))
