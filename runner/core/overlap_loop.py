@@ -150,7 +150,9 @@ class LoopStats:
     cpu_work_s: float = 0.0  # CPU thread: schedule + process results (not waiting for copy_done)
     copy_wait_s: float = 0.0  # CPU thread blocked on copy_done
     # Forward side: part of forward_busy_s spent in the step's one host read of sampled ids, i.e. waiting for the
-    # device (Sampler.read_back_s); forward_busy_s - read_wait_s is the forward side's own host work.
+    # device (Sampler.read_back_s); forward_busy_s - read_wait_s is the forward side's own host work. With the
+    # overlap loop and a LaunchingRunner (the model runner) the forward side never reads: 0, the wait is in
+    # copy_wait_s.
     read_wait_s: float = 0.0
     num_steps: int = 0  # launched steps with work somewhere (including this rank's dummy steps)
     num_overlapped_steps: int = 0  # launched while the previous step's results were still unprocessed
@@ -439,7 +441,9 @@ class OverlapStepLoop:
         stats = self.stats
         stats.wall_s = time.perf_counter() - self._start
         stats.forward_busy_s = self.executor.busy_s - self._busy0
-        stats.read_wait_s = read_back_seconds(self.runner) - self._read0
+        # A LaunchingRunner's results are read on this (the CPU) thread, inside copy_wait_s: none on the forward side.
+        stats.read_wait_s = 0.0 if isinstance(self.runner, LaunchingRunner) else \
+            read_back_seconds(self.runner) - self._read0
         stats.num_placeholders_resolved = self.future_map.num_resolved + placeholders_resolved(self.runner) \
             - self._resolved0
         return stats
