@@ -20,44 +20,30 @@ from typing import Sequence
 
 import numpy as np
 
+from runner.worker.future_book import FutureTokenBook
 from runner.worker.scheduled_batch import SchedulerOutput
 from runner.core.slots import slot_of
 
 
-class FutureTokenMap:
-    """``slot -> (owner, token)`` as numpy arrays; written and read only on the forward side.
+class FutureTokenMap(FutureTokenBook):
+    """``slot -> (owner, token)``: the checks of :class:`FutureTokenBook` and the tokens as a numpy array; written
+    and read only on the forward side.
 
     ``store`` is called after each step with the tokens it sampled; ``resolve`` on the next step's inputs
     before its forward. An entry is consumed by the read that resolves it, so each placeholder needs exactly
     one fresh store (``CI mode`` of the pool-indexed SGLang map, always on here). Both are vectorised over the
-    step: a few numpy operations, whatever the batch size. The owner and freshness checks are host
-    bookkeeping that needs no token value, so the device-resident map of the model runner
-    (``runner/worker/device_future_map.py``) reuses them (:meth:`claim`, :meth:`mark_stored`).
+    step: a few numpy operations, whatever the batch size. The model runner keeps its tokens on its device
+    instead (``runner/worker/device_future_map.py``); this map serves runners whose steps compute on the host.
     """
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._owner = np.full(capacity, -1, dtype=np.int64)
-        self._stored = np.zeros(capacity, dtype=bool)  # False: nothing stored since the last read
+        super().__init__(capacity)
         self._token = np.full(capacity, -1, dtype=np.int64)
-        self.num_resolved = 0  # placeholders replaced so far (tests assert the map really was used)
 
     def ensure_capacity(self, capacity: int) -> None:
-        """Room for slots ``0 .. capacity - 1`` (new slots hold nothing)."""
-        if capacity <= self.capacity:
-            return
-        grow = capacity - self.capacity
-        self._owner = np.concatenate((self._owner, np.full(grow, -1, dtype=np.int64)))
-        self._stored = np.concatenate((self._stored, np.zeros(grow, dtype=bool)))
-        self._token = np.concatenate((self._token, np.full(grow, -1, dtype=np.int64)))
-        self.capacity = capacity
-
-    def mark_stored(self, req_ids: Sequence[int] | np.ndarray, slots: np.ndarray) -> None:
-        """Record that ``slots`` now hold a fresh token of ``req_ids`` (the value is kept by the caller)."""
-        if len(slots) and int(slots.max()) >= self.capacity:
-            self.ensure_capacity(int(slots.max()) + 1)
-        self._owner[slots] = req_ids
-        self._stored[slots] = True
+        if capacity > self.capacity:
+            self._token = np.concatenate((self._token, np.full(capacity - self.capacity, -1, dtype=np.int64)))
+        super().ensure_capacity(capacity)
 
     def store(self, req_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
               tokens: Sequence[int] | np.ndarray) -> None:
@@ -70,36 +56,10 @@ class FutureTokenMap:
             return token
         return int(self._take(np.array([req_id]), np.array([slot_of(token)]))[0])
 
-    def claim(self, req_ids: np.ndarray, slots: np.ndarray) -> None:
-        """Consume the entries of ``slots`` for the reads of ``req_ids``; raises on a foreign or stale read."""
-        inside = slots < self.capacity
-        owners = np.where(inside, self._owner[np.minimum(slots, self.capacity - 1)], -1)
-        stored = inside & self._stored[np.minimum(slots, self.capacity - 1)]
-        bad = np.flatnonzero((owners != req_ids) | ~stored)
-        if bad.size:
-            i = int(bad[0])
-            rid, slot, owner = int(req_ids[i]), int(slots[i]), int(owners[i])
-            raise RuntimeError(f"future-token map: request {rid} reads slot {slot} but it holds "
-                               f"{'a token of request ' + str(owner) if stored[i] else 'nothing'} (a placeholder "
-                               "was resolved without its producer's store, or two requests share a slot)")
-        self._stored[slots] = False
-        self.num_resolved += len(slots)
-
     def _take(self, req_ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """The stored tokens of ``slots``, read by ``req_ids``, consumed; raises on a foreign or stale read."""
         self.claim(req_ids, slots)
         return self._token[slots]
-
-    @staticmethod
-    def placeholders(out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Where ``out``'s placeholders are (token positions), whose they are (request ids) and which slots they
-        name; None when it has none."""
-        ids = out.token_ids
-        if not len(ids) or int(ids.min()) >= 0:
-            return None
-        where = np.flatnonzero(ids < 0)
-        owners = np.repeat(out.req_ids, out.query_lens)[where]
-        return where, owners, -ids[where] - 1
 
     def resolve(self, out: SchedulerOutput) -> SchedulerOutput:
         """``out`` with every placeholder replaced; a copy, the scheduler's own output is not touched (its CPU

@@ -6,7 +6,7 @@ tensor on the device, under each sampling request's slot; step N+1's input ids, 
 take their placeholders' tokens from it with a gather and a select, on the device, in stream order after N's
 scatter (SGLang's GPU-resident future map, vLLM's async scheduling). Nothing waits for the device.
 
-The checks stay on the host, where they need no token value (``FutureTokenMap.claim``): a placeholder whose
+The checks stay on the host, where they need no token value (``FutureTokenBook.claim``): a placeholder whose
 slot holds no fresh token of its own request raises before the step is launched.
 """
 from __future__ import annotations
@@ -15,18 +15,18 @@ import numpy as np
 import torch
 
 from runner.attention.kv_cache import host_to_device
-from runner.core.future_map import FutureTokenMap
+from runner.worker.future_book import FutureTokenBook
 from runner.worker.scheduled_batch import SchedulerOutput
 
 _MIN_SLOTS = 64
 
 
 class DeviceFutureMap:
-    """Host bookkeeping (:class:`FutureTokenMap`) and a ``[slots]`` int64 token tensor on ``device``."""
+    """Host bookkeeping (:class:`FutureTokenBook`) and a ``[slots]`` int64 token tensor on ``device``."""
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
-        self.book = FutureTokenMap(_MIN_SLOTS)
+        self.book = FutureTokenBook(_MIN_SLOTS)
         self.tokens = torch.zeros(_MIN_SLOTS, dtype=torch.int64, device=self.device)
 
     @property
