@@ -88,8 +88,8 @@ def test_device_map_resolves_on_the_device_and_rejects_stale_or_foreign_reads() 
 
 # ----------------------------------------------------------------------------------- steady decode counters
 def test_in_steady_decode_no_launch_waits_for_the_previous_results(tmp_path: Path) -> None:
-    """A device time far above this engine's host time per step (0.15 s against a few ms), so only a launch
-    that waits for the previous step's results can drain the stream."""
+    """A device time far above this engine's host time per step (0.25 s against a few ms, tens on a loaded
+    machine), so only a launch that waits for the previous step's results can drain the stream."""
     from runner.entrypoints.llm import LLM
     from runner.sampling_params import SamplingParams
 
@@ -98,7 +98,7 @@ def test_in_steady_decode_no_launch_waits_for_the_previous_results(tmp_path: Pat
     counters, tokens = {}, {}
     for name, loop in (("pipelined", PIPELINED), ("sync", SYNC)):
         llm = LLM(model="tiny-qwen3-moe", cache_dir=str(tmp_path / "cache"), device="cpu", max_num_seqs=4,
-                  emulate_device="step_us=150000", **loop)
+                  emulate_device="step_us=250000", **loop)
         try:
             tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
             stats, dev = llm.last_loop_stats, llm.runner.emulated_device
