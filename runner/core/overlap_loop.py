@@ -354,7 +354,8 @@ class OverlapStepLoop:
             return None
         launched.pending = pending
         try:
-            return pending.result(self.step_timeout_s)
+            with trace.region("read", "step", track="scheduler"):  # waits for the device, the next step queued
+                return pending.result(self.step_timeout_s)
         except TimeoutError as exc:
             raise StepTimeoutError(f"the results of a step of {launched.out.num_reqs} chunks were not on the host "
                                    f"after {self.step_timeout_s:g} s: {exc}") from None
