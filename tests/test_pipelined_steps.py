@@ -6,7 +6,7 @@ the model runner's device-resident future-token map) and the emulated device (``
   opposite on the same run (so the counters can fail).
 - Tokens (and finish reasons, logprobs) are identical between the pipelined loop and the synchronous loop on
   the real model runner: greedy, seeded sampling, penalties, stop strings, ``n > 1``, logprobs, preemption,
-  chunked prefill, DBO, and DP=2 with DBO (one rank running dummy steps).
+  chunked prefill, DBO, DP=2 with DBO (one rank running dummy steps), and the DeepSeek schedule.
 - The spec's parsing and bad values, the stream's order, and the device map's checks.
 """
 from __future__ import annotations
@@ -207,3 +207,26 @@ def test_metadata_arrays_travel_as_one_packed_copy() -> None:
     if torch.cuda.is_available():
         on_gpu = arrays_to_device(arrays, "cuda")
         assert all(np.array_equal(t.cpu().numpy(), a) for t, a in zip(on_gpu, arrays))
+
+
+def test_pipelined_tokens_equal_the_synchronous_loops_under_the_deepseek_schedule(tmp_path: Path) -> None:
+    """DeepSeek's decode pipeline (yields inside attention too) on the DeepSeek-V3-shaped tiny model, DBO on
+    every step past the thresholds."""
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
+
+    prompts = [[(7 * i + 13 * j) % 509 for j in range(n)] for i, n in enumerate([6, 9, 4, 7, 8, 5])]
+    params = [SamplingParams(max_tokens=7, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=2, max_tokens=6, ignore_eos=True),
+              SamplingParams(max_tokens=8, repetition_penalty=1.3, presence_penalty=0.5, ignore_eos=True)] * 2
+    results = {}
+    for name, loop in (("pipelined", PIPELINED), ("sync", SYNC)):
+        llm = LLM(model="tiny-deepseek-v3", cache_dir=str(tmp_path / "cache"), device="cpu", max_num_seqs=6,
+                  enable_dbo=True, dbo_schedule="deepseek", dbo_decode_token_threshold=2,
+                  dbo_prefill_token_threshold=4, dbo_cost_model="off", emulate_device="step_us=300", **loop)
+        try:
+            tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            results[name] = (tokens, llm.last_stats.num_ubatched_steps)
+        finally:
+            llm.close()
+    assert results["pipelined"] == results["sync"] and results["sync"][1] > 0
