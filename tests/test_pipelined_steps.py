@@ -7,7 +7,8 @@ the model runner's device-resident future-token map) and the emulated device (``
 - Tokens (and finish reasons, logprobs) are identical between the pipelined loop and the synchronous loop on
   the real model runner: greedy, seeded sampling, penalties, stop strings, ``n > 1``, logprobs, preemption,
   chunked prefill, DBO, DP=2 with DBO (one rank running dummy steps), and the DeepSeek schedule.
-- The spec's parsing and bad values, the stream's order, and the device map's checks.
+- The spec's parsing and bad values, the stream's order, the device map's checks, and the attention
+  metadata's one packed copy.
 """
 from __future__ import annotations
 
