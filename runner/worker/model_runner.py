@@ -43,7 +43,7 @@ from runner.worker.device_future_map import DeviceFutureMap
 from runner.worker.emulated_device import DeviceSpec, EmulatedDevice
 from runner.worker.pending import LaunchingRunner, PendingStep
 from runner.worker.sampler import PendingSample, Sampler, StepRows
-from runner.worker.outputs import ModelRunnerOutput, TokenLogprobs
+from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.scheduled_batch import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
