@@ -24,14 +24,14 @@ For each workload, DP size (1, 2 rank processes) and loop (``sync``: ``--disable
 - **host/step** = wall - forward: the time per step the forward is *not* running. This is the figure the
   goals are about (with the overlap loop, host work hidden behind the forward does not count, and a forward
   slowed down by host work running next to it under the GIL shows up in forward/step); **(-sampl)**: the
-  same less the time in ``ModelRunner._sample`` (logits and the sampler, wall clock);
+  same less the time in ``ModelRunner._launch_sampling`` (logits and the sampler, wall clock);
 - **phases**: a second, instrumented run wraps the engine's entry points with timers (exclusive CPU time of
   the thread that runs them, in both threads: their sum can exceed host/step with the overlap loop, where part
   of it runs next to the forward). ``schedule`` (``Scheduler.schedule`` less KV allocation), ``kv_alloc``
   (the block allocator), ``dp_vote`` (``ModelRunner.decide``), ``inputs`` (input ids, positions, attention
-  metadata: the runner's step outside the forward, the vote and sampling), ``sampling``
-  (``ModelRunner._sample``, logits included), ``outputs`` (``Scheduler.update``, output emission),
-  ``future_map`` (placeholder resolve/store, overlap loop only). The wrappers cost about a microsecond per
+  metadata: the runner's launch outside the forward, the vote and sampling), ``sampling``
+  (``ModelRunner._launch_sampling``, logits included), ``outputs`` (``Scheduler.update``, output emission),
+  ``future_map`` (the device-resident map's placeholder resolve and store). The wrappers cost about a microsecond per
   call, so this run is slower than the first.
 
 Each (workload, DP, loop) is run ``--repeats`` times, the loops alternating on one engine, and medians are
@@ -133,14 +133,14 @@ class ForwardClock(Intervals):
 
 
 class SamplingClock(Intervals):
-    """Every ``ModelRunner._sample`` call's (start, end): the sampler, which another part of the engine owns,
+    """Every ``ModelRunner._launch_sampling`` call's (start, end): the sampler, which another part of the engine owns,
     reported apart from the rest of the host's work. Two clock reads per step."""
 
     def __init__(self) -> None:
         super().__init__()
         from runner.worker.model_runner import ModelRunner
 
-        self._owner, self._orig = ModelRunner, ModelRunner._sample
+        self._owner, self._orig = ModelRunner, ModelRunner._launch_sampling
         orig, intervals = self._orig, self.intervals
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -150,10 +150,10 @@ class SamplingClock(Intervals):
             finally:
                 intervals.append((t0, time.perf_counter()))
 
-        ModelRunner._sample = timed  # type: ignore[method-assign]
+        ModelRunner._launch_sampling = timed  # type: ignore[method-assign]
 
     def close(self) -> None:
-        self._owner._sample = self._orig  # type: ignore[method-assign]
+        self._owner._launch_sampling = self._orig  # type: ignore[method-assign]
 
 
 class PhaseTimers:
@@ -205,21 +205,21 @@ class PhaseTimers:
 
 def instrument(llm: Any, core: Any) -> PhaseTimers:
     """The phase map: which entry point is which phase (see the module docstring)."""
-    from runner.core import engine_core, future_map, kv_blocks, scheduler
-    from runner.worker import model_runner
+    from runner.core import engine_core, kv_blocks, scheduler
+    from runner.worker import device_future_map, model_runner
 
     t = PhaseTimers()
     t.wrap(scheduler.Scheduler, "schedule", "schedule")
     t.wrap(kv_blocks.BlockAllocator, "allocate", "kv_alloc")
     t.wrap(kv_blocks.BlockAllocator, "free", "kv_alloc")
     t.wrap(model_runner.ModelRunner, "decide", "dp_vote")
-    t.wrap(model_runner.ModelRunner, "step", "inputs")
-    t.wrap(model_runner.ModelRunner, "_sample", "sampling")
+    t.wrap(model_runner.ModelRunner, "launch", "inputs")
+    t.wrap(model_runner.ModelRunner, "_launch_sampling", "sampling")
     t.wrap(scheduler.Scheduler, "update", "outputs")
     t.wrap(engine_core.EngineCore, "_on_results", "outputs")
     t.wrap(engine_core.EngineCore, "take_outputs", "outputs")
-    t.wrap(future_map.FutureTokenMap, "resolve", "future_map")
-    t.wrap(future_map.FutureTokenMap, "store", "future_map")
+    t.wrap(device_future_map.DeviceFutureMap, "resolve_", "future_map")
+    t.wrap(device_future_map.DeviceFutureMap, "store_", "future_map")
     model = llm.runner.model
     t.wrap(model, "forward", None)  # the forward itself: excluded from "inputs"
     return t
@@ -353,7 +353,7 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     head = ["workload", "DP", "wall sync", "fwd", "host", "(-sampl)", "wall ovl", "fwd", "host", "(-sampl)",
             "same"]
     widths = [11, 3, 10, 7, 7, 8, 9, 7, 7, 8, 5]
-    print("ms per step (median of repeats); host = wall - forward; (-sampl): host less ModelRunner._sample")
+    print("ms per step (median of repeats); host = wall - forward; (-sampl): host less ModelRunner._launch_sampling")
     print(" | ".join(f"{h:>{w}}" for h, w in zip(head, widths)))
     for wl, dp in keys:
         s, o = by[(wl, dp, "sync")], by[(wl, dp, "overlap")]

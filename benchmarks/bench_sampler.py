@@ -10,7 +10,8 @@ Two measurements, medians of ``--repeats``:
 - ``engine``: ``ModelRunner.step`` of a decode step on the engine benchmark's model
   (``bench-qwen3-moe-120m``: ~120M-parameter Qwen3-MoE, vocabulary 4096), every row decoding one token after
   a short prompt, with the sampler's own time inside the step measured apart (``sample_s``: ``prepare`` and
-  ``sample_step``; the LM head that computes the logits is the model's).
+  ``launch_step``, which on a GPU leaves out the wait for the results; the LM head that computes the logits is
+  the model's).
 
 - ``draw``: the draw alone at the same sizes, this sampler's inverse CDF (one uniform per row) against the
   exponential race of vLLM's ``random_sample`` (Exp(1) noise over every token, then an argmax).
@@ -164,7 +165,8 @@ def bench_engine(rows_list: list[int], repeats: int) -> list[dict[str, Any]]:
         return call
 
     runner.sampler.prepare = timed(runner.sampler.prepare)  # type: ignore[method-assign]
-    runner.sampler.sample_step = timed(runner.sampler.sample_step)  # type: ignore[method-assign]
+    # the model runner launches its sampling (the read of its results comes with the step's result)
+    runner.sampler.launch_step = timed(runner.sampler.launch_step)  # type: ignore[method-assign]
     out = []
     try:
         for rows in rows_list:

@@ -59,7 +59,7 @@ def benches(quick: bool) -> list[Bench]:
               "2 experts), at 64, 256 and 1024 running decode requests per rank and a mixed prefill/decode batch, "
               "DP=1 and DP=2, the synchronous and the overlap loop side by side. *host* = wall per step - the "
               "model's forward (forward hooks): what a GPU would wait for the host each step; *(-sampl)*: the same "
-              "less `ModelRunner._sample` (the logits and the sampler). The phase table is thread CPU time, so the "
+              "less `ModelRunner._launch_sampling` (the logits and the sampler). The phase table is thread CPU time, so the "
               "other processes on this machine do not inflate it; its sum can exceed *host* with the overlap loop, "
               "where part of it runs next to the forward. The engine before its host-time rewrite, measured the same "
               "way, is in the recorded section near the end of this report."),

@@ -120,6 +120,8 @@ class RunnerConfig:
     experts_backend: str = "auto"  # grouped_mm on a 9.x/10.x GPU, else torch (experts.resolve_experts_backend)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch (the plain reference) on CPU
     emulate_link: str | None = None
+    # runner.worker.emulated_device: every step gets an asynchronous device time of step_us + us_per_token x tokens
+    emulate_device: str | None = None
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -186,6 +188,13 @@ class RunnerConfig:
                 parse_link(self.emulate_link)
             except ValueError as e:
                 raise ConfigError("emulate_link", f"emulate_link {self.emulate_link!r}: {e}") from None
+        if self.emulate_device is not None:
+            from runner.worker.emulated_device import DeviceSpec
+
+            try:
+                DeviceSpec.parse(self.emulate_device)
+            except ValueError as e:
+                raise ConfigError("emulate_device", f"emulate_device {self.emulate_device!r}: {e}") from None
         try:
             check_gpu_memory_utilization(self.gpu_memory_utilization)
         except ValueError as e:

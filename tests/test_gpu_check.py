@@ -134,7 +134,8 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
     assert {k: verdict for k, (verdict, _) in v.items()} == {
         "experts_512": PASS, "experts_2048": MISS, "attention_512x512": PASS, "attention_256x4096": MISS,
         "graph_step": PASS, "graph_dbo": PASS, "eager": PASS, "graph_memory": PASS, "throughput": PASS,
-        "host_time": PASS, "engine_dbo": PASS, "engine_dbo_link": PASS, "gpu_tests": PASS, "make_test": MISS}
+        "host_time": PASS, "engine_dbo": PASS, "engine_dbo_link": PASS, "gpu_idle": MISS, "step_thread": MISS,
+        "pipelined_throughput": MISS, "gpu_tests": PASS, "make_test": MISS}
     assert v["engine_dbo"][1] == "0.99x default flags (30,690 vs 31,000 output tok/s; 0/130 steps ubatched)"
     assert v["engine_dbo_link"][1] == ("1.40x default flags, 90 % of the link hidden (link latency_us=20,gbps=51.2: "
                                        "comm/compute 1 of 2.50 ms per step; 128/138 steps ubatched)")
@@ -147,6 +148,26 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
     assert v["host_time"][1] == ("host 4.00 ms (CPU thread 2.00 + forward thread 2.00) vs GPU 7.00 ms per step; "
                                  "GPU idle 30 %")
     assert v["make_test"][1].startswith("not measured: this check ran the GPU tests only")
+    assert v["gpu_idle"][1] == "GPU idle 30 % (wall 10.00 ms, GPU 7.00 ms per step)"
+    assert v["step_thread"][1] == "2.00 ms per step"
+    assert v["pipelined_throughput"][1] == "not measured: the env part did not run"
+
+
+def test_pipelining_goals_pass_on_a_busy_gpu_and_compare_with_the_same_kind_of_gpu() -> None:
+    """GPU 9.5 of 10 ms a step, the step thread 0.8 ms (the read of the results is on the other thread), and
+    70k tok/s: enough on an H200 (1.8 x 38,331), not on an H100 (1.8 x 41,330)."""
+    doc = engine_doc(tok_s=70000.0)
+    doc["profiled"]["gpu_busy_s"] = 1.235
+    doc["measured"]["loop"].update(forward_busy_s=0.104, read_wait_s=0.0)
+    for gpu, verdict in (("NVIDIA H200", PASS), ("NVIDIA H100 80GB HBM3", MISS)):
+        v = verdicts(parts(engine=doc, env={"gpu": gpu}))
+        assert v["gpu_idle"] == (PASS, "GPU idle 5 % (wall 10.00 ms, GPU 9.50 ms per step)")
+        assert v["step_thread"] == (PASS, "0.80 ms per step")
+        assert v["pipelined_throughput"][0] == verdict
+    assert v["pipelined_throughput"][1] == "70,000 output tok/s, 1.69x the H100's 41,330 before pipelining"
+    v = verdicts(parts(engine=doc, env={"gpu": "NVIDIA A100"}))
+    assert v["pipelined_throughput"] == (MISS, "not measured: no figure before pipelining for the GPU "
+                                               "'NVIDIA A100' (known: H200, H100)")
 
 
 @pytest.mark.parametrize("change, key, measured", [

@@ -95,7 +95,7 @@ class Probes:
         import ubatch.modular_moe.experts.torch_experts  # noqa: F401 - its class must exist to be wrapped
         import ubatch.modular_moe.layer as layer
         import ubatch.modular_moe.prepare_finalize.none  # noqa: F401
-        from runner.core.future_map import FutureTokenMap
+        from runner.worker.device_future_map import DeviceFutureMap
         from runner.core.scheduler import Scheduler
         from ubatch.modular_moe.experts.base import MoEExperts
         from ubatch.modular_moe.prepare_finalize.base import PrepareFinalize
@@ -105,8 +105,8 @@ class Probes:
         self.wrap(Scheduler, "update", "update", scheduler)
         self.wrap(model_runner.ModelRunner, "_vote", "dp_vote", step)
         self.wrap(model_runner, "build_attention_metadata", "inputs", step)
-        self.wrap(model_runner.ModelRunner, "_sample", "sample", step)
-        self.wrap(FutureTokenMap, "resolve", "resolve", step)
+        self.wrap(model_runner.ModelRunner, "_launch_sampling", "sample", step)
+        self.wrap(DeviceFutureMap, "resolve_", "resolve", step)
         self.wrap(layer, "select_experts", "route", _ubatch_track)
         for cls in _subclasses(MoEExperts):
             if "apply" in vars(cls):

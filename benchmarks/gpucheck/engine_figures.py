@@ -5,7 +5,9 @@
 - ``cpu_thread_ms``: the CPU thread's scheduling and result processing per step (``LoopStats.cpu_work_s``);
 - ``forward_host_ms``: the forward thread's own work per step, ``(forward_busy_s - read_wait_s) / num_steps``:
   input and metadata preparation, launches, the step's Python, less its wait for the sampled ids
-  (``LoopStats.read_wait_s``, the step's one host read). A run without that counter falls back to
+  (``LoopStats.read_wait_s``, the step's one host read; 0 since the step loop reads the results on the CPU
+  thread, after launching the next step, so this is the step thread's whole busy time, its launches). A run
+  without that counter falls back to
   ``max(0, forward_busy_s / num_steps - gpu_ms)``, which also counted launch-bound waits as host work;
 - ``host_ms = cpu_thread_ms + forward_host_ms``: the host's work for one step. When it is below ``gpu_ms`` the
   host can keep the GPU busy (the overlap loop runs the CPU thread's share beside the GPU);

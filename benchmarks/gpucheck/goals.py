@@ -21,6 +21,13 @@ from bench_gpu import attention_shape, experts_shape
 
 PASS, MISS = "PASS", "MISS"
 GRAPH_MEMORY_LIMIT_BYTES = 4 * 10**9  # "<= 4 GB"
+# Pipelined steps (the step loop launches step N+1 before it reads step N's results): the steady default-flags
+# call's output tok/s before them, per GPU kind (the H200 check of 2026-11-27 and the H100 one of 2026-11-26),
+# and what the goals ask of it.
+TOKENS_PER_S_BEFORE_PIPELINING = {"H200": 38_331, "H100": 41_330}
+PIPELINED_SPEEDUP = 1.8
+PIPELINED_GPU_IDLE_PCT = 15.0
+STEP_THREAD_HOST_MS = 1.0
 
 
 class NotMeasured(Exception):
@@ -188,6 +195,36 @@ def engine_dbo_link(parts: dict[str, Any]) -> tuple[bool, str]:
         f"{ratio:.2f}x default flags, {hidden:.0f} % of the link hidden (link {cal['link']}: comm/compute "
         f"{cal['comm_over_compute']:g} of {cal['compute_ms_per_step']:.2f} ms per step; "
         f"{dbo['num_ubatched_steps']}/{dbo['num_steps']} steps ubatched)")
+def _engine_figures(parts: dict[str, Any], needs: str) -> dict[str, Any]:
+    from gpucheck.engine_figures import engine_figures
+
+    fig = engine_figures(engine_data(parts))
+    if needs not in fig:
+        raise NotMeasured("the engine run has no profiled GPU time or no step-loop counters")
+    return fig
+
+
+def gpu_idle(parts: dict[str, Any]) -> tuple[bool, str]:
+    fig = _engine_figures(parts, "gpu_idle_pct")
+    return fig["gpu_idle_pct"] <= PIPELINED_GPU_IDLE_PCT, (
+        f"GPU idle {fig['gpu_idle_pct']:.0f} % (wall {fig['wall_ms']:.2f} ms, GPU {fig['gpu_ms']:.2f} ms per step)")
+
+
+def step_thread(parts: dict[str, Any]) -> tuple[bool, str]:
+    fig = _engine_figures(parts, "forward_host_ms")
+    return fig["forward_host_ms"] <= STEP_THREAD_HOST_MS, f"{fig['forward_host_ms']:.2f} ms per step"
+
+
+def pipelined_throughput(parts: dict[str, Any]) -> tuple[bool, str]:
+    fig = _engine_figures(parts, "output_tokens_per_s")
+    gpu = (part_data(parts, "env").get("gpu") or "")
+    kind = next((k for k in TOKENS_PER_S_BEFORE_PIPELINING if k in gpu), None)
+    if kind is None:
+        raise NotMeasured(f"no figure before pipelining for the GPU {gpu!r} (known: "
+                          f"{', '.join(TOKENS_PER_S_BEFORE_PIPELINING)})")
+    before, tok_s = TOKENS_PER_S_BEFORE_PIPELINING[kind], fig["output_tokens_per_s"]
+    return tok_s >= PIPELINED_SPEEDUP * before and not fig["num_errors"], (
+        f"{tok_s:,.0f} output tok/s, {tok_s / before:.2f}x the {kind}'s {before:,} before pipelining")
 
 
 def _tests(parts: dict[str, Any], full: bool) -> tuple[bool, str]:
@@ -222,6 +259,12 @@ GOALS: tuple[Goal, ...] = (
          engine_dbo_no_link),
     Goal("engine_dbo_link", "Link at comm = compute: --enable-dbo >= 1.3x default flags, >= 85 % of the link "
          "hidden (engine)", engine_dbo_link),
+    Goal("gpu_idle", f"Default flags, 256 x 128 tokens: GPU idle <= {PIPELINED_GPU_IDLE_PCT:g} % of the steady call",
+         gpu_idle),
+    Goal("step_thread", f"Default flags, 256 x 128 tokens: the step thread's host work <= {STEP_THREAD_HOST_MS:g} "
+                        "ms per step", step_thread),
+    Goal("pipelined_throughput", f"Default flags, 256 x 128 tokens: >= {PIPELINED_SPEEDUP:g}x the output tok/s "
+                                 "before pipelining (H200 >= 69k, H100 >= 74k)", pipelined_throughput),
     Goal("gpu_tests", "GPU tests pass (pytest -m cuda and the GPU-sensitive files) on the GPU",
          lambda parts: _tests(parts, full=False)),
     Goal("make_test", "make test on the one-GPU machine passes", lambda parts: _tests(parts, full=True)),

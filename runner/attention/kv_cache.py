@@ -136,6 +136,42 @@ def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
+#: Byte alignment of each array in a packed host-to-device copy (the widest dtype packed: int64).
+PACK_ALIGN = 8
+
+
+def pack_arrays(arrays: Sequence[np.ndarray], pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """``arrays`` packed into one uint8 host tensor (pinned when ``pin``), each at an offset aligned to
+    :data:`PACK_ALIGN` bytes; returns the tensor and the offsets (see :func:`unpack_arrays`)."""
+    offsets, total = [], 0
+    for a in arrays:
+        offsets.append(total)
+        total += -(-a.nbytes // PACK_ALIGN) * PACK_ALIGN
+    staging = torch.empty(max(total, PACK_ALIGN), dtype=torch.uint8, pin_memory=pin)
+    buf = staging.numpy()
+    for a, off in zip(arrays, offsets):
+        buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    return staging, offsets
+
+
+def unpack_arrays(packed: torch.Tensor, offsets: Sequence[int], arrays: Sequence[np.ndarray]) -> list[torch.Tensor]:
+    """Views of ``packed`` (from :func:`pack_arrays`, wherever it now is) with the dtypes and shapes of
+    ``arrays``."""
+    return [packed[off:off + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
+            for a, off in zip(arrays, offsets)]
+
+
+def arrays_to_device(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:
+    """Several host arrays on ``device`` with one copy: packed into one pinned staging tensor and copied
+    ``non_blocking`` (one transfer a step instead of one per array, and no host wait, as
+    :func:`host_to_device`); on the CPU the arrays themselves, as tensors."""
+    device = torch.device(device)
+    if device.type == "cpu":
+        return [torch.from_numpy(a) for a in arrays]
+    staging, offsets = pack_arrays(arrays, pin=device.type == "cuda")
+    return unpack_arrays(staging.to(device, non_blocking=True), offsets, arrays)
+
+
 def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``dst.copy_(src)`` for a host ``src``, through pinned memory and ``non_blocking`` when ``dst`` is on CUDA
     (see :func:`host_to_device`)."""
@@ -279,16 +315,14 @@ def build_attention_metadata(context_lens: Sequence[int] | np.ndarray, query_len
         positions[:num_actual] = pos
         slot_mapping[:num_actual] = block_table[token_req, pos // block_size] * np.int64(block_size) \
             + pos % block_size
-    qsl_cpu = torch.from_numpy(qsl)
-    seq_cpu = torch.from_numpy(seq.astype(np.int32))
-    positions_cpu, slot_mapping_cpu, block_table_cpu = (torch.from_numpy(a) for a in (positions, slot_mapping,
-                                                                                       block_table))
-    # Built on the host; each device tensor is one pinned, non-blocking copy (no host sync).
+    seq32 = seq.astype(np.int32)
+    # Built on the host; the device's five tensors are one pinned, non-blocking copy (no host sync).
+    qsl_dev, seq_dev, block_table_dev, slot_mapping_dev, positions_dev = arrays_to_device(
+        (qsl, seq32, block_table, slot_mapping, positions), device)
     return CommonAttentionMetadata(
-        query_start_loc=host_to_device(qsl_cpu, device), query_start_loc_cpu=qsl_cpu,
-        seq_lens=host_to_device(seq_cpu, device), seq_lens_cpu=seq_cpu,
+        query_start_loc=qsl_dev, query_start_loc_cpu=torch.from_numpy(qsl),
+        seq_lens=seq_dev, seq_lens_cpu=torch.from_numpy(seq32),
         num_reqs=num_reqs, num_actual_tokens=num_actual,
         max_query_len=int(q.max()) if num_reqs else 0, max_seq_len=int(seq.max()) if num_reqs else 0,
-        block_table=host_to_device(block_table_cpu, device), slot_mapping=host_to_device(slot_mapping_cpu, device),
-        positions=host_to_device(positions_cpu, device), causal=True,
+        block_table=block_table_dev, slot_mapping=slot_mapping_dev, positions=positions_dev, causal=True,
     )

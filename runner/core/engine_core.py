@@ -123,8 +123,9 @@ class EngineCore:
         if self._loop is None:
             self._loop = make_step_loop(
                 self.scheduler, self.runner,
-                executor=self._forward_executor() if use_overlap_loop(self.cfg.disable_overlap_schedule,
-                                                                      getattr(self.runner, "device", None)) else None,
+                executor=self._forward_executor() if use_overlap_loop(
+                    self.cfg.disable_overlap_schedule, getattr(self.runner, "device", None),
+                    emulated_device=self.cfg.emulate_device is not None) else None,
                 consecutive_prefill_overlap=not self.cfg.disable_consecutive_prefill_overlap,
                 before_launch=self.before_launch, on_results=self._on_results,
                 step_timeout_s=self.cfg.dist_timeout_s)

@@ -20,29 +20,35 @@ from typing import Sequence
 
 import numpy as np
 
+from runner.worker.future_book import FutureTokenBook
 from runner.worker.scheduled_batch import SchedulerOutput
 from runner.core.slots import slot_of
 
 
-class FutureTokenMap:
-    """``slot -> (owner, token)`` as two numpy arrays; written and read only on the forward side.
+class FutureTokenMap(FutureTokenBook):
+    """``slot -> (owner, token)``: the checks of :class:`FutureTokenBook` and the tokens as a numpy array; written
+    and read only on the forward side.
 
     ``store`` is called after each step with the tokens it sampled; ``resolve`` on the next step's inputs
     before its forward. An entry is consumed by the read that resolves it, so each placeholder needs exactly
     one fresh store (``CI mode`` of the pool-indexed SGLang map, always on here). Both are vectorised over the
-    step: a few numpy operations, whatever the batch size.
+    step: a few numpy operations, whatever the batch size. The model runner keeps its tokens on its device
+    instead (``runner/worker/device_future_map.py``); this map serves runners whose steps compute on the host.
     """
 
     def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._owner = np.full(capacity, -1, dtype=np.int64)
-        self._token = np.full(capacity, -1, dtype=np.int64)  # -1: nothing stored since the last read
-        self.num_resolved = 0  # placeholders replaced so far (tests assert the map really was used)
+        super().__init__(capacity)
+        self._token = np.full(capacity, -1, dtype=np.int64)
+
+    def ensure_capacity(self, capacity: int) -> None:
+        if capacity > self.capacity:
+            self._token = np.concatenate((self._token, np.full(capacity - self.capacity, -1, dtype=np.int64)))
+        super().ensure_capacity(capacity)
 
     def store(self, req_ids: Sequence[int] | np.ndarray, slots: Sequence[int] | np.ndarray,
               tokens: Sequence[int] | np.ndarray) -> None:
         slots = np.asarray(slots, dtype=np.int64)
-        self._owner[slots] = req_ids
+        self.mark_stored(req_ids, slots)
         self._token[slots] = tokens
 
     def resolve_one(self, req_id: int, token: int) -> int:
@@ -52,29 +58,19 @@ class FutureTokenMap:
 
     def _take(self, req_ids: np.ndarray, slots: np.ndarray) -> np.ndarray:
         """The stored tokens of ``slots``, read by ``req_ids``, consumed; raises on a foreign or stale read."""
-        owners, values = self._owner[slots], self._token[slots]
-        bad = np.flatnonzero((owners != req_ids) | (values < 0))
-        if bad.size:
-            i = int(bad[0])
-            rid, slot, owner, value = int(req_ids[i]), int(slots[i]), int(owners[i]), int(values[i])
-            raise RuntimeError(f"future-token map: request {rid} reads slot {slot} but it holds "
-                               f"{'nothing' if value < 0 else f'a token of request {owner}'} (a placeholder was "
-                               "resolved without its producer's store, or two requests share a slot)")
-        self._token[slots] = -1
-        self.num_resolved += len(slots)
-        return values
+        self.claim(req_ids, slots)
+        return self._token[slots]
 
     def resolve(self, out: SchedulerOutput) -> SchedulerOutput:
         """``out`` with every placeholder replaced; a copy, the scheduler's own output is not touched (its CPU
         thread reads it while this step runs). A step has at most one placeholder per request: the token its
         previous step samples."""
-        ids = out.token_ids
-        if not len(ids) or int(ids.min()) >= 0:
+        found = self.placeholders(out)
+        if found is None:
             return out
-        where = np.flatnonzero(ids < 0)
-        owners = np.repeat(out.req_ids, out.query_lens)[where]
-        resolved = ids.copy()
-        resolved[where] = self._take(owners, -ids[where] - 1)
+        where, owners, slots = found
+        resolved = out.token_ids.copy()
+        resolved[where] = self._take(owners, slots)
         return out.with_token_ids(resolved)
 
     def store_sampled(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> None:

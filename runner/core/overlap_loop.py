@@ -3,28 +3,37 @@
 Synchronous (``--disable-overlap-schedule``): schedule N, run N, process N's results, repeat. The forward
 side idles while the CPU appends tokens, checks stops, frees KV blocks, streams outputs and schedules.
 
-Overlapped (the default on a GPU, ``use_overlap_loop``)::
+Overlapped (the default on a GPU and with ``--emulate-device``, ``use_overlap_loop``)::
 
-    schedule N+1 -> launch N+1 -> wait copy_done(N) -> process N -> schedule N+2 -> launch N+2 -> ...
+    schedule N+1 -> launch N+1 -> read N's results -> process N -> schedule N+2 -> launch N+2 -> ...
 
-Steps run on one persistent executor thread, the CPU's "forward stream" (``ForwardExecutor``), in launch
-order. While it runs step N, the CPU thread processes N-1's results (tokens, stop checks, KV frees, progress),
-then schedules N+1 and queues it behind N, then waits for N. So the forward side never waits for the CPU as
-long as the CPU's per-step work is shorter than a forward. Step N+1 is scheduled before N's tokens are
-known: its inputs name them by placeholders, which the executor resolves from the future-token map
-(``runner/core/future_map.py``) right before N+1's forward, after N stored them.
+Steps are launched on one persistent executor thread, the CPU's "forward stream" (``ForwardExecutor``), in
+launch order. Launching does the step's host work (DP vote, inputs, metadata) and queues its forward and
+sampling on the device without waiting for them (``LaunchingRunner.launch``, ``runner/worker/pending.py``):
+so the executor launches N+1 while N still runs on the device, and never reads a result itself. The CPU thread
+reads N's results (``PendingStep.result``: an event after a ``non_blocking`` copy into pinned memory) only
+after N+1 is launched, then processes them (tokens, stop checks, KV frees, progress) and schedules N+2. So
+the device always has the next step queued as long as the host's work per step is shorter than a step on
+the device. Step N+1 is scheduled before N's tokens are known: its inputs name them by placeholders. The model
+runner resolves them on its device from its own future-token map (``runner/worker/device_future_map.py``: N
+scatters its sampled ids there, N+1 gathers them in stream order); a stand-in runner whose ``step`` computes
+on the host gets them resolved from the loop's host map (``runner/core/future_map.py``) instead. On the CPU
+the same path runs: the "device" is the executor thread, whose launch computes the step.
 
-- ``copy_done`` (the step's ``Future``) is the only CPU wait, bounded by ``step_timeout_s`` (the engine
-  passes ``--dist-timeout-s``: a step that long would already have timed out its peers' collectives). It
-  bounds the look-ahead to one step: the CPU schedules N+2 only after N's results are processed, so the
-  scheduler's speculative state is at most one step ahead, a request has at most two unresolved outputs, and exactly one step executes at a time
-  (the next one waits in the queue, ready to start the moment the current one ends).
+- The CPU thread's waits (the step's launch on the executor, then its results) are each bounded by
+  ``step_timeout_s`` (the engine passes ``--dist-timeout-s``: a step that long would already have timed out
+  its peers' collectives). They bound the look-ahead to one step: the CPU schedules N+2 only after N's
+  results are processed, so the scheduler's speculative state is at most one step ahead, a request has at
+  most two unresolved outputs, and at most two steps are queued on the device.
+- ``LoopStats.launches_after_read`` lists the steps whose launch began only after the previous step's
+  results had been read: in steady decode none (``tests/test_pipelined_steps.py`` checks it on the emulated
+  device); the sync points below, and a host slower than the device, add to it.
 - A step's arrays are built fresh per step (placeholder resolution makes a copy of its token ids); the
   scheduler's persistent block table is shared, but a request's row only gains entries past those its
   steps in flight read, and is cleared only once none is in flight (``runner/attention/kv_cache.py``); the
   runner's persistent ``input_ids``/``positions`` buffers are written by the executor only. So nothing a
   running step reads is mutated in place.
-- DP: ``runner.step`` does the DP all-reduce and the MoE all-to-alls. They all run on the executor thread,
+- DP: ``runner.launch`` does the DP all-reduce and the MoE all-to-alls. They all run on the executor thread,
   one step after the other, so every rank issues its collectives in step order; each loop iteration
   launches exactly one step per rank, which keeps the k-th steps of all ranks paired.
 
@@ -47,7 +56,8 @@ chunked prefill's next chunk is prompt tokens, known in advance; max_tokens / ma
 advance, so a request is never scheduled past them; a stop token found in N for a request already in N+1
 discards N+1's token and delays freeing its KV blocks and slot until N+1 is processed; seeded sampling:
 a draw depends only on the request's seed and output index, and the one speculative draw after its final
-token never matters; penalty counts: kept on the forward side from resolved inputs (runner/worker/penalties.py).
+token never matters; penalty counts: kept on the forward side from the inputs as resolved on the device
+(runner/worker/penalties.py).
 """
 from __future__ import annotations
 
@@ -66,6 +76,7 @@ from runner.core.future_map import FutureTokenMap
 from ubatch import trace
 from runner.core.scheduler import Request, Scheduler
 from runner.worker.outputs import ModelRunnerOutput
+from runner.worker.pending import LaunchingRunner, PendingStep
 from runner.worker.scheduled_batch import SchedulerOutput
 
 OnResults = Callable[[SchedulerOutput, ModelRunnerOutput, list[Request]], None]
@@ -129,7 +140,9 @@ class ForwardExecutor:
 @dataclass
 class LoopStats:
     """One generate() call's loop. ``forward_idle_fraction``: share of the wall time the forward side was not
-    running a step (waiting for the CPU to schedule / process), ``1 - forward_busy_s / wall_s``."""
+    running or launching a step (waiting for the CPU to schedule / process), ``1 - forward_busy_s / wall_s``.
+    With a :class:`LaunchingRunner` the forward side's busy time is its launches (host work); the wait for the
+    device is then the CPU thread's ``copy_wait_s``."""
 
     overlap: bool
     wall_s: float = 0.0
@@ -137,12 +150,18 @@ class LoopStats:
     cpu_work_s: float = 0.0  # CPU thread: schedule + process results (not waiting for copy_done)
     copy_wait_s: float = 0.0  # CPU thread blocked on copy_done
     # Forward side: part of forward_busy_s spent in the step's one host read of sampled ids, i.e. waiting for the
-    # device (Sampler.read_back_s); forward_busy_s - read_wait_s is the forward side's own host work.
+    # device (Sampler.read_back_s); forward_busy_s - read_wait_s is the forward side's own host work. With the
+    # overlap loop and a LaunchingRunner (the model runner) the forward side never reads: 0, the wait is in
+    # copy_wait_s.
     read_wait_s: float = 0.0
     num_steps: int = 0  # launched steps with work somewhere (including this rank's dummy steps)
     num_overlapped_steps: int = 0  # launched while the previous step's results were still unprocessed
     num_placeholders_resolved: int = 0  # inputs taken from the future-token map on the forward side
     sync_reasons: collections.Counter = field(default_factory=collections.Counter)
+    # Steps (0-based launch order, steps with work) whose launch began only after the previous step's results
+    # had been read on the host: with the pipelined loop only after a sync point (sync_reasons) or when the host
+    # fell behind the device; with the synchronous loop every step after the first.
+    launches_after_read: list[int] = field(default_factory=list)
 
     @property
     def forward_idle_s(self) -> float:
@@ -161,9 +180,10 @@ def read_back_seconds(runner: Any) -> float:
     return float(getattr(getattr(runner, "sampler", None), "read_back_s", 0.0))
 
 
-def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any) -> bool:
+def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any, emulated_device: bool = False) -> bool:
     """Whether the engine runs the overlap loop: as ``--disable-overlap-schedule`` says when it is set; by
-    default (None) unless the forward runs on the CPU.
+    default (None) unless the forward runs on the CPU without ``--emulate-device`` (with it, the steps have a
+    device time that runs asynchronously to the host, as on a GPU).
 
     On a GPU the forward's kernels run asynchronously to the host thread, so the host's work for step N+1 fits
     inside step N. On the CPU the forward is host work too, and both threads are Python under one GIL: the
@@ -173,7 +193,7 @@ def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any) -> bool
     """
     if disable_overlap_schedule is not None:
         return not disable_overlap_schedule
-    if device is None:
+    if device is None or emulated_device:
         return True
     return torch.device(device).type != "cpu"
 
@@ -217,6 +237,7 @@ class SyncStepLoop:
         self.stats = LoopStats(overlap=False)
         self._start = time.perf_counter()
         self._read0 = read_back_seconds(runner)
+        self._resolved0 = placeholders_resolved(runner)
 
     def step(self) -> bool:
         stats, sched = self.stats, self.sched
@@ -232,6 +253,8 @@ class SyncStepLoop:
         if output is None:  # no DP rank had work: every rank leaves the loop in this same step
             stats.cpu_work_s += t1 - t0
             return False
+        if stats.num_steps:  # launched after the previous step's results were read, by construction
+            stats.launches_after_read.append(stats.num_steps)
         stats.num_steps += 1
         with trace.region("update", "step", track="scheduler"):
             done = sched.update(out, output.sampled_token_ids)
@@ -243,7 +266,24 @@ class SyncStepLoop:
     def finish(self) -> LoopStats:
         self.stats.wall_s = time.perf_counter() - self._start
         self.stats.read_wait_s = read_back_seconds(self.runner) - self._read0
+        self.stats.num_placeholders_resolved = placeholders_resolved(self.runner) - self._resolved0
         return self.stats
+
+
+def placeholders_resolved(runner: Any) -> int:
+    """Placeholders the runner's own (device-resident) future-token map has resolved so far; 0 for a runner
+    whose steps are resolved by the loop's host map (a test stand-in)."""
+    return runner.num_placeholders_resolved if isinstance(runner, LaunchingRunner) else 0
+
+
+def launch_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> PendingStep | None:
+    """Launch one step on the forward side without waiting for its results. A :class:`LaunchingRunner` (the
+    model runner) resolves ``out``'s placeholders on its device; any other runner (a stand-in whose ``step``
+    computes on the host) gets them resolved from ``future_map`` and runs the step here, its result ready."""
+    if isinstance(runner, LaunchingRunner):
+        return runner.launch(out)
+    output = forward_step(runner, future_map, out)
+    return None if output is None else PendingStep.ready(output)
 
 
 def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -261,7 +301,9 @@ def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) 
 @dataclass
 class _Launched:
     out: SchedulerOutput
-    copy_done: Future  # set by the executor once the step's sampled tokens are on the CPU side
+    launched: Future | None = None  # set by the executor once the step is launched (its PendingStep)
+    launch_started: float = 0.0  # perf_counter when the executor began launching it
+    pending: PendingStep | None = None  # once launched: its results, read by the CPU thread
 
 
 class StepTimeoutError(TimeoutError):
@@ -284,19 +326,47 @@ class OverlapStepLoop:
         self._launched: _Launched | None = None  # launched in the current iteration, not yet handed on
         self._busy0, self._start = executor.busy_s, time.perf_counter()
         self._read0 = read_back_seconds(runner)
+        self._resolved0 = placeholders_resolved(runner)
+        self._previous: _Launched | None = None  # the last step with work whose results were read
 
     def _launch(self, out: SchedulerOutput) -> _Launched:
-        return _Launched(out, self.executor.submit(lambda: forward_step(self.runner, self.future_map, out)))
+        item = _Launched(out)
+
+        def launch() -> PendingStep | None:
+            item.launch_started = time.perf_counter()
+            return launch_step(self.runner, self.future_map, out)
+
+        item.launched = self.executor.submit(launch)
+        return item
 
     def _wait(self, launched: _Launched) -> ModelRunnerOutput | None:
-        """The step's output (or its exception), waiting at most ``step_timeout_s``."""
+        """The step's output (or its exception): its launch on the executor, then its results, each waited for
+        at most ``step_timeout_s``."""
+        assert launched.launched is not None
         try:
-            return launched.copy_done.result(timeout=self.step_timeout_s)
+            pending = launched.launched.result(timeout=self.step_timeout_s)
         except FutureTimeoutError:
             raise StepTimeoutError(
                 f"the engine's CPU thread waited {self.step_timeout_s:g} s for a step of {launched.out.num_reqs} "
                 f"chunks on the forward executor thread {self.executor.name!r}, which neither finished nor failed "
                 "it (raise --dist-timeout-s if one step legitimately takes longer)") from None
+        if pending is None:
+            return None
+        launched.pending = pending
+        try:
+            with trace.region("read", "step", track="scheduler"):  # waits for the device, the next step queued
+                return pending.result(self.step_timeout_s)
+        except TimeoutError as exc:
+            raise StepTimeoutError(f"the results of a step of {launched.out.num_reqs} chunks were not on the host "
+                                   f"after {self.step_timeout_s:g} s: {exc}") from None
+
+    def _count_wait(self, launched: _Launched) -> None:
+        """Whether ``launched`` began launching only after the previous step's results had been read."""
+        prev, self._previous = self._previous, launched
+        if prev is None or prev.pending is None or prev.pending.read_at is None:
+            return
+        if prev.pending.read_at <= launched.launch_started:
+            self.stats.launches_after_read.append(self.stats.num_steps - 1)
 
     def _process(self, launched: _Launched) -> None:
         t0 = time.perf_counter()
@@ -305,6 +375,7 @@ class OverlapStepLoop:
         self.stats.copy_wait_s += t1 - t0
         if output is None:
             raise RuntimeError(f"model runner reported no work for a step of {launched.out.num_reqs} chunks")
+        self._count_wait(launched)
         with trace.region("update", "step", track="scheduler"):
             done = self.sched.update(launched.out, output.sampled_token_ids)
             if self.on_results is not None:
@@ -371,6 +442,9 @@ class OverlapStepLoop:
         stats = self.stats
         stats.wall_s = time.perf_counter() - self._start
         stats.forward_busy_s = self.executor.busy_s - self._busy0
-        stats.read_wait_s = read_back_seconds(self.runner) - self._read0
-        stats.num_placeholders_resolved = self.future_map.num_resolved
+        # A LaunchingRunner's results are read on this (the CPU) thread, inside copy_wait_s: none on the forward side.
+        stats.read_wait_s = 0.0 if isinstance(self.runner, LaunchingRunner) else \
+            read_back_seconds(self.runner) - self._read0
+        stats.num_placeholders_resolved = self.future_map.num_resolved + placeholders_resolved(self.runner) \
+            - self._resolved0
         return stats

@@ -76,6 +76,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         help="auto: triton (paged decode kernel, SDPA prefill) on CUDA, torch (plain reference) on CPU")
     add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10 "
         "(default: none, the all-to-alls cost what they cost)")
+    add("--emulate-device", metavar="SPEC",
+        help="give every step an asynchronous device time of step_us + us_per_token x tokens, e.g. "
+             "step_us=3000,us_per_token=0, for machines without a GPU (default: none; the overlap loop is the "
+             "default with it)")
     add("--max-num-seqs", type=int, metavar="N", help="most requests in one step")
     add("--max-num-batched-tokens", type=int, metavar="N", help="most tokens in one step (per DP rank)")
     add("--max-model-len", type=int, metavar="N",

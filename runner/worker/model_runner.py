@@ -8,6 +8,13 @@ A rank with nothing scheduled while its peers work runs a dummy step of padding 
 one row when the step ubatches -- so the MoE all-to-alls stay matched. Padding rows are marked in a
 persistent ``real_token_mask`` buffer and routed to no expert.
 
+A step is *launched* (:meth:`ModelRunner.launch`): the host's work, then the forward and the sampler queued on
+the device, the previous step's tokens taken from the device-resident future-token map
+(``device_future_map.py``), the sampled ids scattered into it and copied to pinned host memory behind an event;
+it returns a :class:`~runner.worker.pending.PendingStep` whose ``result()`` waits for that copy. So the step loop
+can launch step N+1 before it reads step N's results. With ``--emulate-device`` every step also gets a device
+time on an emulated stream (``emulated_device.py``) that its read waits for.
+
 With tracing on, the step's CPU phases (DP vote, input preparation, sampling) are spans on the rank's
 ``step`` track, next to the model's spans on the ubatch tracks.
 """
@@ -32,8 +39,11 @@ from runner.attention.kv_cache import allocate_kv_caches, build_attention_metada
 from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
 from runner.config import ConfigError
 from runner.models.loader import load_model
-from runner.worker.sampler import Sampler
-from runner.worker.outputs import ModelRunnerOutput, TokenLogprobs
+from runner.worker.device_future_map import DeviceFutureMap
+from runner.worker.emulated_device import DeviceSpec, EmulatedDevice
+from runner.worker.pending import LaunchingRunner, PendingStep
+from runner.worker.sampler import PendingSample, Sampler, StepRows
+from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.scheduled_batch import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
@@ -61,7 +71,7 @@ def resolve_dtype(name: str) -> torch.dtype | None:
     return DTYPES[name]
 
 
-class ModelRunner:
+class ModelRunner(LaunchingRunner):
     def __init__(self, cfg: Any, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
@@ -107,6 +117,10 @@ class ModelRunner:
         self.input_ids = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
         self.positions = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
         self.real_token_mask = torch.zeros(self.max_tokens_per_step, dtype=torch.bool, device=self.device)
+        self.future_tokens = DeviceFutureMap(self.device)  # placeholders resolved on the device
+        self.emulated_device = EmulatedDevice(DeviceSpec.parse(cfg.emulate_device)) \
+            if cfg.emulate_device is not None else None
+        # Steps read since the last launch, for the cost model (recorded on the launching thread, which votes).
         self.num_steps = 0
         self.num_ubatched_steps = 0
         self.num_dummy_steps = 0
@@ -177,23 +191,52 @@ class ModelRunner:
             return coordinate_batch_across_dp(n, vote, self.dp_group, NUM_UBATCHES, is_prefill=prefill,
                                               split=split, pays=pays, rule=rule), split_point
 
-    @torch.inference_mode()
+    @property
+    def num_placeholders_resolved(self) -> int:
+        return self.future_tokens.num_resolved
+
     def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Launch ``sched`` and wait (at most ``--dist-timeout-s``) for its output: the synchronous loop."""
+        pending = self.launch(sched)
+        return None if pending is None else pending.result(self.cfg.dist_timeout_s)
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> PendingStep | None:
+        """Queue one step without waiting for the device (module docstring); None when no DP rank had work."""
         decision, split_point = self.decide(sched)
         if not decision.any_work:
             return None
         self.num_steps += 1
         if sched.num_tokens == 0:
             self._dummy_step(decision)
-            return ModelRunnerOutput([])
+            return self._pending(sched, None)
         if self.cost_model is not None:
             self.cost_model.start()
         hidden, _ = self._forward(sched, decision, split_point)
         if self.cost_model is not None:
             self.cost_model.stop(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch)
         with trace.region("sample", "step", track="step"):
-            sampled, logprobs = self._sample(sched, hidden)
-        return ModelRunnerOutput(sampled, logprobs)
+            sampling = self._launch_sampling(sched, hidden)
+        return self._pending(sched, sampling)
+
+    def _pending(self, sched: SchedulerOutput, sampling: tuple[StepRows, PendingSample] | None) -> PendingStep:
+        """The launched step's pending output: its emulated device time (if any) queued now, read later."""
+        deadline = None if self.emulated_device is None else self.emulated_device.launch(sched.num_tokens)
+        n = sched.num_reqs
+
+        def read(timeout_s: float | None) -> ModelRunnerOutput:
+            if deadline is not None:
+                EmulatedDevice.wait(deadline, timeout_s)
+            if sampling is None:
+                return ModelRunnerOutput([None] * n)
+            step, pending = sampling
+            result = pending.result(timeout_s)
+            if step.picks is None:
+                return ModelRunnerOutput(result.token_ids, result.logprobs)
+            return ModelRunnerOutput(_scatter(result.token_ids, step.picks, n),
+                                     None if result.logprobs is None else _scatter(result.logprobs, step.picks, n))
+
+        return PendingStep(read)
 
     def _forward(self, sched: SchedulerOutput, decision: DPDecision,
                  split_point: list[int] | int | None) -> tuple[torch.Tensor, Any]:
@@ -212,6 +255,8 @@ class ModelRunner:
             if padded > n:
                 ids = np.concatenate((ids, np.zeros(padded - n, dtype=np.int64)))
             copy_from_host(self.input_ids[:padded], torch.from_numpy(ids))
+            with trace.region("resolve", "step", track="step"):  # the previous step's tokens, on the device
+                self.future_tokens.resolve_(sched, self.input_ids[:n])
             self.positions[:padded].copy_(meta.positions)
             mask = self._mark_real_tokens(n, padded)
             slices = None
@@ -284,29 +329,30 @@ class ModelRunner:
                                  real_token_mask=self.real_token_mask[:rows]):
             model(input_ids=self.input_ids[:rows].zero_(), positions=self.positions[:rows].zero_())
 
-    def _sample(self, sched: SchedulerOutput,
-                hidden: torch.Tensor) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
-        """One token (and its logprobs, when asked) per request whose chunk reached the end of its known tokens.
+    def _launch_sampling(self, sched: SchedulerOutput,
+                         hidden: torch.Tensor) -> tuple[StepRows, PendingSample] | None:
+        """Sample one token per request whose chunk reached the end of its known tokens, on the device; store
+        them in the future-token map and start their copy to the host. None when no request samples.
 
         Read from the step's arrays (``Sampler.prepare``): the settings of requests new to their slot are
         written, the inputs of requests with penalties recorded first -- the penalty counts are kept here, on
-        the forward side, from resolved input tokens (``runner/worker/penalties.py``), so they are exact with
-        the overlap loop too. A step of decodes only samples every row of ``hidden`` as it is."""
+        the forward side, from the input ids resolved on the device (``runner/worker/penalties.py``), so they
+        are exact when the step was launched before its predecessor's tokens reached the host. A step of
+        decodes only samples every row of ``hidden`` as it is."""
         n = sched.num_reqs
-        step = self.sampler.prepare(sched)
+        step = self.sampler.prepare(sched, self.input_ids[:sched.num_tokens])
         if not len(step):
-            return [None] * n, None
+            return None
         if step.picks is None and sched.num_tokens == n:  # one token per request, all sampling
             last = hidden[:n]
         else:
             ends = np.cumsum(sched.query_lens) - 1
             rows = ends if step.picks is None else ends[step.picks]
             last = hidden.index_select(0, host_to_device(torch.from_numpy(rows), hidden.device))
-        result = self.sampler.sample_step(self.model.compute_logits(last), step)
-        if step.picks is None:
-            return result.token_ids, result.logprobs  # type: ignore[return-value]
-        return _scatter(result.token_ids, step.picks, n), \
-            None if result.logprobs is None else _scatter(result.logprobs, step.picks, n)
+        sampled, pending = self.sampler.launch_step(self.model.compute_logits(last), step)
+        self.future_tokens.store_(sched.req_ids if step.picks is None else sched.req_ids[step.picks], step.slots,
+                                  sampled)
+        return step, pending
 
     def close(self) -> None:
         if self.graph_runner is not None:

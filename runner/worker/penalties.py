@@ -29,6 +29,8 @@ from runner.attention.kv_cache import host_to_device
 from runner.worker.scheduled_batch import ScheduledChunk
 
 _MIN_SLOTS = 8
+#: A step's input ids on the device (placeholders resolved) and the positions in them of the tokens recorded.
+DeviceTokens = tuple[torch.Tensor, np.ndarray]
 
 
 class PenaltyState:
@@ -71,12 +73,15 @@ class PenaltyState:
                     np.array([t for c in chunks for t in c.token_ids], dtype=np.int64))
 
     def record(self, req_ids: np.ndarray, slots: np.ndarray, starts: np.ndarray, lens: np.ndarray,
-               prompt_lens: np.ndarray, token_ids: np.ndarray) -> None:
+               prompt_lens: np.ndarray, token_ids: np.ndarray, on_device: DeviceTokens | None = None) -> None:
         """Add one step's input tokens of requests that use penalties, as arrays over those requests (numpy,
         no Python per request): request ``i`` (``req_ids[i]``, in slot ``slots[i]``, prompt of
         ``prompt_lens[i]`` tokens) computes ``lens[i]`` tokens from position ``starts[i]``; ``token_ids`` holds
         them all, request after request. Positions below the prompt length are prompt, the others outputs; a
-        request whose chunk starts at position 0 has its slot reset first."""
+        request whose chunk starts at position 0 has its slot reset first.
+
+        ``on_device``: the step's input ids on the device with placeholders resolved there, and where these
+        tokens are in them; the counts then read the tokens from it (``token_ids`` may hold placeholders)."""
         if not len(slots):
             return
         if slots.min() < 0:
@@ -85,7 +90,9 @@ class PenaltyState:
                              f"(slot={int(slots[k])}): penalty counts are kept per request slot")
         if len(token_ids) != int(lens.sum()):
             raise ValueError(f"penalty state: {len(token_ids)} token ids for chunks of {int(lens.sum())} tokens")
-        bad = (token_ids < 0) | (token_ids >= self.vocab_size)
+        bad = token_ids >= self.vocab_size
+        if on_device is None:  # otherwise a negative id is a placeholder, resolved in the device's copy
+            bad |= token_ids < 0
         if bad.any():
             raise ValueError(f"penalty state: input token {int(token_ids[np.argmax(bad)])} is outside the "
                              f"vocabulary [0, {self.vocab_size}) (an unresolved placeholder?)")
@@ -99,8 +106,10 @@ class PenaltyState:
             return
         self.ensure_slots(1 + int(slots.max()))
         output = ~prompt
+        # Token values: the ids themselves, or (on_device) their positions in the device's input ids.
+        values = token_ids if on_device is None else on_device[1]
         packed = host_to_device(torch.from_numpy(np.concatenate(
-            (resets, token_slots[prompt], token_ids[prompt], token_slots[output], token_ids[output]))), self.device)
+            (resets, token_slots[prompt], values[prompt], token_slots[output], values[output]))), self.device)
         assert self.counts is not None and self.seen is not None
         if n_r:
             rows = packed[:n_r]
@@ -109,11 +118,13 @@ class PenaltyState:
         true = torch.ones((), dtype=torch.bool, device=self.device)
         if n_p:
             p = packed[n_r:n_r + 2 * n_p]
-            self.seen.index_put_((p[:n_p], p[n_p:]), true)
+            p_tokens = p[n_p:] if on_device is None else on_device[0].index_select(0, p[n_p:])
+            self.seen.index_put_((p[:n_p], p_tokens), true)
         if n_o:
             o = packed[n_r + 2 * n_p:]
-            self.counts.index_put_((o[:n_o], o[n_o:]), torch.ones((), device=self.device), accumulate=True)
-            self.seen.index_put_((o[:n_o], o[n_o:]), true)
+            o_tokens = o[n_o:] if on_device is None else on_device[0].index_select(0, o[n_o:])
+            self.counts.index_put_((o[:n_o], o_tokens), torch.ones((), device=self.device), accumulate=True)
+            self.seen.index_put_((o[:n_o], o_tokens), true)
 
 
 def apply_penalties_(logits: torch.Tensor, counts: torch.Tensor, seen: torch.Tensor | None,

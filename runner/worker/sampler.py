@@ -93,10 +93,13 @@ class Sampler:
         self.read_back_s = 0.0
 
     # ---- a step of the engine -----------------------------------------------------------------------------
-    def prepare(self, sched: SchedulerOutput) -> StepRows:
-        """Read one step (placeholders resolved): write the settings of requests new to their slot, feed the
-        inputs of requests with penalties to their counts, and return the rows that sample. Numpy over the
-        step's arrays; Python runs per request only for requests whose first chunk this is.
+    def prepare(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> StepRows:
+        """Read one step: write the settings of requests new to their slot, feed the inputs of requests with
+        penalties to their counts, and return the rows that sample. Numpy over the step's arrays; Python runs
+        per request only for requests whose first chunk this is.
+
+        ``input_ids``: the step's ``num_tokens`` input ids on the device, placeholders resolved there (the
+        model runner's steps: ``sched`` may then hold placeholders); without it ``sched``'s ids must be real.
 
         A step built by hand from ``ScheduledChunk`` objects (tests, stand-ins; slots and prompt lengths may be
         missing) gets a table of its own, a row per chunk."""
@@ -118,7 +121,8 @@ class Sampler:
                 lens = sched.query_lens
                 spans = np.repeat(uses.astype(bool), lens)  # the tokens of those requests
                 self.penalties.record(sched.req_ids[j], sched.slots[j], sched.num_computed[j], lens[j],
-                                      prompt_lens[j], sched.token_ids[spans])
+                                      prompt_lens[j], sched.token_ids[spans],
+                                      None if input_ids is None else (input_ids, np.flatnonzero(spans)))
         output_index = sched.num_computed + sched.query_lens - prompt_lens
         if n and sched.sample.all():
             return StepRows(settings, rows, sched.slots, output_index, None)
@@ -149,11 +153,19 @@ class Sampler:
 
     def sample_step(self, logits: torch.Tensor, step: StepRows) -> SamplerOutput:
         """One token per row of ``step`` from ``logits`` ``[len(step), vocab]`` (modified in place)."""
-        self._check(logits, len(step))
         if not len(step):
+            self._check(logits, 0)
             return SamplerOutput([])
+        _, pending = self.launch_step(logits, step)
+        return pending.result()
+
+    def launch_step(self, logits: torch.Tensor, step: StepRows) -> tuple[torch.Tensor, "PendingSample"]:
+        """Sample one token per row of ``step`` (at least one) on the device without waiting for it: the
+        sampled-id tensor (for the next step's placeholders) and the pending read of the results."""
+        self._check(logits, len(step))
         meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
-        return self._read_back(meta, *sample_on_device(logits, meta, self.penalties))
+        sampled, lp = sample_on_device(logits, meta, self.penalties)
+        return sampled, PendingSample(self, meta, start_read(sampled, lp), lp is not None)
 
     # ---- rows given by hand -------------------------------------------------------------------------------
     def record_inputs(self, chunks: Sequence[ScheduledChunk]) -> None:
@@ -247,7 +259,68 @@ def read_back(meta: SamplingMetadata, sampled: torch.Tensor,
     result packed into one float64 tensor (token ids and ranks are below 2**53, so exact), copied once."""
     if lp is None:
         return SamplerOutput(sampled.tolist())  # the step's only wait for the device
-    values = torch.cat([sampled.to(torch.float64), *(t.to(torch.float64).reshape(-1) for t in lp)]).tolist()
+    return unpack(meta, _packed(sampled, lp).tolist())
+
+
+def _packed(sampled: torch.Tensor, lp: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return torch.cat([sampled.to(torch.float64), *(t.to(torch.float64).reshape(-1) for t in lp)])
+
+
+@dataclass
+class HostCopy:
+    """A device tensor's copy on its way to the host: ``host`` (pinned on CUDA) is valid once ``event`` has
+    completed (None: already valid, the CPU)."""
+
+    host: torch.Tensor
+    event: torch.cuda.Event | None
+
+
+def start_read(sampled: torch.Tensor, lp: tuple[torch.Tensor, ...] | None) -> HostCopy:
+    """Start copying a step's results (the sampled ids, or every result packed as in :func:`read_back`) to the
+    host: on CUDA a ``non_blocking`` copy into pinned memory and an event after it; nothing waits here."""
+    packed = sampled if lp is None else _packed(sampled, lp)
+    if packed.device.type != "cuda":
+        return HostCopy(packed, None)
+    host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+    host.copy_(packed, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return HostCopy(host, event)
+
+
+def wait_for_event(event: torch.cuda.Event, timeout_s: float | None) -> None:
+    """Wait for ``event`` at most ``timeout_s`` (``TimeoutError``), polling with sleeps from 10 us doubling to
+    0.1 ms: the GIL stays free for the thread launching the next step, and a step is seen done at most about
+    0.1 ms late (which matters only to the synchronous loop: the pipelined one has the next step queued)."""
+    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+    pause = 10e-6
+    while not event.query():
+        if deadline is not None and time.perf_counter() > deadline:
+            raise TimeoutError(f"a step's sampled ids were not on the host after {timeout_s:g} s")
+        time.sleep(pause)
+        pause = min(2 * pause, 1e-4)
+
+
+class PendingSample:
+    """The sampling of a launched step; :meth:`result` waits for its copy and reads it (once)."""
+
+    def __init__(self, sampler: Sampler, meta: SamplingMetadata, copy: HostCopy, has_logprobs: bool) -> None:
+        self.sampler, self.meta, self.copy, self.has_logprobs = sampler, meta, copy, has_logprobs
+
+    def result(self, timeout_s: float | None = None) -> SamplerOutput:
+        t0 = time.perf_counter()
+        try:
+            if self.copy.event is not None:
+                wait_for_event(self.copy.event, timeout_s)
+            values = self.copy.host.tolist()  # on the CPU, the step's wait for the forward's results
+            return SamplerOutput(values) if not self.has_logprobs else unpack(self.meta, values)
+        finally:
+            self.sampler.read_back_s += time.perf_counter() - t0
+
+
+def unpack(meta: SamplingMetadata, values: list[float]) -> SamplerOutput:
+    """A :class:`SamplerOutput` from the packed float64 results of :func:`read_back` (sampled ids, then the
+    logprob rows' logprob, rank, top ids and top logprobs)."""
     n = meta.num_rows
     ids = [int(v) for v in values[:n]]
     num = len(meta.logprob_row_ids)

@@ -1,0 +1,70 @@
+"""The model runner's future-token map: sampled ids kept on the device, placeholders resolved there.
+
+Step N+1 is launched before step N's tokens reach the host, so its input ids name them by placeholders
+``-(slot + 1)`` (``runner/core/slots.py``). Step N scatters its sampled-id tensor into a ``[slots]`` token
+tensor on the device, under each sampling request's slot; step N+1's input ids, once copied to the device,
+take their placeholders' tokens from it with a gather and a select, on the device, in stream order after N's
+scatter (SGLang's GPU-resident future map, vLLM's async scheduling). Nothing waits for the device.
+
+The checks stay on the host, where they need no token value (``FutureTokenBook.claim``): a placeholder whose
+slot holds no fresh token of its own request raises before the step is launched.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from runner.attention.kv_cache import host_to_device
+from runner.worker.future_book import FutureTokenBook
+from runner.worker.scheduled_batch import SchedulerOutput
+
+_MIN_SLOTS = 64
+
+
+class DeviceFutureMap:
+    """Host bookkeeping (:class:`FutureTokenBook`) and a ``[slots]`` int64 token tensor on ``device``."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.book = FutureTokenBook(_MIN_SLOTS)
+        self.tokens = torch.zeros(_MIN_SLOTS, dtype=torch.int64, device=self.device)
+
+    @property
+    def num_resolved(self) -> int:
+        return self.book.num_resolved
+
+    def _ensure(self, num_slots: int) -> None:
+        if num_slots <= self.tokens.shape[0]:
+            return
+        grown = torch.zeros(max(num_slots, 2 * self.tokens.shape[0]), dtype=torch.int64, device=self.device)
+        grown[:self.tokens.shape[0]] = self.tokens
+        self.tokens = grown
+        self.book.ensure_capacity(grown.shape[0])
+
+    def resolve_(self, out: SchedulerOutput, input_ids: torch.Tensor) -> None:
+        """Replace the placeholders of ``out`` in ``input_ids`` (its ``num_tokens`` ids, already on the device),
+        in place: one gather from the token tensor and one select, no read of any token on the host."""
+        found = self.book.placeholders(out)
+        if found is None:
+            return
+        _, owners, slots = found
+        self.book.claim(owners, slots)
+        named = (-input_ids - 1).clamp_(min=0)  # a placeholder's slot; 0 for real ids (not used)
+        input_ids.copy_(torch.where(input_ids < 0, self.tokens.index_select(0, named), input_ids))
+
+    def store_(self, req_ids: np.ndarray, slots: np.ndarray, sampled: torch.Tensor) -> None:
+        """Scatter ``sampled[i]`` (on the device) into slot ``slots[i]`` for request ``req_ids[i]``; rows
+        without a slot (``-1``: steps built by hand) are left out."""
+        keep = slots >= 0
+        if not keep.all():
+            idx = np.flatnonzero(keep)
+            req_ids, slots = req_ids[idx], slots[idx]
+            sampled = sampled.index_select(0, host_to_device(torch.from_numpy(idx), sampled.device))
+        if not len(slots):
+            return
+        self._ensure(int(slots.max()) + 1)
+        self.book.mark_stored(req_ids, slots)
+        # A row that sampled no valid token (the sampler's INVALID_TOKEN, for non-finite logits) feeds the step in
+        # flight a harmless id 0: the scheduler ends that request with an error and discards what it computes.
+        self.tokens.index_copy_(0, host_to_device(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
+                                                  self.device), sampled.clamp_min(0))
