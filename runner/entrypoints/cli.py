@@ -30,6 +30,7 @@ from runner.config import RunnerConfig
 from runner.engine.generation_config import GenerationConfig
 from runner.entrypoints.engine_args import add_engine_args, config_from_args, model_info_or_exit
 from runner.entrypoints.output_paths import output_path_error
+from runner.entrypoints.prompt_checks import prompt_problem
 from runner.entrypoints.report import (  # noqa: F401 (compare_outputs: API)
     compare_outputs,
     report_bench,
@@ -214,6 +215,10 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if text is not None and not info.has_tokenizer:
             parser.error(f"argument --prompts-file: prompt {text} is text but model {cfg.model!r} has no "
                          "tokenizer; use {\"prompt_token_ids\": [...]} lines")
+        for i, p in enumerate(prompts):  # token ids are checked here; text prompts by the rank that encodes them
+            problem = None if isinstance(p, str) else prompt_problem(p, sampling, info.vocab_size, info.max_model_len)
+            if problem:
+                parser.error(f"argument --prompts-file: prompt {i}: {problem}")
     else:
         prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio,
                                  info.vocab_size, cfg.seed)

@@ -18,6 +18,7 @@ from runner.config import (
 )
 from runner.distributed.device import DEVICE_CHOICES
 from runner.engine.generation_config import GenerationConfig
+from runner.entrypoints.vllm_engine_args import add_vllm_engine_args, check_vllm_flags
 
 
 def _cuda_graph_sizes(text: str) -> list[int]:
@@ -121,6 +122,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         shown = "default:" in (action.help or "") or "(default" in (action.help or "")
         if value is not None and not isinstance(value, bool) and not shown:
             action.help = f"{action.help + '; ' if action.help else ''}default: {value}"
+    add_vllm_engine_args(p)
 
 
 @dataclass
@@ -128,6 +130,7 @@ class ModelInfo:
     vocab_size: int
     has_tokenizer: bool
     generation_config: GenerationConfig
+    max_model_len: int  # the engine's: --max-model-len, else max_position_embeddings capped at the default
 
 
 def model_info(cfg: RunnerConfig) -> ModelInfo:
@@ -149,13 +152,16 @@ def model_info(cfg: RunnerConfig) -> ModelInfo:
         generation = load_generation_config(path, cfg.generation_config, model_eos_token_ids(config))
     except ValueError as e:
         raise ConfigError("generation_config", str(e)) from None
-    return ModelInfo(config.vocab_size, has_tokenizer_files(path), generation)
+    default_len = _default_max_model_len()
+    max_model_len = cfg.max_model_len or min(getattr(config, "max_position_embeddings", default_len), default_len)
+    return ModelInfo(config.vocab_size, has_tokenizer_files(path), generation, max_model_len)
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunnerConfig:
     """The engine flags as a validated RunnerConfig; a bad value exits 2 naming its flag."""
     from runner.distributed.launch import torchrun_env_present
 
+    check_vllm_flags(args, parser)
     engine = {k: v for k, v in vars(args).items() if k in config_fields() and v is not None}
     if torchrun_env_present():  # under torchrun: one DP rank per process
         world = int(os.environ["WORLD_SIZE"])
