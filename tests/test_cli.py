@@ -81,7 +81,8 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
 def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], expected: str, capsys: pytest.CaptureFixture) -> None:
     err = usage_error(["generate", *argv], capsys)
     assert expected in err, err
-    assert err.startswith("usage: python -m runner generate")
+    assert err.startswith("python -m runner generate: error: ") and err.count("\n") == 1  # one line, no usage
+    assert err.endswith(" (see: python -m runner generate --help)\n")
 
 
 def test_bad_prompts_file_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

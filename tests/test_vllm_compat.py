@@ -83,3 +83,67 @@ def test_a_stop_on_the_models_own_eos_shows_no_stop_reason() -> None:
     assert show_request(request) == ["[0] stop, 2 tokens: 'ab'"]
     request["outputs"][0]["stop_reason"] = 7
     assert show_request(request) == ["[0] stop (7), 2 tokens: 'ab'"]
+
+
+# ---------------------------------------------------------------------------------------------- the CLI
+def cli_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_prompt_flags_are_exact_and_repeatable(tiny_chat_checkpoint, tmp_path, capsys: pytest.CaptureFixture) -> None:
+    import json
+
+    out = tmp_path / "o.json"
+    assert main(["generate", str(tiny_chat_checkpoint.path), "--prompt", "Hello world!", "--prompt", "The quick",
+                 "--max-tokens", "2", "--dtype", "float32", "--output-json", str(out)]) == 0
+    assert [r["prompt"] for r in json.loads(out.read_text())] == ["Hello world!", "The quick"]
+    capsys.readouterr()
+    assert cli_error(["generate", "--prompts", "Hello"], capsys) == (  # not --prompts-file: no prefix matching
+        "python -m runner generate: error: unrecognized arguments: --prompts (see: python -m runner generate --help)\n")
+    assert "generate: error: unrecognized arguments: --max-tok" in cli_error(["generate", "--max-tok", "3"], capsys)
+    err = cli_error(["generate", "--prompt", "Hi", "--prompts-file", str(out)], capsys)
+    assert "argument --prompt: give prompts with --prompt or --prompts-file, not both" in err
+    err = cli_error(["generate", "--prompt", "Hi"], capsys)  # the built-in tiny model has no tokenizer
+    assert "argument --prompt: model 'tiny-qwen3-moe' has no tokenizer to encode text prompts" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "bench"])
+def test_every_subcommand_takes_a_positional_model(command: str, capsys: pytest.CaptureFixture) -> None:
+    parser = build_parser()
+    args = parser.parse_args([command, "tiny-deepseek-v3", "--num-prompts", "1"])
+    assert job_from_args(args, args.subparser).cfg.model == "tiny-deepseek-v3"
+    err = cli_error([command, "tiny-deepseek-v3", "--model", "tiny-qwen3-moe"], capsys)
+    assert "argument --model: 'tiny-qwen3-moe' differs from the positional MODEL 'tiny-deepseek-v3'" in err
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_experts_not_divisible_by_the_ep_ranks_is_refused_before_any_rank_starts(
+        command: str, capsys: pytest.CaptureFixture) -> None:
+    err = cli_error([command, "tiny-qwen3-moe", "-dp", "3", "--enable-expert-parallel", "--device", "cpu"], capsys)
+    assert ("argument --data-parallel-size: the model's 8 experts cannot be spread evenly over 3 expert-parallel "
+            "ranks (num_experts=8 is not divisible by ep_size=3); use a --data-parallel-size that divides it "
+            "(2, 4, 8), or drop --enable-expert-parallel") in err
+
+
+@pytest.mark.parametrize("backend", ["deepep_v2", "deepep_low_latency", "auto_deepep_v1"])
+def test_a_deepep_backend_without_deepep_is_refused_before_any_rank_starts(backend: str,
+                                                                           capsys: pytest.CaptureFixture) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("deep_ep") is not None:
+        pytest.skip("DeepEP is installed here")
+    err = cli_error(["generate", "-dp", "2", "--enable-expert-parallel", "--all2all-backend", backend,
+                     "--device", "cpu"], capsys)
+    assert f"argument --all2all-backend: all2all_backend {backend!r} needs DeepEP (the 'deep_ep' package)" in err
+
+
+def test_serve_help_shows_the_model_as_required(capsys: pytest.CaptureFixture) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "default: tiny-qwen3-moe" not in text
+    assert "required, here or as the positional MODEL (default: none)" in text
+    assert "the following arguments are required: MODEL (or --model)" in cli_error(["serve"], capsys)

@@ -20,10 +20,10 @@ logger = logging.getLogger("runner.entrypoints.openai.serve")
 
 def add_serve_args(p: argparse.ArgumentParser, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """``MODEL`` (positional, or ``--model``), every engine flag of ``generate``, and the server's flags."""
+    from runner.entrypoints.engine_args import add_model_positional
     from runner.entrypoints.openai.cli_args import add_server_args
 
-    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="a local HF checkpoint directory or a built-in model "
-                   "(tiny-qwen3-moe, tiny-deepseek-v3, bench-qwen3-moe-120m, ...); --model also works")
+    add_model_positional(p, required=True)
     engine_args(p)
     add_server_args(p)
     p.add_argument("--debug", action="store_true", help="print the full traceback of an error (also: UBATCH_DEBUG=1; "
@@ -32,13 +32,9 @@ def add_serve_args(p: argparse.ArgumentParser, engine_args: Callable[[argparse.A
 
 def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from runner.distributed.launch import torchrun_env_present
-    from runner.entrypoints.engine_args import config_from_args, model_info_or_exit
+    from runner.entrypoints.engine_args import config_from_args, model_info_or_exit, resolve_model_arg
 
-    if args.model_tag and args.model and args.model_tag != args.model:
-        parser.error(f"argument --model: {args.model!r} differs from the positional MODEL {args.model_tag!r}")
-    args.model = args.model_tag or args.model
-    if args.model is None:
-        parser.error("the following arguments are required: MODEL (or --model)")
+    resolve_model_arg(args, parser, required=True)
     if torchrun_env_present() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         parser.error("serve starts its own rank processes (--data-parallel-size); do not run it under torchrun")
     cfg = config_from_args(args, parser)
