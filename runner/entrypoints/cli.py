@@ -35,6 +35,7 @@ from runner.entrypoints.engine_args import (
 )
 from runner.entrypoints.output_paths import output_path_error
 from runner.entrypoints.prompt_checks import prompt_problem
+from runner.entrypoints.tokenizer_args import tokenizer_dir_or_exit
 from runner.entrypoints.report import (  # noqa: F401 (compare_outputs: API)
     compare_outputs,
     report_bench,
@@ -143,6 +144,7 @@ class Job:
     prompts: list[Any]
     sampling: SamplingParams
     disable_tqdm: bool
+    tokenizer: str | None = None  # --tokenizer: a directory to load the tokenizer from instead of the model's
 
 
 def _read_prompts(path: str) -> list[Any]:
@@ -213,11 +215,13 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if problem:
             parser.error(f"argument {flag}: {problem}")
     info = model_info_or_exit(cfg, parser)
+    tokenizer = tokenizer_dir_or_exit(args, parser)
+    has_tokenizer = tokenizer is not None or info.has_tokenizer
     sampling = _sampling(args, info.generation_config, parser)
-    if sampling.stop and not info.has_tokenizer:
+    if sampling.stop and not has_tokenizer:
         parser.error(f"argument --stop: model {cfg.model!r} has no tokenizer to find stop strings in the text")
     if args.prompt:
-        if not info.has_tokenizer:
+        if not has_tokenizer:
             parser.error(f"argument --prompt: model {cfg.model!r} has no tokenizer to encode text prompts; use "
                          "--prompts-file with {\"prompt_token_ids\": [...]} lines")
         prompts = list(args.prompt)
@@ -227,7 +231,7 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         except ValueError as e:
             parser.error(f"argument --prompts-file: {e}")
         text = next((i for i, p in enumerate(prompts) if isinstance(p, str)), None)
-        if text is not None and not info.has_tokenizer:
+        if text is not None and not has_tokenizer:
             parser.error(f"argument --prompts-file: prompt {text} is text but model {cfg.model!r} has no "
                          "tokenizer; use {\"prompt_token_ids\": [...]} lines")
         for i, p in enumerate(prompts):  # token ids are checked here; text prompts by the rank that encodes them
@@ -237,7 +241,7 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     else:
         prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio,
                                  info.vocab_size, cfg.seed)
-    return Job(args.command, cfg, prompts, sampling, args.disable_tqdm)
+    return Job(args.command, cfg, prompts, sampling, args.disable_tqdm, tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------- rank side
@@ -251,7 +255,7 @@ def run_job(job: Job) -> dict[str, Any] | None:
                                                              job.cfg.replace(enable_dbo=True)]
     rank = 0
     for cfg in variants:
-        llm = LLM(cfg)
+        llm = LLM(cfg, tokenizer=job.tokenizer)
         rank = llm.rank
         try:
             if job.command == "bench":  # warm-up: first-call costs must not count against either variant

@@ -19,6 +19,7 @@ from runner.config import (
 )
 from runner.distributed.device import DEVICE_CHOICES
 from runner.engine.generation_config import GenerationConfig
+from runner.entrypoints.tokenizer_args import add_tokenizer_arg
 from runner.entrypoints.vllm_engine_args import add_vllm_engine_args, check_vllm_flags
 
 if TYPE_CHECKING:
@@ -147,6 +148,7 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
         if value is not None and not isinstance(value, bool) and not shown:
             action.help = f"{action.help + '; ' if action.help else ''}default: {value}"
     add_vllm_engine_args(p)
+    add_tokenizer_arg(p)
 
 
 @dataclass

@@ -22,10 +22,12 @@ def add_serve_args(p: argparse.ArgumentParser, engine_args: Callable[[argparse.A
     """``MODEL`` (positional, or ``--model``), every engine flag of ``generate``, and the server's flags."""
     from runner.entrypoints.engine_args import add_model_positional
     from runner.entrypoints.openai.cli_args import add_server_args
+    from runner.entrypoints.tokenizer_args import add_chat_args
 
     add_model_positional(p, required=True)
     engine_args(p)
     add_server_args(p)
+    add_chat_args(p)
     p.add_argument("--debug", action="store_true", help="print the full traceback of an error (also: UBATCH_DEBUG=1; "
                    "default: off)")
 
@@ -42,10 +44,21 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("argument --trace-file: the server records a window with POST /start_profile and "
                      "/stop_profile instead")
     info = model_info_or_exit(cfg, parser)
-    from runner.engine.tokenizer import load_tokenizer
+    from runner.engine.tokenizer import load_tokenizer, load_tokenizer_from_dir
+    from runner.entrypoints.openai.protocol import set_max_logprobs
+    from runner.entrypoints.tokenizer_args import (
+        apply_chat_template_arg, max_logprobs_or_exit, read_chat_template, tokenizer_dir_or_exit,
+    )
 
+    tokenizer_dir = tokenizer_dir_or_exit(args, parser)
+    template = read_chat_template(args.chat_template, parser) if args.chat_template else None
+    set_max_logprobs(max_logprobs_or_exit(args.max_logprobs, info.vocab_size, parser))
     _log_to_stderr()
-    tokenizer = load_tokenizer(cfg.model, cfg.cache_dir) if info.has_tokenizer else None
+    if tokenizer_dir is not None:
+        tokenizer = load_tokenizer_from_dir(tokenizer_dir)
+    else:
+        tokenizer = load_tokenizer(cfg.model, cfg.cache_dir) if info.has_tokenizer else None
+    apply_chat_template_arg(tokenizer, template, cfg.model, parser)
     note = info.generation_config.describe()
     if note:
         print(f"generation config: {note}", file=sys.stderr)
@@ -63,6 +76,15 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             traceback.print_exc()
         print(f"error: {describe_exception(e)}", file=sys.stderr)
         return 1
+
+
+def add_routes(app: Any) -> None:
+    """The routes beyond ``build_app``'s: profiling, and vLLM's /tokenize and /detokenize."""
+    from runner.entrypoints.openai.tokenization import add_tokenization_routes
+    from runner.entrypoints.profiling import add_profile_routes
+
+    add_profile_routes(app)
+    add_tokenization_routes(app)
 
 
 def _log_to_stderr() -> None:
@@ -84,7 +106,6 @@ async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_
     from runner.entrypoints.openai.api_server import bind_socket, run_server
     from runner.entrypoints.openai.cli_args import served_model_names
     from runner.entrypoints.openai.metrics import ServerMetrics
-    from runner.entrypoints.profiling import add_profile_routes
 
     sock = bind_socket(args.host, args.port)  # before the ranks load: a busy port fails in a second, not minutes
     dead = asyncio.Event()
@@ -96,7 +117,7 @@ async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_
         metrics = ServerMetrics(served_model_names(args)[0], client.max_model_len)
         client.metrics = metrics
         code = await run_server(args, client, engine_dead=dead, metrics=metrics, sock=sock,
-                                configure_app=add_profile_routes)
+                                configure_app=add_routes)
         if client.dead_error is not None:
             print(f"error: {client.dead_error}", file=sys.stderr)
             code = code or 1

@@ -29,6 +29,12 @@ from pydantic import (
 MAX_LOGPROBS = 20
 
 
+def set_max_logprobs(limit: int) -> None:
+    """``serve --max-logprobs``: the most ``logprobs`` / ``top_logprobs`` a request may ask for."""
+    global MAX_LOGPROBS
+    MAX_LOGPROBS = limit
+
+
 def random_id(prefix: str) -> str:
     """A request id as vLLM makes them (``cmpl-<uuid hex>``, ``chatcmpl-<uuid hex>``): unique per request."""
     return f"{prefix}-{uuid.uuid4().hex}"
