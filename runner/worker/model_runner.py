@@ -33,6 +33,7 @@ from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_b
 from runner.models.loader import load_model
 from runner.worker.sampler import Sampler
 from runner.worker.outputs import ModelRunnerOutput, TokenLogprobs
+from runner.worker.prompt_logprobs import prompt_logprobs
 from runner.worker.scheduled_batch import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
@@ -175,10 +176,11 @@ class ModelRunner:
         hidden, _ = self._forward(sched, decision, split_point)
         with trace.region("sample", "step", track="step"):
             sampled, logprobs = self._sample(sched, hidden)
+            prompt_lps = prompt_logprobs(sched, hidden, self.model.compute_logits)
         if self.cost_model is not None:
             self.cost_model.record(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch,
                                    time.perf_counter() - start)
-        return ModelRunnerOutput(sampled, logprobs)
+        return ModelRunnerOutput(sampled, logprobs, prompt_lps)
 
     def _forward(self, sched: SchedulerOutput, decision: DPDecision,
                  split_point: list[int] | int | None) -> tuple[torch.Tensor, Any]:
