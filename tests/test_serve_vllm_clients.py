@@ -113,3 +113,68 @@ def test_generate_with_a_tokenizer_from_elsewhere(dirs: tuple[Path, Path], tmp_p
                  "2", "--dtype", "float32", "--output-json", str(out)]) == 0
     (result,) = json.loads(out.read_text())
     assert result["prompt_token_ids"] == tok.encode("Hello world") and result["outputs"][0]["text"] is not None
+
+
+# ---------------------------------------------------------------------------------------------- echo, prompt logprobs
+@pytest.fixture(scope="module")
+def hf_logprobs(dirs: tuple[Path, Path]) -> Any:
+    import torch
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(dirs[0], dtype=torch.float32).eval()
+
+    def logprobs(ids: list[int]) -> Any:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return logprobs
+
+
+SCORED = "The quick brown fox jumps over the lazy dog."
+
+
+def test_echo_scores_the_prompt_as_lm_eval_asks(server: ServerProcess, tok: Any, hf_logprobs: Any) -> None:
+    """lm-evaluation-harness' log-likelihood request: echo, logprobs=1, max_tokens=0."""
+    got = post(server, "/v1/completions", {"prompt": SCORED, "echo": True, "logprobs": 1, "max_tokens": 0,
+                                           "temperature": 0}).json()
+    (choice,) = got["choices"]
+    ids = tok.encode(SCORED)
+    want = hf_logprobs(ids)
+    assert choice["text"] == SCORED and got["usage"]["completion_tokens"] == 0
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in ids] and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and len(lp["token_logprobs"]) == len(ids)
+    assert lp["token_logprobs"][1:] == pytest.approx([want[i - 1, ids[i]].item() for i in range(1, len(ids))],
+                                                     abs=1e-4)
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(ids))]
+
+
+def test_echo_with_generation_and_prompt_logprobs(server: ServerProcess, tok: Any, hf_logprobs: Any) -> None:
+    got = post(server, "/v1/completions", {"prompt": SCORED, "echo": True, "logprobs": 1, "max_tokens": 3,
+                                           "temperature": 0, "prompt_logprobs": 2}).json()
+    (choice,) = got["choices"]
+    plain = post(server, "/v1/completions", {"prompt": SCORED, "max_tokens": 3, "temperature": 0}).json()
+    generated = plain["choices"][0]["text"]
+    ids = tok.encode(SCORED)
+    want = hf_logprobs(ids)
+    assert choice["text"] == SCORED + generated and len(choice["logprobs"]["tokens"]) == len(ids) + 3
+    plp = choice["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    for i in range(1, len(ids)):
+        entry = plp[i][str(ids[i])]
+        assert entry["logprob"] == pytest.approx(want[i - 1, ids[i]].item(), abs=1e-4)
+        assert entry["rank"] == int((want[i - 1] >= want[i - 1, ids[i]]).sum())
+        assert {int(t) for t, e in plp[i].items() if e["rank"] <= 2} == set(want[i - 1].topk(2).indices.tolist())
+    no_echo = post(server, "/v1/completions", {"prompt": SCORED, "max_tokens": 3, "temperature": 0,
+                                               "prompt_logprobs": 0}).json()["choices"][0]
+    assert no_echo["text"] == generated and list(no_echo["prompt_logprobs"][1]) == [str(ids[1])]
+    assert "prompt_logprobs" not in plain["choices"][0]
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"echo": True, "stream": True}, "echo and prompt_logprobs are answered without stream"),
+    ({"prompt_logprobs": 4}, "prompt_logprobs must be an integer in [0, 3], got 4"),
+    ({"max_tokens": 0}, "max_tokens must be an integer >= 1, got 0"),
+])
+def test_bad_echo_requests_are_400(server: ServerProcess, body: dict[str, Any], message: str) -> None:
+    err = post(server, "/v1/completions", {"prompt": SCORED, **body})
+    assert err.status_code == 400 and message in err.json()["error"]["message"], err.text
