@@ -7,7 +7,6 @@ for itself and its subcommands, and prints ``PROG: error: MESSAGE (see: PROG --h
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, NoReturn
 
 
@@ -20,8 +19,3 @@ class CliParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see: {self.prog} --help)\n")
-
-    def exit(self, status: int = 0, message: str | None = None) -> NoReturn:
-        if message:
-            sys.stderr.write(message)
-        raise SystemExit(status)
