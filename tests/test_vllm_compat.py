@@ -147,3 +147,25 @@ def test_serve_help_shows_the_model_as_required(capsys: pytest.CaptureFixture) -
     assert "default: tiny-qwen3-moe" not in text
     assert "required, here or as the positional MODEL (default: none)" in text
     assert "the following arguments are required: MODEL (or --model)" in cli_error(["serve"], capsys)
+
+
+def _bad_prompt_on_rank_1(device: str) -> str:
+    """Rank body: prompt 1 (run by rank 1) is empty; every rank must raise the same error, none may hang."""
+    llm = LLM(model="tiny-qwen3-moe", data_parallel_size=2, device=device, dist_timeout_s=60.0)
+    try:
+        llm.generate([[1, 2], []], SamplingParams(max_tokens=2), use_tqdm=False)
+    except ValueError as e:
+        again = llm.generate([[1, 2], [3]], SamplingParams(max_tokens=2), use_tqdm=False)  # still in step
+        return f"{e} | {[len(o.outputs[0].token_ids) for o in again]}"
+    finally:
+        llm.close()
+    return "no error"
+
+
+@pytest.mark.slow
+def test_a_bad_prompt_raises_on_every_dp_rank() -> None:
+    from devices import device_for
+    from runner.distributed.launch import launch
+
+    per_rank = launch(_bad_prompt_on_rank_1, 2, args=(device_for(2),), timeout_s=180, device=device_for(2))
+    assert per_rank == ["prompt 1: the prompt is empty: at least one token is needed | [2, 2]"] * 2
