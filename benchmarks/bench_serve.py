@@ -48,7 +48,7 @@ IDLE_S = 0.2  # the lone-request runs' pause before each request
 
 def bench_serve(label: str, args: list[str]) -> dict[str, Any]:
     out = RESULTS_DIR / f"serve_{label}.json"
-    cmd = [sys.executable, "-m", "runner", "bench-serve", MODEL, "--output-json", str(out), *args]
+    cmd = [sys.executable, "-m", "runner", "bench-serve", MODEL, "--ignore-eos", "--output-json", str(out), *args]
     print(f"$ OMP_NUM_THREADS={RANK_THREADS} python {shlex.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": RANK_THREADS})
     if proc.returncode != 0:

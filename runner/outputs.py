@@ -21,6 +21,7 @@ class Logprob:
 
 # Per generated token: the sampled token and the top ``logprobs`` alternatives, by token id (vLLM's type).
 SampleLogprobs = list[dict[int, Logprob]]
+PromptLogprobs = list[dict[int, Logprob] | None]  # vLLM's: None for the first prompt token, then one dict each
 
 
 @dataclass
@@ -62,4 +63,4 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None
-    prompt_logprobs: Any = None  # not computed yet; kept so code reading vLLM's field runs
+    prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams(prompt_logprobs=N), once the prompt ran

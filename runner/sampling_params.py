@@ -90,6 +90,8 @@ class SamplingParams:
     max_tokens: int | None = 16  # None: up to max_model_len (resolved by the engine client per request)
     min_tokens: int = 0
     logprobs: int | None = None  # the sampled token's log-probability plus the top N (OpenAI style)
+    # vLLM's: each prompt token's log-probability (after the first) plus the top N at its position; None: none
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     include_stop_str_in_output: bool = False
@@ -138,6 +140,9 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
             raise SamplingParamsError("logprobs", f"logprobs must be an integer >= 0 (how many top alternatives "
                                                   f"to return) or None, got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
+            raise SamplingParamsError("prompt_logprobs", f"prompt_logprobs must be an integer >= 0 (how many top "
+                                                         f"alternatives to return) or None, got {self.prompt_logprobs!r}")
         self.logit_bias = self._logit_bias(self.logit_bias)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise SamplingParamsError("output_kind", f"output_kind must be a RequestOutputKind, "

@@ -17,19 +17,99 @@ pytestmark = pytest.mark.slow
 
 
 def test_bench_serve_counts_equal_what_the_server_sent(tmp_path: Path) -> None:
-    out = tmp_path / "bench.json"
+    """Run with `vllm bench serve`'s flags; its --save-result JSON has vLLM's keys and the server's counts."""
+    out, results, logs = tmp_path / "bench.json", tmp_path / "results", tmp_path / "logs"
     cmd = [sys.executable, "-m", "runner", "bench-serve", "tiny-qwen3-moe", "--server-args",
-           f"--device cpu --max-num-seqs 8 --cache-dir {tmp_path}", "--num-prompts", "12", "--input-len", "9",
-           "--output-len", "7", "--max-concurrency", "6", "--request-rate", "50", "--output-json", str(out)]
+           f"--device cpu --max-num-seqs 8 --cache-dir {tmp_path}", "--dataset-name", "random", "--num-prompts", "12",
+           "--random-input-len", "9", "--random-output-len", "7", "--random-range-ratio", "0", "--ignore-eos",
+           "--backend", "vllm", "--max-concurrency", "6", "--request-rate", "50", "--percentile-metrics",
+           "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--save-result", "--result-dir", str(results),
+           "--server-log-dir", str(logs), "--output-json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "Output token throughput (tok/s)" in proc.stdout
+    assert "Output token throughput (tok/s)" in proc.stdout and "P50 E2EL (ms)" in proc.stdout
     run = json.loads(out.read_text())["runs"][0]["metrics"]
     assert (run["completed"], run["failed"]) == (12, 0)
     assert run["total_input_tokens"] == 12 * 9 == run["server_prompt_tokens"]
     assert run["total_output_tokens"] == 12 * 7 == run["server_generation_tokens"]
     assert run["total_chunks"] == 12 * 7  # one streamed chunk per token with this engine
     assert run["engine_steps"] >= 7
+    (saved,) = results.iterdir()
+    assert saved.name.startswith("vllm-50.0qps-concurrency6-tiny-qwen3-moe-") and saved.suffix == ".json"
+    result = json.loads(saved.read_text())
+    assert set(VLLM_RESULT_KEYS) <= set(result)
+    assert {f"{stat}_{m}_ms" for m in ("ttft", "tpot", "itl", "e2el") for stat in ("mean", "median", "std", "p50",
+                                                                                  "p99")} <= set(result)
+    assert (result["backend"], result["model_id"], result["num_prompts"], result["request_rate"],
+            result["max_concurrency"]) == ("vllm", "tiny-qwen3-moe", 12, 50.0, 6)
+    assert (result["completed"], result["total_input_tokens"], result["total_output_tokens"]) == (12, 108, 84)
+    assert 1 <= result["max_concurrent_requests"] <= 6 and "input_lens" not in result  # not --save-detailed
+    (log,) = logs.iterdir()  # kept where asked, and named
+    assert f"server: log kept at {log}" in proc.stderr and log.stat().st_size > 0
+
+
+VLLM_RESULT_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
+                    "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
+                    "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
+                    "output_throughput", "total_token_throughput", "max_output_tokens_per_s",
+                    "max_concurrent_requests")
+
+
+def test_eos_is_honoured_unless_ignore_eos() -> None:
+    from runner.entrypoints.benchserve.http_client import completion_body
+    from runner.entrypoints.benchserve.workload import BenchRequest
+
+    req = BenchRequest([1, 2], 5)
+    assert completion_body("m", req, ignore_eos=False)["ignore_eos"] is False
+    assert completion_body("m", req, ignore_eos=True)["ignore_eos"] is True
+    assert completion_body("m", req, ignore_eos=False)["max_tokens"] == 5
+
+
+def test_vllm_result_from_known_requests() -> None:
+    from runner.entrypoints.benchserve.vllm_result import RunSettings, result_filename, vllm_result
+
+    results = [RequestResult(True, 10, 5, 5, 0.1, [0.02] * 4, 0.18, start_time=100.0, text="abcde"),
+               RequestResult(True, 8, 1, 1, 0.3, [], 0.3, start_time=100.1),
+               RequestResult(False, error="HTTP 503: full", start_time=100.2)]
+    settings = RunSettings("openai", None, "/models/m", "/models/m", 3, float("inf"), 1.0, None)
+    r = vllm_result(settings, results, 2.0, ["ttft", "tpot", "e2el"], [50.0, 99.0, 99.9], detailed=True)
+    assert set(VLLM_RESULT_KEYS) <= set(r)
+    assert (r["completed"], r["failed"], r["total_input_tokens"], r["total_output_tokens"]) == (2, 1, 18, 6)
+    assert (r["request_throughput"], r["output_throughput"], r["total_token_throughput"]) == (1.0, 3.0, 12.0)
+    assert r["request_rate"] == "inf" and r["max_concurrent_requests"] == 2 and r["max_output_tokens_per_s"] == 6
+    assert round(r["mean_tpot_ms"], 6) == 20.0 and round(r["median_ttft_ms"], 6) == 200.0  # TPOT: > 1 token only
+    assert {"p50_ttft_ms", "p99_ttft_ms", "p99.9_e2el_ms", "std_e2el_ms"} <= set(r) and "mean_itl_ms" not in r
+    assert r["output_lens"] == [5, 1, 0] and r["errors"] == ["", "", "HTTP 503: full"]
+    assert r["generated_texts"][0] == "abcde" and r["itls"][0] == [0.02] * 4
+    assert result_filename(settings, "20260101-000000") == "openai-infqps-m-20260101-000000.json"
+
+
+def test_server_log_is_removed_or_kept_and_named(tmp_path: Path) -> None:
+    from runner.entrypoints.benchserve.server_proc import ServerProcess
+
+    removed = ServerProcess("m", name="dbo off")
+    assert Path(removed.log_path).exists() and "ubatch-bench-dbo-off-" in removed.log_path
+    assert removed.finish_log(keep=False) is None and not Path(removed.log_path).exists()
+    kept = ServerProcess("m", log_dir=str(tmp_path))
+    assert kept.finish_log(keep=True) == kept.log_path and Path(kept.log_path).parent == tmp_path
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset-name", "sharegpt"], "argument --dataset-name: invalid choice: 'sharegpt'"),
+    (["--backend", "openai-chat"], "argument --backend: invalid choice: 'openai-chat'"),
+    (["--percentile-metrics", "ttft,goodput"], "argument --percentile-metrics: 'ttft,goodput': expected a "
+                                               "comma-separated list of ttft, tpot, itl, e2el"),
+    (["--metric-percentiles", "50,101"], "argument --metric-percentiles: '50,101': percentile 101 is outside"),
+    (["--random-range-ratio", "1"], "argument --random-range-ratio: must lie in [0, 1), got 1.0"),
+    (["--input-len", "0"], "argument --random-input-len: must be >= 1, got 0"),
+    (["--compare", "dbo", "--result-filename", "r.json"], "argument --result-filename: this benchmark makes 2 runs"),
+])
+def test_bad_bench_serve_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    from runner.entrypoints.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["bench-serve", "tiny-qwen3-moe", *argv])
+    assert info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_workload_and_metrics_definitions() -> None:

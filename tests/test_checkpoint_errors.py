@@ -39,7 +39,8 @@ def cli_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     with pytest.raises(SystemExit) as info:
         job_from_args(args, args.subparser)
     assert info.value.code == 2
-    return capsys.readouterr().err.strip().splitlines()[-1]
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    return line.removesuffix(f" (see: {args.subparser.prog} --help)")  # the pointer every CLI error ends with
 
 
 def edit_config(model_dir: Path, edit) -> None:  # type: ignore[no-untyped-def]

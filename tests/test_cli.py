@@ -81,7 +81,8 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
 def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], expected: str, capsys: pytest.CaptureFixture) -> None:
     err = usage_error(["generate", *argv], capsys)
     assert expected in err, err
-    assert err.startswith("usage: python -m runner generate")
+    assert err.startswith("python -m runner generate: error: ") and err.count("\n") == 1  # one line, no usage
+    assert err.endswith(" (see: python -m runner generate --help)\n")
 
 
 def test_bad_prompts_file_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
@@ -139,18 +140,23 @@ def test_compare_outputs() -> None:
         "1 of 1 requests differ (first: request 0 sample 1 at output token 1)"
 
 
-def test_generate_in_process_with_a_bad_prompt(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_generate_refuses_a_bad_token_id_prompt_before_any_rank_starts(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture) -> None:
     f = tmp_path / "p.jsonl"
     f.write_text('{"prompt_token_ids": [1, 2, 3]}\n{"prompt_token_ids": []}\n{"prompt_token_ids": [7]}\n')
-    out = tmp_path / "o.json"
-    assert main(["generate", "--prompts-file", str(f), "--max-tokens", "3", "--output-json", str(out)]) == 0
-    res = json.loads(out.read_text())
-    assert [r["outputs"][0]["finish_reason"] for r in res] == ["length", "error", "length"]
-    assert res[1]["error"] == "prompt is empty: at least one token is needed"
-    assert res[1]["outputs"][0]["token_ids"] == [] and res[0]["prompt_token_ids"] == [1, 2, 3]
-    captured = capsys.readouterr()
-    assert "request 1: error: prompt is empty" in captured.err
-    assert "requests: 3 (1 errors)" in captured.out
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--prompts-file", str(f), "--max-tokens", "3"])
+    assert info.value.code == 2
+    assert "argument --prompts-file: prompt 1: the prompt is empty: at least one token is needed" in \
+        capsys.readouterr().err
+    f.write_text('{"prompt_token_ids": [1, 512]}\n')
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompts-file", str(f)])
+    assert "prompt 0: token id 512 at position 1 is outside the vocabulary [0, 512)" in capsys.readouterr().err
+    f.write_text('{"prompt_token_ids": [1, 2, 3, 4]}\n')
+    with pytest.raises(SystemExit):
+        main(["generate", "--prompts-file", str(f), "--max-model-len", "4"])
+    assert "prompt 0: the prompt has 4 tokens but max_model_len is 4" in capsys.readouterr().err
 
 
 def test_generate_subprocess_writes_json(tmp_path: Path) -> None:

@@ -52,14 +52,37 @@ def test_outputs_in_input_order_match_reference_and_stats() -> None:
     assert [o.request_id for o in again] == ["4", "5", "6", "7"]  # ids continue across calls, as vLLM's
 
 
-def test_bad_prompt_is_an_error_output_others_run() -> None:
+@pytest.mark.parametrize("bad, message", [
+    ([], "prompt 1: the prompt is empty: at least one token is needed"),
+    ([1, 99], "prompt 1: token id 99 at position 1 is outside the vocabulary [0, 64)"),
+    (list(range(10)), "prompt 1: the prompt has 10 tokens but max_model_len is 10: prompt + 1 generated token must "
+                      "fit (prompt length <= 9)"),
+])
+def test_a_bad_prompt_raises_naming_it_and_the_limit_before_any_step(bad: list[int], message: str) -> None:
     llm = make_llm(max_model_len=10)
-    outs = llm.generate([[1, 2], [], [1, 99], list(range(10)), [3]], SamplingParams(max_tokens=2))
-    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error", "error", "error", "length"]
-    assert "empty" in outs[1].error and "outside the vocabulary" in outs[2].error
-    assert "max_model_len is 10" in outs[3].error and outs[1].outputs[0].text == ""
-    assert outs[2].prompt_token_ids == [1, 99] and outs[0].error is None
-    assert llm.last_stats.num_errors == 3
+    with pytest.raises(ValueError) as info:
+        llm.generate([[1, 2], bad, [3]], SamplingParams(max_tokens=2))
+    assert str(info.value) == message
+    assert llm.runner.num_steps == 0  # refused before any step ran
+    assert [len(o.outputs[0].token_ids) for o in llm.generate([[1, 2], [3]], SamplingParams(max_tokens=2))] == [2, 2]
+
+
+def test_a_bad_text_prompt_is_named_with_its_text() -> None:
+    llm = make_llm(max_model_len=10)
+    with pytest.raises(ValueError, match=r"^prompt 0 \('a very long prompt indeed'\): the prompt has 25 tokens but "
+                                         "max_model_len is 10"):
+        llm.generate("a very long prompt indeed", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match=r"^prompt 0 \(''\): the prompt is empty"):
+        llm.generate("")
+
+
+def test_dict_sampling_params_is_a_clear_error() -> None:
+    llm = make_llm()
+    with pytest.raises(TypeError, match=r"sampling_params is a dict \(\{'max_tokens': 2\}\); pass "
+                                        r"SamplingParams\(\*\*that dict\)"):
+        llm.generate("Hi", {"max_tokens": 2})
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] is dict, not SamplingParams; pass SamplingParams"):
+        llm.generate(["Hi", "yo"], [SamplingParams(), {"max_tokens": 2}])
 
 
 def test_prompt_forms() -> None:
@@ -152,19 +175,21 @@ def test_numpy_and_torch_integer_token_ids_are_accepted() -> None:
     assert [o.outputs[0].token_ids for o in llm.generate(forms, sp)] == want
     assert [o.outputs[0].token_ids for o in llm.generate(np.array([[1, 2, 3]]), sp)] == want[:1]  # a 2-D array: one row each
     assert [o.outputs[0].token_ids for o in llm.generate([torch.tensor([4, 5])], sp)] == want[1:]
-    outs = llm.generate([[np.float64(1.0)], [True, 2]], sp)  # still not token ids: per-request errors
-    assert [o.outputs[0].finish_reason for o in outs] == ["error", "error"]
-    assert "is np.float64(1.0), not an integer token id" in outs[0].error
-    assert "position 0 is True, not an integer token id" in outs[1].error
+    with pytest.raises(ValueError, match=r"^prompt 0: the token at position 0 is np.float64\(1.0\), not an integer"):
+        llm.generate([[np.float64(1.0)], [2]], sp)  # still not token ids
+    with pytest.raises(ValueError, match="^prompt 1: the token at position 0 is True, not an integer token id"):
+        llm.generate([[2], [True, 2]], sp)
     with pytest.raises(TypeError, match="flat list of ints"):
         llm.generate(np.array([1, 2, 3]))
 
 
 def test_prompt_token_count_leaves_out_rejected_prompts() -> None:
-    llm = make_llm(max_model_len=10)
-    llm.generate([[1, 2], list(range(30)), [5, 64]], SamplingParams(max_tokens=2))  # too long, out of vocab
+    runner = FakeRunner(vocab_size=VOCAB, num_kv_blocks=2, max_model_len=256)  # 32 tokens of KV cache
+    llm = LLM(RunnerConfig(max_num_batched_tokens=16), runner=runner, tokenizer=ToyTokenizer())
+    outs = llm.generate([[1, 2], list(range(40))], SamplingParams(max_tokens=2))  # the second never fits the cache
+    assert [o.outputs[0].finish_reason for o in outs] == ["length", "error"]
     st = llm.last_stats
-    assert (st.num_requests, st.num_errors, st.num_prompt_tokens) == (3, 2, 2)
+    assert (st.num_requests, st.num_errors, st.num_prompt_tokens) == (2, 1, 2)
     assert "prompt tokens: 2 |" in st.summary()
 
 

@@ -203,7 +203,7 @@ def test_serve_command_uses_the_flags_its_help_lists(tmp_path: Path) -> None:
     assert args == ["-m", "runner", "bench-serve", "--compare", "dbo", "--model", "/m", "--server-args",
                     "--max-num-seqs 256 --gpu-memory-utilization 0.4", "--request-rate", "inf", "--input-len", "16",
                     "--output-len", "128", "--output-json", str(tmp_path / "s.json"), "--startup-timeout", "60",
-                    "--num-prompts", "512"]
+                    "--num-prompts", "512", "--ignore-eos"]
     parsed = parser.parse_args(args[3:])  # what bench-serve itself makes of it
     assert (parsed.model_flag, parsed.compare, parsed.num_prompts, parsed.output_len) == ("/m", "dbo", 512, 128)
     with_duration = serve_command("--model M --duration S --output-len N", "/m", tmp_path / "s.json", 60)

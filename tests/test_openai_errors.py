@@ -58,7 +58,7 @@ def check_error(server: ServerThread, path: str, body: dict | bytes, status: int
     ({**COMPLETION, "logit_bias": {"99999": 1}}, "logit_bias", "99999"),
     ({**COMPLETION, "min_tokens": 20, "max_tokens": 4}, "min_tokens", "20"),
     ({**COMPLETION, "presence_penalty": -3}, "presence_penalty", "-3"),
-    ({**COMPLETION, "echo": True}, "echo", "not supported"),
+    ({**COMPLETION, "suffix": "after"}, "suffix", "not supported"),
     ({**COMPLETION, "stream_options": {"include_usage": True}}, "stream_options", "stream"),
     ({"model": MODEL}, "prompt", "required"),
     ({**COMPLETION, "prompt": []}, "prompt", "prompt"),

@@ -53,7 +53,7 @@ def test_param_path_drops_union_tags_and_dict_keys() -> None:
     ({"prompt": ["a", [1]]}, "prompt"),
     ({"prompt": 5}, "prompt"),
     ({}, "prompt"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "suffix": "after"}, "suffix"),
     ({"prompt": "x", "suffix": "tail"}, "suffix"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
 ])

@@ -203,9 +203,9 @@ def has_flag(help_text: str, flag: str) -> bool:
 def serve_command(help_text: str, model_dir: str, json_path: Path, seconds: int) -> list[str]:
     """``bench-serve --compare dbo`` with the options its ``--help`` lists (``runner/entrypoints/benchserve``):
     the model, both servers at ``--max-num-seqs 256`` and 0.4 of the GPU's memory each (they run side by side
-    on the one GPU), a saturating burst of 16-token prompts x 128 new tokens, JSON out. It has no duration
-    option: ``SERVE_PROMPTS`` requests per server keep a run well inside ``seconds``, and a ``--duration``
-    option is used if one appears. No emulated link: on one GPU there is no all-to-all for DBO to hide."""
+    on the one GPU), a saturating burst of 16-token prompts x 128 new tokens (EOS ignored), JSON out. It has no
+    duration option: ``SERVE_PROMPTS`` requests per server keep a run well inside ``seconds``, and a
+    ``--duration`` option is used if one appears. No emulated link: on one GPU there is no all-to-all for DBO to hide."""
     args = ["-m", "runner", "bench-serve", "--compare", "dbo"]
     wanted = [("--model", model_dir), ("--server-args", "--max-num-seqs 256 --gpu-memory-utilization 0.4"),
               ("--request-rate", "inf"), ("--input-len", "16"), ("--output-len", "128"),
@@ -217,6 +217,8 @@ def serve_command(help_text: str, model_dir: str, json_path: Path, seconds: int)
     for flag, value in wanted:
         if has_flag(help_text, flag):
             args += [flag, value]
+    if has_flag(help_text, "--ignore-eos"):  # every request generates its whole output length
+        args.append("--ignore-eos")
     return args
 
 

@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable
 from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop, use_overlap_loop
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.core.scheduler import FINISHED, Request, Scheduler
-from runner.worker.outputs import ModelRunnerOutput
+from runner.worker.outputs import ModelRunnerOutput, PromptLogprobs
 from runner.worker.sampler import request_seed
 from runner.worker.scheduled_batch import SchedulerOutput
 
@@ -172,6 +172,8 @@ class EngineCore:
         logprobs = output.logprobs
         step_outputs = self._step_outputs
         finished = set(done)
+        if output.prompt_logprobs is not None:
+            self._add_prompt_logprobs(out, output.prompt_logprobs, finished)
         triples = zip(out.requests, out.sample.tolist(), output.sampled_token_ids)
         if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
             for req, sample, token in triples:
@@ -192,6 +194,24 @@ class EngineCore:
                 prev.new_token_ids.append(token)
                 if entry is not None:
                     prev.new_logprobs = (prev.new_logprobs or []) + [entry]
+
+    def _add_prompt_logprobs(self, out: SchedulerOutput, entries: list[PromptLogprobs | None],
+                             finished: set[Request]) -> None:
+        """The prompt log-probabilities a prefill chunk computed, on its request's output (made for a chunk that
+        sampled nothing); the client joins them by position (``prompt_logprobs_start``)."""
+        for req, chunk in zip(out.requests, entries):
+            if chunk is None or (req.status is FINISHED and req not in finished):
+                continue
+            rid = req.req_id
+            prev = self._step_outputs.get(rid)
+            if prev is None:
+                self._step_outputs[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(req.prompt_token_ids),
+                                                           new_prompt_logprobs=list(chunk.entries),
+                                                           prompt_logprobs_start=chunk.start)
+            elif prev.new_prompt_logprobs is None:
+                prev.new_prompt_logprobs, prev.prompt_logprobs_start = list(chunk.entries), chunk.start
+            elif prev.prompt_logprobs_start + len(prev.new_prompt_logprobs) == chunk.start:
+                prev.new_prompt_logprobs.extend(chunk.entries)
 
     # ------------------------------------------------------------------ lifetime
     def _forward_executor(self) -> ForwardExecutor:

@@ -39,6 +39,9 @@ class EngineCoreOutput:
     stop_reason: int | None = None
     error: str | None = None
     num_prompt_tokens: int = 0
+    # vLLM's prompt_logprobs, as the prefill computes them: entries for prompt tokens prompt_logprobs_start ..
+    new_prompt_logprobs: list[TokenLogprobs] | None = None
+    prompt_logprobs_start: int = 0
 
     @property
     def finished(self) -> bool:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from runner.engine.tokenizer import make_decoder
-from runner.outputs import Logprob, SampleLogprobs
+from runner.outputs import Logprob, PromptLogprobs, SampleLogprobs
 from runner.worker.outputs import TokenLogprobs
 
 
@@ -42,6 +42,44 @@ class LogprobsState:
             self.logprobs.append(position)
             self.cumulative_logprob += entry.logprob
         return None
+
+    def _text(self, token: int) -> str | None:
+        return None if self._decode is None else self._decode([token])
+
+
+class PromptLogprobsState:
+    """vLLM's ``RequestOutput.prompt_logprobs`` of one request: None for the first prompt token, then for each
+    later one a dict holding it (with its rank) and the ``num_logprobs`` most likely tokens at its position,
+    joined from the prefill chunks' entries by position (a chunk recomputed after a preemption adds nothing).
+    ``num_logprobs`` None: the request asked for none (``prompt_logprobs`` stays None)."""
+
+    def __init__(self, tokenizer: Any, num_logprobs: int | None, prompt_len: int) -> None:
+        self._decode = None if tokenizer is None or num_logprobs is None else \
+            make_decoder(tokenizer, skip_special_tokens=False)
+        self.num_logprobs = num_logprobs
+        self.prompt_len = prompt_len
+        self.prompt_logprobs: PromptLogprobs | None = None if num_logprobs is None else [None]
+
+    def update(self, start: int, entries: Sequence[TokenLogprobs] | None) -> str | None:
+        """Add the entries for prompt tokens ``start ..``; returns why they do not fit, or None."""
+        if not entries:
+            return None
+        if self.prompt_logprobs is None:
+            return "the engine core returned prompt log-probabilities that were not asked for"
+        have = len(self.prompt_logprobs)
+        if start > have:
+            return f"the engine core's prompt log-probabilities skip prompt tokens {have} to {start - 1}"
+        for entry in entries[have - start:]:
+            position = {entry.token_id: Logprob(entry.logprob, entry.rank, self._text(entry.token_id))}
+            for rank, (tid, lp) in enumerate(zip(entry.top_token_ids[:self.num_logprobs],
+                                                 entry.top_logprobs[:self.num_logprobs]), start=1):
+                position.setdefault(tid, Logprob(lp, rank, self._text(tid)))
+            self.prompt_logprobs.append(position)
+        return None
+
+    @property
+    def complete(self) -> bool:
+        return self.prompt_logprobs is None or len(self.prompt_logprobs) >= self.prompt_len
 
     def _text(self, token: int) -> str | None:
         return None if self._decode is None else self._decode([token])

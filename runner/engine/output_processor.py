@@ -25,7 +25,7 @@ from typing import Any, Iterable, Sequence
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.generation_config import GenerationConfig
-from runner.engine.logprobs import LogprobsState
+from runner.engine.logprobs import LogprobsState, PromptLogprobsState
 from runner.engine.parallel_sampling import ParentRequest, child_default_seed, child_params
 from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams
@@ -45,6 +45,7 @@ class RequestState:
     detokenizer: IncrementalDetokenizer
     logprobs: LogprobsState
     metrics: RequestMetrics  # shared by the children of one request
+    prompt_logprobs: PromptLogprobsState  # shared by the children; child 0 computes them
     error: str | None = None
 
     def completion(self, new_token_ids: list[int], finish_reason: str | None,
@@ -102,13 +103,18 @@ class OutputProcessor:
                                                            if isinstance(prompt_token_ids, list) else 0))
         parent = ParentRequest(request_id, base, ids) if base.n > 1 else None
         metrics = RequestMetrics(arrival_time=arrival)
+        prompt_len = len(prompt_token_ids) if isinstance(prompt_token_ids, list) else 0
+        prompt_logprobs = PromptLogprobsState(self.tokenizer, base.prompt_logprobs, prompt_len)
         states, requests = [], []
         for index, engine_id in enumerate(ids):
             child = child_params(base, index) if parent is not None else base
+            if index > 0 and child.prompt_logprobs is not None:  # one sample's prefill computes them for all
+                child = child.clone()
+                child.prompt_logprobs = None
             states.append(RequestState(
                 engine_id, request_id, index, parent, prompt, prompt_token_ids, base.output_kind,
                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child),
-                LogprobsState(self.tokenizer, child.logprobs), metrics))
+                LogprobsState(self.tokenizer, child.logprobs), metrics, prompt_logprobs))
             requests.append(EngineCoreRequest(engine_id, prompt_token_ids, child,
                                               default_seed=child_default_seed(default_seed, index),
                                               arrival_time=arrival))
@@ -169,7 +175,8 @@ class OutputProcessor:
             stop_string = state.detokenizer.update(new_ids, finish_reason == "stop")
             if stop_string is not None:
                 finish_reason, stop_reason = "stop", stop_string
-            problem = state.logprobs.update(new_ids, out.new_logprobs)
+            problem = state.logprobs.update(new_ids, out.new_logprobs) or \
+                state.prompt_logprobs.update(out.prompt_logprobs_start, out.new_prompt_logprobs)
             if problem is not None:
                 finish_reason, stop_reason, error = "error", None, f"request {state.request_id!r}: {problem}"
             if finish_reason is not None and error is not None:
@@ -202,7 +209,8 @@ class OutputProcessor:
         error = state.error if state.parent is None else state.parent.error
         return RequestOutput(request_id=state.request_id, prompt=state.prompt,
                              prompt_token_ids=state.prompt_token_ids if isinstance(state.prompt_token_ids, list)
-                             else [], outputs=outputs, finished=finished, metrics=state.metrics, error=error)
+                             else [], outputs=outputs, finished=finished, metrics=state.metrics, error=error,
+                             prompt_logprobs=state.prompt_logprobs.prompt_logprobs)
 
     def _finish(self, state: RequestState) -> None:
         self.request_states.pop(state.engine_request_id, None)

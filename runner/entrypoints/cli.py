@@ -16,6 +16,7 @@ exits 1, and a results file that cannot be written at the end is reported after 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import os
@@ -28,8 +29,13 @@ from typing import Any, Sequence
 
 from runner.config import RunnerConfig
 from runner.engine.generation_config import GenerationConfig
-from runner.entrypoints.engine_args import add_engine_args, config_from_args, model_info_or_exit
+from runner.entrypoints.cli_parser import CliParser
+from runner.entrypoints.engine_args import (
+    add_engine_args, add_model_positional, config_from_args, model_info_or_exit, resolve_model_arg,
+)
 from runner.entrypoints.output_paths import output_path_error
+from runner.entrypoints.prompt_checks import prompt_problem
+from runner.entrypoints.tokenizer_args import tokenizer_dir_or_exit
 from runner.entrypoints.report import (  # noqa: F401 (compare_outputs: API)
     compare_outputs,
     report_bench,
@@ -86,6 +92,8 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 def _workload_args(p: argparse.ArgumentParser, with_output_json: bool) -> None:
     g = p.add_argument_group("workload")
     add = g.add_argument
+    add("--prompt", action="append", metavar="TEXT", help="a text prompt (repeat the flag for several; needs a "
+        "model with a tokenizer); default: --num-prompts random token-id prompts")
     add("--prompts-file", metavar="JSONL", help='one {"prompt": str} or {"prompt_token_ids": [int]} per line '
         "(default: --num-prompts random token-id prompts)")
     add("--num-prompts", type=int, default=8, metavar="N", help="random prompts when no --prompts-file (default 8)")
@@ -102,13 +110,14 @@ def _workload_args(p: argparse.ArgumentParser, with_output_json: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m runner", description="ubatch reference engine")
+    parser = CliParser(prog="python -m runner", description="ubatch reference engine")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{generate,bench,serve,bench-serve}")
     gen = sub.add_parser("generate", help="generate for a prompt file or random prompts, print a summary")
     bench = sub.add_parser("bench", help="run one workload with DBO off, then on; compare speed (median of "
                            "--bench-repeats runs, with their spread) and outputs (in a half-precision dtype, a "
                            "difference is checked again in float32)")
     for p in (gen, bench):
+        add_model_positional(p)
         add_engine_args(p)
         _sampling_args(p)
         _workload_args(p, with_output_json=p is gen)
@@ -122,7 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     from runner.entrypoints.serve import add_serve_args
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the DP ranks (vLLM's `vllm serve`)")
-    add_serve_args(serve, add_engine_args)
+    add_serve_args(serve, functools.partial(add_engine_args, model_required=True))
     serve.set_defaults(subparser=serve)
     bench_serve = sub.add_parser("bench-serve", help="serving throughput and latency as `vllm bench serve` "
                                                      "measures them; --compare dbo: DBO off against on")
@@ -141,6 +150,7 @@ class Job:
     sampling: SamplingParams
     disable_tqdm: bool
     repeats: int = 1  # bench: timed runs per variant
+    tokenizer: str | None = None  # --tokenizer: a directory to load the tokenizer from instead of the model's
 
 
 def _read_prompts(path: str) -> list[Any]:
@@ -195,6 +205,9 @@ def _sampling(args: argparse.Namespace, generation: GenerationConfig, parser: ar
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
     """Validate everything before any process starts; errors go through ``parser.error`` (exit 2)."""
+    resolve_model_arg(args, parser, required=False)
+    if args.prompt and args.prompts_file:
+        parser.error("argument --prompt: give prompts with --prompt or --prompts-file, not both")
     cfg = config_from_args(args, parser)
     for flag, value in (("--num-prompts", args.num_prompts), ("--random-prompt-len", args.random_prompt_len)):
         if value < 1:
@@ -210,22 +223,34 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if problem:
             parser.error(f"argument {flag}: {problem}")
     info = model_info_or_exit(cfg, parser)
+    tokenizer = tokenizer_dir_or_exit(args, parser)
+    has_tokenizer = tokenizer is not None or info.has_tokenizer
     sampling = _sampling(args, info.generation_config, parser)
-    if sampling.stop and not info.has_tokenizer:
+    if sampling.stop and not has_tokenizer:
         parser.error(f"argument --stop: model {cfg.model!r} has no tokenizer to find stop strings in the text")
-    if args.prompts_file:
+    if args.prompt:
+        if not has_tokenizer:
+            parser.error(f"argument --prompt: model {cfg.model!r} has no tokenizer to encode text prompts; use "
+                         "--prompts-file with {\"prompt_token_ids\": [...]} lines")
+        prompts = list(args.prompt)
+    elif args.prompts_file:
         try:
             prompts = _read_prompts(args.prompts_file)
         except ValueError as e:
             parser.error(f"argument --prompts-file: {e}")
         text = next((i for i, p in enumerate(prompts) if isinstance(p, str)), None)
-        if text is not None and not info.has_tokenizer:
+        if text is not None and not has_tokenizer:
             parser.error(f"argument --prompts-file: prompt {text} is text but model {cfg.model!r} has no "
                          "tokenizer; use {\"prompt_token_ids\": [...]} lines")
+        for i, p in enumerate(prompts):  # token ids are checked here; text prompts by the rank that encodes them
+            problem = None if isinstance(p, str) else prompt_problem(p, sampling, info.vocab_size, info.max_model_len)
+            if problem:
+                parser.error(f"argument --prompts-file: prompt {i}: {problem}")
     else:
         prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio,
                                  info.vocab_size, cfg.seed)
-    return Job(args.command, cfg, prompts, sampling, args.disable_tqdm, getattr(args, "bench_repeats", 1))
+    return Job(args.command, cfg, prompts, sampling, args.disable_tqdm, getattr(args, "bench_repeats", 1),
+               tokenizer)
 
 
 # ---------------------------------------------------------------------------------------------- rank side
@@ -245,7 +270,7 @@ def run_job(job: Job) -> dict[str, Any] | None:
                                                              job.cfg.replace(enable_dbo=True)]
     rank = 0
     for cfg in variants:
-        llm = LLM(cfg)
+        llm = LLM(cfg, tokenizer=job.tokenizer)
         rank = llm.rank
         try:
             if job.command == "bench":  # warm-up: first-call costs must not count against either variant
@@ -311,7 +336,9 @@ def _debug(args: argparse.Namespace) -> bool:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # named by the subcommand, whose --help lists its flags
+        args.subparser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "serve":
         from runner.entrypoints.serve import serve_main
 

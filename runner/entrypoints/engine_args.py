@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from cudagraph.sizes import parse_cuda_graph_sizes
 from runner.config import (
@@ -18,6 +19,11 @@ from runner.config import (
 )
 from runner.distributed.device import DEVICE_CHOICES
 from runner.engine.generation_config import GenerationConfig
+from runner.entrypoints.tokenizer_args import add_tokenizer_arg
+from runner.entrypoints.vllm_engine_args import add_vllm_engine_args, check_vllm_flags
+
+if TYPE_CHECKING:
+    from runner.models.configs import BaseMoEConfig  # imports torch: not at module load
 
 
 def _cuda_graph_sizes(text: str) -> list[int]:
@@ -33,10 +39,30 @@ def _default_max_model_len() -> int:
     return DEFAULT_MAX_MODEL_LEN
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
+def add_model_positional(p: argparse.ArgumentParser, required: bool = False) -> None:
+    """``MODEL`` as the first positional argument (vLLM's ``vllm serve MODEL``); ``--model`` also works."""
+    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="a local HF checkpoint directory or a built-in "
+                   "model (tiny-qwen3-moe, tiny-deepseek-v3, bench-qwen3-moe-120m, ...); --model also works "
+                   + ("(required: default none)" if required else f"(default: {RunnerConfig().model})"))
+
+
+def resolve_model_arg(args: argparse.Namespace, parser: argparse.ArgumentParser, required: bool) -> None:
+    """``args.model`` from the positional ``MODEL`` or ``--model`` (both: they must agree); exit 2 when
+    ``required`` and neither is given."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        parser.error(f"argument --model: {args.model!r} differs from the positional MODEL {args.model_tag!r}")
+    args.model = args.model_tag or args.model
+    if args.model is None and required:
+        parser.error("the following arguments are required: MODEL (or --model)")
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) -> None:
+    """The engine flags; ``model_required``: no built-in default model (``serve``)."""
     g = p.add_argument_group("engine (vLLM names)")
     add = g.add_argument
-    add("--model", help="built-in tiny model (tiny-qwen3-moe, tiny-deepseek-v3) or a local HF directory")
+    add("--model", help="a local HF directory or a built-in model (tiny-qwen3-moe, tiny-deepseek-v3, ...); "
+        + ("required, here or as the positional MODEL (default: none)" if model_required
+           else f"also the positional MODEL (default: {RunnerConfig().model})"))
     add("--dtype", choices=sorted(set(DTYPES) | {"half", "float", "bf16", "fp16", "fp32"}),
         help="default auto: the checkpoint's dtype; a float32 checkpoint runs in bfloat16 on a GPU")
     add("--data-parallel-size", "-dp", type=int, metavar="N",
@@ -125,6 +151,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
         shown = "default:" in (action.help or "") or "(default" in (action.help or "")
         if value is not None and not isinstance(value, bool) and not shown:
             action.help = f"{action.help + '; ' if action.help else ''}default: {value}"
+    add_vllm_engine_args(p)
+    add_tokenizer_arg(p)
 
 
 @dataclass
@@ -132,6 +160,7 @@ class ModelInfo:
     vocab_size: int
     has_tokenizer: bool
     generation_config: GenerationConfig
+    max_model_len: int  # the engine's: --max-model-len, else max_position_embeddings capped at the default
 
 
 def model_info(cfg: RunnerConfig) -> ModelInfo:
@@ -148,19 +177,23 @@ def model_info(cfg: RunnerConfig) -> ModelInfo:
     check_checkpoint_files(path)
     # the engine's default too, so that a model refusing it (a short sliding window) fails before any rank starts
     check_max_model_len(cfg.max_model_len or min(config.max_position_embeddings, _default_max_model_len()), config)
+    check_expert_parallel(cfg, config)
     model_class = get_model_class(config.architectures[0])
     check_schedule(cfg.dbo_schedule, model_class.supported_dbo_schedules, model_class.__name__)
     try:
         generation = load_generation_config(path, cfg.generation_config, model_eos_token_ids(config))
     except ValueError as e:
         raise ConfigError("generation_config", str(e)) from None
-    return ModelInfo(config.vocab_size, has_tokenizer_files(path), generation)
+    default_len = _default_max_model_len()
+    max_model_len = cfg.max_model_len or min(getattr(config, "max_position_embeddings", default_len), default_len)
+    return ModelInfo(config.vocab_size, has_tokenizer_files(path), generation, max_model_len)
 
 
 def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> RunnerConfig:
     """The engine flags as a validated RunnerConfig; a bad value exits 2 naming its flag."""
     from runner.distributed.launch import torchrun_env_present
 
+    check_vllm_flags(args, parser)
     engine = {k: v for k, v in vars(args).items() if k in config_fields() and v is not None}
     if torchrun_env_present():  # under torchrun: one DP rank per process
         world = int(os.environ["WORLD_SIZE"])
@@ -168,9 +201,46 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
             parser.error(f"argument --data-parallel-size: {engine['data_parallel_size']} does not match torchrun's "
                          f"WORLD_SIZE={world} (omit it under torchrun)")
     try:
-        return make_config(**engine)
+        cfg = make_config(**engine)
+        check_deep_ep_installed(cfg)
     except ConfigError as e:
         parser.error(f"argument {e.flag}: {e}")
+    return cfg
+
+
+DEEP_EP_BACKENDS = ("deepep_low_latency", "deepep_high_throughput", "deepep_v2", "auto_deepep_v1")
+
+
+def check_deep_ep_installed(cfg: RunnerConfig) -> None:
+    """A DeepEP backend named with expert parallelism needs the ``deep_ep`` package: ``ConfigError`` before any
+    rank starts, not an ImportError in every rank (whether it has V2's ``ElasticBuffer`` and a GPU to run on is
+    the rank's check: it means importing DeepEP)."""
+    import importlib.util
+
+    if cfg.ep_size > 1 and cfg.all2all_backend in DEEP_EP_BACKENDS and importlib.util.find_spec("deep_ep") is None:
+        raise ConfigError("all2all_backend", f"all2all_backend {cfg.all2all_backend!r} needs DeepEP (the 'deep_ep' "
+                                             "package), which is not installed here; install it (pip install "
+                                             "sgl-deep-ep, CUDA GPUs) or choose auto, auto_torch, torch_ll or torch_ht")
+
+
+def check_expert_parallel(cfg: RunnerConfig, config: BaseMoEConfig) -> None:
+    """The model's routed experts split evenly over the expert-parallel ranks (``ConfigError`` naming
+    ``--data-parallel-size`` otherwise): checked here so it is refused before any rank starts."""
+    from runner.models.configs import DeepseekV2Config, Qwen3MoeConfig
+
+    if isinstance(config, Qwen3MoeConfig):
+        experts = config.num_experts
+    elif isinstance(config, DeepseekV2Config):
+        experts = config.n_routed_experts
+    else:
+        return  # another family: its layers check it when they are built
+    if cfg.ep_size > 1 and experts % cfg.ep_size:
+        divisors = [d for d in range(2, experts + 1) if experts % d == 0]
+        raise ConfigError("data_parallel_size", f"the model's {experts} experts cannot be spread evenly over "
+                                                f"{cfg.ep_size} expert-parallel ranks (num_experts={experts} is not "
+                                                f"divisible by ep_size={cfg.ep_size}); use a --data-parallel-size "
+                                                f"that divides it ({', '.join(map(str, divisors))}), or drop "
+                                                "--enable-expert-parallel")
 
 
 def model_info_or_exit(cfg: RunnerConfig, parser: argparse.ArgumentParser) -> ModelInfo:

@@ -13,9 +13,9 @@ strings, ``n > 1`` fan-out, the checkpoint's EOS ids.
 Every rank calls ``generate`` with the *same* prompt list (SPMD). Prompt ``i`` runs on DP rank
 ``i % data_parallel_size``; each rank steps its engine core until no rank has work left (idle ranks run dummy
 steps meanwhile, so the MoE collectives stay matched), then the outputs are all-gathered so every rank
-returns the full list in input order. A bad prompt fails that request only: its outputs have
-``finish_reason`` "error" and ``RequestOutput.error`` says why (vLLM raises instead; one bad prompt must not
-lose a batch).
+returns the full list in input order. A prompt that cannot run (empty, a token id outside the vocabulary, no
+room under ``max_model_len``, a sampling token id outside the vocabulary) raises ``ValueError`` naming the prompt
+and the limit before any step runs, on every rank alike, as vLLM's ``LLM`` raises.
 
 The loop itself is ``runner/core/overlap_loop.py``: on a GPU by default the CPU processes step N-1 and schedules N+1
 while step N runs on a forward executor thread; on the CPU, and with ``--disable-overlap-schedule``, one step at a
@@ -52,6 +52,8 @@ from runner.engine.generation_config import GenerationConfig, load_generation_co
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.tokenizer import apply_chat_template, encode, load_tokenizer, load_tokenizer_from_dir
 from runner.entrypoints.output_paths import output_path_error
+from runner.entrypoints.prompt_checks import prompt_problem
+from runner.entrypoints.vllm_engine_args import pop_vllm_engine_args
 from runner.outputs import RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams
 from ubatch.log_once import log_once
@@ -146,6 +148,7 @@ class LLM:
         if isinstance(cfg, str):
             kwargs.setdefault("model", cfg)
             cfg = None
+        pop_vllm_engine_args(kwargs)  # trust_remote_code=True, tensor_parallel_size=1, ...: accepted or refused
         if cfg is None or kwargs:
             cfg = make_config(cfg, **kwargs)
         self.cfg = cfg
@@ -265,6 +268,9 @@ class LLM:
         """One SamplingParams per prompt, each asking for its final output only (as vLLM's LLM sets them)."""
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, dict):  # vLLM's LLM takes SamplingParams objects only
+            raise TypeError(f"sampling_params is a dict ({sampling_params!r}); pass SamplingParams(**that dict) "
+                            "(or a list of SamplingParams, one per prompt)")
         if isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * n
         else:
@@ -273,7 +279,8 @@ class LLM:
                 raise ValueError(f"got {len(params)} sampling params for {n} prompts; pass one, or one per prompt")
             for i, p in enumerate(params):
                 if not isinstance(p, SamplingParams):
-                    raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, not SamplingParams")
+                    fix = "; pass SamplingParams(**that dict)" if isinstance(p, dict) else ""
+                    raise TypeError(f"sampling_params[{i}] is {type(p).__name__}, not SamplingParams{fix}")
         final: dict[int, SamplingParams] = {}
         for p in params:
             if id(p) not in final:
@@ -344,6 +351,8 @@ class LLM:
                 raise ValueError(f"stop strings {stop!r} need a tokenizer to find them in the text, and model "
                                  f"{self.cfg.model!r} has none; use stop_token_ids")
         core = self._engine_core()  # built on the first call (its one-time set-up is not this call's time)
+        local = list(range(self.rank, len(inputs), self.world_size))
+        self._check_prompts(inputs, params, local, core)
         start = time.perf_counter()
         steps0 = getattr(self.runner, "num_steps", 0)
         ubatched0 = getattr(self.runner, "num_ubatched_steps", 0)
@@ -352,7 +361,6 @@ class LLM:
         processor = OutputProcessor(tokenizer, self.runner.max_model_len, self.generation_config)
         first_id = self._request_counter
         self._request_counter += len(inputs)
-        local = list(range(self.rank, len(inputs), self.world_size))
         engine_id = 0
         for i in local:
             text, ids = inputs[i]
@@ -391,6 +399,21 @@ class LLM:
         """This rank's DBO cost-model buckets, one line each (none without the measured cost model)."""
         cost_model = getattr(self.runner, "cost_model", None)  # as num_steps: a test's stand-in runner has none
         return [] if cost_model is None else [d.describe() for d in cost_model.decisions()]
+
+    def _check_prompts(self, inputs: list[tuple[str | None, Any]], params: list[SamplingParams], local: list[int],
+                       core: EngineCore) -> None:
+        """ValueError naming the first prompt that cannot run, raised on every rank alike (each checks the prompts
+        it encoded, the problems are gathered) before any request is added."""
+        sched = core.scheduler
+        problems = [(i, problem) for i in local
+                    if (problem := prompt_problem(inputs[i][1], params[i], sched.vocab_size, sched.max_model_len))]
+        if self.world_size > 1:
+            problems = sorted(p for gathered in self._all_gather(problems) for p in gathered)
+        if problems:
+            i, problem = problems[0]
+            text = inputs[i][0]
+            shown = f" ({text[:40]!r}{'...' if len(text) > 40 else ''})" if text is not None else ""
+            raise ValueError(f"prompt {i}{shown}: {problem}")
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if self.world_size == 1:

@@ -21,25 +21,23 @@ logger = logging.getLogger("runner.entrypoints.openai.serve")
 
 def add_serve_args(p: argparse.ArgumentParser, engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     """``MODEL`` (positional, or ``--model``), every engine flag of ``generate``, and the server's flags."""
+    from runner.entrypoints.engine_args import add_model_positional
     from runner.entrypoints.openai.cli_args import add_server_args
+    from runner.entrypoints.tokenizer_args import add_chat_args
 
-    p.add_argument("model_tag", nargs="?", metavar="MODEL", help="a local HF checkpoint directory or a built-in model "
-                   "(tiny-qwen3-moe, tiny-deepseek-v3, bench-qwen3-moe-120m, ...); --model also works")
+    add_model_positional(p, required=True)
     engine_args(p)
     add_server_args(p)
+    add_chat_args(p)
     p.add_argument("--debug", action="store_true", help="print the full traceback of an error (also: UBATCH_DEBUG=1; "
                    "default: off)")
 
 
 def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from runner.distributed.launch import torchrun_env_present
-    from runner.entrypoints.engine_args import config_from_args, model_info_or_exit
+    from runner.entrypoints.engine_args import config_from_args, model_info_or_exit, resolve_model_arg
 
-    if args.model_tag and args.model and args.model_tag != args.model:
-        parser.error(f"argument --model: {args.model!r} differs from the positional MODEL {args.model_tag!r}")
-    args.model = args.model_tag or args.model
-    if args.model is None:
-        parser.error("the following arguments are required: MODEL (or --model)")
+    resolve_model_arg(args, parser, required=True)
     if torchrun_env_present() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         parser.error("serve starts its own rank processes (--data-parallel-size); do not run it under torchrun")
     cfg = config_from_args(args, parser)
@@ -47,10 +45,21 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("argument --trace-file: the server records a window with POST /start_profile and "
                      "/stop_profile instead")
     info = model_info_or_exit(cfg, parser)
-    from runner.engine.tokenizer import load_tokenizer
+    from runner.engine.tokenizer import load_tokenizer, load_tokenizer_from_dir
+    from runner.entrypoints.openai.protocol import set_max_logprobs
+    from runner.entrypoints.tokenizer_args import (
+        apply_chat_template_arg, max_logprobs_or_exit, read_chat_template, tokenizer_dir_or_exit,
+    )
 
+    tokenizer_dir = tokenizer_dir_or_exit(args, parser)
+    template = read_chat_template(args.chat_template, parser) if args.chat_template else None
+    set_max_logprobs(max_logprobs_or_exit(args.max_logprobs, info.vocab_size, parser))
     _log_to_stderr()
-    tokenizer = load_tokenizer(cfg.model, cfg.cache_dir) if info.has_tokenizer else None
+    if tokenizer_dir is not None:
+        tokenizer = load_tokenizer_from_dir(tokenizer_dir)
+    else:
+        tokenizer = load_tokenizer(cfg.model, cfg.cache_dir) if info.has_tokenizer else None
+    apply_chat_template_arg(tokenizer, template, cfg.model, parser)
     note = info.generation_config.describe()
     if note:
         print(f"generation config: {note}", file=sys.stderr)
@@ -68,6 +77,16 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             traceback.print_exc()
         print(f"error: {describe_exception(e)}", file=sys.stderr)
         return 1
+
+
+def add_routes(app: Any, profile_dir: str | None) -> None:
+    """The routes beyond ``build_app``'s: vLLM's /tokenize and /detokenize, and profiling with ``--profile-dir``."""
+    from runner.entrypoints.openai.tokenization import add_tokenization_routes
+    from runner.entrypoints.profiling import add_profile_routes
+
+    if profile_dir is not None:
+        add_profile_routes(app, profile_dir)
+    add_tokenization_routes(app)
 
 
 def _log_to_stderr() -> None:
@@ -90,7 +109,6 @@ async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_
     from runner.entrypoints.openai.api_server import bind_socket, run_server
     from runner.entrypoints.openai.cli_args import served_model_names
     from runner.entrypoints.openai.metrics import ServerMetrics
-    from runner.entrypoints.profiling import add_profile_routes
 
     sock = bind_socket(args.host, args.port)  # before the ranks load: a busy port fails in a second, not minutes
     dead = asyncio.Event()
@@ -103,8 +121,7 @@ async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_
         metrics = ServerMetrics(served_model_names(args)[0], client.max_model_len)
         client.metrics = metrics
         code = await run_server(args, client, engine_dead=dead, metrics=metrics, sock=sock,
-                                configure_app=None if args.profile_dir is None else
-                                functools.partial(add_profile_routes, root=args.profile_dir))
+                                configure_app=functools.partial(add_routes, profile_dir=args.profile_dir))
         if client.dead_error is not None:
             print(f"error: {client.dead_error}", file=sys.stderr)
             code = code or 1

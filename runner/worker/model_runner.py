@@ -42,8 +42,9 @@ from runner.models.loader import load_model
 from runner.worker.device_future_map import DeviceFutureMap
 from runner.worker.emulated_device import DeviceSpec, EmulatedDevice
 from runner.worker.pending import LaunchingRunner, PendingStep
+from runner.worker.prompt_logprobs import prompt_logprobs
 from runner.worker.sampler import PendingSample, Sampler, StepRows
-from runner.worker.outputs import ModelRunnerOutput
+from runner.worker.outputs import ModelRunnerOutput, PromptLogprobs
 from runner.worker.scheduled_batch import SchedulerOutput
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
@@ -209,7 +210,7 @@ class ModelRunner(LaunchingRunner):
         self.num_steps += 1
         if sched.num_tokens == 0:
             self._dummy_step(decision)
-            return self._pending(sched, None)
+            return self._pending(sched, None, None)
         if self.cost_model is not None:
             self.cost_model.start()
         hidden, _ = self._forward(sched, decision, split_point)
@@ -217,9 +218,12 @@ class ModelRunner(LaunchingRunner):
             self.cost_model.stop(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch)
         with trace.region("sample", "step", track="step"):
             sampling = self._launch_sampling(sched, hidden)
-        return self._pending(sched, sampling)
+            # read at launch, and only on a step whose requests ask for prompt logprobs (rare: scoring requests)
+            prompt_lps = prompt_logprobs(sched, hidden, self.model.compute_logits)
+        return self._pending(sched, sampling, prompt_lps)
 
-    def _pending(self, sched: SchedulerOutput, sampling: tuple[StepRows, PendingSample] | None) -> PendingStep:
+    def _pending(self, sched: SchedulerOutput, sampling: tuple[StepRows, PendingSample] | None,
+                 prompt_lps: list[PromptLogprobs | None] | None) -> PendingStep:
         """The launched step's pending output: its emulated device time (if any) queued now, read later."""
         deadline = None if self.emulated_device is None else self.emulated_device.launch(sched.num_tokens)
         n = sched.num_reqs
@@ -228,13 +232,14 @@ class ModelRunner(LaunchingRunner):
             if deadline is not None:
                 EmulatedDevice.wait(deadline, timeout_s)
             if sampling is None:
-                return ModelRunnerOutput([None] * n)
+                return ModelRunnerOutput([None] * n, None, prompt_lps)
             step, pending = sampling
             result = pending.result(timeout_s)
             if step.picks is None:
-                return ModelRunnerOutput(result.token_ids, result.logprobs)
+                return ModelRunnerOutput(result.token_ids, result.logprobs, prompt_lps)
             return ModelRunnerOutput(_scatter(result.token_ids, step.picks, n),
-                                     None if result.logprobs is None else _scatter(result.logprobs, step.picks, n))
+                                     None if result.logprobs is None else _scatter(result.logprobs, step.picks, n),
+                                     prompt_lps)
 
         return PendingStep(read)
 

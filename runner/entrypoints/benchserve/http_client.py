@@ -20,16 +20,24 @@ class RequestResult:
     itl_s: list[float] = field(default_factory=list)
     latency_s: float = 0.0
     error: str = ""
+    start_time: float = 0.0  # time.perf_counter() when it was sent
+    text: str = ""  # the streamed text
+
+
+def completion_body(model: str, req: BenchRequest, ignore_eos: bool) -> dict[str, Any]:
+    """The streamed, greedy completion request for ``req``: ``max_tokens`` its output length, EOS ignored only
+    when asked (vLLM's ``--ignore-eos``)."""
+    return {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
+            "ignore_eos": ignore_eos, "stream": True, "stream_options": {"include_usage": True}}
 
 
 async def send_completion(client: Any, url: str, model: str, req: BenchRequest, api_key: str | None = None,
-                          timeout_s: float = 600.0) -> RequestResult:
+                          timeout_s: float = 600.0, ignore_eos: bool = False) -> RequestResult:
     """POST ``req`` to ``url`` (``.../v1/completions``) with ``stream`` and ``include_usage``; never raises."""
-    body = {"model": model, "prompt": req.prompt_token_ids, "max_tokens": req.output_len, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    body = completion_body(model, req, ignore_eos)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    result = RequestResult(ok=False)
     start = last = time.perf_counter()
+    result = RequestResult(ok=False, start_time=start)
     try:
         async with client.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as resp:
             if resp.status_code != 200:
@@ -48,6 +56,7 @@ async def send_completion(client: Any, url: str, model: str, req: BenchRequest, 
                 if not chunk.get("choices"):
                     continue
                 now = time.perf_counter()
+                result.text += chunk["choices"][0].get("text") or ""
                 if result.chunks == 0:
                     result.ttft_s = now - start
                 else:

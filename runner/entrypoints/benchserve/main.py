@@ -22,6 +22,10 @@ from typing import Any
 from runner.entrypoints.benchserve.metrics import BenchmarkMetrics
 from runner.entrypoints.benchserve.run import ProfileWindow, RunResult, run_once
 from runner.entrypoints.benchserve.server_proc import ServerProcess
+from runner.entrypoints.benchserve.vllm_result import (
+    DEFAULT_METRIC_PERCENTILES, DEFAULT_PERCENTILE_METRICS, PERCENTILE_METRICS, RunSettings, parse_metric_percentiles,
+    parse_percentile_metrics, result_filename, vllm_result,
+)
 from runner.entrypoints.benchserve.workload import arrival_offsets, random_requests
 
 LABELS = ("dbo off", "dbo on")
@@ -41,12 +45,38 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
                                            "--enable-dbo, alternating, and print both with their ratio")
     add("--repeats", type=int, default=1, metavar="N", help="runs per server and rate; medians are reported "
                                                             "(default 1)")
-    add("--num-prompts", type=int, default=200, metavar="N", help="requests per run (default 200)")
-    add("--input-len", type=int, default=128, metavar="N", help="prompt tokens per request (default 128)")
-    add("--output-len", type=int, default=64, metavar="N", help="generated tokens per request, EOS ignored "
-                                                                "(default 64)")
-    add("--range-ratio", type=float, default=0.0, metavar="R",
-        help="lengths vary uniformly in [len*(1-R), len*(1+R)] (default 0)")
+    add("--num-prompts", type=int, default=1000, metavar="N", help="requests per run (default 1000)")
+    add("--dataset-name", choices=["random"], default="random",
+        help="random: random token ids (vLLM's random dataset; the only one here) (default random)")
+    add("--random-input-len", type=int, default=1024, metavar="N", help="prompt tokens per request after the "
+        "prefix (default 1024)")
+    add("--random-output-len", type=int, default=128, metavar="N", help="tokens asked for per request; fewer when "
+        "the model ends on EOS, unless --ignore-eos (default 128)")
+    add("--random-range-ratio", type=float, default=0.0, metavar="R",
+        help="input and output lengths vary uniformly in [len*(1-R), len*(1+R)] (default 0)")
+    add("--random-prefix-len", type=int, default=0, metavar="N",
+        help="the same N random tokens first in every prompt (default 0)")
+    add("--input-len", type=int, metavar="N", help="sets --random-input-len (vLLM's general flag)")
+    add("--output-len", type=int, metavar="N", help="sets --random-output-len (vLLM's general flag)")
+    add("--ignore-eos", action="store_true", help="ask the server to ignore EOS, so every request generates its "
+        "whole output length (default: EOS ends a request)")
+    add("--backend", choices=["openai", "vllm"], default="openai",
+        help="the API: both send streamed /v1/completions requests (default openai)")
+    add("--label", help="prefix of the --save-result file name (default: --backend)")
+    add("--percentile-metrics", metavar="LIST",
+        help=f"comma-separated metrics to report percentiles of: {', '.join(PERCENTILE_METRICS)} "
+             f"(default {DEFAULT_PERCENTILE_METRICS})")
+    add("--metric-percentiles", default=DEFAULT_METRIC_PERCENTILES, metavar="LIST",
+        help=f"comma-separated percentiles of those metrics, e.g. 50,90,99 (default {DEFAULT_METRIC_PERCENTILES})")
+    add("--save-result", action="store_true", help="save each run's result as vLLM's JSON in --result-dir")
+    add("--save-detailed", action="store_true", help="with --save-result: also the per-request lists (input_lens, "
+        "output_lens, ttfts, itls, generated_texts, errors, ...)")
+    add("--result-dir", metavar="DIR", help="where --save-result writes (created if missing; default: the "
+        "current directory)")
+    add("--result-filename", metavar="NAME", help="the --save-result file name, for a single run (default: "
+        "{label}-{rate}qps[-concurrency{N}]-{model}-{date}.json)")
+    add("--server-log-dir", metavar="DIR", help="keep each started server's log in DIR (default: a temporary "
+        "file, removed when the servers exited cleanly, kept and named when one failed)")
     add("--request-rate", type=float, default=math.inf, metavar="RPS",
         help="requests per second, Poisson arrivals; inf sends all at once (default inf)")
     add("--request-rates", type=float, nargs="+", metavar="RPS",
@@ -67,6 +97,41 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         help="how long a started server may take to answer /health (default 600)")
 
 
+def _check_workload_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """vLLM's general ``--input-len``/``--output-len`` set the random dataset's; every count in range, the
+    percentile flags parsed, a single run for ``--result-filename``, the ``--result-dir`` made: exit 2 otherwise."""
+    if args.input_len is not None:
+        args.random_input_len = args.input_len
+    if args.output_len is not None:
+        args.random_output_len = args.output_len
+    for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--random-input-len", args.random_input_len, 1),
+                               ("--random-output-len", args.random_output_len, 1),
+                               ("--random-prefix-len", args.random_prefix_len, 0), ("--repeats", args.repeats, 1)):
+        if value < least:
+            parser.error(f"argument {flag}: must be >= {least}, got {value}")
+    if not 0.0 <= args.random_range_ratio < 1.0:
+        parser.error(f"argument --random-range-ratio: must lie in [0, 1), got {args.random_range_ratio}")
+    try:
+        args.percentile_metrics = parse_percentile_metrics(args.percentile_metrics or DEFAULT_PERCENTILE_METRICS)
+    except ValueError as e:
+        parser.error(f"argument --percentile-metrics: {e}")
+    try:
+        args.metric_percentiles = parse_metric_percentiles(args.metric_percentiles)
+    except ValueError as e:
+        parser.error(f"argument --metric-percentiles: {e}")
+    runs = len(args.request_rates or [args.request_rate]) * args.repeats * (2 if args.compare else 1)
+    if args.result_filename and runs > 1:
+        parser.error(f"argument --result-filename: this benchmark makes {runs} runs, each saved to its own file; "
+                     "drop --result-filename (the names then say which run) or --result-dir alone")
+    for flag, folder in (("--result-dir", args.result_dir if args.save_result else None),
+                         ("--server-log-dir", args.server_log_dir)):
+        if folder:
+            try:
+                Path(folder).mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                parser.error(f"argument {flag}: cannot create {folder!r}: {e.strerror or e}")
+
+
 def _check_output_paths(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     for flag, path in (("--output-json", args.output_json), ("--output-csv", args.output_csv), ("--plot", args.plot)):
         if path and not Path(path).expanduser().resolve().parent.is_dir():
@@ -79,7 +144,8 @@ def _vocab_size(model: str) -> int:
     return model_config(model).vocab_size
 
 
-def print_metrics(title: str, m: BenchmarkMetrics) -> None:
+def print_metrics(title: str, m: BenchmarkMetrics, result: dict[str, Any], metrics: list[str],
+                  percentiles: list[float]) -> None:
     print(f"{'=' * 18} {title} {'=' * max(1, 30 - len(title))}")
     rows = [("Successful requests", m.completed), ("Failed requests", m.failed),
             ("Benchmark duration (s)", f"{m.duration_s:.2f}"), ("Total input tokens", m.total_input_tokens),
@@ -89,8 +155,13 @@ def print_metrics(title: str, m: BenchmarkMetrics) -> None:
             ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}")]
     if m.engine_steps:
         rows.append(("Steps ubatched (DBO)", f"{m.ubatched_steps:.0f}/{m.engine_steps:.0f}"))
-    for name, d in (("TTFT", m.ttft_ms), ("TPOT", m.tpot_ms), ("ITL", m.itl_ms), ("E2E latency", m.e2el_ms)):
-        rows += [(f"{stat.capitalize()} {name} (ms)", f"{d[stat]:.2f}") for stat in ("mean", "median", "p90", "p99")]
+    for name in metrics:  # --percentile-metrics at --metric-percentiles, as vLLM prints them
+        label = name.upper()
+        rows += [(f"Mean {label} (ms)", f"{result[f'mean_{name}_ms']:.2f}"),
+                 (f"Median {label} (ms)", f"{result[f'median_{name}_ms']:.2f}")]
+        for p in percentiles:
+            word = str(int(p)) if int(p) == p else str(p)
+            rows.append((f"P{word} {label} (ms)", f"{result[f'p{word}_{name}_ms']:.2f}"))
     for label, value in rows:
         print(f"{label:<40}{value:>14}")
     for err in m.errors:
@@ -171,15 +242,33 @@ def calibrate(model: str, server_args: str, input_len: int, num_seqs: int, ratio
         llm.close()
 
 
-async def _bench(args: argparse.Namespace, servers: list[tuple[str, str]], model_name: str,
+def _run_label(args: argparse.Namespace, server: str, repeat: int, num_servers: int) -> str | None:
+    """The result's ``label``: ``--label`` (None: vLLM's file name uses --backend), plus the server with
+    --compare and the run with --repeats, so each run's file has its own name."""
+    parts = [args.label] if args.label else ([args.backend] if num_servers > 1 or args.repeats > 1 else [])
+    if num_servers > 1:
+        parts.append(server.replace(" ", "-"))
+    if args.repeats > 1:
+        parts.append(f"run{repeat + 1}")
+    return "-".join(parts) or None
+
+
+def _save_result(args: argparse.Namespace, settings: RunSettings, result: dict[str, Any]) -> None:
+    """vLLM's ``--save-result``: the run's JSON in ``--result-dir`` (its directory was made at the start)."""
+    path = Path(args.result_dir or ".") / (args.result_filename or result_filename(settings, result["date"]))
+    path.write_text(json.dumps(result))
+    print(f"saved the result to {path}")
+
+
+async def _bench(args: argparse.Namespace, servers: list[tuple[str, str]], model: str, model_name: str,
                  vocab: int) -> list[dict[str, Any]]:
     """Every (rate, repeat, server) run; servers alternate inside each repeat."""
     rates = args.request_rates or [args.request_rate]
-    requests = random_requests(args.num_prompts, args.input_len, args.output_len, vocab,
-                               range_ratio=args.range_ratio, seed=args.seed)
-    warmup = random_requests(min(8, args.num_prompts), args.input_len, 4, vocab, seed=args.seed + 99)
+    requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len, vocab,
+                               range_ratio=args.random_range_ratio, seed=args.seed, prefix_len=args.random_prefix_len)
+    warmup = random_requests(min(8, args.num_prompts), args.random_input_len, 4, vocab, seed=args.seed + 99)
     for _, url in servers:
-        await run_once(url, model_name, warmup, [0.0] * len(warmup), api_key=args.api_key)
+        await run_once(url, model_name, warmup, [0.0] * len(warmup), api_key=args.api_key, ignore_eos=True)
     records: list[dict[str, Any]] = []
     for rate in rates:
         offsets = arrival_offsets(len(requests), rate, burstiness=args.burstiness, seed=args.seed)
@@ -187,10 +276,17 @@ async def _bench(args: argparse.Namespace, servers: list[tuple[str, str]], model
             for label, url in servers:
                 profile = ProfileWindow(*args.profile) if args.profile and rep == 0 else None
                 res: RunResult = await run_once(url, model_name, requests, offsets, max_concurrency=args.max_concurrency,
-                                                api_key=args.api_key, profile=profile)
-                print_metrics(f"{label}, rate {rate:g}, run {rep + 1}", res.metrics)
+                                                api_key=args.api_key, profile=profile, ignore_eos=args.ignore_eos)
+                settings = RunSettings(args.backend, _run_label(args, label, rep, len(servers)), model, model,
+                                       args.num_prompts, rate, args.burstiness, args.max_concurrency)
+                result = vllm_result(settings, res.results, res.duration_s, args.percentile_metrics,
+                                     args.metric_percentiles, detailed=args.save_detailed)
+                print_metrics(f"{label}, rate {rate:g}, run {rep + 1}", res.metrics, result, args.percentile_metrics,
+                              args.metric_percentiles)
                 if res.profile is not None:
                     print(f"  where the time went: {explain(res.profile)}")
+                if args.save_result:
+                    _save_result(args, settings, result)
                 records.append({"server": label, "request_rate": rate, "repeat": rep, **res.metrics.flat(),
                                 "metrics": res.metrics.to_dict(), "profile": res.profile})
     return records
@@ -244,10 +340,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error("the following arguments are required: MODEL (or --model)")
     if args.model and args.model_flag and args.model != args.model_flag:
         parser.error(f"argument --model: {args.model_flag!r} differs from the positional MODEL {args.model!r}")
-    for flag, value in (("--num-prompts", args.num_prompts), ("--input-len", args.input_len),
-                        ("--output-len", args.output_len), ("--repeats", args.repeats)):
-        if value < 1:
-            parser.error(f"argument {flag}: must be >= 1, got {value}")
+    _check_workload_args(args, parser)
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error(f"argument --max-concurrency: must be >= 1, got {args.max_concurrency}")
     if args.base_url and (args.compare or args.calibrate_link is not None):
@@ -258,7 +351,8 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     server_args = args.server_args
     if args.calibrate_link is not None:
         seqs = args.max_concurrency or args.num_prompts
-        server_args += f" --emulate-link {calibrate(model, server_args, args.input_len, seqs, args.calibrate_link)}"
+        link = calibrate(model, server_args, args.random_input_len, seqs, args.calibrate_link)
+        server_args += f" --emulate-link {link}"
     if args.served_model_name:
         server_args += f" --served-model-name {shlex.quote(args.served_model_name)}"
     if args.api_key:
@@ -273,13 +367,16 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             variants = [(LABELS[0], server_args), (LABELS[1], server_args + " --enable-dbo")] if args.compare \
                 else [("server", server_args)]
             for label, extra in variants:
-                proc = ServerProcess(model, extra, startup_timeout_s=args.startup_timeout, name=label)
+                proc = ServerProcess(model, extra, startup_timeout_s=args.startup_timeout, name=label,
+                                     log_dir=args.server_log_dir)
                 procs.append(proc)
+                print(f"{label}: log at {proc.log_path}", file=sys.stderr, flush=True)
                 proc.start()
             servers = [(p.name, p.base_url) for p in procs]
-        records = asyncio.run(_bench(args, servers, model_name, vocab))
+        records = asyncio.run(_bench(args, servers, model, model_name, vocab))
     finally:
         codes = [(p.name, p.stop()) for p in procs]
+        _finish_logs(procs, codes, keep=args.server_log_dir is not None)
     bad = [(name, code) for name, code in codes if code not in (0, None)]
     labels = [label for label, _ in servers]
     summary = _summarise(args, records, labels)
@@ -300,6 +397,15 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         print(f"error: the {name} server exited with code {code} on SIGTERM (expected 0)", file=sys.stderr)
     failed = sum(r["failed"] for r in records)
     return 1 if bad or not outputs_ok or failed == sum(r["completed"] + r["failed"] for r in records) else 0
+
+
+def _finish_logs(procs: list[ServerProcess], codes: list[tuple[str, int | None]], keep: bool) -> None:
+    """Keep the servers' logs in --server-log-dir, or when a server did not exit cleanly (to read why); remove
+    them otherwise. Either way say what happened to each."""
+    failed = any(code not in (0, None) for _, code in codes)
+    for proc in procs:
+        kept = proc.finish_log(keep or failed)
+        print(f"{proc.name}: log {'kept at ' + kept if kept else 'removed (' + proc.log_path + ')'}", file=sys.stderr)
 
 
 def _write_csv(path: str, records: list[dict[str, Any]]) -> None:

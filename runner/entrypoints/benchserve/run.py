@@ -31,6 +31,7 @@ class RunResult:
     metrics: BenchmarkMetrics
     results: list[RequestResult]
     profile: dict[str, Any] | None = None  # the server's /stop_profile answer, with the steps it covered
+    duration_s: float = 0.0
 
 
 async def _profile(client: httpx.AsyncClient, base_url: str, window: ProfileWindow,
@@ -50,7 +51,7 @@ async def _profile(client: httpx.AsyncClient, base_url: str, window: ProfileWind
 
 async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], offsets: Sequence[float], *,
                    max_concurrency: int | None = None, api_key: str | None = None,
-                   profile: ProfileWindow | None = None) -> RunResult:
+                   profile: ProfileWindow | None = None, ignore_eos: bool = False) -> RunResult:
     """Send ``requests[i]`` at ``offsets[i]`` seconds (at most ``max_concurrency`` in flight)."""
     url = f"{base_url}/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -65,9 +66,9 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
             if delay > 0:
                 await asyncio.sleep(delay)
             if limit is None:
-                return await send_completion(client, url, model, req, api_key)
+                return await send_completion(client, url, model, req, api_key, ignore_eos=ignore_eos)
             async with limit:
-                return await send_completion(client, url, model, req, api_key)
+                return await send_completion(client, url, model, req, api_key, ignore_eos=ignore_eos)
 
         profiler = asyncio.create_task(_profile(client, base_url, profile, headers)) if profile else None
         results = list(await asyncio.gather(*[one(r, t) for r, t in zip(requests, offsets)]))
@@ -78,4 +79,4 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in STEP_METRICS + TOKEN_METRICS}
     metrics.engine_steps, metrics.ubatched_steps = delta[STEP_METRICS[0]], delta[STEP_METRICS[1]]
     metrics.server_prompt_tokens, metrics.server_generation_tokens = delta[TOKEN_METRICS[0]], delta[TOKEN_METRICS[1]]
-    return RunResult(metrics, results, profiled)
+    return RunResult(metrics, results, profiled, duration)

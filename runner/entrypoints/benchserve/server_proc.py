@@ -36,18 +36,21 @@ def scrape(base_url: str, names: tuple[str, ...], timeout_s: float = 10.0) -> di
 
 
 class ServerProcess:
-    """``with ServerProcess(model, args) as srv: srv.base_url``; its log is kept in a temporary file and its
-    tail is shown if it fails to start."""
+    """``with ServerProcess(model, args) as srv: srv.base_url``; its log goes to a file (``log_path``) in
+    ``log_dir``, or in the temporary directory when none is given; its tail is shown if it fails to start.
+    ``finish_log`` removes it or says where it stays."""
 
     def __init__(self, model: str, serve_args: str = "", *, startup_timeout_s: float = 600.0,
-                 name: str = "server") -> None:
+                 name: str = "server", log_dir: str | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.name = name
         self.cmd = [sys.executable, "-m", "runner", "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                     "--disable-log-requests", *shlex.split(serve_args)]
         self.startup_timeout_s = startup_timeout_s
-        self.log = tempfile.NamedTemporaryFile(prefix=f"ubatch-bench-{name}-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix=f"ubatch-bench-{name.replace(' ', '-')}-", suffix=".log",
+                                               dir=log_dir, delete=False)
+        self.log_path = self.log.name
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "ServerProcess":
@@ -93,3 +96,11 @@ class ServerProcess:
         self.log.flush()
         with open(self.log.name, errors="replace") as fh:
             return "".join(fh.readlines()[-lines:])
+
+    def finish_log(self, keep: bool) -> str | None:
+        """Close the log; remove it unless ``keep``. Returns the path kept, or None when it was removed."""
+        self.log.close()
+        if keep:
+            return self.log_path
+        os.unlink(self.log_path)
+        return None

@@ -1,6 +1,7 @@
-"""The random-token workload of ``vllm bench serve --dataset-name random``: prompts of ``input_len`` token ids
-(varied by ``range_ratio``), each asking for ``output_len`` tokens with EOS ignored, so every run generates the
-same number of tokens whatever the model says; and when each request is sent."""
+"""The random-token workload of ``vllm bench serve --dataset-name random``: prompts of ``prefix_len`` shared
+token ids then ``input_len`` random ones (varied by ``range_ratio``), each asking for ``output_len`` tokens (with
+EOS honoured unless the run asks the server to ignore it, as vLLM's ``--ignore-eos``); and when each request is
+sent."""
 from __future__ import annotations
 
 import math
@@ -15,8 +16,11 @@ class BenchRequest:
 
 
 def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_size: int, *, range_ratio: float = 0.0,
-                    seed: int = 0) -> list[BenchRequest]:
-    """Token ids drawn uniformly from ``[0, vocab_size)``; lengths uniform in ``[len*(1-r), len*(1+r)]``."""
+                    seed: int = 0, prefix_len: int = 0) -> list[BenchRequest]:
+    """Token ids drawn uniformly from ``[0, vocab_size)``; lengths uniform in ``[len*(1-r), len*(1+r)]``; the
+    same ``prefix_len`` ids first in every prompt (vLLM's ``--random-prefix-len``)."""
+    if prefix_len < 0:
+        raise ValueError(f"prefix_len must be >= 0, got {prefix_len}")
     for name, value in (("num_prompts", num_prompts), ("input_len", input_len), ("output_len", output_len),
                         ("vocab_size", vocab_size)):
         if value < 1:
@@ -24,11 +28,12 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_siz
     if not 0.0 <= range_ratio < 1.0:
         raise ValueError(f"range_ratio must lie in [0, 1), got {range_ratio}")
     rng = random.Random(seed)
+    prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
 
     def length(n: int) -> int:
         return rng.randint(max(1, round(n * (1 - range_ratio))), max(1, round(n * (1 + range_ratio))))
 
-    return [BenchRequest([rng.randrange(vocab_size) for _ in range(length(input_len))], length(output_len))
+    return [BenchRequest(prefix + [rng.randrange(vocab_size) for _ in range(length(input_len))], length(output_len))
             for _ in range(num_prompts)]
 
 

@@ -31,6 +31,12 @@ from runner.sampling_params import INT64_MAX, INT64_MIN
 MAX_LOGPROBS = 20
 
 
+def set_max_logprobs(limit: int) -> None:
+    """``serve --max-logprobs``: the most ``logprobs`` / ``top_logprobs`` a request may ask for."""
+    global MAX_LOGPROBS
+    MAX_LOGPROBS = limit
+
+
 def random_id(prefix: str) -> str:
     """A request id as vLLM makes them (``cmpl-<uuid hex>``, ``chatcmpl-<uuid hex>``): unique per request."""
     return f"{prefix}-{uuid.uuid4().hex}"
@@ -56,7 +62,7 @@ class _TokenIds(_Body):
     @model_serializer(mode="wrap")
     def _drop_unset_token_ids(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
-        for key in ("token_ids", "prompt_token_ids"):
+        for key in ("token_ids", "prompt_token_ids", "prompt_logprobs"):
             if data.get(key) is None:
                 data.pop(key, None)
         return data
@@ -142,15 +148,18 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16
     logprobs: int | None = None
     add_special_tokens: bool = True
+    echo: bool = False  # the prompt first in each choice's text (and logprobs); with max_tokens 0, the prompt alone
+    prompt_logprobs: int | None = None  # vLLM's: each choice also carries the prompt's log-probabilities
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
-        **_UNSUPPORTED_COMMON, "echo": (False,), "suffix": (None, ""), "best_of": (None, 1)}
+        **{k: v for k, v in _UNSUPPORTED_COMMON.items() if k != "prompt_logprobs"}, "suffix": (None, ""),
+        "best_of": (None, 1)}
 
-    @field_validator("logprobs")
+    @field_validator("logprobs", "prompt_logprobs")
     @classmethod
-    def _logprobs_range(cls, value: int | None) -> int | None:
+    def _logprobs_range(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+            raise ValueError(f"{info.field_name} must be an integer in [0, {MAX_LOGPROBS}], got {value}")
         return value
 
     @field_validator("prompt", mode="before")
@@ -285,6 +294,8 @@ class CompletionResponseChoice(_TokenIds):
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None  # vLLM: the stop string or token id; None for EOS or length
+    # vLLM's: per prompt token (None for the first) {token id: {logprob, rank, decoded_token}}; sent when asked
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
 
 
 class CompletionResponse(_Body):

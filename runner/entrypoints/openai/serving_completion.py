@@ -9,6 +9,7 @@ from typing import AsyncGenerator, Callable
 from fastapi import Request
 from fastapi.responses import Response
 
+from runner.entrypoints.openai.echo import check_echo_request, echo_response, wants_prompt, with_prompt_logprobs
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import bad_request
 from runner.entrypoints.openai.logprobs import completion_logprobs, token_text_fn
@@ -33,6 +34,9 @@ from runner.outputs import Logprob
 class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, raw: Request) -> Response:
         request = await self.read(raw, CompletionRequest)
+        echo_only = request.echo and request.max_tokens == 0
+        if wants_prompt(request):  # echo / prompt_logprobs: echo.py answers
+            request = check_echo_request(request)
         model = self.models.resolve(request.model)
         raw_prompts = request.prompts()
         names = ["prompt"] if len(raw_prompts) == 1 else [f"prompt[{i}]" for i in range(len(raw_prompts))]
@@ -42,10 +46,13 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [build_sampling_params(request, resolve_max_tokens(request, len(p.token_ids),
                                                                     self.engine.max_model_len, defaults, name),
                                         defaults, self.engine.vocab_size) for p, name in zip(prompts, names)]
+        params = [with_prompt_logprobs(p, request) for p in params]
         request_id = random_id("cmpl")
         streams = await self.start(raw, [f"{request_id}-{i}" for i in range(len(prompts))], prompts, params)
         choices = Choices(prompts, request.n)
         text = token_text_fn(self.tokenizer())
+        if wants_prompt(request):
+            return await echo_response(self, streams, choices, request, request_id, model, text, echo_only)
 
         def body() -> CompletionResponse:
             return CompletionResponse(id=request_id, model=model, usage=choices.usage(), choices=[

@@ -1,0 +1,36 @@
+"""The checks a prompt must pass before it runs, shared by the offline ``LLM`` (which raises ``ValueError``) and
+the CLI (which refuses a ``--prompts-file`` before any rank starts)."""
+from __future__ import annotations
+
+import numbers
+from typing import Any, Sequence
+
+from runner.sampling_params import SamplingParams
+
+
+def is_token_id(value: Any) -> bool:
+    """An integer token id: ``int``, a numpy or other ``numbers.Integral`` integer, not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def prompt_problem(prompt: Any, params: SamplingParams, vocab_size: int, max_model_len: int) -> str | None:
+    """Why this prompt cannot run offline, or None: the server's checks (empty, a token id outside the
+    vocabulary, prompt + 1 generated token over ``max_model_len``, a sampling token id outside the vocabulary).
+    ``max_tokens`` past ``max_model_len`` is no error offline: generation stops there (vLLM's LLM alike)."""
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        return f"must be a list of token ids, got {type(prompt).__name__}"
+    if not prompt:
+        return "the prompt is empty: at least one token is needed"
+    for position, t in enumerate(prompt):
+        if not is_token_id(t):
+            return f"the token at position {position} is {t!r}, not an integer token id"
+        if not 0 <= t < vocab_size:
+            return f"token id {t} at position {position} is outside the vocabulary [0, {vocab_size})"
+    if len(prompt) + 1 > max_model_len:
+        return (f"the prompt has {len(prompt)} tokens but max_model_len is {max_model_len}: prompt + 1 generated "
+                f"token must fit (prompt length <= {max_model_len - 1})")
+    try:
+        params.check_vocab(vocab_size)
+    except ValueError as e:
+        return str(e)
+    return None
