@@ -226,15 +226,16 @@ def check_deep_ep_installed(cfg: RunnerConfig) -> None:
 def check_expert_parallel(cfg: RunnerConfig, config: BaseMoEConfig) -> None:
     """The model's routed experts split evenly over the expert-parallel ranks (``ConfigError`` naming
     ``--data-parallel-size`` otherwise): checked here so it is refused before any rank starts."""
-    from runner.models.configs import DeepseekV2Config, Qwen3MoeConfig
+    from runner.models.configs import DeepseekV2Config
+    from runner.models.standard_configs import StandardConfig
 
-    if isinstance(config, Qwen3MoeConfig):
+    if isinstance(config, StandardConfig):
         experts = config.num_experts
     elif isinstance(config, DeepseekV2Config):
         experts = config.n_routed_experts
     else:
         return  # another family: its layers check it when they are built
-    if cfg.ep_size > 1 and experts % cfg.ep_size:
+    if cfg.ep_size > 1 and experts and experts % cfg.ep_size:
         divisors = [d for d in range(2, experts + 1) if experts % d == 0]
         raise ConfigError("data_parallel_size", f"the model's {experts} experts cannot be spread evenly over "
                                                 f"{cfg.ep_size} expert-parallel ranks (num_experts={experts} is not "

@@ -144,6 +144,10 @@ def _vocab_size(model: str) -> int:
     return model_config(model).vocab_size
 
 
+# Above this share of a core, the load generator itself may be the bottleneck (it is one Python event loop).
+CLIENT_CPU_WARN = 0.8
+
+
 def print_metrics(title: str, m: BenchmarkMetrics, result: dict[str, Any], metrics: list[str],
                   percentiles: list[float]) -> None:
     print(f"{'=' * 18} {title} {'=' * max(1, 30 - len(title))}")
@@ -155,6 +159,8 @@ def print_metrics(title: str, m: BenchmarkMetrics, result: dict[str, Any], metri
             ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}")]
     if m.engine_steps:
         rows.append(("Steps ubatched (DBO)", f"{m.ubatched_steps:.0f}/{m.engine_steps:.0f}"))
+    if m.client_cpu_share is not None:
+        rows.append(("Benchmark client CPU (% of a core)", f"{100 * m.client_cpu_share:.0f}"))
     for name in metrics:  # --percentile-metrics at --metric-percentiles, as vLLM prints them
         label = name.upper()
         rows += [(f"Mean {label} (ms)", f"{result[f'mean_{name}_ms']:.2f}"),
@@ -166,6 +172,9 @@ def print_metrics(title: str, m: BenchmarkMetrics, result: dict[str, Any], metri
         print(f"{label:<40}{value:>14}")
     for err in m.errors:
         print(f"  error: {err}")
+    if m.client_cpu_share is not None and m.client_cpu_share > CLIENT_CPU_WARN:
+        print(f"warning: the benchmark client used {100 * m.client_cpu_share:.0f}% of a core: it may be what limits "
+              "the measured rates (run it on another machine, or lower --max-concurrency)")
 
 
 COMPARE_ROWS = (("Output token throughput (tok/s)", lambda m: m.output_throughput),

@@ -38,6 +38,7 @@ class BenchmarkMetrics:
     engine_steps: float | None = None
     server_prompt_tokens: float | None = None  # what the server counted (ubatch:prompt_tokens_total), over the run
     server_generation_tokens: float | None = None
+    client_cpu_share: float | None = None  # the load generator's CPU seconds per second of the run (1.0: a core)
     total_chunks: int = 0  # streamed chunks that carried text
     errors: tuple[str, ...] = ()
 

@@ -59,7 +59,7 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
     before = await asyncio.to_thread(scrape, base_url, STEP_METRICS + TOKEN_METRICS)
     limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits, timeout=None) as client:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
 
         async def one(req: BenchRequest, at: float) -> RequestResult:
             delay = start + at - time.perf_counter()
@@ -73,9 +73,11 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
         profiler = asyncio.create_task(_profile(client, base_url, profile, headers)) if profile else None
         results = list(await asyncio.gather(*[one(r, t) for r, t in zip(requests, offsets)]))
         duration = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
         profiled = await profiler if profiler is not None else None
     after = await asyncio.to_thread(scrape, base_url, STEP_METRICS + TOKEN_METRICS)
     metrics = compute_metrics(results, duration)
+    metrics.client_cpu_share = cpu / duration if duration > 0 else None
     delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in STEP_METRICS + TOKEN_METRICS}
     metrics.engine_steps, metrics.ubatched_steps = delta[STEP_METRICS[0]], delta[STEP_METRICS[1]]
     metrics.server_prompt_tokens, metrics.server_generation_tokens = delta[TOKEN_METRICS[0]], delta[TOKEN_METRICS[1]]
