@@ -358,8 +358,10 @@ def check_spec_covers_parameters(net: nn.Module) -> None:
     filled = {spec.rename.get(n, n) for n in spec.shapes}
     moe_ids = {id(m) for m in spec.moe_layers.values()}
     for prefix, module in net.named_modules():
-        if id(module) in moe_ids:  # the expert loads fill the fused expert tensors, nothing else
+        if id(module) in moe_ids:  # the expert loads fill the fused expert tensors (and biases), nothing else
             filled |= {f"{prefix}.w13_weight", f"{prefix}.w2_weight"}
+            if spec.expert_bias:
+                filled |= {f"{prefix}.w13_bias", f"{prefix}.w2_bias"}
     missing = [n for n, _ in net.named_parameters() if n not in filled]
     if missing:
         raise RuntimeError(f"internal: {type(net).__name__} has parameters its checkpoint spec never loads: "

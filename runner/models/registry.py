@@ -8,13 +8,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from runner.models.configs import BaseMoEConfig, DeepseekV2Config, Qwen3MoeConfig
+from runner.models.configs import BaseMoEConfig, DeepseekV2Config, Glm4MoeConfig, GptOssConfig, Qwen3MoeConfig
 
 # architecture -> (module, class name, config class)
 _MODELS: dict[str, tuple[str, str, type[BaseMoEConfig]]] = {
     "Qwen3MoeForCausalLM": ("runner.models.qwen3_moe", "Qwen3MoeForCausalLM", Qwen3MoeConfig),
     "DeepseekV2ForCausalLM": ("runner.models.deepseek_v2", "DeepseekV2ForCausalLM", DeepseekV2Config),
     "DeepseekV3ForCausalLM": ("runner.models.deepseek_v2", "DeepseekV3ForCausalLM", DeepseekV2Config),
+    "GptOssForCausalLM": ("runner.models.gpt_oss", "GptOssForCausalLM", GptOssConfig),
+    "Glm4MoeForCausalLM": ("runner.models.glm4_moe", "Glm4MoeForCausalLM", Glm4MoeConfig),
 }
 
 
