@@ -216,3 +216,23 @@ def test_server_dp2_ep_dbo_with_the_openai_client_equals_transformers(checkpoint
         got = [ch.model_extra["token_ids"] for ch in sorted(full.choices, key=lambda ch: ch.index)]
         assert got == want[family]
         assert scrape(srv.base_url, ("ubatch:dbo_ubatched_steps_total",))["ubatch:dbo_ubatched_steps_total"] > 0
+
+
+# ---------------------------------------------------------------------------------------------- refusals
+@pytest.mark.parametrize("change, message", [
+    ({"quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": []}},
+     r"gpt-oss checkpoints quantized with 'mxfp4' \(quantization_config.quant_method\) are not supported yet"),
+    ({"layer_types": ["sliding_attention", "chunked_attention", "full_attention"]},
+     r"unsupported layer type 'chunked_attention' in layer_types"),
+    ({"layer_types": ["full_attention"]}, r"layer_types has 1 entries for 3 layers"),
+    ({"sliding_window": None}, r"layer_types has sliding_attention layers but sliding_window=None"),
+])
+def test_gpt_oss_configs_we_cannot_run_are_refused_by_name(checkpoints, tmp_path: Path, change: dict[str, Any],
+                                                           message: str) -> None:
+    from runner.models.loader import CheckpointError
+
+    src = checkpoints["gpt_oss"][2]
+    cfg = {**json.loads((src / "config.json").read_text()), **change}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=message):
+        load_model(str(tmp_path))
