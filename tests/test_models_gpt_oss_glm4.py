@@ -185,6 +185,24 @@ def test_expert_parallel_ranks_hold_their_experts(checkpoints, family: str) -> N
         torch.testing.assert_close(experts.w13_weight, want13, rtol=0, atol=0)
 
 
+@pytest.mark.triton_interpreter
+def test_gpt_oss_under_the_triton_attention_backend_equals_transformers(checkpoints, want) -> None:
+    """The GPU backend's paths with sinks and windows (SDPA prefill with the sink key, chunked prefill's windowed
+    masks, the decode kernel) under the interpreter, with grouped_mm experts (the GPU default) and DBO."""
+    from runner import LLM
+
+    llm = LLM(model=str(checkpoints["gpt_oss"][2]), attention_backend="triton", experts_backend="grouped_mm",
+              max_num_batched_tokens=16, block_size=4, device="cpu", **ENGINE, **DBO)
+    try:
+        assert llm.runner.attention_backend.name == "triton"
+        outs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+                            use_tqdm=False)  # the interpreter is slow: 2 prompts, 4 tokens
+        assert [list(o.outputs[0].token_ids) for o in outs] == [w[:4] for w in want["gpt_oss"][:2]]
+        assert llm.last_stats.num_ubatched_steps > 0
+    finally:
+        llm.close()
+
+
 # ---------------------------------------------------------------------------------------------- the server
 @contextlib.contextmanager
 def _server(path: Path, args: str) -> Iterator[Any]:
