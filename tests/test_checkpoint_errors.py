@@ -48,9 +48,9 @@ def edit_config(model_dir: Path, edit) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("edit,problem", [
-    (lambda c: {**c, "architectures": ["MixtralForCausalLM"]},
-     "unknown model architecture 'MixtralForCausalLM'; supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
-     "Qwen3MoeForCausalLM"),
+    (lambda c: {**c, "architectures": ["JambaForCausalLM"]},
+     "unknown model architecture 'JambaForCausalLM'; supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
+     "Glm4MoeForCausalLM, GptOssForCausalLM, Qwen3MoeForCausalLM"),
     (lambda c: [c], "must hold a JSON object with the model's settings, got an array"),
     (lambda c: {k: v for k, v in c.items() if k != "vocab_size"},
      "no 'vocab_size' field (a Qwen3MoeForCausalLM config needs vocab_size, hidden_size, num_hidden_layers, "
