@@ -17,7 +17,7 @@ from runner.attention.kv_cache import KVCacheSpec
 from runner.models.base import DecoderModel, MoECausalLM, moe_or_dense_layer
 from runner.models.configs import Glm4MoeConfig
 from runner.models.deepseek_v2 import DeepseekV2MoE
-from runner.models.gqa_attention import GQAAttention, GQAConfig
+from runner.models.gqa_attention import GQAAttention, GQAConfig, gqa_kv_cache_specs, gqa_layer_shapes
 from runner.models.layers import RotaryEmbedding
 from runner.models.weights import WeightSpec
 from ubatch.modular_moe.config import MoEParallelConfig
@@ -45,36 +45,23 @@ class Glm4MoeForCausalLM(MoECausalLM):
         self.rotary_emb = RotaryEmbedding(config.rotary_dim, config.rope, interleaved=False)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        c = self.config
-        return [KVCacheSpec.mha(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers
+        return gqa_kv_cache_specs(self.model.layers)
 
     def _build_spec(self) -> WeightSpec:
         c = self.config
-        h, e = c.hidden_size, c.n_routed_experts
+        e = c.n_routed_experts
         shapes = self._common_shapes()
         rename: dict[str, str] = {}
         moe_layers = {}
-
-        def mlp(prefix: str, inter: int) -> None:
-            for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-                shapes[f"{prefix}{name}.weight"] = shape
-
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
-            shapes.update(layer.self_attn.checkpoint_shapes(f"{p}self_attn."))
-            shapes[f"{p}input_layernorm.weight"] = (h,)
-            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+            shapes.update(gqa_layer_shapes(p, layer))
+            shapes.update(layer.mlp.checkpoint_shapes(f"{p}mlp."))
             if isinstance(layer.mlp, DeepseekV2MoE):
-                shapes[f"{p}mlp.gate.weight"] = (e, h)
-                shapes[f"{p}mlp.gate.e_score_correction_bias"] = (e,)
-                rename[f"{p}mlp.gate.e_score_correction_bias"] = f"{p}mlp.experts.e_score_correction_bias"
-                if c.n_shared_experts:
-                    mlp(f"{p}mlp.shared_experts.", c.moe_intermediate_size * c.n_shared_experts)
+                rename.update(layer.mlp.checkpoint_renames(f"{p}mlp."))
                 moe_layers[i] = layer.mlp.experts
-            else:
-                mlp(f"{p}mlp.", c.intermediate_size)
         return WeightSpec(shapes=shapes, num_hidden_layers=c.num_hidden_layers, num_experts=e,
-                          moe_intermediate_size=c.moe_intermediate_size, hidden_size=h, moe_layers=moe_layers,
+                          moe_intermediate_size=c.moe_intermediate_size, hidden_size=c.hidden_size, moe_layers=moe_layers,
                           local_experts=self.parallel.local_expert_range(e),
                           num_extra_layers=c.num_nextn_predict_layers, tied_lm_head=c.tie_word_embeddings,
                           rename=rename)

@@ -18,7 +18,7 @@ from torch import nn
 from runner.attention.kv_cache import KVCacheSpec
 from runner.models.base import DecoderModel, MoECausalLM, moe_or_dense_layer
 from runner.models.configs import GptOssConfig
-from runner.models.gqa_attention import GQAAttention, GQAConfig
+from runner.models.gqa_attention import GQAAttention, GQAConfig, gqa_kv_cache_specs, gqa_layer_shapes
 from runner.models.layers import RotaryEmbedding
 from runner.models.weights import WeightSpec
 from ubatch import trace
@@ -67,8 +67,7 @@ class GptOssForCausalLM(MoECausalLM):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope, interleaved=False)
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
-        c = self.config
-        return [KVCacheSpec.mha(c.num_key_value_heads, c.head_dim)] * c.num_hidden_layers
+        return gqa_kv_cache_specs(self.model.layers)
 
     def _build_spec(self) -> WeightSpec:
         c = self.config
@@ -77,9 +76,7 @@ class GptOssForCausalLM(MoECausalLM):
         moe_layers = {}
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
-            shapes.update(layer.self_attn.checkpoint_shapes(f"{p}self_attn."))
-            shapes[f"{p}input_layernorm.weight"] = (h,)
-            shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+            shapes.update(gqa_layer_shapes(p, layer))
             shapes[f"{p}mlp.router.weight"] = (e, h)
             shapes[f"{p}mlp.router.bias"] = (e,)
             moe_layers[i] = layer.mlp.experts

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from runner.attention.kv_cache import KVCacheSpec
 from runner.attention.ops import mha_attention
 from runner.attention.options import AttentionOptions
-from runner.models.base import current_attn_metadata
+from runner.models.base import DecoderLayer, current_attn_metadata
 from runner.models.layers import RMSNorm, RotaryEmbedding
 
 
@@ -108,3 +109,22 @@ def rotate_prefix(rope: RotaryEmbedding, x: torch.Tensor, cos: torch.Tensor, sin
     if rope.dim == x.shape[-1]:
         return rope.apply(x, cos, sin)
     return torch.cat((rope.apply(x[..., :rope.dim], cos, sin), x[..., rope.dim:]), dim=-1)
+
+
+def gqa_kv_cache_specs(layers: nn.ModuleList) -> list[KVCacheSpec]:
+    """One MHA cache spec per decoder layer whose ``self_attn`` is a :class:`GQAAttention`."""
+    specs = []
+    for layer in layers:
+        attn = layer.self_attn
+        assert isinstance(attn, GQAAttention)
+        specs.append(KVCacheSpec.mha(attn.cfg.num_kv_heads, attn.cfg.head_dim))
+    return specs
+
+
+def gqa_layer_shapes(prefix: str, layer: DecoderLayer) -> dict[str, tuple[int, ...]]:
+    """A decoder layer's checkpoint tensors but its MLP: the attention's and the two norms (``prefix`` being
+    ``model.layers.{i}.``)."""
+    assert isinstance(layer.self_attn, GQAAttention)
+    h = layer.self_attn.cfg.hidden_size
+    return {**layer.self_attn.checkpoint_shapes(f"{prefix}self_attn."), f"{prefix}input_layernorm.weight": (h,),
+            f"{prefix}post_attention_layernorm.weight": (h,)}
