@@ -50,6 +50,10 @@ class WeightSpec:
     expert_bias: bool = False  # experts have biases (gpt-oss)
     fused_layout: str = "stacked"  # how fused expert tensors are laid out (FUSED_LAYOUTS, module docstring)
 
+    def __post_init__(self) -> None:
+        if self.fused_layout not in FUSED_LAYOUTS:
+            raise ValueError(f"unknown fused expert layout {self.fused_layout!r}; expected one of {FUSED_LAYOUTS}")
+
     def expert_shape(self, proj: str, kind: str = "weight") -> tuple[int, ...]:
         i, h = self.moe_intermediate_size, self.hidden_size
         if kind == "bias":
