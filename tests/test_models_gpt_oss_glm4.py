@@ -256,3 +256,23 @@ def test_gpt_oss_configs_we_cannot_run_are_refused_by_name(checkpoints, tmp_path
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match=message):
         load_model(str(tmp_path))
+
+
+@pytest.mark.parametrize("name", ["tiny-gpt-oss", "tiny-glm4-moe"])
+def test_built_in_tiny_models_give_the_same_tokens_with_dbo(tmp_path: Path, name: str) -> None:
+    """The built-in models (``--model tiny-gpt-oss`` / ``tiny-glm4-moe``: what a CLI or GPU check runs) load
+    from the loader's own tiny checkpoint; DBO on every step changes no token."""
+    from runner import LLM
+
+    prompts = [[(11 * i + 5 * j) % 500 + 1 for j in range(n)] for i, n in enumerate([21, 6, 17, 9])]
+    tokens = {}
+    for mode, dbo in (("off", {}), ("on", DBO)):
+        llm = LLM(model=name, cache_dir=str(tmp_path), device="cpu", **ENGINE, **dbo)
+        try:
+            outs = llm.generate(prompts, GREEDY, use_tqdm=False)
+            tokens[mode] = [list(o.outputs[0].token_ids) for o in outs]
+            assert (llm.last_stats.num_ubatched_steps > 0) == (mode == "on")
+        finally:
+            llm.close()
+    assert tokens["on"] == tokens["off"] and all(len(t) == MAX_TOKENS for t in tokens["on"])
+    assert len({tuple(t) for t in tokens["on"]}) > 1  # not one degenerate continuation
