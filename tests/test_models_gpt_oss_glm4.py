@@ -276,3 +276,23 @@ def test_built_in_tiny_models_give_the_same_tokens_with_dbo(tmp_path: Path, name
             llm.close()
     assert tokens["on"] == tokens["off"] and all(len(t) == MAX_TOKENS for t in tokens["on"])
     assert len({tuple(t) for t in tokens["on"]}) > 1  # not one degenerate continuation
+
+
+@pytest.mark.parametrize("dbo", [True, False], ids=["dbo", "no-dbo"])
+def test_gpt_oss_graph_decode_replay_equals_eager(tmp_path: Path, dbo: bool) -> None:
+    """CUDA-graph decode (the eager capture stand-in of ``test_cudagraph_dispatch.py``) over sinks and windowed
+    layers: contexts up to 32 tokens against a window of 16, every size's replay equal to its eager step."""
+    import runner.worker.cuda_graphs as manager
+    from cudagraph.backends import EagerReplayBackend
+    from test_cudagraph_dispatch import DecodeBatches, REPLAY_SIZES, check_replay_equals_eager, make_runner
+
+    runner = make_runner(model="tiny-gpt-oss", cache_dir=str(tmp_path), enable_dbo=dbo)
+    try:
+        batches = DecodeBatches(runner, num_reqs=max(REPLAY_SIZES))
+        assert max(batches.ctx) > 16  # past the window
+        gr = manager.make_graph_runner(runner, backend=EagerReplayBackend(), num_warmups=0, progress=False)
+        gr.capture()
+        check_replay_equals_eager(runner, batches, gr, dbo, None)
+        gr.clear()
+    finally:
+        runner.close()
