@@ -11,8 +11,10 @@ expert parallelism, and through the server with the ``openai`` client.
   with a non-zero ``e_score_correction_bias`` and ``routed_scaling_factor`` 2.5, a shared expert, one leading
   dense layer.
 
-Each equality also shows its feature ran: DBO's ubatched steps equal the engine's steps, the DP=2 ranks hold
-half the experts each.
+Each equality also shows its feature ran: DBO's ubatched steps equal the engine's steps (the server's counter is
+positive); each EP rank's expert shard is compared with transformers' tensors; the features change the output
+(taking the window or the sinks away fails these tests). Also: the Triton attention backend (interpreter), CUDA-
+graph decode on the capture stand-in, the built-in ``tiny-gpt-oss`` / ``tiny-glm4-moe``, and the refusals.
 """
 from __future__ import annotations
 
