@@ -105,9 +105,18 @@ def test_checkpoints_have_the_features_on(checkpoints) -> None:
     assert cfg["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
     assert cfg["sliding_window"] == WINDOW and cfg["rope_parameters"]["rope_type"] == "yarn"
     assert all(len(tok.encode(p)) > 2 * WINDOW for p in PROMPTS)  # windows cut every prompt
-    assert float(hf.model.layers[0].self_attn.sinks.detach().abs().min()) > 0
-    glm = json.loads((checkpoints["glm4_moe"][2] / "config.json").read_text())
+    assert cfg["swiglu_limit"] == 1.0
+    layer = hf.model.layers[0]
+    for t in (layer.self_attn.sinks, layer.self_attn.q_proj.bias, layer.mlp.router.bias,
+              layer.mlp.experts.gate_up_proj_bias, layer.mlp.experts.down_proj_bias):
+        assert float(t.detach().abs().min()) > 0
+    hf, _, path = checkpoints["glm4_moe"]
+    glm = json.loads((path / "config.json").read_text())
     assert glm["rope_parameters"]["partial_rotary_factor"] == 0.5 and glm["use_qk_norm"] and glm["attention_bias"]
+    assert glm["first_k_dense_replace"] == 1 and glm["n_group"] == 4 and glm["topk_group"] == 2
+    moe = hf.model.layers[1].mlp
+    for t in (hf.model.layers[1].self_attn.k_proj.bias, moe.gate.e_score_correction_bias):
+        assert float(t.detach().abs().min()) > 0
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
