@@ -262,7 +262,6 @@ class GptOssConfig(BaseMoEConfig):
                                  f"{', '.join(GPT_OSS_LAYER_TYPES)}")
         if "sliding_attention" in cfg.layer_types and (cfg.sliding_window is None or cfg.sliding_window < 1):
             raise ValueError(f"layer_types has sliding_attention layers but sliding_window={cfg.sliding_window!r}")
-        cfg.norm_topk_prob = True  # softmax over the top-k logits: softmax over all, renormalised over the top k
         cfg._finish(d)
         return cfg
 
