@@ -21,9 +21,10 @@ steady-state speed with cuDNN first (docs/benchmarks.md, the recorded GPU check)
 that gap is still to be measured on a GPU.
 
 A layer's sliding window makes its mask the windowed one (``PrefillGroup.visible``), never ``is_causal``. Its
-attention sinks (``options.py``) become one more key per KV head, zero in key and value, whose bias column holds
-each query head's sink logit: its score is exactly the sink and it adds nothing to the output, which is the
-sink's softmax column. Decode passes both to the kernel.
+attention sinks (``options.py``) become ``G`` more keys per KV head with zero values, one per query head of the
+group, whose score for that query head is exactly its sink (a one-hot feature added to the queries, the sink in
+the keys) and which the bias hides from the others: the sinks' softmax columns, with no bias per head. Decode
+passes both to the kernel.
 
 The decode function is a constructor argument so tests can run the plumbing against a stand-in with the
 kernel's API; the engine always passes the kernel (:func:`load_paged_decode_kernel`).
@@ -107,19 +108,34 @@ def _folded_bias(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor
 
 def _prefill_with_sinks(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, group: PrefillGroup, scale: float,
                         window: int | None, sinks: torch.Tensor) -> torch.Tensor:
-    """The folded form with one extra key per KV head, zero in key and value, whose bias column is each query
-    head's sink: ``[R, Hkv, G * L, S + 1]`` (module docstring). Exact: that key's score is the sink itself."""
+    """The folded form plus ``G`` sink keys per KV head (module docstring). Sink key ``j`` of KV head ``h`` is
+    zero but for feature ``D + j``, which holds ``sink[h * G + j] / scale``; every query gets ``G`` more features,
+    one-hot at its own ``g``; so query ``g`` scores exactly its sink on key ``g``, and the bias hides the other
+    sink keys from it. The values of the sink keys are zero. The bias stays ``[R, 1, G * L, S + G]`` (shared by
+    the KV heads and made once per step), not one per head; the extra features are padded to a multiple of 8."""
     r, lq, hq, dk = q.shape
     hkv, s, dv = kh.shape[1], kh.shape[2], vh.shape[-1]
     g = hq // hkv
+    extra = -(-g // 8) * 8
     qf = q.view(r, lq, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * lq, dk)
-    k_ext = torch.cat((kh, kh.new_zeros(r, hkv, 1, dk)), dim=2)
-    v_ext = torch.cat((vh, vh.new_zeros(r, hkv, 1, dv)), dim=2)
-    mask_bias = group.memo(("folded_bias", g, q.dtype, window),
-                           lambda: _folded_bias(group.visible(window), g, q.dtype))  # [R, 1, G * L, S]
-    bias = torch.zeros(r, hkv, g * lq, -(-(s + 1) // 16) * 16, dtype=q.dtype, device=q.device)[..., :s + 1]
-    bias[..., :s] = mask_bias
-    bias[..., s] = sinks.to(q.dtype).view(hkv, g, 1).expand(hkv, g, lq).reshape(hkv, g * lq)
+    onehot = torch.eye(g, extra, dtype=q.dtype, device=q.device).repeat_interleave(lq, dim=0)  # [G * L, extra]
+    q_ext = torch.cat((qf, onehot.expand(r, hkv, g * lq, extra)), dim=-1)
+    sink_keys = torch.zeros(hkv, g, dk + extra, dtype=kh.dtype, device=kh.device)
+    sink_keys[:, :, dk:dk + g] = torch.diag_embed(sinks.view(hkv, g).to(kh.dtype) / scale)
+    k_ext = torch.cat((torch.cat((kh, kh.new_zeros(r, hkv, s, extra)), dim=-1),
+                       sink_keys.expand(r, hkv, g, dk + extra)), dim=2)
+    v_ext = torch.cat((vh, vh.new_zeros(r, hkv, g, dv)), dim=2)
+    bias = group.memo(("sink_bias", g, q.dtype, window), lambda: _sink_bias(group.visible(window), g, q.dtype))
     with sdpa_kernel(PREFILL_SDPA_ORDER, set_priority=True):
-        out = F.scaled_dot_product_attention(qf, k_ext, v_ext, attn_mask=bias, scale=scale)
+        out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=bias, scale=scale)
     return out.view(r, hkv, g, lq, dv).permute(0, 3, 1, 2, 4).reshape(r, lq, hq, dv)
+
+
+def _sink_bias(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_folded_bias` with ``G`` more columns, the sink keys: row ``g * L + l`` sees column ``S + g`` only."""
+    r, lq, s = mask.shape
+    rep = mask[:, None].expand(r, g, lq, s).reshape(r, 1, g * lq, s)
+    own = torch.eye(g, dtype=torch.bool, device=mask.device).repeat_interleave(lq, dim=0)  # [G * L, G]
+    visible = torch.cat((rep, own.expand(r, 1, g * lq, g)), dim=-1)
+    bias = torch.zeros(r, 1, g * lq, -(-(s + g) // 16) * 16, dtype=dtype, device=mask.device)[..., :s + g]
+    return bias.masked_fill_(~visible, float("-inf"))
