@@ -152,12 +152,12 @@ def count_receives(layers: Sequence[FusedMoE]) -> dict[tuple[int, int], int]:
         experts = layer.kernel.experts
         apply = experts.apply
 
-        def counting(tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor, i: int = i,
+        def counting(tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor, extras: Any = None, *, i: int = i,
                      apply: Any = apply) -> torch.Tensor:
             key = (i, dbo_current_ubatch_id())
             assert key not in log, f"layer {i} ran its experts twice for ubatch {key[1]}"
             log[key] = received_routes(tokens)
-            return apply(tokens, w13, w2)
+            return apply(tokens, w13, w2, extras)
 
         experts.apply = counting
     return log

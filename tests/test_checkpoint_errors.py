@@ -49,10 +49,10 @@ def edit_config(model_dir: Path, edit) -> None:  # type: ignore[no-untyped-def]
 
 
 @pytest.mark.parametrize("edit,problem", [
-    (lambda c: {**c, "architectures": ["BloomForCausalLM"]},
-     "unknown model architecture 'BloomForCausalLM'; supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
-     "LlamaForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, Qwen2ForCausalLM, Qwen2MoeForCausalLM, "
-     "Qwen3ForCausalLM, Qwen3MoeForCausalLM"),
+    (lambda c: {**c, "architectures": ["JambaForCausalLM"]},
+     "unknown model architecture 'JambaForCausalLM'; supported: DeepseekV2ForCausalLM, DeepseekV3ForCausalLM, "
+     "Glm4MoeForCausalLM, GptOssForCausalLM, LlamaForCausalLM, MixtralForCausalLM, OlmoeForCausalLM, "
+     "Qwen2ForCausalLM, Qwen2MoeForCausalLM, Qwen3ForCausalLM, Qwen3MoeForCausalLM"),
     (lambda c: [c], "must hold a JSON object with the model's settings, got an array"),
     (lambda c: {k: v for k, v in c.items() if k != "vocab_size"},
      "no 'vocab_size' field (a Qwen3MoeForCausalLM config needs vocab_size, hidden_size, num_hidden_layers, "

@@ -356,9 +356,9 @@ def test_replay_plumbing_matches_eager_with_and_without_dbo(qwen_runner, caplog)
     backend = gr.buffers.backend
     original = backend.attend
 
-    def counting(q, k_cache, v_cache, meta, scale):  # the layers' attention on the graphs' decode metadata
+    def counting(q, k_cache, v_cache, meta, scale, options=None):  # the layers' attention on graph metadata
         calls["graph"] += isinstance(meta, ga.GraphDecodeMetadata)
-        return original(q, k_cache, v_cache, meta, scale)
+        return original(q, k_cache, v_cache, meta, scale, options)
 
     backend.attend = counting
     try:

@@ -85,13 +85,13 @@ def check_expert_inputs(experts: Any, num_local_experts: int) -> None:
     kernel would index past its weights) or a routed row that is not finite (the stand-in's NaN garbage)."""
     apply = experts.apply
 
-    def checked(tokens: Any, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def checked(tokens: Any, w13: torch.Tensor, w2: torch.Tensor, extras: Any = None) -> torch.Tensor:
         ids = tokens.topk_ids
         assert bool(((ids >= -1) & (ids < num_local_experts)).all()), f"expert ids out of range: {ids.unique()}"
         routed = (ids >= 0).any(dim=1)
         assert bool(tokens.hidden[routed].float().isfinite().all()), "a routed row was never written"
         assert bool(tokens.topk_weights[ids >= 0].isfinite().all()), "a routed weight was never written"
-        return apply(tokens, w13, w2)
+        return apply(tokens, w13, w2, extras)
 
     experts.apply = checked
 

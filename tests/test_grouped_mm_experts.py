@@ -27,7 +27,7 @@ from ubatch.modular_moe.experts import grouped_mm_experts
 from ubatch.modular_moe.experts.grouped_mm_experts import GroupedMMExperts, gemm_dtype_for
 from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.modular_moe.layer import FusedMoE
-from ubatch.modular_moe.types import ExpertTokens
+from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens
 
 T, H, I, E, K = 24, 32, 64, 6, 3
 CAPACITY = 10
@@ -274,11 +274,11 @@ def test_ep_equals_dense(backend: str, sizes: list[int], dbo: bool, gemm_calls: 
     real_apply = GroupedMMExperts.apply
 
     def counting_apply(self: GroupedMMExperts, tokens: ExpertTokens, w13: torch.Tensor,
-                       w2: torch.Tensor) -> torch.Tensor:
+                       w2: torch.Tensor, extras: ExpertMLPExtras | None = None) -> torch.Tensor:
         with lock:
             applies[tokens.layout] += 1
             applies["with_rows"] += tokens.hidden.shape[0] > 0
-        return real_apply(self, tokens, w13, w2)
+        return real_apply(self, tokens, w13, w2, extras)
 
     monkeypatch.setattr(GroupedMMExperts, "apply", counting_apply)
     weights = StackWeights.random()

@@ -35,7 +35,8 @@ class ExpertLoad:
         self.counts: dict[int, torch.Tensor] = {}
         original = TorchExperts.apply
 
-        def counting(experts: TorchExperts, tokens: Any, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        def counting(experts: TorchExperts, tokens: Any, w13: torch.Tensor, w2: torch.Tensor,
+                     extras: Any = None) -> torch.Tensor:
             import threading
 
             rank = int(threading.current_thread().name.split("-")[-1]) if "rank-" in threading.current_thread().name \
@@ -45,7 +46,7 @@ class ExpertLoad:
             else:
                 c = torch.stack([(tokens.topk_ids == e).sum() for e in range(w13.shape[0])])
             self.counts[rank] = self.counts.get(rank, torch.zeros_like(c)) + c
-            return original(experts, tokens, w13, w2)
+            return original(experts, tokens, w13, w2, extras)
 
         monkeypatch.setattr(TorchExperts, "apply", counting)
 

@@ -472,9 +472,9 @@ def test_signal_protocol_hands_matching_args_to_gemm_and_combine() -> None:
     order: list[str] = []
 
     class Experts(_Capable, TorchExperts):
-        def apply(self, tokens: Any, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+        def apply(self, tokens: Any, w13: torch.Tensor, w2: torch.Tensor, extras: Any = None) -> torch.Tensor:
             order.append("apply")
-            return super().apply(tokens, w13, w2)
+            return super().apply(tokens, w13, w2, extras)
 
     class PF(_Capable, NoAllToAll):
         def finalize_async(self, expert_output: torch.Tensor, state: Any) -> Any:

@@ -88,17 +88,19 @@ def check_paged_decode() -> None:
                             or name in ("head_dim_k", "head_dim_v", "block_size"))
     split_divisible = tuple(name for name in split_divisible if name not in ("stride_btc", "stride_sl"))
     # (dtype, Dk blocks, Dv block, block_n, warps, precision): GQA head dim 128 bf16 and fp32, MLA 576/512.
-    for dtype, dk1, dk2, dv, block_n, warps, precision in (("bf16", 128, 0, 128, 32, 4, "tf32"),
-                                                           ("fp32", 128, 0, 128, 32, 4, "ieee"),
-                                                           ("bf16", 512, 64, 512, 16, 8, "tf32")):
+    # The last one: a gpt-oss layer, attention sinks (fp32) and a sliding window.
+    for dtype, dk1, dk2, dv, block_n, warps, precision, options in (
+            ("bf16", 128, 0, 128, 32, 4, "tf32", False), ("fp32", 128, 0, 128, 32, 4, "ieee", False),
+            ("bf16", 512, 64, 512, 16, 8, "tf32", False), ("bf16", 64, 0, 64, 32, 4, "tf32", True)):
         for splits in (1, 4):
             out = dtype if splits == 1 else "fp32"
             types = dict(q_ptr=f"*{dtype}", k_ptr=f"*{dtype}", v_ptr=f"*{dtype}", block_table_ptr="*i32",
-                         seq_lens_ptr="*i32", part_ptr=f"*{out}", lse_ptr=f"*{out}", qk_scale_log2="fp32")
+                         seq_lens_ptr="*i32", part_ptr=f"*{out}", lse_ptr=f"*{out}", sinks_ptr="*fp32",
+                         qk_scale_log2="fp32")
             compiled = compile_kernel(
-                split, types, dict(WRITE_LSE=splits > 1, DOT_PRECISION=precision, BLOCK_H=16,
-                                   BLOCK_N=block_n, BLOCK_DK1=dk1, BLOCK_DK2=dk2, BLOCK_DV=dv, INTERPRET=False,
-                                   NUM_STAGES=decode.KEY_LOOP_STAGES),
+                split, types, dict(WRITE_LSE=splits > 1, DOT_PRECISION=precision, HAS_SINKS=options,
+                                   HAS_WINDOW=options, BLOCK_H=16, BLOCK_N=block_n, BLOCK_DK1=dk1, BLOCK_DK2=dk2,
+                                   BLOCK_DV=dv, INTERPRET=False, NUM_STAGES=decode.KEY_LOOP_STAGES),
                 num_warps=warps, divisible=split_divisible)
             check_pipelined_key_loop(compiled, tile_loads=3 if dk2 else 2)
     compile_kernel(merge, dict(part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16"),

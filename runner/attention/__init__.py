@@ -8,6 +8,7 @@
 - ``torch_backend.py`` (the CPU path) and ``triton_backend.py`` (Triton paged decode, SDPA prefill);
   ``selector.py``: ``--attention-backend auto|torch|triton``;
 - ``graph.py``: persistent decode metadata for CUDA graphs; ``ops.py``: what the model layers call.
+- ``options.py``: per-layer options every backend honours (a sliding window, attention sinks).
 
 The reference functions stay importable from here (``runner.attention.paged_attention`` etc.).
 """

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from runner.attention.kv_cache import host_to_device
+from runner.attention.options import AttentionOptions
 from runner.attention.prefill_batch import PrefillGroup, build_prefill_groups
 from ubatch.slicing import CommonAttentionMetadata
 
@@ -34,7 +35,7 @@ class AttentionBackendLike(Protocol):
     name: str
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
-               scale: float) -> torch.Tensor: ...
+               scale: float, options: AttentionOptions | None = None) -> torch.Tensor: ...
 
     def write_kv(self, kv_cache: torch.Tensor, meta: Any, entry: torch.Tensor) -> None: ...
 

@@ -18,6 +18,7 @@ import torch
 from runner.attention import reference
 from runner.attention.cache_layout import absorbed_mla, mha_cache_views
 from runner.attention.metadata import GraphDecodeMetadata, PagedAttentionMetadata
+from runner.attention.options import AttentionOptions
 from ubatch.slicing import CommonAttentionMetadata
 
 
@@ -28,16 +29,18 @@ def _check(meta: Any) -> None:
 
 
 def mha_attention(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, meta: Any,
-                  scale: float, positions: torch.Tensor | None = None) -> torch.Tensor:
+                  scale: float, positions: torch.Tensor | None = None,
+                  options: AttentionOptions | None = None) -> torch.Tensor:
     """Write ``key``/``value [T, Hkv, D]`` into ``kv_cache [NB, BS, 2, Hkv, D]``, then ``q [T, Hq, D]`` ->
     ``[T, Hq, D]``. ``positions`` is read by the reference path only (the backends derive positions from
-    the metadata: queries are the last ``q_len`` positions of each request)."""
+    the metadata: queries are the last ``q_len`` positions of each request). ``options``: the layer's sliding
+    window and attention sinks (``options.py``)."""
     if isinstance(meta, CommonAttentionMetadata):
         reference.write_kv(kv_cache, meta.slot_mapping, key, value)
-        return reference.paged_attention(q, kv_cache, meta, scale, positions)
+        return reference.paged_attention(q, kv_cache, meta, scale, positions, options)
     _check(meta)
     meta.backend.write_kv(kv_cache, meta, torch.stack((key, value), dim=1))
-    return meta.backend.attend(q, *mha_cache_views(kv_cache), meta, scale)
+    return meta.backend.attend(q, *mha_cache_views(kv_cache), meta, scale, options)
 
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, cache_entry: torch.Tensor, kv_cache: torch.Tensor,

@@ -53,9 +53,10 @@ class PrefillGroup:
     row); ``out_rows`` int64 ``[N]``: the batch rows of the real queries, in padded order; ``real_index`` int64
     ``[N]``: where those sit among the ``R * Lmax`` padded rows, ``None`` when no query row is padding;
     ``req_rows`` int64 ``[R]``: the requests' rows in the block table; ``key_pos`` int64 ``[R, Smax]``: the key
-    positions, padding clipped to ``S - 1``; ``mask`` bool ``[R, Lmax, Smax]``, True = attend.
+    positions, padding clipped to ``S - 1``; ``mask`` bool ``[R, Lmax, Smax]``, True = attend; ``query_pos``
+    int64 ``[R, Lmax, 1]``: each padded query's position (what :meth:`visible` windows the mask by).
     ``causal``: every request is a fresh prompt of exactly ``Lmax == Smax`` tokens, so the mask is the plain
-    causal one and a backend may ask its kernel for that instead.
+    causal one and a backend may ask its kernel for that instead (never for a windowed layer).
     """
 
     num_reqs: int
@@ -68,6 +69,7 @@ class PrefillGroup:
     req_rows: torch.Tensor
     key_pos: torch.Tensor
     mask: torch.Tensor
+    query_pos: torch.Tensor
     _memo: dict[Any, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
 
     def key_slots(self, block_table: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -76,6 +78,19 @@ class PrefillGroup:
         return self.memo(("slots", block_size), lambda: (
             block_table[self.req_rows[:, None], self.key_pos // block_size].to(torch.int64) * block_size
             + self.key_pos % block_size).view(-1))
+
+    def visible(self, window: int | None) -> torch.Tensor:
+        """The mask of a layer with a sliding window of ``window`` keys (``options.py``): :attr:`mask` also
+        hiding the keys at or before ``query_pos - window``; :attr:`mask` itself for ``None``. Made once per
+        step and window. No row is all False: a query always sees its own key."""
+        if window is None or window >= self.max_seq_len:
+            return self.mask
+        return self.memo(("window", window), lambda: self.mask & (
+            torch.arange(self.max_seq_len, device=self.mask.device) > self.query_pos - window))
+
+    def plain_causal(self, window: int | None) -> bool:
+        """Whether the plain causal mask is this layer's mask (a window at least as long as every request's)."""
+        return self.causal and (window is None or window >= self.max_seq_len)
 
     def memo(self, key: Any, make: Callable[[], torch.Tensor]) -> torch.Tensor:
         """A per-step tensor derived from this group (slots, a backend's form of the mask), made once: the
@@ -146,7 +161,8 @@ def build_prefill_groups(req_index: np.ndarray, query_start: np.ndarray, query_l
         query_rows, out_rows, req_rows, key_pos, query_pos = views[:5]
         real_index = views[5] if len(views) > 5 else None
         key_pos = key_pos.view(r, smax)
-        mask = torch.arange(smax, device=device) <= query_pos.view(r, lmax, 1)  # [R, Lmax, Smax]
+        query_pos = query_pos.view(r, lmax, 1)
+        mask = torch.arange(smax, device=device) <= query_pos  # [R, Lmax, Smax]
         groups.append(PrefillGroup(r, lmax, smax, causal, query_rows, out_rows, real_index, req_rows, key_pos,
-                                   mask))
+                                   mask, query_pos))
     return tuple(groups)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from runner.attention.options import AttentionOptions, sinks_of, softmax_with_sinks, visible, window_of
 from ubatch.slicing import CommonAttentionMetadata
 
 
@@ -105,21 +106,23 @@ def per_request_prefill(kind: str, q: torch.Tensor, k_cache: torch.Tensor, v_cac
     return rows
 
 
-def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scale: float) -> torch.Tensor:
+def _attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qpos: torch.Tensor, scale: float,
+                options: AttentionOptions | None = None) -> torch.Tensor:
     """``q [Lq, Hq, Dk]``, ``k [S, Hkv, Dk]``, ``v [S, Hkv, Dv]`` -> ``[Lq, Hq, Dv]`` with a position mask."""
     lq, hq, dk = q.shape
     hkv = k.shape[1]
     qg = q.view(lq, hkv, hq // hkv, dk)
     scores = torch.einsum("qhgd,khd->hgqk", qg, k) * scale
     kpos = torch.arange(k.shape[0], device=q.device)
-    mask = kpos[None, :] > qpos[:, None]
+    mask = ~visible(kpos[None, :], qpos[:, None], window_of(options))
     scores = scores.masked_fill(mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = softmax_with_sinks(scores, sinks_of(options), (hkv, hq // hkv, 1, 1), q.dtype)
     return torch.einsum("hgqk,khd->qhgd", probs, v).reshape(lq, hq, v.shape[-1])
 
 
 def _attend_decodes(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, block_table: torch.Tensor,
-                    seq_lens: torch.Tensor, qpos: torch.Tensor, block_size: int, scale: float) -> torch.Tensor:
+                    seq_lens: torch.Tensor, qpos: torch.Tensor, block_size: int, scale: float,
+                    options: AttentionOptions | None = None) -> torch.Tensor:
     """One query per request, batched: ``q [R, Hq, Dk]`` -> ``[R, Hq, Dv]``."""
     r, hq, dk = q.shape
     hkv = k_flat.shape[1]
@@ -130,9 +133,9 @@ def _attend_decodes(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
     k, v = k_flat[slots], v_flat[slots]  # [R, S, Hkv, D]
     qg = q.view(r, hkv, hq // hkv, dk)
     scores = torch.einsum("rhgd,rshd->rhgs", qg, k) * scale
-    mask = (pos[None, :] > qpos[:, None]) | (pos[None, :] >= seq_lens[:, None])
+    mask = ~visible(pos[None, :], qpos[:, None], window_of(options)) | (pos[None, :] >= seq_lens[:, None])
     scores = scores.masked_fill(mask[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = softmax_with_sinks(scores, sinks_of(options), (1, hkv, hq // hkv, 1), q.dtype)
     # A shorter request's slots past its seq_len were never written (the cache is not zero-filled), and a
     # zero weight times what they hold can still be NaN: zero those values, not just their weights.
     v = v.masked_fill(mask[:, :, None, None], 0)
@@ -140,7 +143,8 @@ def _attend_decodes(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor,
 
 
 def _paged_attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, meta: CommonAttentionMetadata,
-                  block_size: int, scale: float, positions: torch.Tensor | None) -> torch.Tensor:
+                  block_size: int, scale: float, positions: torch.Tensor | None,
+                  options: AttentionOptions | None = None) -> torch.Tensor:
     num_tokens = q.shape[0]
     out = q.new_zeros(num_tokens, q.shape[1], v_flat.shape[-1])
     qpos_all = _query_positions(meta, positions, num_tokens, q.device)
@@ -152,7 +156,7 @@ def _paged_attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         tok = torch.tensor([qsl[i] for i in decode_reqs], device=q.device)
         sl = torch.tensor([seq[i] for i in decode_reqs], device=q.device, dtype=torch.int64)
         out[tok] = _attend_decodes(q[tok], k_flat, v_flat, meta.block_table.to(q.device)[idx], sl,
-                                   qpos_all[tok], block_size, scale)
+                                   qpos_all[tok], block_size, scale, options)
         done = set(decode_reqs)
     else:
         done = set()
@@ -161,24 +165,26 @@ def _paged_attend(q: torch.Tensor, k_flat: torch.Tensor, v_flat: torch.Tensor, m
         if e == s or i in done:
             continue
         slots = request_slots(meta.block_table[i].to(q.device), seq[i], block_size)
-        out[s:e] = _attend_one(q[s:e], k_flat[slots], v_flat[slots], qpos_all[s:e], scale)
+        out[s:e] = _attend_one(q[s:e], k_flat[slots], v_flat[slots], qpos_all[s:e], scale, options)
     return out
 
 
 def paged_attention(q: torch.Tensor, kv_cache: torch.Tensor, meta: CommonAttentionMetadata, scale: float,
-                    positions: torch.Tensor | None = None) -> torch.Tensor:
+                    positions: torch.Tensor | None = None, options: AttentionOptions | None = None) -> torch.Tensor:
     """MHA/GQA over an MHA cache ``[NB, BS, 2, Hkv, D]``: ``q [T, Hq, D]`` -> ``[T, Hq, D]``.
 
     Query head ``h`` uses KV head ``h // (Hq // Hkv)`` (HF ``repeat_kv``). ``positions`` defaults to
     ``meta.positions``, then to ``seq_len - q_len + j``. Padding tokens (past ``query_start_loc[-1]``) get
-    zeros.
+    zeros. ``options``: a sliding window and attention sinks (``options.py``).
     """
+    if options is not None:
+        options.check_heads(q.shape[1])
     if kv_cache.dim() != 5 or kv_cache.shape[2] != 2:
         raise ValueError(f"expected an MHA cache [NB, BS, 2, Hkv, D], got {tuple(kv_cache.shape)}")
     if q.shape[1] % kv_cache.shape[3]:
         raise ValueError(f"{q.shape[1]} query heads are not a multiple of {kv_cache.shape[3]} KV heads")
     flat = kv_cache.view(-1, *kv_cache.shape[2:])
-    return _paged_attend(q, flat[:, 0], flat[:, 1], meta, kv_cache.shape[1], scale, positions)
+    return _paged_attend(q, flat[:, 0], flat[:, 1], meta, kv_cache.shape[1], scale, positions, options)
 
 
 def paged_mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: torch.Tensor,

@@ -20,6 +20,12 @@ change shape from step to step. On an H100 the engine's first generate call ran 
 steady-state speed with cuDNN first (docs/benchmarks.md, the recorded GPU check); whether this order removes
 that gap is still to be measured on a GPU.
 
+A layer's sliding window makes its mask the windowed one (``PrefillGroup.visible``), never ``is_causal``. Its
+attention sinks (``options.py``) become ``G`` more keys per KV head with zero values, one per query head of the
+group, whose score for that query head is exactly its sink (a one-hot feature added to the queries, the sink in
+the keys) and which the bias hides from the others: the sinks' softmax columns, with no bias per head. Decode
+passes both to the kernel.
+
 The decode function is a constructor argument so tests can run the plumbing against a stand-in with the
 kernel's API; the engine always passes the kernel (:func:`load_paged_decode_kernel`).
 """
@@ -32,6 +38,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from runner.attention.backend import AttentionBackend
+from runner.attention.options import AttentionOptions, sinks_of, window_of
 from runner.attention.prefill_batch import PrefillGroup
 
 PagedDecodeFn = Callable[..., torch.Tensor]  # paged_decode_attention's signature
@@ -59,22 +66,29 @@ class TritonAttentionBackend(AttentionBackend):
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                seq_lens: torch.Tensor, max_seq_len: int | None, scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-        return self.decode_fn(q, k_cache, v_cache, block_table, seq_lens, scale, out=out)
+               out: torch.Tensor | None = None, options: AttentionOptions | None = None) -> torch.Tensor:
+        if options is None:
+            return self.decode_fn(q, k_cache, v_cache, block_table, seq_lens, scale, out=out)
+        return self.decode_fn(q, k_cache, v_cache, block_table, seq_lens, scale, out=out,
+                              sliding_window=options.sliding_window, sinks=options.sinks)
 
     def prefill(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: PrefillGroup,
-                scale: float) -> torch.Tensor:
+                scale: float, options: AttentionOptions | None = None) -> torch.Tensor:
         r, lq, hq, dk = q.shape
         hkv, dv = k.shape[2], v.shape[-1]
         kh, vh = k.transpose(1, 2), v.transpose(1, 2)  # [R, Hkv, S, D]
-        if group.causal:
+        window, sinks = window_of(options), sinks_of(options)
+        if sinks is not None:
+            return _prefill_with_sinks(q, kh, vh, group, scale, window, sinks)
+        if group.plain_causal(window):
             with sdpa_kernel(PREFILL_SDPA_ORDER, set_priority=True):
                 out = F.scaled_dot_product_attention(q.transpose(1, 2), kh, vh, is_causal=True, scale=scale,
                                                      enable_gqa=True)
             return out.transpose(1, 2)
         g = hq // hkv
         qf = q.view(r, lq, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * lq, dk)
-        bias = group.memo(("folded_bias", g, q.dtype), lambda: _folded_bias(group.mask, g, q.dtype))
+        bias = group.memo(("folded_bias", g, q.dtype, window),
+                          lambda: _folded_bias(group.visible(window), g, q.dtype))
         with sdpa_kernel(PREFILL_SDPA_ORDER, set_priority=True):
             out = F.scaled_dot_product_attention(qf, kh, vh, attn_mask=bias, scale=scale)  # [R, Hkv, G * L, Dv]
         return out.view(r, hkv, g, lq, dv).permute(0, 3, 1, 2, 4).reshape(r, lq, hq, dv)
@@ -90,3 +104,38 @@ def _folded_bias(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor
     rep = mask[:, None].expand(r, g, lq, s).reshape(r, 1, g * lq, s)
     bias = torch.zeros(r, 1, g * lq, -(-s // 16) * 16, dtype=dtype, device=mask.device)[..., :s]
     return bias.masked_fill_(~rep, float("-inf"))
+
+
+def _prefill_with_sinks(q: torch.Tensor, kh: torch.Tensor, vh: torch.Tensor, group: PrefillGroup, scale: float,
+                        window: int | None, sinks: torch.Tensor) -> torch.Tensor:
+    """The folded form plus ``G`` sink keys per KV head (module docstring). Sink key ``j`` of KV head ``h`` is
+    zero but for feature ``D + j``, which holds ``sink[h * G + j] / scale``; every query gets ``G`` more features,
+    one-hot at its own ``g``; so query ``g`` scores exactly its sink on key ``g``, and the bias hides the other
+    sink keys from it. The values of the sink keys are zero. The bias stays ``[R, 1, G * L, S + G]`` (shared by
+    the KV heads and made once per step), not one per head; the extra features are padded to a multiple of 8."""
+    r, lq, hq, dk = q.shape
+    hkv, s, dv = kh.shape[1], kh.shape[2], vh.shape[-1]
+    g = hq // hkv
+    extra = -(-g // 8) * 8
+    qf = q.view(r, lq, hkv, g, dk).permute(0, 2, 3, 1, 4).reshape(r, hkv, g * lq, dk)
+    onehot = torch.eye(g, extra, dtype=q.dtype, device=q.device).repeat_interleave(lq, dim=0)  # [G * L, extra]
+    q_ext = torch.cat((qf, onehot.expand(r, hkv, g * lq, extra)), dim=-1)
+    sink_keys = torch.zeros(hkv, g, dk + extra, dtype=kh.dtype, device=kh.device)
+    sink_keys[:, :, dk:dk + g] = torch.diag_embed(sinks.view(hkv, g).to(kh.dtype) / scale)
+    k_ext = torch.cat((torch.cat((kh, kh.new_zeros(r, hkv, s, extra)), dim=-1),
+                       sink_keys.expand(r, hkv, g, dk + extra)), dim=2)
+    v_ext = torch.cat((vh, vh.new_zeros(r, hkv, g, dv)), dim=2)
+    bias = group.memo(("sink_bias", g, q.dtype, window), lambda: _sink_bias(group.visible(window), g, q.dtype))
+    with sdpa_kernel(PREFILL_SDPA_ORDER, set_priority=True):
+        out = F.scaled_dot_product_attention(q_ext, k_ext, v_ext, attn_mask=bias, scale=scale)
+    return out.view(r, hkv, g, lq, dv).permute(0, 3, 1, 2, 4).reshape(r, lq, hq, dv)
+
+
+def _sink_bias(mask: torch.Tensor, g: int, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`_folded_bias` with ``G`` more columns, the sink keys: row ``g * L + l`` sees column ``S + g`` only."""
+    r, lq, s = mask.shape
+    rep = mask[:, None].expand(r, g, lq, s).reshape(r, 1, g * lq, s)
+    own = torch.eye(g, dtype=torch.bool, device=mask.device).repeat_interleave(lq, dim=0)  # [G * L, G]
+    visible = torch.cat((rep, own.expand(r, 1, g * lq, g)), dim=-1)
+    bias = torch.zeros(r, 1, g * lq, -(-(s + g) // 16) * 16, dtype=dtype, device=mask.device)[..., :s + g]
+    return bias.masked_fill_(~visible, float("-inf"))

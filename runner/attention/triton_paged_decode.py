@@ -34,6 +34,11 @@ come from ``seq_lens`` on the device, and ``range`` over such a bound fails in T
 NumPy >= 2.4 (its ``tensor.__index__`` calls ``int()`` on a one-element array). ``tests/triton_compile_check.py``
 checks in the sm_90 TTGIR that the compiled loop is an ``scf.for`` whose K/V tile loads are all asynchronous.
 
+A layer's sliding window of ``W`` keys (``runner/attention/options.py``) moves each request's first key to
+``max(0, seq_len - W)``: the splits cut ``[seq_len - W, seq_len)`` instead, and nothing before it is read. Its
+attention sinks (one logit per query head) start split 0's online softmax, as a key with no value: running
+maximum the sink, sum 1, output 0; the merge weighs that in once by its log-sum-exp, like any split.
+
 Triton is imported, and the kernels decorated, on the first call (once per interpreter mode), so this
 module imports without Triton.
 """
@@ -138,8 +143,10 @@ def choose_num_splits(num_requests: int, programs_per_request: int, max_tokens: 
 
 
 def plan_decode_launch(shape: DecodeShape, dtypes: tuple[torch.dtype, ...], num_sms: int,
-                       num_splits: int | None = None, interpret: bool = False) -> DecodeLaunchPlan:
-    """Tile sizes for ``shape``; ``num_splits`` overrides the automatic choice (1..MAX_SPLITS).
+                       num_splits: int | None = None, interpret: bool = False,
+                       sliding_window: int | None = None) -> DecodeLaunchPlan:
+    """Tile sizes for ``shape``; ``num_splits`` overrides the automatic choice (1..MAX_SPLITS). A sliding window
+    bounds the keys a request reads, so the automatic split count is sized for the window.
 
     Tile sizes are reasoned defaults, not tuned per GPU. Under the interpreter every loop iteration is
     expensive, so ``block_n`` stays at the minimum tile.
@@ -152,8 +159,10 @@ def plan_decode_launch(shape: DecodeShape, dtypes: tuple[torch.dtype, ...], num_
     block_h = min(max(16, _next_pow2(shape.group)), 16 if wide else 64)
     head_blocks = _cdiv(shape.group, block_h)
     if num_splits is None:
-        num_splits = choose_num_splits(shape.num_requests, shape.num_kv_heads * head_blocks,
-                                       shape.max_blocks * shape.block_size, num_sms)
+        max_tokens = shape.max_blocks * shape.block_size
+        if sliding_window is not None:
+            max_tokens = min(max_tokens, sliding_window)
+        num_splits = choose_num_splits(shape.num_requests, shape.num_kv_heads * head_blocks, max_tokens, num_sms)
     elif isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"num_splits={num_splits!r} must be an int in [1, {MAX_SPLITS}]")
     sixteen_bit = all(d in (torch.bfloat16, torch.float16) for d in dtypes)
@@ -222,6 +231,20 @@ def _check_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return shape
 
 
+def _check_options(shape: DecodeShape, device: torch.device, sliding_window: int | None,
+                   sinks: torch.Tensor | None) -> None:
+    """Shapes, dtypes and devices only, like :func:`_check_inputs`."""
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int)
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    if sinks is not None:
+        if not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (shape.num_q_heads,):
+            got = tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+            raise ValueError(f"sinks must be a [{shape.num_q_heads}] tensor (one per query head), got {got}")
+        if sinks.dtype not in _FLOAT_DTYPES or sinks.device != device:
+            raise ValueError(f"sinks must be a float tensor on {device}, got {sinks.dtype} on {sinks.device}")
+
+
 def _num_sms(device: torch.device) -> int:
     """The GPU's SM count; the interpreter runs one program at a time, so it counts as one."""
     return DeviceProps.of(device).sm_count if device.type == "cuda" else 1  # cached per device index
@@ -281,11 +304,11 @@ def _load_kernels() -> tuple[Any, Any]:
     # tile sizes select a compiled variant.
     @triton.jit(do_not_specialize=["num_splits"])
     def _split_kv_kernel(
-        q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, part_ptr, lse_ptr,
-        qk_scale_log2, group, head_blocks, block_size, head_dim_k, head_dim_v,
+        q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, part_ptr, lse_ptr, sinks_ptr,
+        qk_scale_log2, group, head_blocks, block_size, head_dim_k, head_dim_v, window,
         stride_qr, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
         stride_btr, stride_btc, stride_sl, stride_pr, stride_ph, stride_ps, stride_lr, stride_lh, num_splits,
-        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        WRITE_LSE: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_WINDOW: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_DK1: tl.constexpr, BLOCK_DK2: tl.constexpr, BLOCK_DV: tl.constexpr,
         INTERPRET: tl.constexpr, NUM_STAGES: tl.constexpr,
@@ -300,8 +323,11 @@ def _load_kernels() -> tuple[Any, Any]:
         q_heads = (kv_head * group + offs_g).to(tl.int64)
 
         seq_len = tl.load(seq_lens_ptr + req * stride_sl)
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-        start = split * split_len
+        first = seq_len * 0  # the request's first visible key: 0, or seq_len - window under a sliding window
+        if HAS_WINDOW:
+            first = tl.maximum(seq_len - window, 0)
+        split_len = tl.cdiv(tl.cdiv(seq_len - first, num_splits), BLOCK_N) * BLOCK_N
+        start = first + split * split_len
         end = tl.minimum(start + split_len, seq_len)
 
         q_rows = q_ptr + req * stride_qr + q_heads[:, None] * stride_qh
@@ -323,6 +349,11 @@ def _load_kernels() -> tuple[Any, Any]:
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
+        if HAS_SINKS:
+            # Split 0 starts from the sink: a key of score `sink` (natural log, so times log2 e) and no value.
+            sink = tl.load(sinks_ptr + q_heads, mask=h_mask, other=0.0).to(tl.float32) * 1.4426950408889634
+            m_i = tl.where(split == 0, sink, m_i)
+            l_i = tl.where(split == 0, l_i + 1.0, l_i)
         # Two forms of one loop (see the module docstring); INTERPRET is a constexpr, so the compiler sees only
         # the `for`, and the interpreter only the `while`.
         if INTERPRET:
@@ -379,7 +410,8 @@ def _load_kernels() -> tuple[Any, Any]:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                            seq_lens: torch.Tensor, scale: float, *, out: torch.Tensor | None = None,
-                           num_splits: int | None = None) -> torch.Tensor:
+                           num_splits: int | None = None, sliding_window: int | None = None,
+                           sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention over a paged cache: ``q [R, Hq, Dk]`` -> ``[R, Hq, Dv]`` in ``q.dtype``.
 
     ``k_cache [num_blocks, block_size, Hkv, Dk]`` and ``v_cache [num_blocks, block_size, Hkv, Dv]`` may have
@@ -396,9 +428,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``4 * R * Hq * splits * (Dv + 1)`` bytes (``DecodeLaunchPlan.workspace_bytes``); one split allocates
     nothing beyond ``out``. Shapes fix the grid, so the call can be captured in a CUDA graph.
 
+    ``sliding_window`` (a positive int): each request sees only its last ``W`` keys. ``sinks`` (``[Hq]``, any
+    float dtype, read as fp32): one logit per query head joining the softmax with no value (module docstring).
+
     CUDA tensors run the compiled kernels; CPU tensors need ``TRITON_INTERPRET=1`` (Triton's interpreter).
     """
     shape = _check_inputs(q, k_cache, v_cache, block_table, seq_lens, scale, out)
+    _check_options(shape, q.device, sliding_window, sinks)
     interpret = interpreter_enabled()
     if q.device.type == "cuda" and interpret:
         raise RuntimeError("paged_decode_attention got CUDA tensors, but TRITON_INTERPRET=1 selects Triton's CPU "
@@ -413,7 +449,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if shape.num_requests == 0:
         return out
     plan = plan_decode_launch(shape, (q.dtype, k_cache.dtype, v_cache.dtype), _num_sms(q.device), num_splits,
-                              interpret)
+                              interpret, sliding_window)
+    sinks_arg = q if sinks is None else sinks.to(torch.float32).contiguous()  # q: an unread placeholder
     split_kernel, merge_kernel = _load_kernels()
     splits = plan.num_splits
     if splits == 1:
@@ -429,12 +466,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     compiled = {} if interpret else {"num_warps": plan.num_warps}
     with launch_guard(interpret):
         split_kernel[(shape.num_requests, shape.num_kv_heads * plan.head_blocks, splits)](
-            q, k_cache, v_cache, block_table, seq_lens, part, lse,
+            q, k_cache, v_cache, block_table, seq_lens, part, lse, sinks_arg,
             float(scale) * LOG2E, shape.group, plan.head_blocks, shape.block_size, shape.head_dim_k, shape.head_dim_v,
+            sliding_window or 0,
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             block_table.stride(0), block_table.stride(1), seq_lens.stride(0), *part_strides, *lse_strides, splits,
             WRITE_LSE=splits > 1, DOT_PRECISION=plan.dot_precision,
+            HAS_SINKS=sinks is not None, HAS_WINDOW=sliding_window is not None,
             BLOCK_H=plan.block_h, BLOCK_N=plan.block_n,
             BLOCK_DK1=plan.block_dk1, BLOCK_DK2=plan.block_dk2, BLOCK_DV=plan.block_dv,
             INTERPRET=interpret, NUM_STAGES=plan.num_stages, **compiled,

@@ -204,3 +204,92 @@ class DeepseekV2Config(BaseMoEConfig):
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         return layer_idx >= self.first_k_dense_replace and self.n_routed_experts > 0
+
+
+GPT_OSS_LAYER_TYPES = ("sliding_attention", "full_attention")
+
+
+@dataclass
+class GptOssConfig(BaseMoEConfig):
+    """gpt-oss: every layer MoE (router and expert biases, clamped SwiGLU), attention sinks, and layers that
+    alternate a sliding window with full attention (``layer_types``; HF's default: even layers windowed)."""
+
+    head_dim: int | None = None
+    num_local_experts: int = 8
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    attention_bias: bool = True
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "GptOssConfig":
+        quant = d.get("quantization_config")
+        if quant:
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
+            raise ValueError(f"gpt-oss checkpoints quantized with {method!r} (quantization_config.quant_method) "
+                             "are not supported yet: use a bf16 checkpoint (its experts as gate_up_proj / "
+                             "down_proj tensors, not *_blocks / *_scales)")
+        out = cls._prepare(d)
+        out["moe_intermediate_size"] = out.get("intermediate_size", cls.intermediate_size)  # the experts' width
+        cfg = cls(**_filter(cls, out))
+        if cfg.head_dim is None:
+            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        if cfg.layer_types is None:
+            cfg.layer_types = [GPT_OSS_LAYER_TYPES[i % 2] for i in range(cfg.num_hidden_layers)]
+        if len(cfg.layer_types) != cfg.num_hidden_layers:
+            raise ValueError(f"layer_types has {len(cfg.layer_types)} entries for {cfg.num_hidden_layers} layers")
+        for t in cfg.layer_types:
+            if t not in GPT_OSS_LAYER_TYPES:
+                raise ValueError(f"unsupported layer type {t!r} in layer_types; supported: "
+                                 f"{', '.join(GPT_OSS_LAYER_TYPES)}")
+        if "sliding_attention" in cfg.layer_types and (cfg.sliding_window is None or cfg.sliding_window < 1):
+            raise ValueError(f"layer_types has sliding_attention layers but sliding_window={cfg.sliding_window!r}")
+        cfg._finish(d)
+        return cfg
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return True
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        """The sliding window of layer ``layer_idx``, ``None`` for a full-attention layer."""
+        assert self.layer_types is not None
+        return self.sliding_window if self.layer_types[layer_idx] == "sliding_attention" else None
+
+
+@dataclass
+class Glm4MoeConfig(DeepseekV2Config):
+    """GLM-4.5/4.6 MoE: DeepSeek-V3's router (sigmoid scores, ``e_score_correction_bias``, ``n_group`` /
+    ``topk_group``, ``routed_scaling_factor``), shared experts and ``first_k_dense_replace`` leading dense
+    layers, over GQA attention with biased q/k/v, optional q/k RMSNorm and RoPE on the first
+    ``partial_rotary_factor`` of each head (``rope_parameters`` in transformers 5, top level before)."""
+
+    head_dim: int | None = None
+    use_qk_norm: bool = False
+    partial_rotary_factor: float = 0.5
+    first_k_dense_replace: int = 1
+    norm_topk_prob: bool = True
+
+    @property
+    def rotary_dim(self) -> int:
+        assert self.head_dim is not None
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Glm4MoeConfig":
+        out = dict(d)
+        # HF's Glm4MoeTopkRouter: always sigmoid + correction bias + group-limited top-k
+        out["scoring_func"], out["topk_method"] = "sigmoid", "noaux_tc"
+        out.setdefault("n_group", 1)
+        out.setdefault("topk_group", 1)
+        params = d.get("rope_parameters") or {}
+        factor = params.get("partial_rotary_factor", d.get("partial_rotary_factor"))
+        out["partial_rotary_factor"] = 0.5 if factor is None else factor
+        cfg = super().from_dict(out)
+        assert isinstance(cfg, Glm4MoeConfig)
+        if cfg.head_dim is None:
+            cfg.head_dim = cfg.hidden_size // cfg.num_attention_heads
+        if not 0 < cfg.partial_rotary_factor <= 1 or cfg.rotary_dim % 2:
+            raise ValueError(f"partial_rotary_factor={cfg.partial_rotary_factor} must give an even rotary width "
+                             f"in (0, head_dim={cfg.head_dim}]")
+        return cfg

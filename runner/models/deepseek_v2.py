@@ -123,6 +123,22 @@ class DeepseekV2MoE(nn.Module):
             logits = F.linear(hidden.float(), self.gate.weight.float())
         return self.experts(hidden, logits)
 
+    def checkpoint_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> shape for the gate, its correction bias and the shared experts (routed experts go by
+        rule, ``WeightSpec``), ``prefix`` being ``model.layers.{i}.mlp.``."""
+        e, h = self.gate.out_features, self.gate.in_features
+        shapes: dict[str, tuple[int, ...]] = {f"{prefix}gate.weight": (e, h)}
+        shapes.update({name: (e,) for name in self.checkpoint_renames(prefix)})
+        if self.shared_experts is not None:
+            shapes.update(self.shared_experts.checkpoint_shapes(f"{prefix}shared_experts."))
+        return shapes
+
+    def checkpoint_renames(self, prefix: str) -> dict[str, str]:
+        """The checkpoint's gate holds the correction bias that our experts hold."""
+        if self.experts.e_score_correction_bias is None:
+            return {}
+        return {f"{prefix}gate.e_score_correction_bias": f"{prefix}experts.e_score_correction_bias"}
+
 
 class DeepseekV2DecoderLayer(DecoderLayer):
     """A decoder layer that, on the staged pipeline's steps, ends a stage between ATTN-0 and ATTN-1.
@@ -196,13 +212,6 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         shapes = self._common_shapes()
         rename: dict[str, str] = {}
         moe_layers = {}
-
-        def mlp(prefix: str, inter: int) -> None:
-            for name, shape in (("gate_proj", (inter, h)), ("up_proj", (inter, h)), ("down_proj", (h, inter))):
-                shapes[f"{prefix}{name}.weight"] = shape
-                if c.mlp_bias:
-                    shapes[f"{prefix}{name}.bias"] = (shape[0],)
-
         for i, layer in enumerate(self.model.layers):
             p = f"model.layers.{i}."
             a = f"{p}self_attn."
@@ -223,16 +232,10 @@ class DeepseekV2ForCausalLM(MoECausalLM):
                 shapes[f"{a}o_proj.bias"] = (h,)
             shapes[f"{p}input_layernorm.weight"] = (h,)
             shapes[f"{p}post_attention_layernorm.weight"] = (h,)
+            shapes.update(layer.mlp.checkpoint_shapes(f"{p}mlp."))
             if isinstance(layer.mlp, DeepseekV2MoE):
-                shapes[f"{p}mlp.gate.weight"] = (c.n_routed_experts, h)
-                if getattr(layer.mlp.experts, "e_score_correction_bias", None) is not None:
-                    shapes[f"{p}mlp.gate.e_score_correction_bias"] = (c.n_routed_experts,)
-                    rename[f"{p}mlp.gate.e_score_correction_bias"] = f"{p}mlp.experts.e_score_correction_bias"
-                if c.n_shared_experts:
-                    mlp(f"{p}mlp.shared_experts.", c.moe_intermediate_size * c.n_shared_experts)
+                rename.update(layer.mlp.checkpoint_renames(f"{p}mlp."))
                 moe_layers[i] = layer.mlp.experts
-            else:
-                mlp(f"{p}mlp.", c.intermediate_size)
         return WeightSpec(shapes=shapes, num_hidden_layers=c.num_hidden_layers, num_experts=c.n_routed_experts,
                           moe_intermediate_size=c.moe_intermediate_size, hidden_size=h, moe_layers=moe_layers,
                           local_experts=self.parallel.local_expert_range(c.n_routed_experts),

@@ -43,6 +43,16 @@ class DenseMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
+    def checkpoint_shapes(self, prefix: str) -> dict[str, tuple[int, ...]]:
+        """HF tensor name -> shape for this MLP's projections (and biases), ``prefix`` ending in ``.``."""
+        shapes: dict[str, tuple[int, ...]] = {}
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            proj: nn.Linear = getattr(self, name)
+            shapes[f"{prefix}{name}.weight"] = (proj.out_features, proj.in_features)
+            if proj.bias is not None:
+                shapes[f"{prefix}{name}.bias"] = (proj.out_features,)
+        return shapes
+
 
 def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     """HF ``_compute_yarn_parameters`` (transformers 5.23), line for line."""

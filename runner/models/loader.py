@@ -56,6 +56,28 @@ TINY_MODELS: dict[str, dict[str, Any]] = {
         "num_nextn_predict_layers": 0,
     },
 }
+TINY_MODELS.update({
+    "tiny-gpt-oss": {
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 32, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "num_local_experts": 8, "num_experts_per_tok": 2, "sliding_window": 16,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "attention_bias": True, "swiglu_alpha": 1.702,
+        "swiglu_limit": 7.0, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 128},
+        "hidden_act": "silu", "bos_token_id": None, "eos_token_id": None, "torch_dtype": "float32",
+    },
+    "tiny-glm4-moe": {
+        "architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "vocab_size": 512, "hidden_size": 64,
+        "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_group": 4,
+        "topk_group": 2, "n_shared_experts": 1, "first_k_dense_replace": 1, "routed_scaling_factor": 2.5,
+        "norm_topk_prob": True, "attention_bias": True, "use_qk_norm": True, "rms_norm_eps": 1e-5,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        "max_position_embeddings": 4096, "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": None,
+        "eos_token_id": None, "torch_dtype": "float32", "num_nextn_predict_layers": 0,
+    },
+})
 # Benchmark models, built the same way (seeded random weights, written to the cache on first use), so that the
 # CLI and the server load them by name: a 120M-parameter Qwen3-MoE for the CPU benchmarks (docs/benchmarks.md,
 # "The engine's DBO") and a 1.2B one with Qwen3-30B-A3B-like layers for the GPU ones.
@@ -364,8 +386,10 @@ def check_spec_covers_parameters(net: nn.Module) -> None:
     filled = {spec.rename.get(n, n) for n in spec.shapes}
     moe_ids = {id(m) for m in spec.moe_layers.values()}
     for prefix, module in net.named_modules():
-        if id(module) in moe_ids:  # the expert loads fill the fused expert tensors, nothing else
+        if id(module) in moe_ids:  # the expert loads fill the fused expert tensors (and biases), nothing else
             filled |= {f"{prefix}.w13_weight", f"{prefix}.w2_weight"}
+            if spec.expert_bias:
+                filled |= {f"{prefix}.w13_bias", f"{prefix}.w2_bias"}
     missing = [n for n, _ in net.named_parameters() if n not in filled]
     if missing:
         raise RuntimeError(f"internal: {type(net).__name__} has parameters its checkpoint spec never loads: "

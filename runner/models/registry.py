@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from runner.models.configs import BaseMoEConfig, DeepseekV2Config
+from runner.models.configs import BaseMoEConfig, DeepseekV2Config, Glm4MoeConfig, GptOssConfig
 from runner.models.standard_configs import (
     LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
 )
@@ -24,6 +24,8 @@ _MODELS: dict[str, tuple[str, str, type[BaseMoEConfig]]] = {
     "LlamaForCausalLM": ("runner.models.dense", "LlamaForCausalLM", LlamaConfig),
     "Qwen2ForCausalLM": ("runner.models.dense", "Qwen2ForCausalLM", Qwen2Config),
     "Qwen3ForCausalLM": ("runner.models.dense", "Qwen3ForCausalLM", Qwen3Config),
+    "GptOssForCausalLM": ("runner.models.gpt_oss", "GptOssForCausalLM", GptOssConfig),
+    "Glm4MoeForCausalLM": ("runner.models.glm4_moe", "Glm4MoeForCausalLM", Glm4MoeConfig),
 }
 
 

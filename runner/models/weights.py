@@ -14,6 +14,11 @@ keeps only its local experts):
 
 A family whose checkpoints name tensors otherwise (Mixtral's ``block_sparse_moe.experts.E.w1``) lists
 ``aliases``: each name is rewritten to the names above (:func:`canonical_name`) before anything else.
+  ``model.layers.N.mlp.experts.down_proj [E, H, I]`` — transformers 5's in-memory layout (``state_dict()``);
+- fused, gpt-oss (``WeightSpec.fused_layout == "gpt_oss"``, what its checkpoints hold): ``gate_up_proj
+  [E, H, 2I]`` whose columns alternate gate and up, ``down_proj [E, I, H]``, and the biases ``gate_up_proj_bias
+  [E, 2I]`` (alternating too) and ``down_proj_bias [E, H]``; per expert they become the names above, with
+  ``.bias`` for the biases (``WeightSpec.expert_bias``).
 """
 from __future__ import annotations
 
@@ -24,8 +29,9 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import nn
 
-EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$")
+EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
+FUSED_LAYOUTS = ("stacked", "gpt_oss")
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
 SHARD_OF = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 ALWAYS_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
@@ -47,10 +53,21 @@ class WeightSpec:
     rename: dict[str, str] = field(default_factory=dict)
     #: (regex, replacement) pairs applied in order to every checkpoint name (:func:`canonical_name`)
     aliases: tuple[tuple[re.Pattern[str], str], ...] = ()
+    expert_bias: bool = False  # experts have biases (gpt-oss)
+    fused_layout: str = "stacked"  # how fused expert tensors are laid out (FUSED_LAYOUTS, module docstring)
 
-    def expert_shape(self, proj: str) -> tuple[int, int]:
+    def __post_init__(self) -> None:
+        if self.fused_layout not in FUSED_LAYOUTS:
+            raise ValueError(f"unknown fused expert layout {self.fused_layout!r}; expected one of {FUSED_LAYOUTS}")
+
+    def expert_shape(self, proj: str, kind: str = "weight") -> tuple[int, ...]:
         i, h = self.moe_intermediate_size, self.hidden_size
+        if kind == "bias":
+            return (h,) if proj == "down_proj" else (i,)
         return (h, i) if proj == "down_proj" else (i, h)
+
+    def expert_kinds(self) -> tuple[str, ...]:
+        return ("weight", "bias") if self.expert_bias else ("weight",)
 
     def all_names(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """Every tensor of a full (all-experts, per-expert format) checkpoint, with its shape."""
@@ -58,7 +75,8 @@ class WeightSpec:
         for layer in sorted(self.moe_layers):
             for e in range(self.num_experts):
                 for proj in ("gate_proj", "up_proj", "down_proj"):
-                    yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight", self.expert_shape(proj)
+                    for kind in self.expert_kinds():
+                        yield f"model.layers.{layer}.mlp.experts.{e}.{proj}.{kind}", self.expert_shape(proj, kind)
 
 
 def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
@@ -87,25 +105,40 @@ def wants_weight(spec: WeightSpec, name: str) -> bool:
     return True
 
 
+def _fused_shape(spec: WeightSpec, kind: str, bias: bool) -> tuple[int, ...]:
+    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
+    if bias:
+        return (e, 2 * i) if kind == "gate_up_proj" else (e, h)
+    if spec.fused_layout == "gpt_oss":
+        return (e, h, 2 * i) if kind == "gate_up_proj" else (e, i, h)
+    return (e, 2 * i, h) if kind == "gate_up_proj" else (e, h, i)
+
+
 def expand_fused(spec: WeightSpec, name: str, shape: tuple[int, ...],
                  read_rows: Callable[[int, int], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Turn a fused expert tensor into per-expert (name, tensor) pairs, reading only local experts' rows."""
     m = FUSED_RE.match(name)
     assert m is not None
-    layer, kind = int(m.group(1)), m.group(2)
+    layer, kind, bias = int(m.group(1)), m.group(2), m.group(3) is not None
     if layer not in spec.moe_layers:
         raise ValueError(f"unexpected weight {name!r}: layer {layer} is not an MoE layer")
-    e, i, h = spec.num_experts, spec.moe_intermediate_size, spec.hidden_size
-    _check_shape(name, shape, (e, 2 * i, h) if kind == "gate_up_proj" else (e, h, i))
+    if bias and not spec.expert_bias:
+        raise ValueError(f"unexpected weight {name!r}: this model's experts have no biases")
+    _check_shape(name, shape, _fused_shape(spec, kind, bias))
+    i = spec.moe_intermediate_size
+    gpt_oss = spec.fused_layout == "gpt_oss"
+    suffix = "bias" if bias else "weight"
     r = spec.local_experts
     rows = read_rows(r.start, r.stop)
     prefix = f"model.layers.{layer}.mlp.experts"
     for k, expert in enumerate(r):
+        row = rows[k].t() if gpt_oss and not bias else rows[k]  # gpt-oss stores [in, out]: ours is [out, in]
         if kind == "gate_up_proj":
-            yield f"{prefix}.{expert}.gate_proj.weight", rows[k, :i]
-            yield f"{prefix}.{expert}.up_proj.weight", rows[k, i:]
+            gate, up = (row[0::2], row[1::2]) if gpt_oss else (row[:i], row[i:])
+            yield f"{prefix}.{expert}.gate_proj.{suffix}", gate
+            yield f"{prefix}.{expert}.up_proj.{suffix}", up
         else:
-            yield f"{prefix}.{expert}.down_proj.weight", rows[k]
+            yield f"{prefix}.{expert}.down_proj.{suffix}", row
 
 
 def load_hf_weights(model: nn.Module, spec: WeightSpec, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -113,19 +146,22 @@ def load_hf_weights(model: nn.Module, spec: WeightSpec, weights: Iterable[tuple[
     params: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     params.update(dict(model.named_buffers(remove_duplicate=False)))
     loaded: set[str] = set()
-    loaded_experts: set[tuple[int, int, str]] = set()
+    loaded_experts: set[tuple[int, int, str, str]] = set()
 
     def load_one(name: str, tensor: torch.Tensor) -> None:
-        if not wants_weight(spec, name):
-            if EXPERT_RE.match(name):
-                _check_shape(name, tensor.shape, spec.expert_shape(EXPERT_RE.match(name).group(3)))
-            return
         m = EXPERT_RE.match(name)
+        if m and m.group(4) == "bias" and not spec.expert_bias:
+            raise ValueError(f"unexpected weight {name!r}: this model's experts have no biases")
+        if not wants_weight(spec, name):
+            if m:
+                _check_shape(name, tensor.shape, spec.expert_shape(m.group(3), m.group(4)))
+            return
         if m and int(m.group(1)) in spec.moe_layers and int(m.group(2)) < spec.num_experts:
-            layer, expert, proj = int(m.group(1)), int(m.group(2)), m.group(3)
-            _check_shape(name, tensor.shape, spec.expert_shape(proj))
-            if spec.moe_layers[layer].load_expert_weight(expert, SHARD_OF[proj], tensor):
-                loaded_experts.add((layer, expert, proj))
+            layer, expert, proj, kind = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
+            _check_shape(name, tensor.shape, spec.expert_shape(proj, kind))
+            shard = SHARD_OF[proj] + ("_bias" if kind == "bias" else "")
+            if spec.moe_layers[layer].load_expert_weight(expert, shard, tensor):
+                loaded_experts.add((layer, expert, proj, kind))
             return
         if name not in spec.shapes:
             raise ValueError(f"unexpected weight {name!r} (not part of this {type(model).__name__} checkpoint)")
@@ -149,8 +185,9 @@ def load_hf_weights(model: nn.Module, spec: WeightSpec, weights: Iterable[tuple[
     for layer in sorted(spec.moe_layers):
         for e in spec.local_experts:
             for proj in ("gate_proj", "up_proj", "down_proj"):
-                if (layer, e, proj) not in loaded_experts:
-                    missing.append(f"model.layers.{layer}.mlp.experts.{e}.{proj}.weight")
+                for kind in spec.expert_kinds():
+                    if (layer, e, proj, kind) not in loaded_experts:
+                        missing.append(f"model.layers.{layer}.mlp.experts.{e}.{proj}.{kind}")
     if missing:
         more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
         raise ValueError(f"missing weights: {', '.join(repr(n) for n in missing[:5])}{more}")

@@ -24,6 +24,7 @@ from ubatch.context import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_rec
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.prepare_finalize.base import Hook, PrepareFinalize
 from ubatch.modular_moe.two_stream import TwoStreamCombine
+from ubatch.modular_moe.types import ExpertMLPExtras
 from ubatch.sbo import SBO_OFF, SboFlags, check_sbo_modes
 
 
@@ -52,8 +53,9 @@ class FusedMoEModularKernel:
         self.shared_experts = shared_experts
 
     def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                 topk_ids: torch.Tensor) -> torch.Tensor:
+                 topk_ids: torch.Tensor, extras: ExpertMLPExtras | None = None) -> torch.Tensor:
         pf = self.prepare_finalize
+        self.experts.check_extras(extras)
         sbo = self.sbo
         rec = trace.active()
         t0 = time.perf_counter() if rec is not None else 0.0
@@ -70,9 +72,9 @@ class FusedMoEModularKernel:
         two = TwoStreamCombine(sbo, pf, self.experts, tokens, hidden.device) if sbo.two_stream else None
         t1 = rec.mark() if rec is not None else 0.0  # host and (cuda clock) device time
         if two is None:
-            expert_out = self.experts.apply(tokens, w13, w2)
+            expert_out = self.experts.apply(tokens, w13, w2, extras)
         else:
-            expert_out = two.run_experts(lambda: self.experts.apply(tokens, w13, w2))
+            expert_out = two.run_experts(lambda: self.experts.apply(tokens, w13, w2, extras))
         if rec is not None:
             rec.span("experts", "compute", dbo_current_ubatch_id(), t1, rec.mark(), phase="E")
 

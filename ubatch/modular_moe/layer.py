@@ -8,6 +8,10 @@ Padding rows (DP padding to the max across ranks, CUDA-graph padding to a captur
 forward context's ``real_token_mask``; their top-k ids become ``-1`` right after routing, so they are sent
 to no expert, skew no expert's load and take no buffer capacity (vLLM's ``moe_padding_mask``). The mask is
 a device tensor, so this costs no host sync and stays CUDA-graph capturable.
+
+``expert_bias`` and ``activation`` (gpt-oss) add per-expert biases ``w13_bias [E_local, 2I]`` (gate entries,
+then up entries) and ``w2_bias [E_local, H]`` and the clamped SwiGLU; the experts backend must implement them
+(``MoEExperts.supports_extras``: torch and grouped_mm), which is checked when the kernel is built.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ from ubatch.modular_moe.experts import make_experts, resolve_experts_backend
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.router import select_experts
 from ubatch.modular_moe.runtime import MoERuntime
+from ubatch.modular_moe.types import ClampedSwiGLU, ExpertMLPExtras
 
-_SHARDS = ("gate", "up", "down")
+_SHARDS = ("gate", "up", "down", "gate_bias", "up_bias", "down_bias")
 
 
 class FusedMoE(nn.Module):
@@ -32,7 +37,8 @@ class FusedMoE(nn.Module):
                  routed_scaling_factor: float = 1.0, group_scoring: str = "top2_sum",
                  shared_experts: nn.Module | None = None,
                  parallel: MoEParallelConfig | None = None, params_dtype: torch.dtype | None = None,
-                 runtime: MoERuntime | None = None) -> None:
+                 runtime: MoERuntime | None = None, expert_bias: bool = False,
+                 activation: ClampedSwiGLU | None = None) -> None:
         super().__init__()
         if top_k < 1 or top_k > num_experts:
             raise ValueError(f"top_k must be in [1, num_experts={num_experts}], got {top_k}")
@@ -58,6 +64,14 @@ class FusedMoE(nn.Module):
                                        requires_grad=False)
         self.w2_weight = nn.Parameter(torch.zeros(n_local, hidden_size, intermediate_size, dtype=dtype),
                                       requires_grad=False)
+        self.activation = activation
+        if expert_bias:
+            self.w13_bias: nn.Parameter | None = nn.Parameter(
+                torch.zeros(n_local, 2 * intermediate_size, dtype=dtype), requires_grad=False)
+            self.w2_bias: nn.Parameter | None = nn.Parameter(torch.zeros(n_local, hidden_size, dtype=dtype),
+                                                             requires_grad=False)
+        else:
+            self.w13_bias = self.w2_bias = None
         if use_correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                         requires_grad=False)
@@ -81,9 +95,16 @@ class FusedMoE(nn.Module):
             device = self.w13_weight.device
             pf = self.runtime.prepare_finalize(self.num_experts, self.hidden_size, device, backend)
             experts = make_experts(resolve_experts_backend(self.parallel.experts_backend, device))
+            experts.check_extras(self.extras())
             kernel = FusedMoEModularKernel(pf, experts, self.shared_experts, sbo=self.parallel.sbo)
             self._kernels[backend] = kernel
         return kernel
+
+    def extras(self) -> ExpertMLPExtras | None:
+        """The experts' biases and activation, ``None`` for plain SiLU-and-mul without biases."""
+        if self.w13_bias is None and self.activation is None:
+            return None
+        return ExpertMLPExtras(self.w13_bias, self.w2_bias, self.activation)
 
     def load_expert_weight(self, global_expert_id: int, shard: str, weight: torch.Tensor) -> bool:
         if shard not in _SHARDS:
@@ -94,8 +115,14 @@ class FusedMoE(nn.Module):
             return False
         local = global_expert_id - self.local_expert_range.start
         i = self.intermediate_size
-        target = {"gate": self.w13_weight[local, :i], "up": self.w13_weight[local, i:],
-                  "down": self.w2_weight[local]}[shard]
+        if shard.endswith("_bias"):
+            if self.w13_bias is None or self.w2_bias is None:
+                raise ValueError(f"expert {global_expert_id} {shard}: this MoE layer has no expert biases")
+            target = {"gate_bias": self.w13_bias[local, :i], "up_bias": self.w13_bias[local, i:],
+                      "down_bias": self.w2_bias[local]}[shard]
+        else:
+            target = {"gate": self.w13_weight[local, :i], "up": self.w13_weight[local, i:],
+                      "down": self.w2_weight[local]}[shard]
         if tuple(weight.shape) != tuple(target.shape):
             raise ValueError(f"expert {global_expert_id} {shard} weight has shape {tuple(weight.shape)}, "
                              f"expected {tuple(target.shape)}")
@@ -123,7 +150,7 @@ class FusedMoE(nn.Module):
                 routed_scaling_factor=self.routed_scaling_factor, group_scoring=self.group_scoring)
             topk_ids = route_padding_nowhere(topk_ids)
         kernel = self.kernel_for(self.runtime.backend_for_step())
-        return kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids)
+        return kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.extras())
 
     def extra_repr(self) -> str:
         r = self.local_expert_range

@@ -35,3 +35,23 @@ class ExpertTokens:
                 raise ValueError("masked ExpertTokens need a 3-D hidden [E_local, capacity, H] and expert_num_tokens")
         else:
             raise ValueError(f"unknown layout {self.layout!r}; expected 'contiguous' or 'masked'")
+
+
+@dataclass(frozen=True)
+class ClampedSwiGLU:
+    """gpt-oss's expert activation (transformers' ``GptOssExperts._apply_gate``): the gate clamped above at
+    ``limit``, the up projection clamped to ``[-limit, limit]``, then ``(up + 1) * gate * sigmoid(alpha * gate)``."""
+
+    alpha: float = 1.702
+    limit: float = 7.0
+
+
+@dataclass
+class ExpertMLPExtras:
+    """What an expert MLP may add to bias-free SiLU-and-mul (gpt-oss): per-expert biases after each GEMM,
+    ``w13_bias [E_local, 2*I]`` (gate entries then up entries, as ``w13``'s rows) and ``w2_bias [E_local, H]``,
+    and the clamped SwiGLU activation. Backends that implement them say so (``MoEExperts.supports_extras``)."""
+
+    w13_bias: torch.Tensor | None = None
+    w2_bias: torch.Tensor | None = None
+    activation: ClampedSwiGLU | None = None

@@ -5,7 +5,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from ubatch.modular_moe.types import ExpertTokens, Layout
+from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens, Layout
 
 
 class MoEExperts(ABC):
@@ -18,7 +18,16 @@ class MoEExperts(ABC):
 
     name: str = "base"
     supported_layouts: tuple[Layout, ...] = ("contiguous", "masked")
+    #: implements ``ExpertMLPExtras`` (expert biases, clamped SwiGLU: gpt-oss)
+    supports_extras: bool = False
 
     @abstractmethod
-    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-        """contiguous -> ``[M, H]`` weighted sum over local experts; masked -> ``[E_local, cap, H]`` unweighted."""
+    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
+              extras: ExpertMLPExtras | None = None) -> torch.Tensor:
+        """contiguous -> ``[M, H]`` weighted sum over local experts; masked -> ``[E_local, cap, H]`` unweighted.
+        ``extras`` only where :attr:`supports_extras` (else a ``ValueError`` naming the backend)."""
+
+    def check_extras(self, extras: ExpertMLPExtras | None) -> None:
+        if extras is not None and not self.supports_extras:
+            raise ValueError(f"experts backend {self.name!r} does not implement expert biases or the clamped "
+                             "SwiGLU activation (gpt-oss); use --experts-backend torch or grouped_mm")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.experts.torch_experts import check_expert_weights
-from ubatch.modular_moe.types import ExpertTokens, Layout
+from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens, Layout
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -147,7 +147,9 @@ class DeepGemmExperts(MoEExperts):
         self.use_ue8m0 = use_ue8m0
         self._weight_cache: dict[tuple[Any, ...], tuple[weakref.ref[torch.Tensor], _Fp8Pair]] = {}
 
-    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
+              extras: ExpertMLPExtras | None = None) -> torch.Tensor:
+        self.check_extras(extras)
         if tokens.layout != "masked":
             raise ValueError(
                 f"DeepGemmExperts supports only the masked layout, got {tokens.layout!r}; use 'triton' or 'torch'"

@@ -39,8 +39,8 @@ import torch.nn.functional as F
 
 from ubatch.log_once import log_once
 from ubatch.modular_moe.experts.base import MoEExperts
-from ubatch.modular_moe.experts.torch_experts import check_expert_weights
-from ubatch.modular_moe.types import ExpertTokens
+from ubatch.modular_moe.experts.torch_experts import check_expert_weights, gated_activation
+from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens
 from ubatch.sbo import DeviceProps
 
 logger = logging.getLogger("ubatch.experts")
@@ -90,18 +90,25 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % _ALIGN_BYTES == 0 else t.clone()
 
 
-def _silu_and_mul(gate_up: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """SiLU(gate) * up in fp32 on the GEMM's output, rounded to the next GEMM's operand dtype."""
-    inter = gate_up.shape[-1] // 2
-    return (F.silu(gate_up[..., :inter].float()) * gate_up[..., inter:].float()).to(dtype)
+def _silu_and_mul(gate_up: torch.Tensor, dtype: torch.dtype, extras: ExpertMLPExtras | None = None,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """SiLU(gate) * up (or ``extras``' clamped SwiGLU, after adding ``bias``, the routes' gate/up biases) in fp32
+    on the GEMM's output, rounded to the next GEMM's operand dtype."""
+    if extras is None:
+        inter = gate_up.shape[-1] // 2
+        return (F.silu(gate_up[..., :inter].float()) * gate_up[..., inter:].float()).to(dtype)
+    gate_up = gate_up.float() if bias is None else gate_up.float() + bias.float()
+    return gated_activation(gate_up, extras.activation).to(dtype)
 
 
 class GroupedMMExperts(MoEExperts):
     """Both layouts on ``torch._grouped_mm``; CUDA-graph capturable (no host sync) on Hopper/Blackwell."""
 
     name = "grouped_mm"
+    supports_extras = True
 
-    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
+              extras: ExpertMLPExtras | None = None) -> torch.Tensor:
         num_experts, hidden_size, inter = check_expert_weights(tokens, w13, w2)
         device = tokens.hidden.device
         gemm_dtype = gemm_dtype_for(device, tokens.hidden.dtype)
@@ -115,11 +122,11 @@ class GroupedMMExperts(MoEExperts):
         w13_t = _aligned(w13.to(gemm_dtype)).transpose(1, 2)
         w2_t = _aligned(w2.to(gemm_dtype)).transpose(1, 2)
         if tokens.layout == "masked":
-            return self._apply_masked(tokens, w13_t, w2_t, gemm_dtype)
-        return self._apply_contiguous(tokens, w13_t, w2_t, gemm_dtype)
+            return self._apply_masked(tokens, w13_t, w2_t, gemm_dtype, extras)
+        return self._apply_contiguous(tokens, w13_t, w2_t, gemm_dtype, extras)
 
     def _apply_contiguous(self, tokens: ExpertTokens, w13_t: torch.Tensor, w2_t: torch.Tensor,
-                          gemm_dtype: torch.dtype) -> torch.Tensor:
+                          gemm_dtype: torch.dtype, extras: ExpertMLPExtras | None) -> torch.Tensor:
         hidden = tokens.hidden
         assert tokens.topk_ids is not None and tokens.topk_weights is not None
         rows, top_k = tokens.topk_ids.shape
@@ -133,8 +140,13 @@ class GroupedMMExperts(MoEExperts):
         experts = torch.arange(num_experts, device=hidden.device, dtype=sorted_keys.dtype)
         offs = torch.searchsorted(sorted_keys, experts, right=True, out_int32=True)  # group ends, on device
         x = hidden.index_select(0, order // top_k).to(gemm_dtype)
-        act = _silu_and_mul(torch._grouped_mm(x, w13_t, offs=offs), gemm_dtype)
+        # Each route's expert for the biases; the no-expert routes borrow the last one (their rows are dropped).
+        route_expert = sorted_keys.clamp(max=num_experts - 1)
+        b13 = None if extras is None or extras.w13_bias is None else extras.w13_bias.index_select(0, route_expert)
+        act = _silu_and_mul(torch._grouped_mm(x, w13_t, offs=offs), gemm_dtype, extras, b13)
         y = torch._grouped_mm(act, w2_t, offs=offs).float()
+        if extras is not None and extras.w2_bias is not None:
+            y = y + extras.w2_bias.index_select(0, route_expert).float()
         route_weights = tokens.topk_weights.reshape(-1).index_select(0, order).float().unsqueeze(1)
         # Rows past offs[-1] are whatever memory held (NaN included): select zeros there, never multiply.
         y = torch.where((sorted_keys < num_experts).unsqueeze(1), y * route_weights, 0.0)
@@ -142,7 +154,7 @@ class GroupedMMExperts(MoEExperts):
         return per_route.view(rows, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
 
     def _apply_masked(self, tokens: ExpertTokens, w13_t: torch.Tensor, w2_t: torch.Tensor,
-                      gemm_dtype: torch.dtype) -> torch.Tensor:
+                      gemm_dtype: torch.dtype, extras: ExpertMLPExtras | None) -> torch.Tensor:
         hidden = tokens.hidden
         assert tokens.expert_num_tokens is not None
         counts = tokens.expert_num_tokens
@@ -154,8 +166,11 @@ class GroupedMMExperts(MoEExperts):
         if num_experts == 0 or capacity == 0:
             return torch.zeros_like(hidden)
         x = _aligned(hidden.to(gemm_dtype))
-        act = _silu_and_mul(torch._grouped_mm(x, w13_t), gemm_dtype)
+        b13 = None if extras is None or extras.w13_bias is None else extras.w13_bias[:, None, :]
+        act = _silu_and_mul(torch._grouped_mm(x, w13_t), gemm_dtype, extras, b13)
         y = torch._grouped_mm(act, w2_t)
+        if extras is not None and extras.w2_bias is not None:
+            y = (y.float() + extras.w2_bias[:, None, :].float()).to(y.dtype)
         slots = torch.arange(capacity, device=hidden.device)
         valid = slots.unsqueeze(0) < counts.to(hidden.device).unsqueeze(1)  # [E, capacity]
         # Padding slots may hold NaN (the buffer is never zero-filled): select, do not multiply.

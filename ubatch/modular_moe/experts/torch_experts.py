@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from ubatch.modular_moe.experts.base import MoEExperts
-from ubatch.modular_moe.types import ExpertTokens
+from ubatch.modular_moe.types import ClampedSwiGLU, ExpertMLPExtras, ExpertTokens
 
 
 def check_expert_weights(tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor) -> tuple[int, int, int]:
@@ -49,26 +49,44 @@ def check_expert_weights(tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tens
     return num_experts, hidden, inter
 
 
-def expert_mlp_fp32(x: torch.Tensor, w13_e: torch.Tensor, w2_e: torch.Tensor) -> torch.Tensor:
-    """One expert's SiLU-and-mul MLP on fp32 rows; gate rows of ``w13_e`` come first, then up rows."""
-    inter = w2_e.shape[1]
+def gated_activation(gate_up: torch.Tensor, activation: ClampedSwiGLU | None) -> torch.Tensor:
+    """``[..., 2I]`` (gate then up) in fp32 -> ``[..., I]``: SiLU-and-mul, or gpt-oss's clamped SwiGLU."""
+    inter = gate_up.shape[-1] // 2
+    gate, up = gate_up[..., :inter], gate_up[..., inter:]
+    if activation is None:
+        return F.silu(gate) * up
+    gate = gate.clamp(max=activation.limit)
+    up = up.clamp(min=-activation.limit, max=activation.limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * activation.alpha))
+
+
+def expert_mlp_fp32(x: torch.Tensor, w13_e: torch.Tensor, w2_e: torch.Tensor,
+                    extras: ExpertMLPExtras | None = None, e: int = 0) -> torch.Tensor:
+    """One expert's (local index ``e``) gated MLP on fp32 rows; gate rows of ``w13_e`` come first, then up rows."""
     gate_up = x @ w13_e.float().t()
-    act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-    return act @ w2_e.float().t()
+    if extras is not None and extras.w13_bias is not None:
+        gate_up = gate_up + extras.w13_bias[e].float()
+    y = gated_activation(gate_up, None if extras is None else extras.activation) @ w2_e.float().t()
+    if extras is not None and extras.w2_bias is not None:
+        y = y + extras.w2_bias[e].float()
+    return y
 
 
 class TorchExperts(MoEExperts):
     """Reference backend for both layouts; also the CPU production path (no extra dependencies)."""
 
     name = "torch"
+    supports_extras = True
 
-    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
+              extras: ExpertMLPExtras | None = None) -> torch.Tensor:
         check_expert_weights(tokens, w13, w2)
         if tokens.layout == "masked":
-            return self._apply_masked(tokens, w13, w2)
-        return self._apply_contiguous(tokens, w13, w2)
+            return self._apply_masked(tokens, w13, w2, extras)
+        return self._apply_contiguous(tokens, w13, w2, extras)
 
-    def _apply_contiguous(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def _apply_contiguous(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
+                          extras: ExpertMLPExtras | None) -> torch.Tensor:
         hidden = tokens.hidden
         assert tokens.topk_ids is not None and tokens.topk_weights is not None
         topk_ids, topk_weights = tokens.topk_ids, tokens.topk_weights
@@ -78,12 +96,13 @@ class TorchExperts(MoEExperts):
             if rows.numel() == 0:
                 continue
             x = hidden.index_select(0, rows).float()
-            y = expert_mlp_fp32(x, w13[e], w2[e])
+            y = expert_mlp_fp32(x, w13[e], w2[e], extras, e)
             y = y * topk_weights[rows, slots].float().unsqueeze(1)
             out.index_add_(0, rows, y)
         return out.to(hidden.dtype)
 
-    def _apply_masked(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def _apply_masked(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
+                      extras: ExpertMLPExtras | None) -> torch.Tensor:
         hidden = tokens.hidden
         assert tokens.expert_num_tokens is not None
         out = torch.zeros_like(hidden)
@@ -98,5 +117,5 @@ class TorchExperts(MoEExperts):
                 continue
             rows = torch.arange(n, device=hidden.device)
             x = hidden[e].index_select(0, rows).float()
-            out[e].index_copy_(0, rows, expert_mlp_fp32(x, w13[e], w2[e]).to(hidden.dtype))
+            out[e].index_copy_(0, rows, expert_mlp_fp32(x, w13[e], w2[e], extras, e).to(hidden.dtype))
         return out

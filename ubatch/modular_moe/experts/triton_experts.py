@@ -27,7 +27,7 @@ import torch
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.experts.moe_align import moe_align_block_size
 from ubatch.modular_moe.experts.torch_experts import check_expert_weights
-from ubatch.modular_moe.types import ExpertTokens
+from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens
 from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard
 
 __all__ = ["TritonExperts"]
@@ -181,7 +181,9 @@ class TritonExperts(MoEExperts):
         self.num_stages = num_stages
         self._w13_kernel, self._w2_kernel = _load_kernels()
 
-    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
+    def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
+              extras: ExpertMLPExtras | None = None) -> torch.Tensor:
+        self.check_extras(extras)
         _, hidden_size, inter = check_expert_weights(tokens, w13, w2)
         if tokens.hidden.device.type != "cuda" and not self.interpret:
             raise RuntimeError(
