@@ -22,6 +22,7 @@ from torch import nn
 
 from runner.attention.kv_cache import KVCacheSpec
 from runner.attention.ops import mha_attention
+from runner.attention.options import AttentionOptions
 from runner.models.base import DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer
 from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding
 from runner.models.standard_configs import StandardConfig
@@ -57,6 +58,8 @@ class StandardAttention(nn.Module):
             self.q_norm = RMSNorm(self.num_heads * d, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.num_kv_heads * d, c.rms_norm_eps, dtype)
         self.clip_qkv = c.clip_qkv
+        # Mixtral's optional window: a query at position p sees keys (p - W, p] (runner/attention/options.py)
+        self.options = AttentionOptions(sliding_window=c.sliding_window) if c.sliding_window else None
         self.scaling = d ** -0.5
         self.kv_cache: torch.Tensor | None = None
 
@@ -77,7 +80,7 @@ class StandardAttention(nn.Module):
         if self.qk_norm == "per_head":  # Qwen3: each head's head_dim
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
-        out = mha_attention(q, k, v, self.kv_cache, meta, self.scaling, positions)
+        out = mha_attention(q, k, v, self.kv_cache, meta, self.scaling, positions, self.options)
         return self.o_proj(out.reshape(t, -1))
 
 

@@ -11,8 +11,8 @@ over each head's ``head_dim`` as Qwen3, ``"whole"``: over the whole q / k projec
 (OLMoE clamps q, k, v), ``num_experts`` (0: dense), ``shared_expert_intermediate_size`` (0: none; Qwen2-MoE
 gates it with a sigmoid), ``decoder_sparse_step`` / ``mlp_only_layers`` (which layers are MoE).
 
-Sliding windows are not implemented by these models: a config that turns one on is refused, except Mixtral's
-``sliding_window``, which only matters when it is shorter than the context (:meth:`check_context_length`).
+Mixtral's ``sliding_window`` is a per-layer attention option (``runner/attention/options.py``); Qwen2's and
+Qwen3's switches (``use_sliding_window``, ``max_window_layers``, ``layer_types``) are refused.
 """
 from __future__ import annotations
 
@@ -70,13 +70,6 @@ class StandardConfig(BaseMoEConfig):
         """Qwen2-MoE's rule (HF ``Qwen2MoeDecoderLayer``); with the defaults every layer of an MoE family."""
         return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
                 and (layer_idx + 1) % self.decoder_sparse_step == 0)
-
-    def check_context_length(self, max_model_len: int) -> None:
-        """Refuse a context this model would compute wrongly: a sliding window shorter than it."""
-        if self.sliding_window is not None and self.sliding_window < max_model_len:
-            raise ValueError(f"{self.family}: sliding_window={self.sliding_window} is shorter than max_model_len "
-                             f"{max_model_len}, and sliding-window attention is not implemented for it; "
-                             f"use a max_model_len of at most {self.sliding_window}")
 
 
 @dataclass
