@@ -49,6 +49,7 @@ import numpy as np
 
 from runner.attention.kv_cache import BlockRows, BlockTable, blocks_needed
 from runner.core.kv_blocks import BlockAllocator
+from runner.core.prompt_checks import prompt_token_problem
 from runner.core.slots import SlotPool, placeholder
 from runner.sampling_params import SamplingParams, SamplingParamsError
 from runner.worker.scheduled_batch import SchedulerOutput
@@ -100,19 +101,8 @@ class Request:
 
 def _check_prompt(prompt: Any, vocab_size: int, max_model_len: int) -> str | None:
     """Why this prompt cannot run, or None."""
-    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
-        return f"prompt must be a list of token ids, got {type(prompt).__name__}"
-    if len(prompt) == 0:
-        return "prompt is empty: at least one token is needed"
-    for i, t in enumerate(prompt):
-        if isinstance(t, bool) or not isinstance(t, int):
-            return f"prompt token at position {i} is {t!r}, not an integer token id"
-        if not 0 <= t < vocab_size:
-            return f"prompt token id {t} at position {i} is outside the vocabulary [0, {vocab_size})"
-    if len(prompt) + 1 > max_model_len:
-        return (f"prompt has {len(prompt)} tokens but max_model_len is {max_model_len}: prompt + 1 generated "
-                f"token must fit (prompt length <= {max_model_len - 1})")
-    return None
+    problem = prompt_token_problem(prompt, vocab_size, max_model_len)
+    return None if problem is None else f"prompt: {problem}"
 
 
 def _check_sampling(sampling: SamplingParams, vocab_size: int) -> str | None:

@@ -34,7 +34,7 @@ from runner.entrypoints.engine_args import (
     add_engine_args, add_model_positional, config_from_args, model_info_or_exit, resolve_model_arg,
 )
 from runner.entrypoints.output_paths import output_path_error
-from runner.entrypoints.prompt_checks import prompt_problem
+from runner.core.prompt_checks import prompt_problem
 from runner.entrypoints.tokenizer_args import tokenizer_dir_or_exit
 from runner.entrypoints.report import (  # noqa: F401 (compare_outputs: API)
     compare_outputs,

@@ -52,7 +52,7 @@ from runner.engine.generation_config import GenerationConfig, load_generation_co
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.tokenizer import apply_chat_template, encode, load_tokenizer, load_tokenizer_from_dir
 from runner.entrypoints.output_paths import output_path_error
-from runner.entrypoints.prompt_checks import prompt_problem
+from runner.core.prompt_checks import prompt_problem
 from runner.entrypoints.vllm_engine_args import pop_vllm_engine_args
 from runner.outputs import RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams

@@ -1,5 +1,5 @@
-"""The checks a prompt must pass before it runs, shared by the offline ``LLM`` (which raises ``ValueError``) and
-the CLI (which refuses a ``--prompts-file`` before any rank starts)."""
+"""The checks a prompt must pass before it runs: the scheduler's (a request that fails them ends in error), and
+the offline ``LLM``'s and the CLI's, which raise or refuse a ``--prompts-file`` before any rank starts."""
 from __future__ import annotations
 
 import numbers
@@ -13,10 +13,9 @@ def is_token_id(value: Any) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def prompt_problem(prompt: Any, params: SamplingParams, vocab_size: int, max_model_len: int) -> str | None:
-    """Why this prompt cannot run offline, or None: the server's checks (empty, a token id outside the
-    vocabulary, prompt + 1 generated token over ``max_model_len``, a sampling token id outside the vocabulary).
-    ``max_tokens`` past ``max_model_len`` is no error offline: generation stops there (vLLM's LLM alike)."""
+def prompt_token_problem(prompt: Any, vocab_size: int, max_model_len: int) -> str | None:
+    """Why these prompt ids cannot run, or None: not a list of ids, empty, an id outside the vocabulary, or
+    prompt + 1 generated token over ``max_model_len``."""
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
         return f"must be a list of token ids, got {type(prompt).__name__}"
     if not prompt:
@@ -29,6 +28,16 @@ def prompt_problem(prompt: Any, params: SamplingParams, vocab_size: int, max_mod
     if len(prompt) + 1 > max_model_len:
         return (f"the prompt has {len(prompt)} tokens but max_model_len is {max_model_len}: prompt + 1 generated "
                 f"token must fit (prompt length <= {max_model_len - 1})")
+    return None
+
+
+def prompt_problem(prompt: Any, params: SamplingParams, vocab_size: int, max_model_len: int) -> str | None:
+    """Why this prompt cannot run offline, or None: the server's checks (empty, a token id outside the
+    vocabulary, prompt + 1 generated token over ``max_model_len``, a sampling token id outside the vocabulary).
+    ``max_tokens`` past ``max_model_len`` is no error offline: generation stops there (vLLM's LLM alike)."""
+    problem = prompt_token_problem(prompt, vocab_size, max_model_len)
+    if problem is not None:
+        return problem
     try:
         params.check_vocab(vocab_size)
     except ValueError as e:
