@@ -74,7 +74,8 @@ class GatedRunner(FakeRunner):
 def test_concurrent_generate_with_dp_raises_instead_of_mismatching_ranks() -> None:
     runner = GatedRunner()
     llm = LLM(RunnerConfig(data_parallel_size=2), runner=runner)
-    llm._all_gather = lambda obj: [obj, ([], 0, 0.0, None)]  # type: ignore[method-assign]  # the peer had nothing
+    # the peer had nothing: no prompt problems (a list is gathered), then no results
+    llm._all_gather = lambda obj: [obj, [] if isinstance(obj, list) else ([], 0, 0.0, None, [])]  # type: ignore[method-assign]
     results: list = []
 
     def first_call() -> None:
