@@ -8,9 +8,12 @@ Workload: a small Qwen3-MoE chat checkpoint written by transformers (``tests/tin
 - ``served``: ``python -m runner serve`` with ``--max-num-seqs 256``, 256 concurrent streamed completions from
   an ``httpx`` client in a process of its own; output tok/s, the API-server process's CPU seconds per streamed
   token (its own CPU, not its ranks'), and the load generator's CPU share (it must not be the bottleneck).
+  With two cores or more the API server runs alone on the last core and its ranks share the first with the
+  load generator: unpinned, where the scheduler puts three busy processes on two cores changes both figures by
+  up to 1.8x from run to run (the API server's CPU per token depends on how many outputs each wake-up finds).
 
 ``--checkout DIR`` serves from another checkout of the project (an earlier commit): before/after on one machine.
-Writes ``benchmarks/results/api_server.csv``. Usage: ``python benchmarks/bench_api_server.py [--repeats 3]``.
+Writes ``benchmarks/results/api_server_<label>.csv``. Usage: ``python benchmarks/bench_api_server.py [--repeats 3]``.
 """
 from __future__ import annotations
 
@@ -63,9 +66,10 @@ async def one(h, i):
             chunks += line.startswith("data: {")
     return chunks
 async def main():
-    limits = httpx.Limits(max_connections=n + 8, max_keepalive_connections=n + 8)
+    limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as h:  # warm-up on connections of its own
+        await asyncio.gather(*[one(h, i) for i in range(8)])
     async with httpx.AsyncClient(timeout=600, limits=limits) as h:
-        await asyncio.gather(*[one(h, i) for i in range(8)])  # warm-up
         server0, self0, t0 = cpu(pid), time.process_time(), time.perf_counter()
         chunks = sum(await asyncio.gather(*[one(h, i) for i in range(n)]))
         wall = time.perf_counter() - t0
@@ -93,6 +97,20 @@ def offline(model: str, checkout: Path) -> dict[str, Any]:
     return last_json(out.stdout)
 
 
+def pin(pid: int, cores: set[int]) -> None:
+    """Every thread of process ``pid`` to ``cores``."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(c) for c in f.read().split()]
+    return out + [g for c in out for g in children(c)]
+
+
 def served(model: str, checkout: Path) -> dict[str, Any]:
     from runner.entrypoints.benchserve.server_proc import ServerProcess, free_port
 
@@ -112,8 +130,15 @@ def served(model: str, checkout: Path) -> dict[str, Any]:
         os.chdir(old_cwd)
     try:
         assert srv.proc is not None
-        out = subprocess.run([sys.executable, "-c", LOAD, srv.base_url, model, str(srv.proc.pid), str(NUM_PROMPTS),
-                              str(PROMPT_LEN), str(OUTPUT_LEN)], capture_output=True, text=True, timeout=1200)
+        load = [sys.executable, "-c", LOAD, srv.base_url, model, str(srv.proc.pid), str(NUM_PROMPTS),
+                str(PROMPT_LEN), str(OUTPUT_LEN)]
+        cores = sorted(os.sched_getaffinity(0))
+        if len(cores) >= 2:  # the API server alone on one core; its ranks and the load generator on another
+            pin(srv.proc.pid, {cores[-1]})
+            for child in children(srv.proc.pid):
+                pin(child, {cores[0]})
+            load = ["taskset", "-c", str(cores[0]), *load]
+        out = subprocess.run(load, capture_output=True, text=True, timeout=1200)
         if out.returncode:
             raise RuntimeError(f"load run failed:\n{out.stderr[-3000:]}")
         result = last_json(out.stdout)
@@ -150,8 +175,8 @@ def main() -> int:
     med["served_over_offline"] = med["served_tok_s"] / med["offline_tok_s"]
     print(f"| {args.label} | {med['offline_tok_s']:.0f} | {med['served_tok_s']:.0f} | "
           f"{med['served_over_offline']:.2f}x | {med['api_us_per_token']:.1f} | {med['client_cpu_share']:.0%} |")
-    write_csv(RESULTS_DIR / "api_server.csv", [{"label": args.label, "repeats": args.repeats, **med}],
-              append=True)
+    slug = "".join(c if c.isalnum() else "_" for c in args.label).strip("_")
+    write_csv([{"label": args.label, "repeats": args.repeats, **med}], RESULTS_DIR / f"api_server_{slug}.csv")
     if med["client_cpu_share"] > 0.8:
         print("warning: the load generator used more than 80% of a core: it may be what limits the served rate")
     return 0

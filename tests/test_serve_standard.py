@@ -1,7 +1,7 @@
-"""``python -m runner serve`` on standard-decoder families, through the official ``openai`` client: Mixtral over
-DP=2 with expert parallelism and DBO, and Llama (dense) with ``--enable-dbo``, which the server runs without
-DBO and says so in its log. Greedy completions equal transformers' greedy continuation of the same token
-ids. The two servers start concurrently (start-up is most of this module's time).
+"""``python -m runner serve`` on every standard-decoder family, through the official ``openai`` client: Mixtral
+over DP=2 with expert parallelism and DBO, Qwen2-MoE and OLMoE with DBO, and the dense Llama, Qwen2 and Qwen3
+with ``--enable-dbo``, which the server runs without DBO and says so in its log. Greedy completions equal transformers' greedy continuation of the same token
+ids. The servers start concurrently (start-up is most of this module's time).
 
 The checkpoints are ``standard_families.py``'s, with the trained tokenizer of ``tiny_checkpoint.py``.
 """
@@ -24,7 +24,9 @@ transformers = pytest.importorskip("transformers")
 
 ENGINE = "--device cpu --dtype float32 --max-num-seqs 8 --max-model-len 128 --dist-timeout-s 30 " \
          "--enable-dbo --dbo-decode-token-threshold 2 --dbo-prefill-token-threshold 2 --dbo-cost-model off"
-SERVED = {"mixtral": "-dp 2 --enable-expert-parallel", "llama": ""}
+SERVED = {"mixtral": "-dp 2 --enable-expert-parallel", "qwen2_moe": "", "olmoe": "", "llama": "", "qwen2": "",
+          "qwen3": ""}
+DENSE = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 PROMPTS = ["The quick brown fox", "Hello world! How are", "Caf\u00e9 cr\u00e8me and", "One, two, three:"]
 MAX_TOKENS = 8
 
@@ -76,8 +78,8 @@ def test_greedy_completions_equal_transformers(servers: dict[str, ServerProcess]
     choices = sorted(got.choices, key=lambda ch: ch.index)
     assert [ch.model_extra["token_ids"] for ch in choices] == want
     steps = scrape(srv.base_url, ("ubatch:dbo_ubatched_steps_total",))["ubatch:dbo_ubatched_steps_total"]
-    if family == "llama":
+    if family in DENSE:
         assert steps == 0
-        assert "LlamaForCausalLM has no MoE layers: --enable-dbo has nothing to overlap" in srv.log_tail(400)
+        assert f"{DENSE[family]} has no MoE layers: --enable-dbo has nothing to overlap" in srv.log_tail(400)
     else:
         assert steps > 0  # DBO really ran in the server's steps
