@@ -7,7 +7,6 @@ Shared by the front ends (offline ``LLM``, the OpenAI server) and the engine cli
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 
 @dataclass

@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +20,6 @@ transformers = pytest.importorskip("transformers")
 
 from devices import device_for  # noqa: E402
 from runner.attention.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata  # noqa: E402
-from runner.config import ConfigError  # noqa: E402
 from runner.core.kv_blocks import BlockAllocator  # noqa: E402
 from runner.distributed.launch import launch  # noqa: E402
 from runner.models.loader import iter_checkpoint, load_model  # noqa: E402
