@@ -37,7 +37,7 @@ in the future-token map and its row of the persistent block table (``block_table
 **Host time.** A step is handed over as arrays over its requests (``SchedulerOutput``), and a request's blocks
 stay in its table row, which changes only when it gets a block (a block at a time as it crosses a block
 boundary) or gives its blocks back: nothing per request is copied per step, and what the model runner derives
-from the step (positions, block table, slot mapping) is vectorised (``docs/design_notes.md``, section 28).
+from the step (positions, block table, slot mapping) is vectorised (``docs/design_notes.md``, "Engine core").
 """
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from runner.entrypoints.openai.errors import OpenAIError
 
-# The engine's host phases, as the trace names them (docs/design_notes.md, section 14).
+# The engine's host phases, as the trace names them (docs/design_notes.md, "Tracing, benchmarks and the GPU check").
 HOST_PHASES = ("schedule", "update", "dp_vote", "inputs", "sample", "resolve", "store")
 
 

@@ -4,7 +4,7 @@ Everything that can be checked before a rank starts is (the model's config and c
 ``--max-model-len``, the generation config, every engine flag: exit 2 naming the flag). Then one engine-core
 process per DP rank loads the model (``runner/engine/core_client.py``), and the HTTP server runs until
 SIGTERM/SIGINT (drain, exit 0) or until a rank dies (exit 1, naming it). Design: docs/design_notes.md,
-sections 23 and 24.
+"Front ends" and "Engine client".
 """
 from __future__ import annotations
 
