@@ -1,28 +1,11 @@
-"""DeepSeek's decode pipeline (``--dbo-schedule deepseek``) against the MoE-only schedule, on decode steps.
+"""DeepSeek's decode pipeline (``--dbo-schedule deepseek``) against the ``moe`` schedule and DBO off, on decode steps.
 
-What it answers: on a DeepSeek-V3-shaped model (MLA attention, shared + routed experts, a dense first
-layer) decoding over 2 EP ranks, how fast is a decode step with DBO off, with the ``moe`` schedule (yields
-only in the MoE kernel, vLLM's DBO) and with the ``deepseek`` one (DeepSeek's SHARED / ATTN-0 / MLP /
-ATTN-1 pipeline, deepseek-ai/profile-data ``decode``), and where does each spend the step.
-
-Two DeepSeek-V3-shaped models (4 layers, the first dense, 16 routed experts top-4): ``small``, where ATTN-0
-and SHARED are light next to the routed experts, and ``balanced``, whose wider q path and two shared
-experts bring SHARED + ATTN-0 to about one MLP stage, as in DeepSeek's published profile.
-
-Set-up: two rank processes (``runner.distributed.launch``, gloo) run the model stack directly -- the engine's
-decode step without scheduler or sampling, so only the schedule differs. Each rank holds ``--seqs``
-sequences of ``--contexts`` cached tokens (random cache contents: timing does not depend on them) and
-decodes one token per sequence per step; DBO splits the step into two ubatches of ``--seqs / 2`` rows,
-``torch_ll`` sized per ubatch as the engine does. The all-to-alls go through the emulated link (their
-in-flight time uses no CPU, like RDMA). Calibration: a traced DBO-off step measures the compute (union of
-the compute spans) and the link's bytes; for each ratio R the link is set so that a DBO-off step's
-transfers take R x compute (20 us latency per transfer, the bandwidth solving the rest). Then off / moe /
-deepseek steps alternate ``--repeats`` times (rank 0's median step time), and one traced step per
-schedule gives the overlap metrics and the time per phase.
-
+Two DeepSeek-V3-shaped models (``small``; ``balanced``, where SHARED + ATTN-0 is about one MLP stage, as in
+DeepSeek's profile) decode over 2 EP ranks (gloo processes) without scheduler or sampling, so only the schedule
+differs; the emulated link is calibrated so that a DBO-off step's transfers take R x its compute. Medians of
+alternating runs, plus one traced step per schedule for overlap metrics and time per phase.
 Usage: ``python benchmarks/bench_deepseek_schedule.py [--models ...] [--ratios 0.5 1 2] [--repeats 15]
-[--seqs 64] [--contexts 32 256]``. Writes ``benchmarks/results/deepseek_schedule.csv`` (step times) and
-``deepseek_schedule_phases.csv`` (time per phase of the traced steps).
+[--seqs 64] [--contexts 32 256]``; writes ``benchmarks/results/deepseek_schedule{,_phases}.csv``.
 """
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
 """The engine's DBO against no DBO, on a ~120M-parameter Qwen3-MoE, with the link set relative to compute.
 
-What it answers: where does the *engine* (scheduler, DP vote, model, all-to-all, sampling) gain from DBO,
-and where not, and why. Two modes:
-
-- ``single``: one process, DP=1; the emulated link carries what an EP all-to-all of every routed copy would
-  move, while nothing else competes for the cores. This is the link model alone: what DBO can hide when the
-  transfer costs no CPU (as RDMA/NVLink transfers do).
-- ``dp2``: two DP+EP ranks (processes), the phase-aware ``auto`` backend, real gloo transfers *and* the
-  emulated link. On a CPU machine gloo's copies are CPU work on the ranks' cores, which no overlap can hide;
-  their CPU time is reported (``copy CPU``) so the gap to the ideal can be read.
-
-Two workloads per mode, both in the compute-bound regime DBO is for: ``prefill`` (8 prompts x 256 tokens
-per rank, one token each: 1024-token prefill steps) and ``decode`` (512 sequences per rank, 2-token prompts,
-5 tokens: one 1024-token prefill step, then 4 decode steps of 512 tokens). Smaller decode batches leave each
-expert a few rows per ubatch, where splitting the step streams the expert weights twice (docs/benchmarks.md).
-
-Calibration: traced runs without DBO and with a near-free link measure the compute (union of the compute
-spans, median of three runs) and the bytes the link carries. For each ratio R the link is then set so that its total time equals
-R x compute (latency 20 us per transfer, bandwidth solving the rest), and DBO off / on runs alternate on the
-same engine (medians of ``--repeats``). ``ideal = off - min(compute, comm)``; ``saving % of ideal`` is
-``(off - on) / (off - ideal)``. ``wire on/off`` (dp2): bytes the real collectives carried with DBO over
-without (the ubatches are sized by their own bounds, so about 1). One traced DBO run per R gives ``comm hidden``
-(share of the link time spent behind compute), the unattributed share of the step, the copy CPU, and where
-the gap to ideal goes: ``split cost`` (compute of the DBO run minus the calibrated compute: half-size GEMMs,
-twice the per-op Python), ``exposed`` (link time behind no compute) and the part of it in the last MoE
-layer, whose combine has no later compute to hide behind.
-
-Usage: ``python benchmarks/bench_engine_dbo.py [--modes single dp2] [--ratios 0.25 0.5 1 2 4] [--repeats 3]``.
+Modes: ``single`` (one process, the emulated link alone: transfers that cost no CPU, as RDMA) and ``dp2`` (two
+DP+EP ranks, real gloo transfers plus the link; gloo's copy CPU reported apart). Workloads: 1024-token prefill
+steps and 512-token decode steps. The link is calibrated to R x the measured compute; ``ideal = off - min(compute,
+comm)``, and a traced DBO run per R splits the gap to ideal into split cost, exposed link time and the last MoE
+layer's share. Usage: ``python benchmarks/bench_engine_dbo.py [--modes single dp2] [--ratios 0.25 0.5 1 2 4]
+[--repeats 3]``.
 """
 from __future__ import annotations
 

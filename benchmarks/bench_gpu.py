@@ -1,38 +1,11 @@
 """The engine's GPU compute against the hardware limit, and DBO on a GPU decode step (one GPU).
 
-What it answers: how far each experts and attention backend is from what the GPU can do on the shapes of a
-Qwen3-30B-A3B-like layer, and what DBO gains on a whole decode step once the compute is fast.
-
-Shapes (``bench-qwen3-moe-1b``, a built-in model; about 1.2B parameters): hidden 2048, 64 experts, top-8,
-moe_intermediate 768, 32 query / 4 KV heads, head_dim 128, 4 layers, vocab 8192, bf16.
-
-Sections (``--sections kernels step``):
-
-- ``kernels``: one layer's experts at 64 / 512 / 2048 tokens (every experts backend but ``deep_gemm``, which
-  takes fp8 masked batches; eager and replayed from a CUDA graph) and decode attention over a paged cache (block 16) at 512 x 512 and 256 x 4096
-  (every attention backend the engine has for a GPU). CUDA-event medians. ``limit`` is the larger of the
-  memory limit (bytes that must be read once -- the expert weights the batch touches, or the KV cache of
-  the batch -- at the *measured* device copy bandwidth) and the FLOP limit (the kernel's FLOPs at the
-  *measured* bf16 dense-GEMM rate). ``x limit`` is the kernel's time over that.
-- ``step``: a decode step of 512 tokens at context 512 on the whole model with the emulated link on the
-  ``none`` all-to-all (a wait kernel on the GPU's global timer, on a side stream: GPU time, no CPU). Modes
-  ``eager``, ``eager-dbo``, ``graph``, ``graph-dbo``. First without a link (compute only; ``split cost`` =
-  DBO compute - plain compute), then with the link calibrated to comm/compute 0.5, 1 and 2 (bytes per step
-  measured on an eager run, latency 20 us per transfer, bandwidth solving the rest; graphs are re-captured
-  per link because the wait length is baked into a capture). ``ideal = max(compute, comm)``; ``hidden %`` comes from a
-  profiler trace of three replays: the share of the link's wait-kernel time that overlaps compute kernels.
-  Eager rows also count the host syncs of one step (``torch.cuda.set_sync_debug_mode("warn")``).
-  ``graph MiB`` is the capture report's graph memory for that mode's graph.
-
-Writes ``benchmarks/results/gpu_kernels.csv`` and ``gpu_step.csv``; ``--json PATH`` also writes every row,
-the measured limits and the engine's default backends as JSON, rewritten after each row so a run stopped
-part-way keeps what it measured (``make gpu-check`` reads it). A section that fails is recorded in the JSON
-(``errors``) and the next one still runs; the exit status is then 1. ``--quick`` (what ``make gpu-check``
-runs): 5 iterations, experts at 512 and 2048 tokens only, the step at comm/compute 1 only, JSON only (the CSVs
-of a full run are left alone). Without a GPU it exits with status 2 and says why.
-
-Usage: ``python benchmarks/bench_gpu.py [--sections kernels step] [--iters 20] [--ratios 0.5 1 2] [--quick]
-[--json PATH] [--cache-dir DIR]``.
+``kernels``: every experts and attention backend on a Qwen3-30B-A3B-like layer (``bench-qwen3-moe-1b``), eager
+and replayed, against the larger of the memory and FLOP limits measured on the GPU. ``step``: a 512-token decode
+step eager / eager-DBO / graph / graph-DBO, without a link and with the link calibrated to comm/compute 0.5, 1, 2.
+Writes CSVs under ``benchmarks/results/`` and, with ``--json``, JSON rewritten after each row (what ``make
+gpu-check`` reads; ``--quick`` is its short form). Without a GPU it exits 2. Usage: ``python
+benchmarks/bench_gpu.py [--sections kernels step] [--iters 20] [--ratios 0.5 1 2] [--quick] [--json PATH]``.
 """
 from __future__ import annotations
 

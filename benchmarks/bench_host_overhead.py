@@ -1,44 +1,11 @@
 """The engine's host time per step: everything a step costs outside the model's forward.
 
-The model is the built-in Qwen3-MoE architecture shrunk until its forward costs almost nothing (1 layer,
-hidden 16, 2 experts, vocabulary 512), so what is left of a step is the engine's own work on the host:
-scheduling, KV-block bookkeeping, the DP vote, input and attention-metadata preparation, sampling and output
-processing. On a GPU that work decides whether the GPU waits for the host: a graph-replayed decode step of a
-mid-size MoE takes a few milliseconds, so host time of the same order caps the engine.
-
-Workloads (per DP rank; greedy, ``ignore_eos``, 4-token prompts):
-
-- ``decode N`` (N = 64, 256, 1024): N requests admitted in one prefill step, then decoding together; only the
-  steps in which all N decode are measured (the first and last two steps of the wave are left out);
-- ``mixed``: 1024 requests of 48-token prompts and 8..56 output tokens through 256 seats and a 512-token
-  budget, so that most steps carry both decodes and prefill chunks (continuous batching); measured while
-  requests still wait.
-
-For each workload, DP size (1, 2 rank processes) and loop (``sync``: ``--disable-overlap-schedule``;
-``overlap``: the scheduler-level overlap loop), the engine core is stepped directly (``EngineCore.step``):
-
-- **wall/step**: time per ``EngineCore.step`` call in the measured window (in the overlap loop one call
-  launches step N+1 and processes step N, so this is the step period); the outputs are read after the run,
-  as a client in another process would, so their reading is not counted;
-- **forward/step**: the model's forward (forward hooks on ``LLM.runner.model``), per step;
-- **host/step** = wall - forward: the time per step the forward is *not* running. This is the figure the
-  goals are about (with the overlap loop, host work hidden behind the forward does not count, and a forward
-  slowed down by host work running next to it under the GIL shows up in forward/step); **(-sampl)**: the
-  same less the time in ``ModelRunner._launch_sampling`` (logits and the sampler, wall clock);
-- **phases**: a second, instrumented run wraps the engine's entry points with timers (exclusive CPU time of
-  the thread that runs them, in both threads: their sum can exceed host/step with the overlap loop, where part
-  of it runs next to the forward). ``schedule`` (``Scheduler.schedule`` less KV allocation), ``kv_alloc``
-  (the block allocator), ``dp_vote`` (``ModelRunner.decide``), ``inputs`` (input ids, positions, attention
-  metadata: the runner's launch outside the forward, the vote and sampling), ``sampling``
-  (``ModelRunner._launch_sampling``, logits included), ``outputs`` (``Scheduler.update``, output emission),
-  ``future_map`` (the device-resident map's placeholder resolve and store). The wrappers cost about a microsecond per
-  call, so this run is slower than the first.
-
-Each (workload, DP, loop) is run ``--repeats`` times, the loops alternating on one engine, and medians are
-reported. Outputs of the two loops are compared token for token. CSV: ``benchmarks/results/host_overhead.csv``.
-
-Usage: ``python benchmarks/bench_host_overhead.py [--requests 64 256 1024] [--dp 1 2] [--repeats 3]
-[--decode-tokens 48] [--no-mixed] [--output CSV]``.
+A Qwen3-MoE shrunk until its forward costs almost nothing, so what is left is scheduling, KV bookkeeping, the
+DP vote, inputs, sampling and outputs. Workloads ``decode N`` (N requests decoding together) and ``mixed``
+(continuous batching), at DP 1 and 2, synchronous and overlap loops alternating on one engine: wall/step,
+forward/step, host/step = wall - forward, and, in a second instrumented run, CPU time per phase. Outputs of the
+two loops are compared token for token. Usage: ``python benchmarks/bench_host_overhead.py [--requests 64 256
+1024] [--dp 1 2] [--repeats 3] [--decode-tokens 48] [--no-mixed] [--output CSV]``.
 """
 from __future__ import annotations
 

@@ -1,26 +1,9 @@
 """Scheduler-level overlap loop on vs off (``--disable-overlap-schedule``): tokens/s and forward idle time.
 
-Each configuration builds one engine and alternates off/on runs of the same workload (random prompts,
-greedy, ``ignore_eos``), so both modes share weights, caches and warm-up; the table shows medians over
-``--repeats`` runs side by side. Definitions (``runner.core.overlap_loop.LoopStats``):
-
-- **forward busy**: time the forward side spends inside ``runner.step`` (the executor thread with the loop
-  on, the calling thread with it off). **forward idle** = loop wall time - forward busy: the forward side
-  waiting for the CPU to process results and schedule. **idle fraction** = idle / wall.
-- **idle/step** = idle / steps; with the loop off it is the per-step CPU scheduling + processing time.
-- **hidden** = (idle/step off - idle/step on) / idle/step off: the share of the per-step CPU work that no
-  longer stalls the forward side. The goal is >= 0.8. What remains with the loop on is mostly fixed cost:
-  scheduling the first step, processing the last one, and the steps the loop runs synchronously on purpose
-  (see the ``overlap_loop`` docstring; typically "nothing to schedule" at the end of a wave).
-- **wall saved** = (wall/step off - wall/step on) / idle/step off: the share of that CPU work that turned
-  into wall-clock time saved. On a GPU the forward is asynchronous kernels, so hidden work is saved time.
-  On CPU both sides are Python under one GIL and share the cores: work taken off the forward's critical
-  path comes back as a slower forward (busy/step grows), so this number is near zero or negative here.
-  It is reported so that the idle metric is not mistaken for a speed-up.
-
-Configurations: the built-in ``tiny-qwen3-moe`` at 16 and 128 sequences (more sequences, more CPU work per
-step), and ``bench-wide-qwen3-moe``, the same architecture with hidden size 256 (written with seeded random
-weights into a temporary cache, like the built-in tiny models), whose forward spends more time in kernels.
+Off and on runs alternate on one engine; ``LoopStats`` gives forward busy and idle time, ``hidden`` (the share
+of per-step CPU work that no longer stalls the forward side) and ``wall saved`` (the share that became wall
+time: near zero or negative on CPU, where both threads share the GIL and the cores, which is why it is
+reported). Configurations: ``tiny-qwen3-moe`` at 16 and 128 sequences and a wider model with more kernel time.
 Usage: ``python benchmarks/bench_overlap_loop.py [--repeats 5] [--max-tokens 64] [--threads 1]``.
 """
 from __future__ import annotations

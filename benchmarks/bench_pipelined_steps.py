@@ -1,27 +1,11 @@
 """Pipelined steps against one step at a time, on the emulated device: what a GPU would see, on a CPU.
 
-The engine runs the null-cost model of ``bench_host_overhead.py`` (the Qwen3-MoE architecture shrunk until its
-forward costs almost nothing), so a step's *host* time is the engine's own work: scheduling, inputs, the
-(near-free) forward and sampling on the CPU, output processing. ``--emulate-device step_us=D`` then gives every
-step a device time of D that runs asynchronously (``runner/worker/emulated_device.py``): launching returns at
-once, the steps complete in order, and reading a step's results waits for it.
-
-Workload: N requests (default 256) of 4-token prompts decoding together (greedy, ``ignore_eos``); only the steps
-in which all N decode are measured (the first and last two ``EngineCore.step`` calls are left out). For each
-device time, the two loops run alternately on one engine, ``--repeats`` times each:
-
-- ``sync`` (``--disable-overlap-schedule``): schedule, launch, read the results, process; its wall per step
-  should be host + device (the emulator's honesty check: ``sync / (host + device)``, goal >= 0.9);
-- ``pipelined`` (the default loop with ``--emulate-device``): step N+1 is launched before step N's results are
-  read; its wall per step should be max(host, device) (``pipelined / max``, goal <= 1.1).
-
-``host`` is the synchronous loop's wall per step with a device time of 0, measured in the same alternation.
-Also reported, from the loop's and the emulated stream's own counters over the measured steps: launches that
-began after the previous step's results were read, and launches that found the stream drained. Medians of
-the repeats; outputs of all runs are compared token for token. CSV: ``benchmarks/results/pipelined_steps.csv``.
-
-Usage: ``python benchmarks/bench_pipelined_steps.py [--requests 256] [--device-ms 1.5 3 6] [--repeats 5]
-[--decode-tokens 32] [--output CSV]``.
+The null-cost model of ``bench_host_overhead.py`` with ``--emulate-device step_us=D``: the synchronous loop
+should take host + device per step and the pipelined one max(host, device). Both run alternately on one
+engine per device time, with the loop's and the emulated stream's counters (launches after a read, launches
+that found the stream drained) and token-for-token comparison of outputs. Usage: ``python
+benchmarks/bench_pipelined_steps.py [--requests 256] [--device-ms 1.5 3 6] [--repeats 5] [--decode-tokens 32]
+[--output CSV]``.
 """
 from __future__ import annotations
 

@@ -1,26 +1,9 @@
 """What sampling costs per decode step: greedy only against every option on, alone and inside the engine's step.
 
-Two measurements, medians of ``--repeats``:
-
-- ``sampler``: the batched sampler alone (``runner/worker/sampler.py``) on ``[rows, vocab]`` logits of a
-  realistic vocabulary (default 151936, Qwen3's), per decode step as the engine runs it: the step handed over
-  as arrays (``SchedulerOutput``, the requests' settings already in the sampler's per-slot table since their
-  prefill), the penalty counts fed one input token per row, the metadata built and copied, the device work,
-  the one read-back (``Sampler.prepare`` and ``Sampler.sample_step``).
-- ``engine``: ``ModelRunner.step`` of a decode step on the engine benchmark's model
-  (``bench-qwen3-moe-120m``: ~120M-parameter Qwen3-MoE, vocabulary 4096), every row decoding one token after
-  a short prompt, with the sampler's own time inside the step measured apart (``sample_s``: ``prepare`` and
-  ``launch_step``, which on a GPU leaves out the wait for the results; the LM head that computes the logits is
-  the model's).
-
-- ``draw``: the draw alone at the same sizes, this sampler's inverse CDF (one uniform per row) against the
-  exponential race of vLLM's ``random_sample`` (Exp(1) noise over every token, then an argmax).
-
-Modes: ``greedy`` (temperature 0, nothing else: an argmax), ``random`` (temperature 0.8 only: the draw),
-``all`` (temperature, top-k 50, top-p 0.9, min-p 0.05, repetition / frequency / presence penalties,
-min_tokens holding back the EOS and a stop token, a logit bias on 4 tokens, logprobs 5: every stage).
-
-Usage: ``python benchmarks/bench_sampler.py [--rows 64 256 1024] [--vocab 151936] [--repeats 3]
+Parts: ``sampler`` (the batched sampler alone on ``[rows, vocab]`` logits as the engine hands it a decode step),
+``draw`` (this sampler's inverse CDF against vLLM's exponential race) and ``engine`` (``ModelRunner.step`` with
+the sampler's share measured apart). Modes: ``greedy``, ``random`` (temperature only) and ``all`` (every
+stage). Usage: ``python benchmarks/bench_sampler.py [--rows 64 256 1024] [--vocab 151936] [--repeats 3]
 [--parts sampler draw engine]``; CSV to ``benchmarks/results/sampler.csv``.
 """
 from __future__ import annotations

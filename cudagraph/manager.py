@@ -1,32 +1,11 @@
 """GraphRunner: captures FULL decode graphs (with and without DBO) and replays them.
 
-Capture, per size, largest first (smaller graphs then reuse the shared pool's memory): fill the
-persistent metadata with padding rows, run the step eagerly ``num_warmups`` times on the capture stream
-(Triton/JIT compiles, lazy buffers, the emulated link's clock calibration), then run it once more inside
-``torch.cuda.graph``. A DBO step is ``UBatchWrapper.run_ubatched`` inside the capture: the ubatches
-launch from the wrapper's worker thread(s) onto the capturing compute stream, the comm streams join the
-capture through events, and the captured DAG freezes the interleaving the handoffs produced. So a replay
-is buffer copies plus one ``graph.replay()``: no threads, no handoffs, no Python per layer.
-
-Before the first capture cuBLAS is touched on every ubatch worker thread for every stream it may use
-(a handle or workspace created inside a capture is illegal or lands in the graph pool): one thread with
-the greenlet executor, one per ubatch with the threads executor.
-
-Graph memory. All graphs share one private pool and are captured largest first, so a smaller graph's
-intermediates reuse the blocks the larger one freed (graphs replay one at a time, in stream order); what a
-graph keeps allocated is its static output alone. The ladder then costs about its largest graph plus one
-output per size -- provided nothing else keeps capture-time tensors alive. Autograd did: captured with grad
-enabled (``ModelRunner.__init__`` is not under inference mode), every output held its step's saved
-activations, so graph memory grew with every size, and the KV cache's in-place writes chained each capture's
-activations to the next (the per capture/clear leak). Captures and warm-ups therefore run under
-``torch.no_grad()``. Where the measured DBO cost model may run a size either way the plan holds a plain and
-a DBO graph of that size: both share the pool, so the second adds its static output and whatever more
-its own intermediates need than the first's.
-``CaptureReport.bytes_by_key`` records what each size added; a size that runs out of memory is dropped.
-
-This package sits below the engine: it knows nothing of ``runner``. What a graph needs from the model's
-attention -- persistent decode-metadata buffers and a way to make the attention capturable -- is passed
-in by the caller (``runner/worker/cuda_graphs.py`` wires the engine's own).
+A size is warmed up eagerly, then captured; a DBO step is ``UBatchWrapper.run_ubatched`` inside the capture, so
+a replay is buffer copies plus one ``graph.replay()`` (no threads, no handoffs, no Python per layer). cuBLAS is
+touched on every ubatch worker thread before the first capture. Graphs share one pool, are captured largest
+first under ``no_grad`` and keep only their outputs; a size that runs out of memory is dropped
+(``CaptureReport``). What a graph needs from the engine's attention is passed in (this package knows nothing of
+``runner``). Design: docs/design_notes.md, "Model runner", "CUDA graphs and the memory budget".
 """
 from __future__ import annotations
 

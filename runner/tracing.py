@@ -1,25 +1,10 @@
 """``--trace-file`` for the engine: record a ``generate()`` call, merge the DP ranks, save, summarise.
 
-Each rank records its own run with ``ubatch.trace.recording()`` (the model runner tags spans with its DP
-rank through ``set_forward_context(..., trace_rank=rank)``). At the end of ``generate()`` the resolved spans
-travel with the outputs' all-gather, and rank 0 writes **one** Chrome trace with one process (``pid``) per
-rank, so the ranks' steps line up in one view (chrome://tracing, https://ui.perfetto.dev). Spans are placed
-on ``time.perf_counter()``, the host's monotonic clock, which every process on a host shares; ranks on
-different hosts would be offset by their clocks' difference. A rank's spans get that rank as pid whatever
-thread recorded them (a link-completion thread may never have seen a forward context).
-
-The clock follows the model's device (``clock_for``): on CUDA the recorder times device work with CUDA
-events (compute on the ubatches' streams, the link's delay kernel, the collectives) and resolves them to
-host seconds only in ``local_spans``, after the run, so recording never synchronises; the engine's own CPU
-phases (DP vote, inputs, sampling) stay on the host clock (``ubatch/trace.py`` explains how both share one
-timeline). On CPU everything is host time, as it is where the work runs.
-
-Recording is opt-in: without ``trace_file`` nothing is recorded and nothing extra is gathered.
-
-Each rank also measures the CPU time of its threads over the call (``ubatch.thread_cpu``): on a CPU
-machine the real all-to-all is gloo's C++ threads copying bytes, invisible on the Python timeline (the
-ubatch thread is just descheduled meanwhile). The report shows it as the real transfers' CPU, apart from
-the modelled link's time, so a DBO loss can be told from a link loss.
+Each rank records its run (opt-in: nothing is recorded without a trace file) and the spans travel with the
+outputs' all-gather; rank 0 writes one Chrome trace with a process per rank on the host's shared
+``perf_counter`` clock. On CUDA device work is timed with CUDA events (``ubatch/trace.py``). Each rank also
+measures its threads' CPU time (``ubatch.thread_cpu``), so gloo's copying threads show as the real transfers'
+CPU. Design: docs/design_notes.md, "Tracing, benchmarks and the GPU check".
 """
 from __future__ import annotations
 

@@ -1,4 +1,6 @@
-"""Bad values that used to hang, crash or mislead: each is now an error naming the value and the bound."""
+"""Bad values at the engine's and library's edges: each is an error naming the value and the bound, never a hang,
+a crash or a silent wrong result.
+"""
 from __future__ import annotations
 
 import json

@@ -1,30 +1,11 @@
 """Mutation test of the stream choreography: remove one wait edge at a time; the sanitizer must report it.
 
-The edges removed (the parametrize ids below list them), each with the program in which it carries data:
-
-| edge (where the wait is)                                          | program that needs it                      |
-|-------------------------------------------------------------------|--------------------------------------------|
-| ``UBatchContext.switch_to_comm_sync``                             | DBO: compute writes, comm reads            |
-| ``UBatchContext.switch_to_compute_sync``                          | DBO: comm writes, compute reads            |
-| ``UBatchContext.yield_and_switch_from_compute_to_comm``           | DBO: compute writes, yield, comm reads     |
-| ``UBatchContext.yield_and_switch_from_comm_to_compute``           | DBO: comm writes, yield, compute reads     |
-| HT dispatch -> experts (``dbo_switch_to_compute_sync``)           | DeepEP HT over the stand-in, 2 ranks, DBO  |
-| HT combine -> output (receiver's ``yield_and_switch_..._compute``)| DeepEP HT over the stand-in, 2 ranks, DBO  |
-| HT compute -> dispatch (``previous_event`` *and* the yield's wait)| DeepEP HT over the stand-in, 2 ranks, DBO  |
-| SBO ``TwoStreamCombine.launch_combine`` (alt waits ``ready``)     | DeepEP LL + combine_shared_experts, DBO    |
-| SBO ``TwoStreamCombine.after_receive`` (main waits alt)           | DeepEP LL + combine_shared_experts, DBO    |
-| ``WorkHandle.wait`` (a collective's completion)                   | ``torch_ll`` and ``torch_ht``, DBO         |
-
-Two removals must *not* be reported, and the test asserts that too (a report would be a false positive):
-- HT ``previous_event`` alone, or the compute->comm wait of ``yield_and_switch_from_compute_to_comm`` alone:
-  each orders DeepEP's comm stream after the same compute (the event is captured just before the yield,
-  where the wait's event is recorded), so each is redundant with the other; removing both is reported.
-- SBO ``TwoStreamCombine.before_receive`` (the alternate stream waits for the main one before the receive):
-  no data flows from the main stream to the receive there; it only keeps the receive from competing with
-  the shared experts for SMs (scheduling), so no removal of it can race.
-
-An edge is removed by skipping the ``wait`` / ``wait_stream`` issued from inside the named function (the
-mutation also checks that it skipped at least one), so the code under test is not copied or edited.
+``DATA_EDGES`` lists each edge with a program in which it carries data (DBO switches and yields, DeepEP HT/LL,
+SBO, ``torch_ll``/``torch_ht`` collectives). ``REDUNDANT_EDGES`` must *not* be reported: HT ``previous_event``
+and the compute->comm wait of ``yield_and_switch_from_compute_to_comm`` each order the comm stream after the
+same compute (removing both is reported), and SBO's ``TwoStreamCombine.before_receive`` only keeps the receive
+from competing for SMs. An edge is removed by skipping the wait issued from inside the named function, so the
+code under test is not copied or edited.
 """
 from __future__ import annotations
 

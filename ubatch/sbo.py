@@ -1,27 +1,9 @@
 """Single-batch overlap (SBO): hide one MoE layer's all-to-all behind that same batch's compute.
 
-DBO needs two micro-batches to have something to overlap; SBO does not split the batch. It overlaps a
-layer's communication with compute of the *same* tokens that does not depend on it (SGLang
-``--enable-single-batch-overlap``: ``python/sglang/srt/batch_overlap/single_batch_overlap.py`` for the
-mode rules and ``compute_overlap_args``, and DeepEP's low-latency combine with ``comp_signal``). Three
-modes:
-
-- ``dispatch_shared_experts`` (one stream): start the dispatch, run the shared experts while it is on the
-  wire, only then run its receive hook. Works anywhere, CPU included, because the dispatch's in-flight
-  time needs no compute units (RDMA posts, a NIC, the emulated link).
-- ``combine_shared_experts`` (two streams): the combine runs on an alternate stream with a few SMs
-  reserved for it while the shared experts run on the main stream with the rest.
-- ``combine_down_gemm`` (two streams + a signal): the combine chases the down GEMM tile by tile; the GEMM
-  bumps a per-(expert, block_m tile) signal the combine kernel spins on (DeepGEMM masked GEMM with overlap
-  args + DeepEP LL combine with ``comp_signal``).
-
-The two-stream modes only pay off on a GPU, where kernels on two streams really run at once and the SMs
-can be partitioned. On CPU their streams are :class:`ubatch.streams.NullStream` and every record/wait is
-a no-op, so the same code runs (and is tested) without changing a single result.
-
-This file holds the pure decisions (which modes, how many SMs; table-tested with fake device properties).
-The stream/event runtime the kernel calls is ``ubatch.modular_moe.two_stream`` (:class:`TwoStreamCombine`),
-next to its only user.
+Modes (SGLang's ``--enable-single-batch-overlap``): ``dispatch_shared_experts`` (shared experts while the
+dispatch flies; one stream, works anywhere), ``combine_shared_experts`` (two streams, SMs reserved for the
+combine) and ``combine_down_gemm`` (the combine chases the down GEMM on a signal). This file holds the pure
+decisions (which modes, how many SMs); the stream runtime is ``ubatch.modular_moe.two_stream``.
 """
 from __future__ import annotations
 

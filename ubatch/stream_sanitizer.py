@@ -1,46 +1,12 @@
 """Stream-order sanitizer for the CPU stream layer: a missing wait fails on CPU, not first on a GPU.
 
-On CPU every op runs at once, in program order, so a read on one stream of memory written on another with
-no event wait between them gives the right answer anyway, and no test can see it. On a GPU the same code
-races. This module replays the CUDA ordering rules over the CPU run and reports such accesses. It follows
-the analysis of ``torch/cuda/_sanitizer.py`` (CSAN: a ``TorchDispatchMode`` attributes every kernel's
-reads and writes to the current stream; event record/wait and synchronize build happens-before with a
-vector clock per stream), with these differences, because here the "streams" are
-:class:`ubatch.streams.NullStream` and the device is the CPU:
-
-- *Streams and events* are the null ones, whose record / wait / ``wait_stream`` / synchronize calls report
-  here (``ubatch.streams.set_observer``). The current stream is the per-thread one of ``ubatch.streams``;
-  a ubatch re-installs its stream whenever it resumes, so greenlet ubatches sharing one thread are told
-  apart. Each access also names the running ubatch: the ``ubatch_id`` of the forward context, which a
-  ubatch likewise re-installs on every resume.
-- *Memory* is a byte range of a storage: ``[offset, offset + extent)`` of the tensor within its storage
-  (the strided hull), keyed by the storage, so two views of one buffer conflict only where they overlap
-  (CSAN keys whole tensors by ``data_ptr``). A storage is identified by its ``StorageImpl`` and a weak
-  reference: CPU malloc reuses addresses freely, so an access to a reused address starts a fresh history
-  instead of racing with the dead tensor. ``empty``-like ops allocate: they start a history, they do not
-  write (on CUDA an allocation is no kernel).
-- *Collectives* (``ubatch.streams.collective_posted``, called by ``ubatch.modular_moe.comm``) run on a
-  stream of their own per process group, which first waits for the issuing stream (NCCL's model): the
-  send buffer is read and the receive buffer written there, and only the ``wait`` of the work handle
-  orders them before later use. Writes that gloo makes from its own threads are otherwise invisible.
-- Kernels modelled by hand (the DeepEP stand-in in the tests) simply run their torch ops with their
-  stream current (``ubatch.streams.stream``).
-- *Threads*: dispatch modes are per thread, so the mode is entered in every thread started while the
-  sanitizer is on (a one-shot ``threading.setprofile`` hook; library housekeeping threads excepted, see
-  ``_thread_started``): rank threads, ubatch workers, the overlap
-  loop's executor. Host-side synchronisation between threads orders nothing: as on a GPU, only stream
-  edges do.
-
-Rules, as CSAN's: a read must be ordered after the last overlapping write from another stream; a write
-after every overlapping earlier read or write from another stream. A violation raises
-:class:`StreamOrderError` naming both ops, both streams, both ubatches and where the two accesses were
-made; inside :meth:`StreamSanitizer.collecting` errors are gathered instead (so a test can run a whole
-multi-rank step and then inspect them, and no rank dies in the middle of a collective).
-
-Not modelled: host reads that bypass the dispatcher (``tolist()``, ``numpy()``), the caching allocator's
-cross-stream block reuse (``record_stream``; CPU memory is malloc'd), and CUDA tensors (use
-``TORCH_CUDA_SANITIZER=1`` on a GPU). Enable with ``UBATCH_STREAM_SANITIZER=1`` or pytest
-``--stream-sanitizer``; it only observes, CPU results are unchanged.
+On CPU every op runs at once in program order, so a missing cross-stream wait gives the right answer and no
+test sees it. This replays CUDA's ordering rules over the CPU run as ``torch/cuda/_sanitizer.py`` does (vector
+clocks per stream over a ``TorchDispatchMode``), with memory keyed by storage byte range, each process group's
+collectives on a stream of their own, and every thread started while it is on observed. A violation raises
+:class:`StreamOrderError` naming both accesses (or is collected, :meth:`StreamSanitizer.collecting`). Host
+reads that bypass the dispatcher and allocator block reuse are not modelled. Enable with
+``UBATCH_STREAM_SANITIZER=1`` or pytest ``--stream-sanitizer``.
 """
 from __future__ import annotations
 

@@ -1,46 +1,11 @@
 """Opt-in timeline recorder for DBO steps: per-ubatch compute, waits, yields and all-to-alls in flight.
 
-Off by default and near-free when off: instrumented code does one module-global read (``active()``, or
-``compute_span`` returning a shared null context) and allocates nothing. Metrics live in
-``ubatch.trace_metrics``, the picture in ``ubatch.plot``; this file only records and exports.
-
-Two clocks. With ``TraceRecorder(clock="cpu")`` (the default) every stamp is ``time.perf_counter()``
-seconds: on a CPU, kernels run when they are called, so host time is compute time. With ``clock="cuda"``
-(the engine picks it when the model runs on a CUDA device: ``runner/tracing.py``) the host only *launches*
-kernels, so what the device does is stamped with CUDA timing events recorded on the stream the work runs on:
-
-- compute (``compute_span``, and ``span`` with ``mark()`` stamps): an event on the ubatch's current stream
-  before and after. The span goes on the ubatch's GPU track (``gpu0``, ``gpu1``, ...; cat ``"compute"``),
-  and the same phase's host side, from its first launch to its last, stays on the ubatch track with cat
-  ``"launch"``. So the ubatch tracks remain a host timeline whose slices nest, the metrics' compute is GPU
-  time, and "unattributed" keeps meaning host time that no named phase explains.
-- communication (cat ``"comm"`` on ``comm0``, ``comm1``, ...): the emulated link's delay kernel has an
-  event before and after it on the link's side stream (the modelled transfer); a real torch.distributed
-  collective, when no modelled link stands in for it, is timed from an event on the issuing stream before
-  it is posted to an event on a per-ubatch tracing stream made to wait for the collective's completion
-  (``work.wait()`` there, which blocks no host thread); DeepEP's kernels have events around them on the
-  stream they are launched from (``prepare_finalize/base.py``).
-- host phases (``region`` with any category but compute: DP vote, input preparation, sampling, waits,
-  recv hooks) and instants stay on the CPU clock, because that is where they happen.
-
-Nothing synchronises while recording: events are only recorded, and resolved to seconds at export
-(``resolved``). Both clocks share one timeline, the host's ``perf_counter``: the recorder synchronises the
-device once when it is created, records a reference event on the idle device and reads ``t0`` right
-after, so an event resolves to ``t0 + (event - reference)``. GPU spans therefore appear later than the
-host spans that launched them, by however far the host ran ahead. Device and host clocks drift apart by
-parts per million, negligible over a traced call.
-
-Inside a CUDA-graph capture nothing can record a timing event (CUDA refuses it), so ``mark``/``device_stamp``
-return no event while the current stream is capturing and the device side of the span is dropped (the host
-``launch`` span stays); a graph replay is traced as
-one ``graph_replay`` compute span around the replay (``cudagraph/manager.py``), the link and all-to-alls
-inside it cannot be told apart from its compute.
-
-Several thread ranks in one process share the active recorder; each span carries ``pid`` (the rank),
-read from the forward context's ``trace_rank`` field (``set_forward_context(..., trace_rank=r)``; every
-ubatch's context inherits it), 0 when unset. Under torchrun every process has its own recorder anyway.
-A compute span finds its ubatch the same way (``ForwardContext.ubatch_id``), so this module needs nothing
-from ``ubatch.context``, which records into it.
+Near-free when off (one module-global read per instrumented point). ``clock="cpu"`` stamps ``perf_counter``;
+``clock="cuda"`` stamps device work with CUDA events on the stream it runs on (compute on ``gpu<u>`` tracks,
+its host side as ``launch`` spans on the ubatch track, comm on ``comm<u>``), resolved at export through one
+reference event, so recording never synchronises. Nothing is recorded inside a capture; a replay is one
+``graph_replay`` span. Spans find their rank and ubatch from the forward context. Metrics:
+``ubatch.trace_metrics``.
 """
 from __future__ import annotations
 

@@ -1,44 +1,10 @@
 """How much all-to-all time DBO hid, read off a recorded timeline (a ``TraceRecorder`` or a Chrome trace).
 
-Definitions, for one rank (``pid``), all times in µs. ``U(x)`` is the union of the intervals of the spans
-in ``x`` and ``|.|`` its length, so overlapping spans are never double counted:
-
-- **window** ``[first span start, last span end]`` over every span of the rank; ``wall_us`` is its length.
-- **compute** ``C = U(spans with cat "compute")`` on any ubatch track (attention A, experts E, shared
-  experts S, whatever the model marks).
-- **comm** ``M = U(spans with cat "comm")``: each all-to-all from its send to its modelled completion,
-  both ubatches together (they share one link). ``comm_us = |M|``.
-- **hidden** ``|M ∩ C|``: link time during which the rank computes *something*, whichever ubatch it
-  belongs to. Counting a ubatch's own compute is deliberate: the shared experts overlap that ubatch's own
-  combine by design, and what matters for the step time is only whether the device idles while bytes fly.
-  ``hidden_pct = 100 * hidden / comm`` (0 when there is no comm); ``exposed_us = comm - hidden``.
-- **bubble** ``wall - |C|``: time in the window when no ubatch computes: waiting for the link, handoffs,
-  and CPU work nobody marked as compute (routing, packing). ``recv_wait_us = |U(cat "hook") \\ C|`` is the
-  part spent inside recv hooks, i.e. blocked on an all-to-all that had not landed yet.
-- **per layer**: the same with only the spans whose ``layer`` arg equals the layer (hidden is still
-  against all compute, since any compute hides the link).
-- **attributed** ``|U(every span on a CPU track but handoff waits)|``: CPU tracks are the ubatch tracks,
-  ``step`` (the engine's per-step work: DP vote, inputs, sampling) and ``scheduler``; the ``comm*`` tracks
-  are the modelled link in flight, not CPU work, and do not count. A handoff wait does not count either:
-  while one ubatch is parked the other runs, and what it runs must be explained by its own spans.
-  ``unattributed_us = wall - attributed``: time no named phase explains (Python between spans, the
-  switches themselves; ``handoffs`` counts the switches).
-- **phases**: for each span name on a CPU track, ``|U(its spans)|``. Phases on different tracks can run at
-  once (the scheduler thread beside the forward), so they may sum to more than the wall time.
-- **blocked on real transfers** ``|U(cat "copy") \\ C|`` (waiting for gloo/NCCL to finish) and **blocked
-  on the modelled link** ``|U(cat "link") \\ C|`` (sleeping until the emulated wire delivers), apart.
-
-On a GPU (the cuda trace clock, ``ubatch/trace.py``) the same definitions read device time: compute is the
-``gpu*`` tracks' spans (CUDA events on the ubatch's stream), comm the link's delay kernel or the collective
-from post to completion, so hidden is link time during which the device computes and bubble is device idle
-time. The ubatch tracks then hold the host side of each compute phase (cat ``"launch"``); like the
-``gpu*`` and ``comm*`` tracks' device time, it is not counted as compute, and only host tracks count
-for attribution. The host waits (recv hooks, copies, link) are host time not covered by device compute.
-A CUDA-graph replay is one ``graph_replay`` compute span: the link and all-to-alls captured in the graph
-run inside it and cannot be separated, so a replayed step adds compute but no comm (``graph_replays``
-counts them, and the report says so).
-
-The interval helpers are pure functions on lists of ``(start, end)`` pairs.
+Per rank, as unions of span intervals (so overlaps never count twice): compute ``C`` (cat ``compute``), comm
+``M`` (cat ``comm``), hidden ``|M ∩ C|`` (link time during which any ubatch computes), exposed, bubble
+(``wall - |C|``), recv-hook, copy and link waits, per-layer figures, phases per span name, and unattributed
+time (wall less every CPU-track span but handoff waits). On the cuda clock the same definitions read device
+time; a graph replay adds compute but no comm. The interval helpers are pure functions.
 """
 from __future__ import annotations
 

@@ -1,24 +1,10 @@
 """UBatchWrapper: runs a model as N ping-ponging micro-batches on a persistent executor.
 
-The wrapper is transparent until the forward context carries ``ubatch_slices``: then every tensor argument
-whose first dimension is the step's token count is sliced per ubatch, each ubatch runs the model inside its
-own :class:`UBatchContext`, and the outputs are concatenated back in token order. The slices are checked
-first (contiguous from 0, in order, covering exactly the token arguments' rows), because a slice list that
-does not match the input would otherwise drop or duplicate tokens without an error.
-
-Two layouts (``UBatchConfig.split_dim``): ``"tokens"`` (default) is the runner's flat layout, where dim 0 of
-a tensor argument is the token and the slices' ``token_slice`` cuts it (the attention metadata and the
-padding mask are split alongside). ``"batch"`` is the batch-first layout of a model the wrapper did not
-write (a transformers ``forward(input_ids [B, S], attention_mask [B, S], ...)``): dim 0 is the sequence,
-the slices' ``request_slice`` cuts it (:func:`batch_ubatch_slices` builds them), the model does its own
-attention masking, and outputs -- tensors, tuples, or dataclasses such as transformers' ``ModelOutput`` --
-are concatenated along dim 0. A ubatch's KV cache object cannot be merged with the other's: run such a
-model with its cache off (``use_cache=False``).
-
-The executor is created once and reused (vLLM creates its threads every step): one worker thread running
-every ubatch as a greenlet (the default), or one OS thread per ubatch (``executor="threads"``). Each worker
-calls ``torch.set_num_threads`` first, because a new Python thread ignores the process setting and
-oversubscribes the cores.
+Transparent until the forward context carries ``ubatch_slices``: then the token arguments are sliced per
+ubatch (after checking the slices cover them exactly), each ubatch runs in its own :class:`UBatchContext`, and
+the outputs are concatenated in token order. ``split_dim="tokens"`` is the runner's flat layout;
+``"batch"`` slices a batch-first model such as a transformers ``forward`` (run with ``use_cache=False``). The
+executor (greenlets on one worker thread by default, or a thread per ubatch) is created once and reused.
 """
 from __future__ import annotations
 

@@ -1,34 +1,11 @@
-"""A step's prefill requests as a few padded batches: what a layer needs to run their attention in a handful
-of launches, whatever the number of requests.
+"""A step's prefill requests as a few padded groups: what a layer needs to attend them in a handful of launches,
+whatever the number of requests.
 
-A prefill request (more than one query token: a fresh prompt, a chunk of a longer one, or the part of a request
-cut across two ubatches) has its ``L`` queries at the last ``L`` positions of ``[0, S)`` and reads its ``S``
-keys from the paged cache. Attending request by request costs some fifteen launches per request and layer
-(slot arithmetic, gathers, a mask, the attention), so a step of 32 prompts over 16 layers kept the host busy
-launching for tens of milliseconds while the GPU waited. Here the requests are padded to ``[R, Lmax]`` queries
-and ``[R, Smax]`` keys and attended with one call per *group*, with a boolean mask ``[R, Lmax, Smax]`` that is
-causal bottom-right aligned per request (query ``j`` of request ``r`` at position ``S_r - L_r + j`` sees the
-keys at positions ``<=`` it) and hides the padding.
-
-Grouping rule (:func:`group_prefills`): requests sorted by ``S`` (then ``L``) descending are taken greedily,
-and a request joins the current group when what it adds to the group's padded score count ``R * Lmax * Smax``
-is at most ``PAD_FACTOR`` (2) times its own ``L * S``, or when the group's padding ``R * Lmax * Smax -
-sum_r L_r * S_r`` stays within ``PAD_SLACK`` (65 536 score entries: a little padding costs less than a
-launch); otherwise it opens a new group. So a group computes at most about twice its real scores (plus the
-slack), same-size requests (every step of a batch of same-length prompts) make one group, and a short prompt
-is not padded to a long chunk beside it. Since a request that opens a group is less than half the size of the
-group before it (or joined it), sizes spread over a factor ``k`` make at most about ``log2(k / PAD_SLACK)``
-groups above the slack: a step has a handful of groups, never one per request.
-
-Padding never reads an unwritten cache slot (the cache is not zero-filled, so one could hold NaN, and a
-masked score times NaN is still NaN): padded key positions repeat the request's last key
-(``min(s, S - 1)``), padded query rows repeat its last query row, and so no mask row is all False. The results
-of padded query rows are dropped.
-
-Everything is computed on the host with numpy from the step's ``*_cpu`` metadata and sent to the device in
-one copy per step (``host_to_device``); the cache slots of the keys need the cache's block size, which only
-the layer knows, so they are computed on the device by the first layer that asks (:meth:`PrefillGroup.key_slots`,
-one vectorised gather) and kept for the other layers of the step.
+Requests are padded to ``[R, Lmax]`` queries and ``[R, Smax]`` keys per group, with a mask causal bottom-right
+aligned per request; :func:`group_prefills` keeps a group's padded scores within about twice its real ones
+(``PAD_FACTOR``, ``PAD_SLACK``). Padding repeats a request's last key and query, so no unwritten cache slot is
+read. Index arrays are built once per step with numpy and copied in one go; key slots are computed by the
+first layer that asks. Design: docs/design_notes.md, "Attention backends".
 """
 from __future__ import annotations
 

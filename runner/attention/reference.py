@@ -1,26 +1,10 @@
 """Paged attention in plain torch over :class:`CommonAttentionMetadata`: the tests' reference.
 
-The engine's torch backend (``torch_backend.py``) computes the same thing from metadata built once per step;
-these functions take ``CommonAttentionMetadata`` directly and may sync the host (``write_kv`` checks for
-padding slots, the decode batch is sized from the device ``seq_lens``), which is fine for a reference and for
-a model called outside the engine, never inside an engine step. See ``runner/attention/kv_cache.py`` for the layout.
-
-Masking is by *position*, not by index inside the batch: a query at position ``p`` sees cache entries at
-positions ``<= p`` of its own request, up to ``seq_lens[i]``. That one rule makes prefill, decode, chunked
-prefill and a request split across two micro-batches the same case: the second part of a split request
-carries the full ``seq_len`` and finds the first part's keys in the cache because the first part's
-attention for this layer ran (and wrote its KV) earlier — the stream-order argument of vLLM's DBO.
-
-Numerics mirror HF eager attention (scores in the activation dtype, softmax in fp32, cast back).
-Decode-only requests (one query token) are batched into one padded gather; other requests loop, so memory
-stays ``O(q_len * seq_len)`` per request. The loop reads ``*_cpu`` metadata; the data-dependent shapes
-make these functions unsuitable for CUDA-graph capture.
-
-MLA (DeepSeek) caches ``[latent (kv_lora_rank) | rotated rope key (qk_rope_head_dim)]`` per token and
-attends with *absorbed* weights for every token: ``q_nope`` is projected into latent space with
-``W_UK`` so attention is MQA with one 576-wide key head whose value is the latent itself, and the
-latent output is projected with ``W_UV``. Mathematically identical to HF's expand-then-attend
-(``kv_b_proj`` has no bias); chosen because it never materialises per-head K/V for the context.
+Masking is by position (a query at position ``p`` sees its request's keys at positions ``<= p``), which makes
+prefill, decode, chunked prefill and a request split across two ubatches one case. Numerics mirror HF eager
+attention. These functions may sync the host and have data-dependent shapes: fine for a reference, never
+inside an engine step. MLA attends with absorbed weights (MQA over the cached latent), identical to HF's
+expand-then-attend without materialising per-head K/V.
 """
 from __future__ import annotations
 

@@ -1,33 +1,11 @@
-"""The GPU backend: Triton split-KV paged decode, SDPA prefill.
+"""The GPU backend: Triton split-KV paged decode, SDPA prefill over padded groups.
 
-Decode reads each request's blocks through the block table up to its ``seq_len``
-(``runner/attention/triton_paged_decode.py``): nothing of size requests x max_model_len is materialised, in
-eager steps or inside a CUDA graph, and the grid depends on shapes only, so the same call is captured.
-Prefill runs one ``torch.nn.functional.scaled_dot_product_attention`` per padded group of requests
-(``prefill_batch.py``). A group of fresh prompts of one length asks for ``is_causal`` (GQA through
-``enable_gqa``: the flash kernel on a GPU takes both). Any other group passes its mask, bottom-right
-aligned per request (chunked prefill, the second part of a request cut across two ubatches) with the
-padding hidden, as an additive bias. Flash takes no mask, and CUDA's memory-efficient kernel, which takes
-a bias, is not known to take ``enable_gqa`` as well (``benchmarks/bench_prefill.py`` lists which kernel
-takes each form on the GPU at hand), so GQA is folded into the query length instead: the ``G`` query heads
-sharing a KV head become ``G`` runs of queries of that head, ``[R, Hkv, G * Lmax, D]``, with the mask
-repeated ``G`` times. The math is the same, and no kernel needs both features.
-
-Prefill's SDPA calls prefer flash, then the memory-efficient kernel, then math, over cuDNN
-(:data:`PREFILL_SDPA_ORDER`). From torch 2.11 on an H100 (its bundled cuDNN is past the version PyTorch gates
-on) the default order puts cuDNN first, and cuDNN builds an execution plan for every new shape; prefill groups
-change shape from step to step. On an H100 the engine's first generate call ran at about a third of its
-steady-state speed with cuDNN first (docs/benchmarks.md, the recorded GPU check); whether this order removes
-that gap is still to be measured on a GPU.
-
-A layer's sliding window makes its mask the windowed one (``PrefillGroup.visible``), never ``is_causal``. Its
-attention sinks (``options.py``) become ``G`` more keys per KV head with zero values, one per query head of the
-group, whose score for that query head is exactly its sink (a one-hot feature added to the queries, the sink in
-the keys) and which the bias hides from the others: the sinks' softmax columns, with no bias per head. Decode
-passes both to the kernel.
-
-The decode function is a constructor argument so tests can run the plumbing against a stand-in with the
-kernel's API; the engine always passes the kernel (:func:`load_paged_decode_kernel`).
+Decode reads each request's blocks through the block table (``triton_paged_decode.py``), capturable in a CUDA
+graph. Prefill asks SDPA for ``is_causal`` when a group is fresh prompts of one length, and otherwise passes the
+mask as an additive bias with GQA folded into the query length, in the kernel order of
+:data:`PREFILL_SDPA_ORDER` (no cuDNN); attention sinks are extra zero-value keys. The decode function is a
+constructor argument so tests can run the plumbing against a stand-in. Design: docs/design_notes.md,
+"Attention backends".
 """
 from __future__ import annotations
 

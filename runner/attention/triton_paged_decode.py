@@ -1,46 +1,11 @@
 """Split-KV ("flash-decoding") paged attention for decode steps: one query token per request, in Triton.
 
-Why: the torch decode path gathers every request's K/V up to the longest request into a dense tensor and
-runs an einsum, so it moves the KV several times over. This kernel reads each request's KV once per GQA
-group, straight from the paged cache through the block table, in the structure of vLLM's
-``triton_decode_attention.py`` and SGLang's ``decode_attention.py``:
-
-- stage 1, grid ``(request, kv_head x head_block, split)``: one program takes all query heads of a GQA
-  group (up to ``block_h`` of them) against one slice of the request's keys, so the slice's K/V is read
-  once for the group. It walks the slice ``block_n`` tokens at a time, looking each token's block up in
-  the block table, with an online softmax in fp32, and writes the slice's normalised output and
-  log-sum-exp (base 2);
-- stage 2, grid ``(request, query_head)``: merges the splits' partial outputs by their log-sum-exp. With a
-  single split stage 1 writes the final output itself and stage 2 is not launched.
-
-The number of splits is chosen on the host from shapes only (requests, KV programs per request, block
-table width, SM count), never from ``seq_lens``: a fixed input shape gives a fixed grid, so the launch is
-CUDA-graph capturable, and ``seq_lens`` is read only on the device. Each request's keys are cut into that
-many slices of equal length (rounded up to ``block_n``); slices past a short request's end are empty and
-write an empty result (log-sum-exp ``-inf``).
-
-Numerics: every load is cast to fp32. The dots run as TF32 when q, K and V are all 16-bit (bf16 and fp16
-values are exact in TF32, so ``q.k`` is exact products with fp32 accumulation, and only the fp32
-probabilities are rounded to TF32 for ``p.v``), and as IEEE fp32 when any of them is fp32. Cache slots at
-positions ``>= seq_len`` are never loaded (masked loads, ``other=0``), so the NaN an unwritten slot may
-hold cannot reach the result; a request with ``seq_len == 0`` gets zeros.
-
-The key loop has two forms, chosen by the ``INTERPRET`` constexpr (Triton's frontend drops the dead branch),
-around one ``@triton.jit`` body, ``_attend_keys``. Compiled, it is ``tl.range(start, end, BLOCK_N,
-num_stages=KEY_LOOP_STAGES)``: an ``scf.for``, which Triton software-pipelines, so the block-table, K and V
-loads of the next iterations are issued as asynchronous copies while the current one computes; an
-``scf.while`` is never pipelined, and its loads wait in turn. Interpreted, it is a ``while`` loop: its bounds
-come from ``seq_lens`` on the device, and ``range`` over such a bound fails in Triton 3.6's interpreter under
-NumPy >= 2.4 (its ``tensor.__index__`` calls ``int()`` on a one-element array). ``tests/triton_compile_check.py``
-checks in the sm_90 TTGIR that the compiled loop is an ``scf.for`` whose K/V tile loads are all asynchronous.
-
-A layer's sliding window of ``W`` keys (``runner/attention/options.py``) moves each request's first key to
-``max(0, seq_len - W)``: the splits cut ``[seq_len - W, seq_len)`` instead, and nothing before it is read. Its
-attention sinks (one logit per query head) start split 0's online softmax, as a key with no value: running
-maximum the sink, sum 1, output 0; the merge weighs that in once by its log-sum-exp, like any split.
-
-Triton is imported, and the kernels decorated, on the first call (once per interpreter mode), so this
-module imports without Triton.
+Stage 1 attends each GQA group against a slice of a request's keys read straight from the paged cache (K/V
+read once per group, online softmax in fp32); stage 2 merges the slices by log-sum-exp (vLLM's
+``triton_decode_attention.py``, SGLang's ``decode_attention.py``). The split count comes from shapes only, so the
+grid is fixed and the launch capturable; slots at or past ``seq_len`` are never loaded. The key loop is a
+pipelined ``tl.range`` when compiled and a ``while`` under the interpreter. Windows move a request's first key;
+sinks seed split 0's softmax. Triton is imported on first call.
 """
 from __future__ import annotations
 

@@ -1,63 +1,10 @@
-"""The engine's step loop, with scheduler-level CPU/forward overlap (SGLang's overlap scheduler) or without.
+"""The engine's step loop: synchronous, or overlapped as SGLang's overlap scheduler and vLLM's async scheduling.
 
-Synchronous (``--disable-overlap-schedule``): schedule N, run N, process N's results, repeat. The forward
-side idles while the CPU appends tokens, checks stops, frees KV blocks, streams outputs and schedules.
-
-Overlapped (the default on a GPU and with ``--emulate-device``, ``use_overlap_loop``)::
-
-    schedule N+1 -> launch N+1 -> read N's results -> process N -> schedule N+2 -> launch N+2 -> ...
-
-Steps are launched on one persistent executor thread, the CPU's "forward stream" (``ForwardExecutor``), in
-launch order. Launching does the step's host work (DP vote, inputs, metadata) and queues its forward and
-sampling on the device without waiting for them (``LaunchingRunner.launch``, ``runner/worker/pending.py``):
-so the executor launches N+1 while N still runs on the device, and never reads a result itself. The CPU thread
-reads N's results (``PendingStep.result``: an event after a ``non_blocking`` copy into pinned memory) only
-after N+1 is launched, then processes them (tokens, stop checks, KV frees, progress) and schedules N+2. So
-the device always has the next step queued as long as the host's work per step is shorter than a step on
-the device. Step N+1 is scheduled before N's tokens are known: its inputs name them by placeholders. The model
-runner resolves them on its device from its own future-token map (``runner/worker/device_future_map.py``: N
-scatters its sampled ids there, N+1 gathers them in stream order); a stand-in runner whose ``step`` computes
-on the host gets them resolved from the loop's host map (``runner/core/future_map.py``) instead. On the CPU
-the same path runs: the "device" is the executor thread, whose launch computes the step.
-
-- The CPU thread's waits (the step's launch on the executor, then its results) are each bounded by
-  ``step_timeout_s`` (the engine passes ``--dist-timeout-s``: a step that long would already have timed out
-  its peers' collectives). They bound the look-ahead to one step: the CPU schedules N+2 only after N's
-  results are processed, so the scheduler's speculative state is at most one step ahead, a request has at
-  most two unresolved outputs, and at most two steps are queued on the device.
-- ``LoopStats.launches_after_read`` lists the steps whose launch began only after the previous step's
-  results had been read: in steady decode none (``tests/test_pipelined_steps.py`` checks it on the emulated
-  device); the sync points below, and a host slower than the device, add to it.
-- A step's arrays are built fresh per step (placeholder resolution makes a copy of its token ids); the
-  scheduler's persistent block table is shared, but a request's row only gains entries past those its
-  steps in flight read, and is cleared only once none is in flight (``runner/attention/kv_cache.py``); the
-  runner's persistent ``input_ids``/``positions`` buffers are written by the executor only. So nothing a
-  running step reads is mutated in place.
-- DP: ``runner.launch`` does the DP all-reduce and the MoE all-to-alls. They all run on the executor thread,
-  one step after the other, so every rank issues its collectives in step order; each loop iteration
-  launches exactly one step per rank, which keeps the k-th steps of all ranks paired.
-
-**When a step is not overlapped** (the in-flight step's results are processed before the next launch):
-- *nothing to schedule*: every remaining request's next input depends on the in-flight step (its last
-  token is in flight, or it waits for blocks that step's finishers will free). An empty step is never
-  launched speculatively; in particular ranks only leave the loop together (the runner returns None when
-  no rank has work) after every rank has processed everything.
-- *preemption*: the scheduler never preempts while a step is in flight (a victim's tokens and blocks may
-  still be in use, its state speculative); it leaves the request out and sets ``wants_sync``, and the loop
-  processes the in-flight results before scheduling again, so preemption/recompute decisions see real state.
-- *consecutive prefill* with ``--disable-consecutive-prefill-overlap``: a prefill step following a
-  prefill step waits for the first one's results, so its first tokens are out before the next prefill runs
-  (time to first token) instead of one step later.
-- dummy steps (this DP rank has nothing, peers do) run synchronously: there is nothing to overlap.
-What needs nothing special: a request whose prefill finishes in N decodes in N+1 with a placeholder; a
-request whose last token (max_tokens / max_model_len) is in N is not scheduled in N+1 and frees its seat for
-an admission in N+1, as it would have in the synchronous loop (its blocks are freed when N is processed); a
-chunked prefill's next chunk is prompt tokens, known in advance; max_tokens / max_model_len are known in
-advance, so a request is never scheduled past them; a stop token found in N for a request already in N+1
-discards N+1's token and delays freeing its KV blocks and slot until N+1 is processed; seeded sampling:
-a draw depends only on the request's seed and output index, and the one speculative draw after its final
-token never matters; penalty counts: kept on the forward side from the inputs as resolved on the device
-(runner/worker/penalties.py).
+Overlapped, ``schedule N+1 -> launch N+1 -> read N's results -> process N -> schedule N+2``: one executor thread
+launches steps in order and never reads a result, so the device always has the next step queued while the host
+works; placeholders for tokens still in flight are resolved on the device (or from this loop's host map for a
+stand-in runner that computes on the host). Every wait is bounded by ``step_timeout_s``; ``LoopStats`` records
+the launches that had to wait and why. Design: docs/design_notes.md, "Engine core: scheduler and step loops".
 """
 from __future__ import annotations
 

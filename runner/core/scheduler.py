@@ -1,43 +1,11 @@
-"""Continuous batching with chunked prefill over a paged KV cache (vLLM-V1 style, one rank).
+"""Continuous batching with chunked prefill over a paged KV cache (vLLM V1 style, one rank).
 
-Each :meth:`Scheduler.schedule` builds one step under two budgets: at most ``max_num_seqs`` running requests
-and at most ``max_num_batched_tokens`` tokens. Running requests come first — decodes (one token each), then
-prefills that were chunked in an earlier step — and only then are waiting requests admitted, each with as
-much of its prompt as the remaining token budget allows (a long prompt is split across steps).
-
-KV blocks are allocated as a request grows and freed the moment it finishes, so nothing leaks. When a
-running request needs a block and none is free, the most recently admitted request not yet scheduled in this
-step is *preempted by recompute*: its blocks are freed, it goes back to the front of the waiting queue and
-later recomputes prompt + generated tokens as one prefill (its sampled tokens are kept, and a draw depends only
-on the request's seed and output index, so its output does not change). Admission never preempts: a waiting
-request waits until blocks free up. FCFS order guarantees progress because the oldest request can always
-reclaim every block, and a request that could not fit even in an empty cache is rejected up front with an error.
-
-Requests that cannot run (empty prompt, token id outside the vocabulary, prompt + 1 > max_model_len, cache too
-small) finish immediately with ``finish_reason == "error"`` and a message; the other requests are unaffected.
-
-**Results may lag one step** (the overlap loop, ``runner/core/overlap_loop.py``). ``schedule()`` advances each
-scheduled request at once, as if its step had already run: ``num_computed_tokens`` moves forward and a
-sampling chunk appends a *placeholder* output (``slots.placeholder(slot)``); ``update()`` later
-replaces the oldest placeholder with the real token and runs the stop checks. So step N+1 can be scheduled
-before step N's results are in: a request decoding in both feeds N+1 the placeholder, which the forward
-side resolves from the future-token map. Called in lock-step (schedule, step, update), this is exactly the
-synchronous scheduler. With a step in flight:
-- a request whose last token is already in flight (max_tokens / max_model_len reached counting placeholders)
-  is not scheduled again: that is known in advance; its seat goes to a waiting request right away;
-- a stop token is not known in advance, so the request may be scheduled once more; when ``update()`` of
-  the earlier step finishes it, the speculative placeholder is dropped, the later step's token is discarded,
-  and its KV blocks and slot are released only once every step it is in has been updated (that step is
-  still reading and writing them);
-- no preemption: victims could be requests whose state is speculative. A request that would need one is
-  left out of the step and ``wants_sync`` asks the loop to process the in-flight results first.
-Every request holds a *slot* (allocated at admission, freed at finish or preemption) that names its entry
-in the future-token map and its row of the persistent block table (``block_table``) for its whole life.
-
-**Host time.** A step is handed over as arrays over its requests (``SchedulerOutput``), and a request's blocks
-stay in its table row, which changes only when it gets a block (a block at a time as it crosses a block
-boundary) or gives its blocks back: nothing per request is copied per step, and what the model runner derives
-from the step (positions, block table, slot mapping) is vectorised (``docs/design_notes.md``, "Engine core").
+Each step takes running requests first (decodes, then chunked prefills), then admits waiting ones within
+``max_num_seqs`` and ``max_num_batched_tokens``. A running request short of a block preempts the most recently
+admitted request not yet scheduled (recompute; its draws do not change); admission never preempts, so FCFS
+guarantees progress. ``schedule()`` advances requests as if their step had run (placeholders for sampled
+tokens) and ``update()`` fills in the real tokens, so step N+1 can be scheduled before N's results; with a step
+in flight nothing is preempted (``wants_sync``). Design: docs/design_notes.md, "Engine core".
 """
 from __future__ import annotations
 

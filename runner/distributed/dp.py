@@ -1,32 +1,10 @@
 """Agreeing across data-parallel ranks, once per step, whether to ubatch, how far to pad, and how to size.
 
-Every rank issues the same MoE all-to-alls, so every rank must run the same number of ubatches with the
-same number of layers, or a collective pairs with the wrong partner and hangs. One small all-reduce
-settles it (vLLM #25768 folded three into one): each rank writes its own column of the table below; the
-sum gives every rank the full table, and :func:`decide` turns it into the same decision everywhere.
-
-Rows: ``orig`` tokens, ``padded`` tokens, ubatch ``vote`` (the thresholds), ``work`` (has tokens),
-``prefill`` (the batch is not a uniform decode), ``split`` (this rank's first-ubatch boundary when its split
-is not the default ``padded // n``, e.g. SGLang's balanced split; 0 otherwise) and ``pays`` (the rank's
-measured cost model says ubatching this step is faster; ``runner.worker.dbo_cost_model``; 1 without one).
-
-Two rules decide whether the step ubatches (``--dbo-dp-rule``):
-
-- ``sglang`` (default; SGLang's two-batch overlap): a rank with no work never vetoes -- it runs two
-  padding-only ubatches so the collectives match -- and a rank under the threshold does not either: the
-  step ubatches when any working rank passes its threshold and the largest rank's cost model agrees,
-  because every rank waits for the slowest at each all-to-all, so the largest batch sets the step time and
-  decides whether splitting pays. A rank with few tokens may then get a ubatch that is all padding; the
-  MoE layers route padding nowhere, so it costs no all-to-all bytes.
-- ``vllm``: ubatch only if **all** ranks vote yes (thresholds and cost model) and the last ubatch is
-  non-empty on every rank (the cut comes from the padded max, so the test uses min original against max
-  padded). One idle rank, or one under the threshold, turns the overlap off for everyone.
-
-Either way, when ubatching every rank pads to the max (same ubatch sizes everywhere, which CUDA graphs
-need), and the decision carries each ubatch's token bound -- the max over ranks of that ubatch's size --
-so fixed-size all-to-all buffers are sized per ubatch, not by the whole step. A rank with no work still
-takes part (the caller runs a dummy step) while any rank has work; when no rank has work, every rank
-learns it in the same step and the loop ends everywhere together.
+Every rank must run the same ubatches and layers or an all-to-all pairs with the wrong partner and hangs, so
+one all-reduce of a small table (a column per rank: tokens, padded tokens, threshold vote, work, prefill,
+split point, cost-model vote) gives every rank the same decision (:func:`decide`), under ``--dbo-dp-rule``
+``sglang`` (default: idle and small ranks never veto; the largest rank's cost model decides) or ``vllm`` (all
+ranks must vote yes). Design: docs/design_notes.md, "Distributed: DP agreement, launcher, faults".
 """
 from __future__ import annotations
 

@@ -1,32 +1,11 @@
 """Process bootstrap: join a ``torchrun`` world, or spawn and supervise one process per DP rank.
 
-Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``MASTER_ADDR``/``MASTER_PORT`` set) :func:`init_distributed`
-joins the default group; the rendezvous, its address and the network interfaces are then torchrun's and the
-user's to choose (README, "Several machines").
-
-Otherwise :func:`launch` is the built-in spawner. It starts ``nprocs`` children with the ``spawn`` start
-method (``fork`` after torch has started threads can deadlock); they meet through a ``FileStore`` in a
-private directory and keep their gloo/NCCL connections on loopback (``runner/distributed/rendezvous.py``: nothing a
-single-node launch opens listens beyond this machine); each runs ``fn(*args)`` and sends its result back over
-a pipe.
-
-Both paths take the ``--device`` setting (``runner/distributed/device.py``): NCCL and one GPU per rank for CUDA (a host with
-fewer GPUs than ranks is refused before any rank starts, naming ``--device cpu``), gloo for the CPU, where
-nothing here touches CUDA even when a GPU is present.
-
-The parent supervises, so that a failure is named and no rank outlives the launch:
-
-- a rank that dies (non-zero exit or a signal) is named -- "rank 1 exited with signal SIGKILL" -- and the
-  others are terminated (SIGTERM, then SIGKILL after ``grace_s``), so a dead peer never leaves the
-  survivors hanging in a collective until the timeout;
-- a rank that stops sending heartbeats (``runner/distributed/liveness.py``) for ``silence_s`` (default: the collective
-  timeout, when its peers would time out anyway) is named as having stopped responding, with its process
-  state; when a peer fails first -- typically that collective timeout -- a rank silent at that moment is
-  named first, as the likely cause, instead of the peer that merely timed out;
-- SIGINT, SIGTERM or SIGHUP to the parent terminates every rank, then raises :class:`LaunchInterrupted`
-  naming them; ranks also die with the parent if it is killed outright (``PR_SET_PDEATHSIG``, watchdog);
-- an exception in a rank travels to the parent as its message and traceback (:class:`RankFailedError`);
-  with ``child_tracebacks`` the rank also prints the traceback, prefixed with its rank.
+Under ``torchrun`` the rendezvous and network are the user's. Otherwise :func:`launch` spawns the ranks
+(``spawn``: ``fork`` after torch has started threads can deadlock), which meet through a private ``FileStore``
+on loopback (``rendezvous.py``), and supervises them so that a failure is named and no rank outlives the
+launch: a dead or silent rank (``liveness.py``) is named and the others terminated, signals to the parent end
+every rank, and a rank's exception reaches the parent with its traceback (:class:`RankFailedError`).
+Design: docs/design_notes.md, "Distributed: DP agreement, launcher, faults".
 """
 from __future__ import annotations
 

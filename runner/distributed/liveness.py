@@ -1,16 +1,9 @@
 """Liveness between the built-in spawner and its ranks: heartbeats up, death of the parent down.
 
-Up: every spawned rank runs a daemon thread that stamps the time (``time.monotonic``, one clock for every
-process on the machine) into its row of a shared-memory board every :data:`BEAT_INTERVAL_S`; the engine adds
-its step count with :func:`report_progress`. The parent reads the board while it waits. A rank whose process
-is gone is *dead* (its exit status says why); a rank whose process exists but whose stamps stopped is
-*silent*: stopped (SIGSTOP, a debugger), or frozen in native code holding the GIL. Without this, a silent
-rank shows up only as its peers' collective timeout, which blames the peer that timed out.
-
-Down: a rank must not outlive its parent (a parent killed with SIGKILL cannot stop its ranks, and the
-orphans would run at full CPU until their collectives time out). On Linux, ``prctl(PR_SET_PDEATHSIG,
-SIGKILL)`` has the kernel kill the rank when the parent dies; everywhere, the heartbeat thread also checks
-that its parent is still the one that spawned it and kills its own process when it is not.
+Up: each rank stamps the time (and its step count) into its row of a shared-memory board, so the parent can
+tell a *dead* rank from a *silent* one (stopped, or frozen in native code) and name it, rather than the peer
+whose collective timed out. Down: a rank must not outlive its parent (``PR_SET_PDEATHSIG``, and a parent check
+in the heartbeat thread), or orphans would spin until their collectives time out.
 """
 from __future__ import annotations
 

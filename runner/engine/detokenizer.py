@@ -1,24 +1,9 @@
 """Incremental detokenization and stop strings, per request (vLLM's ``vllm/v1/engine/detokenizer.py``).
 
-**Text as tokens arrive.** Decoding each new token alone is wrong twice over: a byte-level BPE token may hold
-half of a UTF-8 character (alone it decodes to U+FFFD), and a tokenizer's decoder decides leading spaces from
-the tokens around it. So, as vLLM's detokenizer (after text-generation-inference), each step decodes a short
-window twice: ``ids[prefix_offset:read_offset]`` (text already emitted) and ``ids[prefix_offset:]`` (the same
-plus the new tokens); the new text is the difference. When the longer decode ends in U+FFFD, or adds nothing,
-the tokens wait (the offsets stay) until a later token completes them, so a stream never shows a replacement
-character for a character that is still arriving. The window starts on the prompt's last tokens, so the first
-output token gets its leading space as in the whole text.
-
-**Stop strings** are searched in the new text plus the ``len(stop) - 1`` characters before it, so one that
-spans two or more tokens is found the moment it is complete. The text is cut before it (after it with
-``include_stop_str_in_output``) and the request stops with the string as its ``stop_reason``. Where several
-stop strings complete in one step, the one that starts first wins (vLLM takes the first in list order that
-matches anywhere; the earliest is what a reader of the text expects). While a request streams, the last
-``max(len(stop)) - 1`` characters are held back (``SamplingParams.output_text_buffer_length``): they may be
-the start of a stop string that the next token completes, and text once sent cannot be taken back.
-
-A request that stops on EOS or a stop token (the engine core's ``"stop"``) does not decode that token unless
-``include_stop_str_in_output`` (vLLM does the same); it stays in ``token_ids``.
+Each step decodes a short window of ids twice (text-generation-inference's prefix/read offsets) and emits the
+difference, holding tokens back while they end in half a UTF-8 character. The earliest stop string to
+complete wins; while streaming, the last ``max(len(stop)) - 1`` characters are held back because text once
+sent cannot be taken back. Design: docs/design_notes.md, "Engine client".
 """
 from __future__ import annotations
 

@@ -1,25 +1,9 @@
-"""The checkpoint's tokenizer, loaded by transformers, and the three things the engine asks of it: encode a
-prompt, decode ids, render a chat.
+"""The checkpoint's tokenizer and the three things the engine asks of it: encode a prompt, decode ids, render a chat.
 
-transformers already knows every checkpoint convention that matters here (special tokens, BOS through
-``add_bos_token`` or the tokenizer's post-processor, ``chat_template`` in ``tokenizer_config.json`` or
-``chat_template.jinja``), so it loads the tokenizer whenever it can:
-
-- with ``tokenizer_config.json``: ``AutoTokenizer.from_pretrained(dir)``, the tokenizer class the checkpoint
-  names;
-- with only ``tokenizer.json``: ``PreTrainedTokenizerFast(tokenizer_file=...)``, the file's own pipeline.
-  ``AutoTokenizer`` would guess a class from ``config.json``'s ``model_type`` instead, and in transformers 5 a
-  model-specific class rebuilds its own pipeline: a WordLevel ``tokenizer.json`` under a ``qwen3_moe`` config
-  then encodes every text to ``[]``.
-
-Only where transformers is missing or fails to load the files does the ``tokenizers`` library read
-``tokenizer.json`` itself (:class:`TokenizersAdapter`), and that is logged once, naming the file and why: it
-has no chat template and none of ``tokenizer_config.json``'s settings.
-
-Prompts are encoded as vLLM encodes them, ``tokenizer.encode(prompt)`` with the tokenizer's default special
-tokens (a BOS where the tokenizer adds one); a chat is rendered to text by the template, then encoded without
-adding special tokens (the template writes its own), as vLLM's ``LLM.chat`` and transformers'
-``apply_chat_template(tokenize=True)`` do.
+transformers loads it whenever it can (``AutoTokenizer`` with ``tokenizer_config.json``, the generic
+``PreTrainedTokenizerFast`` with only a ``tokenizer.json``); the ``tokenizers`` library reads the file itself
+only where transformers is missing or fails (:class:`TokenizersAdapter`, logged once). Prompts and chats are
+encoded as vLLM encodes them. Design: docs/design_notes.md, "Engine client".
 """
 from __future__ import annotations
 

@@ -1,36 +1,11 @@
 """LLM: the offline Python API, as vLLM users write it (vLLM's ``vllm/entrypoints/llm.py``), one instance per DP
 rank.
 
-``LLM(model=..., dtype=..., seed=..., data_parallel_size=..., enable_expert_parallel=..., enable_dbo=...,
-max_num_seqs=..., max_model_len=..., gpu_memory_utilization=..., generation_config=...)`` takes vLLM's keyword
-names (RunnerConfig's fields). ``generate(prompts, sampling_params)`` returns one vLLM ``RequestOutput`` per
-prompt (``outputs[0].text``, ``outputs[0].token_ids``, ``prompt_token_ids``, ``finished``; ``n`` outputs with
-``n > 1``); ``chat(messages, sampling_params)`` renders the checkpoint's chat template first. Without sampling
-params, the defaults of the checkpoint's ``generation_config.json`` apply (``get_default_sampling_params``).
-Text in and text out go through the engine client (``runner/engine/``): tokenizer, detokenizer and stop
-strings, ``n > 1`` fan-out, the checkpoint's EOS ids.
-
-Every rank calls ``generate`` with the *same* prompt list (SPMD). Prompt ``i`` runs on DP rank
-``i % data_parallel_size``; each rank steps its engine core until no rank has work left (idle ranks run dummy
-steps meanwhile, so the MoE collectives stay matched), then the outputs are all-gathered so every rank
-returns the full list in input order. A prompt that cannot run (empty, a token id outside the vocabulary, no
-room under ``max_model_len``, a sampling token id outside the vocabulary) raises ``ValueError`` naming the prompt
-and the limit before any step runs, on every rank alike, as vLLM's ``LLM`` raises.
-
-The loop itself is ``runner/core/overlap_loop.py``: on a GPU by default the CPU processes step N-1 and schedules N+1
-while step N runs on a forward executor thread; on the CPU, and with ``--disable-overlap-schedule``, one step at a
-time, in this thread (``use_overlap_loop``).
-With ``trace_file`` set, each call is recorded and written as a Chrome trace (``runner/tracing.py``); a trace
-that cannot be written at the end costs the file, not the outputs (``last_trace.error`` says why).
-
-Random sampling without an explicit seed uses seed ``cfg.seed * 1_000_003 + i`` for prompt ``i`` (sample
-``k`` of ``n``: see ``runner/engine/parallel_sampling.py``): a request's tokens then depend only on its own
-prompt, seed and logits — not on which rank ran it, what else was in its batch, or whether DBO split the step.
-
-One ``LLM`` runs one ``generate`` at a time: its scheduler state, its model runner's persistent input
-buffers and its forward thread serve one call. Calls from several threads are serialised by a lock (each
-returns its own outputs, in turn). With ``data_parallel_size > 1`` every rank must make the same calls in the
-same order, which the arrival order of threads cannot guarantee, so there a concurrent call raises instead.
+``generate`` and ``chat`` take vLLM's arguments and return vLLM's ``RequestOutput``s, through the engine client
+(text in and out) and an in-process ``EngineCore`` and step loop. With DP every rank calls ``generate`` with the
+same prompts (SPMD): prompt ``i`` runs on rank ``i % data_parallel_size`` and the outputs are all-gathered.
+Bad prompts raise ``ValueError`` before any step. One call runs at a time (a lock; with DP a concurrent call
+raises). Design: docs/design_notes.md, "Front ends".
 """
 from __future__ import annotations
 

@@ -1,10 +1,8 @@
 """``python -m runner serve MODEL``: the OpenAI-compatible server over the DP ranks (vLLM's ``vllm serve``).
 
-Everything that can be checked before a rank starts is (the model's config and checkpoint headers,
-``--max-model-len``, the generation config, every engine flag: exit 2 naming the flag). Then one engine-core
-process per DP rank loads the model (``runner/engine/core_client.py``), and the HTTP server runs until
-SIGTERM/SIGINT (drain, exit 0) or until a rank dies (exit 1, naming it). Design: docs/design_notes.md,
-"Front ends" and "Engine client".
+Everything that can be checked before a rank starts is (exit 2 naming the flag); then one engine-core process
+per DP rank loads the model and the HTTP server runs until SIGTERM/SIGINT (drain, exit 0) or until a rank dies
+(exit 1, naming it). Design: docs/design_notes.md, "Front ends" and "Engine client".
 """
 from __future__ import annotations
 

@@ -1,46 +1,10 @@
 """Which overlap schedule a model's two ubatches follow: ``moe`` (yields only in the MoE kernel) or ``deepseek``.
 
-``moe`` (the default) is vLLM's DBO: each MoE layer yields twice, after sending its dispatch and after
-sending its combine, so a ubatch's all-to-all flies while the other ubatch runs its attention or experts.
-
-``deepseek`` is DeepSeek's published two-micro-batch decode pipeline (deepseek-ai/profile-data, README
-"Decoding" and ``assets/decode.jpg``), with four compute stages per MoE layer -- SHARED (shared experts),
-ATTN-0 (MLA down/up projections after the combine), MLP (routed experts), ATTN-1 (core attention, output
-projection, routing gate). Micro-batch 0 runs one stage ahead of micro-batch 1, and the compute stream
-sees, per layer::
-
-    SHARED(0) ATTN-0(1) | MLP(0) | ATTN-1(1) SHARED(1) ATTN-0(0) | MLP(1) | ATTN-1(0) ...
-    DISPATCH(0) under SHARED(0)+ATTN-0(1), COMBINE(0) under ATTN-1(1),
-    DISPATCH(1) under SHARED(1)+ATTN-0(0), COMBINE(1) under ATTN-1(0).
-
-Here it is three yields per MoE layer plus one per step, built from:
-
-- the MoE kernel with the shared experts between the dispatch send and its yield (SBO's
-  ``dispatch_shared_experts`` ordering), so SHARED runs while its own dispatch flies;
-- one :func:`stage_boundary` inside attention, between ATTN-0 and ATTN-1 (every layer, dense ones too,
-  so the count never depends on the layer kind);
-- a one-stage offset: ubatch 1 yields once before its first layer, ubatch 0 once after its last.
-
-Receives stay vLLM's recv hooks, parked on the other ubatch: a stage boundary runs the hooks parked on
-the yielding ubatch before handing over, so a transfer sent at the end of one ubatch's stage is in
-flight during exactly the other ubatch's next stage. SGLang expresses the same pipeline with each
-ubatch completing its own receives (``python/sglang/srt/batch_overlap/operations_strategy.py``,
-``_compute_moe_deepseek_blog_decode``: five ``YieldOperation`` per layer and ``tbo_delta_stages=2``,
-one of its stages being only the combine's receive); the compute order is the same.
-
-When it pays: each dispatch has only SHARED + the other ubatch's ATTN-0 to hide under, each combine the
-other's ATTN-1. DeepSeek sizes those windows for its hardware, where the low-latency dispatch sends FP8 and
-the combine BF16 (a dispatch about half a combine) and ATTN-1 (core attention over a long cache) is the
-longest stage. Where a dispatch is as large as a combine, or SHARED + ATTN-0 is short next to the routed
-experts, the ``moe`` schedule hides more: its dispatch flies under the other ubatch's whole attention
-(``benchmarks/bench_deepseek_schedule.py`` measures both). That, and one more handoff per layer, is why
-``moe`` is the default.
-
-Like SGLang (which picks the strategy by forward mode), ``deepseek`` applies this pipeline to decode
-steps only: a step in which any DP rank prefills (``DPMetadata.any_prefill``, the same on every rank)
-runs the ``moe`` schedule, which is DeepSeek's prefill profile (shared experts under the combine). Every
-decision reads step-level facts only, so both ubatches -- an empty or dummy one included -- hit the same
-yields.
+``moe`` (the default) is vLLM's DBO: two yields per MoE layer, after the dispatch send and the combine send.
+``deepseek`` is DeepSeek's decode pipeline (deepseek-ai/profile-data, README "Decoding"): stages SHARED, ATTN-0,
+MLP, ATTN-1 with ubatch 1 one stage behind ubatch 0, built from the MoE kernel (shared experts between the
+dispatch send and its yield), one :func:`stage_boundary` inside attention and a one-stage offset; prefill steps
+run ``moe``. Why ``moe`` is the default: docs/design_notes.md, "Models".
 """
 from __future__ import annotations
 

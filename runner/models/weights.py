@@ -1,24 +1,10 @@
 """Hugging Face tensor names -> model parameters, with expert-parallel filtering and strict checking.
 
-Every model describes its checkpoint with a :class:`WeightSpec` (the exact HF names and shapes), which is the
-single source of truth for three things: where each tensor goes, which tensors a rank must see (missing ->
-error naming the tensor), and what a built-in tiny checkpoint contains. Strictness is deliberate: a silently
-skipped or mis-mapped tensor produces a model that runs and emits garbage.
-
-Expert formats accepted (both reach ``FusedMoE.load_expert_weight`` one expert at a time, so each EP rank
-keeps only its local experts):
-- per expert: ``model.layers.N.mlp.experts.E.{gate_proj,up_proj,down_proj}.weight`` — what original
-  checkpoints hold and what ``save_pretrained`` writes in transformers 5.23 (it converts back on save);
-- fused: ``model.layers.N.mlp.experts.gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and
-  ``model.layers.N.mlp.experts.down_proj [E, H, I]`` — transformers 5's in-memory layout (``state_dict()``).
-
-A family whose checkpoints name tensors otherwise (Mixtral's ``block_sparse_moe.experts.E.w1``) lists
-``aliases``: each name is rewritten to the names above (:func:`canonical_name`) before anything else.
-  ``model.layers.N.mlp.experts.down_proj [E, H, I]`` — transformers 5's in-memory layout (``state_dict()``);
-- fused, gpt-oss (``WeightSpec.fused_layout == "gpt_oss"``, what its checkpoints hold): ``gate_up_proj
-  [E, H, 2I]`` whose columns alternate gate and up, ``down_proj [E, I, H]``, and the biases ``gate_up_proj_bias
-  [E, 2I]`` (alternating too) and ``down_proj_bias [E, H]``; per expert they become the names above, with
-  ``.bias`` for the biases (``WeightSpec.expert_bias``).
+A model's :class:`WeightSpec` (exact names and shapes) says where each tensor goes, which tensors a rank must
+see and what a built-in tiny checkpoint holds; a missing, mis-shaped or unknown tensor is an error, because a
+silently skipped one gives a model that runs and emits garbage. Experts load per expert, fused (transformers
+5's in-memory layout) or in gpt-oss's fused layout, each EP rank keeping its own; ``aliases`` rewrite a family's
+other names (Mixtral's ``block_sparse_moe``) first.
 """
 from __future__ import annotations
 

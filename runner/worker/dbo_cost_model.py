@@ -1,34 +1,10 @@
 """Whether ubatching pays for this step, decided from step times measured with DBO on and off.
 
-vLLM and SGLang gate DBO/TBO with fixed token thresholds (SGLang's source notes the gap: "may smartly
-disable TBO when batch size is too small b/c it will slow down"). Whether splitting a step pays depends on
-the model, the batch, the machine and the interconnect: a tiny model whose every op is dispatch-bound loses
-at any batch size, a compute-bound one with a slow link wins well below the thresholds. So, on top of the
-thresholds (which still apply first), the engine measures.
-
-Steps are grouped by phase (prefill or uniform decode), size (the bit length of the rank's token count:
-each bucket spans a factor of two) and execution (a CUDA-graph replay or an eager step). A replayed step
-costs a fraction of an eager one, so a step is only ever compared with steps that ran the same way: the
-vote names the execution both choices would get (``None`` when one would replay and the other not, which
-the graph plan avoids by capturing both kinds where the model may choose; the thresholds then decide
-alone), and a step is recorded in the bucket of the execution it actually got.
-
-Per bucket the model keeps the seconds per token of the last ``window`` steps with DBO on and of the last
-``window`` with it off, and compares the two sides by their fastest recent step. The first step of a
-bucket runs with DBO, the next without; after that the faster side wins. The losing side is tried again
-after ``explore_every`` steps of the bucket, and that gap doubles each time the result stands (up to
-``max_explore_every``), so a wrong early call is corrected, and a right one costs less and less.
-
-Why the fastest recent step and not an average: what disturbs a step time is one-sided. A step that compiles
-a kernel for a new shape, plans an attention kernel, collects garbage or shares the CPU with another process
-is slower, never faster, and one such step can be 100x the others; an average remembers it for as long as
-the looks at that side are rare. The minimum of the last few forgets a slow step after one more look, and
-follows a real change within ``window`` steps of that side. Both sides keep the same number of samples, so
-neither gets more chances at a low one.
-
-The seconds come from ``runner.worker.dbo_step_timing`` (the forward's GPU time on CUDA, host time on CPU).
-The decision is this rank's *vote*; the DP vote (``runner.distributed.dp``) turns the ranks' votes into one
-decision, and each rank records what actually ran.
+Fixed thresholds (vLLM's, SGLang's) cannot tell a model and machine where DBO loses. Per bucket (phase, size as
+the bit length of the token count, execution: graph replay or eager) this keeps each side's seconds per token
+of its last ``window`` steps, votes for the side whose fastest recent step is faster (slow outliers are
+one-sided) and re-checks the loser with exponential back-off. The vote is this rank's; ``runner.distributed.dp``
+decides. Design: docs/design_notes.md, "Model runner", "The DBO decision".
 """
 from __future__ import annotations
 

@@ -1,32 +1,10 @@
 """KV cache sized from the GPU memory left after weights, activations and CUDA graphs (vLLM's
 ``--gpu-memory-utilization``).
 
-On a GPU, without ``--num-kv-blocks``::
-
-    KV blocks = (utilization x total memory - in use after weights - activation peak - graph memory)
-                / bytes per block  - 1 (the null block graph padding writes to)
-
-capped at what ``--max-num-seqs`` requests of ``--max-model-len`` tokens can use. vLLM caps nothing; here the
-scheduler never holds more than ``max_num_seqs`` requests and there is no prefix cache to keep freed blocks
-warm, so blocks past the cap would never be used, and a test or benchmark of a small model would take most
-of the GPU for nothing.
-
-The order, because the graphs bind the KV tensors' addresses and so must be captured after the final cache
-exists (:func:`fit_kv_cache_to_memory`, called from ``ModelRunner.__init__``):
-
-1. ``ModelRunner`` allocates a minimal cache (:func:`initial_num_kv_blocks`: enough blocks for the profiling
-   step) and its persistent buffers;
-2. the memory in use is read (device-wide, from the driver, less the minimal cache);
-3. a profiling forward of the largest step (``max_num_batched_tokens`` prompt tokens spread over up to
-   ``max_num_seqs`` requests, plus their logits) gives the activation peak (allocator peak above the start);
-4. a trial capture of the largest planned size on the minimal cache (its plain and its DBO graph where the
-   plan holds both) gives the graph memory: the graphs share one pool and are captured largest first, so
-   the largest size's pool is what the ladder needs, plus each smaller graph's static output; the trial is
-   then released;
-5. the minimal cache is replaced by the sized one; the caller then captures the real graphs.
-
-A capture that still runs out of memory drops sizes (``cudagraph.manager``) rather than failing. On CPU
-nothing here runs: the cache keeps its old default size.
+On a GPU without ``--num-kv-blocks``: a minimal cache, a profiling forward of the largest step and a trial
+capture of the largest graph size give the activation peak and graph memory; the rest (capped at what
+``--max-num-seqs`` requests of ``--max-model-len`` can use: no prefix cache would use more) becomes the cache,
+which must exist before the real graphs are captured (they bind its addresses). On CPU nothing here runs.
 """
 from __future__ import annotations
 

@@ -1,31 +1,10 @@
-"""The batched sampler: one token per row over the whole step, on the model's device, with vLLM's options.
+"""The batched sampler: one token per row over the whole step, on the model's device, with vLLM V1's options and
+order.
 
-Order (vLLM V1, ``vllm/v1/sample/sampler.py``):
-
-1. logprobs, when some row asked: ``raw_logprobs`` (log_softmax of the model's logits, before any processing);
-2. logits to float32;
-3. transforms that can change the argmax: ``min_tokens`` (the stop tokens -- the model's EOS ids, the row's
-   ``all_stop_token_ids`` and ``stop_token_ids`` -- masked while the row has fewer outputs than asked), then
-   ``logit_bias``, then the repetition, frequency and presence penalties (``runner/worker/penalties.py``);
-4. greedy rows: the argmax of those logits (exact, whatever else is in the batch);
-5. random rows: temperature, min-p, top-k/top-p (``runner/worker/sampling_ops.py``), then a draw by inverse
-   CDF whose uniform is a hash of (seed, output index) (``runner/worker/sampling_noise.py``);
-6. the sampled token's logprob and rank, and the top-N (from step 1's logprobs).
-
-Every stage runs over all the rows that use it at once; stages no row uses are skipped. The only wait for the
-device is the single read of the results (sampled ids, and the logprobs asked for) at the end.
-
-**Host work per step.** The engine's steps come as arrays (``SchedulerOutput``); the requests' settings live in
-a persistent per-slot table (``runner/worker/sampling_settings.py``), written once per request when its first
-chunk arrives. :meth:`Sampler.prepare` and :func:`build_sampling_metadata` read a step with numpy over its
-arrays: a step of greedy or plain-temperature requests costs a constant amount of Python, whatever its size.
-Rows given by hand (:meth:`Sampler.sample`: tests, benchmarks) get a table of their own built per call.
-
-**Reproducibility.** A row's result depends only on its own logits, settings, seed and output index: every
-operation is row-wise, and the uniform is a function of (seed, output index) rather than a generator's
-state. So a seeded request samples the same tokens alone or in any batch, on any DP rank, with DBO on or off;
-preemption and recompute resample the same token (same output index); an unseeded request uses the seed the
-engine derives for it (``EngineCoreRequest.default_seed``).
+Every stage runs over the rows that use it at once and is skipped when none does; the only wait for the device
+is one read of the results. Settings live in a per-slot table (``sampling_settings.py``), so a step is read as
+arrays; a draw's uniform is a function of (seed, output index) (``sampling_noise.py``), so a row's token does
+not depend on its batch, DP rank or DBO. Design: docs/design_notes.md, "Model runner", "Sampler".
 """
 from __future__ import annotations
 

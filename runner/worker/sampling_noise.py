@@ -1,26 +1,10 @@
 """Counter-based sampling noise: each draw's uniform is a pure function of (seed, output index).
 
-A request's draws must not depend on its batch, its DP rank or DBO, and the batch is sampled in one pass with
-no per-request generator. So the randomness is not drawn from a stateful RNG but *computed*: the draw for a
-request's ``i``-th output uses the uniform ``row_uniform(seed, i)``, a hash of the two, and picks its token by
-inverse CDF over the row's probabilities (:func:`draw_by_inverse_cdf`). Recomputing a preempted request,
-speculative steps of the overlap loop and the batch around it leave each draw unchanged.
-
-**Why one uniform per row and not one per token (Gumbel-max).** The Gumbel-max trick (vLLM's
-``gumbel_sample``) needs a uniform per vocabulary entry, i.e. a hash and two logarithms over the whole
-``[rows, vocab]`` tensor, as does the exponential race of vLLM's ``random_sample``; an inverse CDF needs one
-uniform per row, an ``exp`` and a running sum. Both are exact draws from the distribution; on a GPU both are a
-few memory-bound passes, on the CPU the per-token noise costs several times the whole inverse-CDF draw
-(docs/benchmarks.md, "Sampler cost per decode step", the ``draw`` rows).
-
-**The hash** runs on the host: SplitMix64's finaliser (Steele, Lea and Flood, "Fast splittable pseudorandom
-number generators", 2014; ``java.util.SplittableRandom``) applied to the seed, XORed with the output index and
-applied again; the top 24 bits make the uniform, so it is exact in float32 and lies in ``[0, 1 - 2**-24]``.
-:func:`row_uniform` is the definition, in exact Python integers; the engine hashes each request's seed once
-(:func:`seed_hash`, when the request arrives) and a whole step's draws at once in numpy ``uint64``, whose
-arithmetic is the same modulo 2**64 (:func:`row_uniforms`). ``tests/test_sampling_noise.py`` checks the
-finaliser against SplitMix64's published outputs, the vectorised uniforms against :func:`row_uniform`, and the
-uniforms for uniformity and independence.
+A request's draws must not depend on its batch, DP rank or DBO, and a step is sampled in one pass with no
+per-request generator, so the uniform is computed: SplitMix64's finaliser over the seed, XORed with the output
+index and applied again, top 24 bits (exact in float32); the token is picked by inverse CDF, one uniform per row
+rather than one per vocabulary entry (Gumbel-max). :func:`row_uniform` is the definition in exact integers,
+:func:`row_uniforms` the same in numpy ``uint64`` for a whole step.
 """
 from __future__ import annotations
 

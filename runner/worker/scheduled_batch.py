@@ -1,23 +1,10 @@
 """What the scheduler hands the model runner for one step: the chunk of tokens each request computes.
 
-These types are the model runner's input contract; the scheduler (``runner/core/scheduler.py``) produces
-them. They live on the worker side so that the model runner depends on nothing above it.
-
-A step is stored as arrays over its requests, in schedule order (what the model runner reads, vectorised):
-``req_ids``, ``slots``, ``num_computed``, ``query_lens``, ``sample``, the flat ``token_ids`` of every chunk,
-and the requests' rows of the scheduler's persistent block table (``blocks``). Nothing per request is copied
-per step: a request's blocks stay in its block-table row. ``chunks`` is the same step as one
-:class:`ScheduledChunk` per request, built on first use (stand-in runners and tests read it; a batch built by
-hand from chunks keeps them).
-
-**Per-request sampling information** (for the sampler): ``sample[i]`` says whether request ``i`` samples a
-token this step; ``requests[i]`` is its scheduler-side request, of which only the fields fixed for its life
-may be read on the forward side (``sampling``, ``seed``, ``prompt_token_ids``; the scheduler keeps changing
-the rest for the next step while this one runs). The sampler reads them once per request, when its first
-chunk (position 0) arrives, into a table a row per slot (``runner/worker/sampling_settings.py``); every step
-after that it reads only the arrays. The index of the output token request ``i`` samples is
-``num_computed[i] + query_lens[i] - len(requests[i].prompt_token_ids)``. The chunk views carry the same
-(``seed``, ``prompt_len``, ``output_index``).
+A step is arrays over its requests in schedule order (``req_ids``, ``slots``, ``num_computed``, ``query_lens``,
+``sample``, the flat ``token_ids``, the requests' block-table rows); ``chunks`` gives the same step as one
+:class:`ScheduledChunk` per request, built on first use for stand-ins and tests. Of ``requests[i]`` the forward
+side may read only what is fixed for its life (``sampling``, ``seed``, ``prompt_token_ids``): the scheduler
+keeps changing the rest while the step runs.
 """
 from __future__ import annotations
 

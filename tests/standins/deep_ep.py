@@ -1,29 +1,10 @@
 """CPU stand-in for the part of ``deep_ep.Buffer`` the adapters use (tests only; pass it as ``deep_ep_module``).
 
-Follows DeepEP's Python API (``deep_ep/buffers/legacy.py``, formerly ``deep_ep/buffer.py``;
-``deep_ep/utils/event.py``) and the host-side checks and stream rules of its C++ runtime
-(``csrc/legacy/buffer.hpp``, ``csrc/legacy/config.hpp``, ``csrc/kernels/legacy/launch.cuh``):
-
-- Dtypes and shapes are checked where DeepEP's ``EP_HOST_ASSERT`` checks them, and a violation raises
-  ``RuntimeError`` as DeepEP does: ``topk_idx`` must be ``topk_idx_t`` (int64), high-throughput combine and
-  everything low-latency take bf16 only, LL hidden sizes come from a fixed list (``SWITCH_HIDDEN``), and so on.
-- Streams: the high-throughput kernels run on the buffer's own comm stream, which first waits for
-  ``previous_event`` if given, else for the caller's current stream; with ``async_finish`` an event recorded
-  on the comm stream is returned, else the current stream waits for the comm stream. Low-latency kernels
-  with ``return_recv_hook`` run on the caller's current stream at call time, their receive half when the
-  hook is called. All of it goes through ``ubatch.streams``, so the stream-order sanitizer sees every edge.
-- The low-latency RDMA buffer has two slots, used alternately by every LL call (``low_latency_buffer_idx
-  ^= 1``). As documented ("the returned tensors reuse the buffer, you cannot hold more than 2 low-latency
-  kernels' result tensors at a single moment"), results are views into their slot: the third call
-  overwrites the first one's results in place. A call issued while an earlier receive hook is still pending
-  raises: its send phase cleans the signalling buffer of the next slot, which that receive still polls
-  (``internode_ll.cu``: "The first SM is also responsible for cleaning the next buffer"), so on hardware
-  the receive would hang or read garbage.
-- Stricter than DeepEP, to turn silent corruption into an error: a handle used by a different DBO ubatch
-  than the one that made it, and an LL combine whose ``topk_idx`` is not the dispatch's, raise.
-
-Transfers are real, over the buffer's gloo group (``tests/standins/gloo_rows.py``). Not modelled (they raise
-``NotImplementedError``): internode (more than 8 ranks), FP8 dispatch, LogFMT and zero-copy combine.
+Follows DeepEP's Python API (``deep_ep/buffers/legacy.py``, ``deep_ep/utils/event.py``) and the host-side
+checks and stream rules of its C++ runtime: dtypes and shapes are checked where DeepEP's ``EP_HOST_ASSERT``s
+check them (raising ``RuntimeError`` as DeepEP does), kernels run on the buffer's comm stream under the stream
+layer so the sanitizer sees their ordering, and what it cannot model (FP8, LogFMT, internode) raises
+``NotImplementedError``.
 """
 from __future__ import annotations
 

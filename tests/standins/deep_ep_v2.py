@@ -1,34 +1,10 @@
 """CPU stand-in for DeepEP V2's ``deep_ep.ElasticBuffer`` (tests only; pass it as ``deep_ep_module``).
 
-Follows the Python API of ``deep_ep/buffers/elastic.py`` (the copy the tests check against is
+Follows ``deep_ep/buffers/elastic.py`` (the copy the tests check the signature against is
 ``tests/data/deep_ep_elastic.py.txt``) and the host-side checks and stream rules of its C++ runtime
-(``csrc/elastic/buffer.hpp``: ``stream_control_prologue`` / ``stream_control_epilogue``, the ``dispatch`` and
-``combine`` ``EP_HOST_ASSERT``s, ``csrc/utils/event.hpp``). Like the real package it also exports the V1
-``Buffer`` (the V1 stand-in's), so one module serves every DeepEP backend.
-
-- Dtypes and shapes: ``topk_idx`` must be ``topk_idx_t`` (int64), ``topk_weights`` fp32, ``x`` contiguous 2-D
-  with rows a multiple of 16 bytes and at most ``num_max_tokens_per_rank`` tokens; combine takes bf16 only and
-  exactly the dispatch's received rows. A violation raises ``RuntimeError`` naming the condition.
-- ``do_cpu_sync`` (default ``True`` unless a ``handle`` is given): with it the received tensors have exactly the
-  received rows; without it they are allocated for the worst case (``num_max_tokens_per_rank * num_ranks``
-  rows) and only the first ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]`` are written. The rest is left
-  as garbage here on purpose -- NaN activations and weights, out-of-range expert ids -- so a caller that reads
-  them fails the tests. ``num_recv_tokens_per_expert_list`` is filled only with the CPU sync, as in DeepEP.
-- Cached dispatch (``handle=``): ``topk_idx`` must be ``None``, ``do_cpu_sync`` must not be ``True``, and
-  ``num_experts``/``expert_alignment``/``num_max_tokens_per_rank`` must match the handle; the layout (and the
-  row count) comes from the handle, and the handle object is returned again.
-- Streams: every buffer of a rank shares one comm stream (DeepEP's ``get_global_comm_stream`` is
-  process-wide; one process per GPU). ``previous_event`` (an ``EventHandle`` from ``capture()``, not an
-  ``EventOverlap``) requires ``allocate_on_comm_stream``; the comm stream waits for it, else for the caller's
-  current stream, which must then not be the comm stream. With ``async_with_compute_stream`` an event on the
-  comm stream is returned and the caller must ``current_stream_wait()``; else the current stream waits.
-- ``-1`` in ``topk_idx`` routes nowhere: a token with only ``-1`` is sent to no rank and combines to zero.
-- Stricter than DeepEP, to turn silent corruption into an error: a handle used by another buffer or by a
-  different DBO ubatch than the one that made it raises.
-
-Transfers are real, over the buffer's gloo group. Not modelled (they raise ``NotImplementedError``): FP8
-dispatch, the expanded layout (``do_expand``), deterministic mode, hybrid (multi-node) mode, combine's
-``topk_weights`` reduction, CPU buffers, Engram, PP and AGRS.
+(``csrc/elastic/buffer.hpp``): dtypes and shapes as its ``EP_HOST_ASSERT``s, the comm stream's prologue and
+epilogue under the stream layer, worst-case row counts without a CPU sync. It also exports the V1 ``Buffer``,
+as the real package does; what it cannot model raises ``NotImplementedError``.
 """
 from __future__ import annotations
 

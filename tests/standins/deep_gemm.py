@@ -1,6 +1,6 @@
 """CPU stand-in for the DeepGEMM functions the deep_gemm experts call (tests only; pass as ``deep_gemm_module``).
 
-Follows DeepGEMM's API and host-side rules (``csrc/apis/gemm.hpp`` of DeepGEMM main 54e2261, 2026-06-23:
+Follows DeepGEMM's API and host-side rules (``csrc/apis/gemm.hpp`` of DeepGEMM main 54e2261:
 ``m_grouped_fp8_fp4_gemm_nt_masked``, bound also as ``m_grouped_fp8_gemm_nt_masked`` and aliased
 ``fp8_m_grouped_gemm_nt_masked``, the same names and parameters in sgl-deep-gemm 0.2.5; ``csrc/apis/layout.hpp``
 and ``csrc/utils/layout.hpp`` for scale-factor recipes and layouts; ``csrc/jit_kernels/impls/smxx_layout.hpp``

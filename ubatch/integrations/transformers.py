@@ -1,36 +1,11 @@
 """Make an unmodified Hugging Face MoE model DBO-capable with one call.
 
-:func:`make_dbo_capable` swaps every sparse MoE block of a ``Qwen3MoeForCausalLM``, ``Qwen2MoeForCausalLM``,
-``MixtralForCausalLM`` or ``OlmoeForCausalLM`` (or their ``*Model``) for a :class:`DBOSparseMoeBlock`: the same
-gate weight (the router stays bit-compatible: fp32 softmax over the activation-dtype logits, top-k, the
-family's renormalisation, as ``ubatch.modular_moe.router`` mirrors), Qwen2-MoE's shared expert and its sigmoid
-gate as they are, and a :class:`~ubatch.modular_moe.layer.FusedMoE` that takes over the experts -- this EP
-rank's share only; the transformers expert tensors are released. The ``dbo_yield`` points are inside
-FusedMoE's kernel, so the rest of the model needs no change: run transformers' own ``forward`` through
-``UBatchWrapper(model, UBatchConfig(split_dim="batch"))`` under ``set_forward_context(ubatch_slices=
-batch_ubatch_slices(batch_size))`` and each ubatch is a slice of the batch (see ``examples/
-wrap_transformers_model.py``).
-
-What differs between the families is data (:data:`FAMILIES`): the config's names for the expert count and
-size, whether top-k weights are always renormalised (Mixtral), the per-expert projection names of the 4.x
-layout (Mixtral's ``w1``/``w3``/``w2``), a shared expert (Qwen2-MoE).
-
-Supported transformers versions (checked by layout, not by version number):
-
-- 5.x (tested: the version in this project's environment): ``gate`` is a ``*TopKRouter`` with
-  ``weight [E, H]``; ``experts`` holds fused ``gate_up_proj [E, 2I, H]`` (gate rows, then up rows) and
-  ``down_proj [E, H, I]``; the block returns the hidden states. Router logits for ``output_router_logits``
-  are recorded by transformers from the router module, which is replaced here: they are not recorded (an
-  inference integration; no auxiliary loss).
-- 4.x (Qwen3-MoE from 4.51): ``gate`` is an ``nn.Linear(H, E)``; ``experts`` is a ``ModuleList`` of per-expert
-  MLPs (``gate_proj``/``up_proj [I, H]`` and ``down_proj [H, I]``; Mixtral's ``w1``/``w3`` and ``w2``); the
-  block returns ``(hidden_states, router_logits)``, which the replacement keeps.
-
-Anything else raises ``ValueError`` naming what was found. The KV cache: each ubatch would build its own
-``past_key_values``, which cannot be merged into one cache object, so run the ubatched forward with
-``use_cache=False`` (the wrapper's merge raises a clear error otherwise); prefill-style scoring and
-generation by re-running the full sequence work, incremental decoding with transformers' cache does not.
-The patched model's ``state_dict`` is not a transformers checkpoint (expert names and EP sharding differ).
+:func:`make_dbo_capable` swaps every sparse MoE block of a Qwen3-MoE, Qwen2-MoE, Mixtral or OLMoE model for a
+:class:`DBOSparseMoeBlock`: the same router (bit-compatible), Qwen2-MoE's shared expert, and a ``FusedMoE``
+holding this EP rank's experts, whose kernel has the ``dbo_yield`` points. Families differ as data
+(:data:`FAMILIES`); transformers 5.x and 4.x layouts are told apart by layout, anything else raises. Run the
+ubatched forward with ``use_cache=False`` (ubatches' KV caches cannot be merged); router logits are not
+recorded, and the patched ``state_dict`` is not a transformers checkpoint.
 """
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
-"""Server-sent events as OpenAI streams them: ``data: {json}\\n\\n`` per chunk, ``data: [DONE]\\n\\n`` at the end.
+"""Server-sent events as OpenAI streams them: a ``data:`` line per JSON chunk, ``data: [DONE]`` at the end.
 
-``EventStreamResponse`` sends the events of an async generator and always closes the generator (its ``finally``
-ends the engine requests), also when the client is gone. The client's disconnect itself is noticed by
-``EngineStreams``, which reads the ASGI receive channel, so no second reader runs here.
+``EventStreamResponse`` always closes the generator (its ``finally`` ends the engine requests), also when the
+client is gone; the disconnect itself is noticed by ``EngineStreams`` on the ASGI receive channel.
 """
 from __future__ import annotations
 

@@ -1,34 +1,11 @@
 """Experts on ``torch._grouped_mm``: PyTorch's grouped GEMM (CUTLASS on Hopper/Blackwell), no host sync.
 
-Both layouts become two grouped GEMMs (gate/up, then down) with SiLU-and-mul between them:
-
-- ``contiguous``: every (row, k) route is expanded and the routes are sorted by local expert id, with the
-  routes that have no local expert (id ``-1``: padding, or an expert on another rank) sorted last. The
-  per-expert group ends (``offs``, int32) are counted on the device from the sorted ids, so nothing reads
-  a value back to the host and the whole ``apply`` can be captured in a CUDA graph. ``_grouped_mm`` leaves
-  the output rows past ``offs[-1]`` (the no-expert routes) undefined; they are dropped with ``torch.where``,
-  never multiplied by zero, because undefined memory may hold NaN. The weighted routes are put back in
-  (row, k) order and summed over k in fp32: a fixed order, so a graph replay and an eager step agree bit
-  for bit.
-- ``masked``: the ``[E_local, capacity, H]`` buffer is one batched (3-D x 3-D) grouped GEMM per weight;
-  every slot is computed and the slots at or beyond ``expert_num_tokens[e]`` are set to exact zeros with a
-  device mask. A count above the capacity cannot be detected without reading the counts on the host, so
-  it is checked (and raises) only when the counts live on the CPU; on a GPU such a count covers the whole
-  buffer, which is what the all-to-all filled anyway.
-
-What ``torch._grouped_mm`` accepts (torch's ``GroupedMMUtils.h`` and ``cuda/GroupedBlas.cpp``, torch 2.9 to
-2.13): fp32, bf16 or fp16 operands, a 16-byte-aligned base pointer and leading stride, int32 ``offs``, and
-an output dtype equal to the input's. On CUDA only bf16 on compute capability 9.x/10.x runs the fused
-kernel; any other dtype or GPU runs torch's fallback, which copies ``offs`` to the host and loops over the
-experts -- a host sync, so not capturable. Hence, explicitly:
-
-- a CUDA device outside 9.x/10.x raises (``--experts-backend auto`` picks ``torch`` there instead);
-- fp32/fp16 experts on CUDA run the two GEMMs on bf16-rounded operands (logged once): fp32 accumulation,
-  the result in the input dtype, but bf16 input precision. Use ``--experts-backend torch`` or ``triton``
-  for fp32-exact GEMMs on a GPU;
-- on CPU every one of the three dtypes runs as is (the CPU kernel has no such restriction);
-- hidden and intermediate sizes must be multiples of 16 bytes of the GEMM dtype (8 bf16 / 4 fp32 elements),
-  or this raises naming the size.
+Routes are sorted by local expert (``-1`` last), group ends counted on the device, two grouped GEMMs run, and
+the undefined rows past the last group are dropped with ``torch.where``; routes are summed back in a fixed
+order, so a graph replay equals an eager step. ``_grouped_mm``'s fused kernel takes bf16 on compute capability
+9.x/10.x only (elsewhere torch's fallback syncs the host), so a CUDA device outside those raises and fp32/fp16
+experts on CUDA run bf16 GEMMs (logged once); on CPU every dtype runs as is. Sizes must be multiples of 16
+bytes. Design: docs/design_notes.md, "MoE layer and the DBO runtime".
 """
 from __future__ import annotations
 

@@ -1,61 +1,11 @@
 """DeepEP V2 backend (``deepep_v2``) over ``deep_ep.ElasticBuffer``; imported only when selected.
 
-DeepEP V2 (``deep_ep/buffers/elastic.py``, DeepEP main since 2026-04-30, and the prebuilt ``sgl-deep-ep``
-wheels) has one class for prefill and decode: ``dispatch`` hands over the received tokens as rows with their
-top-k ids remapped to this rank's experts (``-1`` elsewhere), the layout the high-throughput V1 mode gave, and
-``combine`` sums each token's rows back on its home rank. The V1 backends (``deepep.py``) are unchanged.
-
-Rules this adapter keeps, each checked by ``tests/test_deepep_v2.py`` (SBO: ``tests/test_deepep_v2_sbo.py``)
-over the CPU stand-in (``tests/standins/deep_ep_v2.py``) under the stream-order sanitizer:
-
-Buffer and handles
-  - One ``ElasticBuffer`` on the first EP group, shared by every layer and ubatch. V2 runs the kernels of
-    every buffer of a process on one global comm stream, so per-ubatch buffers would add memory and NCCL
-    communicators but no concurrency. Every rank issues the same sequence of calls (the DBO ring order is
-    the same everywhere), so the collectives pair up.
-  - A handle is bound to the ubatch whose dispatch made it: the combine state carries the ubatch, and using
-    it from another ubatch raises.
-  - ``num_max_tokens_per_rank`` is ``--max-dispatch-tokens-per-rank`` on every call and every rank (DeepEP
-    requires the same value everywhere); a (micro)batch with more tokens is refused up front.
-
-DBO (``dbo_yields_per_layer = 2``, the same for prefill and decode, so every ubatch yields equally often)
-  - Each direction captures an event on the caller's stream (``ElasticBuffer.capture()``) and passes it as
-    ``previous_event`` with ``allocate_on_comm_stream=True`` (V2 asserts the pair), so the comm stream starts
-    after this ubatch's inputs are written; ``async_with_compute_stream=True`` keeps the compute stream
-    running. V2 has no receive hook: the hook handed to the kernel is ``event.current_stream_wait()``, so the
-    kernel yields between the launch and the wait, and under DBO the other ubatch enqueues the wait after its
-    own compute. Nothing reads a received tensor before that wait (the sanitizer reports each removed wait).
-
-CPU sync and CUDA graphs
-  - ``do_cpu_sync=True`` (exact receive sizes) only on eager prefill steps: a step whose DP vote says some
-    rank runs a prefill (``DPMetadata.any_prefill``). Decode steps, steps without DP metadata and every
-    captured step pass ``do_cpu_sync=False``: the received tensors then have the worst-case row count and
-    only the first ``handle.psum_num_recv_tokens_per_scaleup_rank[-1]`` rows are written, so the adapter
-    masks the rest on the device (ids ``-1``, weights 0) with no host sync.
-  - Inside a CUDA-graph capture a CPU sync or a cached handle raises (their host-side counts would be frozen
-    into the graph).
-
-Cached handles (``static_routing=True``; off by default)
-  - For workloads whose routing repeats step after step (forced routing in benchmarks, replays of the same
-    tokens), each ubatch keeps the handle of its n-th dispatch of a step and re-dispatches with it when the
-    next step's n-th dispatch has the same shape: no layout work, no CPU sync, exact row counts. The routing
-    must really be the same: a device-side assert (no host sync) fails the step otherwise. Model routing
-    changes every layer and step, so the engine leaves this off.
-
-SBO (``ubatch.sbo``; with DBO off and on)
-  - Modes, as V1 high-throughput: ``dispatch_shared_experts`` off Blackwell (and on CPU),
-    ``combine_shared_experts`` on Blackwell. ``combine_down_gemm`` is refused with an error naming this
-    backend (``ubatch.sbo.check_sbo_modes``; when forced, as the MoE kernel is built at the first MoE call,
-    before any dispatch): ``ElasticBuffer.combine`` takes no ``comp_signal`` to chase the down GEMM. The
-    combine keeps the dispatch handle's SM count; SBO's ``UBATCH_SBO_COMM_SMS`` reservation only caps
-    DeepGEMM beside it.
-  - ``dispatch_shared_experts``: the shared experts are queued on the caller's stream between the dispatch
-    launch and its hook's wait, so they run while the comm stream moves the tokens.
-  - Two streams: the combine is launched with the SBO alternate stream current, so ``capture()`` records
-    ``previous_event`` there, after that stream's wait for the expert output (``TwoStreamCombine.launch_combine``);
-    that chain alone orders the comm stream after the expert output. The hook's wait runs on the caller's
-    stream (under DBO the other ubatch's, the same compute stream) and joins it to the comm stream, where the
-    combined output is written, so the later wait of that stream for the alternate one carries no data here.
+One ``ElasticBuffer`` for every layer and ubatch (V2 runs every buffer's kernels on one comm stream), each
+handle bound to the ubatch that dispatched it; DBO yields between a launch and ``event.current_stream_wait()``.
+``do_cpu_sync`` only on eager prefill steps, masking unwritten rows on the device otherwise; cached handles
+(``static_routing``) are opt-in and checked on the device; SBO as V1's high-throughput mode, with
+``combine_down_gemm`` refused (no ``comp_signal``). Tested over ``tests/standins/deep_ep_v2.py`` under the
+stream sanitizer. Design: docs/design_notes.md, "MoE layer and the DBO runtime".
 """
 from __future__ import annotations
 

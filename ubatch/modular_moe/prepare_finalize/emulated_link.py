@@ -1,24 +1,10 @@
 """A modelled interconnect: each transfer completes at ``start + latency + bytes / bandwidth``.
 
-Its in-flight time uses no CPU (the waiter sleeps until the deadline), like a NIC moving data while the
-cores compute, so overlap can be measured honestly on a single machine where real loopback gloo burns CPU
-for every byte. Transfers on one rank share the link: a transfer starts when the previous one has left
-(``busy_until``), so two ubatches cannot both get the full bandwidth. The real transfer still happens
-underneath (so results stay exact); the model only decides *when* it may be observed.
-
-On a GPU the link lives on the device: each transfer is a wait kernel of its own modelled time
-(``latency + bytes / bandwidth``) on the rank's one side stream, joined by an event, which keeps the step
-CUDA-graph capturable. The side stream is the shared wire: a transfer's wait starts once the previous one's
-has ended, so the GPU serialises transfers without a host clock (the host runs ahead of the GPU, and a
-queue computed from host send times would count the same wait twice). The wait spins on the GPU's global
-nanosecond timer (``device_wait.py``), not on clock cycles (``torch.cuda._sleep`` counts SM cycles, whose
-length follows the SM clock: an idle GPU runs at a fraction of its loaded clock, so identical runs would get
-different link times). Traced with the cuda clock, the wait kernel has a timing event before and after it on the side
-stream: that interval is the modelled transfer, the ``comm`` span. With the cpu clock on a GPU the span is
-the modelled ``[send, send + time]`` on the host clock. Inside a capture nothing is recorded (timing events
-cannot be captured), so a graph replay's link time is not separated from its compute. ``cuda_module``
-replaces ``torch.cuda`` (tests pass ``tests/standins/cuda_events.py``, whose ``wait_ns`` stands for the
-wait kernel).
+Its in-flight time uses no CPU, like a NIC, so overlap can be measured on one machine where loopback gloo burns
+CPU for every byte; the real transfer still happens underneath (results stay exact) and the model decides when
+it may be observed. A rank's transfers queue on one wire (``busy_until``). On a GPU each transfer is a wait
+kernel on the GPU's nanosecond timer on the rank's side stream, so the step stays capturable. ``cuda_module``
+replaces ``torch.cuda`` in tests. Design: docs/design_notes.md, "MoE layer and the DBO runtime".
 """
 from __future__ import annotations
 
