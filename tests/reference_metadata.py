@@ -1,9 +1,8 @@
-"""The per-request metadata builders the engine used before its host-time rewrite, kept as test references.
+"""Per-request metadata builders, plain loops over lists and small tensors, kept as test references.
 
-``runner/attention/kv_cache.py`` builds a step's block table, positions and slot mapping with vectorised numpy
-over the whole batch, from the scheduler's persistent block table; ``runner/attention/metadata.py`` classifies
-decode and prefill requests the same way. These are the plain per-request loops they replaced (the code as it
-was, on lists and small tensors), so the tests can check the fast builders against them on any batch.
+``runner/attention/kv_cache.py`` and ``runner/attention/metadata.py`` build a step's block table, positions,
+slot mapping and decode/prefill split with vectorised numpy over the whole batch; the tests check them against
+these loops on any batch.
 """
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
-"""The per-row sampling-metadata builder the sampler used before it read a step as arrays, kept as a test reference.
+"""A per-row sampling-metadata builder, a plain loop reading each row's ``SamplingParams``, kept as a test reference.
 
-``runner/worker/sampling_metadata.py`` builds a step's metadata with numpy from a table of settings (a row per
-request slot in the engine, written once per request; ``runner/worker/sampling_settings.py``). This is the
-plain loop it replaced, over one row object per sampled row reading its ``SamplingParams`` every step (the code
-as it was), so the tests can check the table-driven builder against it on any batch.
+``runner/worker/sampling_metadata.py`` builds a step's metadata with numpy from the per-slot settings table
+(``runner/worker/sampling_settings.py``); the tests check it against this loop on any batch.
 """
 from __future__ import annotations
 
