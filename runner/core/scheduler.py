@@ -52,6 +52,8 @@ from runner.core.kv_blocks import BlockAllocator
 from runner.core.prompt_checks import prompt_token_problem
 from runner.core.slots import SlotPool, placeholder
 from runner.sampling_params import SamplingParams, SamplingParamsError
+from runner.config import RunnerConfig
+from runner.worker.runner_protocol import ModelRunnerProtocol
 from runner.worker.scheduled_batch import SchedulerOutput
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -156,7 +158,7 @@ class Scheduler:
         return len(self._inflight_steps)
 
     @classmethod
-    def from_runner(cls, cfg: Any, runner: Any) -> "Scheduler":
+    def from_runner(cls, cfg: RunnerConfig, runner: ModelRunnerProtocol) -> "Scheduler":
         """Budgets from the config; cache geometry, vocabulary and EOS from the model runner."""
         return cls(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                    block_size=runner.block_size, num_kv_blocks=runner.num_kv_blocks,
@@ -224,10 +226,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     @property
     def num_free_blocks(self) -> int:

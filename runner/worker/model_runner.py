@@ -27,6 +27,7 @@ import logging
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from runner.attention import make_attention_backend
 from runner.worker.cuda_graphs import maybe_make_graph_runner
@@ -50,6 +51,7 @@ from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.experts import resolve_experts_backend
+from ubatch.modular_moe.runtime import MoERuntime
 from ubatch import trace
 from ubatch.log_once import log_once
 from ubatch.slicing import (
@@ -131,13 +133,14 @@ class ModelRunner(LaunchingRunner):
         # --attention-backend: builds each step's attention metadata; graph decode goes through it too
         self.attention_backend = make_attention_backend(cfg.attention_backend, self.device,
                                                         log=rank == 0)
+        self.graph_capture_stream: torch.cuda.Stream | None = None  # set by the KV budget's trial capture
         self.kv_budget = fit_kv_cache_to_memory(self)  # GPU without --num-kv-blocks: KV from --gpu-memory-utilization
         self.graph_runner = maybe_make_graph_runner(self)  # None on CPU / --enforce-eager; captures on GPU
         if self.cost_model is not None:
             self.cost_model.graph_runner = self.graph_runner  # steps are compared with steps that ran the same way
 
     # ---- set-up ----------------------------------------------------------------------------------
-    def _dp_group(self) -> Any:
+    def _dp_group(self) -> ProcessGroup | None:
         if self.world_size == 1:
             return None
         from datetime import timedelta
@@ -358,6 +361,11 @@ class ModelRunner(LaunchingRunner):
         self.future_tokens.store_(sched.req_ids if step.picks is None else sched.req_ids[step.picks], step.slots,
                                   sampled)
         return step, pending
+
+    def link_times(self) -> tuple[float, float] | None:
+        """The emulated all-to-all link's (seconds in flight, seconds waited for) so far; None without one."""
+        runtime: MoERuntime = self.model.moe_runtime
+        return runtime.link_times()
 
     def close(self) -> None:
         if self.graph_runner is not None:
