@@ -147,9 +147,6 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self._children)
-
     def unfinished_engine_request_ids(self) -> list[int]:
         return list(self.request_states)
 

@@ -83,10 +83,6 @@ class SamplingMetadata:
     max_logprobs: int
 
     @property
-    def all_greedy(self) -> bool:
-        return self.num_random == 0
-
-    @property
     def wants_logprobs(self) -> bool:
         return bool(self.logprob_row_ids)
 

@@ -49,9 +49,6 @@ class WireCounter:
     def total(self, direction: str | None = None) -> int:
         return sum(n for (d, _), n in self.bytes.items() if direction is None or d == direction)
 
-    def by_ubatch(self, direction: str) -> dict[int, int]:
-        return {u: n for (d, u), n in sorted(self.bytes.items()) if d == direction}
-
     def reset(self) -> None:
         self.bytes.clear()
 

@@ -222,10 +222,6 @@ def parse_link(spec: str | LinkSpec | None) -> LinkSpec | None:
     return LinkSpec.parse(spec)
 
 
-def off_rank_bytes_equal_splits(t: torch.Tensor, world_size: int) -> int:
-    return (t.numel() - t.numel() // world_size) * t.element_size() if world_size > 1 else t.numel() * t.element_size()
-
-
 class AllHandles:
     """Several transfers completed together; ``handles`` stays readable (the tracer waits on them from a
     tracing stream, ``prepare_finalize/base.py``)."""
