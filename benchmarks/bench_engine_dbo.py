@@ -90,7 +90,7 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
     torch.set_num_threads(1)
     llm = LLM(**engine_settings(mode, cache_dir, device))
     world = llm.world_size
-    runtime = llm.runner.model.moe_runtime
+    runtime = llm.model_runner.model.moe_runtime
     link = runtime.link()
     rows = []
     trace_path = str(Path(cache_dir) / f"trace_{mode}.json")

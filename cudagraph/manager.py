@@ -149,7 +149,7 @@ class GraphRunner:
                  sizes: Sequence[int], wrapper: Any = None, dbo_decode_threshold: int = 32,
                  keys: Sequence[GraphKey] | None = None, backend: GraphBackend | None = None,
                  num_warmups: int = 2, progress: bool = True, real_token_mask: torch.Tensor | None = None,
-                 agree: CaptureAgreement | None = None, capture_stream: Any = None) -> None:
+                 agree: CaptureAgreement | None = None, capture_stream: streams.Stream | None = None) -> None:
         self.model, self.wrapper = model, wrapper
         self.agree = agree
         self.input_ids, self.positions = input_ids, positions

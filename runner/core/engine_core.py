@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, cast
 
 from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop, use_overlap_loop
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
@@ -173,7 +173,9 @@ class EngineCore:
         finished = set(done)
         if output.prompt_logprobs is not None:
             self._add_prompt_logprobs(out, output.prompt_logprobs, finished)
-        triples = zip(out.requests, out.sample.tolist(), output.sampled_token_ids)
+        # a sampling row's token is an int (Scheduler.update checked it); only those rows are read below
+        sampled = cast("list[int]", output.sampled_token_ids)
+        triples = zip(out.requests, out.sample.tolist(), sampled)
         if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
             for req, sample, token in triples:
                 if sample and (req.status is not FINISHED or _reports_token(req, finished)):

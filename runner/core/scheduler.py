@@ -181,9 +181,11 @@ class Scheduler:
         self.requests[req_id] = req
         error = _check_prompt(prompt, self.vocab_size, self.max_model_len) or \
             _check_sampling(sampling, self.vocab_size)
+        max_tokens = sampling.max_tokens
+        assert max_tokens is not None, "max_tokens=None is resolved before a request reaches the scheduler"
         if error is None:
             # KV positions ever written: every token but the last sampled one.
-            longest = min(self.max_model_len, len(prompt) + sampling.max_tokens) - 1
+            longest = min(self.max_model_len, len(prompt) + max_tokens) - 1
             need = blocks_needed(longest, self.block_size)
             if need > self.allocator.num_blocks:
                 error = (f"request may grow to {longest + 1} tokens, which needs {need} KV-cache blocks of "
@@ -194,7 +196,7 @@ class Scheduler:
         else:
             req.stop_ids = frozenset(sampling.stop_token_ids or ()) | (
                 frozenset() if sampling.ignore_eos else self.eos_token_ids)
-            req.max_outputs = min(sampling.max_tokens, self.max_model_len - len(prompt))
+            req.max_outputs = min(max_tokens, self.max_model_len - len(prompt))
             self.waiting.append(req)
         return req
 
@@ -395,6 +397,7 @@ class Scheduler:
                 self._finish(req, "error", INVALID_SAMPLE_ERROR, in_running=False)
                 done.append(req)
                 continue
+            assert token is not None  # a sampling row's token (_invalid_samples found none missing)
             out = req.output_token_ids
             i = len(out) - req.num_pending
             out[i] = token

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from runner import tracing
 from runner.config import ConfigError, RunnerConfig, make_config
@@ -57,6 +57,9 @@ from runner.entrypoints.vllm_engine_args import pop_vllm_engine_args
 from runner.outputs import RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams
 from runner.worker.runner_protocol import ModelRunnerProtocol
+
+if TYPE_CHECKING:  # built on demand: importing it loads the model code
+    from runner.worker.model_runner import ModelRunner
 from ubatch.log_once import log_once
 
 logger = logging.getLogger("ubatch.engine")
@@ -144,8 +147,8 @@ class LLM:
     from, instead of the model's own (``runner/engine/tokenizer.py``), which is loaded on first use.
     """
 
-    def __init__(self, cfg: RunnerConfig | str | None = None, /, *, runner: ModelRunnerProtocol | None = None, tokenizer: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, cfg: RunnerConfig | str | None = None, /, *, runner: ModelRunnerProtocol | None = None,
+                 tokenizer: Any = None, **kwargs: Any) -> None:
         if isinstance(cfg, str):
             kwargs.setdefault("model", cfg)
             cfg = None
@@ -169,7 +172,7 @@ class LLM:
             if cfg.max_model_len is not None:
                 check_max_model_len(cfg.max_model_len, model_config(cfg.model, cfg.cache_dir))
             runner = ModelRunner(cfg, self.rank, self.world_size)
-        self.runner = runner
+        self.runner: ModelRunnerProtocol = runner
         self._tokenizer = load_tokenizer_from_dir(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) \
             else tokenizer
         self._tokenizer_loaded = tokenizer is not None
@@ -182,6 +185,16 @@ class LLM:
         # waits (collectives, handoffs) all time out.
         self._busy = threading.Lock()
         self._busy_thread: int | None = None  # the thread inside generate(), if any
+
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The model runner this LLM built, for the front ends and benchmarks that read its model; a TypeError
+        when a stand-in was injected."""
+        from runner.worker.model_runner import ModelRunner
+
+        if not isinstance(self.runner, ModelRunner):
+            raise TypeError(f"this LLM runs an injected {type(self.runner).__name__}, not a ModelRunner")
+        return self.runner
 
     # ------------------------------------------------------------------ helpers
     def _load_generation_config(self, model_eos: Iterable[int] | None) -> GenerationConfig:
@@ -377,7 +390,7 @@ class LLM:
         mine = ([(i, finished[str(first_id + i)]) for i in local], sched.num_preemptions - preemptions0,
                 time.perf_counter() - start, tracing.local_spans(rec), self._dbo_decisions())
         gathered = self._all_gather(mine)
-        if rec is not None:
+        if rec is not None and self.cfg.trace_file is not None:  # a recorder is made only for a trace file
             self.last_trace = tracing.export(self.cfg.trace_file, [g[3] for g in gathered], self.rank)
             if self.last_trace is not None and self.last_trace.error:
                 logger.warning(self.last_trace.error)

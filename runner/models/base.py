@@ -88,7 +88,7 @@ class DecoderModel(nn.Module):
 class MoECausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
 
-    model: nn.Module
+    model: DecoderModel
     rotary_emb: Any
     #: DBO schedules this family can run (``runner.models.schedules``); "moe" needs nothing from the model
     supported_dbo_schedules: tuple[str, ...] = (DEFAULT_DBO_SCHEDULE,)

@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from runner.config import ConfigError
+from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
 from runner.models.registry import architecture_of, get_model_class, parse_config, supported_architectures
 from runner.models.weights import FUSED_RE, canonical_name, expand_fused
@@ -299,7 +300,7 @@ def auto_dtype(checkpoint_dtype: torch.dtype | None, device: torch.device | str)
 
 def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: torch.dtype | None = None,
                cache_dir: str | os.PathLike | None = None,
-               device: torch.device | str = "cpu") -> tuple[nn.Module, BaseMoEConfig]:
+               device: torch.device | str = "cpu") -> tuple[MoECausalLM, BaseMoEConfig]:
     """Build the model for ``config.json``'s architecture and load this rank's weights.
 
     ``dtype`` defaults to :func:`auto_dtype` of the config's ``torch_dtype``/``dtype`` on ``device``.

@@ -12,7 +12,6 @@ import logging
 from typing import Any, Protocol, Sequence
 
 import torch
-from torch import nn
 from torch.distributed import ProcessGroup
 
 from cudagraph.backends import GraphBackend
@@ -22,8 +21,10 @@ from cudagraph.sizes import resolve_capture_sizes
 from runner.attention.backend import AttentionBackend
 from runner.attention.graph import DecodeMetadataBuffers, capturable_attention
 from runner.config import RunnerConfig
+from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
 from ubatch.log_once import log_once
+from ubatch.streams import Stream
 from ubatch.wrapper import UBatchWrapper
 
 logger = logging.getLogger("ubatch.cudagraph")
@@ -34,7 +35,7 @@ class CapturingRunner(Protocol):
     runner while it is being set up, and the two fields they set (the cache size, the capture stream)."""
 
     num_kv_blocks: int
-    graph_capture_stream: torch.cuda.Stream | None
+    graph_capture_stream: Stream | None
 
     @property
     def cfg(self) -> RunnerConfig: ...
@@ -55,7 +56,7 @@ class CapturingRunner(Protocol):
     def max_model_len(self) -> int: ...
 
     @property
-    def model(self) -> nn.Module: ...
+    def model(self) -> MoECausalLM: ...
 
     @property
     def model_config(self) -> BaseMoEConfig: ...

@@ -20,7 +20,8 @@ With tracing on, the step's CPU phases (DP vote, input preparation, sampling) ar
 """
 from __future__ import annotations
 
-from typing import Any
+from types import NotImplementedType
+from typing import Any, cast
 
 import logging
 
@@ -51,9 +52,9 @@ from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.experts import resolve_experts_backend
-from ubatch.modular_moe.runtime import MoERuntime
 from ubatch import trace
 from ubatch.log_once import log_once
+from ubatch.streams import Stream
 from ubatch.slicing import (
     CommonAttentionMetadata, UBatchSlice, balanced_split_points, check_ubatch_thresholds, padded_ubatch_slices,
     split_attn_metadata,
@@ -133,7 +134,7 @@ class ModelRunner(LaunchingRunner):
         # --attention-backend: builds each step's attention metadata; graph decode goes through it too
         self.attention_backend = make_attention_backend(cfg.attention_backend, self.device,
                                                         log=rank == 0)
-        self.graph_capture_stream: torch.cuda.Stream | None = None  # set by the KV budget's trial capture
+        self.graph_capture_stream: Stream | None = None  # set by the KV budget's trial capture
         self.kv_budget = fit_kv_cache_to_memory(self)  # GPU without --num-kv-blocks: KV from --gpu-memory-utilization
         self.graph_runner = maybe_make_graph_runner(self)  # None on CPU / --enforce-eager; captures on GPU
         if self.cost_model is not None:
@@ -239,7 +240,7 @@ class ModelRunner(LaunchingRunner):
             step, pending = sampling
             result = pending.result(timeout_s)
             if step.picks is None:
-                return ModelRunnerOutput(result.token_ids, result.logprobs, prompt_lps)
+                return ModelRunnerOutput(cast("list[int | None]", result.token_ids), result.logprobs, prompt_lps)
             return ModelRunnerOutput(_scatter(result.token_ids, step.picks, n),
                                      None if result.logprobs is None else _scatter(result.logprobs, step.picks, n),
                                      prompt_lps)
@@ -265,6 +266,7 @@ class ModelRunner(LaunchingRunner):
             copy_from_host(self.input_ids[:padded], torch.from_numpy(ids))
             with trace.region("resolve", "step", track="step"):  # the previous step's tokens, on the device
                 self.future_tokens.resolve_(sched, self.input_ids[:n])
+            assert meta.positions is not None  # build_attention_metadata always sets them
             self.positions[:padded].copy_(meta.positions)
             mask = self._mark_real_tokens(n, padded)
             slices = None
@@ -272,7 +274,7 @@ class ModelRunner(LaunchingRunner):
                 slices = padded_ubatch_slices(sched.query_lens, padded, NUM_UBATCHES, split_point)
         model = self.wrapper if self.wrapper is not None else self.model
         dp_metadata = self._dp_metadata(decision, n)
-        hidden = NotImplemented
+        hidden: torch.Tensor | NotImplementedType = NotImplemented
         if self.graph_runner is not None:
             with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
                                      dp_metadata=dp_metadata, real_token_mask=mask):
@@ -364,8 +366,7 @@ class ModelRunner(LaunchingRunner):
 
     def link_times(self) -> tuple[float, float] | None:
         """The emulated all-to-all link's (seconds in flight, seconds waited for) so far; None without one."""
-        runtime: MoERuntime = self.model.moe_runtime
-        return runtime.link_times()
+        return self.model.moe_runtime.link_times()
 
     def close(self) -> None:
         if self.graph_runner is not None:

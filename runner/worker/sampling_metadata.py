@@ -124,7 +124,7 @@ class _Pack:
 def _one_copy(parts: list[np.ndarray], dtype: type, device: torch.device) -> torch.Tensor | None:
     if not parts:
         return None
-    host = np.concatenate(parts).astype(dtype, copy=False) if len(parts) > 1 else parts[0].astype(dtype)
+    host: np.ndarray = np.concatenate(parts).astype(dtype, copy=False) if len(parts) > 1 else parts[0].astype(dtype)
     return host_to_device(torch.from_numpy(host), device)
 
 
