@@ -164,6 +164,7 @@ class OutputProcessor:
             if state is None:
                 continue
             new_ids = list(out.new_token_ids)
+            stop_reason: int | str | None
             finish_reason, stop_reason, error = out.finish_reason, out.stop_reason, out.error
             if new_ids:
                 if state.metrics.first_token_time is None:

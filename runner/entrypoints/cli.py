@@ -285,6 +285,7 @@ def run_job(job: Job) -> dict[str, Any] | None:
                 assert stats is not None  # every generate() sets it
                 repeats.append(asdict(stats))
             has_tokenizer = llm.get_tokenizer() is not None
+            assert stats is not None
             runs.append({"dbo": cfg.enable_dbo, "has_tokenizer": has_tokenizer,
                          "outputs": [request_output_json(i, o, has_tokenizer) for i, o in enumerate(outputs)],
                          "stats": asdict(stats), "repeats": repeats, "summary": stats.summary(),

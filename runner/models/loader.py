@@ -274,7 +274,7 @@ def check_checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: Path, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_checkpoint(path: Path, model: MoECausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor this rank keeps, read lazily."""
     spec = model.weight_spec()
     for file in checkpoint_files(path):
@@ -376,7 +376,7 @@ def skip_weight_init() -> Iterator[None]:
                     setattr(nn.init, name, fn)
 
 
-def check_spec_covers_parameters(net: nn.Module) -> None:
+def check_spec_covers_parameters(net: MoECausalLM) -> None:
     """Every parameter must be written by the loader, since the model is built without initial values.
 
     The loader fills the names of the model's ``WeightSpec`` (after its renames) and the experts' fused
