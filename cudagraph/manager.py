@@ -232,7 +232,7 @@ class GraphRunner:
             bar.close()
         self.backend.synchronize()
         # Later work on the caller's stream (buffer refills, replays) comes after the capture stream's warm-ups.
-        streams.current_stream(self.device).wait_stream(self.capture_stream)
+        streams.wait_stream(streams.current_stream(self.device), self.capture_stream)
         report.keys = sorted(self.graphs)
         report.seconds = time.perf_counter() - start
         report.graph_bytes = max(0, free_before - self.backend.free_memory())
@@ -295,7 +295,7 @@ class GraphRunner:
         with streams.stream(self.capture_stream):
             # The fills, the warm-ups and the capture all run on the capture stream, after whatever the caller's
             # stream last did to these buffers: the previous size's capture read them on this stream too.
-            self.capture_stream.wait_stream(caller)
+            streams.wait_stream(self.capture_stream, caller)
             ids.zero_()
             pos.zero_()
             if self.real_token_mask is not None:

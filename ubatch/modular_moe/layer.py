@@ -72,6 +72,7 @@ class FusedMoE(nn.Module):
                                                              requires_grad=False)
         else:
             self.w13_bias = self.w2_bias = None
+        self.e_score_correction_bias: nn.Parameter | None
         if use_correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                         requires_grad=False)

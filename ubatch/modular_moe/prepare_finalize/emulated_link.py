@@ -199,7 +199,7 @@ class EmulatedLink:
             if rec is not None:
                 start = rec.device_stamp(self._side_stream)  # None: cpu clock, or inside a capture
             wait_ns(max(1, round(seconds * 1e9)))
-            if start is not None:
+            if rec is not None and start is not None:
                 end = rec.device_stamp(self._side_stream)
             done.record()
         if rec is not None:
