@@ -40,7 +40,7 @@ def check_and_bind(layers: list[nn.Module], caches: list[torch.Tensor], specs: l
         if tuple(cache.shape[2:]) != spec.per_token_shape:
             raise ValueError(f"KV cache {i} has per-token shape {tuple(cache.shape[2:])}, "
                              f"expected {spec.per_token_shape}")
-        layer.self_attn.kv_cache = cache
+        layer.get_submodule("self_attn").kv_cache = cache
 
 
 class DecoderLayer(nn.Module):

@@ -148,6 +148,8 @@ class DeepseekV2DecoderLayer(DecoderLayer):
     the number of yields never depends on which layers are MoE.
     """
 
+    self_attn: DeepseekV2Attention
+
     def __init__(self, *args: Any, schedule: DBOSchedule, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.schedule = schedule

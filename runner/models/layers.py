@@ -58,6 +58,7 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     """HF ``_compute_yarn_parameters`` (transformers 5.23), line for line."""
     base = rope.rope_theta
     orig_max = rope.original_max_position_embeddings
+    assert orig_max is not None  # parsing a yarn rope config always sets it
     factor = rope.factor
     if factor is None:
         raise ValueError("yarn RoPE needs 'factor'")
