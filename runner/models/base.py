@@ -84,6 +84,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers`` as the decoder layers they are (``nn.ModuleList`` iterates as plain modules)."""
+        layers = []
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, DecoderLayer):
+                raise TypeError(f"model.layers.{i} is a {type(layer).__name__}, not a DecoderLayer")
+            layers.append(layer)
+        return layers
+
 
 class MoECausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""

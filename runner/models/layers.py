@@ -151,7 +151,7 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.to(torch.float32)[:, None] * inv[None, :]
         return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, H, dim]`` (or ``[T, dim]``) with tables from :meth:`cos_sin`."""
         if x.dim() == 3:
             cos, sin = cos[:, None, :], sin[:, None, :]

@@ -14,6 +14,7 @@ directory that cannot be written is a :class:`CacheDirError`, so the CLI can bla
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -274,6 +275,11 @@ def check_checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
+def _read_rows(sl: Any, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of a safetensors slice (read lazily: only those rows leave the file)."""
+    return sl[start:stop]
+
+
 def iter_checkpoint(path: Path, model: MoECausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor this rank keeps, read lazily."""
     spec = model.weight_spec()
@@ -283,7 +289,7 @@ def iter_checkpoint(path: Path, model: MoECausalLM) -> Iterator[tuple[str, torch
                 if FUSED_RE.match(canonical_name(spec, key)):
                     sl = fh.get_slice(key)
                     yield from expand_fused(spec, canonical_name(spec, key), tuple(sl.get_shape()),
-                                            lambda a, b, sl=sl: sl[a:b])
+                                            functools.partial(_read_rows, sl))
                 elif model.wants_weight(key):
                     yield key, fh.get_tensor(key)
 

@@ -81,7 +81,7 @@ class StandardAttention(nn.Module):
         if self.qk_norm == "per_head":  # Qwen3: each head's head_dim
             assert self.q_norm is not None and self.k_norm is not None
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
         out = mha_attention(q, k, v, self.kv_cache, meta, self.scaling, positions, self.options)
         return self.o_proj(out.reshape(t, -1))
 
