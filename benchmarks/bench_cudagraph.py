@@ -76,6 +76,7 @@ class Decode:
         r = self.runner
         meta = build_attention_metadata([self.ctx] * n, [1] * n, self.blocks[:n], r.block_size, r.device)
         r.input_ids[:n].copy_(torch.arange(n) % 100)
+        assert meta.positions is not None  # build_attention_metadata always sets them
         r.positions[:n].copy_(meta.positions)
         slices = maybe_create_ubatch_slices(True, np.ones(n, dtype=np.int64), n, n, 2)[1] if ubatch else None
         return meta, slices, r.input_ids[:n], r.positions[:n]

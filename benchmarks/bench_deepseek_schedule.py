@@ -116,7 +116,7 @@ def run_rank(model_name: str, cache_dir: str, ratios: list[float], repeats: int,
             nbytes, transfers, compute_s = box[0]
             for ratio in ratios:
                 comm_s = ratio * compute_s
-                runtime.set_link(calibrated_link(nbytes, transfers, comm_s))
+                runtime.set_link(calibrated_link(int(nbytes), int(transfers), comm_s))
                 times: dict[str, list[float]] = {v: [] for v in VARIANTS}
                 outs: dict[str, torch.Tensor] = {}
                 for _ in range(repeats):

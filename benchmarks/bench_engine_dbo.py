@@ -69,8 +69,9 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
     torch.set_num_threads(1)
     llm = LLM(**engine_settings(mode, cache_dir, device))
     world = llm.world_size
-    runtime = llm.runner.model.moe_runtime
+    runtime = llm.model_runner.model.moe_runtime
     link = runtime.link()
+    assert link is not None  # engine_settings sets --emulate-link
     rows = []
     trace_path = str(Path(cache_dir) / f"trace_{mode}.json")
     try:
@@ -96,8 +97,10 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
             nbytes, transfers, compute_s = calib
             for ratio in ratios:
                 comm_s = ratio * compute_s
-                runtime.set_link(calibrated_link(nbytes, transfers, comm_s))
-                off, on, wire, tokens = [], [], {False: 0, True: 0}, {}
+                runtime.set_link(calibrated_link(int(nbytes), int(transfers), comm_s))
+                off: list[float] = []
+                on: list[float] = []
+                wire, tokens = {False: 0, True: 0}, {}
                 for _ in range(repeats):
                     for dbo, times in ((False, off), (True, on)):
                         before = runtime.wire_bytes()

@@ -333,6 +333,7 @@ class StepBench:
 
     def run(self, ratios: Sequence[float], emit: Emit = print) -> list[Row]:
         link = self.runtime.link()
+        assert link is not None  # the engine is set up with --emulate-link
         before_bytes, before_transfers = link.total_bytes, link.num_transfers
         self.eager(False)()
         torch.cuda.synchronize()

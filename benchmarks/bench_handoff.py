@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -96,7 +96,7 @@ def generator_handoffs(n: int) -> float:
     """SGLang TBO style: one thread advances two generators alternately."""
     rounds = n // 2
 
-    def gen() -> object:
+    def gen() -> Iterator[None]:
         for _ in range(rounds):
             yield
 

@@ -266,7 +266,7 @@ def run_rank(requests: list[int], dp: int, repeats: int, decode_tokens: int, mix
         rng = random.Random(11 + llm.rank)
         prompts = [[rng.randrange(llm.runner.vocab_size) for _ in range(wl.prompt_len)]
                    for _ in range(wl.num_requests)]
-        clock, sampling = ForwardClock(llm.runner.model), SamplingClock()
+        clock, sampling = ForwardClock(llm.model_runner.model), SamplingClock()
         try:
             warm = Workload(wl.name, min(8, wl.num_requests), wl.max_num_seqs, wl.max_num_batched_tokens,
                             wl.prompt_len, wl.output_lens[:8])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -82,7 +83,7 @@ def main() -> None:
         w = UBatchWrapper(YieldOnly(), UBatchConfig(executor=executor))
         wrappers.append(w)
         handoff_us(w, 1000, False)  # warm the worker threads
-        cases[f"handoff, executor={executor}"] = lambda traced, w=w: handoff_us(w, args.handoffs, traced)
+        cases[f"handoff, executor={executor}"] = functools.partial(handoff_us, w, args.handoffs)
     cases["compute_span block, no DBO"] = lambda traced: compute_span_us(args.handoffs, traced)
 
     samples: dict[tuple[str, bool], list[float]] = {(c, t): [] for c in cases for t in (False, True)}

@@ -186,7 +186,7 @@ class _LLCounter:
 @contextlib.contextmanager
 def deepep_ll_counter(model: torch.nn.Module) -> Iterator[_LLCounter]:
     """Count DeepEP low-latency dispatch/combine calls made inside the block (for the capture rules)."""
-    pfs = {}
+    pfs: dict[int, Any] = {}  # the DeepEP low-latency prepare-finalize objects, by id
     for m in model.modules():
         pf = getattr(getattr(m, "kernel", None), "prepare_finalize", None)
         if getattr(pf, "name", None) == "deepep_low_latency":

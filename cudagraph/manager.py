@@ -128,7 +128,7 @@ class GraphRunner:
                  sizes: Sequence[int], wrapper: Any = None, dbo_decode_threshold: int = 32,
                  keys: Sequence[GraphKey] | None = None, backend: GraphBackend | None = None,
                  num_warmups: int = 2, progress: bool = True, real_token_mask: torch.Tensor | None = None,
-                 agree: CaptureAgreement | None = None, capture_stream: Any = None) -> None:
+                 agree: CaptureAgreement | None = None, capture_stream: streams.Stream | None = None) -> None:
         self.model, self.wrapper = model, wrapper
         self.agree = agree
         self.input_ids, self.positions = input_ids, positions
@@ -211,7 +211,7 @@ class GraphRunner:
             bar.close()
         self.backend.synchronize()
         # Later work on the caller's stream (buffer refills, replays) comes after the capture stream's warm-ups.
-        streams.current_stream(self.device).wait_stream(self.capture_stream)
+        streams.wait_stream(streams.current_stream(self.device), self.capture_stream)
         report.keys = sorted(self.graphs)
         report.seconds = time.perf_counter() - start
         report.graph_bytes = max(0, free_before - self.backend.free_memory())
@@ -274,7 +274,7 @@ class GraphRunner:
         with streams.stream(self.capture_stream):
             # The fills, the warm-ups and the capture all run on the capture stream, after whatever the caller's
             # stream last did to these buffers: the previous size's capture read them on this stream too.
-            self.capture_stream.wait_stream(caller)
+            streams.wait_stream(self.capture_stream, caller)
             ids.zero_()
             pos.zero_()
             if self.real_token_mask is not None:

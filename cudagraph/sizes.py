@@ -92,9 +92,3 @@ def pad_to_capture_size(num_tokens: int, sizes: Sequence[int]) -> int | None:
         return None
     i = bisect.bisect_left(sizes, num_tokens)
     return sizes[i] if i < len(sizes) else None
-
-
-def padding_waste(num_tokens: int, sizes: Sequence[int]) -> int:
-    """Padding tokens a batch of ``num_tokens`` pays (``0`` when it runs eager: no graph, no padding)."""
-    padded = pad_to_capture_size(num_tokens, sizes)
-    return 0 if padded is None else padded - num_tokens

@@ -224,7 +224,7 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Token ids named here must exist in the model's vocabulary (checked when a request arrives)."""
-        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias or ()))):
+        for name, ids in (("stop_token_ids", self.stop_token_ids or []), ("logit_bias", list(self.logit_bias or ()))):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise SamplingParamsError(name, f"{name} names token id {bad[0]}, outside the vocabulary "

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from runner.sampling_params import SamplingParams
+from runner.worker.dbo_step_timing import MeasuredDBO
 from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.sampler import Sampler, request_seed
 from runner.worker.sampling_metadata import RowSpec
@@ -57,7 +58,13 @@ def reference_generate(prompt: list[int], params: SamplingParams, vocab_size: in
 
 
 class FakeRunner:
+    """A :class:`~runner.worker.runner_protocol.ModelRunnerProtocol` whose steps compute on the host: one rank, no
+    device of its own, no DBO cost model, no emulated link."""
+
     rank, world_size = 0, 1
+    device: torch.device | None = None
+    num_ubatched_steps = 0
+    cost_model: MeasuredDBO | None = None
 
     def __init__(self, vocab_size: int = 64, block_size: int = 4, num_kv_blocks: int = 64,
                  max_model_len: int = 256, eos_token_ids: Sequence[int] = ()) -> None:
@@ -66,7 +73,7 @@ class FakeRunner:
         self.eos_token_ids = set(eos_token_ids)
         self.sampler = Sampler(vocab_size, "cpu", self.eos_token_ids)
         self.cache = [-1] * (num_kv_blocks * block_size)
-        self.num_steps = self.num_ubatched_steps = 0
+        self.num_steps = 0
         self.steps: list[SchedulerOutput] = []
 
     def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
@@ -96,6 +103,12 @@ class FakeRunner:
             for i, tok in zip(picks, out.token_ids):
                 results[i] = tok
         return ModelRunnerOutput(results)
+
+    def link_times(self) -> tuple[float, float] | None:
+        return None
+
+    def close(self) -> None:
+        pass
 
     def _slot(self, blocks: list[int], pos: int) -> int:
         return blocks[pos // self.block_size] * self.block_size + pos % self.block_size

@@ -576,12 +576,12 @@ def test_null_block_is_reserved_past_the_scheduler_range(qwen_runner) -> None:
 # ---- runner integration entry point --------------------------------------------------------------------
 def test_maybe_make_graph_runner_is_eager_on_cpu_and_says_so_once(caplog: pytest.LogCaptureFixture) -> None:
     forget_logged()
-    fake = SimpleNamespace(cfg=RunnerConfig(), device=torch.device("cpu"))
+    fake = SimpleNamespace(cfg=RunnerConfig(), device=torch.device("cpu"), rank=0)
     with caplog.at_level(logging.INFO, logger="ubatch.cudagraph"):
         assert manager.maybe_make_graph_runner(fake) is None
         assert manager.maybe_make_graph_runner(fake) is None
         assert manager.maybe_make_graph_runner(SimpleNamespace(cfg=RunnerConfig(enforce_eager=True),
-                                                               device=torch.device("cpu"))) is None
+                                                               device=torch.device("cpu"), rank=0)) is None
     assert [r.getMessage() for r in caplog.records] == ["CUDA graphs need a GPU: running eager"]
 
 

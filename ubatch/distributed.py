@@ -28,7 +28,7 @@ def thread_gloo_groups(store: Any, rank: int, world_size: int, num_groups: int,
     """Gloo groups for one rank that runs as a thread; ``store`` is a HashStore shared by the rank threads."""
     groups = []
     for g in range(num_groups):
-        opts = dist.ProcessGroupGloo._Options()
+        opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private, absent from torch's stubs
         opts._devices = [dist.ProcessGroupGloo.create_default_device()]
         opts._timeout = timedelta(seconds=timeout_s)
         groups.append(dist.ProcessGroupGloo(dist.PrefixStore(f"ep{g}/", store), rank, world_size, opts))

@@ -154,6 +154,8 @@ def _inner_boundaries(split_point: int | Sequence[int] | None, num_tokens_padded
     if isinstance(split_point, (int, np.integer)) and not isinstance(split_point, bool):
         _require_non_negative("split_point", int(split_point))
         return [int(split_point) * i for i in range(1, num_ubatches)]
+    if isinstance(split_point, bool):
+        raise TypeError(f"split_point must be an int or a list of ints, got {split_point!r}")
     inner = [int(p) for p in split_point]
     if len(inner) != num_ubatches - 1:
         raise ValueError(f"split_point={inner} must hold num_ubatches - 1 = {num_ubatches - 1} boundaries")

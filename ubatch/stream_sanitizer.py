@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+from types import FrameType
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -178,7 +179,7 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 def _where() -> tuple[str, int, str]:
     """The innermost frame outside torch and this layer: the line that issued the op."""
-    f = sys._getframe(2)
+    f: FrameType | None = sys._getframe(2)
     while f is not None:
         code = f.f_code
         name = code.co_filename
@@ -235,7 +236,7 @@ def _dispatch(self: _Mode, func: Any, types: Any, args: tuple = (), kwargs: dict
 
 # Assigned after the class body on purpose: TorchDispatchMode wraps a ``__torch_dispatch__`` defined in the
 # body in ``torch._disable_dynamo``, which costs microseconds per op and guards nothing here (no compile).
-_Mode.__torch_dispatch__ = _dispatch  # type: ignore[method-assign]
+_Mode.__torch_dispatch__ = _dispatch  # type: ignore[method-assign, assignment]  # torch types it per mode class
 
 
 class StreamSanitizer:
@@ -451,10 +452,10 @@ def _span(t: torch.Tensor) -> tuple[torch.UntypedStorage, int, int, int] | None:
     if not base:
         return None
     item = t.element_size()
-    start = t.storage_offset() * item
+    start = int(t.storage_offset()) * item
     if t.is_contiguous():
         return st, base, start, start + n * item
-    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    extent = 1 + sum((int(size) - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
     return st, base, start, start + extent * item
 
 

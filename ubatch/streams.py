@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Any, Callable, Iterator, Sequence, Union
+from typing import Any, Callable, Iterator, Sequence, Union, cast
 
 import torch
 
@@ -85,7 +85,7 @@ class NullStream:
         if obs is not None:
             obs.on_wait(self, event)
 
-    def record_event(self, event: "Event | None" = None) -> "Event":
+    def record_event(self, event: "NullEvent | None" = None) -> "NullEvent":
         event = event if event is not None else NullEvent()
         event.record(self)
         return event
@@ -173,7 +173,7 @@ def stream_setter(like: Stream) -> "Callable[[Stream], None]":
         def set_cpu(s: Stream) -> None:
             _cpu_state.stream = s
         return set_cpu
-    return torch.cuda.set_stream
+    return cast("Callable[[Stream], None]", torch.cuda.set_stream)  # a CUDA stream's setter gets CUDA streams
 
 
 def set_current_stream(s: Stream) -> None:
@@ -202,7 +202,17 @@ def record(event: Event, s: Stream | None = None) -> None:
     if isinstance(event, NullEvent):
         event.record(s)
         return
+    assert not isinstance(s, NullStream), "a CUDA event is recorded on a CUDA stream"
     event.record(s) if s is not None else event.record()
+
+
+def wait_stream(waiter: Stream, other: Stream) -> None:
+    """Make ``waiter`` wait for the work queued on ``other`` so far; both are CPU or both CUDA streams."""
+    if isinstance(waiter, NullStream):
+        waiter.wait_stream(other)
+        return
+    assert not isinstance(other, NullStream), "a CUDA stream waits for a CUDA stream"
+    waiter.wait_stream(other)
 
 
 def wait(event: Event, s: Stream | None = None) -> None:

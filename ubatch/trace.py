@@ -15,7 +15,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Literal
 
 from ubatch.forward_context import maybe_get_forward_context
 
@@ -270,7 +270,7 @@ class _NullSpan:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         return False
 
 
@@ -297,13 +297,14 @@ class _Region:
                 self.rec.set_layer(ubatch, self.layer, self.pid)
         self.start = self.clock()
 
-    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> Literal[False]:
         end = self.clock()
         args: dict[str, Any] = {}
         if self.phase is not None:
             args["phase"] = self.phase
         if self.layer is not None:
             args["layer"] = self.layer
+        assert self.track is not None  # named by __enter__
         self.rec._add(self.name, self.cat, self.track, self.start, end, args, self.pid)
         return False
 
@@ -365,8 +366,10 @@ def to_chrome_trace(rec: TraceRecorder, pid: int | None = None) -> dict[str, Any
         return round((t - first) * 1e6, 3)
 
     tracks: dict[int, set[str]] = {}
-    for item in [*spans, *instants]:
-        tracks.setdefault(item.pid, set()).add(item.track)
+    for span in spans:
+        tracks.setdefault(span.pid, set()).add(span.track)
+    for instant in instants:
+        tracks.setdefault(instant.pid, set()).add(instant.track)
     tids: dict[tuple[int, str], int] = {}
     for p in sorted(tracks):
         events.append({"name": "process_name", "ph": "M", "pid": p, "tid": 0, "args": {"name": f"rank {p}"}})

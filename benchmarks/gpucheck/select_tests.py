@@ -25,7 +25,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if spec is None:
         return
     files = {Path(f).as_posix() for f in spec.split()}
-    keep, drop = [], []
+    keep: list[pytest.Item] = []
+    drop: list[pytest.Item] = []
     for item in items:
         path = item.nodeid.split("::", 1)[0]
         (keep if selected(path, item.get_closest_marker("cuda") is not None, files) else drop).append(item)
@@ -45,7 +46,7 @@ def _record(entry: dict[str, Any]) -> None:
 def _message(report: Any) -> str:
     """The failure's one-line summary (pytest's "crash" message, e.g. ``RuntimeError: fixture``)."""
     crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-    if crash is not None and getattr(crash, "message", ""):
+    if crash is not None and getattr(crash, "message", None):
         return crash.message.splitlines()[0][:300]
     lines = [line for line in str(getattr(report, "longrepr", "") or "").splitlines() if line.strip()]
     return lines[-1][:300] if lines else ""

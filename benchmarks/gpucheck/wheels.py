@@ -35,7 +35,8 @@ def wheel_name(filename: str) -> str:
 
 def check(files: list[Path]) -> list[str]:
     """Problems with a downloaded set: a package in it twice, or one of the GPU image's own."""
-    problems, seen = [], {}
+    problems: list[str] = []
+    seen: dict[str, str] = {}
     for f in files:
         name = wheel_name(f.name)
         if name in seen:

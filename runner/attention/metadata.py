@@ -32,7 +32,8 @@ from ubatch.slicing import CommonAttentionMetadata
 class AttentionBackendLike(Protocol):
     """What metadata needs to know of ``runner.attention.backend.AttentionBackend`` (no import cycle)."""
 
-    name: str
+    @property
+    def name(self) -> str: ...
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: Any,
                scale: float, options: AttentionOptions | None = None) -> torch.Tensor: ...

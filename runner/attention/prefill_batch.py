@@ -136,10 +136,10 @@ def build_prefill_groups(req_index: np.ndarray, query_start: np.ndarray, query_l
             views.append(flat[offset:offset + size])
             offset += size
         query_rows, out_rows, req_rows, key_pos, query_pos = views[:5]
-        real_index = views[5] if len(views) > 5 else None
+        real_rows = views[5] if len(views) > 5 else None
         key_pos = key_pos.view(r, smax)
         query_pos = query_pos.view(r, lmax, 1)
         mask = torch.arange(smax, device=device) <= query_pos  # [R, Lmax, Smax]
-        groups.append(PrefillGroup(r, lmax, smax, causal, query_rows, out_rows, real_index, req_rows, key_pos,
+        groups.append(PrefillGroup(r, lmax, smax, causal, query_rows, out_rows, real_rows, req_rows, key_pos,
                                    mask, query_pos))
     return tuple(groups)

@@ -10,19 +10,20 @@ batch at the next step (continuous batching), and come out as per-step
 together from the moment any of them has work until the per-step DP vote finds that none has
 (``runner.step`` returns None on every rank in the same step). That run of steps is a *wave*: :meth:`step`
 returns ``running=False`` at its end, and the caller stops calling it until there is work again (the server
-then blocks on its socket, using no CPU). ``num_waves_finished`` counts them; with one rank a wave ends as
-soon as this rank has nothing left.
+then blocks on its socket, using no CPU). With one rank a wave ends as soon as this rank has nothing left.
 """
 from __future__ import annotations
 
 import gc
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable, cast
 
 from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop, use_overlap_loop
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.core.scheduler import FINISHED, Request, Scheduler
+from runner.config import RunnerConfig
 from runner.worker.outputs import ModelRunnerOutput, PromptLogprobs
+from runner.worker.runner_protocol import ModelRunnerProtocol
 from runner.worker.sampler import request_seed
 from runner.worker.scheduled_batch import SchedulerOutput
 
@@ -68,12 +69,11 @@ class EngineCore:
     """``EngineCore(cfg, runner)``: ``cfg`` is the ``RunnerConfig`` (loop settings, step timeout), ``runner``
     the rank's model runner (or a test stand-in with its ``step`` and cache geometry)."""
 
-    def __init__(self, cfg: Any, runner: Any, *, before_launch: Callable[[int], None] | None = None) -> None:
+    def __init__(self, cfg: RunnerConfig, runner: ModelRunnerProtocol, *, before_launch: Callable[[int], None] | None = None) -> None:
         self.cfg = cfg
         self.runner = runner
         self.before_launch = before_launch
         self.scheduler = Scheduler.from_runner(cfg, runner)
-        self.num_waves_finished = 0
         self.last_loop_stats: LoopStats | None = None  # the loop of the last wave that ended
         self._executor: ForwardExecutor | None = None
         self._loop: StepLoop | None = None
@@ -124,7 +124,7 @@ class EngineCore:
             self._loop = make_step_loop(
                 self.scheduler, self.runner,
                 executor=self._forward_executor() if use_overlap_loop(
-                    self.cfg.disable_overlap_schedule, getattr(self.runner, "device", None),
+                    self.cfg.disable_overlap_schedule, self.runner.device,
                     emulated_device=self.cfg.emulate_device is not None) else None,
                 consecutive_prefill_overlap=not self.cfg.disable_consecutive_prefill_overlap,
                 before_launch=self.before_launch, on_results=self._on_results,
@@ -136,7 +136,6 @@ class EngineCore:
             raise
         if not running:
             self._end_wave()
-            self.num_waves_finished += 1
         return EngineCoreStep(self.take_outputs(), running)
 
     def take_outputs(self) -> list[EngineCoreOutput]:
@@ -174,7 +173,9 @@ class EngineCore:
         finished = set(done)
         if output.prompt_logprobs is not None:
             self._add_prompt_logprobs(out, output.prompt_logprobs, finished)
-        triples = zip(out.requests, out.sample.tolist(), output.sampled_token_ids)
+        # a sampling row's token is an int (Scheduler.update checked it); only those rows are read below
+        sampled = cast("list[int]", output.sampled_token_ids)
+        triples = zip(out.requests, out.sample.tolist(), sampled)
         if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
             for req, sample, token in triples:
                 if sample and (req.status is not FINISHED or _reports_token(req, finished)):
@@ -217,7 +218,7 @@ class EngineCore:
     def _forward_executor(self) -> ForwardExecutor:
         """The persistent thread steps run on with the overlap loop (created on first use, closed by close())."""
         if self._executor is None:
-            self._executor = ForwardExecutor(device=getattr(self.runner, "device", None))
+            self._executor = ForwardExecutor(device=self.runner.device)
         return self._executor
 
     @property
@@ -233,9 +234,7 @@ class EngineCore:
         if self._executor is not None:
             self._executor.close()
             self._executor = None
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
 
 def _reports_token(req: Request, finished: set[Request]) -> bool:

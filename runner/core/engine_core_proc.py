@@ -183,14 +183,11 @@ class CoreLoop:
 
     def _stats(self) -> CoreStats:
         core, runner = self.core, self.core.runner
-        comm = None
-        runtime = getattr(getattr(runner, "model", None), "moe_runtime", None)
-        if runtime is not None:
-            comm = runtime.link_times()
-        cost_model = getattr(runner, "cost_model", None)  # the measured DBO cost model (None without it)
+        comm = runner.link_times()
+        cost_model = runner.cost_model  # the measured DBO cost model (None without it)
         return CoreStats(num_running=core.num_running, num_waiting=core.num_waiting,
-                         kv_cache_usage=core.kv_cache_usage, num_steps=getattr(runner, "num_steps", 0),
-                         num_ubatched_steps=getattr(runner, "num_ubatched_steps", 0),
+                         kv_cache_usage=core.kv_cache_usage, num_steps=runner.num_steps,
+                         num_ubatched_steps=runner.num_ubatched_steps,
                          comm_s=comm[0] if comm else 0.0, comm_exposed_s=comm[1] if comm else 0.0,
                          dbo_buckets=[] if cost_model is None else [DBOBucketStat(d.label, d.dbo_on, d.ratio)
                                                                     for d in cost_model.decisions()])

@@ -24,6 +24,7 @@ from ubatch import trace
 from runner.core.scheduler import Request, Scheduler
 from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.pending import LaunchingRunner, PendingStep
+from runner.worker.runner_protocol import ModelRunnerProtocol
 from runner.worker.scheduled_batch import SchedulerOutput
 
 OnResults = Callable[[SchedulerOutput, ModelRunnerOutput, list[Request]], None]
@@ -36,7 +37,7 @@ class ForwardExecutor:
     so both are set inside it. ``busy_s`` accumulates the time spent running steps.
     """
 
-    def __init__(self, num_threads: int | None = None, device: Any = None, name: str = "ubatch-forward") -> None:
+    def __init__(self, num_threads: int | None = None, device: torch.device | None = None, name: str = "ubatch-forward") -> None:
         self.num_threads = num_threads if num_threads is not None else torch.get_num_threads()
         self.device = device
         self.name = name
@@ -122,12 +123,13 @@ class LoopStats:
 StepLoop = Union["SyncStepLoop", "OverlapStepLoop"]
 
 
-def read_back_seconds(runner: Any) -> float:
-    """The runner's sampler's time in its host read so far (0 for a runner without one, e.g. a test stand-in)."""
-    return float(getattr(getattr(runner, "sampler", None), "read_back_s", 0.0))
+def read_back_seconds(runner: ModelRunnerProtocol) -> float:
+    """The runner's sampler's time in its host read so far."""
+    return runner.sampler.read_back_s
 
 
-def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any, emulated_device: bool = False) -> bool:
+def use_overlap_loop(disable_overlap_schedule: bool | None, device: torch.device | None,
+                     emulated_device: bool = False) -> bool:
     """Whether the engine runs the overlap loop: as ``--disable-overlap-schedule`` says when it is set; by
     default (None) unless the forward runs on the CPU without ``--emulate-device`` (with it, the steps have a
     device time that runs asynchronously to the host, as on a GPU).
@@ -145,7 +147,7 @@ def use_overlap_loop(disable_overlap_schedule: bool | None, device: Any, emulate
     return torch.device(device).type != "cpu"
 
 
-def make_step_loop(sched: Scheduler, runner: Any, *, executor: ForwardExecutor | None = None,
+def make_step_loop(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: ForwardExecutor | None = None,
                    consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
                    on_results: OnResults | None = None, step_timeout_s: float | None = None) -> StepLoop:
     """A loop over ``sched`` that runs one iteration per :meth:`step` call: overlapped on ``executor``, or
@@ -163,7 +165,7 @@ def make_step_loop(sched: Scheduler, runner: Any, *, executor: ForwardExecutor |
                            step_timeout_s)
 
 
-def run_steps(sched: Scheduler, runner: Any, **kwargs: Any) -> LoopStats:
+def run_steps(sched: Scheduler, runner: ModelRunnerProtocol, **kwargs: Any) -> LoopStats:
     """Step ``sched`` until no DP rank has work (:func:`make_step_loop`'s arguments); returns the loop's stats."""
     loop = make_step_loop(sched, runner, **kwargs)
     try:
@@ -177,7 +179,7 @@ def run_steps(sched: Scheduler, runner: Any, **kwargs: Any) -> LoopStats:
 class SyncStepLoop:
     """Schedule, run, process: one step at a time in the caller's thread."""
 
-    def __init__(self, sched: Scheduler, runner: Any, before_launch: Callable[[int], None] | None,
+    def __init__(self, sched: Scheduler, runner: ModelRunnerProtocol, before_launch: Callable[[int], None] | None,
                  on_results: OnResults | None) -> None:
         self.sched, self.runner = sched, runner
         self.before_launch, self.on_results = before_launch, on_results
@@ -217,13 +219,13 @@ class SyncStepLoop:
         return self.stats
 
 
-def placeholders_resolved(runner: Any) -> int:
+def placeholders_resolved(runner: ModelRunnerProtocol) -> int:
     """Placeholders the runner's own (device-resident) future-token map has resolved so far; 0 for a runner
     whose steps are resolved by the loop's host map (a test stand-in)."""
     return runner.num_placeholders_resolved if isinstance(runner, LaunchingRunner) else 0
 
 
-def launch_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> PendingStep | None:
+def launch_step(runner: ModelRunnerProtocol, future_map: FutureTokenMap, out: SchedulerOutput) -> PendingStep | None:
     """Launch one step on the forward side without waiting for its results. A :class:`LaunchingRunner` (the
     model runner) resolves ``out``'s placeholders on its device; any other runner (a stand-in whose ``step``
     computes on the host) gets them resolved from ``future_map`` and runs the step here, its result ready."""
@@ -233,7 +235,7 @@ def launch_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -
     return None if output is None else PendingStep.ready(output)
 
 
-def forward_step(runner: Any, future_map: FutureTokenMap, out: SchedulerOutput) -> ModelRunnerOutput | None:
+def forward_step(runner: ModelRunnerProtocol, future_map: FutureTokenMap, out: SchedulerOutput) -> ModelRunnerOutput | None:
     """The forward side of one step: resolve ``out``'s placeholders, run it, store what it sampled under each
     request's slot for the next step. Runs on the executor thread only."""
     with trace.region("resolve", "step", track="step"):
@@ -260,7 +262,7 @@ class StepTimeoutError(TimeoutError):
 class OverlapStepLoop:
     """Schedule N+1 and launch it, then process N while N+1 runs (module docstring)."""
 
-    def __init__(self, sched: Scheduler, runner: Any, executor: ForwardExecutor, consecutive_prefill_overlap: bool,
+    def __init__(self, sched: Scheduler, runner: ModelRunnerProtocol, executor: ForwardExecutor, consecutive_prefill_overlap: bool,
                  before_launch: Callable[[int], None] | None, on_results: OnResults | None,
                  step_timeout_s: float | None = None) -> None:
         self.sched, self.runner, self.executor = sched, runner, executor

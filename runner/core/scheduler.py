@@ -20,6 +20,8 @@ from runner.core.kv_blocks import BlockAllocator
 from runner.core.prompt_checks import prompt_token_problem
 from runner.core.slots import SlotPool, placeholder
 from runner.sampling_params import SamplingParams, SamplingParamsError
+from runner.config import RunnerConfig
+from runner.worker.runner_protocol import ModelRunnerProtocol
 from runner.worker.scheduled_batch import SchedulerOutput
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
@@ -124,7 +126,7 @@ class Scheduler:
         return len(self._inflight_steps)
 
     @classmethod
-    def from_runner(cls, cfg: Any, runner: Any) -> "Scheduler":
+    def from_runner(cls, cfg: RunnerConfig, runner: ModelRunnerProtocol) -> "Scheduler":
         """Budgets from the config; cache geometry, vocabulary and EOS from the model runner."""
         return cls(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                    block_size=runner.block_size, num_kv_blocks=runner.num_kv_blocks,
@@ -147,9 +149,11 @@ class Scheduler:
         self.requests[req_id] = req
         error = _check_prompt(prompt, self.vocab_size, self.max_model_len) or \
             _check_sampling(sampling, self.vocab_size)
+        max_tokens = sampling.max_tokens
+        assert max_tokens is not None, "max_tokens=None is resolved before a request reaches the scheduler"
         if error is None:
             # KV positions ever written: every token but the last sampled one.
-            longest = min(self.max_model_len, len(prompt) + sampling.max_tokens) - 1
+            longest = min(self.max_model_len, len(prompt) + max_tokens) - 1
             need = blocks_needed(longest, self.block_size)
             if need > self.allocator.num_blocks:
                 error = (f"request may grow to {longest + 1} tokens, which needs {need} KV-cache blocks of "
@@ -160,7 +164,7 @@ class Scheduler:
         else:
             req.stop_ids = frozenset(sampling.stop_token_ids or ()) | (
                 frozenset() if sampling.ignore_eos else self.eos_token_ids)
-            req.max_outputs = min(sampling.max_tokens, self.max_model_len - len(prompt))
+            req.max_outputs = min(max_tokens, self.max_model_len - len(prompt))
             self.waiting.append(req)
         return req
 
@@ -192,10 +196,6 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
-
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
 
     @property
     def num_free_blocks(self) -> int:
@@ -365,6 +365,7 @@ class Scheduler:
                 self._finish(req, "error", INVALID_SAMPLE_ERROR, in_running=False)
                 done.append(req)
                 continue
+            assert token is not None  # a sampling row's token (_invalid_samples found none missing)
             out = req.output_token_ids
             i = len(out) - req.num_pending
             out[i] = token

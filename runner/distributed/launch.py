@@ -328,7 +328,8 @@ class RankGroup:
         common = {"OMP_NUM_THREADS": str(self.num_threads), **loopback_env()}
         for rank in range(self.nprocs):
             parent_conn, child_conn = self.ctx.Pipe(duplex=False)
-            p = self.ctx.Process(target=_child_main, name=f"ubatch-rank-{rank}",
+            # typeshed types get_context(str) as BaseContext; every concrete context has Process
+            p = self.ctx.Process(target=_child_main, name=f"ubatch-rank-{rank}",  # type: ignore[attr-defined]
                                  args=(self.payload, rank, self.nprocs, self.rdzv.store_path, self.timeout_s,
                                        self.backend, self.num_threads, child_conn, self.board, os.getpid(),
                                        self.child_tracebacks, self.parent_handles_signals))

@@ -241,10 +241,6 @@ class MPEngineClient(EngineClient):
             shutil.rmtree(self._sock_dir, ignore_errors=True)
             self._sock_dir = None
 
-    def stop_accepting(self) -> None:
-        """New requests now fail with :class:`EngineShuttingDownError` (the server is draining)."""
-        self._accepting = False
-
     # ------------------------------------------------------------------ requests
     def _check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
         info = self._info

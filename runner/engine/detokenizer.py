@@ -48,7 +48,7 @@ class IncrementalDetokenizer:
             tokenizer, skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens)
         self._prefix_text: str | None = None  # decode of window[prefix:read], while it stays the same
-        self.stop = list(params.stop)
+        self.stop = list(params.stop or ())  # a list once SamplingParams is built
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.stop_buffer_length = params.output_text_buffer_length
         self.token_ids: list[int] = []  # every output token, decoded or not
@@ -86,6 +86,7 @@ class IncrementalDetokenizer:
         return stop_string
 
     def _decode_next(self) -> str:
+        assert self._decode is not None  # only with a tokenizer
         window, prefix, read = self._window, self._prefix_offset, self._read_offset
         if self._prefix_text is None:
             self._prefix_text = self._decode(window[prefix:read])

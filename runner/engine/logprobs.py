@@ -33,6 +33,7 @@ class LogprobsState:
             return (f"logprobs={self.num_logprobs} was asked for, but the engine core returned log-probabilities "
                     f"for {got} of {len(token_ids)} new tokens (the model runner does not compute them)")
         for token, entry in zip(token_ids, entries):
+            assert entry is not None  # checked above
             if entry.token_id != token:
                 return f"the engine core's log-probabilities are for token {entry.token_id}, not the sampled {token}"
             position = {token: Logprob(entry.logprob, entry.rank, self._text(token))}
@@ -40,6 +41,7 @@ class LogprobsState:
                                                  entry.top_logprobs[:self.num_logprobs]), start=1):
                 position.setdefault(tid, Logprob(lp, rank, self._text(tid)))
             self.logprobs.append(position)
+            assert self.cumulative_logprob is not None  # set with logprobs
             self.cumulative_logprob += entry.logprob
         return None
 

@@ -147,9 +147,6 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self.request_states)
 
-    def get_num_unfinished_requests(self) -> int:
-        return len(self._children)
-
     def unfinished_engine_request_ids(self) -> list[int]:
         return list(self.request_states)
 
@@ -167,6 +164,7 @@ class OutputProcessor:
             if state is None:
                 continue
             new_ids = list(out.new_token_ids)
+            stop_reason: int | str | None
             finish_reason, stop_reason, error = out.finish_reason, out.stop_reason, out.error
             if new_ids:
                 if state.metrics.first_token_time is None:

@@ -25,7 +25,7 @@ import sys
 import traceback
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from runner.config import RunnerConfig
 from runner.engine.generation_config import GenerationConfig
@@ -43,6 +43,9 @@ from runner.entrypoints.report import (  # noqa: F401 (compare_outputs: API)
     request_output_json,
 )
 from runner.sampling_params import SamplingParams, SamplingParamsError
+
+if TYPE_CHECKING:  # the functions that build one import it where they run
+    from runner.entrypoints.llm import LLM
 
 
 DEBUG_ENV = "UBATCH_DEBUG"
@@ -278,13 +281,16 @@ def run_job(job: Job) -> dict[str, Any] | None:
             repeats = []
             for _ in range(job.repeats if job.command == "bench" else 1):
                 outputs = llm.generate(job.prompts, job.sampling, use_tqdm=not job.disable_tqdm)
-                repeats.append(asdict(llm.last_stats))
+                stats = llm.last_stats
+                assert stats is not None  # every generate() sets it
+                repeats.append(asdict(stats))
             has_tokenizer = llm.get_tokenizer() is not None
+            assert stats is not None
             runs.append({"dbo": cfg.enable_dbo, "has_tokenizer": has_tokenizer,
                          "outputs": [request_output_json(i, o, has_tokenizer) for i, o in enumerate(outputs)],
-                         "stats": asdict(llm.last_stats), "repeats": repeats, "summary": llm.last_stats.summary(),
+                         "stats": asdict(stats), "repeats": repeats, "summary": stats.summary(),
                          "trace": result_to_json(llm.last_trace), "dtype": model_dtype(llm),
-                         "experts_backend": llm.runner.experts_backend})
+                         "experts_backend": llm.model_runner.experts_backend})
         finally:
             llm.close()
             del llm
@@ -295,9 +301,9 @@ def run_job(job: Job) -> dict[str, Any] | None:
     return result if rank == 0 else None
 
 
-def model_dtype(llm: Any) -> str:
+def model_dtype(llm: LLM) -> str:
     """The dtype the rank's model computes in (``bfloat16``, ``float32``, ...)."""
-    return str(next(llm.runner.model.parameters()).dtype).removeprefix("torch.")
+    return str(next(llm.model_runner.model.parameters()).dtype).removeprefix("torch.")
 
 
 def float32_check(job: Job, runs: list[dict[str, Any]]) -> dict[str, Any] | None:

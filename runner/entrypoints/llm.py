@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from runner import tracing
 from runner.config import ConfigError, RunnerConfig, make_config
@@ -31,6 +31,10 @@ from runner.core.prompt_checks import prompt_problem
 from runner.entrypoints.vllm_engine_args import pop_vllm_engine_args
 from runner.outputs import RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams
+from runner.worker.runner_protocol import ModelRunnerProtocol
+
+if TYPE_CHECKING:  # built on demand: importing it loads the model code
+    from runner.worker.model_runner import ModelRunner
 from ubatch.log_once import log_once
 
 logger = logging.getLogger("ubatch.engine")
@@ -118,8 +122,8 @@ class LLM:
     from, instead of the model's own (``runner/engine/tokenizer.py``), which is loaded on first use.
     """
 
-    def __init__(self, cfg: RunnerConfig | str | None = None, /, *, runner: Any = None, tokenizer: Any = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, cfg: RunnerConfig | str | None = None, /, *, runner: ModelRunnerProtocol | None = None,
+                 tokenizer: Any = None, **kwargs: Any) -> None:
         if isinstance(cfg, str):
             kwargs.setdefault("model", cfg)
             cfg = None
@@ -132,10 +136,10 @@ class LLM:
             if problem:
                 raise ConfigError("trace_file", f"trace_file: {problem}")
         self.rank, self.world_size = resolve_world(cfg) if runner is None else (
-            getattr(runner, "rank", 0), getattr(runner, "world_size", 1))
+            runner.rank, runner.world_size)
         # before any weight is read: the generation config (a bad one is an error) and max_model_len
         self.generation_config = self._load_generation_config(
-            getattr(runner, "eos_token_ids", ()) if runner is not None else None)
+            runner.eos_token_ids if runner is not None else None)
         if runner is None:
             from runner.models.loader import check_max_model_len, model_config
             from runner.worker.model_runner import ModelRunner
@@ -143,7 +147,7 @@ class LLM:
             if cfg.max_model_len is not None:
                 check_max_model_len(cfg.max_model_len, model_config(cfg.model, cfg.cache_dir))
             runner = ModelRunner(cfg, self.rank, self.world_size)
-        self.runner = runner
+        self.runner: ModelRunnerProtocol = runner
         self._tokenizer = load_tokenizer_from_dir(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) \
             else tokenizer
         self._tokenizer_loaded = tokenizer is not None
@@ -157,8 +161,18 @@ class LLM:
         self._busy = threading.Lock()
         self._busy_thread: int | None = None  # the thread inside generate(), if any
 
+    @property
+    def model_runner(self) -> ModelRunner:
+        """The model runner this LLM built, for the front ends and benchmarks that read its model; a TypeError
+        when a stand-in was injected."""
+        from runner.worker.model_runner import ModelRunner
+
+        if not isinstance(self.runner, ModelRunner):
+            raise TypeError(f"this LLM runs an injected {type(self.runner).__name__}, not a ModelRunner")
+        return self.runner
+
     # ------------------------------------------------------------------ helpers
-    def _load_generation_config(self, model_eos: Any) -> GenerationConfig:
+    def _load_generation_config(self, model_eos: Iterable[int] | None) -> GenerationConfig:
         """The checkpoint's generation config; ``model_eos`` None: the EOS ids of its config.json."""
         from runner.models.loader import load_config, resolve_model_path
 
@@ -198,9 +212,7 @@ class LLM:
             self._core.close()
             self._core = None
             return
-        close = getattr(self.runner, "close", None)
-        if close is not None:
-            close()
+        self.runner.close()
 
     def _prompt_inputs(self, prompts: Any) -> list[tuple[str | None, Any]]:
         """(text or None, token ids) per prompt, in input order. Text is encoded on the rank that runs it only;
@@ -329,8 +341,8 @@ class LLM:
         local = list(range(self.rank, len(inputs), self.world_size))
         self._check_prompts(inputs, params, local, core)
         start = time.perf_counter()
-        steps0 = getattr(self.runner, "num_steps", 0)
-        ubatched0 = getattr(self.runner, "num_ubatched_steps", 0)
+        steps0 = self.runner.num_steps
+        ubatched0 = self.runner.num_ubatched_steps
         sched = core.scheduler
         preemptions0 = sched.num_preemptions
         processor = OutputProcessor(tokenizer, self.runner.max_model_len, self.generation_config)
@@ -345,7 +357,7 @@ class LLM:
                                                  default_seed=self.cfg.seed * 1_000_003 + i):
                 core.add_request(request)
             engine_id += n
-        with tracing.record(self.cfg.trace_file, getattr(self.runner, "device", None)) as rec:  # clock: device
+        with tracing.record(self.cfg.trace_file, self.runner.device) as rec:  # clock: device
             finished = self._run_loop(core, processor, len(local), not use_tqdm)
         if sched.allocator.num_free_blocks != sched.allocator.num_blocks:  # a leak would starve later calls
             raise RuntimeError(f"KV blocks leaked: {sched.allocator.num_blocks - sched.allocator.num_free_blocks} "
@@ -353,7 +365,7 @@ class LLM:
         mine = ([(i, finished[str(first_id + i)]) for i in local], sched.num_preemptions - preemptions0,
                 time.perf_counter() - start, tracing.local_spans(rec), self._dbo_decisions())
         gathered = self._all_gather(mine)
-        if rec is not None:
+        if rec is not None and self.cfg.trace_file is not None:  # a recorder is made only for a trace file
             self.last_trace = tracing.export(self.cfg.trace_file, [g[3] for g in gathered], self.rank)
             if self.last_trace is not None and self.last_trace.error:
                 logger.warning(self.last_trace.error)
@@ -363,8 +375,8 @@ class LLM:
             num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs if o.error is None),
             num_output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
             elapsed_s=max(time.perf_counter() - start, max(g[2] for g in gathered)),
-            num_steps=getattr(self.runner, "num_steps", 0) - steps0,
-            num_ubatched_steps=getattr(self.runner, "num_ubatched_steps", 0) - ubatched0,
+            num_steps=self.runner.num_steps - steps0,
+            num_ubatched_steps=self.runner.num_ubatched_steps - ubatched0,
             num_preemptions=sum(g[1] for g in gathered), enable_dbo=self.cfg.enable_dbo,
             dbo_decisions=[(f"rank {r}: " if len(gathered) > 1 else "") + d
                            for r, g in enumerate(gathered) for d in g[4]])
@@ -372,7 +384,7 @@ class LLM:
 
     def _dbo_decisions(self) -> list[str]:
         """This rank's DBO cost-model buckets, one line each (none without the measured cost model)."""
-        cost_model = getattr(self.runner, "cost_model", None)  # as num_steps: a test's stand-in runner has none
+        cost_model = self.runner.cost_model
         return [] if cost_model is None else [d.describe() for d in cost_model.decisions()]
 
     def _check_prompts(self, inputs: list[tuple[str | None, Any]], params: list[SamplingParams], local: list[int],

@@ -91,7 +91,7 @@ def _list_errors(outputs: list[dict[str, Any]]) -> int:
     return 0
 
 
-def _write(flag: str, path: str, write: Callable[[Path], None]) -> int:
+def _write(flag: str, path: str, write: Callable[[Path], object]) -> int:
     try:
         write(Path(path))
     except OSError as e:

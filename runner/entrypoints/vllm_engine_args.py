@@ -26,7 +26,7 @@ def _one(value: object) -> bool:
 
 
 def _non_negative_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value) >= 0
 
 
 def _none_or(*allowed: object) -> Callable[[object], bool]:

@@ -40,7 +40,7 @@ def check_and_bind(layers: list[nn.Module], caches: list[torch.Tensor], specs: l
         if tuple(cache.shape[2:]) != spec.per_token_shape:
             raise ValueError(f"KV cache {i} has per-token shape {tuple(cache.shape[2:])}, "
                              f"expected {spec.per_token_shape}")
-        layer.self_attn.kv_cache = cache
+        layer.get_submodule("self_attn").kv_cache = cache
 
 
 class DecoderLayer(nn.Module):
@@ -84,11 +84,20 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(make_layer(i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
 
+    def decoder_layers(self) -> list[DecoderLayer]:
+        """``layers`` as the decoder layers they are (``nn.ModuleList`` iterates as plain modules)."""
+        layers = []
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, DecoderLayer):
+                raise TypeError(f"model.layers.{i} is a {type(layer).__name__}, not a DecoderLayer")
+            layers.append(layer)
+        return layers
+
 
 class MoECausalLM(nn.Module):
     """``forward(input_ids [T], positions [T]) -> hidden [T, H]``; ``compute_logits(hidden) -> fp32 [T, V]``."""
 
-    model: nn.Module
+    model: DecoderModel
     rotary_emb: Any
     #: DBO schedules this family can run (``runner.models.schedules``); "moe" needs nothing from the model
     supported_dbo_schedules: tuple[str, ...] = (DEFAULT_DBO_SCHEDULE,)

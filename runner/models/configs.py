@@ -127,6 +127,11 @@ class BaseMoEConfig:
         return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
 
     @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "BaseMoEConfig":
+        """Parse ``config.json``'s fields; each architecture's config defines it."""
+        raise NotImplementedError(f"{cls.__name__} does not parse a config.json")
+
+    @classmethod
     def _prepare(cls, d: dict[str, Any]) -> dict[str, Any]:
         _common_checks(d)
         out = dict(d)

@@ -84,7 +84,7 @@ class DeepseekV2Attention(nn.Module):
         q_nope, q_rope = q.view(t, self.num_heads, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(hidden).split([self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
-        q_rope, k_rope = rope.apply(q_rope, cos, sin), rope.apply(k_rope, cos, sin)
+        q_rope, k_rope = rope.rotate(q_rope, cos, sin), rope.rotate(k_rope, cos, sin)
         return q_nope, q_rope, torch.cat((latent, k_rope), dim=-1)
 
     def core(self, positions: torch.Tensor, q_nope: torch.Tensor, q_rope: torch.Tensor,
@@ -140,6 +140,17 @@ class DeepseekV2MoE(nn.Module):
         return {f"{prefix}gate.e_score_correction_bias": f"{prefix}experts.e_score_correction_bias"}
 
 
+def add_mlp_spec(layer: DecoderLayer, i: int, shapes: dict[str, tuple[int, ...]], rename: dict[str, str],
+                 moe_layers: dict[int, ScheduledFusedMoE]) -> None:
+    """Layer ``i``'s MLP in a weight spec: its checkpoint tensors, and a DeepSeek MoE block's renames and experts."""
+    mlp = layer.mlp
+    assert isinstance(mlp, (DeepseekV2MoE, DenseMLP))  # moe_or_dense_layer's two kinds
+    shapes.update(mlp.checkpoint_shapes(f"model.layers.{i}.mlp."))
+    if isinstance(mlp, DeepseekV2MoE):
+        rename.update(mlp.checkpoint_renames(f"model.layers.{i}.mlp."))
+        moe_layers[i] = mlp.experts
+
+
 class DeepseekV2DecoderLayer(DecoderLayer):
     """A decoder layer that, on the staged pipeline's steps, ends a stage between ATTN-0 and ATTN-1.
 
@@ -147,6 +158,8 @@ class DeepseekV2DecoderLayer(DecoderLayer):
     span, since another ubatch runs in between. The boundary is in every layer, dense ones included, so
     the number of yields never depends on which layers are MoE.
     """
+
+    self_attn: DeepseekV2Attention
 
     def __init__(self, *args: Any, schedule: DBOSchedule, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -211,8 +224,8 @@ class DeepseekV2ForCausalLM(MoECausalLM):
         h, nh = c.hidden_size, c.num_attention_heads
         shapes = self._common_shapes()
         rename: dict[str, str] = {}
-        moe_layers = {}
-        for i, layer in enumerate(self.model.layers):
+        moe_layers: dict[int, ScheduledFusedMoE] = {}
+        for i, layer in enumerate(self.model.decoder_layers()):
             p = f"model.layers.{i}."
             a = f"{p}self_attn."
             if c.q_lora_rank is None:
@@ -232,10 +245,7 @@ class DeepseekV2ForCausalLM(MoECausalLM):
                 shapes[f"{a}o_proj.bias"] = (h,)
             shapes[f"{p}input_layernorm.weight"] = (h,)
             shapes[f"{p}post_attention_layernorm.weight"] = (h,)
-            shapes.update(layer.mlp.checkpoint_shapes(f"{p}mlp."))
-            if isinstance(layer.mlp, DeepseekV2MoE):
-                rename.update(layer.mlp.checkpoint_renames(f"{p}mlp."))
-                moe_layers[i] = layer.mlp.experts
+            add_mlp_spec(layer, i, shapes, rename, moe_layers)
         return WeightSpec(shapes=shapes, num_hidden_layers=c.num_hidden_layers, num_experts=c.n_routed_experts,
                           moe_intermediate_size=c.moe_intermediate_size, hidden_size=h, moe_layers=moe_layers,
                           local_experts=self.parallel.local_expert_range(c.n_routed_experts),

@@ -16,9 +16,10 @@ from torch import nn
 from runner.attention.kv_cache import KVCacheSpec
 from runner.models.base import DecoderModel, MoECausalLM, moe_or_dense_layer
 from runner.models.configs import Glm4MoeConfig
-from runner.models.deepseek_v2 import DeepseekV2MoE
+from runner.models.deepseek_v2 import DeepseekV2MoE, add_mlp_spec
 from runner.models.gqa_attention import GQAAttention, GQAConfig, gqa_kv_cache_specs, gqa_layer_shapes
 from runner.models.layers import RotaryEmbedding
+from runner.models.schedules import ScheduledFusedMoE
 from runner.models.weights import WeightSpec
 from ubatch.modular_moe.config import MoEParallelConfig
 
@@ -52,14 +53,11 @@ class Glm4MoeForCausalLM(MoECausalLM):
         e = c.n_routed_experts
         shapes = self._common_shapes()
         rename: dict[str, str] = {}
-        moe_layers = {}
-        for i, layer in enumerate(self.model.layers):
+        moe_layers: dict[int, ScheduledFusedMoE] = {}
+        for i, layer in enumerate(self.model.decoder_layers()):
             p = f"model.layers.{i}."
             shapes.update(gqa_layer_shapes(p, layer))
-            shapes.update(layer.mlp.checkpoint_shapes(f"{p}mlp."))
-            if isinstance(layer.mlp, DeepseekV2MoE):
-                rename.update(layer.mlp.checkpoint_renames(f"{p}mlp."))
-                moe_layers[i] = layer.mlp.experts
+            add_mlp_spec(layer, i, shapes, rename, moe_layers)
         return WeightSpec(shapes=shapes, num_hidden_layers=c.num_hidden_layers, num_experts=e,
                           moe_intermediate_size=c.moe_intermediate_size, hidden_size=c.hidden_size, moe_layers=moe_layers,
                           local_experts=self.parallel.local_expert_range(e),

@@ -74,11 +74,12 @@ class GptOssForCausalLM(MoECausalLM):
         h, e = c.hidden_size, c.num_local_experts
         shapes = self._common_shapes()
         moe_layers = {}
-        for i, layer in enumerate(self.model.layers):
+        for i, layer in enumerate(self.model.decoder_layers()):
             p = f"model.layers.{i}."
             shapes.update(gqa_layer_shapes(p, layer))
             shapes[f"{p}mlp.router.weight"] = (e, h)
             shapes[f"{p}mlp.router.bias"] = (e,)
+            assert isinstance(layer.mlp, GptOssMoE)  # every gpt-oss layer is MoE
             moe_layers[i] = layer.mlp.experts
         return WeightSpec(shapes=shapes, num_hidden_layers=c.num_hidden_layers, num_experts=e,
                           moe_intermediate_size=c.intermediate_size, hidden_size=h, moe_layers=moe_layers,

@@ -107,8 +107,8 @@ class GQAAttention(nn.Module):
 def rotate_prefix(rope: RotaryEmbedding, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """RoPE on the first ``rope.dim`` features of each head, the rest passed through (HF's partial rotary)."""
     if rope.dim == x.shape[-1]:
-        return rope.apply(x, cos, sin)
-    return torch.cat((rope.apply(x[..., :rope.dim], cos, sin), x[..., rope.dim:]), dim=-1)
+        return rope.rotate(x, cos, sin)
+    return torch.cat((rope.rotate(x[..., :rope.dim], cos, sin), x[..., rope.dim:]), dim=-1)
 
 
 def gqa_kv_cache_specs(layers: nn.ModuleList) -> list[KVCacheSpec]:

@@ -58,6 +58,7 @@ def _yarn_inv_freq(rope: RopeConfig, dim: int) -> tuple[torch.Tensor, float]:
     """HF ``_compute_yarn_parameters`` (transformers 5.23), line for line."""
     base = rope.rope_theta
     orig_max = rope.original_max_position_embeddings
+    assert orig_max is not None  # parsing a yarn rope config always sets it
     factor = rope.factor
     if factor is None:
         raise ValueError("yarn RoPE needs 'factor'")
@@ -150,7 +151,7 @@ class RotaryEmbedding(nn.Module):
         freqs = positions.to(torch.float32)[:, None] * inv[None, :]
         return (freqs.cos() * self.attention_scaling).to(dtype), (freqs.sin() * self.attention_scaling).to(dtype)
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` ``[T, H, dim]`` (or ``[T, dim]``) with tables from :meth:`cos_sin`."""
         if x.dim() == 3:
             cos, sin = cos[:, None, :], sin[:, None, :]

@@ -14,6 +14,7 @@ directory that cannot be written is a :class:`CacheDirError`, so the CLI can bla
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
@@ -28,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from runner.config import ConfigError
+from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
 from runner.models.registry import architecture_of, get_model_class, parse_config, supported_architectures
 from runner.models.weights import FUSED_RE, canonical_name, expand_fused
@@ -273,7 +275,12 @@ def check_checkpoint_files(path: Path) -> list[Path]:
     return files
 
 
-def iter_checkpoint(path: Path, model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def _read_rows(sl: Any, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of a safetensors slice (read lazily: only those rows leave the file)."""
+    return sl[start:stop]
+
+
+def iter_checkpoint(path: Path, model: MoECausalLM) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor this rank keeps, read lazily."""
     spec = model.weight_spec()
     for file in checkpoint_files(path):
@@ -282,7 +289,7 @@ def iter_checkpoint(path: Path, model: nn.Module) -> Iterator[tuple[str, torch.T
                 if FUSED_RE.match(canonical_name(spec, key)):
                     sl = fh.get_slice(key)
                     yield from expand_fused(spec, canonical_name(spec, key), tuple(sl.get_shape()),
-                                            lambda a, b, sl=sl: sl[a:b])
+                                            functools.partial(_read_rows, sl))
                 elif model.wants_weight(key):
                     yield key, fh.get_tensor(key)
 
@@ -299,7 +306,7 @@ def auto_dtype(checkpoint_dtype: torch.dtype | None, device: torch.device | str)
 
 def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: torch.dtype | None = None,
                cache_dir: str | os.PathLike | None = None,
-               device: torch.device | str = "cpu") -> tuple[nn.Module, BaseMoEConfig]:
+               device: torch.device | str = "cpu") -> tuple[MoECausalLM, BaseMoEConfig]:
     """Build the model for ``config.json``'s architecture and load this rank's weights.
 
     ``dtype`` defaults to :func:`auto_dtype` of the config's ``torch_dtype``/``dtype`` on ``device``.
@@ -375,7 +382,7 @@ def skip_weight_init() -> Iterator[None]:
                     setattr(nn.init, name, fn)
 
 
-def check_spec_covers_parameters(net: nn.Module) -> None:
+def check_spec_covers_parameters(net: MoECausalLM) -> None:
     """Every parameter must be written by the loader, since the model is built without initial values.
 
     The loader fills the names of the model's ``WeightSpec`` (after its renames) and the experts' fused

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig, DeepseekV2Config, Glm4MoeConfig, GptOssConfig
 from runner.models.standard_configs import (
     LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
@@ -50,9 +51,10 @@ def _entry(arch: str) -> tuple[str, str, type[BaseMoEConfig]]:
     return _MODELS[arch]
 
 
-def get_model_class(arch: str) -> type:
+def get_model_class(arch: str) -> type[MoECausalLM]:
     module, name, _ = _entry(arch)
-    return getattr(importlib.import_module(module), name)
+    cls: type[MoECausalLM] = getattr(importlib.import_module(module), name)
+    return cls
 
 
 def parse_config(config_dict: dict[str, Any]) -> BaseMoEConfig:

@@ -42,9 +42,9 @@ class StandardAttention(nn.Module):
     def __init__(self, config: StandardConfig, dtype: torch.dtype | None) -> None:
         super().__init__()
         c = config
-        h, d = c.hidden_size, c.head_dim
-        assert d is not None
-        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, c.num_key_value_heads, d
+        h, d, nkv = c.hidden_size, c.head_dim, c.num_key_value_heads
+        assert d is not None and nkv is not None  # filled when the config is parsed
+        self.num_heads, self.num_kv_heads, self.head_dim = c.num_attention_heads, nkv, d
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=c.qkv_bias, dtype=dtype)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=c.qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=c.qkv_bias, dtype=dtype)
@@ -71,6 +71,7 @@ class StandardAttention(nn.Module):
         t = hidden.shape[0]
         q, k, v = self.q_proj(hidden), self.k_proj(hidden), self.v_proj(hidden)
         if self.qk_norm == "whole":  # OLMoE: over the whole projection, before the clamp and the head split
+            assert self.q_norm is not None and self.k_norm is not None
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (x.clamp(-self.clip_qkv, self.clip_qkv) for x in (q, k, v))
@@ -78,8 +79,9 @@ class StandardAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "per_head":  # Qwen3: each head's head_dim
+            assert self.q_norm is not None and self.k_norm is not None
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
         out = mha_attention(q, k, v, self.kv_cache, meta, self.scaling, positions, self.options)
         return self.o_proj(out.reshape(t, -1))
 
@@ -146,8 +148,9 @@ class StandardCausalLM(MoECausalLM):
 
     def _build_spec(self) -> WeightSpec:
         c: StandardConfig = self.config
-        h, d = c.hidden_size, c.head_dim
-        nq, nkv = c.num_attention_heads * d, c.num_key_value_heads * d
+        h, d, kv_heads = c.hidden_size, c.head_dim, c.num_key_value_heads
+        assert d is not None and kv_heads is not None  # filled when the config is parsed
+        nq, nkv = c.num_attention_heads * d, kv_heads * d
         shapes = self._common_shapes()
         moe_layers = {}
 

@@ -17,12 +17,14 @@ Qwen3's switches (``use_sliding_window``, ``max_window_layers``, ``layer_types``
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from runner.models.configs import BaseMoEConfig, _filter
 
 QK_NORMS = ("none", "per_head", "whole")
 
+
+_Config = TypeVar("_Config", bound="StandardConfig")
 
 @dataclass
 class StandardConfig(BaseMoEConfig):
@@ -44,7 +46,7 @@ class StandardConfig(BaseMoEConfig):
     family: ClassVar[str] = "standard"
 
     @classmethod
-    def _build(cls, out: dict[str, Any], d: dict[str, Any]) -> "StandardConfig":
+    def _build(cls: type[_Config], out: dict[str, Any], d: dict[str, Any]) -> _Config:
         if out.get("mlp_only_layers") is None:
             out["mlp_only_layers"] = []
         cfg = cls(**_filter(cls, out))

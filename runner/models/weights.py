@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn
+
+from ubatch.modular_moe.layer import FusedMoE
 
 EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
 FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
@@ -32,7 +34,7 @@ class WeightSpec:
     num_experts: int
     moe_intermediate_size: int
     hidden_size: int
-    moe_layers: dict[int, nn.Module]
+    moe_layers: Mapping[int, FusedMoE]
     local_experts: range
     num_extra_layers: int = 0
     tied_lm_head: bool = False

@@ -9,22 +9,85 @@ where no request ever reads.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
+from torch.distributed import ProcessGroup
 
 from cudagraph.backends import GraphBackend
 from cudagraph.dispatch import GraphKey, capture_blocker, plan_captures
 from cudagraph.manager import CaptureAgreement, GraphRunner
 from cudagraph.sizes import resolve_capture_sizes
+from runner.attention.backend import AttentionBackend
 from runner.attention.graph import DecodeMetadataBuffers, capturable_attention
+from runner.config import RunnerConfig
+from runner.models.base import MoECausalLM
+from runner.models.configs import BaseMoEConfig
 from ubatch.log_once import log_once
+from ubatch.streams import Stream
+from ubatch.wrapper import UBatchWrapper
 
 logger = logging.getLogger("ubatch.cudagraph")
+
+
+class CapturingRunner(Protocol):
+    """What the graph wiring and the KV-cache budget (``runner/worker/memory_budget.py``) read of the model
+    runner while it is being set up, and the two fields they set (the cache size, the capture stream)."""
+
+    num_kv_blocks: int
+    graph_capture_stream: Stream | None
+
+    @property
+    def cfg(self) -> RunnerConfig: ...
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def model(self) -> MoECausalLM: ...
+
+    @property
+    def model_config(self) -> BaseMoEConfig: ...
+
+    @property
+    def wrapper(self) -> UBatchWrapper | None: ...
+
+    @property
+    def attention_backend(self) -> AttentionBackend: ...
+
+    @property
+    def experts_backend(self) -> str:
+        """The resolved experts backend ("auto" resolved)."""
+
+    @property
+    def dp_group(self) -> ProcessGroup | None:
+        """The gloo group of the DP ranks' votes (None with one rank)."""
+
+    # the persistent step inputs the graphs read
+    @property
+    def input_ids(self) -> torch.Tensor: ...
+
+    @property
+    def positions(self) -> torch.Tensor: ...
+
+    @property
+    def real_token_mask(self) -> torch.Tensor: ...
 _RUNNERS_WRAPPER: Any = object()  # make_graph_runner's default: the model runner's own UBatchWrapper
 
 
-def capture_agreement(dp_group: Any) -> CaptureAgreement | None:
+def capture_agreement(dp_group: ProcessGroup | None) -> CaptureAgreement | None:
     """How DP ranks agree which graph sizes to keep: one all-reduce of "this rank failed" per size over the
     runner's gloo DP group (as the step vote in ``runner/distributed/dp.py``); ``None`` with one rank."""
     if dp_group is None:
@@ -42,13 +105,13 @@ def capture_agreement(dp_group: Any) -> CaptureAgreement | None:
     return agree
 
 
-def planned_keys(model_runner: Any, sizes: Sequence[int] | str | None = None,
+def planned_keys(model_runner: CapturingRunner, sizes: Sequence[int] | str | None = None,
                  wrapper: Any = _RUNNERS_WRAPPER) -> list[GraphKey]:
     """The graphs ``make_graph_runner(model_runner, sizes=..., wrapper=...)`` captures by default (the KV
     budget's trial capture needs the largest): with the measured DBO cost model, a plain and a DBO graph at
     every size that may ubatch, so each choice it makes replays."""
     cfg = model_runner.cfg
-    requested = sizes if sizes is not None else getattr(cfg, "cuda_graph_sizes", None)
+    requested = sizes if sizes is not None else cfg.cuda_graph_sizes
     resolved = resolve_capture_sizes(requested, cfg.max_num_seqs, model_runner.input_ids.shape[0])
     wrapper = model_runner.wrapper if wrapper is _RUNNERS_WRAPPER else wrapper
     return plan_captures(resolved, dbo_enabled=wrapper is not None, decode_threshold=cfg.dbo_decode_token_threshold,
@@ -56,7 +119,7 @@ def planned_keys(model_runner: Any, sizes: Sequence[int] | str | None = None,
                          both_kinds=wrapper is not None and cfg.dbo_cost_model == "measured")
 
 
-def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = None,
+def make_graph_runner(model_runner: CapturingRunner, *, sizes: Sequence[int] | str | None = None,
                       backend: GraphBackend | None = None, num_warmups: int = 2, progress: bool | None = None,
                       wrapper: Any = _RUNNERS_WRAPPER, keys: Sequence[GraphKey] | None = None) -> GraphRunner:
     """A :class:`GraphRunner` over ``model_runner``'s model and persistent input buffers (not yet captured).
@@ -78,32 +141,32 @@ def make_graph_runner(model_runner: Any, *, sizes: Sequence[int] | str | None = 
                        metadata_buffers=buffers, capturable_attention=capturable_attention,
                        sizes=sorted({k.num_tokens for k in keys}), wrapper=wrapper, keys=keys,
                        dbo_decode_threshold=cfg.dbo_decode_token_threshold, backend=backend,
-                       num_warmups=num_warmups, real_token_mask=getattr(model_runner, "real_token_mask", None),
-                       agree=capture_agreement(getattr(model_runner, "dp_group", None)),
+                       num_warmups=num_warmups, real_token_mask=model_runner.real_token_mask,
+                       agree=capture_agreement(model_runner.dp_group),
                        # one capture stream per runner for the life of the process, trial capture included
-                       capture_stream=getattr(model_runner, "graph_capture_stream", None),
-                       progress=(getattr(model_runner, "rank", 0) == 0) if progress is None else progress)
+                       capture_stream=model_runner.graph_capture_stream,
+                       progress=(model_runner.rank == 0) if progress is None else progress)
 
 
-def graphs_enabled(model_runner: Any, backend: GraphBackend | None = None) -> bool:
+def graphs_enabled(model_runner: CapturingRunner, backend: GraphBackend | None = None) -> bool:
     """Whether the runner captures graphs: not with ``--enforce-eager``, on CPU (logged once: "CUDA graphs need
     a GPU: running eager") unless a ``backend`` is given explicitly, or with uncapturable backends (logged once)."""
     cfg = model_runner.cfg
     if cfg.enforce_eager:
         return False
     if backend is None and torch.device(model_runner.device).type != "cuda":
-        if getattr(model_runner, "rank", 0) == 0:  # said once for the whole run, not once per DP rank
+        if model_runner.rank == 0:  # said once for the whole run, not once per DP rank
             log_once(logger, logging.WARNING, "CUDA graphs need a GPU: running eager")
         return False
-    # the runner's resolved experts backend ("auto" names none); a bare config stands for itself
-    blocker = capture_blocker(cfg.all2all_backend, getattr(model_runner, "experts_backend", cfg.experts_backend))
+    # the runner's resolved experts backend ("auto" names none)
+    blocker = capture_blocker(cfg.all2all_backend, model_runner.experts_backend)
     if blocker is not None:
         log_once(logger, logging.WARNING, f"CUDA graphs disabled: {blocker}; running eager")
         return False
     return True
 
 
-def maybe_make_graph_runner(model_runner: Any, *, capture: bool = True,
+def maybe_make_graph_runner(model_runner: CapturingRunner, *, capture: bool = True,
                             backend: GraphBackend | None = None) -> GraphRunner | None:
     """The runner's one entry point: a captured :class:`GraphRunner`, or ``None`` to run eager.
 

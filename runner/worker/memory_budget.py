@@ -11,11 +11,11 @@ from __future__ import annotations
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
-from runner.config import check_gpu_memory_utilization
+from runner.config import RunnerConfig, check_gpu_memory_utilization
+from runner.worker.cuda_graphs import CapturingRunner
 from runner.attention.kv_cache import (
     KVCacheTooLargeError,
     allocate_kv_caches,
@@ -117,11 +117,11 @@ def profile_query_lens(max_num_batched_tokens: int, max_num_seqs: int) -> list[i
     return [base + (i < extra) for i in range(n)]
 
 
-def _sizes_from_memory(cfg: Any, device: torch.device) -> bool:
+def _sizes_from_memory(cfg: RunnerConfig, device: torch.device) -> bool:
     return cfg.num_kv_blocks is None and torch.device(device).type == "cuda"
 
 
-def initial_num_kv_blocks(cfg: Any, max_model_len: int, block_size: int, device: torch.device) -> int:
+def initial_num_kv_blocks(cfg: RunnerConfig, max_model_len: int, block_size: int, device: torch.device) -> int:
     """The cache ``ModelRunner`` allocates first: ``--num-kv-blocks``; on CPU the old default; on a GPU a
     minimal cache for the profiling step, replaced by :func:`fit_kv_cache_to_memory`."""
     if cfg.num_kv_blocks is not None:
@@ -132,7 +132,7 @@ def initial_num_kv_blocks(cfg: Any, max_model_len: int, block_size: int, device:
     return sum(blocks_needed(n, block_size) for n in lens)
 
 
-def _profile_activation_peak(runner: Any) -> int:
+def _profile_activation_peak(runner: CapturingRunner) -> int:
     """Allocator peak of the largest step (prompt forward and its logits) above what was allocated before."""
     from ubatch.forward_context import DPMetadata, set_forward_context
 
@@ -162,7 +162,7 @@ def _profile_activation_peak(runner: Any) -> int:
     return max(0, torch.cuda.max_memory_allocated(runner.device) - base)
 
 
-def _trial_graph_bytes(runner: Any) -> int:
+def _trial_graph_bytes(runner: CapturingRunner) -> int:
     """Graph memory of the planned ladder, from a trial capture of its largest size on the minimal cache (both
     its graphs where the plan holds a plain and a DBO one: they share the pool, each with its own needs)."""
     from runner.worker.cuda_graphs import graphs_enabled, make_graph_runner, planned_keys
@@ -184,7 +184,7 @@ def _trial_graph_bytes(runner: Any) -> int:
     return report.graph_bytes + outputs
 
 
-def fit_kv_cache_to_memory(runner: Any) -> KVCacheBudget | None:
+def fit_kv_cache_to_memory(runner: CapturingRunner) -> KVCacheBudget | None:
     """On a GPU without ``--num-kv-blocks``: measure, size and re-bind the KV cache (module doc); else ``None``.
 
     Sets ``runner.num_kv_blocks``. Must run after the runner's persistent buffers and wrapper exist and

@@ -20,13 +20,15 @@ With tracing on, the step's CPU phases (DP vote, input preparation, sampling) ar
 """
 from __future__ import annotations
 
-from typing import Any
+from types import NotImplementedType
+from typing import Any, cast
 
 import logging
 
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 from runner.attention import make_attention_backend
 from runner.worker.cuda_graphs import maybe_make_graph_runner
@@ -52,6 +54,7 @@ from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.experts import resolve_experts_backend
 from ubatch import trace
 from ubatch.log_once import log_once
+from ubatch.streams import Stream
 from ubatch.slicing import (
     CommonAttentionMetadata, UBatchSlice, balanced_split_points, check_ubatch_thresholds, padded_ubatch_slices,
     split_attn_metadata,
@@ -131,13 +134,14 @@ class ModelRunner(LaunchingRunner):
         # --attention-backend: builds each step's attention metadata; graph decode goes through it too
         self.attention_backend = make_attention_backend(cfg.attention_backend, self.device,
                                                         log=rank == 0)
+        self.graph_capture_stream: Stream | None = None  # set by the KV budget's trial capture
         self.kv_budget = fit_kv_cache_to_memory(self)  # GPU without --num-kv-blocks: KV from --gpu-memory-utilization
         self.graph_runner = maybe_make_graph_runner(self)  # None on CPU / --enforce-eager; captures on GPU
         if self.cost_model is not None:
             self.cost_model.graph_runner = self.graph_runner  # steps are compared with steps that ran the same way
 
     # ---- set-up ----------------------------------------------------------------------------------
-    def _dp_group(self) -> Any:
+    def _dp_group(self) -> ProcessGroup | None:
         if self.world_size == 1:
             return None
         from datetime import timedelta
@@ -236,7 +240,7 @@ class ModelRunner(LaunchingRunner):
             step, pending = sampling
             result = pending.result(timeout_s)
             if step.picks is None:
-                return ModelRunnerOutput(result.token_ids, result.logprobs, prompt_lps)
+                return ModelRunnerOutput(cast("list[int | None]", result.token_ids), result.logprobs, prompt_lps)
             return ModelRunnerOutput(_scatter(result.token_ids, step.picks, n),
                                      None if result.logprobs is None else _scatter(result.logprobs, step.picks, n),
                                      prompt_lps)
@@ -262,6 +266,7 @@ class ModelRunner(LaunchingRunner):
             copy_from_host(self.input_ids[:padded], torch.from_numpy(ids))
             with trace.region("resolve", "step", track="step"):  # the previous step's tokens, on the device
                 self.future_tokens.resolve_(sched, self.input_ids[:n])
+            assert meta.positions is not None  # build_attention_metadata always sets them
             self.positions[:padded].copy_(meta.positions)
             mask = self._mark_real_tokens(n, padded)
             slices = None
@@ -269,7 +274,7 @@ class ModelRunner(LaunchingRunner):
                 slices = padded_ubatch_slices(sched.query_lens, padded, NUM_UBATCHES, split_point)
         model = self.wrapper if self.wrapper is not None else self.model
         dp_metadata = self._dp_metadata(decision, n)
-        hidden = NotImplemented
+        hidden: torch.Tensor | NotImplementedType = NotImplemented
         if self.graph_runner is not None:
             with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
                                      dp_metadata=dp_metadata, real_token_mask=mask):
@@ -358,6 +363,10 @@ class ModelRunner(LaunchingRunner):
         self.future_tokens.store_(sched.req_ids if step.picks is None else sched.req_ids[step.picks], step.slots,
                                   sampled)
         return step, pending
+
+    def link_times(self) -> tuple[float, float] | None:
+        """The emulated all-to-all link's (seconds in flight, seconds waited for) so far; None without one."""
+        return self.model.moe_runtime.link_times()
 
     def close(self) -> None:
         if self.graph_runner is not None:

@@ -204,16 +204,21 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
         xr = x if meta.random_rows is None else x.index_select(0, meta.random_rows)
         if meta.temperature is not None:
             ops.apply_temperature_(xr, meta.temperature)
-        if meta.min_p is not None:
-            ops.on_rows_(xr, meta.min_p_rows, lambda sub: ops.apply_min_p_(sub, meta.min_p))
-        if meta.top_k is not None:
+        min_p, top_k, top_p_floor = meta.min_p, meta.top_k, meta.top_p_floor
+        if min_p is not None:
+            ops.on_rows_(xr, meta.min_p_rows, lambda sub: ops.apply_min_p_(sub, min_p))
+        if top_k is not None:
             ops.on_rows_(xr, meta.top_k_rows,
-                         lambda sub: ops.apply_top_k_(sub, meta.top_k, meta.max_top_k, meta.top_k_p_floor))
-        if meta.top_p_floor is not None:
-            ops.on_rows_(xr, meta.top_p_rows, lambda sub: ops.apply_top_p_(sub, meta.top_p_floor))
+                         lambda sub: ops.apply_top_k_(sub, top_k, meta.max_top_k, meta.top_k_p_floor))
+        if top_p_floor is not None:
+            ops.on_rows_(xr, meta.top_p_rows, lambda sub: ops.apply_top_p_(sub, top_p_floor))
         assert meta.uniforms is not None
         drawn = draw_by_inverse_cdf_(xr, meta.uniforms)
-        sampled = drawn if sampled is None else sampled.index_copy_(0, meta.random_rows, drawn)
+        if sampled is None:
+            sampled = drawn
+        else:  # some rows greedy: the random ones are a subset, named by random_rows
+            assert meta.random_rows is not None
+            sampled = sampled.index_copy_(0, meta.random_rows, drawn)
     assert sampled is not None
     if lp is None:
         return sampled, None

@@ -83,10 +83,6 @@ class SamplingMetadata:
     max_logprobs: int
 
     @property
-    def all_greedy(self) -> bool:
-        return self.num_random == 0
-
-    @property
     def wants_logprobs(self) -> bool:
         return bool(self.logprob_row_ids)
 
@@ -128,7 +124,7 @@ class _Pack:
 def _one_copy(parts: list[np.ndarray], dtype: type, device: torch.device) -> torch.Tensor | None:
     if not parts:
         return None
-    host = np.concatenate(parts).astype(dtype, copy=False) if len(parts) > 1 else parts[0].astype(dtype)
+    host: np.ndarray = np.concatenate(parts).astype(dtype, copy=False) if len(parts) > 1 else parts[0].astype(dtype)
     return host_to_device(torch.from_numpy(host), device)
 
 

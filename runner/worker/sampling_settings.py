@@ -115,7 +115,7 @@ class SamplingSettings:
         if params.min_tokens:
             flags |= MIN_TOKENS
             stops = np.array(sorted(t for t in self.eos_token_ids | params.all_stop_token_ids
-                                    | set(params.stop_token_ids) if t < vocab), dtype=np.int64)
+                                    | set(params.stop_token_ids or ()) if t < vocab), dtype=np.int64)
         bias = None
         if params.logit_bias:
             bad = [t for t in params.logit_bias if not 0 <= t < vocab]

@@ -148,7 +148,7 @@ class SchedulerOutput:
             raise ValueError(f"{len(token_ids)} token ids for a step of {self.num_tokens} tokens")
         out = copy.copy(self)
         out.token_ids = token_ids
-        if self.hand_built:  # keep its chunk objects' type
+        if self._chunks is not None and self.hand_built:  # keep its chunk objects' type
             tokens, a = token_ids.tolist(), 0
             chunks = []
             for c in self._chunks:

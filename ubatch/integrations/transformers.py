@@ -101,13 +101,13 @@ class DBOSparseMoeBlock(nn.Module):
         return (out, router_logits) if self.return_router_logits else out
 
 
-def _block_classes() -> dict[type, BlockFamily]:
+def _block_classes() -> dict[type[nn.Module], BlockFamily]:
     """The sparse-block classes of the installed transformers (a family it does not have is left out)."""
     try:
         importlib.import_module("transformers")
     except ImportError as e:
         raise ImportError(f"make_dbo_capable needs transformers installed: {e}") from e
-    found: dict[type, BlockFamily] = {}
+    found: dict[type[nn.Module], BlockFamily] = {}
     for family in FAMILIES.values():
         try:
             module = importlib.import_module(family.module)
@@ -124,8 +124,9 @@ def fused_moe_from_block(block: nn.Module, config: Any, runtime: MoERuntime,
     """The DBO-capable replacement of one transformers sparse block (either layout; see the module doc)."""
     num_experts, top_k = family.num_experts(config), config.num_experts_per_tok
     hidden, inter = config.hidden_size, family.intermediate_size(config)
-    gate = block.gate
-    experts = block.experts
+    # transformers' own modules, of either layout: told apart below, by their types and attributes
+    gate: Any = block.gate
+    experts: Any = block.experts
     if isinstance(gate, nn.Linear) and isinstance(experts, nn.ModuleList):
         layout, gate_weight = "4.x", gate.weight
     elif hasattr(experts, "gate_up_proj") and hasattr(experts, "down_proj") and hasattr(gate, "weight"):
@@ -136,7 +137,8 @@ def fused_moe_from_block(block: nn.Module, config: Any, runtime: MoERuntime,
                          "ModuleList of experts) and 5.x (router module, fused gate_up_proj/down_proj)")
     if tuple(gate_weight.shape) != (num_experts, hidden):
         raise ValueError(f"gate weight has shape {tuple(gate_weight.shape)}, expected {(num_experts, hidden)}")
-    shared = GatedSharedExpert(block.shared_expert, block.shared_expert_gate) if family.shared_expert else None
+    shared = GatedSharedExpert(block.get_submodule("shared_expert"), block.get_submodule("shared_expert_gate")) \
+        if family.shared_expert else None
     dtype = gate_weight.dtype
     fused = FusedMoE(num_experts, top_k, hidden, inter, renormalize=family.renormalize(config),
                      scoring_func="softmax", shared_experts=shared, runtime=runtime,
@@ -174,7 +176,7 @@ def make_dbo_capable(model: nn.Module, parallel: MoEParallelConfig | None = None
     config = getattr(model, "config", None)
     if config is None or not hasattr(config, "num_experts_per_tok"):
         raise ValueError(f"{type(model).__name__} has no MoE config (config.num_experts_per_tok missing)")
-    targets = [(name, m, family) for name, m in model.named_modules()
+    targets: list[tuple[str, nn.Module, BlockFamily]] = [(name, m, family) for name, m in model.named_modules()
                for cls, family in classes.items() if isinstance(m, cls)]
     if not targets:
         patched = any(isinstance(m, DBOSparseMoeBlock) for m in model.modules())
@@ -187,5 +189,5 @@ def make_dbo_capable(model: nn.Module, parallel: MoEParallelConfig | None = None
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, fused_moe_from_block(block, config, runtime, family))
-    model.moe_runtime = runtime
+    setattr(model, "moe_runtime", runtime)  # a plain attribute: nn.Module's typed __setattr__ is for submodules
     return model

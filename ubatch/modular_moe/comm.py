@@ -18,13 +18,6 @@ class Handle(Protocol):
     def wait(self) -> None: ...
 
 
-class DoneHandle:
-    """A transfer that already completed (local copies)."""
-
-    def wait(self) -> None:
-        return None
-
-
 class WorkHandle:
     """A posted collective; ``wait`` blocks until it is done (traced as ``transfer_wait``, a "copy" span:
     the time this ubatch spent blocked on the real transfer, e.g. gloo's copies on a CPU).
@@ -62,12 +55,3 @@ class AllToAll:
             send = input.contiguous()
             work = self.group.alltoall_base(output, send, out_splits, in_splits, dist.AllToAllOptions())
         return WorkHandle(work, streams.collective_posted("all_to_all", self.group, [send], [output]))
-
-    def off_rank_bytes(self, input: torch.Tensor, input_split_sizes: Sequence[int] | None) -> int:
-        """Bytes that leave this rank (the part an interconnect would carry)."""
-        row_bytes = input[0].numel() * input.element_size() if input.shape[0] else 0
-        if input_split_sizes is None:
-            rows = input.shape[0] - input.shape[0] // self.world_size
-        else:
-            rows = sum(s for r, s in enumerate(input_split_sizes) if r != self.rank)
-        return rows * row_bytes

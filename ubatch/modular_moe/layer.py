@@ -15,6 +15,8 @@ then up entries) and ``w2_bias [E_local, H]`` and the clamped SwiGLU; the expert
 """
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -23,7 +25,7 @@ from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts import make_experts, resolve_experts_backend
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
-from ubatch.modular_moe.router import select_experts
+from ubatch.modular_moe.router import ScoringFunc, select_experts
 from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.modular_moe.types import ClampedSwiGLU, ExpertMLPExtras
 
@@ -52,7 +54,7 @@ class FusedMoE(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         self.renormalize = renormalize
-        self.scoring_func = scoring_func
+        self.scoring_func = cast(ScoringFunc, scoring_func)  # select_experts refuses any other name
         self.num_expert_group = num_expert_group
         self.topk_group = topk_group
         self.routed_scaling_factor = routed_scaling_factor
@@ -72,6 +74,7 @@ class FusedMoE(nn.Module):
                                                              requires_grad=False)
         else:
             self.w13_bias = self.w2_bias = None
+        self.e_score_correction_bias: nn.Parameter | None
         if use_correction_bias:
             self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
                                                         requires_grad=False)

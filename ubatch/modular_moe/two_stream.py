@@ -111,10 +111,11 @@ class TwoStreamCombine:
         self.flags = flags
         self.pf = prepare_finalize
         self.experts = experts
-        self.args = compute_overlap_args(
+        args = compute_overlap_args(
             DeviceProps.of(device), flags, all2all_backend=prepare_finalize.name, experts_backend=experts.name,
             num_local_experts=prepare_finalize.num_local_experts, num_tokens=static_tokens(tokens))
-        assert self.args is not None  # flags.two_stream
+        assert args is not None  # flags.two_stream
+        self.args = args
         self.main = streams.current_stream(device)
         self.alt = alt_stream(device)
         self.ready = streams.new_event(device)
@@ -161,7 +162,7 @@ class TwoStreamCombine:
             return fn()
 
     def before_receive(self) -> None:
-        self.alt.wait_stream(self.main)
+        streams.wait_stream(self.alt, self.main)
 
     def after_receive(self) -> None:
-        self.main.wait_stream(self.alt)
+        streams.wait_stream(self.main, self.alt)

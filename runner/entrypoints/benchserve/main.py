@@ -229,7 +229,8 @@ def calibrate(model: str, server_args: str, input_len: int, num_seqs: int, ratio
                   enable_dbo=False, emulate_link="latency_us=0,gbps=1000")
     llm = LLM(**engine)
     try:
-        link = llm.runner.model.moe_runtime.link()
+        link = llm.model_runner.model.moe_runtime.link()
+        assert link is not None  # emulate_link is set above
         rng = random.Random(7)
         prompts = [[rng.randrange(llm.runner.vocab_size) for _ in range(input_len)] for _ in range(num_seqs)]
         params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)

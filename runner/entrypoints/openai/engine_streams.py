@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping
 
 from runner.engine.protocol import EngineClient
 from runner.outputs import RequestOutput
@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 _END = object()  # an iterator ended
 _WAKE = object()  # stop() was called: wake a reader blocked on the queue
 
-Receive = Callable[[], Awaitable[dict[str, Any]]]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]  # starlette's
 
 
 class EngineStreams:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from http import HTTPStatus
-from typing import AsyncIterator
+from typing import Any, AsyncIterator, Coroutine
 
 from runner.engine.protocol import EngineClient
 from runner.entrypoints.openai.engine_streams import EngineStreams, Receive
@@ -127,7 +127,7 @@ class ServerLifecycle:
                 w.cancel()
         return self._idle.is_set()
 
-    def _spawn(self, coro: object, name: str) -> None:
-        task = asyncio.get_running_loop().create_task(coro, name=name)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        task = asyncio.get_running_loop().create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

@@ -76,22 +76,22 @@ class HeaderTimeout:
     transport: asyncio.Transport
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]  # a mixin: uvicorn's protocol defines it
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
-        super().data_received(data)
+        super().data_received(data)  # type: ignore[misc]  # a mixin: uvicorn's protocol defines it
         if self._in_request():
             self._cancel_head_timer()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        super().on_response_complete()  # type: ignore[misc]  # a mixin: uvicorn's protocol defines it
         if not self.transport.is_closing():
             self._arm_head_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]  # a mixin: uvicorn's protocol defines it
 
     def _in_request(self) -> bool:
         return self.cycle is not None and not self.cycle.response_complete

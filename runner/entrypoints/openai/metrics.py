@@ -156,7 +156,7 @@ class _EngineStatsCollector(Collector):
             speedup = GaugeMetricFamily(PREFIX + "dbo_cost_model_speedup", "The DBO cost model's measured speed-up "
                                         "of DBO in this bucket (time per token without DBO / with it, from each "
                                         "side's fastest recent step).", labels=["model_name", "engine", "bucket"])
-            for rank, bucket, (dbo_on, ratio) in buckets:
+            for rank, bucket, (dbo_on, measured) in buckets:
                 on.add_metric([name, str(rank), bucket], 1.0 if dbo_on else 0.0)
-                speedup.add_metric([name, str(rank), bucket], ratio)
+                speedup.add_metric([name, str(rank), bucket], measured)
             yield from (on, speedup)

@@ -8,7 +8,7 @@ spelled it (chat's ``top_logprobs`` and ``max_completion_tokens``, not SamplingP
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from runner.entrypoints.openai.errors import bad_request
 from runner.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -85,7 +85,9 @@ def build_sampling_params(request: CompletionRequest | ChatCompletionRequest, ma
             ignore_eos=request.ignore_eos, max_tokens=max_tokens, min_tokens=request.min_tokens, logprobs=logprobs,
             skip_special_tokens=request.skip_special_tokens,
             spaces_between_special_tokens=request.spaces_between_special_tokens,
-            include_stop_str_in_output=request.include_stop_str_in_output, logit_bias=request.logit_bias,
+            include_stop_str_in_output=request.include_stop_str_in_output,
+            # JSON's string keys: SamplingParams parses them to token ids and names a bad one
+            logit_bias=cast("dict[int, float] | None", request.logit_bias),
             output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY)
         params.check_vocab(vocab_size)
     except SamplingParamsError as exc:

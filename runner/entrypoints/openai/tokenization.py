@@ -91,7 +91,8 @@ def add_tokenization_routes(app: FastAPI) -> None:
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> JSONResponse:
         body = await raw.body()
-        chat = parse_request(body, TokenizeChatRequest if _has_messages(body) else TokenizeCompletionRequest)
+        chat: TokenizeChatRequest | TokenizeCompletionRequest = parse_request(body, TokenizeChatRequest) \
+            if _has_messages(body) else parse_request(body, TokenizeCompletionRequest)
         model = app.state.models.resolve(chat.model)
         tokenizer = _tokenizer(app, model)
         if isinstance(chat, TokenizeChatRequest):

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Sequence, overload
 
 import torch
 
@@ -48,9 +48,6 @@ class WireCounter:
 
     def total(self, direction: str | None = None) -> int:
         return sum(n for (d, _), n in self.bytes.items() if direction is None or d == direction)
-
-    def by_ubatch(self, direction: str) -> dict[int, int]:
-        return {u: n for (d, u), n in sorted(self.bytes.items()) if d == direction}
 
     def reset(self) -> None:
         self.bytes.clear()
@@ -85,6 +82,12 @@ class PrepareFinalize(ABC):
         """A device event before a real transfer is posted, when a cuda-clock trace records and no modelled
         link times it; ``None`` otherwise (the common case: one global read)."""
         return None if self.link is not None else device_start()
+
+    @overload
+    def _through_link(self, nbytes: int, inner: Handle, label: str, start: Any = None) -> Handle: ...
+
+    @overload
+    def _through_link(self, nbytes: int, inner: None, label: str, start: Any = None) -> Handle | None: ...
 
     def _through_link(self, nbytes: int, inner: Handle | None, label: str, start: Any = None) -> Handle | None:
         if self.link is None:

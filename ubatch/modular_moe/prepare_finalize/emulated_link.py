@@ -185,7 +185,7 @@ class EmulatedLink:
             if rec is not None:
                 start = rec.device_stamp(self._side_stream)  # None: cpu clock, or inside a capture
             wait_ns(max(1, round(seconds * 1e9)))
-            if start is not None:
+            if rec is not None and start is not None:
                 end = rec.device_stamp(self._side_stream)
             done.record()
         if rec is not None:
@@ -206,10 +206,6 @@ def parse_link(spec: str | LinkSpec | None) -> LinkSpec | None:
     if spec is None or isinstance(spec, LinkSpec):
         return spec
     return LinkSpec.parse(spec)
-
-
-def off_rank_bytes_equal_splits(t: torch.Tensor, world_size: int) -> int:
-    return (t.numel() - t.numel() // world_size) * t.element_size() if world_size > 1 else t.numel() * t.element_size()
 
 
 class AllHandles:

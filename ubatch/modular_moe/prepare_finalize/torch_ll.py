@@ -57,13 +57,15 @@ class TorchLowLatency(PrepareFinalize):
     def step_capacity(self, num_tokens: int) -> int:
         """Rows per expert block for this (micro)batch: its agreed token bound, or the configured capacity."""
         fc = maybe_get_forward_context()
-        bound = fc.dp_metadata.token_bound(fc.ubatch_id) if fc is not None and fc.dp_metadata is not None else None
+        dp = fc.dp_metadata if fc is not None else None
+        bound = dp.token_bound(fc.ubatch_id) if fc is not None and dp is not None else None
         if bound is None:
             return self.capacity
         if bound < num_tokens:
-            which = "the step's" if fc is None or fc.ubatch_id is None else f"ubatch {fc.ubatch_id}'s"
+            assert fc is not None and dp is not None  # a bound comes from the step's DP metadata
+            which = "the step's" if fc.ubatch_id is None else f"ubatch {fc.ubatch_id}'s"
             raise ValueError(f"torch_ll: {num_tokens} tokens exceed {which} agreed token bound {bound} "
-                             f"(max_tokens_across_dp={fc.dp_metadata.max_tokens_across_dp})")
+                             f"(max_tokens_across_dp={dp.max_tokens_across_dp})")
         return min(self.capacity, max(bound, 1))
 
     def prepare_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
