@@ -124,7 +124,6 @@ class ModelRunner(LaunchingRunner):
         self.future_tokens = DeviceFutureMap(self.device)  # placeholders resolved on the device
         self.emulated_device = EmulatedDevice(DeviceSpec.parse(cfg.emulate_device)) \
             if cfg.emulate_device is not None else None
-        # Steps read since the last launch, for the cost model (recorded on the launching thread, which votes).
         self.num_steps = 0
         self.num_ubatched_steps = 0
         self.num_dummy_steps = 0

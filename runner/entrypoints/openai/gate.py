@@ -36,14 +36,14 @@ class ServerGate:
         await self.app(scope, receive, send)
 
     def _refusal(self, scope: Scope) -> OpenAIError | None:
-        path = scope["path"]
+        path, headers = scope["path"], Headers(scope=scope)
         if self.api_key is not None and path not in OPEN_PATHS and scope["method"] != "OPTIONS":
-            scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
+            scheme, _, token = headers.get("authorization", "").partition(" ")
             if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(),
                                                                           self.api_key.encode()):
                 return OpenAIError(HTTPStatus.UNAUTHORIZED,
                                    "Invalid or missing API key: send it as the header 'Authorization: Bearer <key>'")
-        if declared_too_large(scope["headers"], self.max_request_bytes):
+        if declared_too_large(headers.get("content-length"), self.max_request_bytes):
             return too_large(self.max_request_bytes)
         if path.startswith("/v1"):
             try:
