@@ -97,7 +97,7 @@ def test_each_ubatch_sees_its_own_forward_context() -> None:
 
 
 def test_stream_switching_is_tracked_on_cpu() -> None:
-    w = UBatchWrapper(lambda x: x)
+    w = UBatchWrapper(lambda x: x, device="cpu")  # the CPU's stream bookkeeping, also on a machine with a GPU
     log = []
 
     def model(x: torch.Tensor) -> torch.Tensor:
