@@ -138,6 +138,21 @@ class EngineCore:
             self._end_wave()
         return EngineCoreStep(self.take_outputs(), running)
 
+    def run_wave(self, on_outputs: Callable[[list[EngineCoreOutput]], None]) -> None:
+        """Step until the wave ends (no DP rank has work), handing what each step produced to ``on_outputs``
+        (which may add or abort requests between steps: a stop string found by the client). A request still
+        unfinished when the wave ends (a runner that stopped early) finishes with an error, never silently."""
+        on_outputs(self.take_outputs())  # requests refused at add time
+        while True:
+            step = self.step()
+            on_outputs(step.outputs)
+            if not step.running:
+                break
+        for rid in list(self._live):
+            self.scheduler.abort_request(rid, "engine stopped before the request finished (model runner reported "
+                                              "no work while this request was still queued)")
+        on_outputs(self.take_outputs())
+
     def take_outputs(self) -> list[EngineCoreOutput]:
         """Outputs gathered since the last call, in order: new tokens, then each request that finished, once
         (also requests refused at add time while no wave runs)."""
