@@ -193,8 +193,13 @@ class SyncMPClient:
             self._where[request.request_id] = rank
             self._outstanding[rank] += 1
             self._send(rank, AddRequest(request))
-        while self._where or any(r.next_wave <= self._latest_wave for r in ranks):
-            self._handle(self._next_message(), on_outputs)
+        try:
+            while self._where or any(r.next_wave <= self._latest_wave for r in ranks):
+                self._handle(self._next_message(), on_outputs)
+        except BaseException:
+            if self._dead is None and self._procs.ctx is not None:  # a run cut short here: the ranks drop its rest
+                self.abort_requests(list(self._where), "the run was interrupted")
+            raise
         traces: list[RankTrace | None] = []
         if trace:
             traces = self._collect_traces()
@@ -248,11 +253,13 @@ class SyncMPClient:
         ranks = self._procs.ranks
         if isinstance(msg, Outputs):
             ranks[msg.rank].stats = msg.stats
-            for out in msg.outputs:
+            # outputs of requests aborted here may still come (sent before the abort arrived): dropped
+            outputs = [out for out in msg.outputs if out.request_id in self._where]
+            for out in outputs:
                 if out.finished:
                     self._release(out.request_id)
-            if msg.outputs and on_outputs is not None:
-                on_outputs(msg.outputs)
+            if outputs and on_outputs is not None:
+                on_outputs(outputs)
         elif isinstance(msg, WaveStarted):
             self._latest_wave = max(self._latest_wave, msg.wave)
             for r in range(len(ranks)):

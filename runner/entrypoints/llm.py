@@ -176,6 +176,7 @@ class LLM:
         self.last_loop_stats: LoopStats | None = None  # the in-process step loop's (None over rank processes)
         self.last_trace: Any = None  # runner.tracing.TraceResult of the last generate() with trace_file set
         self._request_counter = 0  # request ids continue across calls, as vLLM's
+        self._engine_request_counter = 0
         # One generate() at a time (module docstring). Waiting on it is bounded by the call ahead, whose own
         # waits (collectives, handoffs, the rank processes' outputs) all time out.
         self._busy = threading.Lock()
@@ -382,7 +383,7 @@ class LLM:
         processor = OutputProcessor(tokenizer, client.max_model_len, self.generation_config)
         first_id = self._request_counter
         self._request_counter += len(inputs)
-        engine_id = 0
+        engine_id = self._engine_request_counter  # unique for the client's lifetime, as its outputs may lag a call
         for i in local:
             text, ids = inputs[i]
             n = params[i].n
@@ -391,6 +392,7 @@ class LLM:
                                                  default_seed=self.cfg.seed * 1_000_003 + i):
                 client.add_request(request)
             engine_id += n
+        self._engine_request_counter = engine_id
         finished, report = self._run(processor, len(local), not use_tqdm)
         self.last_loop_stats = report.loop_stats
         mine = [(i, finished[str(first_id + i)]) for i in local]

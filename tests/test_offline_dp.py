@@ -1,0 +1,117 @@
+"""The offline ``LLM`` with ``data_parallel_size=2`` in a plain script (no torchrun): it starts its rank processes
+itself (``runner/engine/sync_client.py``), returns transformers' greedy tokens in prompt order with expert
+parallelism and DBO, and leaves no process behind, whether closed by ``del`` or by interpreter exit. A rank that
+dies is named by the error of the next call, and its peer is stopped.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from runner.engine.protocol import EngineDeadError
+from runner.entrypoints.llm import LLM
+from runner.sampling_params import SamplingParams
+from tiny_checkpoint import PROMPT
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = '''
+import json, os, sys
+from runner.entrypoints.llm import LLM
+from runner.sampling_params import SamplingParams
+
+def children():
+    """[pid, command line] of the processes whose parent is this one (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == os.getpid():
+                        with open(f"/proc/{entry}/cmdline", "rb") as cmd:
+                            found.append([int(entry), cmd.read().replace(b"\\0", b" ").decode()])
+            except (OSError, IndexError):
+                pass
+    return found
+
+if __name__ == "__main__":
+    settings = dict(data_parallel_size=2, enable_expert_parallel=True, enable_dbo=True, device="cpu",
+                    dbo_decode_token_threshold=1, dbo_prefill_token_threshold=2, dbo_cost_model="off",
+                    dist_timeout_s=60.0)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    llm = LLM(sys.argv[1], **settings)
+    first_pids = llm.engine_client.pids
+    outs = llm.generate([sys.argv[2]] * 3, params, use_tqdm=False)
+    ubatched = llm.last_stats.num_ubatched_steps
+    del llm
+    after_del = children()
+    llm = LLM(sys.argv[1], **settings)  # left to interpreter exit
+    again = llm.generate([sys.argv[2]], params, use_tqdm=False)
+    print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs + again], "ubatched": ubatched,
+                      "first_pids": first_pids, "after_del": after_del, "last_pids": llm.engine_client.pids}))
+'''
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # exited, not yet reaped
+    except OSError:
+        return True
+
+
+def _all_gone(pids: list[int], timeout_s: float = 15.0) -> bool:
+    """Whether every one of ``pids`` has exited, waiting up to ``timeout_s`` for those on their way out (a
+    process whose parent died ends once it notices)."""
+    deadline = time.monotonic() + timeout_s
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return all(_gone(pid) for pid in pids)
+
+
+@pytest.mark.slow
+def test_dp2_ep_dbo_in_a_plain_script_equals_transformers_greedy_and_leaves_no_process(
+        tmp_path: Path, tiny_chat_checkpoint) -> None:
+    script = tmp_path / "offline_dp.py"
+    script.write_text(SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+           "OMP_NUM_THREADS": "1"}
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, str(script), str(tiny_chat_checkpoint.path), PROMPT], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["tokens"] == [tiny_chat_checkpoint.greedy_no_eos] * 4
+    assert got["ubatched"] > 0  # DBO really split steps
+    # `del llm` ended both ranks; what is left is multiprocessing's resource tracker, which lives as long as the
+    # interpreter (it started with the first spawned process)
+    assert len(got["first_pids"]) == 2
+    assert [cmd for _, cmd in got["after_del"] if "resource_tracker" not in cmd] == []
+    # interpreter exit ended the second LLM's ranks, and the tracker
+    assert len(got["last_pids"]) == 2
+    assert _all_gone(got["last_pids"] + [pid for pid, _ in got["after_del"]])
+
+
+@pytest.mark.slow
+def test_a_killed_rank_is_named_and_its_peer_stopped() -> None:
+    llm = LLM("tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, device="cpu",
+              dist_timeout_s=60.0)
+    pids = llm.engine_client.pids
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    assert [len(o.outputs[0].token_ids) for o in llm.generate([[1, 2], [3, 4]], params, use_tqdm=False)] == [2, 2]
+    os.kill(pids[1], signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    with pytest.raises(EngineDeadError, match="rank 1 exited with signal SIGKILL"):
+        while time.monotonic() < deadline:  # the supervisor notices within a heartbeat or two
+            llm.generate([[5, 6]], params, use_tqdm=False)
+    assert llm.engine_client.pids == [] and _all_gone(pids)
+    with pytest.raises(EngineDeadError, match="rank 1 exited with signal SIGKILL"):  # dead for good
+        llm.generate([[5, 6]], params, use_tqdm=False)
+    llm.close()
