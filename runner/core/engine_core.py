@@ -1,9 +1,9 @@
 """EngineCore: one DP rank's engine -- its scheduler, its model runner and the step loop between them.
 
-The offline ``LLM`` drives one in-process; the server runs one per rank process behind ZeroMQ
-(``runner/core/engine_core_proc.py``). Either way requests come in as token ids
-(:class:`~runner.core.requests.EngineCoreRequest`), may be added or aborted between steps, join the running
-batch at the next step (continuous batching), and come out as per-step
+The in-process engine client drives one with :meth:`EngineCore.run_wave` (``runner/engine/inproc_client.py``);
+each rank process runs one behind ZeroMQ (``runner/core/engine_core_proc.py``). Either way requests come in as
+token ids (:class:`~runner.core.requests.EngineCoreRequest`), may be added or aborted between steps, join the
+running batch at the next step (continuous batching), and come out as per-step
 :class:`~runner.core.requests.EngineCoreOutput` s.
 
 **Waves.** With DP every rank must take part in every step (the MoE all-to-alls pair up), so the ranks step
