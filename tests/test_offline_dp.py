@@ -115,3 +115,62 @@ def test_a_killed_rank_is_named_and_its_peer_stopped() -> None:
     with pytest.raises(EngineDeadError, match="rank 1 exited with signal SIGKILL"):  # dead for good
         llm.generate([[5, 6]], params, use_tqdm=False)
     llm.close()
+
+
+def _split(entries: list | None) -> tuple[list | None, list[float]]:
+    """Log-probability entries as (tokens, ranks and texts; the values): a batch of another size (a request's
+    samples split over two ranks) rounds float32 sums differently in the last bits, so the values are compared
+    within a tolerance and the rest exactly."""
+    if entries is None:
+        return None, []
+    exact = [None if e is None else {t: (lp.rank, lp.decoded_token) for t, lp in e.items()} for e in entries]
+    return exact, [lp.logprob for e in entries if e is not None for lp in e.values()]
+
+
+def _features(llm: LLM) -> list:
+    """chat, n > 1 with seeded and unseeded sampling, logprobs, prompt logprobs and a stop string, as plain data."""
+    outs = llm.chat([[{"role": "user", "content": "Hello world"}]] * 2,
+                    SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    outs += llm.generate([PROMPT, "Hello world! How", PROMPT],
+                         [SamplingParams(n=2, temperature=0.8, max_tokens=5, seed=7),
+                          SamplingParams(n=3, temperature=1.0, max_tokens=4, logprobs=2, prompt_logprobs=1),
+                          SamplingParams(temperature=0, max_tokens=12, stop=[" br"], ignore_eos=True)],
+                         use_tqdm=False)
+    return [(o.prompt, o.prompt_token_ids, _split(o.prompt_logprobs), o.error,
+             [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, _split(c.logprobs)) for c in o.outputs])
+            for o in outs]
+
+
+def _exact(features: list) -> list:
+    return [(p, ids, plp[0], err, [c[:5] + (c[5][0],) for c in comps]) for p, ids, plp, err, comps in features]
+
+
+def _values(features: list) -> list[float]:
+    return [v for _, _, plp, _, comps in features for v in plp[1] + [x for c in comps for x in c[5][1]]]
+
+
+@pytest.mark.slow
+def test_dp2_over_rank_processes_equals_one_rank_in_process(tmp_path: Path, tiny_chat_checkpoint) -> None:
+    """Every offline feature gives the same outputs over two rank processes as in-process on one rank (seeds go
+    by prompt index in both), and the statistics and the trace cover both ranks."""
+    settings = dict(model=str(tiny_chat_checkpoint.path), device="cpu", enable_dbo=True, dist_timeout_s=60.0,
+                    dbo_decode_token_threshold=1, dbo_prefill_token_threshold=2)
+    one = LLM(**settings)
+    expected = _features(one)
+    one.close()
+    assert expected[4][4][0][3:5] == ("stop", " br")  # the stop string was found (greedy text: "...L\x17 br...")
+    trace = tmp_path / "trace.json"
+    two = LLM(**settings, data_parallel_size=2, enable_expert_parallel=True, trace_file=str(trace))
+    try:
+        got = _features(two)
+        assert _exact(got) == _exact(expected)
+        assert _values(got) == pytest.approx(_values(expected), abs=1e-4) and len(_values(expected)) > 20
+        stats = two.last_stats
+        assert stats is not None and stats.num_requests == 3 and stats.num_steps > 0 and stats.num_ubatched_steps > 0
+        assert {line.split(":")[0] for line in stats.dbo_decisions} == {"rank 0", "rank 1"}
+        assert two.last_trace is not None and len(two.last_trace.metrics) == 2  # one timeline per rank
+        assert len({e["pid"] for e in json.loads(trace.read_text())["traceEvents"]}) == 2
+        with pytest.raises(RuntimeError, match="data_parallel_size=2 ranks in their own processes"):
+            two.runner
+    finally:
+        two.close()
