@@ -100,18 +100,33 @@ def test_dp2_ep_dbo_in_a_plain_script_equals_transformers_greedy_and_leaves_no_p
 
 
 @pytest.mark.slow
-def test_a_killed_rank_is_named_and_its_peer_stopped() -> None:
+@pytest.mark.parametrize("when", ["idle", "mid-run"])
+def test_a_killed_rank_is_named_and_its_peer_stopped(when: str) -> None:
     llm = LLM("tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, device="cpu",
               dist_timeout_s=60.0)
-    pids = llm.engine_client.pids
+    client = llm.engine_client
+    pids = client.pids
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     assert [len(o.outputs[0].token_ids) for o in llm.generate([[1, 2], [3, 4]], params, use_tqdm=False)] == [2, 2]
-    os.kill(pids[1], signal.SIGKILL)
+    if when == "idle":
+        os.kill(pids[1], signal.SIGKILL)
+    else:  # at the first outputs of a run: both ranks are stepping, rank 0 then waits on its dead peer
+        run = client.run
+
+        def run_and_kill(on_outputs, **kwargs):  # type: ignore[no-untyped-def]
+            def first_outputs_kill(outputs):  # type: ignore[no-untyped-def]
+                if not _gone(pids[1]):
+                    os.kill(pids[1], signal.SIGKILL)
+                on_outputs(outputs)
+            return run(first_outputs_kill, **kwargs)
+
+        client.run = run_and_kill  # type: ignore[method-assign]
     deadline = time.monotonic() + 30
     with pytest.raises(EngineDeadError, match="rank 1 exited with signal SIGKILL"):
-        while time.monotonic() < deadline:  # the supervisor notices within a heartbeat or two
-            llm.generate([[5, 6]], params, use_tqdm=False)
-    assert llm.engine_client.pids == [] and _all_gone(pids)
+        while time.monotonic() < deadline:  # idle: the supervisor notices within a heartbeat or two
+            llm.generate([[5, 6]] * 4, SamplingParams(temperature=0, max_tokens=50, ignore_eos=True),
+                         use_tqdm=False)
+    assert client.pids == [] and _all_gone(pids)
     with pytest.raises(EngineDeadError, match="rank 1 exited with signal SIGKILL"):  # dead for good
         llm.generate([[5, 6]], params, use_tqdm=False)
     llm.close()
