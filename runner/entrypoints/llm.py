@@ -176,7 +176,7 @@ class LLM:
         self.last_loop_stats: LoopStats | None = None  # the in-process step loop's (None over rank processes)
         self.last_trace: Any = None  # runner.tracing.TraceResult of the last generate() with trace_file set
         self._request_counter = 0  # request ids continue across calls, as vLLM's
-        self._engine_request_counter = 0
+        self._engine_request_counter = 0  # engine request ids continue too: a cut-short call's outputs may lag
         # One generate() at a time (module docstring). Waiting on it is bounded by the call ahead, whose own
         # waits (collectives, handoffs, the rank processes' outputs) all time out.
         self._busy = threading.Lock()
@@ -320,7 +320,8 @@ class LLM:
         ...}`` dicts); returns one RequestOutput per prompt, in input order, on every rank.
 
         Thread-safe: concurrent calls run one after the other (``last_stats`` describes the latest to finish);
-        with data_parallel_size > 1 a call made while another runs raises RuntimeError (module docstring).
+        in SPMD (a launched world of several ranks) a call made while another runs raises RuntimeError (module
+        docstring).
         """
         forward_thread = self._client.forward_thread_id
         if self._busy_thread is not None and threading.get_ident() in (self._busy_thread, forward_thread):
