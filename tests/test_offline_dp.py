@@ -46,16 +46,10 @@ if __name__ == "__main__":
                     dbo_decode_token_threshold=1, dbo_prefill_token_threshold=2, dbo_cost_model="off",
                     dist_timeout_s=60.0)
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    llm = LLM(sys.argv[1], **settings)
-    first_pids = llm.engine_client.pids
+    llm = LLM(sys.argv[1], **settings)  # never closed: interpreter exit ends its ranks
     outs = llm.generate([sys.argv[2]] * 3, params, use_tqdm=False)
-    ubatched = llm.last_stats.num_ubatched_steps
-    del llm
-    after_del = children()
-    llm = LLM(sys.argv[1], **settings)  # left to interpreter exit
-    again = llm.generate([sys.argv[2]], params, use_tqdm=False)
-    print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs + again], "ubatched": ubatched,
-                      "first_pids": first_pids, "after_del": after_del, "last_pids": llm.engine_client.pids}))
+    print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "ubatched": llm.last_stats.num_ubatched_steps,
+                      "pids": llm.engine_client.pids, "children": children()}))
 '''
 
 
@@ -88,15 +82,14 @@ def test_dp2_ep_dbo_in_a_plain_script_equals_transformers_greedy_and_leaves_no_p
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert got["tokens"] == [tiny_chat_checkpoint.greedy_no_eos] * 4
+    assert got["tokens"] == [tiny_chat_checkpoint.greedy_no_eos] * 3
     assert got["ubatched"] > 0  # DBO really split steps
-    # `del llm` ended both ranks; what is left is multiprocessing's resource tracker, which lives as long as the
-    # interpreter (it started with the first spawned process)
-    assert len(got["first_pids"]) == 2
-    assert [cmd for _, cmd in got["after_del"] if "resource_tracker" not in cmd] == []
-    # interpreter exit ended the second LLM's ranks, and the tracker
-    assert len(got["last_pids"]) == 2
-    assert _all_gone(got["last_pids"] + [pid for pid, _ in got["after_del"]])
+    # the script's children while the LLM was open: its two ranks and multiprocessing's resource tracker (which
+    # lives as long as the interpreter); interpreter exit ended all of them
+    children = {pid for pid, _ in got["children"]}
+    assert len(got["pids"]) == 2 and set(got["pids"]) <= children
+    assert [cmd for pid, cmd in got["children"] if pid not in got["pids"] and "resource_tracker" not in cmd] == []
+    assert _all_gone(list(children))
 
 
 @pytest.mark.slow
@@ -167,7 +160,7 @@ def _values(features: list) -> list[float]:
 @pytest.mark.slow
 def test_dp2_over_rank_processes_equals_one_rank_in_process(tmp_path: Path, tiny_chat_checkpoint) -> None:
     """Every offline feature gives the same outputs over two rank processes as in-process on one rank (seeds go
-    by prompt index in both), and the statistics and the trace cover both ranks."""
+    by prompt index in both), the statistics and the trace cover both ranks, and ``del`` ends the ranks."""
     settings = dict(model=str(tiny_chat_checkpoint.path), device="cpu", enable_dbo=True, dist_timeout_s=60.0,
                     dbo_decode_token_threshold=1, dbo_prefill_token_threshold=2)
     one = LLM(**settings)
@@ -187,5 +180,9 @@ def test_dp2_over_rank_processes_equals_one_rank_in_process(tmp_path: Path, tiny
         assert len({e["pid"] for e in json.loads(trace.read_text())["traceEvents"]}) == 2
         with pytest.raises(RuntimeError, match="data_parallel_size=2 ranks in their own processes"):
             two.runner
-    finally:
+    except BaseException:
         two.close()
+        raise
+    pids = two.engine_client.pids
+    del two  # ends the ranks, as close() does
+    assert len(pids) == 2 and _all_gone(pids)
