@@ -110,11 +110,12 @@ def test_text_prompt_without_tokenizer_is_a_clear_error() -> None:
         llm.generate([[1, 2]], SamplingParams(stop="x"))
 
 
-def test_dp_without_launcher_explains_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_external_launcher_without_a_launched_world_explains_how_to_launch(monkeypatch: pytest.MonkeyPatch) -> None:
     for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(k, raising=False)
-    with pytest.raises(RuntimeError, match="data_parallel_size=2 needs one process per DP rank.*torchrun"):
-        LLM(data_parallel_size=2)
+    with pytest.raises(RuntimeError, match="'external_launcher' needs a world launched outside this LLM: .*torchrun "
+                                           "--nproc-per-node 2"):
+        LLM(data_parallel_size=2, distributed_executor_backend="external_launcher")
     with pytest.raises(TypeError, match="did you mean 'max_num_seqs'"):
         LLM(max_num_seq=4)
 

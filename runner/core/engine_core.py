@@ -1,9 +1,9 @@
 """EngineCore: one DP rank's engine -- its scheduler, its model runner and the step loop between them.
 
-The offline ``LLM`` drives one in-process; the server runs one per rank process behind ZeroMQ
-(``runner/core/engine_core_proc.py``). Either way requests come in as token ids
-(:class:`~runner.core.requests.EngineCoreRequest`), may be added or aborted between steps, join the running
-batch at the next step (continuous batching), and come out as per-step
+The in-process engine client drives one with :meth:`EngineCore.run_wave` (``runner/engine/inproc_client.py``);
+each rank process runs one behind ZeroMQ (``runner/core/engine_core_proc.py``). Either way requests come in as
+token ids (:class:`~runner.core.requests.EngineCoreRequest`), may be added or aborted between steps, join the
+running batch at the next step (continuous batching), and come out as per-step
 :class:`~runner.core.requests.EngineCoreOutput` s.
 
 **Waves.** With DP every rank must take part in every step (the MoE all-to-alls pair up), so the ranks step
@@ -137,6 +137,21 @@ class EngineCore:
         if not running:
             self._end_wave()
         return EngineCoreStep(self.take_outputs(), running)
+
+    def run_wave(self, on_outputs: Callable[[list[EngineCoreOutput]], None]) -> None:
+        """Step until the wave ends (no DP rank has work), handing what each step produced to ``on_outputs``
+        (which may add or abort requests between steps: a stop string found by the client). A request still
+        unfinished when the wave ends (a runner that stopped early) finishes with an error, never silently."""
+        on_outputs(self.take_outputs())  # requests refused at add time
+        while True:
+            step = self.step()
+            on_outputs(step.outputs)
+            if not step.running:
+                break
+        for rid in list(self._live):
+            self.scheduler.abort_request(rid, "engine stopped before the request finished (model runner reported "
+                                              "no work while this request was still queued)")
+        on_outputs(self.take_outputs())
 
     def take_outputs(self) -> list[EngineCoreOutput]:
         """Outputs gathered since the last call, in order: new tokens, then each request that finished, once

@@ -187,7 +187,7 @@ class CoreLoop:
         cost_model = runner.cost_model  # the measured DBO cost model (None without it)
         return CoreStats(num_running=core.num_running, num_waiting=core.num_waiting,
                          kv_cache_usage=core.kv_cache_usage, num_steps=runner.num_steps,
-                         num_ubatched_steps=runner.num_ubatched_steps,
+                         num_ubatched_steps=runner.num_ubatched_steps, num_preemptions=core.scheduler.num_preemptions,
                          comm_s=comm[0] if comm else 0.0, comm_exposed_s=comm[1] if comm else 0.0,
                          dbo_buckets=[] if cost_model is None else [DBOBucketStat(d.label, d.dbo_on, d.ratio)
                                                                     for d in cost_model.decisions()])

@@ -43,6 +43,7 @@ class CoreStats(msgspec.Struct):
     comm_s: float = 0.0  # modelled all-to-all time in flight (emulated link, CPU)
     comm_exposed_s: float = 0.0  # of which a ubatch waited for it
     dbo_buckets: list[DBOBucketStat] = []  # the measured DBO cost model's buckets that ran both ways
+    num_preemptions: int = 0  # requests preempted (recomputed) so far
 
 
 # ---- client -> rank ---------------------------------------------------------------------------------------

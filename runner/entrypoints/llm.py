@@ -1,10 +1,18 @@
-"""LLM: the offline Python API, as vLLM users write it (vLLM's ``vllm/entrypoints/llm.py``), one instance per DP
-rank.
+"""LLM: the offline Python API, as vLLM users write it (vLLM's ``vllm/entrypoints/llm.py``).
 
-``generate`` and ``chat`` take vLLM's arguments and return vLLM's ``RequestOutput``s, through the engine client
-(text in and out) and an in-process ``EngineCore`` and step loop. With DP every rank calls ``generate`` with the
-same prompts (SPMD): prompt ``i`` runs on rank ``i % data_parallel_size`` and the outputs are all-gathered.
-Bad prompts raise ``ValueError`` before any step. One call runs at a time (a lock; with DP a concurrent call
+``generate`` and ``chat`` take vLLM's arguments and return vLLM's ``RequestOutput``s. The LLM turns prompts into
+engine-core requests and outputs back into ``RequestOutput``s (``OutputProcessor``); an engine client runs them
+(``runner/engine/engine_core_client.py``), which of three is picked from where the LLM runs:
+
+- one DP rank: the in-process client (``InprocClient``: an ``EngineCore`` and its step loop in this process);
+- ``data_parallel_size > 1`` in a plain process: the engine-core processes, one per rank, started here and
+  stopped by ``close()``, ``del`` or interpreter exit (``SyncMPClient``);
+- inside a world someone else launched (``torchrun``, ``runner.distributed.launch``; vLLM's
+  ``distributed_executor_backend="external_launcher"``): one LLM per rank, every rank calling ``generate`` with
+  the same prompts (SPMD); prompt ``i`` runs on rank ``i % data_parallel_size`` (its in-process client) and the
+  outputs are all-gathered.
+
+Bad prompts raise ``ValueError`` before any step. One call runs at a time (a lock; in SPMD a concurrent call
 raises). Design: docs/design_notes.md, "Front ends".
 """
 from __future__ import annotations
@@ -20,10 +28,11 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 
 from runner import tracing
 from runner.config import ConfigError, RunnerConfig, make_config
-from runner.core.engine_core import EngineCore
 from runner.core.overlap_loop import LoopStats
-from runner.distributed.liveness import report_progress
+from runner.core.requests import EngineCoreOutput
+from runner.engine.engine_core_client import EngineCoreClient, RunReport
 from runner.engine.generation_config import GenerationConfig, load_generation_config, model_eos_token_ids
+from runner.engine.inproc_client import InprocClient
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.tokenizer import apply_chat_template, encode, load_tokenizer, load_tokenizer_from_dir
 from runner.entrypoints.output_paths import output_path_error
@@ -74,9 +83,11 @@ class GenerationStats:
         return " | ".join(parts)
 
 
-def resolve_world(cfg: RunnerConfig) -> tuple[int, int]:
-    """(rank, world size) for this process; joins a torchrun world if its environment is set, with the
-    backend of ``cfg.device`` (NCCL on CUDA, gloo on the CPU)."""
+def launched_world(cfg: RunnerConfig, executor_backend: str | None = None) -> tuple[int, int] | None:
+    """(rank, world size) of the torch.distributed world this process is a rank of, joining a torchrun world if
+    its environment is set (the backend of ``cfg.device``: NCCL on CUDA, gloo on the CPU); None in a plain
+    process, where an LLM with ``data_parallel_size > 1`` starts its own rank processes.
+    ``executor_backend="external_launcher"`` (vLLM's) requires such a world."""
     import torch.distributed as dist
 
     from runner.distributed.device import check_world_backend, resolve_device_type
@@ -87,15 +98,14 @@ def resolve_world(cfg: RunnerConfig) -> tuple[int, int]:
         check_world_backend(str(dist.get_backend()), resolve_device_type(cfg.device))
     elif torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1:
         rank, world = init_distributed(cfg.dist_timeout_s, device=cfg.device)
+    elif executor_backend == "external_launcher":
+        raise RuntimeError(
+            f"distributed_executor_backend='external_launcher' needs a world launched outside this LLM: run one "
+            f"process per DP rank with `torchrun --nproc-per-node {cfg.data_parallel_size} ...` (or "
+            "runner.distributed.launch.launch), or leave the argument unset to have the LLM start its ranks")
     else:
-        rank, world = 0, 1
+        return None
     if world != cfg.data_parallel_size:
-        if world == 1:
-            raise RuntimeError(
-                f"data_parallel_size={cfg.data_parallel_size} needs one process per DP rank: launch with "
-                f"`torchrun --nproc-per-node {cfg.data_parallel_size} ...`, `python -m runner generate "
-                f"--data-parallel-size {cfg.data_parallel_size} ...`, or runner.distributed.launch.launch(fn, "
-                f"{cfg.data_parallel_size})")
         raise RuntimeError(f"this torch.distributed world has {world} ranks but data_parallel_size="
                            f"{cfg.data_parallel_size}; they must match")
     return rank, world
@@ -127,6 +137,7 @@ class LLM:
         if isinstance(cfg, str):
             kwargs.setdefault("model", cfg)
             cfg = None
+        executor_backend = kwargs.get("distributed_executor_backend")
         pop_vllm_engine_args(kwargs)  # trust_remote_code=True, tensor_parallel_size=1, ...: accepted or refused
         if cfg is None or kwargs:
             cfg = make_config(cfg, **kwargs)
@@ -135,31 +146,55 @@ class LLM:
             problem = output_path_error(cfg.trace_file)
             if problem:
                 raise ConfigError("trace_file", f"trace_file: {problem}")
-        self.rank, self.world_size = resolve_world(cfg) if runner is None else (
-            runner.rank, runner.world_size)
+        world = (runner.rank, runner.world_size) if runner is not None else launched_world(cfg, executor_backend)
+        # rank and world size of the SPMD world this LLM is one rank of (0 and 1 when it drives every rank itself)
+        self.rank, self.world_size = world if world is not None else (0, 1)
         # before any weight is read: the generation config (a bad one is an error) and max_model_len
         self.generation_config = self._load_generation_config(
             runner.eos_token_ids if runner is not None else None)
+        self._runner: ModelRunnerProtocol | None = runner
+        self._client: EngineCoreClient
         if runner is None:
             from runner.models.loader import check_max_model_len, model_config
-            from runner.worker.model_runner import ModelRunner
 
             if cfg.max_model_len is not None:
                 check_max_model_len(cfg.max_model_len, model_config(cfg.model, cfg.cache_dir))
-            runner = ModelRunner(cfg, self.rank, self.world_size)
-        self.runner: ModelRunnerProtocol = runner
+        if runner is None and world is None and cfg.data_parallel_size > 1:
+            from runner.engine.sync_client import SyncMPClient
+
+            self._client = SyncMPClient(cfg)  # the rank processes load the model
+        else:
+            if runner is None:
+                from runner.worker.model_runner import ModelRunner
+
+                runner = self._runner = ModelRunner(cfg, self.rank, self.world_size)
+            self._client = InprocClient(cfg, runner)
         self._tokenizer = load_tokenizer_from_dir(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) \
             else tokenizer
         self._tokenizer_loaded = tokenizer is not None
         self.last_stats: GenerationStats | None = None
-        self.last_loop_stats: LoopStats | None = None
+        self.last_loop_stats: LoopStats | None = None  # the in-process step loop's (None over rank processes)
         self.last_trace: Any = None  # runner.tracing.TraceResult of the last generate() with trace_file set
-        self._core: EngineCore | None = None
         self._request_counter = 0  # request ids continue across calls, as vLLM's
+        self._engine_request_counter = 0  # engine request ids continue too: a cut-short call's outputs may lag
         # One generate() at a time (module docstring). Waiting on it is bounded by the call ahead, whose own
-        # waits (collectives, handoffs) all time out.
+        # waits (collectives, handoffs, the rank processes' outputs) all time out.
         self._busy = threading.Lock()
         self._busy_thread: int | None = None  # the thread inside generate(), if any
+
+    @property
+    def runner(self) -> ModelRunnerProtocol:
+        """This process's model runner (one DP rank, or this rank of a launched world); a RuntimeError when the
+        ranks run in processes this LLM started."""
+        if self._runner is None:
+            raise RuntimeError(f"this LLM runs data_parallel_size={self.cfg.data_parallel_size} ranks in their own "
+                               "processes: their model runners are not in this process")
+        return self._runner
+
+    @property
+    def engine_client(self) -> EngineCoreClient:
+        """The engine client running this LLM's requests (in-process, or over the rank processes)."""
+        return self._client
 
     @property
     def model_runner(self) -> ModelRunner:
@@ -198,7 +233,8 @@ class LLM:
         return self.generation_config.default_sampling_params()
 
     def close(self) -> None:
-        """Stop the forward thread and release the runner; not while a generate() runs in another thread."""
+        """Stop the engine (the forward thread and the runner, or the rank processes); not while a generate()
+        runs in another thread."""
         if not self._busy.acquire(blocking=False):
             raise RuntimeError("LLM.close() called while generate() is running in another thread; close it after "
                                "that call returns")
@@ -208,11 +244,12 @@ class LLM:
             self._busy.release()
 
     def _close(self) -> None:
-        if self._core is not None:
-            self._core.close()
-            self._core = None
-            return
-        self.runner.close()
+        self._client.close()
+
+    def __del__(self) -> None:  # the rank processes of an LLM that was never closed end with it
+        client = self.__dict__.get("_client")
+        if client is not None and not isinstance(client, InprocClient):
+            client.close()
 
     def _prompt_inputs(self, prompts: Any) -> list[tuple[str | None, Any]]:
         """(text or None, token ids) per prompt, in input order. Text is encoded on the rank that runs it only;
@@ -283,9 +320,10 @@ class LLM:
         ...}`` dicts); returns one RequestOutput per prompt, in input order, on every rank.
 
         Thread-safe: concurrent calls run one after the other (``last_stats`` describes the latest to finish);
-        with data_parallel_size > 1 a call made while another runs raises RuntimeError (module docstring).
+        in SPMD (a launched world of several ranks) a call made while another runs raises RuntimeError (module
+        docstring).
         """
-        forward_thread = self._core.forward_thread_id if self._core is not None else None
+        forward_thread = self._client.forward_thread_id
         if self._busy_thread is not None and threading.get_ident() in (self._busy_thread, forward_thread):
             # from the calling thread or this LLM's forward thread: it would wait for itself forever
             raise RuntimeError("LLM.generate called again from inside a generate() call (same thread, or the "
@@ -337,36 +375,38 @@ class LLM:
             if stop:
                 raise ValueError(f"stop strings {stop!r} need a tokenizer to find them in the text, and model "
                                  f"{self.cfg.model!r} has none; use stop_token_ids")
-        core = self._engine_core()  # built on the first call (its one-time set-up is not this call's time)
+        client = self._client
+        if isinstance(client, InprocClient):  # benchmarks switch the loop settings with llm.cfg = ...
+            client.prepare(self.cfg)
         local = list(range(self.rank, len(inputs), self.world_size))
-        self._check_prompts(inputs, params, local, core)
+        self._check_prompts(inputs, params, local)
         start = time.perf_counter()
-        steps0 = self.runner.num_steps
-        ubatched0 = self.runner.num_ubatched_steps
-        sched = core.scheduler
-        preemptions0 = sched.num_preemptions
-        processor = OutputProcessor(tokenizer, self.runner.max_model_len, self.generation_config)
+        processor = OutputProcessor(tokenizer, client.max_model_len, self.generation_config)
         first_id = self._request_counter
         self._request_counter += len(inputs)
-        engine_id = 0
+        engine_id = self._engine_request_counter  # unique for the client's lifetime, as its outputs may lag a call
         for i in local:
             text, ids = inputs[i]
             n = params[i].n
             for request in processor.add_request(str(first_id + i), text, ids, params[i],
                                                  engine_request_ids=range(engine_id, engine_id + n),
                                                  default_seed=self.cfg.seed * 1_000_003 + i):
-                core.add_request(request)
+                client.add_request(request)
             engine_id += n
-        with tracing.record(self.cfg.trace_file, self.runner.device) as rec:  # clock: device
-            finished = self._run_loop(core, processor, len(local), not use_tqdm)
-        if sched.allocator.num_free_blocks != sched.allocator.num_blocks:  # a leak would starve later calls
-            raise RuntimeError(f"KV blocks leaked: {sched.allocator.num_blocks - sched.allocator.num_free_blocks} "
-                               "still allocated after every request finished")
-        mine = ([(i, finished[str(first_id + i)]) for i in local], sched.num_preemptions - preemptions0,
-                time.perf_counter() - start, tracing.local_spans(rec), self._dbo_decisions())
-        gathered = self._all_gather(mine)
-        if rec is not None and self.cfg.trace_file is not None:  # a recorder is made only for a trace file
-            self.last_trace = tracing.export(self.cfg.trace_file, [g[3] for g in gathered], self.rank)
+        self._engine_request_counter = engine_id
+        finished, report = self._run(processor, len(local), not use_tqdm)
+        self.last_loop_stats = report.loop_stats
+        mine = [(i, finished[str(first_id + i)]) for i in local]
+        elapsed = time.perf_counter() - start
+        if self.world_size > 1:  # SPMD: this rank's share; the peers' come from the gather
+            gathered = self._all_gather((mine, report.num_preemptions, elapsed, report.traces[0],
+                                         report.dbo_decisions[0]))
+        else:  # every rank this client drives, already together
+            gathered = [(mine, report.num_preemptions, elapsed, None, [])]
+        traces = [g[3] for g in gathered] if self.world_size > 1 else report.traces
+        decisions = [g[4] for g in gathered] if self.world_size > 1 else report.dbo_decisions
+        if self.cfg.trace_file is not None:
+            self.last_trace = tracing.export(self.cfg.trace_file, traces, self.rank)
             if self.last_trace is not None and self.last_trace.error:
                 logger.warning(self.last_trace.error)
         outputs = [o for _, o in sorted((pair for g in gathered for pair in g[0]), key=lambda pair: pair[0])]
@@ -375,25 +415,19 @@ class LLM:
             num_prompt_tokens=sum(len(o.prompt_token_ids) for o in outputs if o.error is None),
             num_output_tokens=sum(len(c.token_ids) for o in outputs for c in o.outputs),
             elapsed_s=max(time.perf_counter() - start, max(g[2] for g in gathered)),
-            num_steps=self.runner.num_steps - steps0,
-            num_ubatched_steps=self.runner.num_ubatched_steps - ubatched0,
+            num_steps=report.num_steps, num_ubatched_steps=report.num_ubatched_steps,
             num_preemptions=sum(g[1] for g in gathered), enable_dbo=self.cfg.enable_dbo,
-            dbo_decisions=[(f"rank {r}: " if len(gathered) > 1 else "") + d
-                           for r, g in enumerate(gathered) for d in g[4]])
+            dbo_decisions=[(f"rank {r}: " if len(decisions) > 1 else "") + d
+                           for r, lines in enumerate(decisions) for d in lines])
         return outputs
 
-    def _dbo_decisions(self) -> list[str]:
-        """This rank's DBO cost-model buckets, one line each (none without the measured cost model)."""
-        cost_model = self.runner.cost_model
-        return [] if cost_model is None else [d.describe() for d in cost_model.decisions()]
-
-    def _check_prompts(self, inputs: list[tuple[str | None, Any]], params: list[SamplingParams], local: list[int],
-                       core: EngineCore) -> None:
+    def _check_prompts(self, inputs: list[tuple[str | None, Any]], params: list[SamplingParams],
+                       local: list[int]) -> None:
         """ValueError naming the first prompt that cannot run, raised on every rank alike (each checks the prompts
         it encoded, the problems are gathered) before any request is added."""
-        sched = core.scheduler
+        vocab_size, max_model_len = self._client.vocab_size, self._client.max_model_len
         problems = [(i, problem) for i in local
-                    if (problem := prompt_problem(inputs[i][1], params[i], sched.vocab_size, sched.max_model_len))]
+                    if (problem := prompt_problem(inputs[i][1], params[i], vocab_size, max_model_len))]
         if self.world_size > 1:
             problems = sorted(p for gathered in self._all_gather(problems) for p in gathered)
         if problems:
@@ -411,19 +445,20 @@ class LLM:
         dist.all_gather_object(out, obj)
         return out
 
-    def _run_loop(self, core: EngineCore, processor: OutputProcessor, num_local: int,
-                  disable_progress: bool) -> dict[str, RequestOutput]:
-        """Step the engine core until the wave ends (no DP rank has work); returns each local request's final
-        RequestOutput by request id. Requests stopped by a stop string are aborted in the core at once."""
+    def _run(self, processor: OutputProcessor, num_local: int,
+             disable_progress: bool) -> tuple[dict[str, RequestOutput], RunReport]:
+        """Have the engine client run every request added; returns each request's final RequestOutput by request
+        id, and the client's report. Requests stopped by a stop string are aborted in the engine at once."""
         bar = self._progress_bar(num_local, disable_progress)
         out_tokens, t0 = 0, time.perf_counter()
         finished: dict[str, RequestOutput] = {}
+        client = self._client
 
-        def collect(outputs: list[Any]) -> None:
+        def collect(outputs: list[EngineCoreOutput]) -> None:
             nonlocal out_tokens
             results, to_abort = processor.process_outputs(outputs)
             if to_abort:
-                core.abort_requests(to_abort, "stopped by a stop string")
+                client.abort_requests(to_abort, "stopped by a stop string")
             out_tokens += sum(len(o.new_token_ids) for o in outputs)
             for result in results:
                 if result.finished:
@@ -434,29 +469,11 @@ class LLM:
                 bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s", refresh=False)
 
         try:
-            collect(core.take_outputs())  # requests refused at add time
-            while True:
-                step = core.step()
-                collect(step.outputs)
-                if not step.running:
-                    break
-            self.last_loop_stats = core.last_loop_stats
-            for rid in processor.unfinished_engine_request_ids():  # only if the runner stopped early: never silent
-                core.scheduler.abort_request(rid, "engine stopped before the request finished (model runner "
-                                                  "reported no work while this request was still queued)")
-            collect(core.take_outputs())
+            report = client.run(collect, trace=self.cfg.trace_file is not None)
         finally:
             if bar is not None:
                 bar.close()
-        return finished
-
-    def _engine_core(self) -> EngineCore:
-        """This rank's engine core (created on first use, closed by close()); it steps with this LLM's current
-        ``cfg`` (benchmarks switch the loop settings between calls with ``llm.cfg = llm.cfg.replace(...)``)."""
-        if self._core is None:
-            self._core = EngineCore(self.cfg, self.runner, before_launch=report_progress)  # liveness: step count
-        self._core.cfg = self.cfg
-        return self._core
+        return finished, report
 
     def _progress_bar(self, total: int, disable: bool) -> Any:
         if disable or self.rank != 0 or not sys.stderr.isatty():

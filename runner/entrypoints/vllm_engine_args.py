@@ -75,7 +75,9 @@ VLLM_ENGINE_ARGS: tuple[VllmEngineArg, ...] = (
                   "save the checkpoint as safetensors"),
     VllmEngineArg("disable_custom_all_reduce", _any_bool, "True or False (there is no custom all-reduce)",
                   "pass a bool"),
-    VllmEngineArg("distributed_executor_backend", _none_or("mp"), "None or 'mp' (ranks are processes)",
+    VllmEngineArg("distributed_executor_backend", _none_or("mp", "external_launcher"),
+                  "None or 'mp' (DP ranks are processes the LLM starts, or the ranks of a torchrun world it runs "
+                  "in), or 'external_launcher' (the ranks of a torchrun world only)",
                   "leave it unset; DP ranks run as processes (or under torchrun)"),
 )
 VLLM_ENGINE_ARG_NAMES = frozenset(a.name for a in VLLM_ENGINE_ARGS)

@@ -51,7 +51,13 @@ class BucketDecision:
                 f"{self.execution.value}")
 
     def describe(self) -> str:
-        return f"{self.label}: DBO {'on' if self.dbo_on else 'off'} ({self.ratio:.2f}x)"
+        return describe_bucket(self.label, self.dbo_on, self.ratio)
+
+
+def describe_bucket(label: str, dbo_on: bool, ratio: float) -> str:
+    """One bucket's line, ``decode 1-31 tok eager: DBO on (1.23x)``: from a rank's own cost model, or from the
+    bucket a rank process reported (``runner.core.messages.DBOBucketStat``)."""
+    return f"{label}: DBO {'on' if dbo_on else 'off'} ({ratio:.2f}x)"
 
 
 class _Bucket:
