@@ -101,10 +101,10 @@ def test_time_is_compared_per_token() -> None:
 
 
 def test_looks_at_a_loser_cost_at_most_the_budget_of_the_buckets_time() -> None:
-    """DBO twice as slow: a look costs one whole step more, so at a 5 % budget looks are 20 steps apart, not 4,
-    then 8; a loser that barely loses keeps the back-off's gaps."""
+    """DBO twice as slow: a look costs one whole step more, so at a 5 % budget once a look has confirmed the loser
+    the next waits 20 steps, not the doubled 8; a loser that barely loses keeps the doubling."""
     ran = drive(DBOCostModel(explore_every=4, max_explore_every=64, explore_budget=0.05), 60, {True: 2.0, False: 1.0})
-    assert [i for i, r in enumerate(ran) if r] == [0, 20, 41]
+    assert [i for i, r in enumerate(ran) if r] == [0, 4, 25]
     ran = drive(DBOCostModel(explore_every=4, max_explore_every=64, explore_budget=0.05), 60, {True: 1.1, False: 1.0})
     assert [i for i, r in enumerate(ran) if r] == [0, 4, 13, 30]
 

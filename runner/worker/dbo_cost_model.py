@@ -88,9 +88,10 @@ class DBOCostModel:
 
     def __init__(self, explore_every: int = 32, max_explore_every: int = 512, window: int = 3,
                  explore_budget: float | None = 0.01) -> None:
-        """``explore_budget``: the share of a bucket's time its looks at the losing side may cost: looks are at
-        least ``loss / explore_budget`` steps apart, ``loss`` being what a step of the loser costs more than one
-        of the winner, as a share of it (a side twice as slow: 100 steps at 1 %); ``None``: the back-off alone."""
+        """``explore_budget``: the share of a bucket's time its looks at a confirmed loser may cost: once a look
+        confirms the loser, the next is at least ``loss / explore_budget`` steps later, ``loss`` being what a
+        step of the loser costs more than one of the winner, as a share of it (a side twice as slow: 100 steps
+        at 1 %), on top of the doubling; ``None``: the doubling alone."""
         if explore_every < 1 or max_explore_every < explore_every:
             raise ValueError(f"need 1 <= explore_every <= max_explore_every, got {explore_every}, {max_explore_every}")
         if window < 1:
@@ -123,7 +124,7 @@ class DBOCostModel:
         if execution is None:
             return True
         b = self._bucket(num_tokens, is_prefill, execution)
-        if b.measured and b.since_explore >= self._look_after(b):  # time to look at the losing side again
+        if b.measured and b.since_explore >= b.explore_every:  # time to look at the losing side again
             b.since_explore = 0
             return not b.prefers_dbo()
         b.since_explore += 1
@@ -148,7 +149,7 @@ class DBOCostModel:
             return True
         if not b.measured:
             return False  # one side has its figures, the other has none yet: only the other's steps count
-        return b.prefers_dbo() != ubatched or b.since_explore + self.window >= self._look_after(b)
+        return b.prefers_dbo() != ubatched or b.since_explore + self.window >= b.explore_every
 
     def record(self, step: StepRecord, seconds: float) -> None:
         """What a step took, in the bucket of the execution it actually ran as."""
@@ -158,16 +159,19 @@ class DBOCostModel:
         ubatched = step.ubatched
         exploring = b.measured and b.prefers_dbo() != ubatched
         (b.on if ubatched else b.off).append(seconds / step.num_tokens)
-        if exploring:  # the loser had its look: if it still loses, wait twice as long before the next one
+        if exploring:  # the loser had its look: if it still loses, wait longer before the next one
             stands = b.prefers_dbo() != ubatched
-            b.explore_every = min(2 * b.explore_every, self.max_explore_every) if stands else self.explore_every
+            b.explore_every = self._next_gap(b) if stands else self.explore_every
 
-    def _look_after(self, b: _Bucket) -> int:
-        """Steps of a measured bucket between two looks at its loser: the back-off's gap, and at least what keeps a
-        look's extra cost within ``explore_budget`` of the bucket's time (at most ``max_explore_every``)."""
-        if self.explore_budget is None:
-            return b.explore_every
-        return min(max(b.explore_every, math.ceil(b.loss() / self.explore_budget)), self.max_explore_every)
+    def _next_gap(self, b: _Bucket) -> int:
+        """Steps until the next look at a loser that a look just confirmed: twice the last gap, and at least what
+        keeps a look's extra cost within ``explore_budget`` of the bucket's time; at most ``max_explore_every``.
+        A decision that a look overturned starts again from ``explore_every``, so a wrong one (a noisy figure)
+        is looked at again soon."""
+        gap = 2 * b.explore_every
+        if self.explore_budget is not None:
+            gap = max(gap, math.ceil(b.loss() / self.explore_budget))
+        return min(gap, self.max_explore_every)
 
     def decisions(self) -> list[BucketDecision]:
         """Every bucket that has run both ways, in (phase, size, execution) order."""
