@@ -215,3 +215,23 @@ def test_a_step_the_thresholds_keep_from_ubatching_asks_the_cost_model_nothing()
         assert replayed == [GraphKey(8)] * 4
     finally:
         runner.close()
+
+
+def test_the_timed_window_opens_once_the_steps_inputs_are_built() -> None:
+    """A GPU waiting while the host builds the step's inputs is not the forward's time: when the timer starts, the
+    step's token ids are already in the input buffer (each decode step feeds the previous step's tokens)."""
+    runner, timer, _ = runner_with_graphs(h200_times(4.4e-3))
+    seen: list[list[int]] = []
+    scripted_start = timer.start
+
+    def start() -> None:
+        seen.append(runner.input_ids[:NUM_REQS].tolist())
+        scripted_start()
+
+    timer.start = start  # type: ignore[method-assign]
+    try:
+        tokens = run_decodes(runner, 3)
+        prompt_ids = [3 + i for i in range(NUM_REQS) for _ in range(PROMPT)]
+        assert seen == [prompt_ids[:NUM_REQS]] + [[int(t) for t in step] for step in tokens[:3]]
+    finally:
+        runner.close()
