@@ -112,7 +112,8 @@ def run(requests: int, prompt_len: int, max_tokens: int, common: dict[str, Any],
 
     from runner.entrypoints.llm import LLM
 
-    torch.set_num_threads(1)
+    if common.get("device") == "cpu":
+        torch.set_num_threads(1)  # the null-cost model: one intra-op thread, as bench_host_overhead.py
     time_decision_calls()
     llms = {name: LLM(**common, enable_dbo=name == "enable_dbo") for name in ENGINES}
     try:
