@@ -183,3 +183,55 @@ def test_a_size_whose_dbo_step_runs_eager_is_left_to_the_thresholds() -> None:
         assert not [d for d in runner.cost_model.decisions() if not d.is_prefill]  # nothing compared
     finally:
         runner.close()
+
+
+def test_once_dbo_is_decided_off_its_steps_are_not_timed() -> None:
+    """DBO loses: after one look with it and the plain side's first figures, the plain graph replays untimed
+    (no timing events) until the next look is near; the tokens are those of a run that times every step."""
+    runner, timer, replayed = runner_with_graphs(h200_times(4.4e-3))
+    try:
+        tokens = run_decodes(runner, 12)
+        decodes = [s for s in timer.steps if not s.is_prefill]
+        assert [s.ubatched for s in decodes] == [True, False, False, False]  # window 3 of the plain side
+        assert replayed == [GraphKey(8, (4, 4))] + [GraphKey(8)] * 11
+    finally:
+        runner.close()
+    every, every_timer, _ = runner_with_graphs(h200_times(4.4e-3))
+    every.cost_model.model.needs_time = lambda *_: True  # type: ignore[method-assign]
+    try:
+        assert run_decodes(every, 12) == tokens
+        assert len([s for s in every_timer.steps if not s.is_prefill]) == 12
+    finally:
+        every.close()
+
+
+def test_a_step_the_thresholds_keep_from_ubatching_asks_the_cost_model_nothing() -> None:
+    """Below the thresholds (one rank) no DBO work is done: no vote, no bucket, no timing."""
+    runner, timer, replayed = runner_with_graphs(h200_times(4.4e-3))
+    runner.cfg = runner.cfg.replace(dbo_decode_token_threshold=64, dbo_prefill_token_threshold=64)
+    try:
+        run_decodes(runner, 4)
+        assert timer.steps == [] and runner.cost_model is not None and runner.cost_model.model.buckets == {}
+        assert replayed == [GraphKey(8)] * 4
+    finally:
+        runner.close()
+
+
+def test_the_timed_window_opens_once_the_steps_inputs_are_built() -> None:
+    """A GPU waiting while the host builds the step's inputs is not the forward's time: when the timer starts, the
+    step's token ids are already in the input buffer (each decode step feeds the previous step's tokens)."""
+    runner, timer, _ = runner_with_graphs(h200_times(4.4e-3))
+    seen: list[list[int]] = []
+    scripted_start = timer.start
+
+    def start() -> None:
+        seen.append(runner.input_ids[:NUM_REQS].tolist())
+        scripted_start()
+
+    timer.start = start  # type: ignore[method-assign]
+    try:
+        tokens = run_decodes(runner, 3)
+        prompt_ids = [3 + i for i in range(NUM_REQS) for _ in range(PROMPT)]
+        assert seen == [prompt_ids[:NUM_REQS]] + [[int(t) for t in step] for step in tokens[:3]]
+    finally:
+        runner.close()

@@ -2,13 +2,16 @@
 
 Fixed thresholds (vLLM's, SGLang's) cannot tell a model and machine where DBO loses. Per bucket (phase, size as
 the bit length of the token count, execution: graph replay or eager) this keeps each side's seconds per token
-of its last ``window`` steps, votes for the side whose fastest recent step is faster (slow outliers are
-one-sided) and re-checks the loser with exponential back-off. The vote is this rank's; ``runner.distributed.dp``
-decides. Design: docs/design_notes.md, "Model runner", "The DBO decision".
+of its last ``window`` timed steps, votes for the side whose fastest recent step is faster (slow outliers are
+one-sided) and re-checks the loser with exponential back-off, never more often than its measured loss allows
+(``explore_budget``). Only the steps whose time it needs are timed (``needs_time``): a settled bucket's steps
+cost nothing to measure. The vote is this rank's; ``runner.distributed.dp`` decides. Design:
+docs/design_notes.md, "Model runner", "The DBO decision".
 """
 from __future__ import annotations
 
 import enum
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -61,8 +64,9 @@ def describe_bucket(label: str, dbo_on: bool, ratio: float) -> str:
 
 
 class _Bucket:
-    """One (phase, size, execution) bucket: the seconds per token of the last ``window`` steps of each side,
-    and when to look at the losing side again."""
+    """One (phase, size, execution) bucket: the seconds per token of the last ``window`` timed steps of each
+    side, and when to look at the losing side again (``since_explore`` counts the bucket's votes since the last
+    look, timed or not)."""
     def __init__(self, window: int, explore_every: int) -> None:
         self.on: deque[float] = deque(maxlen=window)  # DBO on
         self.off: deque[float] = deque(maxlen=window)
@@ -79,16 +83,30 @@ class _Bucket:
         lower a minimum."""
         return min(self.on) <= min(self.off)
 
+    def loss(self) -> float:
+        """What one step of the losing side costs more than one of the winner, as a share of the winner's."""
+        fast, slow = sorted((min(self.on), min(self.off)))
+        return slow / fast - 1.0
+
 
 class DBOCostModel:
     """Per-rank DBO vote from measured step times; ``vote(...)`` before a step, ``record(...)`` after it."""
 
-    def __init__(self, explore_every: int = 32, max_explore_every: int = 512, window: int = 3) -> None:
+    def __init__(self, explore_every: int = 32, max_explore_every: int = 512, window: int = 3,
+                 explore_budget: float | None = 0.01) -> None:
+        """``explore_budget``: the share of a bucket's time its looks at a confirmed loser may cost: once a look
+        confirms the loser, the next is at least ``loss / explore_budget`` steps later, ``loss`` being what a
+        step of the loser costs more than one of the winner, as a share of it (a side twice as slow: 100 steps
+        at 1 %), on top of the doubling; ``None``: the doubling alone."""
         if explore_every < 1 or max_explore_every < explore_every:
             raise ValueError(f"need 1 <= explore_every <= max_explore_every, got {explore_every}, {max_explore_every}")
         if window < 1:
             raise ValueError(f"window must be at least 1 step, got {window}")
+        if explore_budget is not None and not 0 < explore_budget <= 1:
+            raise ValueError(f"explore_budget must lie in (0, 1] (a share of the bucket's time) or be None, got "
+                             f"{explore_budget!r}")
         self.explore_every, self.max_explore_every, self.window = explore_every, max_explore_every, window
+        self.explore_budget = explore_budget
         self.buckets: dict[tuple[bool, int, Execution], _Bucket] = {}
 
     def _bucket(self, num_tokens: int, is_prefill: bool, execution: Execution) -> _Bucket:
@@ -112,13 +130,32 @@ class DBOCostModel:
         if execution is None:
             return True
         b = self._bucket(num_tokens, is_prefill, execution)
+        if b.measured and b.since_explore >= b.explore_every:  # time to look at the losing side again
+            b.since_explore = 0
+            return not b.prefers_dbo()
+        b.since_explore += 1
         if not b.on:
             return True
         if not b.off:
             return False
-        if b.since_explore >= b.explore_every:  # time to look at the losing side again
-            return not b.prefers_dbo()
         return b.prefers_dbo()
+
+    def needs_time(self, num_tokens: int, is_prefill: bool, execution: Execution | None, ubatched: bool) -> bool:
+        """Whether a step just voted for (``execution`` as the vote saw it) should be timed and recorded.
+
+        Yes while the side it runs has fewer than ``window`` figures, for a look at the losing side (or a step
+        the DP ranks ubatched against this rank's vote), and for the winner's last ``window`` steps before the
+        next look, so the look is compared with current figures. A settled bucket's other steps are not timed:
+        DBO decided off costs no timing events. A step whose two choices execute differently is always timed.
+        """
+        if execution is None:
+            return True
+        b = self.buckets.get((*self.key(num_tokens, is_prefill), execution))
+        if b is None or len(b.on if ubatched else b.off) < self.window:
+            return True
+        if not b.measured:
+            return False  # one side has its figures, the other has none yet: only the other's steps count
+        return b.prefers_dbo() != ubatched or b.since_explore + self.window >= b.explore_every
 
     def record(self, step: StepRecord, seconds: float) -> None:
         """What a step took, in the bucket of the execution it actually ran as."""
@@ -128,12 +165,19 @@ class DBOCostModel:
         ubatched = step.ubatched
         exploring = b.measured and b.prefers_dbo() != ubatched
         (b.on if ubatched else b.off).append(seconds / step.num_tokens)
-        if exploring:  # the loser had its look: if it still loses, wait twice as long before the next one
+        if exploring:  # the loser had its look: if it still loses, wait longer before the next one
             stands = b.prefers_dbo() != ubatched
-            b.explore_every = min(2 * b.explore_every, self.max_explore_every) if stands else self.explore_every
-            b.since_explore = 0
-        else:
-            b.since_explore += 1
+            b.explore_every = self._next_gap(b) if stands else self.explore_every
+
+    def _next_gap(self, b: _Bucket) -> int:
+        """Steps until the next look at a loser that a look just confirmed: twice the last gap, and at least what
+        keeps a look's extra cost within ``explore_budget`` of the bucket's time; at most ``max_explore_every``.
+        A decision that a look overturned starts again from ``explore_every``, so a wrong one (a noisy figure)
+        is looked at again soon."""
+        gap = 2 * b.explore_every
+        if self.explore_budget is not None:
+            gap = max(gap, math.ceil(b.loss() / self.explore_budget))
+        return min(gap, self.max_explore_every)
 
     def decisions(self) -> list[BucketDecision]:
         """Every bucket that has run both ways, in (phase, size, execution) order."""

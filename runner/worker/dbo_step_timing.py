@@ -57,7 +57,8 @@ class HostStepTimer:
 
 class CudaEventStepTimer:
     """The forward's device time: timing events on the current stream around it, collected once the GPU has
-    passed the second one (``query()``), so the host never waits for a measurement.
+    passed the second one (``query()``), so the host never waits for a measurement. Collected events are reused
+    (no event is created or destroyed per step).
 
     ``cuda``: ``torch.cuda``, or the CPU stand-in a test passes.
     """
@@ -66,15 +67,19 @@ class CudaEventStepTimer:
         self.cuda = cuda
         self._start: Any = None
         self._pending: collections.deque[tuple[StepRecord, Any, Any]] = collections.deque()
+        self._free: list[Any] = []  # events whose times were read
+
+    def _event(self) -> Any:
+        return self._free.pop() if self._free else self.cuda.Event(enable_timing=True)
 
     def start(self) -> None:
-        self._start = self.cuda.Event(enable_timing=True)
+        self._start = self._event()
         self._start.record()
 
     def stop(self, step: StepRecord) -> None:
         if self._start is None:
             raise RuntimeError("CudaEventStepTimer.stop() without start()")
-        end = self.cuda.Event(enable_timing=True)
+        end = self._event()
         end.record()
         self._pending.append((step, self._start, end))
         self._start = None
@@ -84,6 +89,7 @@ class CudaEventStepTimer:
         while self._pending and self._pending[0][2].query():  # stream order: the oldest finishes first
             step, start, end = self._pending.popleft()
             done.append((step, start.elapsed_time(end) * 1e-3))
+            self._free += (start, end)
         return done
 
 
@@ -103,16 +109,20 @@ def replays(graph_runner: GraphRunner | None, num_tokens: int, is_uniform_decode
 
 
 class MeasuredDBO:
-    """The measured cost model as ``ModelRunner`` uses it: ``vote`` before a step (recording the steps whose
-    time has come in first), ``start``/``stop`` around the forward. ``graph_runner`` is set once the graphs
-    are captured (``None``: every step runs eager)."""
+    """The measured cost model as ``ModelRunner`` uses it: ``vote`` before a step that the thresholds let
+    ubatch (recording the steps whose time has come in first), ``start``/``stop`` around the forward's device
+    work -- after the step's inputs are built, so a GPU waiting for the host's input work is not counted as the
+    forward's time. Only the steps the cost model needs are timed (``DBOCostModel.needs_time``).
+    ``graph_runner`` is set once the graphs are captured (``None``: every step runs eager)."""
 
     def __init__(self, model: DBOCostModel, timer: StepTimer) -> None:
         self.model, self.timer = model, timer
         self._graph_runner: GraphRunner | None = None
         self._executions: dict[tuple[int, bool], Execution | None] = {}  # per (tokens, prefill), for these graphs
-        self._voted: tuple[int, bool] | None = None  # the step the last vote was for
+        self._voted: tuple[int, bool, Execution | None] | None = None  # the step the last vote was for
+        self._timing = False  # whether the step between start() and stop() is being timed
         self._traced: dict[str, tuple[int, bool]] = {}  # bucket -> (recorder, DBO on) last marked in a trace
+        self._traced_recorder: int | None = None  # the recording trace every current decision is marked in
 
     @property
     def graph_runner(self) -> GraphRunner | None:
@@ -135,34 +145,48 @@ class MeasuredDBO:
 
     def vote(self, num_tokens: int, is_prefill: bool) -> bool:
         self.collect()
-        self._voted = (num_tokens, is_prefill)
-        return self.model.vote(num_tokens, is_prefill, self.execution(num_tokens, is_prefill))
+        execution = self.execution(num_tokens, is_prefill)
+        self._voted = (num_tokens, is_prefill, execution)
+        return self.model.vote(num_tokens, is_prefill, execution)
 
     def collect(self) -> None:
         """Record every step whose time is known by now; a bucket's decision, when it is new to the recording
-        trace, is marked there (an instant on the ``step`` track with the bucket, DBO on or off and the ratio)."""
-        for step, seconds in self.timer.finished():
+        trace, is marked there (an instant on the ``step`` track with the bucket, DBO on or off and the ratio).
+        Decisions change only when a step is recorded, so they are looked at only then or for a new trace."""
+        done = self.timer.finished()
+        for step, seconds in done:
             self.model.record(step, seconds)
         rec = trace.active()
-        if rec is None:
+        if rec is None or (not done and self._traced_recorder == id(rec)):
             return
+        self._traced_recorder = id(rec)
         for d in self.model.decisions():
             if self._traced.get(d.label) != (id(rec), d.dbo_on):
                 self._traced[d.label] = (id(rec), d.dbo_on)
                 rec.instant("dbo_cost_model", "decision", "step", bucket=d.label, dbo="on" if d.dbo_on else "off",
                             speedup=round(d.ratio, 3))
 
-    def start(self) -> None:
-        self.timer.start()
+    def start(self, num_tokens: int, is_prefill: bool, ubatched: bool) -> None:
+        """Just before the forward's device work: times it if this step was voted for and its figure is needed."""
+        voted = self._voted
+        self._timing = voted is not None and voted[:2] == (num_tokens, is_prefill) and \
+            self.model.needs_time(num_tokens, is_prefill, voted[2], ubatched)
+        if self._timing:
+            self.timer.start()
 
     def stop(self, num_tokens: int, is_prefill: bool, ubatched: bool) -> None:
         """After the forward: how it ran is the graph runner's last dispatch (eager without graphs)."""
+        voted, self._voted = self._voted, None
+        if voted is None or voted[:2] != (num_tokens, is_prefill):
+            return  # not voted for: the thresholds kept it from ubatching, nothing to compare
         replayed = self._graph_runner is not None and self._graph_runner.last_replayed
         ran = Execution.REPLAYED if replayed else Execution.EAGER
         key = (num_tokens, is_prefill)
-        if self._voted == key and self._executions.get(key, ran) != ran:
+        if self._executions.get(key, ran) != ran:
             self._executions[key] = None  # the two choices do not execute alike at this size: never compared
-        self.timer.stop(StepRecord(num_tokens, is_prefill, ubatched, ran))
+        if self._timing:
+            self._timing = False
+            self.timer.stop(StepRecord(num_tokens, is_prefill, ubatched, ran))
 
     def decisions(self) -> list[BucketDecision]:
         return self.model.decisions()

@@ -166,30 +166,35 @@ class ModelRunner(LaunchingRunner):
                                  emulate_link=cfg.emulate_link)
 
     # ---- one step ----------------------------------------------------------------------------------
-    def _vote(self, sched: SchedulerOutput) -> tuple[bool, list[int] | int | None]:
+    def _may_ubatch(self, sched: SchedulerOutput) -> bool:
+        """The thresholds' vote (vLLM's gate): DBO is on and the step is large enough for its phase."""
         cfg = self.cfg
-        n = sched.num_tokens
-        if not cfg.enable_dbo or n == 0:
-            return False, None
-        if not check_ubatch_thresholds(n, sched.is_uniform_decode, cfg.dbo_decode_token_threshold,
-                                       cfg.dbo_prefill_token_threshold):
-            return False, None
-        if cfg.ubatch_split == "balanced":
-            lens = sched.query_lens.tolist()
-            points = balanced_split_points(lens, "decode" if sched.is_uniform_decode else "extend",
-                                           threshold=cfg.tbo_token_distribution_threshold)
-            return (points is not None), points
-        return True, None
+        return cfg.enable_dbo and sched.num_tokens > 0 and check_ubatch_thresholds(
+            sched.num_tokens, sched.is_uniform_decode, cfg.dbo_decode_token_threshold, cfg.dbo_prefill_token_threshold)
+
+    def _balanced_split(self, sched: SchedulerOutput) -> list[int] | None:
+        """``--ubatch-split balanced``: SGLang's cut points, or None where no cut balances the step."""
+        return balanced_split_points(sched.query_lens.tolist(), "decode" if sched.is_uniform_decode else "extend",
+                                     threshold=self.cfg.tbo_token_distribution_threshold)
 
     def decide(self, sched: SchedulerOutput) -> tuple[DPDecision, list[int] | int | None]:
+        """This step's DBO decision, taken before any input is built. With one rank the DBO-only work -- the cost
+        model's vote, a balanced split -- is done only where the step could still ubatch, so a step with DBO
+        decided off costs what a step without ``--enable-dbo`` costs; DP ranks fill every row of the vote table,
+        since the largest rank's cost-model vote decides for all (``runner/distributed/dp.py``)."""
         with trace.region("dp_vote", "step", track="step"):
-            vote, split_point = self._vote(sched)
             n = sched.num_tokens
-            split = split_point[0] if isinstance(split_point, list) else 0
             prefill = not sched.is_uniform_decode
-            pays = self.cost_model is None or n == 0 or self.cost_model.vote(n, prefill)
             rule = self.cfg.dbo_dp_rule
-            if self.dp_group is None:
+            vote = self._may_ubatch(sched)
+            alone = self.dp_group is None
+            pays = self.cost_model is None or n == 0 or (alone and not vote) or self.cost_model.vote(n, prefill)
+            split_point: list[int] | None = None
+            if vote and (pays or not alone) and self.cfg.ubatch_split == "balanced":
+                split_point = self._balanced_split(sched)
+                vote = split_point is not None
+            split = split_point[0] if split_point is not None else 0
+            if alone:
                 return local_decision(n, vote, NUM_UBATCHES, is_prefill=prefill, split=split, pays=pays,
                                       rule=rule), split_point
             return coordinate_batch_across_dp(n, vote, self.dp_group, NUM_UBATCHES, is_prefill=prefill,
@@ -214,8 +219,6 @@ class ModelRunner(LaunchingRunner):
         if sched.num_tokens == 0:
             self._dummy_step(decision)
             return self._pending(sched, None, None)
-        if self.cost_model is not None:
-            self.cost_model.start()
         hidden, _ = self._forward(sched, decision, split_point)
         if self.cost_model is not None:
             self.cost_model.stop(sched.num_tokens, not sched.is_uniform_decode, decision.should_ubatch)
@@ -271,8 +274,10 @@ class ModelRunner(LaunchingRunner):
             slices = None
             if decision.should_ubatch:
                 slices = padded_ubatch_slices(sched.query_lens, padded, NUM_UBATCHES, split_point)
-        model = self.wrapper if self.wrapper is not None else self.model
+        model = self.wrapper if slices is not None and self.wrapper is not None else self.model
         dp_metadata = self._dp_metadata(decision, n)
+        if self.cost_model is not None:  # the forward's device work starts here: the inputs are built
+            self.cost_model.start(n, not sched.is_uniform_decode, decision.should_ubatch)
         hidden: torch.Tensor | NotImplementedType = NotImplemented
         if self.graph_runner is not None:
             with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
