@@ -218,3 +218,23 @@ def test_argmax_rows_equals_torch_argmax() -> None:
     with torch.inference_mode():
         assert ops.argmax_rows(x.clone()).tolist() == x.argmax(dim=-1).tolist()
     assert ops.argmax_rows(torch.empty(4, V, device="meta")).device.type == "meta"  # off the CPU: torch's
+
+
+def test_greedy_tokens_equal_argmax_with_the_non_finite_check() -> None:
+    """Both greedy paths (numpy on the CPU, ``torch.max`` elsewhere) give ``torch.argmax``'s index, and -1 exactly
+    where the row's largest logit is not finite: ties, +inf, rows of -inf only, NaN, views that are not
+    contiguous."""
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(300, V, generator=g).round()  # rounded: many ties
+    x[3, [5, 9]] = float("inf")
+    x[4] = float("-inf")
+    x[5, [2, 40]] = float("nan")
+    x[6] = 7.0
+    for logits in (x, x[:, 3:], x[::2], x.t().contiguous().t()):
+        ids = logits.argmax(dim=-1)
+        best = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+        expected = ids.masked_fill(~torch.isfinite(best), -1).tolist()
+        for fn in (ops.greedy_tokens, ops.greedy_tokens_torch):
+            got = fn(logits, -1)
+            assert got.dtype == torch.int64 and got.tolist() == expected
+    assert expected[3] == -1 and expected[4] == -1 and expected[5] == -1 and expected[6] == 0

@@ -1,8 +1,9 @@
 """The batched sampler: one token per row over the whole step, on the model's device, with vLLM V1's options and
 order.
 
-Every stage runs over the rows that use it at once and is skipped when none does; the only wait for the device
-is one read of the results. Settings live in a per-slot table (``sampling_settings.py``), so a step is read as
+Every stage runs over the rows that use it at once and is skipped when none does (a step of greedy rows with no
+other option is the argmax alone, with no metadata built); the only wait for the device is one read of the
+results. Settings live in a per-slot table (``sampling_settings.py``), so a step is read as
 arrays; a draw's uniform is a function of (seed, output index) (``sampling_noise.py``), so a row's token does
 not depend on its batch, DP rank or DBO. Design: docs/design_notes.md, "Model runner", "Sampler".
 """
@@ -142,6 +143,9 @@ class Sampler:
         """Sample one token per row of ``step`` (at least one) on the device without waiting for it: the
         sampled-id tensor (for the next step's placeholders) and the pending read of the results."""
         self._check(logits, len(step))
+        if not step.settings.flags[step.rows].any():  # greedy rows and nothing else: the argmax alone
+            sampled = greedy_rows(logits if logits.dtype == torch.float32 else logits.float())
+            return sampled, PendingSample(self, None, start_read(sampled, None), False)
         meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
         sampled, lp = sample_on_device(logits, meta, self.penalties)
         return sampled, PendingSample(self, meta, start_read(sampled, lp), lp is not None)
@@ -229,12 +233,10 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
 
 
 def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, or ``INVALID_TOKEN`` where the row's largest logit is not finite (a NaN counts as the
-    largest, so the value at the argmax is non-finite exactly when the row's maximum is): read at one position
-    per row, so the check costs no pass over the vocabulary."""
-    ids = ops.argmax_rows(logits)
-    best = logits.gather(1, ids.to(logits.device).unsqueeze(1)).squeeze(1)
-    return ids.masked_fill_(~torch.isfinite(best).to(ids.device), INVALID_TOKEN)
+    """Each row's argmax, or ``INVALID_TOKEN`` where the row's largest logit is not finite
+    (``sampling_ops.greedy_tokens``: the value at the argmax is read, so the check costs no pass over the
+    vocabulary)."""
+    return ops.greedy_tokens(logits, INVALID_TOKEN)
 
 
 def read_back(meta: SamplingMetadata, sampled: torch.Tensor,
@@ -288,7 +290,9 @@ def wait_for_event(event: torch.cuda.Event, timeout_s: float | None) -> None:
 class PendingSample:
     """The sampling of a launched step; :meth:`result` waits for its copy and reads it (once)."""
 
-    def __init__(self, sampler: Sampler, meta: SamplingMetadata, copy: HostCopy, has_logprobs: bool) -> None:
+    def __init__(self, sampler: Sampler, meta: SamplingMetadata | None, copy: HostCopy, has_logprobs: bool) -> None:
+        if has_logprobs and meta is None:
+            raise ValueError("a sampling with logprobs needs its metadata to unpack them")
         self.sampler, self.meta, self.copy, self.has_logprobs = sampler, meta, copy, has_logprobs
 
     def result(self, timeout_s: float | None = None) -> SamplerOutput:
@@ -297,7 +301,9 @@ class PendingSample:
             if self.copy.event is not None:
                 wait_for_event(self.copy.event, timeout_s)
             values = self.copy.host.tolist()  # on the CPU, the step's wait for the forward's results
-            return SamplerOutput(values) if not self.has_logprobs else unpack(self.meta, values)
+            if self.meta is None or not self.has_logprobs:
+                return SamplerOutput(values)
+            return unpack(self.meta, values)
         finally:
             self.sampler.read_back_s += time.perf_counter() - t0
 
