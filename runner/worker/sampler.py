@@ -19,6 +19,7 @@ import torch
 
 from runner.sampling_params import SamplingParams
 from runner.worker import sampling_ops as ops
+from runner.worker.event_wait import EventWaiter
 from runner.worker.outputs import TokenLogprobs
 from runner.worker.penalties import PenaltyState, apply_penalties_
 from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, settings_of_rows
@@ -71,6 +72,13 @@ class Sampler:
         # Seconds spent in read_back, the step's one wait for the device: the step loop subtracts it from the
         # forward side's busy time to tell the host's own work from waiting on the GPU (LoopStats.read_wait_s).
         self.read_back_s = 0.0
+        self._waiter: EventWaiter | None = None  # CUDA: waits for the copies of sampled ids (event_wait.py)
+
+    def wait_for_copy(self, event: torch.cuda.Event, timeout_s: float | None) -> None:
+        """Wait for a step's copy of sampled ids to the host (its ``event``), at most ``timeout_s``."""
+        if self._waiter is None:
+            self._waiter = EventWaiter(self.device)
+        self._waiter.wait(event, timeout_s)
 
     # ---- a step of the engine -----------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> StepRows:
@@ -274,19 +282,6 @@ def start_read(sampled: torch.Tensor, lp: tuple[torch.Tensor, ...] | None) -> Ho
     return HostCopy(host, event)
 
 
-def wait_for_event(event: torch.cuda.Event, timeout_s: float | None) -> None:
-    """Wait for ``event`` at most ``timeout_s`` (``TimeoutError``), polling with sleeps from 10 us doubling to
-    0.1 ms: the GIL stays free for the thread launching the next step, and a step is seen done at most about
-    0.1 ms late (which matters only to the synchronous loop: the pipelined one has the next step queued)."""
-    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-    pause = 10e-6
-    while not event.query():
-        if deadline is not None and time.perf_counter() > deadline:
-            raise TimeoutError(f"a step's sampled ids were not on the host after {timeout_s:g} s")
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-4)
-
-
 class PendingSample:
     """The sampling of a launched step; :meth:`result` waits for its copy and reads it (once)."""
 
@@ -299,7 +294,7 @@ class PendingSample:
         t0 = time.perf_counter()
         try:
             if self.copy.event is not None:
-                wait_for_event(self.copy.event, timeout_s)
+                self.sampler.wait_for_copy(self.copy.event, timeout_s)
             values = self.copy.host.tolist()  # on the CPU, the step's wait for the forward's results
             if self.meta is None or not self.has_logprobs:
                 return SamplerOutput(values)

@@ -1,0 +1,49 @@
+"""Waiting for a CUDA event with a timeout, without polling under the GIL.
+
+The step loop's CPU thread reads a step's sampled ids once the event after their copy has completed, while the
+step thread launches the next step. Polling ``event.query()`` between short sleeps wakes the CPU thread every
+0.1 ms or so, and each wake-up takes the GIL from the step thread at one of its torch calls (each releases the
+GIL), so the two threads hand it back and forth while the step thread should be launching. Here one daemon
+thread blocks in ``event.synchronize()``, which releases the GIL (as vLLM's async output copy waits), and then
+sets a ``threading.Event`` that the caller waits on with its timeout: one wake-up of each thread per step, and
+the caller never waits longer than it asked (a stuck device leaves only the daemon thread waiting).
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+import torch
+
+
+class EventWaiter:
+    """One daemon thread that completes waits in the order they are asked for (events complete in stream order).
+    ``device``: the CUDA device the events are recorded on, made the thread's current device (a new thread's is
+    device 0, whose context a CUDA call would otherwise create)."""
+
+    def __init__(self, device: torch.device, name: str = "ubatch-event-wait") -> None:
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self._queue: queue.SimpleQueue[tuple[torch.cuda.Event, threading.Event]] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            event, done = self._queue.get()
+            try:
+                event.synchronize()
+            finally:
+                done.set()
+
+    def wait(self, event: torch.cuda.Event, timeout_s: float | None) -> None:
+        """Return once ``event`` has completed; ``TimeoutError`` after ``timeout_s`` seconds (None: no limit)."""
+        if event.query():
+            return
+        done = threading.Event()
+        self._queue.put((event, done))
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"a step's sampled ids were not on the host after {timeout_s:g} s")
