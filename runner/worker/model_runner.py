@@ -265,25 +265,26 @@ class ModelRunner(LaunchingRunner):
             meta, placeholders, mask = self._stage_inputs(sched, padded)
             with trace.region("resolve", "step", track="step"):  # the previous step's tokens, on the device
                 if placeholders:
-                    dev = self.inputs.device
-                    self.future_tokens.gather_(self.input_ids[:n], dev.placeholder_at[:placeholders],
-                                               dev.placeholder_slot[:placeholders])
+                    prefix = self.inputs.prefix
+                    self.future_tokens.gather_(prefix("input_ids", n), prefix("placeholder_at", placeholders),
+                                               prefix("placeholder_slot", placeholders))
             slices = None
             if decision.should_ubatch:
                 slices = padded_ubatch_slices(sched.query_lens, padded, NUM_UBATCHES, split_point)
         model = self.wrapper if self.wrapper is not None else self.model
         dp_metadata = self._dp_metadata(decision, n)
         hidden: torch.Tensor | NotImplementedType = NotImplemented
+        input_ids, positions = self.inputs.prefix("input_ids", padded), self.inputs.prefix("positions", padded)
         if self.graph_runner is not None:
             with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
                                      dp_metadata=dp_metadata, real_token_mask=mask):
-                hidden = self.graph_runner.try_replay(meta, slices, self.input_ids[:padded], self.positions[:padded])
+                hidden = self.graph_runner.try_replay(meta, slices, input_ids, positions)
         if hidden is NotImplemented:
             with trace.region("inputs", "step", track="step"):
                 attn_metadata = self._attention_metadata(meta, slices)
             with set_forward_context(attn_metadata=attn_metadata, ubatch_slices=slices, trace_rank=self.rank,
                                      dp_metadata=dp_metadata, real_token_mask=mask):
-                hidden = model(input_ids=self.input_ids[:padded], positions=self.positions[:padded])
+                hidden = model(input_ids=input_ids, positions=positions)
         if slices is not None:
             self.num_ubatched_steps += 1
         return hidden, meta
@@ -337,15 +338,15 @@ class ModelRunner(LaunchingRunner):
             host.real_token_mask[n:padded] = False
         self._stage_sampling(host, sched, a.query_start_loc)
         self.inputs.upload(num_reqs * width)
-        dev = self.inputs.device
+        prefix = self.inputs.prefix
         meta = CommonAttentionMetadata(
-            query_start_loc=dev.query_start_loc[:num_reqs + 1],
+            query_start_loc=prefix("query_start_loc", num_reqs + 1),
             query_start_loc_cpu=torch.from_numpy(a.query_start_loc.copy()),
-            seq_lens=dev.seq_lens[:num_reqs], seq_lens_cpu=torch.from_numpy(a.seq_lens.copy()),
+            seq_lens=prefix("seq_lens", num_reqs), seq_lens_cpu=torch.from_numpy(a.seq_lens.copy()),
             num_reqs=num_reqs, num_actual_tokens=a.num_actual_tokens, max_query_len=a.max_query_len,
-            max_seq_len=a.max_seq_len, block_table=dev.block_table[:num_reqs * width].view(num_reqs, width),
-            slot_mapping=dev.slot_mapping[:padded], positions=self.positions[:padded], causal=True)
-        return meta, placeholders, self.real_token_mask[:padded] if use_mask else None
+            max_seq_len=a.max_seq_len, block_table=prefix("block_table", num_reqs, width),
+            slot_mapping=prefix("slot_mapping", padded), positions=prefix("positions", padded), causal=True)
+        return meta, placeholders, prefix("real_token_mask", padded) if use_mask else None
 
     @staticmethod
     def _stage_sampling(host: StagedFields, sched: SchedulerOutput, qsl: np.ndarray) -> None:
@@ -406,17 +407,17 @@ class ModelRunner(LaunchingRunner):
         are exact when the step was launched before its predecessor's tokens reached the host. A step of
         decodes only samples every row of ``hidden`` as it is."""
         n = sched.num_reqs
-        step = self.sampler.prepare(sched, self.input_ids[:sched.num_tokens])
+        step = self.sampler.prepare(sched, self.inputs.prefix("input_ids", sched.num_tokens))
         if not len(step):
             return None
         m = len(step)
         if step.picks is None and sched.num_tokens == n:  # one token per request, all sampling
             last = hidden[:n]
         else:  # their last tokens' rows, staged with the step's inputs (_stage_sampling)
-            last = hidden.index_select(0, self.inputs.device.sample_rows[:m])
+            last = hidden.index_select(0, self.inputs.prefix("sample_rows", m))
         sampled, pending = self.sampler.launch_step(self.model.compute_logits(last), step)
         self.future_tokens.store_(sched.req_ids if step.picks is None else sched.req_ids[step.picks], step.slots,
-                                  sampled, self.inputs.device.sample_slots[:m])
+                                  sampled, self.inputs.prefix("sample_slots", m))
         return step, pending
 
     def link_times(self) -> tuple[float, float] | None:

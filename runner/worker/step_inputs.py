@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 _ALIGN = 8  # bytes: every field starts at a multiple of the widest dtype
+_MAX_PREFIXES = 4096  # cached prefix views (a handful per step size in use)
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,11 @@ class StepInputs:
         self.device_type = device.type
         self._layout = _Layout(sizes)
         raw = torch.zeros(self._layout.num_bytes, dtype=torch.uint8, device=device)
-        self.device = DeviceFields(self._layout.torch_views(raw))
+        self._device_views = self._layout.torch_views(raw)
+        self.device = DeviceFields(self._device_views)
+        # Prefix views by (field, length): a step of the same size as an earlier one makes no torch call for them
+        # (each call is a dispatch, and releases the GIL to the other thread).
+        self._prefixes: dict[tuple[str, int, int], torch.Tensor] = {}
         self._device_raw = raw
         if device.type == "cpu":  # the host buffer is the device buffer
             self._staging = [raw]
@@ -142,3 +147,17 @@ class StepInputs:
             if event is None:
                 event = self._events[k] = torch.cuda.Event()
             event.record()
+
+    def prefix(self, name: str, length: int, width: int = 0) -> torch.Tensor:
+        """The device field ``name``'s first ``length`` entries (``width`` > 0: its first ``length x width``
+        entries as a ``[length, width]`` matrix, the block table), a view kept for the next step of that size."""
+        key = (name, length, width)
+        view = self._prefixes.get(key)
+        if view is None:
+            if len(self._prefixes) >= _MAX_PREFIXES:
+                self._prefixes.clear()
+            field = self._device_views[name]
+            with torch.inference_mode(False):  # a plain view: usable in place inside and outside inference mode
+                view = field[:length * width].view(length, width) if width else field[:length]
+            self._prefixes[key] = view
+        return view
