@@ -10,7 +10,9 @@ figure). Per steady decode step of ``--requests`` requests, on the overlap loop 
   (what ``LoopStats.forward_busy_s`` sees);
 - ``ops``: torch operations dispatched by one launch outside the forward (a separate counted wave): on a GPU
   each one that is not a view is a kernel or copy launch, the host's fixed cost per op;
-- ``loop_ms``: the step loop's wall time per step.
+- ``forward_ms``: the null-cost model's forward per step (CPU time; real work at launch on the CPU, left out of
+  the figures above);
+- ``loop_ms``: the step loop's wall time per step (with the forward, and whatever else the machine runs).
 
 The baseline (``--baseline``, a git revision) is exported with ``git archive`` and both trees run in child
 processes, alternately, ``--repeats`` times; figures are medians. The greedy tokens of both trees are compared.
@@ -56,7 +58,9 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str)
               max_num_batched_tokens=max(512, requests * PROMPT_LEN), max_model_len=PROMPT_LEN + decode_tokens + 8,
               emulate_device=f"step_us={1e3 * device_ms:g}")
     core = EngineCore(llm.cfg, llm.runner)
-    model = llm.runner.model
+    runner = llm.runner
+    assert isinstance(runner, model_runner.ModelRunner)
+    model = runner.model
     local = threading.local()
 
     class Ops(TorchDispatchMode):
@@ -72,6 +76,7 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str)
     forward, launch = model.forward, model_runner.ModelRunner.launch
     cpu: list[float] = []
     wall: list[float] = []
+    fwd: list[float] = []
     ops: list[int] = []
     state = {"count_ops": False}
 
@@ -98,12 +103,13 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str)
         if decode:
             wall.append(time.perf_counter() - t0 - local.fwd_wall)
             cpu.append(time.thread_time() - c0 - local.fwd_cpu)
+            fwd.append(local.fwd_cpu)
         return out
 
-    model.forward = timed_forward
-    model_runner.ModelRunner.launch = timed_launch
+    model.forward = timed_forward  # type: ignore[method-assign]
+    model_runner.ModelRunner.launch = timed_launch  # type: ignore[method-assign]
     rng = random.Random(11)
-    prompts = [[rng.randrange(llm.runner.vocab_size) for _ in range(PROMPT_LEN)] for _ in range(requests)]
+    prompts = [[rng.randrange(runner.vocab_size) for _ in range(PROMPT_LEN)] for _ in range(requests)]
 
     def wave(n: int) -> tuple[list[list[int]], float, int]:
         params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
@@ -124,17 +130,19 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str)
 
     try:
         wave(8)  # warm-up: first-call costs
-        cpu.clear(), wall.clear()
+        cpu.clear()
+        wall.clear()
+        fwd.clear()
         tokens, loop_s, steps = wave(decode_tokens)
         steady = slice(EDGE, len(cpu) - EDGE)
         state["count_ops"] = True
         wave(8)
     finally:
-        model_runner.ModelRunner.launch = launch
+        model_runner.ModelRunner.launch = launch  # type: ignore[method-assign]
         core.close()
         llm.close()
     return {"cpu_ms": 1e3 * statistics.median(cpu[steady]), "wall_ms": 1e3 * statistics.median(wall[steady]),
-            "ops": statistics.median(ops), "loop_ms": 1e3 * loop_s, "steps": steps, "tokens": tokens}
+            "ops": statistics.median(ops), "forward_ms": 1e3 * statistics.median(fwd[steady]), "loop_ms": 1e3 * loop_s, "steps": steps, "tokens": tokens}
 
 
 def child(tree: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -187,14 +195,15 @@ def main() -> None:
     reference = next(iter(runs.values()))[0]["tokens"]
     same = all(r["tokens"] == reference for rs in runs.values() for r in rs)
     rows = [{"tree": name, "requests": args.requests, "device_ms": args.device_ms,
-             **{k: round(statistics.median(r[k] for r in rs), 3) for k in ("cpu_ms", "wall_ms", "ops", "loop_ms")},
+             **{k: round(statistics.median(r[k] for r in rs), 3)
+                for k in ("cpu_ms", "wall_ms", "ops", "forward_ms", "loop_ms")},
              "steps": rs[0]["steps"], "same_tokens": same, "repeats": args.repeats} for name, rs in runs.items()]
     print("per steady decode step, medians of the repeats: step thread CPU and wall ms in the launch (forward "
-          "excluded), torch ops per launch, loop wall ms per step")
-    print(f"{'tree':<28} {'cpu_ms':>7} {'wall_ms':>8} {'ops':>5} {'loop_ms':>8}  same tokens")
+          "excluded), torch ops per launch, the forward's CPU ms and the loop's wall ms per step")
+    print(f"{'tree':<28} {'cpu_ms':>7} {'wall_ms':>8} {'ops':>5} {'forward_ms':>10} {'loop_ms':>8}  same tokens")
     for r in rows:
-        print(f"{r['tree']:<28} {r['cpu_ms']:>7.3f} {r['wall_ms']:>8.3f} {r['ops']:>5g} {r['loop_ms']:>8.3f}  "
-              f"{'yes' if same else 'NO'}")
+        print(f"{r['tree']:<28} {r['cpu_ms']:>7.3f} {r['wall_ms']:>8.3f} {r['ops']:>5g} {r['forward_ms']:>10.3f} "
+              f"{r['loop_ms']:>8.3f}  {'yes' if same else 'NO'}")
     write_csv(rows, args.output)
 
 

@@ -160,7 +160,8 @@ def benches(quick: bool) -> list[Bench]:
 # commit with this one -- which a run of this script cannot regenerate: kept from the existing report as they are.
 RECORDED_TITLES = ("Engine host time per step: before and after the rewrite (recorded)",
                    "GPU check on one H100: the first `make gpu-check`, and after its fixes (recorded)",
-                   "GPU baseline: one H100, before the GPU kernels (recorded)")
+                   "GPU baseline: one H100, before the GPU kernels (recorded)",
+                   "Step thread's host work per decode step: before and after the persistent step inputs (recorded)")
 
 
 def machine() -> str:

@@ -278,7 +278,8 @@ class AttentionArrays:
 ArrayBuffers = Callable[[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
 
 
-def _new_arrays(num_reqs: int, width: int, num_tokens: int) -> tuple[np.ndarray, ...]:
+def _new_arrays(num_reqs: int, width: int, num_tokens: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     return (np.empty(num_reqs + 1, dtype=np.int32), np.empty(num_reqs, dtype=np.int32),
             np.empty((num_reqs, width), dtype=np.int32), np.empty(num_tokens, dtype=np.int64),
             np.empty(num_tokens, dtype=np.int64))

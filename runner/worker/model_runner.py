@@ -311,7 +311,7 @@ class ModelRunner(LaunchingRunner):
         host = self.inputs.stage()
         shapes: list[int] = []
 
-        def buffers(r: int, width: int, t: int) -> tuple[np.ndarray, ...]:
+        def buffers(r: int, width: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             if width > limits.max_blocks:
                 raise ValueError(f"a request of the step holds {width} KV blocks, more than the "
                                  f"{limits.max_blocks} of --max-model-len={self.max_model_len}")
