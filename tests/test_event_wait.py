@@ -53,3 +53,15 @@ def test_an_event_that_does_not_complete_in_time_raises_and_later_waits_still_wo
     threading.Timer(0.02, later.release).start()
     waiter.wait(later, 5.0)  # type: ignore[arg-type]
     assert later.synchronized == 1
+
+
+@pytest.mark.cuda
+def test_cuda_event_wait_returns_after_the_copy() -> None:
+    x = torch.randn(4096, 4096, device="cuda")
+    y = x @ x @ x  # queued work for the copy to wait behind
+    host = torch.empty(4096, pin_memory=True)
+    host.copy_(y[0], non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    EventWaiter(torch.device("cuda")).wait(event, 60.0)
+    assert event.query() and torch.equal(host, y[0].cpu())

@@ -95,3 +95,20 @@ def test_a_runner_reads_its_inputs_through_fixed_buffers() -> None:
             assert out is not None and len(out.sampled_token_ids) == 2
         finally:
             runner.close()
+
+
+@pytest.mark.cuda
+def test_cuda_staged_fields_reach_the_device_and_the_staging_buffers_alternate() -> None:
+    """On CUDA each step's fields go up with one copy from one of two pinned staging buffers, used in turn; a
+    buffer whose last copy has run is rewritten without waiting."""
+    inputs = StepInputs(StepInputSizes(max_tokens=64, max_reqs=8, max_blocks=4), torch.device("cuda"))
+    seen = set()
+    for k in range(6):
+        host = inputs.stage()
+        seen.add(host.input_ids.ctypes.data)
+        host.input_ids[:5] = np.arange(5) + 10 * k
+        host.block_table[:6] = k
+        inputs.upload(6)
+        assert inputs.prefix("input_ids", 5).tolist() == list(range(10 * k, 10 * k + 5))  # a sync: the copy ran
+        assert inputs.prefix("block_table", 2, 3).tolist() == [[k] * 3] * 2
+    assert len(seen) == 2 and inputs.num_staging_waits == 0
