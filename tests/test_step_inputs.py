@@ -64,7 +64,7 @@ def test_fields_are_aligned_and_disjoint_and_prefix_views_are_kept() -> None:
     assert all(a % 16 == 0 for a, _ in spans)
     assert all(b <= c for (_, b), (c, _) in zip(spans, spans[1:]))
     assert inputs.prefix("input_ids", 4) is inputs.prefix("input_ids", 4)
-    assert inputs.prefix("input_ids", 4).data_ptr() == inputs.device.input_ids.data_ptr()
+    assert inputs.prefix("input_ids", 4).data_ptr() == inputs.input_ids.data_ptr()
     assert inputs.prefix("block_table", 3, 5).shape == (3, 5)
     host = inputs.stage()
     host.input_ids[:4] = [7, 8, 9, 10]  # on the CPU the staging buffer is the device buffer
@@ -86,7 +86,7 @@ def test_a_runner_reads_its_inputs_through_fixed_buffers() -> None:
         runner = ModelRunner(RunnerConfig(model="tiny-qwen3-moe", cache_dir=cache, max_num_seqs=2,
                                           max_num_batched_tokens=64, max_model_len=64, num_kv_blocks=32))
         try:
-            assert runner.input_ids.data_ptr() == runner.inputs.device.input_ids.data_ptr()
+            assert runner.input_ids.data_ptr() == runner.inputs.input_ids.data_ptr()
             chunks = [ScheduledChunk(i, [3, 4], 0, [i], True, SamplingParams(temperature=0.0), slot=i)
                       for i in range(3)]
             with pytest.raises(ValueError, match="3 requests exceeds the 2"):

@@ -123,9 +123,9 @@ class ModelRunner(LaunchingRunner):
         # device buffer written through pinned staging, one copy per step (runner/worker/step_inputs.py).
         self.inputs = StepInputs(StepInputSizes(self.max_tokens_per_step, cfg.max_num_seqs,
                                                 blocks_needed(self.max_model_len, self.block_size)), self.device)
-        self.input_ids = self.inputs.device.input_ids
-        self.positions = self.inputs.device.positions
-        self.real_token_mask = self.inputs.device.real_token_mask
+        self.input_ids = self.inputs.input_ids
+        self.positions = self.inputs.positions
+        self.real_token_mask = self.inputs.real_token_mask
         self.future_tokens = DeviceFutureMap(self.device)  # placeholders resolved on the device
         self.emulated_device = EmulatedDevice(DeviceSpec.parse(cfg.emulate_device)) \
             if cfg.emulate_device is not None else None

@@ -77,27 +77,10 @@ class StagedFields:
         self.block_table = views["block_table"]
 
 
-class DeviceFields:
-    """The same fields on the device: fixed views of one buffer, valid for the step once :meth:`StepInputs.upload`
-    has queued its copy."""
-
-    def __init__(self, views: dict[str, torch.Tensor]) -> None:
-        self.input_ids = views["input_ids"]
-        self.positions = views["positions"]
-        self.slot_mapping = views["slot_mapping"]
-        self.placeholder_at = views["placeholder_at"]
-        self.placeholder_slot = views["placeholder_slot"]
-        self.sample_rows = views["sample_rows"]
-        self.sample_slots = views["sample_slots"]
-        self.query_start_loc = views["query_start_loc"]
-        self.seq_lens = views["seq_lens"]
-        self.real_token_mask = views["real_token_mask"]
-        self.block_table = views["block_table"]
-
-
 class StepInputs:
     """One rank's step-input buffers (module docstring): :meth:`stage` gives the host fields to write,
-    :meth:`upload` copies them, :attr:`device` holds the device views."""
+    :meth:`upload` copies them, :meth:`prefix` gives device views; ``input_ids``, ``positions`` and
+    ``real_token_mask`` are the whole device fields (what captured graphs read)."""
 
     def __init__(self, sizes: StepInputSizes, device: torch.device) -> None:
         if min(sizes.max_tokens, sizes.max_reqs, sizes.max_blocks) < 1:
@@ -107,7 +90,9 @@ class StepInputs:
         self._layout = _Layout(sizes)
         raw = torch.zeros(self._layout.num_bytes, dtype=torch.uint8, device=device)
         self._device_views = self._layout.torch_views(raw)
-        self.device = DeviceFields(self._device_views)
+        self.input_ids = self._device_views["input_ids"]
+        self.positions = self._device_views["positions"]
+        self.real_token_mask = self._device_views["real_token_mask"]
         # Prefix views by (field, length): a step of the same size as an earlier one makes no torch call for them
         # (each call is a dispatch, and releases the GIL to the other thread).
         self._prefixes: dict[tuple[str, int, int], torch.Tensor] = {}
