@@ -53,6 +53,9 @@ def test_an_event_that_does_not_complete_in_time_raises_and_later_waits_still_wo
     threading.Timer(0.02, later.release).start()
     waiter.wait(later, 5.0)  # type: ignore[arg-type]
     assert later.synchronized == 1
+    waiter.close()
+    waiter._thread.join(5)
+    assert not waiter._thread.is_alive()
 
 
 @pytest.mark.cuda

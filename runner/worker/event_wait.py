@@ -25,7 +25,7 @@ class EventWaiter:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._queue: queue.SimpleQueue[tuple[torch.cuda.Event, threading.Event]] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[torch.cuda.Event, threading.Event] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -33,11 +33,18 @@ class EventWaiter:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         while True:
-            event, done = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            event, done = item
             try:
                 event.synchronize()
             finally:
                 done.set()
+
+    def close(self) -> None:
+        """Stop the thread once the waits asked for before have completed (it is a daemon: nothing waits here)."""
+        self._queue.put(None)
 
     def wait(self, event: torch.cuda.Event, timeout_s: float | None) -> None:
         """Return once ``event`` has completed; ``TimeoutError`` after ``timeout_s`` seconds (None: no limit)."""

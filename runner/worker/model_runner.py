@@ -425,6 +425,7 @@ class ModelRunner(LaunchingRunner):
         return self.model.moe_runtime.link_times()
 
     def close(self) -> None:
+        self.sampler.close()
         if self.graph_runner is not None:
             self.graph_runner.clear()
         if self.wrapper is not None:

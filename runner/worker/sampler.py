@@ -80,6 +80,12 @@ class Sampler:
             self._waiter = EventWaiter(self.device)
         self._waiter.wait(event, timeout_s)
 
+    def close(self) -> None:
+        """Stop the thread that waits for copies (if one was started)."""
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
+
     # ---- a step of the engine -----------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> StepRows:
         """Read one step: write the settings of requests new to their slot, feed the inputs of requests with
