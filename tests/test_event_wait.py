@@ -1,5 +1,6 @@
 """The CPU thread's wait for a step's copy of sampled ids (``runner/worker/event_wait.py``), with stand-in events:
-it returns once the event completes, raises ``TimeoutError`` when it does not in time, and serves waits in order."""
+it returns once the event completes, raises ``TimeoutError`` when it does not in time and the device's error when
+the wait failed, and serves waits in order."""
 from __future__ import annotations
 
 import threading
@@ -56,6 +57,15 @@ def test_an_event_that_does_not_complete_in_time_raises_and_later_waits_still_wo
     waiter.close()
     waiter._thread.join(5)
     assert not waiter._thread.is_alive()
+
+
+def test_a_failed_wait_raises_its_error_in_the_caller() -> None:
+    class Broken(FakeEvent):
+        def synchronize(self) -> None:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        EventWaiter(torch.device("cpu")).wait(Broken(), 5.0)  # type: ignore[arg-type]
 
 
 @pytest.mark.cuda

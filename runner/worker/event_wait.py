@@ -16,6 +16,14 @@ import threading
 import torch
 
 
+class _Wait:
+    """One wait: set once its event has completed, with the error if synchronizing on it raised."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
 class EventWaiter:
     """One daemon thread that completes waits in the order they are asked for (events complete in stream order).
     ``device``: the CUDA device the events are recorded on, made the thread's current device (a new thread's is
@@ -25,32 +33,43 @@ class EventWaiter:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
-        self._queue: queue.SimpleQueue[tuple[torch.cuda.Event, threading.Event] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[torch.cuda.Event, _Wait] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
     def _loop(self) -> None:
+        failure: BaseException | None = None
         if self.device.type == "cuda":
-            torch.cuda.set_device(self.device)
+            try:
+                torch.cuda.set_device(self.device)
+            except BaseException as exc:  # noqa: BLE001 - every wait then raises it
+                failure = exc
         while True:
             item = self._queue.get()
             if item is None:
                 return
-            event, done = item
+            event, wait = item
             try:
+                if failure is not None:
+                    raise failure
                 event.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - a device error: raised by the waiting caller
+                wait.error = exc
             finally:
-                done.set()
+                wait.done.set()
 
     def close(self) -> None:
         """Stop the thread once the waits asked for before have completed (it is a daemon: nothing waits here)."""
         self._queue.put(None)
 
     def wait(self, event: torch.cuda.Event, timeout_s: float | None) -> None:
-        """Return once ``event`` has completed; ``TimeoutError`` after ``timeout_s`` seconds (None: no limit)."""
+        """Return once ``event`` has completed; ``TimeoutError`` after ``timeout_s`` seconds (None: no limit), and
+        the device's error if the wait for it failed."""
         if event.query():
             return
-        done = threading.Event()
-        self._queue.put((event, done))
-        if not done.wait(timeout_s):
+        wait = _Wait()
+        self._queue.put((event, wait))
+        if not wait.done.wait(timeout_s):
             raise TimeoutError(f"a step's sampled ids were not on the host after {timeout_s:g} s")
+        if wait.error is not None:
+            raise wait.error
