@@ -240,6 +240,9 @@ def test_forward_host_time_leaves_out_the_wait_for_sampled_ids_and_the_first_cal
     fig = engine_figures(doc)
     assert fig["forward_host_ms"] == pytest.approx(2.0) and fig["host_ms"] == pytest.approx(4.0)
     assert fig["first_call_tokens_per_s"] == 9000.0 and fig["output_tokens_per_s"] == 31000.0
+    assert "forward_cpu_ms" not in fig  # a run without the CPU-time counter
+    doc["measured"]["loop"]["forward_cpu_s"] = 0.13  # its own CPU time: 1 ms a step, the rest waited for the GIL
+    assert engine_figures(doc)["forward_cpu_ms"] == pytest.approx(1.0)
 
 
 # ---- the schedule ----------------------------------------------------------------------------------------------

@@ -194,13 +194,14 @@ class _DeviceSide(torch.nn.Module):
 def test_device_side_makes_no_host_sync_with_every_option_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Everything between the metadata copy and the one read-back runs without a sync (``sync_counter.py``).
 
-    The greedy rows' argmax is the one op that differs by device: on the CPU ``argmax_rows`` reads the logits'
-    host memory through numpy (there is no device to wait for), elsewhere it is ``torch.argmax``, which is what
-    runs here."""
+    The greedy rows' argmax is the one op that differs by device: on the CPU ``argmax_rows`` and
+    ``greedy_tokens`` read the logits' host memory through numpy (there is no device to wait for), elsewhere they
+    are tensor work, which is what runs here."""
     from runner.worker import sampling_ops
     from runner.worker.scheduled_batch import ScheduledChunk
 
     monkeypatch.setattr(sampling_ops, "argmax_rows", lambda x: x.argmax(dim=-1))
+    monkeypatch.setattr(sampling_ops, "greedy_tokens", sampling_ops.greedy_tokens_torch)
 
     sampler = Sampler(V, "cpu", eos_token_ids=[1])
     everything = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, top_k=5, top_p=0.9,

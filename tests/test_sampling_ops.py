@@ -203,18 +203,38 @@ def test_repetition_penalty_alone_equals_transformers() -> None:
     assert got[0, 1] == 0.0
 
 
-def test_argmax_rows_equals_torch_argmax() -> None:
-    """The CPU's numpy argmax returns torch's indices: the first on ties, +inf, rows of -inf only, NaN (the
-    largest, as torch counts it), and on views that are not contiguous."""
-    g = torch.Generator().manual_seed(8)
-    x = torch.randn(300, V, generator=g).round()  # rounded: many ties
+def _hard_rows(seed: int) -> torch.Tensor:
+    """Logits rounded to integers (many ties), with rows holding +inf, only -inf, NaN, one value throughout."""
+    x = torch.randn(300, V, generator=torch.Generator().manual_seed(seed)).round()
     x[3, [5, 9]] = float("inf")
     x[4] = float("-inf")
     x[5, [2, 40]] = float("nan")
     x[6] = 7.0
+    return x
+
+
+def test_argmax_rows_equals_torch_argmax() -> None:
+    """The CPU's numpy argmax returns torch's indices: the first on ties, +inf, rows of -inf only, NaN (the
+    largest, as torch counts it), and on views that are not contiguous."""
+    x = _hard_rows(8)
     for logits in (x, x[:, 3:], x[::2], x.t().contiguous().t()):
         assert ops.argmax_rows(logits).tolist() == logits.argmax(dim=-1).tolist()
         assert ops.argmax_rows(logits).dtype == torch.int64
     with torch.inference_mode():
         assert ops.argmax_rows(x.clone()).tolist() == x.argmax(dim=-1).tolist()
     assert ops.argmax_rows(torch.empty(4, V, device="meta")).device.type == "meta"  # off the CPU: torch's
+
+
+def test_greedy_tokens_equal_argmax_with_the_non_finite_check() -> None:
+    """Both greedy paths (numpy on the CPU, ``torch.max`` elsewhere) give ``torch.argmax``'s index, and -1 exactly
+    where the row's largest logit is not finite: ties, +inf, rows of -inf only, NaN, views that are not
+    contiguous."""
+    x = _hard_rows(9)
+    for logits in (x, x[:, 3:], x[::2], x.t().contiguous().t()):
+        ids = logits.argmax(dim=-1)
+        best = logits.gather(1, ids.unsqueeze(1)).squeeze(1)
+        expected = ids.masked_fill(~torch.isfinite(best), -1).tolist()
+        for fn in (ops.greedy_tokens, ops.greedy_tokens_torch):
+            got = fn(logits, -1)
+            assert got.dtype == torch.int64 and got.tolist() == expected
+    assert expected[3] == -1 and expected[4] == -1 and expected[5] == -1 and expected[6] == 0

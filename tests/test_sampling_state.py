@@ -349,3 +349,43 @@ def test_cuda_steps_sample_on_the_device_as_on_the_cpu() -> None:
             h.append(t)
     assert samplers["cuda"].penalties.counts is not None
     assert torch.equal(samplers["cuda"].penalties.counts.cpu(), samplers["cpu"].penalties.counts)
+
+
+@pytest.mark.cuda
+def test_cuda_greedy_steps_take_the_argmax_alone_without_a_sync() -> None:
+    """A step of greedy rows with no other option builds no metadata (``Sampler.launch_step``): on CUDA it is
+    ``torch.max`` and a ``where`` with no host sync, its tokens equal the CPU's (ties, a NaN row, a row of -inf
+    included), and its read goes through the event waiter."""
+    from runner.attention.kv_cache import BlockRows
+
+    class Req:
+        def __init__(self) -> None:
+            self.sampling, self.seed, self.prompt_token_ids = SamplingParams(temperature=0.0), 0, [1, 2]
+
+    n = 16
+    sched = SchedulerOutput.from_arrays(
+        req_ids=np.arange(n, dtype=np.int64), slots=np.arange(n, dtype=np.int64),
+        num_computed=np.zeros(n, dtype=np.int64), query_lens=np.full(n, 2, dtype=np.int64),
+        sample=np.ones(n, dtype=bool), token_ids=np.ones(2 * n, dtype=np.int64),
+        blocks=BlockRows.from_lists([[i] for i in range(n)]), requests=[Req() for _ in range(n)],
+        finished_req_ids=[], step_id=0)
+    logits = (torch.randn(n, V, generator=torch.Generator().manual_seed(4)) * 3).round()  # ties
+    logits[3, 7] = float("nan")
+    logits[4] = float("-inf")
+    tokens = {}
+    for dev in ("cpu", "cuda"):
+        sampler = Sampler(V, dev, [EOS])
+        step = sampler.prepare(sched)
+        x = logits.to(dev, copy=True)
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            sampled, pending = sampler.launch_step(x, step)
+        finally:
+            if dev == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        assert sampled.device.type == dev
+        tokens[dev] = pending.result(30.0).token_ids
+    assert tokens["cuda"] == tokens["cpu"]
+    assert tokens["cpu"][3] == tokens["cpu"][4] == -1

@@ -104,9 +104,9 @@ class Probes:
         self.wrap(Scheduler, "schedule", "schedule", scheduler)
         self.wrap(Scheduler, "update", "update", scheduler)
         self.wrap(model_runner.ModelRunner, "_vote", "dp_vote", step)
-        self.wrap(model_runner, "build_attention_metadata", "inputs", step)
+        self.wrap(model_runner, "attention_arrays", "inputs", step)
         self.wrap(model_runner.ModelRunner, "_launch_sampling", "sample", step)
-        self.wrap(DeviceFutureMap, "resolve_", "resolve", step)
+        self.wrap(DeviceFutureMap, "gather_", "resolve", step)
         self.wrap(layer, "select_experts", "route", _ubatch_track)
         for cls in _subclasses(MoEExperts):
             if "apply" in vars(cls):

@@ -9,8 +9,14 @@
   thread, after launching the next step, so this is the step thread's whole busy time, its launches). A run
   without that counter falls back to
   ``max(0, forward_busy_s / num_steps - gpu_ms)``, which also counted launch-bound waits as host work;
-- ``host_ms = cpu_thread_ms + forward_host_ms``: the host's work for one step. When it is below ``gpu_ms`` the
-  host can keep the GPU busy (the overlap loop runs the CPU thread's share beside the GPU);
+- ``forward_cpu_ms``: the forward thread's CPU time in the same calls per step (``LoopStats.forward_cpu_s``,
+  ``time.thread_time``). ``forward_host_ms`` is wall time: it also counts the waits for the GIL while the CPU
+  thread runs Python (each torch call releases the GIL, and the CPU thread may keep it for its whole schedule or
+  update), so ``forward_host_ms - forward_cpu_ms`` is the forward thread's time lost to the other thread;
+- ``host_ms = cpu_thread_ms + forward_host_ms``: the host's work for one step. Both terms are wall times that
+  count the GIL waits of their thread, so the time one thread waits for the other is in both. When it is below
+  ``gpu_ms`` the host can keep the GPU busy (the overlap loop runs the CPU thread's share beside the GPU). Every
+  per-step figure is over all the call's steps, its prefill steps too, not its decode steps alone;
 - ``gpu_idle_pct``: the share of the wall time the GPU was idle, ``100 * (1 - gpu_ms / wall_ms)``;
 - ``first_call_tokens_per_s``: with ``--repeats`` above 1, the first measured call's output tok/s (it pays
   one-time costs); every other figure is the last call's, the engine's steady state.
@@ -42,6 +48,8 @@ def engine_figures(data: dict[str, Any]) -> dict[str, Any]:
         if "forward_ms" in fig:
             if "read_wait_s" in loop:
                 fig["forward_host_ms"] = 1e3 * (loop["forward_busy_s"] - loop["read_wait_s"]) / steps
+                if "forward_cpu_s" in loop:
+                    fig["forward_cpu_ms"] = 1e3 * loop["forward_cpu_s"] / steps
             else:
                 fig["forward_host_ms"] = max(0.0, fig["forward_ms"] - fig["gpu_ms"])
             fig["host_ms"] = fig["cpu_thread_ms"] + fig["forward_host_ms"]

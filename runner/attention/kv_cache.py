@@ -10,7 +10,7 @@ p % block_size``; slot ``-1`` marks a padding token whose KV is never written.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -257,23 +257,41 @@ class BlockRows:
         return len(self.rows)
 
 
-def build_attention_metadata(context_lens: Sequence[int] | np.ndarray, query_lens: Sequence[int] | np.ndarray,
-                             blocks: Sequence[Sequence[int]] | BlockRows, block_size: int,
-                             device: torch.device | str = "cpu", num_padded_tokens: int | None = None,
-                             max_blocks: int | None = None) -> CommonAttentionMetadata:
-    """Metadata for a batch where request ``i`` has ``context_lens[i]`` cached tokens and computes
-    ``query_lens[i]`` new ones at positions ``context..context+query-1``.
+@dataclass
+class AttentionArrays:
+    """A batch's attention metadata on the host (:func:`attention_arrays`): query offsets ``[R + 1]`` and sequence
+    lengths ``[R]`` (int32), the block table ``[R, width]`` (int32), the slot mapping and positions
+    ``[num_tokens]`` (int64; padding tokens at slot -1, position 0)."""
 
-    Covers prefill (context 0), decode (query 1), chunked prefill and the second half of a split request
-    (context = tokens already written by the previous chunk/ubatch). ``blocks``: each request's block list,
-    or the rows of a persistent :class:`BlockTable` (the engine's steps). ``num_padded_tokens`` appends padding
-    tokens (slot -1, position 0) for graph-sized batches; ``max_blocks`` fixes the block table's width.
+    query_start_loc: np.ndarray
+    seq_lens: np.ndarray
+    block_table: np.ndarray
+    slot_mapping: np.ndarray
+    positions: np.ndarray
+    num_actual_tokens: int
+    max_query_len: int
+    max_seq_len: int
 
-    Vectorised over the batch with numpy (no per-request Python): positions, sequence lengths, the block
-    table (a gather of the requests' rows, zero past each request's blocks) and the slot mapping
-    ``block_table[req(t), pos // bs] * bs + pos % bs``. The test suite checks it against the per-request
-    builder it replaced (``tests/reference_metadata.py``).
-    """
+
+#: ``(num_reqs, width, num_tokens)`` -> the arrays :func:`attention_arrays` fills: query offsets, sequence lengths,
+#: block table, slot mapping, positions (their old contents are overwritten).
+ArrayBuffers = Callable[[int, int, int], tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]]
+
+
+def _new_arrays(num_reqs: int, width: int, num_tokens: int
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    return (np.empty(num_reqs + 1, dtype=np.int32), np.empty(num_reqs, dtype=np.int32),
+            np.empty((num_reqs, width), dtype=np.int32), np.empty(num_tokens, dtype=np.int64),
+            np.empty(num_tokens, dtype=np.int64))
+
+
+def attention_arrays(context_lens: Sequence[int] | np.ndarray, query_lens: Sequence[int] | np.ndarray,
+                     blocks: Sequence[Sequence[int]] | BlockRows, block_size: int,
+                     num_padded_tokens: int | None = None, max_blocks: int | None = None,
+                     buffers: ArrayBuffers = _new_arrays) -> AttentionArrays:
+    """The host half of :func:`build_attention_metadata` (same arguments): the arrays, written into
+    ``buffers(num_reqs, width, num_tokens)`` (new arrays by default; the model runner's persistent staging
+    buffers, ``runner/worker/step_inputs.py``)."""
     rows = blocks if isinstance(blocks, BlockRows) else BlockRows.from_lists(blocks, max_blocks)
     ctx = np.asarray(context_lens, dtype=np.int64).reshape(-1)
     q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
@@ -286,9 +304,7 @@ def build_attention_metadata(context_lens: Sequence[int] | np.ndarray, query_len
         i = int(np.flatnonzero(need > rows.held)[0])
         raise ValueError(f"request {i} needs {int(need[i])} blocks for {int(seq[i])} tokens, has "
                          f"{int(rows.held[i])}")
-    qsl = np.zeros(num_reqs + 1, dtype=np.int32)
-    np.cumsum(q, out=qsl[1:])
-    num_actual = int(qsl[-1])
+    num_actual = int(q.sum())
     num_tokens = num_actual if num_padded_tokens is None else num_padded_tokens
     if num_tokens < num_actual:
         raise ValueError(f"num_padded_tokens={num_padded_tokens} < actual tokens {num_actual}")
@@ -297,15 +313,19 @@ def build_attention_metadata(context_lens: Sequence[int] | np.ndarray, query_len
         if width > max_blocks:
             raise ValueError(f"a request holds {width} blocks, more than max_blocks={max_blocks}")
         width = max_blocks
-    block_table = np.zeros((num_reqs, width), dtype=np.int32)
+    qsl, seq32, block_table, slot_mapping, positions = buffers(num_reqs, width, num_tokens)
+    qsl[0] = 0
+    np.cumsum(q, out=qsl[1:])
     cols = min(width, rows.table.max_blocks_per_row)  # held <= what a row holds <= the table's width
+    if cols < width:
+        block_table[:, cols:] = 0
     if num_reqs:
         block_table[:, :cols] = rows.table.table[rows.rows, :cols]
         if int(rows.held.min()) < cols:
             # Zero past each request's own blocks: what the scheduler appended for a later step reads as padding.
             block_table[:, :cols] *= np.arange(cols) < rows.held[:, None]
-    positions = np.zeros(num_tokens, dtype=np.int64)
-    slot_mapping = np.full(num_tokens, -1, dtype=np.int64)
+    positions[num_actual:] = 0
+    slot_mapping[num_actual:] = -1
     if num_actual:
         if num_actual == num_reqs and int(q.min()) == 1:  # one token per request (decode)
             pos, token_req = ctx, np.arange(num_reqs)
@@ -315,14 +335,36 @@ def build_attention_metadata(context_lens: Sequence[int] | np.ndarray, query_len
         positions[:num_actual] = pos
         slot_mapping[:num_actual] = block_table[token_req, pos // block_size] * np.int64(block_size) \
             + pos % block_size
-    seq32 = seq.astype(np.int32)
+    seq32[:] = seq
+    return AttentionArrays(qsl, seq32, block_table, slot_mapping, positions, num_actual,
+                           int(q.max()) if num_reqs else 0, int(seq.max()) if num_reqs else 0)
+
+
+def build_attention_metadata(context_lens: Sequence[int] | np.ndarray, query_lens: Sequence[int] | np.ndarray,
+                             blocks: Sequence[Sequence[int]] | BlockRows, block_size: int,
+                             device: torch.device | str = "cpu", num_padded_tokens: int | None = None,
+                             max_blocks: int | None = None) -> CommonAttentionMetadata:
+    """Metadata for a batch where request ``i`` has ``context_lens[i]`` cached tokens and computes
+    ``query_lens[i]`` new ones at positions ``context..context+query-1``.
+
+    Covers prefill (context 0), decode (query 1), chunked prefill and the second half of a split request
+    (context = tokens already written by the previous chunk/ubatch). ``blocks``: each request's block list,
+    or the rows of a persistent :class:`BlockTable` (the engine's steps). ``num_padded_tokens`` appends padding
+    tokens (slot -1, position 0) for graph-sized batches; ``max_blocks`` fixes the block table's width.
+
+    Vectorised over the batch with numpy (:func:`attention_arrays`, no per-request Python): positions, sequence
+    lengths, the block table (a gather of the requests' rows, zero past each request's blocks) and the slot
+    mapping ``block_table[req(t), pos // bs] * bs + pos % bs``. The test suite checks it against the
+    per-request builder it replaced (``tests/reference_metadata.py``).
+    """
+    a = attention_arrays(context_lens, query_lens, blocks, block_size, num_padded_tokens, max_blocks)
     # Built on the host; the device's five tensors are one pinned, non-blocking copy (no host sync).
     qsl_dev, seq_dev, block_table_dev, slot_mapping_dev, positions_dev = arrays_to_device(
-        (qsl, seq32, block_table, slot_mapping, positions), device)
+        (a.query_start_loc, a.seq_lens, a.block_table, a.slot_mapping, a.positions), device)
     return CommonAttentionMetadata(
-        query_start_loc=qsl_dev, query_start_loc_cpu=torch.from_numpy(qsl),
-        seq_lens=seq_dev, seq_lens_cpu=torch.from_numpy(seq32),
-        num_reqs=num_reqs, num_actual_tokens=num_actual,
-        max_query_len=int(q.max()) if num_reqs else 0, max_seq_len=int(seq.max()) if num_reqs else 0,
+        query_start_loc=qsl_dev, query_start_loc_cpu=torch.from_numpy(a.query_start_loc),
+        seq_lens=seq_dev, seq_lens_cpu=torch.from_numpy(a.seq_lens),
+        num_reqs=len(a.seq_lens), num_actual_tokens=a.num_actual_tokens,
+        max_query_len=a.max_query_len, max_seq_len=a.max_seq_len,
         block_table=block_table_dev, slot_mapping=slot_mapping_dev, positions=positions_dev, causal=True,
     )

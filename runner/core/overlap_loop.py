@@ -34,7 +34,8 @@ class ForwardExecutor:
     """One persistent thread that runs submitted steps in order: the CPU's forward stream.
 
     A new Python thread ignores the process's ``torch.set_num_threads`` (and, on CUDA, the current device),
-    so both are set inside it. ``busy_s`` accumulates the time spent running steps.
+    so both are set inside it. ``busy_s`` accumulates the time spent running steps, ``busy_cpu_s`` the thread's
+    CPU time in them (``time.thread_time``: without the waits for the GIL that ``busy_s`` also counts).
     """
 
     def __init__(self, num_threads: int | None = None, device: torch.device | None = None, name: str = "ubatch-forward") -> None:
@@ -42,6 +43,7 @@ class ForwardExecutor:
         self.device = device
         self.name = name
         self.busy_s = 0.0
+        self.busy_cpu_s = 0.0
         self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
@@ -57,14 +59,16 @@ class ForwardExecutor:
             fn, fut = item
             if not fut.set_running_or_notify_cancel():
                 continue
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             try:
                 result = fn()
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting CPU thread
                 self.busy_s += time.perf_counter() - t0
+                self.busy_cpu_s += time.thread_time() - c0
                 fut.set_exception(exc)
             else:
                 self.busy_s += time.perf_counter() - t0  # before the result: a waiter then sees the total
+                self.busy_cpu_s += time.thread_time() - c0
                 fut.set_result(result)
 
     @property
@@ -102,6 +106,9 @@ class LoopStats:
     # overlap loop and a LaunchingRunner (the model runner) the forward side never reads: 0, the wait is in
     # copy_wait_s.
     read_wait_s: float = 0.0
+    # Forward side's CPU time in the same calls (time.thread_time): its own work, without the waits for the GIL
+    # (held by the CPU thread) that forward_busy_s counts too.
+    forward_cpu_s: float = 0.0
     num_steps: int = 0  # launched steps with work somewhere (including this rank's dummy steps)
     num_overlapped_steps: int = 0  # launched while the previous step's results were still unprocessed
     num_placeholders_resolved: int = 0  # inputs taken from the future-token map on the forward side
@@ -195,10 +202,11 @@ class SyncStepLoop:
         t0 = time.perf_counter()
         with trace.region("schedule", "step", track="scheduler"):
             out = sched.schedule()
-        t1 = time.perf_counter()
+        t1, c1 = time.perf_counter(), time.thread_time()
         output = self.runner.step(out)
         t2 = time.perf_counter()
         stats.forward_busy_s += t2 - t1
+        stats.forward_cpu_s += time.thread_time() - c1
         if output is None:  # no DP rank had work: every rank leaves the loop in this same step
             stats.cpu_work_s += t1 - t0
             return False
@@ -274,6 +282,7 @@ class OverlapStepLoop:
         self._inflight: _Launched | None = None  # launched, results not yet processed
         self._launched: _Launched | None = None  # launched in the current iteration, not yet handed on
         self._busy0, self._start = executor.busy_s, time.perf_counter()
+        self._cpu0 = executor.busy_cpu_s
         self._read0 = read_back_seconds(runner)
         self._resolved0 = placeholders_resolved(runner)
         self._previous: _Launched | None = None  # the last step with work whose results were read
@@ -391,6 +400,7 @@ class OverlapStepLoop:
         stats = self.stats
         stats.wall_s = time.perf_counter() - self._start
         stats.forward_busy_s = self.executor.busy_s - self._busy0
+        stats.forward_cpu_s = self.executor.busy_cpu_s - self._cpu0
         # A LaunchingRunner's results are read on this (the CPU) thread, inside copy_wait_s: none on the forward side.
         stats.read_wait_s = 0.0 if isinstance(self.runner, LaunchingRunner) else \
             read_back_seconds(self.runner) - self._read0

@@ -3,8 +3,9 @@
 Step N+1 is launched before step N's tokens reach the host, so its input ids name them by placeholders
 ``-(slot + 1)`` (``runner/core/slots.py``). Step N scatters its sampled-id tensor into a ``[slots]`` token
 tensor on the device, under each sampling request's slot; step N+1's input ids, once copied to the device,
-take their placeholders' tokens from it with a gather and a select, on the device, in stream order after N's
-scatter (SGLang's GPU-resident future map, vLLM's async scheduling). Nothing waits for the device.
+take their placeholders' tokens from it with one gather (and a scatter when not every id is one), on the
+device, in stream order after N's scatter; the host names the positions and slots, so no placeholder is looked
+for on the device (SGLang's GPU-resident future map, vLLM's async scheduling). Nothing waits for the device.
 
 The checks stay on the host, where they need no token value (``FutureTokenBook.claim``): a placeholder whose
 slot holds no fresh token of its own request raises before the step is launched.
@@ -41,30 +42,52 @@ class DeviceFutureMap:
         self.tokens = grown
         self.book.ensure_capacity(grown.shape[0])
 
-    def resolve_(self, out: SchedulerOutput, input_ids: torch.Tensor) -> None:
-        """Replace the placeholders of ``out`` in ``input_ids`` (its ``num_tokens`` ids, already on the device),
-        in place: one gather from the token tensor and one select, no read of any token on the host."""
+    def claim(self, out: SchedulerOutput) -> tuple[np.ndarray, np.ndarray] | None:
+        """The placeholders of ``out``: their token positions and the slots they name, checked and consumed on the
+        host (``FutureTokenBook.claim``); None when it has none. :meth:`gather_` then reads them on the device."""
         found = self.book.placeholders(out)
         if found is None:
-            return
-        _, owners, slots = found
+            return None
+        where, owners, slots = found
         self.book.claim(owners, slots)
-        named = (-input_ids - 1).clamp_(min=0)  # a placeholder's slot; 0 for real ids (not used)
-        input_ids.copy_(torch.where(input_ids < 0, self.tokens.index_select(0, named), input_ids))
+        return where, slots
 
-    def store_(self, req_ids: np.ndarray, slots: np.ndarray, sampled: torch.Tensor) -> None:
+    def gather_(self, input_ids: torch.Tensor, where: torch.Tensor, slots: torch.Tensor) -> None:
+        """``input_ids[where[i]] = token in slots[i]``, on the device (``where``, ``slots``: device int64 of one
+        length, as :meth:`claim` gave them): one gather, and one scatter unless every id is a placeholder (a
+        decode step), which the gather writes in place."""
+        if where.shape[0] == input_ids.shape[0]:  # positions are distinct and in order: all of them
+            torch.index_select(self.tokens, 0, slots, out=input_ids)
+        else:
+            input_ids.index_copy_(0, where, self.tokens.index_select(0, slots))
+
+    def resolve_(self, out: SchedulerOutput, input_ids: torch.Tensor) -> None:
+        """Replace the placeholders of ``out`` in ``input_ids`` (its ``num_tokens`` ids, already on the device),
+        in place (:meth:`claim`, then :meth:`gather_`), no read of any token on the host."""
+        found = self.claim(out)
+        if found is not None:
+            where, slots = found
+            self.gather_(input_ids, host_to_device(torch.from_numpy(where), self.device),
+                         host_to_device(torch.from_numpy(np.ascontiguousarray(slots)), self.device))
+
+    def store_(self, req_ids: np.ndarray, slots: np.ndarray, sampled: torch.Tensor,
+               slots_on_device: torch.Tensor | None = None) -> None:
         """Scatter ``sampled[i]`` (on the device) into slot ``slots[i]`` for request ``req_ids[i]``; rows
-        without a slot (``-1``: steps built by hand) are left out."""
+        without a slot (``-1``: steps built by hand) are left out. ``slots_on_device``: the same slots already
+        on the device (the model runner stages them with the step's inputs)."""
         keep = slots >= 0
         if not keep.all():
             idx = np.flatnonzero(keep)
             req_ids, slots = req_ids[idx], slots[idx]
             sampled = sampled.index_select(0, host_to_device(torch.from_numpy(idx), sampled.device))
+            slots_on_device = None
         if not len(slots):
             return
         self._ensure(int(slots.max()) + 1)
         self.book.mark_stored(req_ids, slots)
+        if slots_on_device is None:
+            slots_on_device = host_to_device(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
+                                             self.device)
         # A row that sampled no valid token (the sampler's INVALID_TOKEN, for non-finite logits) feeds the step in
         # flight a harmless id 0: the scheduler ends that request with an error and discards what it computes.
-        self.tokens.index_copy_(0, host_to_device(torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64)),
-                                                  self.device), sampled.clamp_min(0))
+        self.tokens.index_copy_(0, slots_on_device, sampled.clamp_min(0))

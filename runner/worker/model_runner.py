@@ -37,7 +37,7 @@ from runner.worker.dbo_step_timing import MeasuredDBO, make_step_timer
 from runner.distributed.device import torch_device
 from runner.distributed.dp import DPDecision, coordinate_batch_across_dp, local_decision
 from runner.attention.metadata import PagedAttentionMetadata
-from runner.attention.kv_cache import allocate_kv_caches, build_attention_metadata, copy_from_host, host_to_device
+from runner.attention.kv_cache import allocate_kv_caches, attention_arrays, blocks_needed, build_attention_metadata
 from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
 from runner.config import ConfigError
 from runner.models.loader import load_model
@@ -48,6 +48,7 @@ from runner.worker.prompt_logprobs import prompt_logprobs
 from runner.worker.sampler import PendingSample, Sampler, StepRows
 from runner.worker.outputs import ModelRunnerOutput, PromptLogprobs
 from runner.worker.scheduled_batch import SchedulerOutput
+from runner.worker.step_inputs import StagedFields, StepInputs, StepInputSizes
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
@@ -118,9 +119,13 @@ class ModelRunner(LaunchingRunner):
                                      self.device) if cfg.enable_dbo else None
         self.max_tokens_per_step = cfg.max_num_batched_tokens
         self.sampler = Sampler(self.vocab_size, self.device, self.eos_token_ids)  # batched, on the model's device
-        self.input_ids = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(self.max_tokens_per_step, dtype=torch.int64, device=self.device)
-        self.real_token_mask = torch.zeros(self.max_tokens_per_step, dtype=torch.bool, device=self.device)
+        # Persistent step inputs (ids, positions, mask, attention metadata, placeholder and sampling rows): one
+        # device buffer written through pinned staging, one copy per step (runner/worker/step_inputs.py).
+        self.inputs = StepInputs(StepInputSizes(self.max_tokens_per_step, cfg.max_num_seqs,
+                                                blocks_needed(self.max_model_len, self.block_size)), self.device)
+        self.input_ids = self.inputs.input_ids
+        self.positions = self.inputs.positions
+        self.real_token_mask = self.inputs.real_token_mask
         self.future_tokens = DeviceFutureMap(self.device)  # placeholders resolved on the device
         self.emulated_device = EmulatedDevice(DeviceSpec.parse(cfg.emulate_device)) \
             if cfg.emulate_device is not None else None
@@ -257,20 +262,15 @@ class ModelRunner(LaunchingRunner):
                 self.graph_runner.padded_num_tokens(n, sched.is_uniform_decode, decision)
             if padded > self.max_tokens_per_step:
                 raise ValueError(f"step of {padded} tokens exceeds --max-num-batched-tokens={self.max_tokens_per_step}")
-            # Built on the host from the step's arrays and the scheduler's persistent block table (vectorised,
-            # no per-request Python), copied once through pinned memory (non_blocking): the overlap loop
-            # prepares this step while the previous forward may still run, and nothing here waits for it.
-            meta = build_attention_metadata(sched.num_computed, sched.query_lens, sched.blocks, self.block_size,
-                                            self.device, num_padded_tokens=padded)
-            ids = sched.token_ids
-            if padded > n:
-                ids = np.concatenate((ids, np.zeros(padded - n, dtype=np.int64)))
-            copy_from_host(self.input_ids[:padded], torch.from_numpy(ids))
+            # Written on the host from the step's arrays and the scheduler's persistent block table (vectorised,
+            # no per-request Python) into the persistent staging buffer, copied with one non-blocking copy: the
+            # overlap loop prepares this step while the previous forward may still run, and nothing here waits.
+            meta, placeholders, mask = self._stage_inputs(sched, padded)
             with trace.region("resolve", "step", track="step"):  # the previous step's tokens, on the device
-                self.future_tokens.resolve_(sched, self.input_ids[:n])
-            assert meta.positions is not None  # build_attention_metadata always sets them
-            self.positions[:padded].copy_(meta.positions)
-            mask = self._mark_real_tokens(n, padded)
+                if placeholders:
+                    prefix = self.inputs.prefix
+                    self.future_tokens.gather_(prefix("input_ids", n), prefix("placeholder_at", placeholders),
+                                               prefix("placeholder_slot", placeholders))
             slices = None
             if decision.should_ubatch:
                 slices = padded_ubatch_slices(sched.query_lens, padded, NUM_UBATCHES, split_point)
@@ -279,16 +279,17 @@ class ModelRunner(LaunchingRunner):
         if self.cost_model is not None:  # the forward's device work starts here: the inputs are built
             self.cost_model.start(n, not sched.is_uniform_decode, decision.should_ubatch)
         hidden: torch.Tensor | NotImplementedType = NotImplemented
+        input_ids, positions = self.inputs.prefix("input_ids", padded), self.inputs.prefix("positions", padded)
         if self.graph_runner is not None:
             with set_forward_context(attn_metadata=meta, ubatch_slices=slices, trace_rank=self.rank,
                                      dp_metadata=dp_metadata, real_token_mask=mask):
-                hidden = self.graph_runner.try_replay(meta, slices, self.input_ids[:padded], self.positions[:padded])
+                hidden = self.graph_runner.try_replay(meta, slices, input_ids, positions)
         if hidden is NotImplemented:
             with trace.region("inputs", "step", track="step"):
                 attn_metadata = self._attention_metadata(meta, slices)
             with set_forward_context(attn_metadata=attn_metadata, ubatch_slices=slices, trace_rank=self.rank,
                                      dp_metadata=dp_metadata, real_token_mask=mask):
-                hidden = model(input_ids=self.input_ids[:padded], positions=self.positions[:padded])
+                hidden = model(input_ids=input_ids, positions=positions)
         if slices is not None:
             self.num_ubatched_steps += 1
         return hidden, meta
@@ -301,14 +302,71 @@ class ModelRunner(LaunchingRunner):
             return self.attention_backend.build_metadata(common)
         return [self.attention_backend.build_metadata(m) for m in split_attn_metadata(slices, common)]
 
-    def _mark_real_tokens(self, num_real: int, num_rows: int) -> torch.Tensor | None:
-        """The persistent mask's view for this step (rows past ``num_real`` are padding); ``None`` when there
-        is no padding and no captured graph that reads the buffer."""
-        if num_real == num_rows and self.graph_runner is None:
-            return None
-        self.real_token_mask[:num_real].fill_(True)
-        self.real_token_mask[num_real:num_rows].fill_(False)
-        return self.real_token_mask[:num_rows]
+    def _stage_inputs(self, sched: SchedulerOutput, padded: int
+                      ) -> tuple[CommonAttentionMetadata, int, torch.Tensor | None]:
+        """Write the step's inputs into the persistent staging buffer and queue their copy (``step_inputs.py``):
+        ids (placeholders claimed here, gathered on the device after the copy), positions, attention metadata,
+        the real-token mask and the sampling rows. Returns the step's attention metadata (device views), its
+        number of placeholders and the mask's view (None: no padding and no captured graph that reads it)."""
+        n, num_reqs = sched.num_tokens, sched.num_reqs
+        limits = self.inputs.sizes
+        if num_reqs > limits.max_reqs:
+            raise ValueError(f"a step of {num_reqs} requests exceeds the {limits.max_reqs} the step inputs hold "
+                             "(--max-num-seqs)")
+        host = self.inputs.stage()
+        shapes: list[int] = []
+
+        def buffers(r: int, width: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+            if width > limits.max_blocks:
+                raise ValueError(f"a request of the step holds {width} KV blocks, more than the "
+                                 f"{limits.max_blocks} of --max-model-len={self.max_model_len}")
+            shapes.append(width)
+            return (host.query_start_loc[:r + 1], host.seq_lens[:r], host.block_table[:r * width].reshape(r, width),
+                    host.slot_mapping[:t], host.positions[:t])
+
+        a = attention_arrays(sched.num_computed, sched.query_lens, sched.blocks, self.block_size,
+                             num_padded_tokens=padded, buffers=buffers)
+        width = shapes[0]
+        ids = host.input_ids
+        ids[:n] = sched.token_ids
+        ids[n:padded] = 0
+        found = self.future_tokens.claim(sched)
+        placeholders = 0
+        if found is not None:
+            where, named = found
+            placeholders = len(where)
+            host.placeholder_at[:placeholders] = where
+            host.placeholder_slot[:placeholders] = named
+        use_mask = n != padded or self.graph_runner is not None
+        if use_mask:
+            host.real_token_mask[:n] = True
+            host.real_token_mask[n:padded] = False
+        self._stage_sampling(host, sched, a.query_start_loc)
+        self.inputs.upload(num_reqs * width)
+        prefix = self.inputs.prefix
+        meta = CommonAttentionMetadata(
+            query_start_loc=prefix("query_start_loc", num_reqs + 1),
+            query_start_loc_cpu=torch.from_numpy(a.query_start_loc.copy()),
+            seq_lens=prefix("seq_lens", num_reqs), seq_lens_cpu=torch.from_numpy(a.seq_lens.copy()),
+            num_reqs=num_reqs, num_actual_tokens=a.num_actual_tokens, max_query_len=a.max_query_len,
+            max_seq_len=a.max_seq_len, block_table=prefix("block_table", num_reqs, width),
+            slot_mapping=prefix("slot_mapping", padded), positions=prefix("positions", padded), causal=True)
+        return meta, placeholders, prefix("real_token_mask", padded) if use_mask else None
+
+    @staticmethod
+    def _stage_sampling(host: StagedFields, sched: SchedulerOutput, qsl: np.ndarray) -> None:
+        """The rows that sample (as ``Sampler.prepare`` picks them: every request, or those whose chunk reaches
+        the end of its known tokens): their last token's hidden row and their future-map slot."""
+        if sched.num_reqs and sched.sample.all():
+            m = sched.num_reqs
+            host.sample_slots[:m] = sched.slots
+            if sched.num_tokens != m:
+                np.subtract(qsl[1:], 1, out=host.sample_rows[:m], casting="unsafe")
+            return
+        picks = np.flatnonzero(sched.sample)
+        m = len(picks)
+        host.sample_slots[:m] = sched.slots[picks]
+        host.sample_rows[:m] = qsl[picks + 1] - 1
 
     def _dp_metadata(self, decision: DPDecision, num_real_tokens: int) -> DPMetadata:
         """What the DP vote agreed (same on every rank): torch_ll sizes each ubatch's buffers by its bound.
@@ -354,18 +412,17 @@ class ModelRunner(LaunchingRunner):
         are exact when the step was launched before its predecessor's tokens reached the host. A step of
         decodes only samples every row of ``hidden`` as it is."""
         n = sched.num_reqs
-        step = self.sampler.prepare(sched, self.input_ids[:sched.num_tokens])
+        step = self.sampler.prepare(sched, self.inputs.prefix("input_ids", sched.num_tokens))
         if not len(step):
             return None
+        m = len(step)
         if step.picks is None and sched.num_tokens == n:  # one token per request, all sampling
             last = hidden[:n]
-        else:
-            ends = np.cumsum(sched.query_lens) - 1
-            rows = ends if step.picks is None else ends[step.picks]
-            last = hidden.index_select(0, host_to_device(torch.from_numpy(rows), hidden.device))
+        else:  # their last tokens' rows, staged with the step's inputs (_stage_sampling)
+            last = hidden.index_select(0, self.inputs.prefix("sample_rows", m))
         sampled, pending = self.sampler.launch_step(self.model.compute_logits(last), step)
         self.future_tokens.store_(sched.req_ids if step.picks is None else sched.req_ids[step.picks], step.slots,
-                                  sampled)
+                                  sampled, self.inputs.prefix("sample_slots", m))
         return step, pending
 
     def link_times(self) -> tuple[float, float] | None:
@@ -373,6 +430,7 @@ class ModelRunner(LaunchingRunner):
         return self.model.moe_runtime.link_times()
 
     def close(self) -> None:
+        self.sampler.close()
         if self.graph_runner is not None:
             self.graph_runner.clear()
         if self.wrapper is not None:

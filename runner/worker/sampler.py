@@ -1,8 +1,9 @@
 """The batched sampler: one token per row over the whole step, on the model's device, with vLLM V1's options and
 order.
 
-Every stage runs over the rows that use it at once and is skipped when none does; the only wait for the device
-is one read of the results. Settings live in a per-slot table (``sampling_settings.py``), so a step is read as
+Every stage runs over the rows that use it at once and is skipped when none does (a step of greedy rows with no
+other option is the argmax alone, with no metadata built); the only wait for the device is one read of the
+results. Settings live in a per-slot table (``sampling_settings.py``), so a step is read as
 arrays; a draw's uniform is a function of (seed, output index) (``sampling_noise.py``), so a row's token does
 not depend on its batch, DP rank or DBO. Design: docs/design_notes.md, "Model runner", "Sampler".
 """
@@ -18,6 +19,7 @@ import torch
 
 from runner.sampling_params import SamplingParams
 from runner.worker import sampling_ops as ops
+from runner.worker.event_wait import EventWaiter
 from runner.worker.outputs import TokenLogprobs
 from runner.worker.penalties import PenaltyState, apply_penalties_
 from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, settings_of_rows
@@ -70,6 +72,19 @@ class Sampler:
         # Seconds spent in read_back, the step's one wait for the device: the step loop subtracts it from the
         # forward side's busy time to tell the host's own work from waiting on the GPU (LoopStats.read_wait_s).
         self.read_back_s = 0.0
+        self._waiter: EventWaiter | None = None  # CUDA: waits for the copies of sampled ids (event_wait.py)
+
+    def wait_for_copy(self, event: torch.cuda.Event, timeout_s: float | None) -> None:
+        """Wait for a step's copy of sampled ids to the host (its ``event``), at most ``timeout_s``."""
+        if self._waiter is None:
+            self._waiter = EventWaiter(self.device)
+        self._waiter.wait(event, timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread that waits for copies (if one was started)."""
+        if self._waiter is not None:
+            self._waiter.close()
+            self._waiter = None
 
     # ---- a step of the engine -----------------------------------------------------------------------------
     def prepare(self, sched: SchedulerOutput, input_ids: torch.Tensor | None = None) -> StepRows:
@@ -142,6 +157,9 @@ class Sampler:
         """Sample one token per row of ``step`` (at least one) on the device without waiting for it: the
         sampled-id tensor (for the next step's placeholders) and the pending read of the results."""
         self._check(logits, len(step))
+        if not step.settings.flags[step.rows].any():  # greedy rows and nothing else: the argmax alone
+            sampled = greedy_rows(logits if logits.dtype == torch.float32 else logits.float())
+            return sampled, PendingSample(self, None, start_read(sampled, None), False)
         meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
         sampled, lp = sample_on_device(logits, meta, self.penalties)
         return sampled, PendingSample(self, meta, start_read(sampled, lp), lp is not None)
@@ -229,12 +247,10 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
 
 
 def greedy_rows(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax, or ``INVALID_TOKEN`` where the row's largest logit is not finite (a NaN counts as the
-    largest, so the value at the argmax is non-finite exactly when the row's maximum is): read at one position
-    per row, so the check costs no pass over the vocabulary."""
-    ids = ops.argmax_rows(logits)
-    best = logits.gather(1, ids.to(logits.device).unsqueeze(1)).squeeze(1)
-    return ids.masked_fill_(~torch.isfinite(best).to(ids.device), INVALID_TOKEN)
+    """Each row's argmax, or ``INVALID_TOKEN`` where the row's largest logit is not finite
+    (``sampling_ops.greedy_tokens``: the value at the argmax is read, so the check costs no pass over the
+    vocabulary)."""
+    return ops.greedy_tokens(logits, INVALID_TOKEN)
 
 
 def read_back(meta: SamplingMetadata, sampled: torch.Tensor,
@@ -272,32 +288,23 @@ def start_read(sampled: torch.Tensor, lp: tuple[torch.Tensor, ...] | None) -> Ho
     return HostCopy(host, event)
 
 
-def wait_for_event(event: torch.cuda.Event, timeout_s: float | None) -> None:
-    """Wait for ``event`` at most ``timeout_s`` (``TimeoutError``), polling with sleeps from 10 us doubling to
-    0.1 ms: the GIL stays free for the thread launching the next step, and a step is seen done at most about
-    0.1 ms late (which matters only to the synchronous loop: the pipelined one has the next step queued)."""
-    deadline = None if timeout_s is None else time.perf_counter() + timeout_s
-    pause = 10e-6
-    while not event.query():
-        if deadline is not None and time.perf_counter() > deadline:
-            raise TimeoutError(f"a step's sampled ids were not on the host after {timeout_s:g} s")
-        time.sleep(pause)
-        pause = min(2 * pause, 1e-4)
-
-
 class PendingSample:
     """The sampling of a launched step; :meth:`result` waits for its copy and reads it (once)."""
 
-    def __init__(self, sampler: Sampler, meta: SamplingMetadata, copy: HostCopy, has_logprobs: bool) -> None:
+    def __init__(self, sampler: Sampler, meta: SamplingMetadata | None, copy: HostCopy, has_logprobs: bool) -> None:
+        if has_logprobs and meta is None:
+            raise ValueError("a sampling with logprobs needs its metadata to unpack them")
         self.sampler, self.meta, self.copy, self.has_logprobs = sampler, meta, copy, has_logprobs
 
     def result(self, timeout_s: float | None = None) -> SamplerOutput:
         t0 = time.perf_counter()
         try:
             if self.copy.event is not None:
-                wait_for_event(self.copy.event, timeout_s)
+                self.sampler.wait_for_copy(self.copy.event, timeout_s)
             values = self.copy.host.tolist()  # on the CPU, the step's wait for the forward's results
-            return SamplerOutput(values) if not self.has_logprobs else unpack(self.meta, values)
+            if self.meta is None or not self.has_logprobs:
+                return SamplerOutput(values)
+            return unpack(self.meta, values)
         finally:
             self.sampler.read_back_s += time.perf_counter() - t0
 

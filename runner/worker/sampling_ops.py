@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -92,6 +93,28 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     if logits.device.type == "cpu":
         return torch.from_numpy(logits.numpy().argmax(axis=-1))
     return logits.argmax(dim=-1)
+
+
+def greedy_tokens(logits: torch.Tensor, invalid: int) -> torch.Tensor:
+    """Each row's argmax (as :func:`argmax_rows`), or ``invalid`` where the row's largest logit is not finite (a
+    NaN counts as the largest, so the value at the argmax is non-finite exactly when the row's maximum is).
+
+    On the CPU numpy over the logits' memory: the argmax, the value at it and the check. Elsewhere
+    :func:`greedy_tokens_torch`: three kernels, the maximum and its index from one reduction (``torch.max``
+    returns ``torch.argmax``'s index, the first on ties)."""
+    if logits.device.type != "cpu":
+        return greedy_tokens_torch(logits, invalid)
+    x = logits.numpy()
+    ids = x.argmax(axis=-1)
+    best = np.take_along_axis(x, ids[:, None], axis=1)[:, 0]
+    ids[~np.isfinite(best)] = invalid
+    return torch.from_numpy(ids)
+
+
+def greedy_tokens_torch(logits: torch.Tensor, invalid: int) -> torch.Tensor:
+    """:func:`greedy_tokens` as tensor work on the logits' device."""
+    best, ids = logits.max(dim=-1)
+    return torch.where(best.isfinite(), ids, invalid)
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,211 @@
+"""The step thread's host work per decode step, this tree against a baseline commit, side by side in one run.
+
+What limits a GPU whose step the host cannot feed: the model runner's launch of a step (DP vote, inputs,
+placeholder resolve, sampler launch), measured on the emulated device (``--emulate-device``) so the device's
+time costs no CPU, with the null-cost model of ``bench_host_overhead.py`` (its forward is left out of every
+figure). Per steady decode step of ``--requests`` requests, on the overlap loop (the default with a device):
+
+- ``cpu_ms``: the step thread's CPU time in ``ModelRunner.launch`` (``time.thread_time``), the forward excluded;
+- ``wall_ms``: the same launch's wall time, which also counts the waits for the GIL held by the CPU thread
+  (what ``LoopStats.forward_busy_s`` sees);
+- ``ops``: torch operations dispatched by one launch outside the forward (a separate counted wave): on a GPU
+  each one that is not a view is a kernel or copy launch, the host's fixed cost per op;
+- ``forward_ms``: the null-cost model's forward per step (CPU time; real work at launch on the CPU, left out of
+  the figures above);
+- ``loop_ms``: the step loop's wall time per step (with the forward, and whatever else the machine runs).
+
+The baseline (``--baseline``, a git revision) is exported with ``git archive`` and both trees run in child
+processes, alternately, ``--repeats`` times; figures are medians. The greedy tokens of both trees are compared.
+On a CPU the gain understates a GPU's: there a host-to-device copy and a pinned staging buffer cost nothing,
+and an op costs its dispatch, not a kernel launch. Usage: ``python benchmarks/bench_step_host.py [--baseline
+REV] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5] [--output CSV]``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+EDGE = 2  # launches left out at each end of a wave
+
+
+def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str) -> dict[str, Any]:
+    """One child's figures for the tree first on ``sys.path`` (see ``child``)."""
+    import random
+    import threading
+    import time
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from bench_host_overhead import MODEL, PROMPT_LEN
+    from runner.core.engine_core import EngineCore
+    from runner.core.requests import EngineCoreRequest
+    from runner.entrypoints.llm import LLM
+    from runner.sampling_params import SamplingParams
+    from runner.worker import model_runner
+
+    torch.set_num_threads(1)
+    llm = LLM(model=MODEL, cache_dir=cache_dir, device="cpu", max_num_seqs=requests,
+              max_num_batched_tokens=max(512, requests * PROMPT_LEN), max_model_len=PROMPT_LEN + decode_tokens + 8,
+              emulate_device=f"step_us={1e3 * device_ms:g}")
+    core = EngineCore(llm.cfg, llm.runner)
+    runner = llm.runner
+    assert isinstance(runner, model_runner.ModelRunner)
+    model = runner.model
+    local = threading.local()
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            if not getattr(local, "in_forward", False):
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    forward, launch = model.forward, model_runner.ModelRunner.launch
+    cpu: list[float] = []
+    wall: list[float] = []
+    fwd: list[float] = []
+    ops: list[int] = []
+    state = {"count_ops": False}
+
+    def timed_forward(*args: Any, **kwargs: Any) -> Any:
+        local.in_forward = True
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            local.fwd_wall += time.perf_counter() - t0
+            local.fwd_cpu += time.thread_time() - c0
+            local.in_forward = False
+
+    def timed_launch(self: Any, sched: Any) -> Any:
+        local.fwd_wall = local.fwd_cpu = 0.0
+        decode = sched.num_reqs == requests and sched.is_uniform_decode
+        if state["count_ops"] and decode:
+            with Ops() as mode:
+                out = launch(self, sched)
+            ops.append(mode.count)
+            return out
+        t0, c0 = time.perf_counter(), time.thread_time()
+        out = launch(self, sched)
+        if decode:
+            wall.append(time.perf_counter() - t0 - local.fwd_wall)
+            cpu.append(time.thread_time() - c0 - local.fwd_cpu)
+            fwd.append(local.fwd_cpu)
+        return out
+
+    model.forward = timed_forward  # type: ignore[method-assign]
+    model_runner.ModelRunner.launch = timed_launch  # type: ignore[method-assign]
+    rng = random.Random(11)
+    prompts = [[rng.randrange(runner.vocab_size) for _ in range(PROMPT_LEN)] for _ in range(requests)]
+
+    def wave(n: int) -> tuple[list[list[int]], float, int]:
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        for i, p in enumerate(prompts):
+            core.add_request(EngineCoreRequest(i, p, params))
+        tokens: dict[int, list[int]] = {i: [] for i in range(requests)}
+        calls = []
+        while True:
+            t0 = time.perf_counter()
+            step = core.step()
+            calls.append((t0, time.perf_counter()))
+            for o in step.outputs:
+                tokens[o.request_id].extend(o.new_token_ids)
+            if not step.running:
+                break
+        sel = calls[EDGE:n - EDGE]
+        return [tokens[i] for i in range(requests)], (sel[-1][1] - sel[0][0]) / len(sel), len(sel)
+
+    try:
+        wave(8)  # warm-up: first-call costs
+        cpu.clear()
+        wall.clear()
+        fwd.clear()
+        tokens, loop_s, steps = wave(decode_tokens)
+        steady = slice(EDGE, len(cpu) - EDGE)
+        state["count_ops"] = True
+        wave(8)
+    finally:
+        model_runner.ModelRunner.launch = launch  # type: ignore[method-assign]
+        core.close()
+        llm.close()
+    return {"cpu_ms": 1e3 * statistics.median(cpu[steady]), "wall_ms": 1e3 * statistics.median(wall[steady]),
+            "ops": statistics.median(ops), "forward_ms": 1e3 * statistics.median(fwd[steady]), "loop_ms": 1e3 * loop_s, "steps": steps, "tokens": tokens}
+
+
+def child(tree: str, args: argparse.Namespace) -> dict[str, Any]:
+    """Run :func:`measure` in a fresh interpreter that imports ``runner`` from ``tree``."""
+    code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/benchmarks', sys.argv[2]]; "
+            "import bench_step_host as b; "
+            "print('RESULT ' + json.dumps(b.measure(int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), "
+            "sys.argv[6])))")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
+    with tempfile.TemporaryDirectory(prefix="ubatch-bench-step-host-") as cache:
+        proc = subprocess.run([sys.executable, "-c", code, tree, str(HERE.parent), str(args.requests),
+                               str(args.device_ms), str(args.decode_tokens), cache],
+                              env=env, capture_output=True, text=True, timeout=600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode or not lines:
+        raise RuntimeError(f"the measurement in {tree} failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+def export(revision: str, into: str) -> str:
+    """The tree of ``revision`` (of this repository) written under ``into``; its full commit id."""
+    sha = subprocess.run(["git", "rev-parse", "--verify", f"{revision}^{{commit}}"], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    archive = subprocess.run(["git", "archive", sha], cwd=ROOT, check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", into], input=archive, check=True)
+    return sha
+
+
+def main() -> None:
+    sys.path.insert(0, str(HERE.parent))
+    from common import RESULTS_DIR, write_csv
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--baseline", default="main", help="git revision to compare with (default: main)")
+    p.add_argument("--requests", type=int, default=256, help="decode requests running together")
+    p.add_argument("--device-ms", type=float, default=3.0, help="emulated device time per step")
+    p.add_argument("--decode-tokens", type=int, default=32, help="output tokens per request")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--output", default=str(RESULTS_DIR / "step_host.csv"))
+    args = p.parse_args()
+    if args.decode_tokens < 4 * EDGE + 4:
+        raise SystemExit(f"--decode-tokens must be at least {4 * EDGE + 4}")
+    with tempfile.TemporaryDirectory(prefix="ubatch-baseline-") as base:
+        sha = export(args.baseline, base)
+        trees = {f"baseline {args.baseline} ({sha[:7]})": base, "this tree": str(ROOT)}
+        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+        for _ in range(args.repeats):
+            for name, tree in trees.items():
+                runs[name].append(child(tree, args))
+    reference = next(iter(runs.values()))[0]["tokens"]
+    same = all(r["tokens"] == reference for rs in runs.values() for r in rs)
+    rows = [{"tree": name, "requests": args.requests, "device_ms": args.device_ms,
+             **{k: round(statistics.median(r[k] for r in rs), 3)
+                for k in ("cpu_ms", "wall_ms", "ops", "forward_ms", "loop_ms")},
+             "steps": rs[0]["steps"], "same_tokens": same, "repeats": args.repeats} for name, rs in runs.items()]
+    print("per steady decode step, medians of the repeats: step thread CPU and wall ms in the launch (forward "
+          "excluded), torch ops per launch, the forward's CPU ms and the loop's wall ms per step")
+    print(f"{'tree':<28} {'cpu_ms':>7} {'wall_ms':>8} {'ops':>5} {'forward_ms':>10} {'loop_ms':>8}  same tokens")
+    for r in rows:
+        print(f"{r['tree']:<28} {r['cpu_ms']:>7.3f} {r['wall_ms']:>8.3f} {r['ops']:>5g} {r['forward_ms']:>10.3f} "
+              f"{r['loop_ms']:>8.3f}  {'yes' if same else 'NO'}")
+    write_csv(rows, args.output)
+
+
+if __name__ == "__main__":
+    main()
