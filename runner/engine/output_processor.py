@@ -159,20 +159,22 @@ class OutputProcessor:
         now = time.time() if now is None else now
         request_outputs: list[RequestOutput] = []
         to_abort: list[int] = []
+        states = self.request_states
         for out in outputs:
-            state = self.request_states.get(out.request_id)
+            state = states.get(out.request_id)
             if state is None:
                 continue
-            new_ids = list(out.new_token_ids)
+            new_ids = out.new_token_ids  # read here, never kept: the detokenizer and the output copy it
             stop_reason: int | str | None
             finish_reason, stop_reason, error = out.finish_reason, out.stop_reason, out.error
             if new_ids:
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
-                state.metrics.last_token_time = now
-            stop_string = state.detokenizer.update(new_ids, finish_reason == "stop")
-            if stop_string is not None:
-                finish_reason, stop_reason = "stop", stop_string
+                metrics = state.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
+                stop_string = state.detokenizer.update(new_ids, finish_reason == "stop")
+                if stop_string is not None:
+                    finish_reason, stop_reason = "stop", stop_string
             problem = state.logprobs.update(new_ids, out.new_logprobs) or \
                 state.prompt_logprobs.update(out.prompt_logprobs_start, out.new_prompt_logprobs)
             if problem is not None:

@@ -94,26 +94,24 @@ class OpenAIServingChat(OpenAIServing):
         plain = TextChunks(lambda i, t: chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=t))))
         plain_only = not request.logprobs and not request.return_token_ids
         events: list[str] = []
-        while (item := await self.next_output(streams)) is not None:
-            p, output = item
-            for out in output.outputs:
-                i = choices.index(p, out)
-                first = not choices.states[i].token_ids
-                choices.states[i].add(out)
-                if plain_only and out.finish_reason is None:
-                    if out.text or out.token_ids:
-                        events.append(plain.event(i, out.text))
-                elif out.text or out.token_ids or out.finish_reason is not None:
-                    events.append(chunk(ChatCompletionResponseStreamChoice(
-                        index=i, delta=DeltaMessage(content=out.text),
-                        logprobs=self._logprobs(request, text, out.token_ids, out.logprobs or []),
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                        **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
-            if events and not streams.has_ready():  # what is ready goes out in one write
+        while (batch := await self.next_outputs(streams)) is not None:
+            for p, output in batch:
+                for out in output.outputs:
+                    i = choices.index(p, out)
+                    first = not choices.states[i].token_ids
+                    choices.states[i].add(out)
+                    if plain_only and out.finish_reason is None:
+                        if out.text or out.token_ids:
+                            events.append(plain.event(i, out.text))
+                    elif out.text or out.token_ids or out.finish_reason is not None:
+                        events.append(chunk(ChatCompletionResponseStreamChoice(
+                            index=i, delta=DeltaMessage(content=out.text),
+                            logprobs=self._logprobs(request, text, out.token_ids, out.logprobs or []),
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                            **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
+            if events:  # what was ready goes out in one write
                 yield "".join(events)
                 events.clear()
-        if events:
-            yield "".join(events)
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):

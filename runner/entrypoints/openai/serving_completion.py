@@ -89,35 +89,33 @@ class OpenAIServingCompletion(OpenAIServing):
         plain = TextChunks(lambda i, t: chunk(CompletionResponseStreamChoice(index=i, text=t)))
         plain_only = request.logprobs is None and not request.return_token_ids
         events: list[str] = []
-        while (item := await self.next_output(streams)) is not None:
-            p, output = item
-            for out in output.outputs:
-                i = choices.index(p, out)
-                state = choices.states[i]
-                if plain_only and out.finish_reason is None:
+        while (batch := await self.next_outputs(streams)) is not None:
+            for p, output in batch:
+                for out in output.outputs:
+                    i = choices.index(p, out)
+                    state = choices.states[i]
+                    if plain_only and out.finish_reason is None:
+                        state.add(out)
+                        if out.text or out.token_ids:
+                            events.append(plain.event(i, out.text))
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        # offsets count the tokens' texts, as in the full response (the text itself may lag behind
+                        # while a stop string could still complete)
+                        logprobs = completion_logprobs(out.token_ids, out.logprobs or [], request.logprobs, text,
+                                                       initial_offset=state.token_text_len)
+                        state.token_text_len += sum(len(t) for t in logprobs.tokens)
+                    first = not state.token_ids
                     state.add(out)
-                    if out.text or out.token_ids:
-                        events.append(plain.event(i, out.text))
-                    continue
-                logprobs = None
-                if request.logprobs is not None:
-                    # offsets count the tokens' texts, as in the full response (the text itself may lag behind
-                    # while a stop string could still complete)
-                    logprobs = completion_logprobs(out.token_ids, out.logprobs or [], request.logprobs, text,
-                                                   initial_offset=state.token_text_len)
-                    state.token_text_len += sum(len(t) for t in logprobs.tokens)
-                first = not state.token_ids
-                state.add(out)
-                if out.text or out.token_ids or out.finish_reason is not None:
-                    events.append(chunk(CompletionResponseStreamChoice(
-                        index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
-                        stop_reason=out.stop_reason,
-                        **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
-            if events and not streams.has_ready():  # what is ready goes out in one write
+                    if out.text or out.token_ids or out.finish_reason is not None:
+                        events.append(chunk(CompletionResponseStreamChoice(
+                            index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                            **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
+            if events:  # what was ready goes out in one write
                 yield "".join(events)
                 events.clear()
-        if events:
-            yield "".join(events)
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):
