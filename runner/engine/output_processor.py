@@ -75,6 +75,8 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.generation_config = generation_config or GenerationConfig()
         self.request_states: dict[int, RequestState] = {}  # by engine request id
+        # single tokens' texts per decoding options (skip_special_tokens, spaces_between_special_tokens)
+        self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}
         self._children: dict[str, list[int]] = {}  # client request id -> its live engine request ids
 
     # ------------------------------------------------------------------ requests
@@ -113,7 +115,8 @@ class OutputProcessor:
                 child.prompt_logprobs = None
             states.append(RequestState(
                 engine_id, request_id, index, parent, prompt, prompt_token_ids, base.output_kind,
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child),
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child, self._token_texts.setdefault(
+                    (child.skip_special_tokens, child.spaces_between_special_tokens), {})),
                 LogprobsState(self.tokenizer, child.logprobs), metrics, prompt_logprobs))
             requests.append(EngineCoreRequest(engine_id, prompt_token_ids, child,
                                               default_seed=child_default_seed(default_seed, index),
