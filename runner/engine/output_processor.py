@@ -19,7 +19,7 @@ Pure Python, no blocking, no global state: a server can call it from an asyncio 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
@@ -47,11 +47,17 @@ class RequestState:
     metrics: RequestMetrics  # shared by the children of one request
     prompt_logprobs: PromptLogprobsState  # shared by the children; child 0 computes them
     error: str | None = None
+    delta: bool = field(init=False)  # output_kind is DELTA (looked up once: it is read per token)
+    final_only: bool = field(init=False)  # output_kind is FINAL_ONLY
+
+    def __post_init__(self) -> None:
+        self.delta = self.output_kind == RequestOutputKind.DELTA
+        self.final_only = self.output_kind == RequestOutputKind.FINAL_ONLY
 
     def completion(self, new_token_ids: list[int], finish_reason: str | None,
                    stop_reason: int | str | None) -> CompletionOutput:
         finished = finish_reason is not None
-        delta = self.output_kind == RequestOutputKind.DELTA
+        delta = self.delta
         text = self.detokenizer.get_next_output_text(finished, delta)
         token_ids = list(new_token_ids) if delta else list(self.detokenizer.token_ids)
         logprobs = self.logprobs.logprobs
@@ -198,7 +204,7 @@ class OutputProcessor:
     def _request_output(self, state: RequestState, new_ids: list[int], finish_reason: str | None,
                         stop_reason: int | str | None, now: float) -> RequestOutput | None:
         finished = finish_reason is not None
-        if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if state.final_only and not finished:
             return None
         completion = state.completion(new_ids, finish_reason, stop_reason)
         if state.parent is None:
