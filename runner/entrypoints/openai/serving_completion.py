@@ -4,11 +4,12 @@ a usage chunk when ``stream_options.include_usage``, then ``[DONE]``), or answer
 from __future__ import annotations
 
 import time
-from typing import AsyncGenerator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from runner.entrypoints.openai.chunk_templates import SlotKind
 from runner.entrypoints.openai.echo import check_echo_request, echo_response, wants_prompt, with_prompt_logprobs
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import bad_request
@@ -29,6 +30,10 @@ from runner.entrypoints.openai.serving_engine import (
 )
 from runner.entrypoints.openai.sse import DONE, TextChunks, chunk_event
 from runner.outputs import Logprob
+
+# The fields of the stream chunks built from templates (``chunk_templates.py``): a token's text, and the last one.
+TEXT_FIELDS: dict[str, SlotKind] = {"id": "str", "created": "int", "index": "int", "text": "str"}
+LAST_FIELDS: dict[str, SlotKind] = {**TEXT_FIELDS, "finish_reason": "str", "stop_reason": "json"}
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -86,7 +91,14 @@ class OpenAIServingCompletion(OpenAIServing):
             return chunk_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]),
                                include_usage)
 
-        plain = TextChunks(lambda i, t: chunk(CompletionResponseStreamChoice(index=i, text=t)))
+        def render(id: str, created: int, **choice: Any) -> str:  # a chunk template's model path
+            return chunk_event(CompletionStreamResponse(id=id, created=created, model=model, choices=[
+                CompletionResponseStreamChoice(**choice)]), include_usage)
+
+        key = ("completion", model, str(include_usage))
+        plain = TextChunks(self.chunk_template((*key, "text"), render, TEXT_FIELDS).bind(id=request_id,
+                                                                                          created=created))
+        last = self.chunk_template((*key, "last"), render, LAST_FIELDS).bind(id=request_id, created=created)
         plain_only = request.logprobs is None and not request.return_token_ids
         events: list[str] = []
         while (batch := await self.next_outputs(streams)) is not None:
@@ -94,9 +106,12 @@ class OpenAIServingCompletion(OpenAIServing):
                 for out in output.outputs:
                     i = choices.index(p, out)
                     state = choices.states[i]
-                    if plain_only and out.finish_reason is None:
+                    if plain_only:
                         state.add(out)
-                        if out.text or out.token_ids:
+                        if out.finish_reason is not None:
+                            events.append(last.fill(index=i, text=out.text, finish_reason=out.finish_reason,
+                                                    stop_reason=out.stop_reason))
+                        elif out.text or out.token_ids:
                             events.append(plain.event(i, out.text))
                         continue
                     logprobs = None

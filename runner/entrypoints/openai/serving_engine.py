@@ -28,6 +28,7 @@ from runner.engine.protocol import (
     EngineShuttingDownError,
     RequestError,
 )
+from runner.entrypoints.openai.chunk_templates import ChunkTemplate, SlotKind
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request, redact
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
@@ -115,6 +116,7 @@ class OpenAIServing:
         self.max_request_bytes = max_request_bytes
         self.tokenizer_thread = tokenizer_thread or ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._max_prompt_chars: int | None = None
+        self._chunk_templates: dict[tuple[str, ...], ChunkTemplate] = {}
 
     # ---- input ------------------------------------------------------------------------------------------
     async def read(self, raw: Request, model: type[_M]) -> _M:
@@ -145,6 +147,15 @@ class OpenAIServing:
         if bad:
             raise bad_request(f"{param} has token id {bad[0]}, outside the model's vocabulary [0, {vocab})", param)
         return prompt
+
+    def chunk_template(self, key: tuple[str, ...], render: Callable[..., str],
+                       kinds: dict[str, SlotKind]) -> ChunkTemplate:
+        """The template of one kind of stream chunk (``key``: its kind and what else fixes it, such as the model
+        name), rendered through its model the first time only."""
+        template = self._chunk_templates.get(key)
+        if template is None:
+            template = self._chunk_templates[key] = ChunkTemplate.render(render, kinds)
+        return template
 
     # ---- the engine ------------------------------------------------------------------------------------------
     async def start(self, raw: Request, request_ids: list[str], prompts: list[EnginePrompt],

@@ -13,6 +13,8 @@ from pydantic import BaseModel
 from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from runner.entrypoints.openai.chunk_templates import ChunkTemplate
+
 DONE = "data: [DONE]\n\n"
 
 
@@ -30,24 +32,18 @@ def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
 
 
 class TextChunks:
-    """The events of a stream's plain text chunks (no logprobs, no token ids, not the last) without building a
-    pydantic model per token: the chunk of choice ``index`` is rendered once through ``render(index, text)``
-    (the model path, with a marker text), split around the marker, and each token's event is that head, the
-    text as a JSON string, and that tail: the same bytes the model path writes."""
+    """The events of a stream's plain text chunks (no logprobs, no token ids, not the last) of one request:
+    ``template`` (``chunk_templates.py``) has the request's id and time filled, the choice's index and the text
+    left; each choice's head and tail are made once, and a token's event is head, its text as JSON, tail."""
 
-    _MARK = "\x00ubatch-text\x00"
-
-    def __init__(self, render: Callable[[int, str], str]) -> None:
-        self._render = render
+    def __init__(self, template: ChunkTemplate) -> None:
+        self._template = template
         self._parts: dict[int, tuple[str, str]] = {}
 
     def event(self, index: int, text: str) -> str:
         parts = self._parts.get(index)
         if parts is None:
-            head, mark, tail = self._render(index, self._MARK).partition(encode_basestring(self._MARK))
-            if not mark or self._MARK in tail:
-                raise RuntimeError(f"the stream chunk template of choice {index} does not hold its text once")
-            parts = self._parts[index] = (head, tail)
+            parts = self._parts[index] = self._template.bind(index=index).around("text")
         return parts[0] + encode_basestring(text) + parts[1]
 
 
