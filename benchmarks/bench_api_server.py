@@ -12,7 +12,8 @@ Workload: a small Qwen3-MoE chat checkpoint written by transformers (``tests/tin
   load generator: unpinned, where the scheduler puts three busy processes on two cores changes both figures by
   up to 1.8x from run to run (the API server's CPU per token depends on how many outputs each wake-up finds).
 
-``--checkout DIR`` serves from another checkout of the project (an earlier commit): before/after on one machine.
+``--checkout DIR`` serves from another checkout of the project (an earlier commit): before/after on one machine;
+``--against DIR`` serves both in turn within each repeat, which a machine shared with other jobs needs.
 Writes ``benchmarks/results/api_server_<label>.csv``. Usage: ``python benchmarks/bench_api_server.py [--repeats 3]``.
 """
 from __future__ import annotations
@@ -149,23 +150,7 @@ def served(model: str, checkout: Path) -> dict[str, Any]:
         srv.stop()
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--checkout", type=Path, default=ROOT, help="the project checkout that serves (default: this one)")
-    p.add_argument("--label", default="this checkout", help="the label of this run's rows in the CSV")
-    args = p.parse_args()
-    from tiny_checkpoint import write_checkpoint
-
-    with tempfile.TemporaryDirectory(prefix="ubatch-api-bench-") as tmp:
-        model = str(Path(tmp) / "chat-qwen3-moe")
-        write_checkpoint(Path(model))
-        runs = []
-        for rep in range(args.repeats):  # offline and served alternate, so machine drift falls on both
-            off, srv = offline(model, args.checkout.resolve()), served(model, args.checkout.resolve())
-            runs.append((off, srv))
-            print(f"repeat {rep}: offline {off['tok_s']:.0f} tok/s, served {srv['tok_s']:.0f} tok/s, "
-                  f"API server {srv['api_us_per_token']:.1f} us/token, client CPU {srv['client_cpu_share']:.0%}")
+def medians(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, float]:
     med = {
         "offline_tok_s": statistics.median(o["tok_s"] for o, _ in runs),
         "served_tok_s": statistics.median(s["tok_s"] for _, s in runs),
@@ -173,12 +158,46 @@ def main() -> int:
         "client_cpu_share": statistics.median(s["client_cpu_share"] for _, s in runs),
     }
     med["served_over_offline"] = med["served_tok_s"] / med["offline_tok_s"]
-    print(f"| {args.label} | {med['offline_tok_s']:.0f} | {med['served_tok_s']:.0f} | "
-          f"{med['served_over_offline']:.2f}x | {med['api_us_per_token']:.1f} | {med['client_cpu_share']:.0%} |")
+    return med
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--checkout", type=Path, default=ROOT, help="the project checkout that serves (default: this one)")
+    p.add_argument("--label", default="this checkout", help="the label of this run's rows in the CSV")
+    p.add_argument("--against", type=Path, default=None,
+                   help="another checkout served in turn with --checkout in every repeat (before/after on a shared "
+                        "machine: the other jobs' load then falls on both alike)")
+    p.add_argument("--against-label", default="against", help="the label of --against's rows")
+    args = p.parse_args()
+    from tiny_checkpoint import write_checkpoint
+
+    checkouts = [(args.label, args.checkout.resolve())]
+    if args.against is not None:
+        checkouts.insert(0, (args.against_label, args.against.resolve()))
+    runs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {label: [] for label, _ in checkouts}
+    with tempfile.TemporaryDirectory(prefix="ubatch-api-bench-") as tmp:
+        model = str(Path(tmp) / "chat-qwen3-moe")
+        write_checkpoint(Path(model))
+        for rep in range(args.repeats):  # offline and served alternate, so machine drift falls on both
+            off = offline(model, args.checkout.resolve())
+            for label, checkout in checkouts:
+                srv = served(model, checkout)
+                runs[label].append((off, srv))
+                print(f"repeat {rep} {label}: offline {off['tok_s']:.0f} tok/s, served {srv['tok_s']:.0f} tok/s, "
+                      f"API server {srv['api_us_per_token']:.1f} us/token, client CPU {srv['client_cpu_share']:.0%}")
+    rows = []
+    for label, _ in checkouts:
+        med = medians(runs[label])
+        print(f"| {label} | {med['offline_tok_s']:.0f} | {med['served_tok_s']:.0f} | "
+              f"{med['served_over_offline']:.2f}x | {med['api_us_per_token']:.1f} | {med['client_cpu_share']:.0%} |")
+        rows.append({"label": label, "repeats": args.repeats, **med})
+        if med["client_cpu_share"] > 0.8:
+            print(f"warning ({label}): the load generator used more than 80% of a core: it may be what limits the "
+                  "served rate")
     slug = "".join(c if c.isalnum() else "_" for c in args.label).strip("_")
-    write_csv([{"label": args.label, "repeats": args.repeats, **med}], RESULTS_DIR / f"api_server_{slug}.csv")
-    if med["client_cpu_share"] > 0.8:
-        print("warning: the load generator used more than 80% of a core: it may be what limits the served rate")
+    write_csv(rows, RESULTS_DIR / f"api_server_{slug}.csv")
     return 0
 
 

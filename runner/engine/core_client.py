@@ -9,10 +9,11 @@ server's asyncio loop (vLLM V1's ``AsyncLLM`` over ``DPAsyncMPClient``).
   max_model_len), split into ``n`` engine requests (int ids, one per sample), and each is sent to the DP rank
   with the least outstanding work. The ranks step while any has work (waves: see
   ``runner/core/engine_core_proc.py``); this client relays each rank's ``WaveStarted`` to every rank.
-- **Outputs.** One task reads every rank's outputs, turns them into ``RequestOutput`` s (detokenization, stop
-  strings, ``n``: the output processor) and hands them to the request's queue; a stop string found here
-  aborts the engine request. Leaving :meth:`generate` early (a client that disconnected) aborts the request:
-  its rank frees the KV blocks at its next step.
+- **Outputs.** One task reads every rank's outputs, turns each step's into ``RequestOutput`` s in one pass
+  (detokenization, stop strings, ``n``: the output processor) and hands each to its request's sink
+  (:meth:`stream`: the request handler's buffer, no task in between; :meth:`generate`: a queue); a stop
+  string found here aborts the engine request. Leaving :meth:`generate` early or closing a :meth:`stream`
+  (a client that disconnected) aborts the request: its rank frees the KV blocks at its next step.
 - **Failure.** A rank that dies or stops answering heartbeats is named by the launcher; every request in
   flight then fails with :class:`EngineDeadError` carrying that name, and ``dead_error`` tells the server to
   answer 503 on /health and exit non-zero.
@@ -37,8 +38,8 @@ from runner.core.messages import (
 )
 from runner.core.requests import EngineCoreOutput
 from runner.engine.protocol import (
-    EngineClient, EngineDeadError, EngineOverloadedError, EngineShuttingDownError, EngineStats, MetricsSink,
-    RankStats, RequestError,
+    CloseStream, EngineClient, EngineDeadError, EngineOverloadedError, EngineShuttingDownError, EngineStats,
+    MetricsSink, OutputSink, RankStats, RequestError,
 )
 from runner.engine.simple_output import RequestTracker
 from runner.outputs import RequestOutput
@@ -71,6 +72,22 @@ def rank_threads(dp: int) -> int:
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"OMP_NUM_THREADS={value!r} must be a positive integer (the rank processes' torch threads)")
     return int(value)
+
+
+class _QueueSink:
+    """:meth:`MPEngineClient.generate`'s sink: the outputs on a queue its iterator reads."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, output: RequestOutput) -> None:
+        self.queue.put_nowait(output)
+
+    def fail(self, exc: BaseException) -> None:
+        self.queue.put_nowait(exc)
+
+    def end(self) -> None:
+        pass  # the finished output ends the iterator
 
 
 class MPEngineClient(EngineClient):
@@ -278,14 +295,14 @@ class MPEngineClient(EngineClient):
     def _pick_rank(self) -> int:
         return min(range(len(self._ranks)), key=lambda r: (self._ranks[r].outstanding, r))
 
-    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def _submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+                sink: OutputSink) -> None:
+        """Check the request, register its sink and send its engine requests to the ranks."""
         self._check_accepting(params.n)
         params = self._check_request(list(prompt_token_ids), params)
         if self.tracker.has(request_id):
             raise RequestError("request_id", f"request id {request_id!r} is already running")
-        queue: asyncio.Queue = asyncio.Queue()
-        children = self.tracker.add(request_id, prompt, list(prompt_token_ids), params, queue,
+        children = self.tracker.add(request_id, prompt, list(prompt_token_ids), params, sink,
                                     lambda: next(self._engine_ids))
         if self.metrics is not None:
             self.metrics.on_prompt_tokens(len(prompt_token_ids))
@@ -295,10 +312,26 @@ class MPEngineClient(EngineClient):
             self._where[child.request_id] = rank
             self._ranks[rank].outstanding += 1
             self._ranks[rank].socket.send(ENCODER.encode(AddRequest(child)))
+
+    def stream(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+               sink: OutputSink) -> CloseStream:
+        """The output reader hands this request's outputs to ``sink`` itself (no task per request); refusals
+        raise here."""
+        self._submit(request_id, prompt, prompt_token_ids, params, sink)
+
+        async def close() -> None:
+            self._abort(request_id, "abort")  # a no-op once the request finished
+
+        return close
+
+    async def generate(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+        sink = _QueueSink()
+        self._submit(request_id, prompt, prompt_token_ids, params, sink)
         finished = False
         try:
             while True:
-                item = await queue.get()
+                item = await sink.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished

@@ -1,7 +1,9 @@
 """Incremental detokenization and stop strings, per request (vLLM's ``vllm/v1/engine/detokenizer.py``).
 
 Each step decodes a short window of ids twice (text-generation-inference's prefix/read offsets) and emits the
-difference, holding tokens back while they end in half a UTF-8 character. The earliest stop string to
+difference, holding tokens back while they end in half a UTF-8 character. The first of the two decodes is most
+often that of the one token emitted last: its text comes from a table shared by the requests of one engine
+(``token_texts``), so a step costs one decode per request. The earliest stop string to
 complete wins; while streaming, the last ``max(len(stop)) - 1`` characters are held back because text once
 sent cannot be taken back. Design: docs/design_notes.md, "Engine client".
 """
@@ -39,7 +41,10 @@ def find_stop_string(text: str, new_chars: int, stop: Sequence[str],
 class IncrementalDetokenizer:
     """One request's output text. ``tokenizer`` None: no text (token ids only), and no stop strings."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams) -> None:
+    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 token_texts: dict[int, str] | None = None) -> None:
+        """``token_texts``: single tokens' texts decoded with these ``params``' decoding options (skip and
+        spacing of special tokens), shared by the requests that decode alike; filled as tokens come."""
         if params.stop and tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer to find them in the text, and this "
                              "model has none; use stop_token_ids")
@@ -48,6 +53,7 @@ class IncrementalDetokenizer:
             tokenizer, skip_special_tokens=params.skip_special_tokens,
             spaces_between_special_tokens=params.spaces_between_special_tokens)
         self._prefix_text: str | None = None  # decode of window[prefix:read], while it stays the same
+        self._token_texts = {} if token_texts is None else token_texts
         self.stop = list(params.stop or ())  # a list once SamplingParams is built
         self.include_stop_str_in_output = params.include_stop_str_in_output
         self.stop_buffer_length = params.output_text_buffer_length
@@ -89,7 +95,14 @@ class IncrementalDetokenizer:
         assert self._decode is not None  # only with a tokenizer
         window, prefix, read = self._window, self._prefix_offset, self._read_offset
         if self._prefix_text is None:
-            self._prefix_text = self._decode(window[prefix:read])
+            if read - prefix == 1:
+                token = window[prefix]
+                text = self._token_texts.get(token)
+                if text is None:
+                    text = self._token_texts[token] = self._decode(window[prefix:read])
+                self._prefix_text = text
+            else:
+                self._prefix_text = self._decode(window[prefix:read])
         prefix_text = self._prefix_text
         new_text = self._decode(window[prefix:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):

@@ -19,7 +19,7 @@ Pure Python, no blocking, no global state: a server can call it from an asyncio 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
@@ -47,11 +47,17 @@ class RequestState:
     metrics: RequestMetrics  # shared by the children of one request
     prompt_logprobs: PromptLogprobsState  # shared by the children; child 0 computes them
     error: str | None = None
+    delta: bool = field(init=False)  # output_kind is DELTA (looked up once: it is read per token)
+    final_only: bool = field(init=False)  # output_kind is FINAL_ONLY
+
+    def __post_init__(self) -> None:
+        self.delta = self.output_kind == RequestOutputKind.DELTA
+        self.final_only = self.output_kind == RequestOutputKind.FINAL_ONLY
 
     def completion(self, new_token_ids: list[int], finish_reason: str | None,
                    stop_reason: int | str | None) -> CompletionOutput:
         finished = finish_reason is not None
-        delta = self.output_kind == RequestOutputKind.DELTA
+        delta = self.delta
         text = self.detokenizer.get_next_output_text(finished, delta)
         token_ids = list(new_token_ids) if delta else list(self.detokenizer.token_ids)
         logprobs = self.logprobs.logprobs
@@ -75,6 +81,8 @@ class OutputProcessor:
         self.max_model_len = max_model_len
         self.generation_config = generation_config or GenerationConfig()
         self.request_states: dict[int, RequestState] = {}  # by engine request id
+        # single tokens' texts per decoding options (skip_special_tokens, spaces_between_special_tokens)
+        self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}
         self._children: dict[str, list[int]] = {}  # client request id -> its live engine request ids
 
     # ------------------------------------------------------------------ requests
@@ -113,7 +121,8 @@ class OutputProcessor:
                 child.prompt_logprobs = None
             states.append(RequestState(
                 engine_id, request_id, index, parent, prompt, prompt_token_ids, base.output_kind,
-                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child),
+                IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child, self._token_texts.setdefault(
+                    (child.skip_special_tokens, child.spaces_between_special_tokens), {})),
                 LogprobsState(self.tokenizer, child.logprobs), metrics, prompt_logprobs))
             requests.append(EngineCoreRequest(engine_id, prompt_token_ids, child,
                                               default_seed=child_default_seed(default_seed, index),
@@ -159,20 +168,22 @@ class OutputProcessor:
         now = time.time() if now is None else now
         request_outputs: list[RequestOutput] = []
         to_abort: list[int] = []
+        states = self.request_states
         for out in outputs:
-            state = self.request_states.get(out.request_id)
+            state = states.get(out.request_id)
             if state is None:
                 continue
-            new_ids = list(out.new_token_ids)
+            new_ids = out.new_token_ids  # read here, never kept: the detokenizer and the output copy it
             stop_reason: int | str | None
             finish_reason, stop_reason, error = out.finish_reason, out.stop_reason, out.error
             if new_ids:
-                if state.metrics.first_token_time is None:
-                    state.metrics.first_token_time = now
-                state.metrics.last_token_time = now
-            stop_string = state.detokenizer.update(new_ids, finish_reason == "stop")
-            if stop_string is not None:
-                finish_reason, stop_reason = "stop", stop_string
+                metrics = state.metrics
+                if metrics.first_token_time is None:
+                    metrics.first_token_time = now
+                metrics.last_token_time = now
+                stop_string = state.detokenizer.update(new_ids, finish_reason == "stop")
+                if stop_string is not None:
+                    finish_reason, stop_reason = "stop", stop_string
             problem = state.logprobs.update(new_ids, out.new_logprobs) or \
                 state.prompt_logprobs.update(out.prompt_logprobs_start, out.new_prompt_logprobs)
             if problem is not None:
@@ -193,7 +204,7 @@ class OutputProcessor:
     def _request_output(self, state: RequestState, new_ids: list[int], finish_reason: str | None,
                         stop_reason: int | str | None, now: float) -> RequestOutput | None:
         finished = finish_reason is not None
-        if state.output_kind == RequestOutputKind.FINAL_ONLY and not finished:
+        if state.final_only and not finished:
             return None
         completion = state.completion(new_ids, finish_reason, stop_reason)
         if state.parent is None:

@@ -6,9 +6,11 @@ and so can a test double. Everything here is asyncio-friendly: no call blocks th
 """
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Protocol
+from collections.abc import AsyncGenerator
+from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
@@ -104,6 +106,29 @@ class MetricsSink(Protocol):
         ...
 
 
+class OutputSink(Protocol):
+    """Where :meth:`EngineClient.stream` hands one request's outputs, on the event loop, as they come: the
+    engine calls these directly (no task, no queue between them), so a front end serving many streams wakes
+    each of its readers once per engine step, whatever the number of layers in between."""
+
+    def put(self, output: RequestOutput) -> None:
+        """The next output (the last one has ``finished`` set)."""
+        ...
+
+    def fail(self, exc: BaseException) -> None:
+        """The request failed (the engine died, it refused the request): nothing follows."""
+        ...
+
+    def end(self) -> None:
+        """No more outputs (after the finished one, or the request was left)."""
+        ...
+
+
+# Ends a stream opened with EngineClient.stream: leaves it, and aborts the request if the engine has not
+# finished it.
+CloseStream = Callable[[], Awaitable[None]]
+
+
 class EngineClient(ABC):
     """The engine as the front end sees it: submit, stream, abort, ask about its health and load."""
 
@@ -134,6 +159,21 @@ class EngineClient(ABC):
         queued, and :class:`EngineDeadError` if the engine dies while the request runs. Leaving the iterator
         early (a client that disconnected) aborts the request and frees its KV blocks at the next step."""
 
+    def stream(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
+               sink: OutputSink) -> CloseStream:
+        """:meth:`generate`, with each output handed to ``sink`` instead of yielded; returns the coroutine
+        function that ends the stream. This one reads :meth:`generate` from a task of its own (a refusal then
+        reaches ``sink.fail``); an engine that produces outputs on the event loop overrides it to call ``sink``
+        directly, without that task switch per output, and may raise its refusals here."""
+        iterator = self.generate(request_id, prompt, prompt_token_ids, params)
+        task = asyncio.create_task(_pump(iterator, sink), name=f"pump {request_id}")
+
+        async def close() -> None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+
+        return close
+
     @abstractmethod
     async def abort(self, request_id: str) -> None:
         """End a request: its iterator yields a final output whose unfinished samples have finish_reason
@@ -148,3 +188,17 @@ class EngineClient(ABC):
     @abstractmethod
     def stats(self) -> EngineStats:
         ...
+
+
+async def _pump(iterator: AsyncIterator[RequestOutput], sink: OutputSink) -> None:
+    """:meth:`EngineClient.stream`'s task: ``iterator`` into ``sink``; leaving it closes the iterator (which
+    aborts an unfinished request, per :meth:`EngineClient.generate`)."""
+    try:
+        async for output in iterator:
+            sink.put(output)
+        sink.end()
+    except Exception as exc:  # handed to the reader, which answers it (500 for EngineDeadError, 503 ...)
+        sink.fail(exc)
+    finally:
+        if isinstance(iterator, AsyncGenerator):
+            await iterator.aclose()

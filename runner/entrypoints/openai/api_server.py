@@ -39,6 +39,7 @@ from runner.entrypoints.openai.metrics import ServerMetrics
 from runner.entrypoints.openai.serving_chat import OpenAIServingChat
 from runner.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from runner.entrypoints.openai.serving_models import ServingModels
+from runner.entrypoints.openai.sse import RawSend
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +178,7 @@ async def serve_app(app: FastAPI, sock: socket.socket, *, engine_dead: asyncio.E
     engine_client: EngineClient = app.state.engine_client
     limits: ServerLimits = app.state.limits
     host, port = sock.getsockname()[:2]
-    config = uvicorn.Config(app, log_level=log_level, lifespan="off", timeout_graceful_shutdown=10,
+    config = uvicorn.Config(RawSend(app), log_level=log_level, lifespan="off", timeout_graceful_shutdown=10,
                             access_log=access_log, http=with_header_timeout(limits.header_timeout_s),
                             timeout_keep_alive=int(math.ceil(limits.timeout_keep_alive_s)),
                             limit_concurrency=limits.limit_concurrency)

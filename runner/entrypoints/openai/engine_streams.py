@@ -1,65 +1,95 @@
 """The engine outputs of one HTTP request, read as one stream, that a client disconnect or a server-side abort ends.
 
-A completion request with several prompts runs one engine request per prompt; their iterators are pumped by
-one task each into a queue, so the handler reads outputs in the order they arrive. A second task reads the ASGI
-receive channel: ``http.disconnect`` stops the stream at once, whether the response is streamed or the
-handler is still waiting for a final output (uvicorn reports the disconnect there as soon as the socket
-closes). ``close()`` cancels the pumps, which leaves the engine iterators (aborting their requests, per
-``EngineClient.generate``), and also calls ``EngineClient.abort`` for every request the engine did not finish,
-so an engine whose iterators are not async generators frees the KV blocks too.
+A completion request with several prompts runs one engine request per prompt (:meth:`EngineStreams.open`), each
+streamed with ``EngineClient.stream`` into a sink of this object: the engine hands each output straight to the
+request's buffer and wakes its handler, once per engine step however many outputs the step brought (no task
+or queue in between). A second task reads the ASGI receive channel: ``http.disconnect`` stops the stream at
+once, whether the response is streamed or the handler is still waiting for a final output (uvicorn reports the
+disconnect there as soon as the socket closes). ``close()`` ends every engine stream (which aborts its request
+if the engine did not finish it) and also calls ``EngineClient.abort`` for every request the engine did not
+finish, so an engine whose streams do not abort frees the KV blocks too.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections import deque
-from typing import Any, AsyncIterator, Awaitable, Callable, MutableMapping
+from typing import Any, Awaitable, Callable, MutableMapping
 
-from runner.engine.protocol import EngineClient
+from runner.engine.protocol import CloseStream, EngineClient
 from runner.outputs import RequestOutput
+from runner.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_END = object()  # an iterator ended
-_WAKE = object()  # stop() was called: wake a reader blocked on the queue
+_END = object()  # a stream ended
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]  # starlette's
 
 
-class EngineStreams:
-    """The engine iterators of one HTTP request (one per prompt, ``request_ids[i]`` for prompt i)."""
+class _Sink:
+    """``EngineClient.stream``'s sink for prompt ``index`` of an :class:`EngineStreams`."""
 
-    def __init__(self, engine: EngineClient, request_ids: list[str], iterators: list[AsyncIterator[RequestOutput]],
-                 receive: Receive | None, on_close: Callable[["EngineStreams"], None] | None = None) -> None:
+    __slots__ = ("streams", "index")
+
+    def __init__(self, streams: EngineStreams, index: int) -> None:
+        self.streams, self.index = streams, index
+
+    def put(self, output: RequestOutput) -> None:
+        self.streams._push(self.index, output)
+
+    def fail(self, exc: BaseException) -> None:
+        self.streams._push(self.index, exc)
+
+    def end(self) -> None:
+        self.streams._push(self.index, _END)
+
+
+class EngineStreams:
+    """The engine streams of one HTTP request (``request_ids[i]`` for prompt i, opened with :meth:`open`)."""
+
+    def __init__(self, engine: EngineClient, request_ids: list[str], receive: Receive | None,
+                 on_close: Callable[["EngineStreams"], None] | None = None) -> None:
         self.engine = engine
         self.request_ids = request_ids
         self.finished = [False] * len(request_ids)  # the engine reported the request finished
-        self.stop_reason: str | None = None  # why the server stopped reading: "disconnect" or "abort"
+        self.stop_reason: str | None = None  # why the server stopped reading: "disconnect", "abort" or "dead"
         self.aborted_by_server = False  # abort() was called (shutdown timeout)
-        self._ended = [False] * len(request_ids)  # the iterator is exhausted or raised
-        self._queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
-        self._buffer: deque[tuple[int, Any]] = deque()
+        self._ended = [False] * len(request_ids)  # the stream ended or failed
+        self._num_ended = 0
+        self._items: deque[tuple[int, Any]] = deque()  # (prompt index, output / exception / _END), in order
+        self._waiter: asyncio.Future[None] | None = None  # the reader waits on it while nothing is ready
+        self._closers: list[CloseStream] = []  # of the streams opened, in prompt order
         self._on_close = on_close
         self._closed = False
         self._abort_tasks: set[asyncio.Task[None]] = set()
         self._abort_timer: asyncio.TimerHandle | None = None
-        self._pumps = [asyncio.create_task(self._pump(i, it), name=f"pump {rid}")
-                       for i, (rid, it) in enumerate(zip(request_ids, iterators))]
         self._watcher = asyncio.create_task(self._watch(receive), name=f"disconnect watch {request_ids[0]}") \
             if receive is not None else None
 
     # ---- feeding ---------------------------------------------------------------------------------------------
-    async def _pump(self, i: int, iterator: AsyncIterator[RequestOutput]) -> None:
-        try:
-            async for output in iterator:
-                self._queue.put_nowait((i, output))
-            self._queue.put_nowait((i, _END))
-        except Exception as exc:  # handed to the reader, which answers it (500 for EngineDeadError, 503 ...)
-            self._queue.put_nowait((i, exc))
-        finally:
-            aclose = getattr(iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+    def open(self, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Start the engine request of the next prompt; raises what the engine raises when it refuses it."""
+        i = len(self._closers)
+        if i >= len(self.request_ids):
+            raise ValueError(f"all {len(self.request_ids)} engine requests of {self.request_ids[0]} are open")
+        self._closers.append(self.engine.stream(self.request_ids[i], prompt, prompt_token_ids, params,
+                                                _Sink(self, i)))
+
+    def _push(self, i: int, item: Any) -> None:
+        self._items.append((i, item))
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        waiter = self._waiter = asyncio.get_running_loop().create_future()
+        await waiter
 
     async def _watch(self, receive: Receive) -> None:
         while True:
@@ -69,45 +99,79 @@ class EngineStreams:
                 return
 
     # ---- reading ---------------------------------------------------------------------------------------------
-    async def _take(self) -> tuple[int, Any] | None:
-        """The next item, or None once stopped or every iterator ended; raises what an iterator raised."""
-        while self.stop_reason is None and not all(self._ended):
-            i, item = self._buffer.popleft() if self._buffer else await self._queue.get()
-            if item is _WAKE:
+    def _end(self, i: int) -> None:
+        if not self._ended[i]:
+            self._ended[i] = True
+            self._num_ended += 1
+
+    async def next(self) -> tuple[int, RequestOutput] | None:
+        """(prompt index, output) in arrival order; None when all requests ended or the stream was stopped;
+        raises what a stream failed with."""
+        items = self._items
+        while self.stop_reason is None and self._num_ended < len(self._closers):
+            if not items:
+                await self._wait()
                 continue
+            i, item = items.popleft()
             if item is _END:
-                self._ended[i] = True
+                self._end(i)
                 continue
             if isinstance(item, BaseException):
-                self._ended[i] = True
+                self._end(i)
                 raise item
             if item.finished:
                 self.finished[i] = True
             return i, item
         return None
 
+    async def next_batch(self) -> list[tuple[int, RequestOutput]] | None:
+        """Every output ready now, in arrival order (waiting for one if none is): a handler answers all of them
+        in one write. None when all requests ended or the stream was stopped. A failed stream raises, and an
+        output with an ``error`` comes in a batch of its own, after the outputs before it."""
+        items = self._items
+        while self.stop_reason is None and self._num_ended < len(self._closers):
+            if not items:
+                await self._wait()
+                continue
+            batch: list[tuple[int, RequestOutput]] = []
+            while items:
+                i, item = items[0]
+                if item is _END:
+                    items.popleft()
+                    self._end(i)
+                    continue
+                if isinstance(item, BaseException) or item.error is not None:
+                    if batch:
+                        break
+                    items.popleft()
+                    if isinstance(item, BaseException):
+                        self._end(i)
+                        raise item
+                    batch.append((i, item))
+                    break
+                items.popleft()
+                if item.finished:
+                    self.finished[i] = True
+                batch.append((i, item))
+            if batch:
+                return batch
+        return None
+
     async def prime(self) -> None:
         """Wait until every engine request produced its first output (or the stream stopped), so that an error
         the engine raises before queueing a request (overloaded, shutting down, dead) is answered with its
         status instead of inside a stream that already said 200."""
-        started = [False] * len(self.request_ids)
-        while self.stop_reason is None and not all(started):
-            i, item = await self._queue.get()
-            if item is _WAKE:
-                continue
-            if isinstance(item, BaseException):
-                self._ended[i] = True
-                raise item
-            started[i] = True
-            self._buffer.append((i, item))
-
-    async def next(self) -> tuple[int, RequestOutput] | None:
-        """(prompt index, output) in arrival order; None when all requests ended or the stream was stopped."""
-        return await self._take()
-
-    def has_ready(self) -> bool:
-        """Whether :meth:`next` would return without waiting (outputs queued, or the stream ended)."""
-        return bool(self._buffer) or not self._queue.empty() or self.stop_reason is not None
+        while self.stop_reason is None:
+            started = set()
+            for i, item in self._items:
+                if isinstance(item, BaseException):
+                    self._items.remove((i, item))
+                    self._end(i)
+                    raise item
+                started.add(i)
+            if len(started) == len(self._closers):
+                return
+            await self._wait()
 
     @property
     def disconnected(self) -> bool:
@@ -118,7 +182,7 @@ class EngineStreams:
         """Stop reading now (the client left, or an aborted request's engine did not end it in time)."""
         if self.stop_reason is None:
             self.stop_reason = reason
-            self._queue.put_nowait((-1, _WAKE))
+            self._wake()
 
     def abort(self, grace_s: float) -> None:
         """End the requests from the server's side (shutdown timeout): the engine aborts them, and its final
@@ -126,7 +190,7 @@ class EngineStreams:
         if self.aborted_by_server or self._closed:
             return
         self.aborted_by_server = True
-        for rid, finished in zip(self.request_ids, self.finished):
+        for rid, finished in zip(self.request_ids[:len(self._closers)], self.finished):
             if not finished:
                 task = asyncio.create_task(self._abort(rid), name=f"abort {rid}")
                 self._abort_tasks.add(task)
@@ -140,18 +204,23 @@ class EngineStreams:
             logger.exception("Aborting request %s failed", request_id)
 
     async def close(self) -> None:
-        """Leave every engine iterator and abort what the engine did not finish. Idempotent."""
+        """End every engine stream and abort what the engine did not finish. Idempotent."""
         if self._closed:
             return
         self._closed = True
         if self._abort_timer is not None:
             self._abort_timer.cancel()
-        tasks = [*self._pumps, *([self._watcher] if self._watcher is not None else [])]
-        for task in tasks:
-            task.cancel()
+        if self._watcher is not None:
+            self._watcher.cancel()
         try:
-            await asyncio.gather(*tasks, return_exceptions=True)
-            for rid, finished in zip(self.request_ids, self.finished):
+            for close in self._closers:
+                try:
+                    await close()
+                except Exception:  # the engine may be gone; the request is ended on this side either way
+                    logger.exception("Closing the engine stream of %s failed", self.request_ids[0])
+            if self._watcher is not None:
+                await asyncio.gather(self._watcher, return_exceptions=True)
+            for rid, finished in zip(self.request_ids[:len(self._closers)], self.finished):
                 if not finished:
                     await self._abort(rid)
         finally:

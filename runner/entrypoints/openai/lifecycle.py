@@ -13,12 +13,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from http import HTTPStatus
-from typing import Any, AsyncIterator, Coroutine
+from typing import Any, Coroutine
 
 from runner.engine.protocol import EngineClient
 from runner.entrypoints.openai.engine_streams import EngineStreams, Receive
 from runner.entrypoints.openai.errors import OpenAIError, redact
-from runner.outputs import RequestOutput
 
 logger = logging.getLogger(__name__)
 
@@ -56,9 +55,10 @@ class ServerLifecycle:
             raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE,
                               "The server is shutting down and takes no new requests")
 
-    def open_streams(self, request_ids: list[str], iterators: list[AsyncIterator[RequestOutput]],
-                     receive: Receive | None) -> EngineStreams:
-        streams = EngineStreams(self.engine, request_ids, iterators, receive, on_close=self._closed)
+    def open_streams(self, request_ids: list[str], receive: Receive | None) -> EngineStreams:
+        """The streams of one HTTP request's engine requests (opened with ``EngineStreams.open``), counted as
+        running until closed."""
+        streams = EngineStreams(self.engine, request_ids, receive, on_close=self._closed)
         self._streams.add(streams)
         self._idle.clear()
         return streams

@@ -5,12 +5,14 @@ streams it: first a ``{"role": "assistant", "content": ""}`` delta per choice, t
 reason on the last one, a usage chunk when ``stream_options.include_usage``, then ``[DONE]``."""
 from __future__ import annotations
 
+import functools
 import time
-from typing import AsyncGenerator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from runner.entrypoints.openai.chunk_templates import SlotKind
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import bad_request
 from runner.entrypoints.openai.logprobs import chat_logprobs, token_text_fn
@@ -35,6 +37,11 @@ from runner.entrypoints.openai.sse import DONE, TextChunks, chunk_event
 from runner.outputs import Logprob
 
 ROLE = "assistant"
+# The fields of the stream chunks built from templates (``chunk_templates.py``): each choice's first chunk (the
+# role), a token's text, and the last one.
+ROLE_FIELDS: dict[str, SlotKind] = {"id": "str", "created": "int", "index": "int"}
+TEXT_FIELDS: dict[str, SlotKind] = {**ROLE_FIELDS, "text": "str"}
+LAST_FIELDS: dict[str, SlotKind] = {**TEXT_FIELDS, "finish_reason": "str", "stop_reason": "json"}
 
 
 class OpenAIServingChat(OpenAIServing):
@@ -89,31 +96,43 @@ class OpenAIServingChat(OpenAIServing):
             return chunk_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
                                                             choices=[choice]), include_usage)
 
+        def render(id: str, created: int, index: int, role: str | None = None, text: str = "",
+                   **choice: Any) -> str:  # a chunk template's model path
+            return chunk_event(ChatCompletionStreamResponse(id=id, created=created, model=model, choices=[
+                ChatCompletionResponseStreamChoice(index=index, delta=DeltaMessage(role=role, content=text),
+                                                   **choice)]), include_usage)
+
+        key = ("chat", model, str(include_usage))
+        first_chunk = self.chunk_template((*key, "role"), functools.partial(render, role=ROLE), ROLE_FIELDS).bind(
+            id=request_id, created=created)
         for i in range(len(choices.states)):
-            yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role=ROLE, content="")))
-        plain = TextChunks(lambda i, t: chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=t))))
+            yield first_chunk.fill(index=i)
+        plain = TextChunks(self.chunk_template((*key, "text"), render, TEXT_FIELDS).bind(id=request_id,
+                                                                                          created=created))
+        last = self.chunk_template((*key, "last"), render, LAST_FIELDS).bind(id=request_id, created=created)
         plain_only = not request.logprobs and not request.return_token_ids
         events: list[str] = []
-        while (item := await self.next_output(streams)) is not None:
-            p, output = item
-            for out in output.outputs:
-                i = choices.index(p, out)
-                first = not choices.states[i].token_ids
-                choices.states[i].add(out)
-                if plain_only and out.finish_reason is None:
-                    if out.text or out.token_ids:
-                        events.append(plain.event(i, out.text))
-                elif out.text or out.token_ids or out.finish_reason is not None:
-                    events.append(chunk(ChatCompletionResponseStreamChoice(
-                        index=i, delta=DeltaMessage(content=out.text),
-                        logprobs=self._logprobs(request, text, out.token_ids, out.logprobs or []),
-                        finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                        **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
-            if events and not streams.has_ready():  # what is ready goes out in one write
+        while (batch := await self.next_outputs(streams)) is not None:
+            for p, output in batch:
+                for out in output.outputs:
+                    i = choices.index(p, out)
+                    first = not choices.states[i].token_ids
+                    choices.states[i].add(out)
+                    if plain_only and out.finish_reason is not None:
+                        events.append(last.fill(index=i, text=out.text, finish_reason=out.finish_reason,
+                                                stop_reason=out.stop_reason))
+                    elif plain_only:
+                        if out.text or out.token_ids:
+                            events.append(plain.event(i, out.text))
+                    elif out.text or out.token_ids or out.finish_reason is not None:
+                        events.append(chunk(ChatCompletionResponseStreamChoice(
+                            index=i, delta=DeltaMessage(content=out.text),
+                            logprobs=self._logprobs(request, text, out.token_ids, out.logprobs or []),
+                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                            **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
+            if events:  # what was ready goes out in one write
                 yield "".join(events)
                 events.clear()
-        if events:
-            yield "".join(events)
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):

@@ -4,11 +4,12 @@ a usage chunk when ``stream_options.include_usage``, then ``[DONE]``), or answer
 from __future__ import annotations
 
 import time
-from typing import AsyncGenerator, Callable
+from typing import Any, AsyncGenerator, Callable
 
 from fastapi import Request
 from fastapi.responses import Response
 
+from runner.entrypoints.openai.chunk_templates import SlotKind
 from runner.entrypoints.openai.echo import check_echo_request, echo_response, wants_prompt, with_prompt_logprobs
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import bad_request
@@ -29,6 +30,10 @@ from runner.entrypoints.openai.serving_engine import (
 )
 from runner.entrypoints.openai.sse import DONE, TextChunks, chunk_event
 from runner.outputs import Logprob
+
+# The fields of the stream chunks built from templates (``chunk_templates.py``): a token's text, and the last one.
+TEXT_FIELDS: dict[str, SlotKind] = {"id": "str", "created": "int", "index": "int", "text": "str"}
+LAST_FIELDS: dict[str, SlotKind] = {**TEXT_FIELDS, "finish_reason": "str", "stop_reason": "json"}
 
 
 class OpenAIServingCompletion(OpenAIServing):
@@ -86,38 +91,46 @@ class OpenAIServingCompletion(OpenAIServing):
             return chunk_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[choice]),
                                include_usage)
 
-        plain = TextChunks(lambda i, t: chunk(CompletionResponseStreamChoice(index=i, text=t)))
+        def render(id: str, created: int, **choice: Any) -> str:  # a chunk template's model path
+            return chunk_event(CompletionStreamResponse(id=id, created=created, model=model, choices=[
+                CompletionResponseStreamChoice(**choice)]), include_usage)
+
+        key = ("completion", model, str(include_usage))
+        plain = TextChunks(self.chunk_template((*key, "text"), render, TEXT_FIELDS).bind(id=request_id,
+                                                                                          created=created))
+        last = self.chunk_template((*key, "last"), render, LAST_FIELDS).bind(id=request_id, created=created)
         plain_only = request.logprobs is None and not request.return_token_ids
         events: list[str] = []
-        while (item := await self.next_output(streams)) is not None:
-            p, output = item
-            for out in output.outputs:
-                i = choices.index(p, out)
-                state = choices.states[i]
-                if plain_only and out.finish_reason is None:
+        while (batch := await self.next_outputs(streams)) is not None:
+            for p, output in batch:
+                for out in output.outputs:
+                    i = choices.index(p, out)
+                    state = choices.states[i]
+                    if plain_only:
+                        state.add(out)
+                        if out.finish_reason is not None:
+                            events.append(last.fill(index=i, text=out.text, finish_reason=out.finish_reason,
+                                                    stop_reason=out.stop_reason))
+                        elif out.text or out.token_ids:
+                            events.append(plain.event(i, out.text))
+                        continue
+                    logprobs = None
+                    if request.logprobs is not None:
+                        # offsets count the tokens' texts, as in the full response (the text itself may lag behind
+                        # while a stop string could still complete)
+                        logprobs = completion_logprobs(out.token_ids, out.logprobs or [], request.logprobs, text,
+                                                       initial_offset=state.token_text_len)
+                        state.token_text_len += sum(len(t) for t in logprobs.tokens)
+                    first = not state.token_ids
                     state.add(out)
-                    if out.text or out.token_ids:
-                        events.append(plain.event(i, out.text))
-                    continue
-                logprobs = None
-                if request.logprobs is not None:
-                    # offsets count the tokens' texts, as in the full response (the text itself may lag behind
-                    # while a stop string could still complete)
-                    logprobs = completion_logprobs(out.token_ids, out.logprobs or [], request.logprobs, text,
-                                                   initial_offset=state.token_text_len)
-                    state.token_text_len += sum(len(t) for t in logprobs.tokens)
-                first = not state.token_ids
-                state.add(out)
-                if out.text or out.token_ids or out.finish_reason is not None:
-                    events.append(chunk(CompletionResponseStreamChoice(
-                        index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
-                        stop_reason=out.stop_reason,
-                        **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
-            if events and not streams.has_ready():  # what is ready goes out in one write
+                    if out.text or out.token_ids or out.finish_reason is not None:
+                        events.append(chunk(CompletionResponseStreamChoice(
+                            index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
+                            stop_reason=out.stop_reason,
+                            **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
+            if events:  # what was ready goes out in one write
                 yield "".join(events)
                 events.clear()
-        if events:
-            yield "".join(events)
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):

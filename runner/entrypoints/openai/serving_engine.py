@@ -28,6 +28,7 @@ from runner.engine.protocol import (
     EngineShuttingDownError,
     RequestError,
 )
+from runner.entrypoints.openai.chunk_templates import ChunkTemplate, SlotKind
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request, redact
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
@@ -35,7 +36,7 @@ from runner.entrypoints.openai.limits import read_body
 from runner.entrypoints.openai.prompt_bounds import check_prompt_chars, max_prompt_chars, release_memory_after
 from runner.entrypoints.openai.protocol import UsageInfo
 from runner.entrypoints.openai.serving_models import ServingModels
-from runner.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
+from runner.entrypoints.openai.sse import EventStreamResponse, sse_event
 from runner.outputs import CompletionOutput, Logprob, RequestOutput
 from runner.sampling_params import SamplingParams
 
@@ -115,6 +116,7 @@ class OpenAIServing:
         self.max_request_bytes = max_request_bytes
         self.tokenizer_thread = tokenizer_thread or ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._max_prompt_chars: int | None = None
+        self._chunk_templates: dict[tuple[str, ...], ChunkTemplate] = {}
 
     # ---- input ------------------------------------------------------------------------------------------
     async def read(self, raw: Request, model: type[_M]) -> _M:
@@ -146,6 +148,15 @@ class OpenAIServing:
             raise bad_request(f"{param} has token id {bad[0]}, outside the model's vocabulary [0, {vocab})", param)
         return prompt
 
+    def chunk_template(self, key: tuple[str, ...], render: Callable[..., str],
+                       kinds: dict[str, SlotKind]) -> ChunkTemplate:
+        """The template of one kind of stream chunk (``key``: its kind and what else fixes it, such as the model
+        name), rendered through its model the first time only."""
+        template = self._chunk_templates.get(key)
+        if template is None:
+            template = self._chunk_templates[key] = ChunkTemplate.render(render, kinds)
+        return template
+
     # ---- the engine ------------------------------------------------------------------------------------------
     async def start(self, raw: Request, request_ids: list[str], prompts: list[EnginePrompt],
                     params: list[SamplingParams]) -> EngineStreams:
@@ -155,21 +166,12 @@ class OpenAIServing:
         if self.log_requests:
             for rid, prompt, sp in zip(request_ids, prompts, params):
                 logger.info("Request %s: %d prompt tokens, %s", rid, len(prompt.token_ids), sp)
-        iterators = []
+        streams = self.lifecycle.open_streams(request_ids, raw.receive)
         try:
-            for rid, prompt, sp in zip(request_ids, prompts, params):
-                iterators.append(self.engine.generate(rid, prompt.text, prompt.token_ids, sp))
-        except BaseException as exc:  # the engine refused one: leave the ones it took
-            for rid, it in zip(request_ids, iterators):
-                aclose = getattr(it, "aclose", None)
-                if aclose is not None:
-                    await aclose()
-                await self.engine.abort(rid)
-            raise self.failure(exc) from exc
-        streams = self.lifecycle.open_streams(request_ids[:len(iterators)], iterators, raw.receive)
-        try:
+            for prompt, sp in zip(prompts, params):
+                streams.open(prompt.text, prompt.token_ids, sp)
             await streams.prime()
-        except BaseException as exc:
+        except BaseException as exc:  # the engine refused one: leave (and abort) the ones it took
             await streams.close()
             raise self.failure(exc) from exc
         return streams
@@ -185,12 +187,24 @@ class OpenAIServing:
                               f"The engine could not run request {item[1].request_id}: {redact(item[1].error)}")
         return item
 
+    async def next_outputs(self, streams: EngineStreams) -> list[tuple[int, RequestOutput]] | None:
+        """:meth:`next_output` for every output ready now (``EngineStreams.next_batch``)."""
+        batch = await streams.next_batch()
+        if batch is None and streams.stop_reason == "dead":
+            raise EngineDeadError(self.lifecycle.dead_reason or "the engine died")
+        if batch is not None and batch[0][1].error is not None:
+            raise OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                              f"The engine could not run request {batch[0][1].request_id}: "
+                              f"{redact(batch[0][1].error)}")
+        return batch
+
     async def respond(self, stream: bool, streams: EngineStreams, choices: Choices,
                       events: Callable[[], AsyncGenerator[str, None]], body: Callable[[], BaseModel]) -> Response:
         """The response: ``events()`` as a server-sent-event stream, or every output read into ``choices`` and
         answered as ``body()``. The engine requests end with it either way (``streams`` closed)."""
         if stream:
-            return EventStreamResponse(self._stream_guard(streams, events()))
+            return EventStreamResponse(events(), lambda exc: sse_event(self.failure(exc).body().model_dump()),
+                                       streams.close)
         try:
             while (item := await self.next_output(streams)) is not None:
                 p, output = item
@@ -203,19 +217,6 @@ class OpenAIServing:
         except BaseException as exc:
             raise self.failure(exc) from exc
         finally:
-            await streams.close()
-
-    async def _stream_guard(self, streams: EngineStreams,
-                            events: AsyncGenerator[str, None]) -> AsyncGenerator[str, None]:
-        """A failure after the 200 goes into the stream as an error event, then ``[DONE]`` (vLLM's way)."""
-        try:
-            async for event in events:
-                yield event
-        except Exception as exc:
-            yield sse_event(self.failure(exc).body().model_dump())
-            yield DONE
-        finally:
-            await events.aclose()
             await streams.close()
 
     def end_unfinished(self, streams: EngineStreams, choices: Choices) -> list[int]:

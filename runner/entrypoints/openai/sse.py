@@ -1,17 +1,19 @@
 """Server-sent events as OpenAI streams them: a ``data:`` line per JSON chunk, ``data: [DONE]`` at the end.
 
-``EventStreamResponse`` always closes the generator (its ``finally`` ends the engine requests), also when the
-client is gone; the disconnect itself is noticed by ``EngineStreams`` on the ASGI receive channel.
+``EventStreamResponse`` always closes the generator and ends the engine requests, also when the client is gone;
+the disconnect itself is noticed by ``EngineStreams`` on the ASGI receive channel.
 """
 from __future__ import annotations
 
 import json
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # C-accelerated; ensure_ascii=False
-from typing import Any, AsyncGenerator, Callable
+from typing import Any, AsyncGenerator, Awaitable, Callable
 
 from pydantic import BaseModel
 from starlette.responses import Response
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from runner.entrypoints.openai.chunk_templates import ChunkTemplate
 
 DONE = "data: [DONE]\n\n"
 
@@ -30,43 +32,72 @@ def chunk_event(chunk: BaseModel, include_usage: bool) -> str:
 
 
 class TextChunks:
-    """The events of a stream's plain text chunks (no logprobs, no token ids, not the last) without building a
-    pydantic model per token: the chunk of choice ``index`` is rendered once through ``render(index, text)``
-    (the model path, with a marker text), split around the marker, and each token's event is that head, the
-    text as a JSON string, and that tail: the same bytes the model path writes."""
+    """The events of a stream's plain text chunks (no logprobs, no token ids, not the last) of one request:
+    ``template`` (``chunk_templates.py``) has the request's id and time filled, the choice's index and the text
+    left; each choice's head and tail are made once, and a token's event is head, its text as JSON, tail."""
 
-    _MARK = "\x00ubatch-text\x00"
-
-    def __init__(self, render: Callable[[int, str], str]) -> None:
-        self._render = render
+    def __init__(self, template: ChunkTemplate) -> None:
+        self._template = template
         self._parts: dict[int, tuple[str, str]] = {}
 
     def event(self, index: int, text: str) -> str:
         parts = self._parts.get(index)
         if parts is None:
-            head, mark, tail = self._render(index, self._MARK).partition(encode_basestring(self._MARK))
-            if not mark or self._MARK in tail:
-                raise RuntimeError(f"the stream chunk template of choice {index} does not hold its text once")
-            parts = self._parts[index] = (head, tail)
+            parts = self._parts[index] = self._template.bind(index=index).around("text")
         return parts[0] + encode_basestring(text) + parts[1]
 
 
+class RawSend:
+    """The outermost ASGI layer of the served app: keeps the server's own ``send`` in the scope (``RAW_SEND``),
+    so that a stream's body chunks go straight to it. Starlette's and FastAPI's middlewares wrap ``send`` only to
+    see the response start (and the error handler to know a response began), which still goes through them;
+    passing each of thousands of chunks a second through their four wrappers cost a tenth of the server's CPU."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND] = send
+        await self.app(scope, receive, send)
+
+
+RAW_SEND = "ubatch.raw_send"
+
+
 class EventStreamResponse(Response):
+    """``events`` as server-sent events, in one write per item. An exception the events raise after the 200 goes
+    into the stream as ``on_error(exc)`` (an error event), then ``[DONE]``, as vLLM does; ``close`` runs at the
+    end whatever happened (it ends the engine requests)."""
+
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[str, None]) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], on_error: Callable[[Exception], str],
+                 close: Callable[[], Awaitable[None]]) -> None:
         self.events = events
+        self.on_error = on_error
+        self.close = close
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        send_body = scope.get(RAW_SEND, send)  # served without RawSend (a test's app): through the middlewares
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
-            async for event in self.events:
-                await send({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            try:
+                async for event in self.events:
+                    await send_body({"type": "http.response.body", "body": event.encode(), "more_body": True})
+            except OSError:
+                raise
+            except Exception as exc:
+                tail = self.on_error(exc) + DONE
+                await send_body({"type": "http.response.body", "body": tail.encode(), "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except OSError:  # the client went away while we wrote; the events' finally ends its requests
+        except OSError:  # the client went away while we wrote; ``close`` ends its requests
             pass
         finally:
-            await self.events.aclose()
+            try:
+                await self.events.aclose()
+            finally:
+                await self.close()
