@@ -1,0 +1,415 @@
+"""``serve --api-server-count N`` (vLLM's flag): N API-server processes on one port in front of the same ranks.
+
+One process's event loop tokenizes, detokenizes and writes every streamed token; N of them spread that CPU.
+This process (the parent) binds the listening socket once, starts the ranks (``core_client.start_ranks``) and
+N API-server processes that inherit the socket (the kernel hands each new connection to one of them, which
+serves that request end to end with its own engine client, ``client_index`` i of N), and supervises all:
+
+- **Ready.** Each API server reports once its client has every rank's ``Ready``; the parent logs when all have.
+- **Signals.** The API servers ignore SIGINT/SIGTERM/SIGHUP (a signal to the whole process group reaches the
+  parent alone); the parent tells each to drain (a second signal: to abort now, as with one process). Once all
+  have exited, the ranks are told to leave their loops and are stopped; the exit status is 0.
+- **Faults.** A rank failing (named by the launcher) is told to every API server, which fails its requests in
+  flight with a 500 naming it and exits 1; an API server exiting unasked is named in the parent's error and the
+  others are failed with that message. The parent then exits 1, leaving no process behind.
+- **Metrics.** prometheus_client's multiprocess mode over a private ``PROMETHEUS_MULTIPROC_DIR`` (removed at
+  exit): ``/metrics`` on any front end sums the request counters and histograms of all; the engine's gauges
+  come from the stats every rank sends to every client.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Iterator
+
+from runner.engine.core_client import EngineSockets
+
+logger = logging.getLogger("runner.entrypoints.openai.api_servers")
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# How long the API servers may take to exit once told that the engine died (their 500s, then their exit).
+DEAD_EXIT_S = 30.0
+
+
+@dataclass
+class ApiServerSpec:
+    """What API server ``index`` of ``count`` needs (pickled into its spawned process)."""
+
+    index: int
+    count: int
+    args: argparse.Namespace
+    cfg: Any
+    tokenizer: Any
+    generation_config: Any
+    max_logprobs: int
+    sockets: EngineSockets
+    parent_pid: int
+
+
+# ------------------------------------------------------------------------------------------------- the parent
+def serve_api_servers(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any,
+                      max_logprobs: int) -> int:
+    """Run the ranks and ``args.api_server_count`` API servers until a signal (drain; 0) or a failure (1)."""
+    from runner.engine.core_client import start_ranks
+    from runner.entrypoints.openai.api_server import bind_socket
+
+    count = args.api_server_count
+    sock = bind_socket(args.host, args.port)  # before the ranks load: a busy port fails in a second, not minutes
+    sockets = EngineSockets.create(cfg.data_parallel_size, count)
+    metrics_dir = tempfile.mkdtemp(prefix="ubatch-prometheus-")
+    signals = _Signals()
+    group: Any = None
+    servers = _ApiServers()
+    failure: str | None = None
+    try:
+        with signals:
+            group = start_ranks(cfg, sockets)
+            ranks = _RankWatch(group)
+            with _environ({"PROMETHEUS_MULTIPROC_DIR": metrics_dir}):
+                for i in range(count):
+                    servers.start(ApiServerSpec(i, count, server_flags(args), cfg, tokenizer, generation_config,
+                                                max_logprobs, sockets, os.getpid()), sock)
+            failure = _supervise(servers, ranks, signals, sock, args.shutdown_timeout)
+            if failure is None:
+                _stop_ranks(group, sockets, args.shutdown_timeout + 30.0)
+            ranks.stop()
+    finally:
+        servers.close()
+        if group is not None:
+            group.close()
+        sock.close()
+        sockets.remove()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
+    if failure is not None:
+        print(f"error: {failure}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def server_flags(args: argparse.Namespace) -> argparse.Namespace:
+    """The parsed flags without the parser objects the CLI keeps in them (``subparser``): what can travel."""
+    return argparse.Namespace(**{k: v for k, v in vars(args).items() if not isinstance(v, argparse.ArgumentParser)})
+
+
+def _supervise(servers: "_ApiServers", ranks: "_RankWatch", signals: "_Signals", sock: socket.socket,
+               shutdown_timeout_s: float) -> str | None:
+    """Until every API server has exited: relay signals and failures; the first failure, or None."""
+    host, port = sock.getsockname()[:2]
+    failure: str | None = None
+    draining = False
+    ready: set[int] = set()
+    while servers.alive():
+        for obj in wait(servers.waitables(), timeout=0.2):
+            index, kind = servers.which(obj)
+            if kind == "message":
+                message = servers.receive(index)
+                if message is not None and message[0] == "ready":
+                    ready.add(index)
+                    if len(ready) == servers.count:
+                        logger.info("Serving on http://%s:%d with %d API server processes",
+                                    f"[{host}]" if ":" in host else host, port, servers.count)
+            else:
+                code = servers.reap(index)
+                if failure is None and (code != 0 or not draining):
+                    failure = f"API server {index} (pid {servers.pid(index)}) {_describe_exit(code)}"
+                    servers.tell_all(("dead", failure))
+        if failure is None and ranks.error is not None:
+            failure = ranks.error
+            servers.tell_all(("dead", failure))
+        for signum in signals.take():
+            draining = True
+            servers.tell_all(("drain", signal.Signals(signum).name))
+        if failure is not None and not servers.deadline_set:
+            servers.kill_after(DEAD_EXIT_S if not draining else shutdown_timeout_s + DEAD_EXIT_S)
+        servers.kill_overdue()
+    return failure
+
+
+def _stop_ranks(group: Any, sockets: EngineSockets, timeout_s: float) -> None:
+    """Every API server is gone: tell the ranks to leave their loops (after their wave), then wait for them."""
+    import time
+
+    import zmq
+
+    from runner.core.messages import ENCODER, Shutdown
+
+    ctx = zmq.Context()
+    try:
+        for address in sockets.inputs:
+            out = ctx.socket(zmq.PUSH)
+            out.setsockopt(zmq.LINGER, 1000)
+            out.connect(address)
+            out.send(ENCODER.encode(Shutdown()))
+            out.close()
+    finally:
+        ctx.term()
+    deadline = time.monotonic() + timeout_s
+    for p in group.procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+
+
+def _describe_exit(code: int | None) -> str:
+    from runner.distributed.launch import describe_exit
+
+    return describe_exit(code)
+
+
+class _RankWatch:
+    """The ranks' supervisor, in a thread: ``error`` names the failed rank(s) (the launcher's words)."""
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.error: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ubatch-rank-supervisor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        from runner.distributed.launch import LaunchError
+
+        try:
+            self.group.supervise(self._stop)
+            if not self._stop.is_set():
+                self.error = "every rank exited while the server was running"
+        except LaunchError as exc:
+            self.error = str(exc)
+        except BaseException as exc:  # noqa: BLE001 - reported, never lost in a thread
+            self.error = f"the rank supervisor failed: {type(exc).__name__}: {exc}"
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+
+class _ApiServers:
+    """The spawned API-server processes and the pipe to each (messages both ways)."""
+
+    def __init__(self) -> None:
+        self.ctx = mp.get_context("spawn")
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        self.done: set[int] = set()
+        self.deadline_set = False
+        self._kill_at: float | None = None
+
+    @property
+    def count(self) -> int:
+        return len(self.procs)
+
+    def start(self, spec: ApiServerSpec, sock: socket.socket) -> None:
+        parent_conn, child_conn = self.ctx.Pipe()
+        # typeshed types get_context(str) as BaseContext; every concrete context has Process
+        p = self.ctx.Process(target=api_server_main, name=f"ubatch-api-server-{spec.index}",  # type: ignore[attr-defined]
+                             args=(spec, sock, child_conn))
+        try:
+            p.start()
+        finally:
+            child_conn.close()
+        self.procs.append(p)
+        self.conns.append(parent_conn)
+        logger.info("API server %d pid %d", spec.index, p.pid)
+
+    def pid(self, index: int) -> int:
+        return int(self.procs[index].pid)
+
+    def alive(self) -> bool:
+        return len(self.done) < len(self.procs)
+
+    def waitables(self) -> list[Any]:
+        live = [i for i in range(len(self.procs)) if i not in self.done]
+        return [self.procs[i].sentinel for i in live] + [self.conns[i] for i in live]
+
+    def which(self, obj: Any) -> tuple[int, str]:
+        for i, p in enumerate(self.procs):
+            if obj is self.conns[i]:
+                return i, "message"
+            if obj == p.sentinel:
+                return i, "exit"
+        raise ValueError(f"unknown waitable {obj!r}")
+
+    def receive(self, index: int) -> tuple[Any, ...] | None:
+        try:
+            message: tuple[Any, ...] = self.conns[index].recv()
+            return message
+        except (EOFError, OSError):
+            return None  # it is exiting: its sentinel says how
+
+    def reap(self, index: int) -> int | None:
+        self.procs[index].join(5.0)
+        self.done.add(index)
+        return self.procs[index].exitcode
+
+    def tell_all(self, message: tuple[str, str]) -> None:
+        for i, conn in enumerate(self.conns):
+            if i not in self.done:
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(message)
+
+    def kill_after(self, seconds: float) -> None:
+        import time
+
+        self.deadline_set = True
+        self._kill_at = time.monotonic() + seconds
+
+    def kill_overdue(self) -> None:
+        import time
+
+        if self._kill_at is not None and time.monotonic() > self._kill_at:
+            for i, p in enumerate(self.procs):
+                if i not in self.done and p.is_alive():
+                    logger.error("API server %d (pid %d) did not exit in time: killing it", i, p.pid)
+                    p.kill()
+
+    def close(self) -> None:
+        """Stop any API server still running (SIGTERM is ignored by them: SIGKILL) and close the pipes."""
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+            p.join(5.0)
+        for conn in self.conns:
+            conn.close()
+
+
+class _Signals:
+    """While entered, SIGINT/SIGTERM/SIGHUP are queued for the supervisor loop (``take``) instead of raising."""
+
+    def __init__(self) -> None:
+        self.pending: list[int] = []
+        self.saved: dict[int, Any] = {}
+
+    def __enter__(self) -> "_Signals":
+        for sig in SIGNALS:
+            self.saved[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.pending.append(signum)
+
+    def take(self) -> list[int]:
+        taken, self.pending = self.pending, []
+        return taken
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self.saved.items():
+            signal.signal(sig, handler)
+
+
+@contextlib.contextmanager
+def _environ(values: dict[str, str]) -> Iterator[None]:
+    """Set ``values`` in os.environ for the block (a spawned child inherits the environment at start())."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# --------------------------------------------------------------------------------------------- an API server
+def api_server_main(spec: ApiServerSpec, sock: socket.socket, conn: Connection) -> None:
+    """The body of API server ``spec.index``: an engine client attached to the ranks, the HTTP server on the
+    inherited socket, and the parent's orders (drain, engine dead) from ``conn``. Exits with the server's
+    status."""
+    from runner.distributed.launch import describe_exception
+    from runner.distributed.liveness import die_with_parent
+    from runner.entrypoints.openai.protocol import set_max_logprobs
+    from runner.entrypoints.serve import _log_to_stderr
+
+    for sig in SIGNALS:  # the parent decides when to drain
+        signal.signal(sig, signal.SIG_IGN)
+    die_with_parent(spec.parent_pid)
+    set_max_logprobs(spec.max_logprobs)
+    _log_to_stderr()
+    try:
+        code = asyncio.run(_serve_attached(spec, sock, conn))
+    except Exception as exc:  # noqa: BLE001 - one line naming this API server; the parent names it too
+        print(f"error: API server {spec.index}: {describe_exception(exc)}", file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+async def _serve_attached(spec: ApiServerSpec, sock: socket.socket, conn: Connection) -> int:
+    from runner.core.engine_core import tune_gc
+    from runner.engine.core_client import MPEngineClient
+    from runner.entrypoints.openai.api_server import run_server
+    from runner.entrypoints.openai.cli_args import served_model_names
+    from runner.entrypoints.openai.metrics import ServerMetrics
+    from runner.entrypoints.serve import add_routes
+
+    args, gc = spec.args, spec.generation_config
+    dead = asyncio.Event()
+    client = MPEngineClient(spec.cfg, tokenizer=spec.tokenizer, default_params=gc.sampling_defaults,
+                            generation_config=gc, max_queued_requests=args.max_queued_requests,
+                            on_dead=lambda message: dead.set(), sockets=spec.sockets, client_index=spec.index)
+    orders = _ParentOrders(conn, client)
+    loop = asyncio.get_running_loop()
+    loop.add_reader(conn.fileno(), orders.read)
+    try:
+        await client.start()
+        if orders.drain_asked:  # told to stop while the ranks were loading
+            return 0
+        tune_gc()
+        metrics = ServerMetrics(served_model_names(args)[0], client.max_model_len, api_server=spec.index)
+        client.metrics = metrics
+        conn.send(("ready", os.getpid()))
+
+        def configure(app: Any) -> None:
+            add_routes(app, args.profile_dir)
+            orders.lifecycle = app.state.lifecycle
+            if orders.drain_asked:  # told to stop between the ranks' Ready and now
+                orders.lifecycle.begin_drain(orders.drain_why)
+
+        code = await run_server(args, client, engine_dead=dead, metrics=metrics, sock=sock, configure_app=configure,
+                                handle_signals=False)
+        if client.dead_error is not None:
+            print(f"error: API server {spec.index}: {client.dead_error}", file=sys.stderr)
+            code = code or 1
+        return code
+    finally:
+        loop.remove_reader(conn.fileno())
+        if client.dead_error is None:
+            await client.shutdown(args.shutdown_timeout + 30.0)
+        else:
+            await client.close()
+
+
+class _ParentOrders:
+    """The parent's messages to an API server: ``("drain", why)`` (a signal reached the parent) and
+    ``("dead", message)`` (a rank or another API server failed)."""
+
+    def __init__(self, conn: Connection, client: Any) -> None:
+        self.conn, self.client = conn, client
+        self.lifecycle: Any = None  # the server's, once it runs
+        self.drain_asked = False
+        self.drain_why = ""
+
+    def read(self) -> None:
+        try:
+            kind, text = self.conn.recv()
+        except (EOFError, OSError):  # the parent is gone; PR_SET_PDEATHSIG ends this process
+            asyncio.get_running_loop().remove_reader(self.conn.fileno())
+            return
+        if kind == "drain":
+            self.drain_asked, self.drain_why = True, text
+            if self.lifecycle is not None:
+                self.lifecycle.begin_drain(text)
+        elif kind == "dead":
+            self.client.engine_failed(text)
