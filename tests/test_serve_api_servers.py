@@ -22,6 +22,7 @@ import pytest
 
 import test_serve_e2e as e2e
 from proc_sockets import descendants
+from test_faults import assert_nothing_left
 from runner import LLM
 from runner.entrypoints.benchserve.server_proc import METRIC_LINE, ServerProcess
 from tiny_checkpoint import TinyCheckpoint
@@ -99,9 +100,12 @@ def test_requests_land_on_both_and_metrics_count_both(server: ServerProcess,
             out = await c.completions.create(model=model, prompt=e2e.PROMPTS[i % 3], max_tokens=8, temperature=0)
             return out.choices[0].text
 
+    async def batch() -> list[str]:
+        return await asyncio.wait_for(asyncio.gather(*[one(i) for i in range(12)]), 120)
+
     sent, after = 0, before
     for _ in range(5):  # the kernel picks the front end of each connection: until both took some (bounded)
-        texts = asyncio.run(asyncio.wait_for(asyncio.gather(*[one(i) for i in range(12)]), 120))
+        texts = asyncio.run(batch())
         sent += len(texts)
         assert texts[0::3] == [texts[0]] * 4  # greedy: the same prompt gives the same text on either front end
         after = per_api_server(server.base_url)
@@ -153,7 +157,7 @@ def test_sigterm_drains_both_and_exits_0_with_no_process_left(tiny_chat_checkpoi
         assert srv.proc.returncode == 0, srv.log_tail()
         assert len(results) == 8 and all('"finish_reason":"abort"' in r or '"finish_reason":"length"' in r
                                          for r in results)
-        assert all(not os.path.exists(f"/proc/{pid}") for pid in children)
+        assert_nothing_left(children, "after the server exited")
 
 
 def test_a_killed_rank_fails_requests_on_both_front_ends_with_500_naming_it(tiny_chat_checkpoint: TinyCheckpoint
@@ -183,5 +187,5 @@ def test_a_killed_rank_fails_requests_on_both_front_ends_with_500_naming_it(tiny
         failed = [int(n) for n in re.findall(r"The engine is dead \(rank 0 exited with signal SIGKILL[^)]*\): "
                                              r"failing (\d+) running request", log)]
         assert len(failed) == 2 and sum(failed) == len(streams), failed
-        assert all(not os.path.exists(f"/proc/{pid}") for pid in children)
+        assert_nothing_left(children, "after the server exited")
 
