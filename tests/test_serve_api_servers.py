@@ -189,3 +189,16 @@ def test_a_killed_rank_fails_requests_on_both_front_ends_with_500_naming_it(tiny
         assert len(failed) == 2 and sum(failed) == len(streams), failed
         assert_nothing_left(children, "after the server exited")
 
+
+
+def test_a_killed_api_server_takes_the_server_down_naming_it(tiny_chat_checkpoint: TinyCheckpoint) -> None:
+    model = str(tiny_chat_checkpoint.path)
+    with two_front_ends(model, "") as srv:
+        assert srv.proc is not None
+        children = descendants(srv.proc.pid)
+        pids = {int(i): int(p) for i, p in API_SERVER_PIDS.findall(srv.log_tail(400))}
+        os.kill(pids[1], signal.SIGKILL)
+        srv.proc.wait(60)
+        assert srv.proc.returncode == 1
+        assert f"error: API server 1 (pid {pids[1]}) exited with signal SIGKILL" in srv.log_tail(50)
+        assert_nothing_left(children, "after the server exited")

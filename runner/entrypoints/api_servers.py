@@ -129,6 +129,10 @@ def _supervise(servers: "_ApiServers", ranks: "_RankWatch", signals: "_Signals",
             failure = ranks.error
             servers.tell_all(("dead", failure))
         for signum in signals.take():
+            if len(ready) < servers.count and failure is None:  # still loading: nothing to drain, stop now
+                failure = f"interrupted by {signal.Signals(signum).name} while the engine was starting"
+                servers.kill_after(0.0)
+                break
             draining = True
             servers.tell_all(("drain", signal.Signals(signum).name))
         if failure is not None and not servers.deadline_set:
