@@ -113,9 +113,18 @@ def test_requests_land_on_both_and_metrics_count_both(server: ServerProcess,
             break
     assert all(after.get(k, 0.0) > before.get(k, 0.0) for k in ("0", "1")), (before, after)
     assert sum(after.values()) - sum(before.values()) == sent
-    # every answer of /metrics (from whichever front end takes the connection) counts the requests of both
+    # every answer of /metrics (from whichever front end takes the connection) counts the requests of both, and
+    # the engine's figures (every rank reports to every API server; all at the end of a wave) agree: idle
     totals = {sum(metric_series(server.base_url, "ubatch:request_success_total").values()) for _ in range(8)}
     assert totals == {before_success + sent}
+    engine = ("ubatch:num_requests_running", "ubatch:kv_cache_usage_perc", "ubatch:engine_steps_total")
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        seen = {tuple(sum(metric_series(server.base_url, name).values()) for name in engine) for _ in range(8)}
+        if len(seen) == 1 and next(iter(seen))[:2] == (0.0, 0.0):
+            break
+        time.sleep(0.5)
+    assert len(seen) == 1 and next(iter(seen))[:2] == (0.0, 0.0) and next(iter(seen))[2] > 0, seen
 
 
 def test_sigterm_drains_both_and_exits_0_with_no_process_left(tiny_chat_checkpoint: TinyCheckpoint) -> None:

@@ -30,9 +30,10 @@ import socket
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Iterator
+from typing import Any
 
 from runner.engine.core_client import EngineSockets
 
@@ -62,6 +63,7 @@ class ApiServerSpec:
 def serve_api_servers(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any,
                       max_logprobs: int) -> int:
     """Run the ranks and ``args.api_server_count`` API servers until a signal (drain; 0) or a failure (1)."""
+    from runner.distributed.launch import environ_set
     from runner.engine.core_client import start_ranks
     from runner.entrypoints.openai.api_server import bind_socket
 
@@ -77,7 +79,7 @@ def serve_api_servers(cfg: Any, args: argparse.Namespace, tokenizer: Any, genera
         with signals:
             group = start_ranks(cfg, sockets)
             ranks = _RankWatch(group)
-            with _environ({"PROMETHEUS_MULTIPROC_DIR": metrics_dir}):
+            with environ_set({"PROMETHEUS_MULTIPROC_DIR": metrics_dir}):
                 for i in range(count):
                     servers.start(ApiServerSpec(i, count, server_flags(args), cfg, tokenizer, generation_config,
                                                 max_logprobs, sockets, os.getpid()), sock)
@@ -106,6 +108,8 @@ def server_flags(args: argparse.Namespace) -> argparse.Namespace:
 def _supervise(servers: "_ApiServers", ranks: "_RankWatch", signals: "_Signals", sock: socket.socket,
                shutdown_timeout_s: float) -> str | None:
     """Until every API server has exited: relay signals and failures; the first failure, or None."""
+    from runner.distributed.launch import describe_exit
+
     host, port = sock.getsockname()[:2]
     failure: str | None = None
     draining = False
@@ -123,7 +127,7 @@ def _supervise(servers: "_ApiServers", ranks: "_RankWatch", signals: "_Signals",
             else:
                 code = servers.reap(index)
                 if failure is None and (code != 0 or not draining):
-                    failure = f"API server {index} (pid {servers.pid(index)}) {_describe_exit(code)}"
+                    failure = f"API server {index} (pid {servers.pid(index)}) {describe_exit(code)}"
                     servers.tell_all(("dead", failure))
         if failure is None and ranks.error is not None:
             failure = ranks.error
@@ -143,8 +147,6 @@ def _supervise(servers: "_ApiServers", ranks: "_RankWatch", signals: "_Signals",
 
 def _stop_ranks(group: Any, sockets: EngineSockets, timeout_s: float) -> None:
     """Every API server is gone: tell the ranks to leave their loops (after their wave), then wait for them."""
-    import time
-
     import zmq
 
     from runner.core.messages import ENCODER, Shutdown
@@ -162,12 +164,6 @@ def _stop_ranks(group: Any, sockets: EngineSockets, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     for p in group.procs:
         p.join(max(0.0, deadline - time.monotonic()))
-
-
-def _describe_exit(code: int | None) -> str:
-    from runner.distributed.launch import describe_exit
-
-    return describe_exit(code)
 
 
 class _RankWatch:
@@ -262,14 +258,10 @@ class _ApiServers:
                     conn.send(message)
 
     def kill_after(self, seconds: float) -> None:
-        import time
-
         self.deadline_set = True
         self._kill_at = time.monotonic() + seconds
 
     def kill_overdue(self) -> None:
-        import time
-
         if self._kill_at is not None and time.monotonic() > self._kill_at:
             for i, p in enumerate(self.procs):
                 if i not in self.done and p.is_alive():
@@ -310,21 +302,6 @@ class _Signals:
             signal.signal(sig, handler)
 
 
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    """Set ``values`` in os.environ for the block (a spawned child inherits the environment at start())."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
 # --------------------------------------------------------------------------------------------- an API server
 def api_server_main(spec: ApiServerSpec, sock: socket.socket, conn: Connection) -> None:
     """The body of API server ``spec.index``: an engine client attached to the ranks, the HTTP server on the
@@ -333,13 +310,13 @@ def api_server_main(spec: ApiServerSpec, sock: socket.socket, conn: Connection) 
     from runner.distributed.launch import describe_exception
     from runner.distributed.liveness import die_with_parent
     from runner.entrypoints.openai.protocol import set_max_logprobs
-    from runner.entrypoints.serve import _log_to_stderr
+    from runner.entrypoints.serve import log_to_stderr
 
     for sig in SIGNALS:  # the parent decides when to drain
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(spec.parent_pid)
     set_max_logprobs(spec.max_logprobs)
-    _log_to_stderr()
+    log_to_stderr()
     try:
         code = asyncio.run(_serve_attached(spec, sock, conn))
     except Exception as exc:  # noqa: BLE001 - one line naming this API server; the parent names it too

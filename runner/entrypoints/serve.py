@@ -54,7 +54,7 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     template = read_chat_template(args.chat_template, parser) if args.chat_template else None
     max_logprobs = max_logprobs_or_exit(args.max_logprobs, info.vocab_size, parser)
     set_max_logprobs(max_logprobs)
-    _log_to_stderr()
+    log_to_stderr()
     if tokenizer_dir is not None:
         tokenizer = load_tokenizer_from_dir(tokenizer_dir)
     else:
@@ -93,7 +93,7 @@ def add_routes(app: Any, profile_dir: str | None) -> None:
     add_tokenization_routes(app)
 
 
-def _log_to_stderr() -> None:
+def log_to_stderr() -> None:
     """INFO logs of the server and of its engine client on stderr (which pid each rank has, rank failures),
     unless the application configured logging."""
     if logging.getLogger().handlers:
