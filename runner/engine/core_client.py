@@ -278,9 +278,9 @@ class MPEngineClient(EngineClient):
             self._out_socket.close(linger=0)
             self._ctx.term()
             self._ctx = None
-        if self._sockets is not None and self._owns_ranks:
+        if self._owns_ranks and self._sockets is not None:  # attached: the sockets are their owner's to remove
             self._sockets.remove()
-        self._sockets = None if self._owns_ranks else self._sockets
+            self._sockets = None
 
     # ------------------------------------------------------------------ requests
     def _check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
