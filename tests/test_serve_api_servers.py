@@ -3,7 +3,7 @@ ranks (real processes on loopback, the official ``openai`` client, the checkpoin
 
 What must hold (issue 36): greedy completions, chat and streams equal the offline ``LLM`` (DP=2 with EP and
 DBO: both front ends' requests share the ranks' waves); requests land on both API servers and ``/metrics`` on
-either counts the requests of both; SIGTERM drains both and exits 0 with no process left; a killed rank fails
+either counts the requests of both; a profile window's timelines go to the API server that stopped it; SIGTERM drains both and exits 0 with no process left; a killed rank fails
 the requests in flight on every front end with a 500 naming it, and the server exits non-zero.
 """
 from __future__ import annotations
@@ -50,8 +50,10 @@ def two_front_ends(model: str, extra: str) -> Iterator[ServerProcess]:
 
 
 @pytest.fixture(scope="module")
-def server(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[ServerProcess]:
-    with two_front_ends(str(tiny_chat_checkpoint.path), e2e.DP2) as srv:
+def server(tiny_chat_checkpoint: TinyCheckpoint, tmp_path_factory: pytest.TempPathFactory
+           ) -> Iterator[ServerProcess]:
+    profiles = tmp_path_factory.mktemp("profiles")
+    with two_front_ends(str(tiny_chat_checkpoint.path), f"{e2e.DP2} --profile-dir {profiles}") as srv:
         yield srv
         code = srv.stop()
     assert code == 0, srv.log_tail()
@@ -127,6 +129,20 @@ def test_requests_land_on_both_and_metrics_count_both(server: ServerProcess,
     assert len(seen) == 1 and next(iter(seen))[:2] == (0.0, 0.0) and next(iter(seen))[2] > 0, seen
 
 
+def test_a_profile_window_comes_back_to_the_api_server_that_stopped_it(server: ServerProcess,
+                                                                       tiny_chat_checkpoint: TinyCheckpoint) -> None:
+    # one connection, so one API server; the ranks must send their timelines to that one's client
+    with httpx.Client(base_url=server.base_url, timeout=120) as h:
+        assert h.post("/start_profile").status_code == 200
+        done = h.post("/v1/completions", json={"model": str(tiny_chat_checkpoint.path), "prompt": e2e.PROMPTS[0],
+                                               "max_tokens": 8, "temperature": 0})
+        assert done.status_code == 200
+        stop = h.post("/stop_profile")
+    assert stop.status_code == 200, stop.text
+    body = stop.json()
+    assert body["path"] is not None and os.path.isfile(body["path"]) and len(body["ranks"]) == 2, body
+
+
 def test_sigterm_drains_both_and_exits_0_with_no_process_left(tiny_chat_checkpoint: TinyCheckpoint) -> None:
     model = str(tiny_chat_checkpoint.path)
     with two_front_ends(model, "--shutdown-timeout 3") as srv:
@@ -134,6 +150,7 @@ def test_sigterm_drains_both_and_exits_0_with_no_process_left(tiny_chat_checkpoi
         children = descendants(srv.proc.pid)  # the rank and both API servers
         assert len(children) >= 3
         results: list[str] = []
+        streaming: list[int] = []
 
         async def one(i: int) -> None:
             async with httpx.AsyncClient(timeout=120) as h:
@@ -143,15 +160,19 @@ def test_sigterm_drains_both_and_exits_0_with_no_process_left(tiny_chat_checkpoi
                     last = ""
                     async for line in resp.aiter_lines():
                         if line.startswith("data: {"):
+                            if not last:
+                                streaming.append(i)
                             last = line
                     results.append(last)
 
         async def run() -> list[int]:
             tasks = [asyncio.create_task(one(i)) for i in range(8)]
-            await asyncio.sleep(2.0)
+            deadline = time.monotonic() + 60
+            while len(streaming) < 8 and time.monotonic() < deadline:  # every stream has its first tokens
+                await asyncio.sleep(0.02)
             assert srv.proc is not None
             srv.proc.send_signal(signal.SIGTERM)
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(0.2)
             refused = []
             for _ in range(4):  # new connections, to either front end: both refuse new work while draining
                 async with httpx.AsyncClient(timeout=30) as h:
