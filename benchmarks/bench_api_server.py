@@ -12,6 +12,9 @@ Workload: a small Qwen3-MoE chat checkpoint written by transformers (``tests/tin
   load generator: unpinned, where the scheduler puts three busy processes on two cores changes both figures by
   up to 1.8x from run to run (the API server's CPU per token depends on how many outputs each wake-up finds).
 
+``--api-server-count N`` serves with N API-server processes (their CPU summed); pinned, they share the API
+server's core, and ``--spread`` gives API server i core i instead (so with 2 cores the second shares the
+first core with the rank and the load generator); ``--unpinned`` leaves placement to the scheduler.
 ``--checkout DIR`` serves from another checkout of the project (an earlier commit): before/after on one machine;
 ``--against DIR`` serves both in turn within each repeat, which a machine shared with other jobs needs.
 Writes ``benchmarks/results/api_server_<label>.csv``. Usage: ``python benchmarks/bench_api_server.py [--repeats 3]``.
@@ -21,10 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +59,7 @@ llm.close()
 
 LOAD = """
 import asyncio, json, os, random, sys, time, httpx
-base, model, pid, n, plen, out = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:7])
+base, model, pids, (n, plen, out) = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3].split(",")], map(int, sys.argv[4:7])
 def cpu(p):
     f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
@@ -71,10 +76,10 @@ async def main():
     async with httpx.AsyncClient(timeout=600, limits=limits) as h:  # warm-up on connections of its own
         await asyncio.gather(*[one(h, i) for i in range(8)])
     async with httpx.AsyncClient(timeout=600, limits=limits) as h:
-        server0, self0, t0 = cpu(pid), time.process_time(), time.perf_counter()
+        server0, self0, t0 = sum(map(cpu, pids)), time.process_time(), time.perf_counter()
         chunks = sum(await asyncio.gather(*[one(h, i) for i in range(n)]))
         wall = time.perf_counter() - t0
-        server, me = cpu(pid) - server0, time.process_time() - self0
+        server, me = sum(map(cpu, pids)) - server0, time.process_time() - self0
     tokens = n * out
     print(json.dumps({"tok_s": tokens / wall, "api_us_per_token": server / tokens * 1e6,
                       "client_cpu_share": me / wall, "chunks": chunks, "tokens": tokens}))
@@ -112,10 +117,24 @@ def children(pid: int) -> list[int]:
     return out + [g for c in out for g in children(c)]
 
 
-def served(model: str, checkout: Path) -> dict[str, Any]:
+def api_server_pids(srv: Any, count: int) -> list[int]:
+    """The processes that serve HTTP: the server itself, or its ``count`` API servers (from its log)."""
+    if count == 1:
+        return [srv.proc.pid]
+    deadline = time.monotonic() + 120
+    while f"with {count} API server processes" not in srv.log_tail(400) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(p) for p in re.findall(r"API server \d+ pid (\d+)", srv.log_tail(400))]
+    if len(pids) != count:
+        raise RuntimeError(f"found {len(pids)} API servers, not {count}, in the server's log:\n{srv.log_tail()}")
+    return pids
+
+
+def served(model: str, checkout: Path, api_servers: int = 1, placement: str = "pinned") -> dict[str, Any]:
     from runner.entrypoints.benchserve.server_proc import ServerProcess, free_port
 
-    srv = ServerProcess(model, f"--device cpu --max-num-seqs {NUM_PROMPTS} --uvicorn-log-level warning",
+    flags = f" --api-server-count {api_servers}" if api_servers > 1 else ""
+    srv = ServerProcess(model, f"--device cpu --max-num-seqs {NUM_PROMPTS} --uvicorn-log-level warning{flags}",
                         startup_timeout_s=600, name="api-bench")
     srv.port = free_port()
     srv.base_url = f"http://127.0.0.1:{srv.port}"
@@ -131,13 +150,18 @@ def served(model: str, checkout: Path) -> dict[str, Any]:
         os.chdir(old_cwd)
     try:
         assert srv.proc is not None
-        load = [sys.executable, "-c", LOAD, srv.base_url, model, str(srv.proc.pid), str(NUM_PROMPTS),
+        front = api_server_pids(srv, api_servers)
+        load = [sys.executable, "-c", LOAD, srv.base_url, model, ",".join(map(str, front)), str(NUM_PROMPTS),
                 str(PROMPT_LEN), str(OUTPUT_LEN)]
         cores = sorted(os.sched_getaffinity(0))
-        if len(cores) >= 2:  # the API server alone on one core; its ranks and the load generator on another
-            pin(srv.proc.pid, {cores[-1]})
+        if len(cores) >= 2 and placement != "unpinned":
+            # the API server(s) on the last core; the ranks (and an idle parent) and the load generator on the
+            # first; --spread: API server i on core i
             for child in children(srv.proc.pid):
                 pin(child, {cores[0]})
+            pin(srv.proc.pid, {cores[0] if api_servers > 1 else cores[-1]})
+            for i, pid in enumerate(front):
+                pin(pid, {cores[i % len(cores)] if placement == "spread" else cores[-1]})
             load = ["taskset", "-c", str(cores[0]), *load]
         out = subprocess.run(load, capture_output=True, text=True, timeout=1200)
         if out.returncode:
@@ -170,6 +194,12 @@ def main() -> int:
                    help="another checkout served in turn with --checkout in every repeat (before/after on a shared "
                         "machine: the other jobs' load then falls on both alike)")
     p.add_argument("--against-label", default="against", help="the label of --against's rows")
+    p.add_argument("--api-server-count", type=int, default=1, help="API-server processes (serve's flag)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--spread", action="store_const", const="spread", dest="placement", default="pinned",
+                       help="API server i on core i (default: every API server on the last core)")
+    where.add_argument("--unpinned", action="store_const", const="unpinned", dest="placement",
+                       help="pin nothing")
     args = p.parse_args()
     from tiny_checkpoint import write_checkpoint
 
@@ -183,7 +213,7 @@ def main() -> int:
         for rep in range(args.repeats):  # offline and served alternate, so machine drift falls on both
             off = offline(model, args.checkout.resolve())
             for label, checkout in checkouts:
-                srv = served(model, checkout)
+                srv = served(model, checkout, args.api_server_count, args.placement)
                 runs[label].append((off, srv))
                 print(f"repeat {rep} {label}: offline {off['tok_s']:.0f} tok/s, served {srv['tok_s']:.0f} tok/s, "
                       f"API server {srv['api_us_per_token']:.1f} us/token, client CPU {srv['client_cpu_share']:.0%}")

@@ -5,6 +5,12 @@ It runs in a rank spawned by ``runner.distributed.launch.RankGroup`` (the proces
 :func:`run_engine_core` is called), receives requests from the engine client between steps and sends the
 outputs of every step back. The client tokenizes, detokenizes and checks stop strings; this loop only steps.
 
+**Clients.** The rank binds its input socket, which every client (one per API-server process,
+``--api-server-count``) connects to, and connects one output socket to each client. Each request arrives with
+its client's index; its outputs go to that client only, while ``Ready``, ``WaveStarted``/``WaveDone`` and
+``CoreFailed`` go to every client, and each client gets the rank's stats at least every ``STATS_INTERVAL_S``
+while the rank is busy and at the end of every wave.
+
 **Waves** (what keeps the DP collectives paired). A step of any rank takes part in one DP all-reduce (the
 vote) and, with expert parallelism, in every layer's all-to-all, so all ranks must run the same steps. A rank
 with work keeps stepping; the vote tells every rank in the same step when no rank has work left (the wave is
@@ -27,7 +33,7 @@ from typing import Any
 from runner.core.engine_core import EngineCore
 from runner.core.messages import (
     ENCODER, INPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, DBOBucketStat, Outputs,
-    Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
+    OutputMessage, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
 from runner.core.requests import EngineCoreOutput
 
@@ -41,8 +47,9 @@ STATS_INTERVAL_S = 0.5
 MIN_PROFILE_STEPS = 2
 
 
-def run_engine_core(cfg: Any, input_addresses: list[str], output_address: str) -> None:
-    """The body of one spawned rank (``RankGroup(run_engine_core, dp, args=(cfg, inputs, output))``)."""
+def run_engine_core(cfg: Any, input_addresses: list[str], output_addresses: list[str]) -> None:
+    """The body of one spawned rank (``RankGroup(run_engine_core, dp, args=(cfg, inputs, outputs))``): rank ``r``
+    binds ``input_addresses[r]`` and sends to every client's ``output_addresses[c]``."""
     import torch.distributed as dist
     import zmq
 
@@ -52,50 +59,63 @@ def run_engine_core(cfg: Any, input_addresses: list[str], output_address: str) -
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     ctx = zmq.Context()
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.LINGER, 2000)  # let the last messages (a failure report) leave before the process ends
-    out.connect(output_address)
+    outs = []
+    for address in output_addresses:
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 2000)  # let the last messages (a failure report) leave before the process ends
+        out.connect(address)
+        outs.append(out)
     inp = ctx.socket(zmq.PULL)
     inp.setsockopt(zmq.LINGER, 0)
-    inp.connect(input_addresses[rank])
+    inp.bind(input_addresses[rank])
     core: EngineCore | None = None
     try:
         from runner.worker.model_runner import ModelRunner
 
         runner = ModelRunner(cfg, rank, world)
         core = EngineCore(cfg, runner, before_launch=report_progress)
-        out.send(ENCODER.encode(Ready(CoreInfo(rank, runner.max_model_len, runner.vocab_size, runner.num_kv_blocks,
-                                               runner.block_size, sorted(runner.eos_token_ids)))))
-        CoreLoop(core, inp, out, rank, world).run()
-    except BaseException as exc:  # noqa: BLE001 - reported to the client, then re-raised for the launcher
-        out.send(ENCODER.encode(CoreFailed(rank, describe_exception(exc))))
+        send_all(outs, Ready(CoreInfo(rank, runner.max_model_len, runner.vocab_size, runner.num_kv_blocks,
+                                      runner.block_size, sorted(runner.eos_token_ids))))
+        CoreLoop(core, inp, outs, rank, world).run()
+    except BaseException as exc:  # noqa: BLE001 - reported to the clients, then re-raised for the launcher
+        send_all(outs, CoreFailed(rank, describe_exception(exc)))
         raise
     finally:
         if core is not None:
             core.close()
         inp.close()
-        out.close()
+        for out in outs:
+            out.close()
         ctx.term()
+
+
+def send_all(outs: list[Any], msg: OutputMessage) -> None:
+    """One message to every client (encoded once)."""
+    data = ENCODER.encode(msg)
+    for out in outs:
+        out.send(data)
 
 
 class CoreLoop:
     """Receive between steps, step while the wave runs, send what each step produced (module docstring)."""
 
-    def __init__(self, core: EngineCore, inp: Any, out: Any, rank: int, world: int) -> None:
+    def __init__(self, core: EngineCore, inp: Any, outs: list[Any], rank: int, world: int) -> None:
         import zmq
 
-        self.core, self.inp, self.out, self.rank, self.world = core, inp, out, rank, world
+        self.core, self.inp, self.outs, self.rank, self.world = core, inp, outs, rank, world
+        self.client_of: dict[int, int] = {}  # engine request id -> the client that sent it (its output socket)
         self.poller = zmq.Poller()
         self.poller.register(inp, zmq.POLLIN)
         self.wave = 0
         self.running = False
         self.wake_for = -1  # the latest wave a Wake asked for
         self.stopping = False
-        self._last_stats = 0.0
+        self._last_stats = [0.0] * len(outs)  # per client
         self._profile: contextlib.ExitStack | None = None  # open while a /start_profile window records
         self._recording: Any = None
         self._profiled_steps = 0  # steps run since the window opened
         self._stop_profile_after = False  # a stop came before MIN_PROFILE_STEPS steps: stop once they ran
+        self._profile_client = 0  # the client that asked for that stop
 
     def run(self) -> None:
         while True:
@@ -110,10 +130,10 @@ class CoreLoop:
             if self._profile is not None:
                 self._profiled_steps += 1
                 if self._stop_profile_after and (self._profiled_steps >= MIN_PROFILE_STEPS or not step.running):
-                    self._stop_profile()
+                    self._stop_profile(self._profile_client)
             if not step.running:
                 self.running = False
-                self.out.send(ENCODER.encode(WaveDone(self.rank, self.wave)))
+                send_all(self.outs, WaveDone(self.rank, self.wave))
                 self.wave += 1
                 if self.wake_for >= self.wave and not self.stopping:
                     self.running = True
@@ -126,12 +146,15 @@ class CoreLoop:
                 if self.stopping:  # the client stops sending before Shutdown; never start a wave now
                     refused = EngineCoreOutput(msg.request.request_id, finish_reason="abort",
                                                error="the engine is shutting down")
-                    self.out.send(ENCODER.encode(Outputs(self.rank, [refused], self._stats())))
+                    self.outs[msg.client_index].send(ENCODER.encode(Outputs(self.rank, [refused], self._stats())))
                     continue
+                self.client_of[msg.request.request_id] = msg.client_index
                 self.core.add_request(msg.request)
                 self._start_wave()
             elif isinstance(msg, AbortRequests):
                 self.core.abort_requests(msg.request_ids)
+                for request_id in msg.request_ids:  # nothing more is reported for them
+                    self.client_of.pop(request_id, None)
             elif isinstance(msg, Wake):
                 self.wake_for = max(self.wake_for, msg.wave)
                 if msg.wave == self.wave and not self.running and not self.stopping:
@@ -144,8 +167,9 @@ class CoreLoop:
                 # A long step can hold both messages in one drain: a window of no step would say nothing.
                 if self.running and self._profile is not None and self._profiled_steps < MIN_PROFILE_STEPS:
                     self._stop_profile_after = True
+                    self._profile_client = msg.client_index
                 else:
-                    self._stop_profile()
+                    self._stop_profile(msg.client_index)
 
     def _start_profile(self) -> None:
         from runner import tracing
@@ -157,7 +181,7 @@ class CoreLoop:
         self._recording = self._profile.enter_context(tracing.record("profile", getattr(self.core.runner, "device",
                                                                                           None)))
 
-    def _stop_profile(self) -> None:
+    def _stop_profile(self, client_index: int) -> None:
         from runner import tracing
 
         spans = None
@@ -165,21 +189,30 @@ class CoreLoop:
             spans = tracing.local_spans(self._recording)
             self._profile.close()
             self._profile, self._recording, self._stop_profile_after = None, None, False
-        self.out.send(ENCODER.encode(Profile(self.rank, pickle.dumps(spans))))
+        self.outs[client_index].send(ENCODER.encode(Profile(self.rank, pickle.dumps(spans))))
 
     def _start_wave(self) -> None:
         if self.running:
             return
         self.running = True
         if self.world > 1:
-            self.out.send(ENCODER.encode(WaveStarted(self.rank, self.wave)))
+            send_all(self.outs, WaveStarted(self.rank, self.wave))
 
     def _send_outputs(self, outputs: list[EngineCoreOutput], force_stats: bool = False) -> None:
+        """Each client gets its requests' outputs; the stats go along, and alone to a client without outputs
+        when ``force_stats`` or its last ones are ``STATS_INTERVAL_S`` old."""
         now = time.monotonic()
-        if not outputs and not force_stats and now - self._last_stats < STATS_INTERVAL_S:
-            return
-        self._last_stats = now
-        self.out.send(ENCODER.encode(Outputs(self.rank, outputs, self._stats())))
+        per_client: list[list[EngineCoreOutput]] = [[] for _ in self.outs]
+        for out in outputs:
+            client = self.client_of.pop(out.request_id, None) if out.finished else self.client_of.get(out.request_id)
+            if client is not None:  # None: aborted by its client, which expects nothing more
+                per_client[client].append(out)
+        stats: CoreStats | None = None
+        for client, mine in enumerate(per_client):
+            if mine or force_stats or now - self._last_stats[client] >= STATS_INTERVAL_S:
+                stats = stats if stats is not None else self._stats()
+                self._last_stats[client] = now
+                self.outs[client].send(ENCODER.encode(Outputs(self.rank, mine, stats)))
 
     def _stats(self) -> CoreStats:
         core, runner = self.core, self.core.runner

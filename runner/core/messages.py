@@ -1,10 +1,13 @@
 """The messages between the engine client and the per-rank engine-core processes, encoded with msgspec's
 msgpack (vLLM V1's choice: typed, fast, no pickle from the network side).
 
-Client -> rank ``r`` (one PUSH/PULL pipe per rank): :class:`AddRequest`, :class:`AbortRequests`,
-:class:`Wake`, :class:`Shutdown`. Every rank -> client (one shared pipe): :class:`Ready` once loaded,
-:class:`Outputs` after steps, :class:`WaveStarted` / :class:`WaveDone` (see ``runner/core/engine_core_proc.py``
-for the wave protocol), :class:`CoreFailed` when the rank's loop raised.
+Clients -> rank ``r`` (rank ``r`` binds one PULL socket; every client, one per API-server process, connects a
+PUSH to it): :class:`AddRequest`, :class:`AbortRequests`, :class:`Wake`, :class:`Shutdown`. Every rank ->
+client ``c`` (client ``c`` binds one PULL socket; every rank connects a PUSH to it): :class:`Ready` once
+loaded, :class:`Outputs` after steps (the outputs of the requests client ``c`` sent, with the rank's stats),
+:class:`WaveStarted` / :class:`WaveDone` (see ``runner/core/engine_core_proc.py`` for the wave protocol),
+:class:`CoreFailed` when the rank's loop raised. A request carries the index of the client that sent it, and
+the rank sends its outputs to that client only (vLLM's ``client_index``).
 """
 from __future__ import annotations
 
@@ -49,6 +52,7 @@ class CoreStats(msgspec.Struct):
 # ---- client -> rank ---------------------------------------------------------------------------------------
 class AddRequest(msgspec.Struct, tag="add"):
     request: EngineCoreRequest
+    client_index: int = 0  # which client's output socket gets this request's outputs
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -70,7 +74,9 @@ class StartProfile(msgspec.Struct, tag="start_profile"):
 
 
 class StopProfile(msgspec.Struct, tag="stop_profile"):
-    """Stop recording and send the spans back (:class:`Profile`)."""
+    """Stop recording and send the spans back (:class:`Profile`) to client ``client_index``."""
+
+    client_index: int = 0
 
 
 InputMessage = AddRequest | AbortRequests | Wake | Shutdown | StartProfile | StopProfile

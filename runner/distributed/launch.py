@@ -235,7 +235,7 @@ class _ParentSignals:
 
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
+def environ_set(values: dict[str, str]) -> Iterator[None]:
     """Set ``values`` in os.environ for the block (a spawned child inherits the environment at start())."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -335,7 +335,7 @@ class RankGroup:
                                        self.child_tracebacks, self.parent_handles_signals))
             self.procs.append(p)  # before start(): a signal arriving during start() still finds it to stop
             self.conns.append(parent_conn)
-            with _environ({**common, "RANK": str(rank), "WORLD_SIZE": str(self.nprocs), "LOCAL_RANK": str(rank),
+            with environ_set({**common, "RANK": str(rank), "WORLD_SIZE": str(self.nprocs), "LOCAL_RANK": str(rank),
                            "LOCAL_WORLD_SIZE": str(self.nprocs)}):
                 p.start()
             child_conn.close()

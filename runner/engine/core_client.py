@@ -5,6 +5,11 @@ server's asyncio loop (vLLM V1's ``AsyncLLM`` over ``DPAsyncMPClient``).
   (private rendezvous, loopback only, heartbeats, ranks die with this process) running
   ``runner.core.engine_core_proc.run_engine_core``, and supervises them from a thread. Sockets are IPC files
   in a private (0700) directory: nothing listens on the network but the HTTP server.
+- **Several clients.** With ``--api-server-count N`` each API-server process has a client of its own
+  (``client_index`` c of N, over :class:`EngineSockets` made by the parent, which also starts and supervises
+  the ranks: ``runner/entrypoints/api_servers.py``). Client c sends its requests with its index, gets their
+  outputs and every rank's ``Ready``/wave/failure messages on its own socket, and numbers its engine requests
+  c, c + N, c + 2N, ... so that no two clients' ids meet on a rank.
 - **Requests.** Each request is validated here (prompt ids in the vocabulary, prompt + max_tokens within
   max_model_len), split into ``n`` engine requests (int ids, one per sample), and each is sent to the DP rank
   with the least outstanding work. The ranks step while any has work (waves: see
@@ -53,6 +58,25 @@ STARTUP_GRACE_S = 600.0
 CORE_FAILED_GRACE_S = 3.0
 
 
+@dataclass(frozen=True)
+class EngineSockets:
+    """The IPC addresses between the ranks and the clients, in a private (0700) directory: ``inputs[r]`` is
+    bound by rank r (every client sends to it), ``outputs[c]`` by client c (every rank sends to it)."""
+
+    directory: str
+    inputs: list[str]
+    outputs: list[str]
+
+    @staticmethod
+    def create(num_ranks: int, num_clients: int) -> "EngineSockets":
+        directory = tempfile.mkdtemp(prefix="ubatch-engine-")  # mode 0700
+        return EngineSockets(directory, [f"ipc://{os.path.join(directory, f'in-{r}')}" for r in range(num_ranks)],
+                             [f"ipc://{os.path.join(directory, f'out-{c}')}" for c in range(num_clients)])
+
+    def remove(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
 @dataclass
 class _Rank:
     socket: Any
@@ -92,11 +116,19 @@ class _QueueSink:
 
 class MPEngineClient(EngineClient):
     """``await MPEngineClient(cfg, ...).start()``; then :meth:`generate` from request handlers;
-    ``await shutdown()`` at the end (or :meth:`close` to stop the ranks at once)."""
+    ``await shutdown()`` at the end (or :meth:`close` to stop the ranks at once).
+
+    ``sockets``: attach as client ``client_index`` to ranks that another process started over these sockets
+    (``--api-server-count``); that process supervises and stops them, and reports their failure here
+    (:meth:`engine_failed`). Without it, this client starts, supervises and stops the ranks itself."""
 
     def __init__(self, cfg: Any, *, tokenizer: Any = None, default_params: dict[str, Any] | None = None,
                  max_queued_requests: int | None = None, metrics: MetricsSink | None = None,
-                 on_dead: Callable[[str], None] | None = None, generation_config: Any = None) -> None:
+                 on_dead: Callable[[str], None] | None = None, generation_config: Any = None,
+                 sockets: EngineSockets | None = None, client_index: int = 0) -> None:
+        num_clients = 1 if sockets is None else len(sockets.outputs)
+        if not 0 <= client_index < num_clients:
+            raise ValueError(f"client_index {client_index} is outside [0, {num_clients}) (the clients of the sockets)")
         self.cfg = cfg
         self.tokenizer = tokenizer
         self._default_params = dict(default_params or {})
@@ -107,7 +139,9 @@ class MPEngineClient(EngineClient):
         self._group: Any = None
         self._ctx: Any = None
         self._out_socket: Any = None
-        self._sock_dir: str | None = None
+        self._sockets = sockets
+        self._owns_ranks = sockets is None
+        self.client_index = client_index
         self._reader: asyncio.Task | None = None
         self._supervisor: threading.Thread | None = None
         self._stop_supervising = threading.Event()
@@ -115,8 +149,8 @@ class MPEngineClient(EngineClient):
         self._dead_error: str | None = None
         self._accepting = False
         self._stopping = False  # shutdown() told the ranks to leave: their exit is expected
-        self._engine_ids = itertools.count()
-        self._seeds = itertools.count()
+        self._engine_ids = itertools.count(client_index, num_clients)
+        self._seeds = itertools.count(client_index, num_clients)
         self.tracker = RequestTracker(tokenizer, generation_config)  # the checkpoint's EOS ids on every request
         self._where: dict[int, int] = {}  # engine request id -> rank
         self._ready = asyncio.Event()
@@ -157,35 +191,31 @@ class MPEngineClient(EngineClient):
 
     # ------------------------------------------------------------------ start / stop
     async def start(self) -> None:
-        """Spawn the ranks and wait until each has loaded the model (or one failed: the error names it)."""
+        """Spawn the ranks (unless attached) and wait until each has loaded the model (or one failed: the error
+        names it)."""
         import zmq
         import zmq.asyncio
-
-        from runner.core.engine_core_proc import run_engine_core
-        from runner.distributed.launch import RankGroup
 
         cfg = self.cfg
         dp = cfg.data_parallel_size
         self._loop = asyncio.get_running_loop()
-        self._sock_dir = tempfile.mkdtemp(prefix="ubatch-engine-")  # mode 0700
-        inputs = [f"ipc://{os.path.join(self._sock_dir, f'in-{r}')}" for r in range(dp)]
-        output = f"ipc://{os.path.join(self._sock_dir, 'out')}"
+        if self._sockets is None:
+            self._sockets = EngineSockets.create(dp, 1)
+        sockets = self._sockets
+        if len(sockets.inputs) != dp:
+            raise ValueError(f"the sockets serve {len(sockets.inputs)} ranks but --data-parallel-size is {dp}")
         self._ctx = zmq.asyncio.Context()
         self._out_socket = self._ctx.socket(zmq.PULL)
-        self._out_socket.bind(output)
-        for addr in inputs:
+        self._out_socket.bind(sockets.outputs[self.client_index])
+        for addr in sockets.inputs:
             sock = self._ctx.socket(zmq.PUSH)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.bind(addr)
+            sock.connect(addr)
             self._ranks.append(_Rank(sock))
-        threads = rank_threads(dp)
-        self._group = RankGroup(run_engine_core, dp, args=(cfg, inputs, output), timeout_s=cfg.dist_timeout_s,
-                                device=cfg.device, num_threads=threads, parent_handles_signals=True)
-        self._group.start()
-        logger.info("engine: %d rank process(es): %s", dp, ", ".join(f"rank {r} pid {pid}"
-                                                                   for r, pid in enumerate(self._group.pids)))
-        self._supervisor = threading.Thread(target=self._supervise, name="ubatch-rank-supervisor", daemon=True)
-        self._supervisor.start()
+        if self._owns_ranks:
+            self._group = start_ranks(cfg, sockets)
+            self._supervisor = threading.Thread(target=self._supervise, name="ubatch-rank-supervisor", daemon=True)
+            self._supervisor.start()
         self._reader = asyncio.create_task(self._read_outputs(), name="ubatch-engine-outputs")
         deadline = STARTUP_GRACE_S + cfg.dist_timeout_s
         try:
@@ -197,6 +227,11 @@ class MPEngineClient(EngineClient):
             await self.close()
             raise EngineDeadError(self._dead_error)
         self._accepting = True
+
+    def engine_failed(self, message: str) -> None:
+        """The process supervising the ranks reports one failed (attached clients): every request in flight
+        fails with ``message``."""
+        self._die(message)
 
     def _supervise(self) -> None:
         """Thread: wait on the rank processes; a failure (or an unexpected exit) kills the engine."""
@@ -214,11 +249,17 @@ class MPEngineClient(EngineClient):
             self._loop.call_soon_threadsafe(self._die, message)
 
     async def shutdown(self, timeout_s: float = 30.0) -> None:
-        """Abort what is left, let the ranks finish their wave and leave their loops, then stop them."""
+        """Abort what is left, let the ranks finish their wave and leave their loops, then stop them. Attached:
+        abort what is left and wait until the ranks ended it; the ranks are left to their owner."""
         self._accepting = False
         for request_id in list(self.tracker.request_ids()):
             self._abort(request_id, "abort")
-        if self._dead_error is None:
+        if self._dead_error is None and not self._owns_ranks:
+            deadline = time.monotonic() + timeout_s
+            while any(r.outstanding for r in self._ranks) and time.monotonic() < deadline \
+                    and self._dead_error is None:
+                await asyncio.sleep(0.02)
+        elif self._dead_error is None:
             deadline = time.monotonic() + timeout_s
             while any(r.running or r.outstanding for r in self._ranks) and time.monotonic() < deadline \
                     and self._dead_error is None:
@@ -254,9 +295,9 @@ class MPEngineClient(EngineClient):
             self._out_socket.close(linger=0)
             self._ctx.term()
             self._ctx = None
-        if self._sock_dir is not None:
-            shutil.rmtree(self._sock_dir, ignore_errors=True)
-            self._sock_dir = None
+        if self._owns_ranks and self._sockets is not None:  # attached: the sockets are their owner's to remove
+            self._sockets.remove()
+            self._sockets = None
 
     # ------------------------------------------------------------------ requests
     def _check_request(self, prompt_token_ids: list[int], params: SamplingParams) -> SamplingParams:
@@ -311,7 +352,7 @@ class MPEngineClient(EngineClient):
             rank = self._pick_rank()
             self._where[child.request_id] = rank
             self._ranks[rank].outstanding += 1
-            self._ranks[rank].socket.send(ENCODER.encode(AddRequest(child)))
+            self._ranks[rank].socket.send(ENCODER.encode(AddRequest(child, self.client_index)))
 
     def stream(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                sink: OutputSink) -> CloseStream:
@@ -374,7 +415,7 @@ class MPEngineClient(EngineClient):
 
         self._profiles, self._profiles_done = {}, asyncio.Event()
         for rank in self._ranks:
-            await rank.socket.send(ENCODER.encode(StopProfile()))
+            await rank.socket.send(ENCODER.encode(StopProfile(self.client_index)))
         await asyncio.wait_for(self._profiles_done.wait(), timeout_s)
         per_rank = [self._profiles.get(r) for r in range(len(self._ranks))]
         if all(p is None for p in per_rank):
@@ -441,3 +482,18 @@ class MPEngineClient(EngineClient):
         self._ready.set()  # a start() still waiting learns of it
         if self.on_dead is not None:
             self.on_dead(message)
+
+
+def start_ranks(cfg: Any, sockets: EngineSockets) -> Any:
+    """Spawn one engine-core process per DP rank over ``sockets`` (a started ``RankGroup``; the ranks ignore
+    SIGINT/SIGTERM/SIGHUP: the caller drains and stops them) and log their pids."""
+    from runner.core.engine_core_proc import run_engine_core
+    from runner.distributed.launch import RankGroup
+
+    dp = cfg.data_parallel_size
+    group = RankGroup(run_engine_core, dp, args=(cfg, sockets.inputs, sockets.outputs), timeout_s=cfg.dist_timeout_s,
+                      device=cfg.device, num_threads=rank_threads(dp), parent_handles_signals=True)
+    group.start()
+    logger.info("engine: %d rank process(es): %s", dp, ", ".join(f"rank {r} pid {pid}"
+                                                               for r, pid in enumerate(group.pids)))
+    return group

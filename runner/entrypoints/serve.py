@@ -2,7 +2,8 @@
 
 Everything that can be checked before a rank starts is (exit 2 naming the flag); then one engine-core process
 per DP rank loads the model and the HTTP server runs until SIGTERM/SIGINT (drain, exit 0) or until a rank dies
-(exit 1, naming it). Design: docs/design_notes.md, "Front ends" and "Engine client".
+(exit 1, naming it). ``--api-server-count N`` > 1 runs N HTTP server processes on the port instead
+(``runner/entrypoints/api_servers.py``). Design: docs/design_notes.md, "Front ends" and "Engine client".
 """
 from __future__ import annotations
 
@@ -51,8 +52,9 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
     tokenizer_dir = tokenizer_dir_or_exit(args, parser)
     template = read_chat_template(args.chat_template, parser) if args.chat_template else None
-    set_max_logprobs(max_logprobs_or_exit(args.max_logprobs, info.vocab_size, parser))
-    _log_to_stderr()
+    max_logprobs = max_logprobs_or_exit(args.max_logprobs, info.vocab_size, parser)
+    set_max_logprobs(max_logprobs)
+    log_to_stderr()
     if tokenizer_dir is not None:
         tokenizer = load_tokenizer_from_dir(tokenizer_dir)
     else:
@@ -62,6 +64,10 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     if note:
         print(f"generation config: {note}", file=sys.stderr)
     try:
+        if args.api_server_count > 1:
+            from runner.entrypoints.api_servers import serve_api_servers
+
+            return serve_api_servers(cfg, args, tokenizer, info.generation_config, max_logprobs)
         return asyncio.run(_serve(cfg, args, tokenizer, info.generation_config))
     except KeyboardInterrupt:  # a signal before the HTTP server took over signal handling (model loading)
         print("interrupted while the engine was starting", file=sys.stderr)
@@ -87,7 +93,7 @@ def add_routes(app: Any, profile_dir: str | None) -> None:
     add_tokenization_routes(app)
 
 
-def _log_to_stderr() -> None:
+def log_to_stderr() -> None:
     """INFO logs of the server and of its engine client on stderr (which pid each rank has, rank failures),
     unless the application configured logging."""
     if logging.getLogger().handlers:

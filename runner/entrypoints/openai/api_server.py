@@ -117,9 +117,10 @@ def package_version() -> str:
 class DrainingServer(uvicorn.Server):
     """uvicorn, with SIGTERM/SIGINT starting the drain instead of stopping at once, and not re-raised."""
 
-    def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle) -> None:
+    def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle, handle_signals: bool = True) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
+        self.handle_signals = handle_signals  # False: the process that started this one relays them
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
@@ -128,7 +129,7 @@ class DrainingServer(uvicorn.Server):
 
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
             yield
             return
         original = {sig: signal.signal(sig, self.handle_exit) for sig in SIGNALS}
@@ -152,11 +153,12 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def run_server(args: argparse.Namespace, engine_client: EngineClient, *,
                      engine_dead: asyncio.Event | None = None, metrics: ServerMetrics | None = None,
                      sock: socket.socket | None = None,
-                     configure_app: Callable[[FastAPI], None] | None = None) -> int:
+                     configure_app: Callable[[FastAPI], None] | None = None, handle_signals: bool = True) -> int:
     """Serve ``engine_client`` with the flags of ``cli_args.add_server_args`` (``args.model`` too) until
     SIGTERM/SIGINT (then drain; returns 0) or the engine dies (returns 1); see ``serve_app``.
     ``configure_app``: adds routes the engine client offers beyond ``EngineClient`` (profiling); they need the
-    API key like ``/v1``."""
+    API key like ``/v1``. ``handle_signals=False``: signals are left alone (an API server of several, which the
+    parent tells to drain)."""
     _log_to_stderr()
     app = build_app(engine_client, served_model_names(args), args.api_key, shutdown_timeout_s=args.shutdown_timeout,
                     log_requests=not args.disable_log_requests, metrics=metrics, model_root=str(args.model),
@@ -165,11 +167,11 @@ async def run_server(args: argparse.Namespace, engine_client: EngineClient, *,
         configure_app(app)
     sock = sock if sock is not None else bind_socket(args.host, args.port)
     return await serve_app(app, sock, engine_dead=engine_dead, log_level=args.uvicorn_log_level,
-                           access_log=not args.disable_log_requests)
+                           access_log=not args.disable_log_requests, handle_signals=handle_signals)
 
 
 async def serve_app(app: FastAPI, sock: socket.socket, *, engine_dead: asyncio.Event | None = None,
-                    log_level: str = "info", access_log: bool = True) -> int:
+                    log_level: str = "info", access_log: bool = True, handle_signals: bool = True) -> int:
     """Run ``app`` (from ``build_app``) under uvicorn on the bound ``sock`` until its lifecycle says to stop:
     after a drain (SIGTERM/SIGINT, or ``app.state.lifecycle.begin_drain``; returns 0) or once the engine died
     (returns 1). ``engine_dead``: set by the engine client when a rank dies (``engine_client.dead_error`` says
@@ -182,7 +184,7 @@ async def serve_app(app: FastAPI, sock: socket.socket, *, engine_dead: asyncio.E
                             access_log=access_log, http=with_header_timeout(limits.header_timeout_s),
                             timeout_keep_alive=int(math.ceil(limits.timeout_keep_alive_s)),
                             limit_concurrency=limits.limit_concurrency)
-    server = DrainingServer(config, lifecycle)
+    server = DrainingServer(config, lifecycle, handle_signals)
 
     async def exit_when_told() -> None:
         await lifecycle.should_exit.wait()

@@ -73,6 +73,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        help="enable POST /start_profile and /stop_profile: the server records every rank's "
                             "timeline into a private directory (mode 0700) it creates inside DIR (default: off, "
                             "the routes do not exist)")
+    group.add_argument("--api-server-count", "-asc", type=_positive_int, default=1, metavar="N",
+                       help="API-server processes sharing the port in front of the same engine ranks, each serving "
+                            "whole requests (tokenizing, detokenizing, streaming): more spread that CPU over more "
+                            "cores (vLLM's flag; default 1)")
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="do not log each request (its id, prompt length and sampling parameters)")

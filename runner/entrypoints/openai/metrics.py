@@ -10,12 +10,18 @@ latest :class:`~runner.engine.protocol.EngineStats` when scraped: ``on_engine_st
 
 Every series carries ``model_name`` (the first served name); the per-rank gauges also carry ``engine`` (the DP
 rank), as vLLM's do, so ``sum(ubatch:num_requests_running)`` is the server's total.
+
+With several API-server processes (``--api-server-count``, ``PROMETHEUS_MULTIPROC_DIR`` set by their parent),
+counters and histograms live in prometheus_client's per-process files and ``render`` sums those of every
+process; the engine-wide figures come from this process's latest stats (every rank reports to every API
+server), and ``ubatch:api_server_requests`` counts the requests each API server finished.
 """
 from __future__ import annotations
 
+import os
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -51,7 +57,7 @@ def build_1_2_5_buckets(max_value: int) -> list[int]:
 class ServerMetrics:
     """A ``MetricsSink`` exporting Prometheus text (``render``)."""
 
-    def __init__(self, model_name: str, max_model_len: int) -> None:
+    def __init__(self, model_name: str, max_model_len: int, api_server: int | None = None) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.latest_stats = EngineStats()
@@ -80,7 +86,14 @@ class ServerMetrics:
                                 labels + ["finished_reason"], registry=reg)
         for reason in FINISH_REASONS:  # every series present from the start, at 0
             self._success.labels(name, reason)
-        reg.register(_EngineStatsCollector(self))
+        self._per_api_server = None if api_server is None else Counter(
+            PREFIX + "api_server_requests", "Requests finished by each API-server process (--api-server-count).",
+            labels + ["api_server"], registry=reg).labels(name, str(api_server))
+        self._export = reg
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):  # one of several API-server processes: sum them all
+            self._export = CollectorRegistry()
+            multiprocess.MultiProcessCollector(self._export)
+        self._export.register(_EngineStatsCollector(self))
 
     # ---- MetricsSink ---------------------------------------------------------------------------------------
     def on_request_finished(self, output: RequestOutput, num_prompt_tokens: int, num_generation_tokens: int) -> None:
@@ -90,6 +103,8 @@ class ServerMetrics:
         for sample in output.outputs:
             if sample.finish_reason is not None:
                 self._success.labels(self.model_name, sample.finish_reason).inc()
+        if self._per_api_server is not None:
+            self._per_api_server.inc()
         m = output.metrics
         if m is not None and m.finished_time is not None:
             self.e2e.observe(max(0.0, m.finished_time - m.arrival_time))
@@ -112,7 +127,7 @@ class ServerMetrics:
     # ---- export ------------------------------------------------------------------------------------------
     def render(self) -> bytes:
         """The Prometheus text exposition."""
-        return generate_latest(self.registry)
+        return generate_latest(self._export)
 
 
 class _EngineStatsCollector(Collector):
