@@ -16,10 +16,7 @@ one per DP rank, driven synchronously from the calling thread.
 from __future__ import annotations
 
 import atexit
-import os
 import pickle
-import shutil
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -31,7 +28,7 @@ from runner.core.messages import (
     Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
 from runner.core.requests import EngineCoreRequest
-from runner.engine.core_client import CORE_FAILED_GRACE_S, STARTUP_GRACE_S, rank_threads
+from runner.engine.core_client import CORE_FAILED_GRACE_S, STARTUP_GRACE_S, EngineSockets, start_ranks
 from runner.engine.engine_core_client import OnOutputs, RunReport
 from runner.engine.protocol import EngineDeadError
 from runner.tracing import RankTrace
@@ -64,7 +61,7 @@ class _Processes:
         self.ctx: Any = None
         self.out: Any = None
         self.ranks: list[_Rank] = []
-        self.sock_dir: str | None = None
+        self.sockets: EngineSockets | None = None
         self.stop_supervising = threading.Event()
         self.supervisor: threading.Thread | None = None
         self.leaving = False  # close() told the ranks to leave: their exit is expected
@@ -93,9 +90,9 @@ class _Processes:
             self.out.close(linger=0)
             self.ctx.term()
             self.ctx = None
-        if self.sock_dir is not None:
-            shutil.rmtree(self.sock_dir, ignore_errors=True)
-            self.sock_dir = None
+        if self.sockets is not None:
+            self.sockets.remove()
+            self.sockets = None
 
 
 class SyncMPClient:
@@ -105,9 +102,6 @@ class SyncMPClient:
     def __init__(self, cfg: RunnerConfig) -> None:
         import multiprocessing.util  # noqa: F401 - its exit hook registered before ours, so ours runs first
         import zmq
-
-        from runner.core.engine_core_proc import run_engine_core
-        from runner.distributed.launch import RankGroup
 
         self.cfg = cfg
         self._dead: str | None = None
@@ -119,21 +113,17 @@ class SyncMPClient:
         procs = self._procs = _Processes()
         dp = cfg.data_parallel_size
         try:
-            procs.sock_dir = tempfile.mkdtemp(prefix="ubatch-engine-")  # mode 0700
-            inputs = [f"ipc://{os.path.join(procs.sock_dir, f'in-{r}')}" for r in range(dp)]
-            output = f"ipc://{os.path.join(procs.sock_dir, 'out')}"
+            procs.sockets = EngineSockets.create(dp, 1)
             procs.ctx = zmq.Context()
             procs.out = procs.ctx.socket(zmq.PULL)
-            procs.out.bind(output)
-            for addr in inputs:
+            procs.out.bind(procs.sockets.outputs[0])
+            for addr in procs.sockets.inputs:
                 sock = procs.ctx.socket(zmq.PUSH)
                 sock.setsockopt(zmq.LINGER, 0)
-                sock.bind(addr)
+                sock.connect(addr)
                 procs.ranks.append(_Rank(sock))
-            procs.group = RankGroup(run_engine_core, dp, args=(cfg, inputs, output), timeout_s=cfg.dist_timeout_s,
-                                    device=cfg.device, num_threads=rank_threads(dp), parent_handles_signals=True)
+            procs.group = start_ranks(cfg, procs.sockets)
             atexit.register(procs.close)  # after multiprocessing's own exit hook: runs before it
-            procs.group.start()
             procs.supervisor = threading.Thread(target=self._supervise, name="ubatch-rank-supervisor", daemon=True)
             procs.supervisor.start()
             self._wait_ready(STARTUP_GRACE_S + cfg.dist_timeout_s)
