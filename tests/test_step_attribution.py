@@ -103,7 +103,7 @@ class Probes:
         step, scheduler = (lambda: "step"), (lambda: "scheduler")
         self.wrap(Scheduler, "schedule", "schedule", scheduler)
         self.wrap(Scheduler, "update", "update", scheduler)
-        self.wrap(model_runner.ModelRunner, "_vote", "dp_vote", step)
+        self.wrap(model_runner.ModelRunner, "_may_ubatch", "dp_vote", step)
         self.wrap(model_runner, "attention_arrays", "inputs", step)
         self.wrap(model_runner.ModelRunner, "_launch_sampling", "sample", step)
         self.wrap(DeviceFutureMap, "gather_", "resolve", step)
