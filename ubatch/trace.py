@@ -193,8 +193,11 @@ class TraceRecorder:
         """``with rec.on_stream(s):`` makes ``s`` the current stream of the recorder's CUDA module."""
         return self._cuda.stream(stream)
 
-    def span(self, name: str, cat: str, ubatch: int | str, start: Stamp, end: Stamp, **args: Any) -> None:
-        self._add(name, cat, track_name(ubatch), start, end, args, current_pid())
+    def span(self, name: str, cat: str, ubatch: int | str, start: Stamp, end: Stamp, *, pid: int | None = None,
+             **args: Any) -> None:
+        """``pid``: the rank the span belongs to, taken when the work was posted, for a span closed later from a
+        moment whose thread or forward context may not be that rank's (a transfer's completion)."""
+        self._add(name, cat, track_name(ubatch), start, end, args, current_pid() if pid is None else pid)
 
     def _add(self, name: str, cat: str, track: str, start: Stamp, end: Stamp, args: dict[str, Any], pid: int) -> None:
         if "layer" not in args:

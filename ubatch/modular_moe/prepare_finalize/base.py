@@ -102,14 +102,14 @@ class PrepareFinalize(ABC):
         end is when the hook's kernel did). Without ``start`` the hook is returned as is."""
         if start is None:
             return hook
-        track = trace.comm_track(dbo_current_ubatch_id())
+        track, pid = trace.comm_track(dbo_current_ubatch_id()), trace.current_pid()
 
         def run() -> None:
             if hook is not None:
                 hook()
             rec = trace.active()
             if rec is not None:
-                rec.span(label, "comm", track, start, rec.device_stamp())
+                rec.span(label, "comm", track, start, rec.device_stamp(), pid=pid)
 
         return run
 

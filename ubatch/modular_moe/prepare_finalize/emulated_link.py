@@ -167,8 +167,8 @@ class EmulatedLink:
         rec = trace.active()
         on_done = None
         if rec is not None:
-            track = _comm_track()
-            on_done = lambda end: rec.span(label, "comm", track, now, end, bytes=nbytes)  # noqa: E731
+            track, pid = _comm_track(), trace.current_pid()  # the posting rank's, as the wait may run elsewhere
+            on_done = lambda end: rec.span(label, "comm", track, now, end, pid=pid, bytes=nbytes)  # noqa: E731
         return _DeadlineHandle(inner, deadline, on_done, self)
 
     def _cuda_transfer(self, seconds: float, inner: Handle | None, rec: trace.TraceRecorder | None, label: str,
