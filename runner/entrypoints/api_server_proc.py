@@ -43,7 +43,7 @@ def api_server_main(spec: ApiServerSpec, sock: socket.socket, conn: Connection) 
     from runner.distributed.launch import describe_exception
     from runner.distributed.liveness import die_with_parent
     from runner.entrypoints.openai.protocol import set_max_logprobs
-    from runner.entrypoints.serve import log_to_stderr
+    from runner.entrypoints.server_setup import log_to_stderr
 
     for sig in SIGNALS:  # the parent decides when to drain
         signal.signal(sig, signal.SIG_IGN)
@@ -66,7 +66,7 @@ async def _serve_attached(spec: ApiServerSpec, sock: socket.socket, conn: Connec
     from runner.entrypoints.openai.api_server import run_server
     from runner.entrypoints.openai.cli_args import served_model_names
     from runner.entrypoints.openai.metrics import ServerMetrics
-    from runner.entrypoints.serve import add_routes
+    from runner.entrypoints.server_setup import add_routes
 
     args, gc = spec.args, spec.generation_config
     dead = asyncio.Event()

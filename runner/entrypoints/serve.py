@@ -46,6 +46,7 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     info = model_info_or_exit(cfg, parser)
     from runner.engine.tokenizer import load_tokenizer, load_tokenizer_from_dir
     from runner.entrypoints.openai.protocol import set_max_logprobs
+    from runner.entrypoints.server_setup import log_to_stderr
     from runner.entrypoints.tokenizer_args import (
         apply_chat_template_arg, max_logprobs_or_exit, read_chat_template, tokenizer_dir_or_exit,
     )
@@ -83,36 +84,13 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         return 1
 
 
-def add_routes(app: Any, profile_dir: str | None) -> None:
-    """The routes beyond ``build_app``'s: vLLM's /tokenize and /detokenize, and profiling with ``--profile-dir``."""
-    from runner.entrypoints.openai.tokenization import add_tokenization_routes
-    from runner.entrypoints.profiling import add_profile_routes
-
-    if profile_dir is not None:
-        add_profile_routes(app, profile_dir)
-    add_tokenization_routes(app)
-
-
-def log_to_stderr() -> None:
-    """INFO logs of the server and of its engine client on stderr (which pid each rank has, rank failures),
-    unless the application configured logging."""
-    if logging.getLogger().handlers:
-        return
-    handler = logging.StreamHandler()
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
-    for name in ("runner.entrypoints.openai", "ubatch.engine"):
-        log = logging.getLogger(name)
-        if not log.handlers:
-            log.addHandler(handler)
-            log.setLevel(logging.INFO)
-
-
 async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any) -> int:
     from runner.core.engine_core import tune_gc
     from runner.engine.core_client import MPEngineClient
     from runner.entrypoints.openai.api_server import bind_socket, run_server
     from runner.entrypoints.openai.cli_args import served_model_names
     from runner.entrypoints.openai.metrics import ServerMetrics
+    from runner.entrypoints.server_setup import add_routes
 
     sock = bind_socket(args.host, args.port)  # before the ranks load: a busy port fails in a second, not minutes
     dead = asyncio.Event()
