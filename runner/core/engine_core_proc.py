@@ -32,8 +32,8 @@ from typing import Any
 
 from runner.core.engine_core import EngineCore
 from runner.core.messages import (
-    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, AddRequests, CoreFailed, CoreInfo, CoreStats, DBOBucketStat, Outputs,
-    OutputMessage, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
+    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, AddRequests, CoreFailed, CoreInfo, CoreStats, DBOBucketStat,
+    Outputs, OutputMessage, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 

@@ -33,9 +33,9 @@ from runner.core.messages import (
     Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
 from runner.core.requests import EngineCoreRequest
+from runner.distributed.launch import LaunchInterrupted
 from runner.engine.core_client import CORE_FAILED_GRACE_S, STARTUP_GRACE_S, EngineSockets, start_ranks
 from runner.engine.engine_core_client import OnOutputs, RunReport
-from runner.distributed.launch import LaunchInterrupted
 from runner.engine.protocol import EngineDeadError
 from runner.tracing import RankTrace
 from runner.worker.dbo_cost_model import describe_bucket
@@ -250,7 +250,8 @@ class SyncMPClient:
         while not all(rank.traced for rank in ranks):
             if time.monotonic() > deadline:
                 missing = [r for r, rank in enumerate(ranks) if not rank.traced]
-                cause = f"rank {', '.join(map(str, missing))} sent no timeline within {PROFILE_WAIT_S:.0f} s of being asked"
+                cause = (f"rank {', '.join(map(str, missing))} sent no timeline within {PROFILE_WAIT_S:.0f} s of "
+                         "being asked")
                 raise RanksDeadError(cause, cause)
             self._handle(self._next_message(), None)
         return [rank.trace for rank in ranks]
