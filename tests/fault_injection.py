@@ -2,16 +2,17 @@
 
     python tests/fault_injection.py RANK STEP ACTION -- generate -dp 2 ...
 
-runs the CLI unchanged, except that the job each rank runs first wraps the engine core's ``make_step_loop`` so
-that its ``before_launch`` hook (a parameter the step loop has anyway) also fires the fault: on rank ``RANK``
+runs the CLI unchanged, except that each rank process (the engine-core process the CLI starts,
+``runner.core.engine_core_proc.run_engine_core``) first wraps the engine core's ``make_step_loop`` so that its
+``before_launch`` hook (a parameter the step loop has anyway) also fires the fault: on rank ``RANK``
 (``all``: every rank), before step ``STEP``, it prints ``fault: rank R step S ACTION`` to stderr, then
 
 - ``SIGKILL`` / ``SIGSTOP`` / any signal name: sends that signal to its own process;
 - ``hold:PATH``: waits until PATH exists (the test's go-ahead), keeping the rank busy for as long as the test
   needs it to be (to read its sockets, or to signal the parent mid-run).
 
-The wrapped job travels to the spawned ranks as a ``functools.partial`` of this module's function, which they
-import by name (spawned children get the parent's ``sys.path``, whose first entry is this directory).
+The wrapped rank body travels to the spawned ranks as a ``functools.partial`` of this module's function, which
+they import by name (spawned children get the parent's ``sys.path``, whose first entry is this directory).
 """
 from __future__ import annotations
 
@@ -47,10 +48,11 @@ class Fault:
         os.kill(os.getpid(), signal.Signals[self.action])
 
 
-def run_job_with_fault(fault: Fault, job: Any) -> Any:
-    """``runner.entrypoints.cli.run_job`` with ``fault`` wired into the engine loop's ``before_launch`` hook."""
+def run_engine_core_with_fault(fault: Fault, *args: Any) -> None:
+    """``runner.core.engine_core_proc.run_engine_core`` with ``fault`` wired into the engine loop's
+    ``before_launch`` hook."""
     import runner.core.engine_core as engine_core
-    from runner.entrypoints.cli import run_job
+    from runner.core.engine_core_proc import run_engine_core
 
     rank = int(os.environ.get("RANK", "0"))
     original = engine_core.make_step_loop
@@ -65,17 +67,19 @@ def run_job_with_fault(fault: Fault, job: Any) -> Any:
         return original(*args, before_launch=hook, **kwargs)
 
     engine_core.make_step_loop = make_step_loop
-    return run_job(job)
+    run_engine_core(*args)
 
 
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or argv[3] != "--":
         raise SystemExit("usage: fault_injection.py RANK|all STEP ACTION -- <python -m runner arguments>")
     rank, step, action = argv[0], int(argv[1]), argv[2]
+    import runner.core.engine_core_proc
     import runner.entrypoints.cli
 
     fault = Fault(None if rank == "all" else int(rank), step, action)
-    runner.entrypoints.cli.run_job = functools.partial(run_job_with_fault, fault)  # what main() hands to every rank
+    # what the engine client hands to every rank process it starts
+    runner.core.engine_core_proc.run_engine_core = functools.partial(run_engine_core_with_fault, fault)
     return runner.entrypoints.cli.main(argv[4:])
 
 

@@ -76,6 +76,9 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     (["--logprobs", "-1"], "argument --logprobs: logprobs must be an integer >= 0"),
     (["--min-tokens", "20"], "argument --min-tokens: min_tokens (20) must not exceed max_tokens (16)"),
     (["--stop", "\n"], "argument --stop: model 'tiny-qwen3-moe' has no tokenizer to find stop strings in the text"),
+    (["-dp", "2", "--distributed-executor-backend", "external_launcher"],
+     "argument --distributed-executor-backend: external_launcher runs this command as one rank of a world launched "
+     "outside it: `torchrun --nproc-per-node N -m runner ...`"),
     (["--generation-config", "/nonexistent"], "argument --generation-config: generation_config '/nonexistent' is "
                                               "neither 'auto', 'vllm' nor a directory holding a generation_config.json"),
 ])
@@ -104,6 +107,7 @@ def test_bad_prompts_file_lines(tmp_path: Path, capsys: pytest.CaptureFixture) -
 def test_defaults_and_vllm_names(tmp_path: Path) -> None:
     j = job(["generate", "--data-parallel-size", "2", "--enable-expert-parallel"])
     assert j.cfg.all2all_backend == "auto" and j.cfg.ep_size == 2  # default backend for DP + EP
+    assert j.rank_processes and not job(["generate"]).rank_processes  # DP > 1 here: the CLI starts the ranks
     j = job(["bench", "-dp", "2", "--enable-dbo", "--dbo-decode-token-threshold", "2",
              "--dbo-prefill-token-threshold", "8", "--ubatch-split", "balanced", "--max-num-seqs", "4",
              "--max-num-batched-tokens", "64", "--max-model-len", "128", "--enforce-eager",
@@ -183,6 +187,8 @@ def test_torchrun_world_sets_dp(monkeypatch: pytest.MonkeyPatch, capsys: pytest.
         monkeypatch.setenv(k, v)
     j = job(["generate", "--enable-expert-parallel"])
     assert (j.cfg.data_parallel_size, j.cfg.all2all_backend) == (2, "auto")
+    assert not j.rank_processes  # this process is one SPMD rank: it starts no rank processes
+    assert not job(["generate", "--distributed-executor-backend", "external_launcher"]).rank_processes
     assert "--data-parallel-size: 4 does not match torchrun's WORLD_SIZE=2" in usage_error(["generate", "-dp", "4"],
                                                                                              capsys)
 

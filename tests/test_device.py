@@ -167,8 +167,14 @@ def test_cli_flag_reaches_the_config_and_the_launcher(monkeypatch: pytest.Monkey
     assert "argument --device: device 'cuda' was requested but CUDA is not available" in capsys.readouterr().err
 
     calls: list[dict[str, Any]] = []
-    monkeypatch.setattr(runner.distributed.launch, "launch", lambda fn, n, **kw: calls.append({"n": n, **kw}) or [None])
-    assert main(["generate", "-dp", "2", "--device", "cpu", "--num-prompts", "1"]) == 0
+
+    def rank_group(fn: Any, n: int, **kw: Any) -> Any:  # what starts the engine client's rank processes
+        calls.append({"n": n, **kw})
+        raise runner.distributed.launch.LaunchError("recorded, not started")
+
+    monkeypatch.setattr(runner.distributed.launch, "RankGroup", rank_group)
+    assert main(["generate", "-dp", "2", "--device", "cpu", "--num-prompts", "1"]) == 1
+    assert "error: recorded, not started" in capsys.readouterr().err
     assert calls[0]["n"] == 2 and calls[0]["device"] == "cpu"
 
 

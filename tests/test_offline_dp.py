@@ -165,6 +165,7 @@ def test_dp2_over_rank_processes_equals_one_rank_in_process(tmp_path: Path, tiny
                     dbo_decode_token_threshold=1, dbo_prefill_token_threshold=2)
     one = LLM(**settings)
     expected = _features(one)
+    experts_backend = one.model_runner.experts_backend
     one.close()
     assert expected[4][4][0][3:5] == ("stop", " br")  # the stop string was found (greedy text: "...L\x17 br...")
     trace = tmp_path / "trace.json"
@@ -180,6 +181,8 @@ def test_dp2_over_rank_processes_equals_one_rank_in_process(tmp_path: Path, tiny
         assert len({e["pid"] for e in json.loads(trace.read_text())["traceEvents"]}) == 2
         with pytest.raises(RuntimeError, match="data_parallel_size=2 ranks in their own processes"):
             two.runner
+        info = two.engine_client.core_info  # what the CLI's bench report reads of the ranks' model
+        assert (info.dtype, info.experts_backend) == ("float32", experts_backend)
     except BaseException:
         two.close()
         raise

@@ -32,10 +32,10 @@ from typing import Any
 
 from runner.core.engine_core import EngineCore
 from runner.core.messages import (
-    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, DBOBucketStat, Outputs,
-    OutputMessage, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
+    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, AddRequests, CoreFailed, CoreInfo, CoreStats, DBOBucketStat,
+    Outputs, OutputMessage, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
-from runner.core.requests import EngineCoreOutput
+from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 
 logger = logging.getLogger("ubatch.engine_core")
 
@@ -74,8 +74,10 @@ def run_engine_core(cfg: Any, input_addresses: list[str], output_addresses: list
 
         runner = ModelRunner(cfg, rank, world)
         core = EngineCore(cfg, runner, before_launch=report_progress)
+        dtype = str(next(runner.model.parameters()).dtype).removeprefix("torch.")
         send_all(outs, Ready(CoreInfo(rank, runner.max_model_len, runner.vocab_size, runner.num_kv_blocks,
-                                      runner.block_size, sorted(runner.eos_token_ids))))
+                                      runner.block_size, sorted(runner.eos_token_ids), dtype,
+                                      runner.experts_backend)))
         CoreLoop(core, inp, outs, rank, world).run()
     except BaseException as exc:  # noqa: BLE001 - reported to the clients, then re-raised for the launcher
         send_all(outs, CoreFailed(rank, describe_exception(exc)))
@@ -143,14 +145,10 @@ class CoreLoop:
             timeout_ms = 0
             msg = INPUT_DECODER.decode(self.inp.recv())
             if isinstance(msg, AddRequest):
-                if self.stopping:  # the client stops sending before Shutdown; never start a wave now
-                    refused = EngineCoreOutput(msg.request.request_id, finish_reason="abort",
-                                               error="the engine is shutting down")
-                    self.outs[msg.client_index].send(ENCODER.encode(Outputs(self.rank, [refused], self._stats())))
-                    continue
-                self.client_of[msg.request.request_id] = msg.client_index
-                self.core.add_request(msg.request)
-                self._start_wave()
+                self._add_request(msg.request, msg.client_index)
+            elif isinstance(msg, AddRequests):
+                for request in msg.requests:
+                    self._add_request(request, msg.client_index)
             elif isinstance(msg, AbortRequests):
                 self.core.abort_requests(msg.request_ids)
                 for request_id in msg.request_ids:  # nothing more is reported for them
@@ -170,6 +168,15 @@ class CoreLoop:
                     self._profile_client = msg.client_index
                 else:
                     self._stop_profile(msg.client_index)
+
+    def _add_request(self, request: EngineCoreRequest, client_index: int) -> None:
+        if self.stopping:  # the client stops sending before Shutdown; never start a wave now
+            refused = EngineCoreOutput(request.request_id, finish_reason="abort", error="the engine is shutting down")
+            self.outs[client_index].send(ENCODER.encode(Outputs(self.rank, [refused], self._stats())))
+            return
+        self.client_of[request.request_id] = client_index
+        self.core.add_request(request)
+        self._start_wave()
 
     def _start_profile(self) -> None:
         from runner import tracing

@@ -2,7 +2,8 @@
 msgpack (vLLM V1's choice: typed, fast, no pickle from the network side).
 
 Clients -> rank ``r`` (rank ``r`` binds one PULL socket; every client, one per API-server process, connects a
-PUSH to it): :class:`AddRequest`, :class:`AbortRequests`, :class:`Wake`, :class:`Shutdown`. Every rank ->
+PUSH to it): :class:`AddRequest` (or :class:`AddRequests`), :class:`AbortRequests`, :class:`Wake`,
+:class:`Shutdown`. Every rank ->
 client ``c`` (client ``c`` binds one PULL socket; every rank connects a PUSH to it): :class:`Ready` once
 loaded, :class:`Outputs` after steps (the outputs of the requests client ``c`` sent, with the rank's stats),
 :class:`WaveStarted` / :class:`WaveDone` (see ``runner/core/engine_core_proc.py`` for the wave protocol),
@@ -25,6 +26,8 @@ class CoreInfo(msgspec.Struct):
     num_kv_blocks: int
     block_size: int
     eos_token_ids: list[int]
+    dtype: str  # what the model computes in: "bfloat16", "float32", ...
+    experts_backend: str  # the MoE experts' kernels the rank resolved ("auto" -> "triton", ...)
 
 
 class DBOBucketStat(msgspec.Struct):
@@ -55,6 +58,14 @@ class AddRequest(msgspec.Struct, tag="add"):
     client_index: int = 0  # which client's output socket gets this request's outputs
 
 
+class AddRequests(msgspec.Struct, tag="add_many"):
+    """Several requests at once, all added before the rank steps again: a batch handed over together (the offline
+    client's) starts in the same step on every rank, as it would in one process."""
+
+    requests: list[EngineCoreRequest]
+    client_index: int = 0
+
+
 class AbortRequests(msgspec.Struct, tag="abort"):
     request_ids: list[int]
 
@@ -79,7 +90,7 @@ class StopProfile(msgspec.Struct, tag="stop_profile"):
     client_index: int = 0
 
 
-InputMessage = AddRequest | AbortRequests | Wake | Shutdown | StartProfile | StopProfile
+InputMessage = AddRequest | AddRequests | AbortRequests | Wake | Shutdown | StartProfile | StopProfile
 
 
 # ---- rank -> client ---------------------------------------------------------------------------------------

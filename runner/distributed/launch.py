@@ -197,8 +197,9 @@ def _child_main(payload: bytes, rank: int, world_size: int, store_path: str, tim
     os._exit(code)
 
 
-class _ParentSignals:
-    """While armed, SIGINT, SIGTERM and SIGHUP raise :class:`LaunchInterrupted` in the main thread.
+class ParentSignals:
+    """While armed, SIGINT, SIGTERM and SIGHUP raise :class:`LaunchInterrupted` in the main thread (:func:`launch`,
+    and the CLI around the rank processes of its engine client).
 
     Disarmed (while the ranks are being stopped) a signal is only remembered in ``pending``, so a second
     Ctrl-C cannot cut the clean-up short. Only handlers still at Python's defaults are replaced (an ignored
@@ -210,7 +211,7 @@ class _ParentSignals:
         self.armed = False
         self.pending: int | None = None
 
-    def __enter__(self) -> "_ParentSignals":
+    def __enter__(self) -> "ParentSignals":
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
                 if sig is None:
@@ -270,7 +271,7 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, tim
     interrupted: int | None = None
     stopped: list[int] = []
     results: list[Any] = []
-    guard = _ParentSignals()
+    guard = ParentSignals()
     with guard:
         try:
             group.start()

@@ -484,15 +484,17 @@ class MPEngineClient(EngineClient):
             self.on_dead(message)
 
 
-def start_ranks(cfg: Any, sockets: EngineSockets) -> Any:
+def start_ranks(cfg: Any, sockets: EngineSockets, *, child_tracebacks: bool = True) -> Any:
     """Spawn one engine-core process per DP rank over ``sockets`` (a started ``RankGroup``; the ranks ignore
-    SIGINT/SIGTERM/SIGHUP: the caller drains and stops them) and log their pids."""
+    SIGINT/SIGTERM/SIGHUP: the caller drains and stops them) and log their pids. ``child_tracebacks``: a rank
+    that fails prints its traceback to stderr."""
     from runner.core.engine_core_proc import run_engine_core
     from runner.distributed.launch import RankGroup
 
     dp = cfg.data_parallel_size
     group = RankGroup(run_engine_core, dp, args=(cfg, sockets.inputs, sockets.outputs), timeout_s=cfg.dist_timeout_s,
-                      device=cfg.device, num_threads=rank_threads(dp), parent_handles_signals=True)
+                      device=cfg.device, num_threads=rank_threads(dp), child_tracebacks=child_tracebacks,
+                      parent_handles_signals=True)
     group.start()
     logger.info("engine: %d rank process(es): %s", dp, ", ".join(f"rank {r} pid {pid}"
                                                                for r, pid in enumerate(group.pids)))

@@ -6,12 +6,17 @@ one per DP rank, driven synchronously from the calling thread.
   loopback, heartbeats, ranks that die with this process (``PR_SET_PDEATHSIG``) and ignore the terminal's Ctrl-C
   (this process stops them). A supervisor thread names a rank that dies or falls silent. :meth:`close` (also
   run at interpreter exit) tells idle ranks to leave, then stops any rank still there.
-- **Requests.** Each request goes to the rank with the fewest outstanding; every rank must step in every wave
+- **Requests.** Each request goes to the rank with the fewest outstanding, a run's requests in one message per
+  rank (``AddRequests``: they start in the same step on every rank, as in SPMD); every rank must step in every wave
   (``runner/core/engine_core_proc.py``), so a ``WaveStarted`` from one rank is relayed to all as ``Wake``.
 - **A run** ends once every request sent has finished and every rank has reported the end of the last wave
   (its final counters come just before that report, on the same socket), so the counters read then are exact.
-- **Failure.** A dead rank ends the run with :class:`~runner.engine.protocol.EngineDeadError` naming it; the
-  client is dead from then on.
+- **Failure.** A dead rank ends the run with :class:`RanksDeadError` (an
+  :class:`~runner.engine.protocol.EngineDeadError`) naming it as the launcher does; the client is dead from then
+  on. ``rank_tracebacks=False`` keeps the ranks' tracebacks off stderr (the CLI prints them with ``--debug``).
+- **Signals.** Where the caller armed ``runner.distributed.launch.ParentSignals`` (the CLI), a stop signal while
+  the ranks load, step or leave raises :class:`~runner.distributed.launch.LaunchInterrupted`: the client stops
+  every rank at once and re-raises it naming the ranks it stopped, as ``launch`` does.
 """
 from __future__ import annotations
 
@@ -24,10 +29,11 @@ from typing import Any
 
 from runner.config import RunnerConfig
 from runner.core.messages import (
-    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, Outputs, OutputMessage,
+    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequests, CoreFailed, CoreInfo, CoreStats, Outputs, OutputMessage,
     Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
 from runner.core.requests import EngineCoreRequest
+from runner.distributed.launch import LaunchInterrupted
 from runner.engine.core_client import CORE_FAILED_GRACE_S, STARTUP_GRACE_S, EngineSockets, start_ranks
 from runner.engine.engine_core_client import OnOutputs, RunReport
 from runner.engine.protocol import EngineDeadError
@@ -40,6 +46,16 @@ POLL_MS = 100
 SHUTDOWN_WAIT_S = 10.0
 # How long the ranks get to send their recorded timelines after StopProfile.
 PROFILE_WAIT_S = 60.0
+
+
+class RanksDeadError(EngineDeadError):
+    """The engine is dead because of its ranks: ``cause`` names them in one line, as the launcher does ("rank 1
+    exited with signal SIGKILL"); ``tracebacks`` holds, by rank, those of ranks that failed with an exception."""
+
+    def __init__(self, message: str, cause: str, tracebacks: dict[int, str] | None = None) -> None:
+        super().__init__(message)
+        self.cause = cause
+        self.tracebacks = tracebacks or {}
 
 
 @dataclass
@@ -66,21 +82,27 @@ class _Processes:
         self.supervisor: threading.Thread | None = None
         self.leaving = False  # close() told the ranks to leave: their exit is expected
 
-    def close(self, graceful: bool = True) -> None:
+    def close(self, graceful: bool = True) -> list[int]:
         """``graceful``: send Shutdown and give idle ranks :data:`SHUTDOWN_WAIT_S` to leave; then SIGKILL any
-        rank still running. Idempotent."""
+        rank still running. Returns the ranks that had to be stopped; a :class:`LaunchInterrupted` during the
+        graceful wait stops them at once and is re-raised naming them. Idempotent."""
         atexit.unregister(self.close)
         group, self.group = self.group, None
+        stopped: list[int] = []
+        interrupted: LaunchInterrupted | None = None
         if group is not None:
             self.leaving = True
             if graceful and self.ctx is not None:
-                for rank in self.ranks:
-                    rank.socket.send(ENCODER.encode(Shutdown()))
-                deadline = time.monotonic() + SHUTDOWN_WAIT_S
-                while time.monotonic() < deadline and any(p.is_alive() for p in group.procs):
-                    time.sleep(0.02)
+                try:
+                    for rank in self.ranks:
+                        rank.socket.send(ENCODER.encode(Shutdown()))
+                    deadline = time.monotonic() + SHUTDOWN_WAIT_S
+                    while time.monotonic() < deadline and any(p.is_alive() for p in group.procs):
+                        time.sleep(0.02)
+                except LaunchInterrupted as exc:
+                    interrupted = exc
             self.stop_supervising.set()
-            group.close(grace_s=0.5)  # the ranks ignore SIGTERM: what is left gets SIGKILL
+            stopped = group.close(grace_s=0.5)  # the ranks ignore SIGTERM: what is left gets SIGKILL
         if self.supervisor is not None:
             self.supervisor.join(timeout=10)
             self.supervisor = None
@@ -93,19 +115,23 @@ class _Processes:
         if self.sockets is not None:
             self.sockets.remove()
             self.sockets = None
+        if interrupted is not None:
+            raise LaunchInterrupted(interrupted.signum, stopped) from None
+        return stopped
 
 
 class SyncMPClient:
     """``SyncMPClient(cfg)`` starts ``cfg.data_parallel_size`` rank processes and returns once each has loaded the
     model (or raises :class:`EngineDeadError` naming the rank that could not)."""
 
-    def __init__(self, cfg: RunnerConfig) -> None:
+    def __init__(self, cfg: RunnerConfig, *, rank_tracebacks: bool = True) -> None:
         import multiprocessing.util  # noqa: F401 - its exit hook registered before ours, so ours runs first
         import zmq
 
         self.cfg = cfg
         self._dead: str | None = None
         self._failed: tuple[float, str] | None = None  # a rank's own failure report: (when to act on it, text)
+        self._tracebacks: dict[int, str] = {}  # by rank, of the ranks that failed with an exception
         self._where: dict[int, int] = {}  # engine request id -> rank, until it finished or was aborted
         self._outstanding = [0] * cfg.data_parallel_size  # per rank: requests sent and not finished
         self._pending: list[EngineCoreRequest] = []
@@ -122,29 +148,32 @@ class SyncMPClient:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.connect(addr)
                 procs.ranks.append(_Rank(sock))
-            procs.group = start_ranks(cfg, procs.sockets)
+            procs.group = start_ranks(cfg, procs.sockets, child_tracebacks=rank_tracebacks)
             atexit.register(procs.close)  # after multiprocessing's own exit hook: runs before it
             procs.supervisor = threading.Thread(target=self._supervise, name="ubatch-rank-supervisor", daemon=True)
             procs.supervisor.start()
             self._wait_ready(STARTUP_GRACE_S + cfg.dist_timeout_s)
+        except LaunchInterrupted as exc:
+            raise self._interrupted(exc) from None
         except BaseException:
             procs.close(graceful=False)
             raise
 
     # ------------------------------------------------------------------ engine facts
     @property
-    def _info(self) -> CoreInfo:
+    def core_info(self) -> CoreInfo:
+        """What rank 0 reported once loaded (the model's dtype, its experts backend, ...; alike on every rank)."""
         info = self._procs.ranks[0].info
         assert info is not None  # every rank said Ready before __init__ returned
         return info
 
     @property
     def max_model_len(self) -> int:
-        return self._info.max_model_len
+        return self.core_info.max_model_len
 
     @property
     def vocab_size(self) -> int:
-        return self._info.vocab_size
+        return self.core_info.vocab_size
 
     @property
     def forward_thread_id(self) -> int | None:
@@ -178,14 +207,20 @@ class SyncMPClient:
         if trace:
             for r in range(len(ranks)):
                 self._send(r, StartProfile())
+        batches: list[list[EngineCoreRequest]] = [[] for _ in ranks]
         for request in pending:
             rank = min(range(len(ranks)), key=lambda r: (self._outstanding[r], r))
             self._where[request.request_id] = rank
             self._outstanding[rank] += 1
-            self._send(rank, AddRequest(request))
+            batches[rank].append(request)
+        for rank, batch in enumerate(batches):  # one message per rank: its requests start in the same step
+            if batch:
+                self._send(rank, AddRequests(batch))
         try:
             while self._where or any(r.next_wave <= self._latest_wave for r in ranks):
                 self._handle(self._next_message(), on_outputs)
+        except LaunchInterrupted as exc:
+            raise self._interrupted(exc) from None
         except BaseException:
             if self._dead is None and self._procs.ctx is not None:  # a run cut short here: the ranks drop its rest
                 self.abort_requests(list(self._where), "the run was interrupted")
@@ -215,8 +250,9 @@ class SyncMPClient:
         while not all(rank.traced for rank in ranks):
             if time.monotonic() > deadline:
                 missing = [r for r, rank in enumerate(ranks) if not rank.traced]
-                raise EngineDeadError(f"rank {', '.join(map(str, missing))} sent no timeline within "
-                                      f"{PROFILE_WAIT_S:.0f} s of being asked")
+                cause = (f"rank {', '.join(map(str, missing))} sent no timeline within {PROFILE_WAIT_S:.0f} s of "
+                         "being asked")
+                raise RanksDeadError(cause, cause)
             self._handle(self._next_message(), None)
         return [rank.trace for rank in ranks]
 
@@ -272,14 +308,14 @@ class SyncMPClient:
         while not all(r.info is not None for r in ranks):
             if time.monotonic() > deadline:
                 missing = [r for r, rank in enumerate(ranks) if rank.info is None]
-                raise EngineDeadError(f"rank {', '.join(map(str, missing))} did not load the model within "
-                                      f"{timeout_s:.0f} s")
+                cause = f"rank {', '.join(map(str, missing))} did not load the model within {timeout_s:.0f} s"
+                raise RanksDeadError(cause, cause)
             self._handle(self._next_message(), None)
 
     # ------------------------------------------------------------------ failure
     def _supervise(self) -> None:
         """Thread: wait on the rank processes; a failure (or an unexpected exit) kills the engine."""
-        from runner.distributed.launch import LaunchError
+        from runner.distributed.launch import LaunchError, RankFailedError
 
         procs = self._procs
         group = procs.group
@@ -288,6 +324,8 @@ class SyncMPClient:
             if not (procs.stop_supervising.is_set() or procs.leaving):
                 self._dead = "every rank exited while the engine was running"
         except LaunchError as exc:
+            if isinstance(exc, RankFailedError):
+                self._tracebacks = exc.tracebacks
             self._dead = str(exc)
         except BaseException as exc:  # noqa: BLE001 - reported, never lost in a thread
             self._dead = f"the rank supervisor failed: {type(exc).__name__}: {exc}"
@@ -297,11 +335,17 @@ class SyncMPClient:
             self._dead = self._failed[1]
         if self._dead is not None:
             self._procs.close(graceful=False)  # the surviving ranks cannot step without their peer
-            raise EngineDeadError(f"the engine is dead: {self._dead}")
+            raise RanksDeadError(f"the engine is dead: {self._dead}", self._dead, self._tracebacks)
 
     @property
     def dead_error(self) -> str | None:
         return self._dead
+
+    def _interrupted(self, exc: LaunchInterrupted) -> LaunchInterrupted:
+        """A stop signal while the ranks load or step: stop them all now; the client is dead from then on."""
+        if self._dead is None:
+            self._dead = str(exc)
+        return LaunchInterrupted(exc.signum, self._procs.close(graceful=False))
 
     def close(self) -> None:
         """Let the ranks leave (requests still running are aborted first: a run cut short by an exception),

@@ -4,8 +4,10 @@ Flags default to ``None`` so "not given" is visible: RunnerConfig's own defaults
 ``--all2all-backend`` becomes ``auto`` when DP > 1 with expert parallelism. Every bad value — argparse's
 or RunnerConfig's validation — exits with code 2 and ``argument --flag: ...``.
 
-Launch modes: under ``torchrun`` every process runs the job and rank 0 reports; otherwise
-``--data-parallel-size N > 1`` spawns N ranks with :func:`runner.distributed.launch.launch` and the parent reports.
+Launch modes (vLLM's ``LLM``): with ``--data-parallel-size N > 1`` this process runs the job over N engine-core
+processes it starts (``LLM(data_parallel_size=N)``: ``runner/engine/sync_client.py``) and reports; under
+``torchrun`` (``--distributed-executor-backend external_launcher`` asks for it) every process runs the job as
+one rank, SPMD, and rank 0 reports.
 
 Failures are one line each, never a traceback unless ``--debug`` (or ``UBATCH_DEBUG=1``): what can be checked
 before any rank starts is (the model's config and checkpoint headers, ``--max-model-len`` against the model,
@@ -145,7 +147,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass
 class Job:
-    """Everything a rank needs (picklable: it travels to spawned ranks)."""
+    """Everything a run needs (picklable)."""
 
     command: str
     cfg: RunnerConfig
@@ -154,6 +156,8 @@ class Job:
     disable_tqdm: bool
     repeats: int = 1  # bench: timed runs per variant
     tokenizer: str | None = None  # --tokenizer: a directory to load the tokenizer from instead of the model's
+    rank_processes: bool = False  # DP > 1 in a plain process: the engine-core processes are started here
+    debug: bool = False  # --debug: the rank processes print their tracebacks
 
 
 def _read_prompts(path: str) -> list[Any]:
@@ -208,6 +212,8 @@ def _sampling(args: argparse.Namespace, generation: GenerationConfig, parser: ar
 
 def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Job:
     """Validate everything before any process starts; errors go through ``parser.error`` (exit 2)."""
+    from runner.distributed.launch import torchrun_env_present
+
     resolve_model_arg(args, parser, required=False)
     if args.prompt and args.prompts_file:
         parser.error("argument --prompt: give prompts with --prompt or --prompts-file, not both")
@@ -215,6 +221,10 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     for flag, value in (("--num-prompts", args.num_prompts), ("--random-prompt-len", args.random_prompt_len)):
         if value < 1:
             parser.error(f"argument {flag}: must be >= 1, got {value}")
+    if args.distributed_executor_backend == "external_launcher" and not torchrun_env_present():
+        parser.error("argument --distributed-executor-backend: external_launcher runs this command as one rank of "
+                     "a world launched outside it: `torchrun --nproc-per-node N -m runner ...`; leave it unset (mp) to "
+                     "have this command start the DP ranks")
     if getattr(args, "bench_repeats", 1) < 1:
         parser.error(f"argument --bench-repeats: must be >= 1, got {args.bench_repeats}")
     if not 0.0 <= args.random_range_ratio < 1.0:
@@ -253,19 +263,37 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio,
                                  info.vocab_size, cfg.seed)
     return Job(args.command, cfg, prompts, sampling, args.disable_tqdm, getattr(args, "bench_repeats", 1),
-               tokenizer)
+               tokenizer, rank_processes=cfg.data_parallel_size > 1 and not torchrun_env_present(),
+               debug=_debug(args))
 
 
-# ---------------------------------------------------------------------------------------------- rank side
+# ---------------------------------------------------------------------------------------------- the run
+def open_llm(job: Job, cfg: RunnerConfig) -> LLM:
+    """The engine of one run: over engine-core processes started here when ``job.rank_processes`` (their
+    tracebacks on stderr only with ``--debug``), else in this process (the only rank, or one of torchrun's)."""
+    from runner.entrypoints.llm import LLM
+
+    if not job.rank_processes:
+        return LLM(cfg, tokenizer=job.tokenizer)
+    from runner.engine.sync_client import SyncMPClient
+
+    client = SyncMPClient(cfg, rank_tracebacks=job.debug)
+    try:
+        return LLM(cfg, engine_client=client, tokenizer=job.tokenizer)
+    except BaseException:
+        client.close()
+        raise
+
+
 def run_job(job: Job) -> dict[str, Any] | None:
-    """One rank's work (spawned, torchrun or in-process). Rank 0 returns the results; other ranks None.
+    """The job in this process (over its rank processes, or as one rank of a torchrun world). Rank 0 returns the
+    results; other torchrun ranks None.
 
     ``bench``: DBO off, then on, each warmed up and then run ``job.repeats`` times (every run's stats are kept).
     When the model computes in a half-precision dtype and the two variants' tokens differ, both run once more
     in float32 with DBO on every step the thresholds allow (:func:`float32_check`): what a comparison in
     bfloat16 cannot tell apart, rounding or a wrong result, float32 does.
     """
-    from runner.entrypoints.llm import LLM
     from runner.tracing import result_to_json
 
     runs = []
@@ -273,7 +301,7 @@ def run_job(job: Job) -> dict[str, Any] | None:
                                                              job.cfg.replace(enable_dbo=True)]
     rank = 0
     for cfg in variants:
-        llm = LLM(cfg, tokenizer=job.tokenizer)
+        llm = open_llm(job, cfg)
         rank = llm.rank
         try:
             if job.command == "bench":  # warm-up: first-call costs must not count against either variant
@@ -286,11 +314,12 @@ def run_job(job: Job) -> dict[str, Any] | None:
                 repeats.append(asdict(stats))
             has_tokenizer = llm.get_tokenizer() is not None
             assert stats is not None
+            dtype, experts_backend = model_facts(llm)
             runs.append({"dbo": cfg.enable_dbo, "has_tokenizer": has_tokenizer,
                          "outputs": [request_output_json(i, o, has_tokenizer) for i, o in enumerate(outputs)],
                          "stats": asdict(stats), "repeats": repeats, "summary": stats.summary(),
-                         "trace": result_to_json(llm.last_trace), "dtype": model_dtype(llm),
-                         "experts_backend": llm.model_runner.experts_backend})
+                         "trace": result_to_json(llm.last_trace), "dtype": dtype,
+                         "experts_backend": experts_backend})
         finally:
             llm.close()
             del llm
@@ -301,9 +330,16 @@ def run_job(job: Job) -> dict[str, Any] | None:
     return result if rank == 0 else None
 
 
-def model_dtype(llm: LLM) -> str:
-    """The dtype the rank's model computes in (``bfloat16``, ``float32``, ...)."""
-    return str(next(llm.model_runner.model.parameters()).dtype).removeprefix("torch.")
+def model_facts(llm: LLM) -> tuple[str, str]:
+    """(the dtype the ranks' model computes in: ``bfloat16``, ``float32``, ...; their experts backend), as the
+    rank processes reported them once loaded, or read from this process's model runner."""
+    from runner.engine.sync_client import SyncMPClient
+
+    client = llm.engine_client
+    if isinstance(client, SyncMPClient):
+        return client.core_info.dtype, client.core_info.experts_backend
+    runner = llm.model_runner
+    return str(next(runner.model.parameters()).dtype).removeprefix("torch."), runner.experts_backend
 
 
 def float32_check(job: Job, runs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -314,16 +350,14 @@ def float32_check(job: Job, runs: list[dict[str, Any]]) -> dict[str, Any] | None
     logits that are nearly flat; float32 does not. DBO runs on every step the thresholds allow (cost model off)
     so the check covers DBO, and ``grouped_mm`` experts (bf16-only GEMMs) are replaced by ``triton``.
     """
-    from runner.entrypoints.llm import LLM
-
     off, on = runs
     if off["dtype"] == "float32" or compare_outputs(off["outputs"], on["outputs"]) is None:
         return None
     experts = "triton" if on["experts_backend"] == "grouped_mm" else job.cfg.experts_backend
     outputs = []
     for dbo in (False, True):
-        llm = LLM(job.cfg.replace(dtype="float32", enable_dbo=dbo, dbo_cost_model="off", experts_backend=experts,
-                                  trace_file=None))
+        llm = open_llm(job, job.cfg.replace(dtype="float32", enable_dbo=dbo, dbo_cost_model="off",
+                                            experts_backend=experts, trace_file=None))
         try:
             has_tokenizer = llm.get_tokenizer() is not None
             got = llm.generate(job.prompts, job.sampling, use_tqdm=False)
@@ -354,25 +388,23 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return bench_serve_main(args, args.subparser)
     job = job_from_args(args, args.subparser)
-    debug = _debug(args)
+    debug = job.debug
     from runner.distributed.launch import (
         LaunchError,
         LaunchInterrupted,
-        RankFailedError,
+        ParentSignals,
         describe_exception,
-        launch,
         torchrun_env_present,
     )
+    from runner.engine.sync_client import RanksDeadError
 
     under_torchrun = torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1
     who = f"[rank {os.environ['RANK']}] " if under_torchrun else ""  # every torchrun process reports its own
     try:
-        if under_torchrun:
-            result = run_job(job)  # LLM joins the torchrun world; only rank 0 gets a result
-        elif job.cfg.data_parallel_size > 1:
-            result = launch(run_job, job.cfg.data_parallel_size, args=(job,), timeout_s=job.cfg.dist_timeout_s,
-                            device=job.cfg.device, child_tracebacks=debug)[0]
-        else:
+        if job.rank_processes:  # SIGINT/SIGTERM/SIGHUP stop every rank process, then this one (LaunchInterrupted)
+            with ParentSignals():
+                result = run_job(job)
+        else:  # the only rank, or one of torchrun's: LLM joins its world and only rank 0 gets a result
             result = run_job(job)
     except LaunchInterrupted as e:  # SIGINT/SIGTERM/SIGHUP to this process: every rank was stopped first
         print(f"error: {e}", file=sys.stderr)
@@ -380,10 +412,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{who}interrupted", file=sys.stderr)
         return 130
-    except LaunchError as e:  # a rank failed or could not start: named, one line for ranks that failed alike
-        print(f"error: {e}", file=sys.stderr)
-        if isinstance(e, RankFailedError) and e.tracebacks and not debug:
+    except RanksDeadError as e:  # a rank failed, fell silent or did not load: named, one line for ranks alike
+        print(f"error: {e.cause}", file=sys.stderr)
+        if e.tracebacks and not debug:
             print(DEBUG_HINT, file=sys.stderr)
+        return 1
+    except LaunchError as e:  # the ranks could not be started (a GPU per NCCL rank)
+        print(f"error: {e}", file=sys.stderr)
         return 1
     except Exception as e:  # noqa: BLE001 - in this process: one line, the traceback only when asked for
         if debug:

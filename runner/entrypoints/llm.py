@@ -128,12 +128,14 @@ def _is_conversation(messages: Any) -> bool:
 class LLM:
     """``LLM(model=..., enable_dbo=True, ...)``, ``LLM("tiny-qwen3-moe")`` or ``LLM(cfg)``.
 
-    ``runner`` injects a model runner (tests); ``tokenizer`` a tokenizer object or the directory to load one
-    from, instead of the model's own (``runner/engine/tokenizer.py``), which is loaded on first use.
+    ``runner`` injects a model runner (tests); ``engine_client`` an engine client built for ``cfg`` (the CLI's
+    rank processes, whose tracebacks it shows only with ``--debug``), which this LLM then owns and closes;
+    ``tokenizer`` a tokenizer object or the directory to load one from, instead of the model's own
+    (``runner/engine/tokenizer.py``), which is loaded on first use.
     """
 
     def __init__(self, cfg: RunnerConfig | str | None = None, /, *, runner: ModelRunnerProtocol | None = None,
-                 tokenizer: Any = None, **kwargs: Any) -> None:
+                 engine_client: EngineCoreClient | None = None, tokenizer: Any = None, **kwargs: Any) -> None:
         if isinstance(cfg, str):
             kwargs.setdefault("model", cfg)
             cfg = None
@@ -146,7 +148,10 @@ class LLM:
             problem = output_path_error(cfg.trace_file)
             if problem:
                 raise ConfigError("trace_file", f"trace_file: {problem}")
-        world = (runner.rank, runner.world_size) if runner is not None else launched_world(cfg, executor_backend)
+        if runner is not None and engine_client is not None:
+            raise ValueError("give LLM a runner or an engine_client, not both")
+        world = (runner.rank, runner.world_size) if runner is not None \
+            else None if engine_client is not None else launched_world(cfg, executor_backend)
         # rank and world size of the SPMD world this LLM is one rank of (0 and 1 when it drives every rank itself)
         self.rank, self.world_size = world if world is not None else (0, 1)
         # before any weight is read: the generation config (a bad one is an error) and max_model_len
@@ -159,7 +164,11 @@ class LLM:
 
             if cfg.max_model_len is not None:
                 check_max_model_len(cfg.max_model_len, model_config(cfg.model, cfg.cache_dir))
-        if runner is None and world is None and cfg.data_parallel_size > 1:
+        if engine_client is not None:
+            self._client = engine_client
+            if isinstance(engine_client, InprocClient):
+                self._runner = engine_client.runner
+        elif runner is None and world is None and cfg.data_parallel_size > 1:
             from runner.engine.sync_client import SyncMPClient
 
             self._client = SyncMPClient(cfg)  # the rank processes load the model

@@ -124,7 +124,8 @@ def add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
     add("--load-format", metavar="FORMAT", help="auto or safetensors (default: auto)")
     add("--disable-custom-all-reduce", action="store_true", default=None,
         help="accepted: there is no custom all-reduce (default: off)")
-    add("--distributed-executor-backend", metavar="BACKEND", help="mp only: ranks are processes (default: mp)")
+    add("--distributed-executor-backend", metavar="BACKEND", help="mp: DP ranks are processes this command starts; "
+        "external_launcher (generate, bench): each process of a torchrun world is one rank (default: mp)")
 
 
 def check_vllm_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
