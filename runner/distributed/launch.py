@@ -348,6 +348,21 @@ class RankGroup:
         :meth:`close`)."""
         return _supervise(self.procs, self.conns, self.board, self.started, self.silence_s, self.grace_s, stop)
 
+    def watch(self, stop: threading.Event, expected_exit: Callable[[], bool], what: str) -> LaunchError | None:
+        """:meth:`supervise` for a supervising thread of a long-lived engine: the failure that ended it, as a
+        :class:`LaunchError` naming the rank(s) (the launcher's words), or None where it ended as asked (``stop``
+        set, or ``expected_exit()`` true: the ranks were told to leave). Ranks that all return on their own
+        while ``what`` is still running are a failure too; nothing raised here is lost in the thread."""
+        try:
+            self.supervise(stop)
+        except LaunchError as exc:
+            return exc
+        except BaseException as exc:  # noqa: BLE001 - reported, never lost in a thread
+            return LaunchError(f"the rank supervisor failed: {type(exc).__name__}: {exc}")
+        if stop.is_set() or expected_exit():
+            return None
+        return LaunchError(f"every rank exited while {what} was running")
+
     def close(self, grace_s: float | None = None) -> list[int]:
         """Stop every rank still running (SIGTERM, then SIGKILL after ``grace_s``) and remove the rendezvous
         directory; returns the ranks that had to be stopped. Idempotent."""

@@ -235,16 +235,8 @@ class MPEngineClient(EngineClient):
 
     def _supervise(self) -> None:
         """Thread: wait on the rank processes; a failure (or an unexpected exit) kills the engine."""
-        from runner.distributed.launch import LaunchError
-
-        try:
-            self._group.supervise(self._stop_supervising)
-            message = None if self._stop_supervising.is_set() or self._stopping \
-                else "every rank exited while the server was running"
-        except LaunchError as exc:
-            message = str(exc)
-        except BaseException as exc:  # noqa: BLE001 - reported, never lost in a thread
-            message = f"the rank supervisor failed: {type(exc).__name__}: {exc}"
+        failure = self._group.watch(self._stop_supervising, lambda: self._stopping, "the server")
+        message = None if failure is None else str(failure)
         if message is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._die, message)
 

@@ -315,20 +315,14 @@ class SyncMPClient:
     # ------------------------------------------------------------------ failure
     def _supervise(self) -> None:
         """Thread: wait on the rank processes; a failure (or an unexpected exit) kills the engine."""
-        from runner.distributed.launch import LaunchError, RankFailedError
+        from runner.distributed.launch import RankFailedError
 
         procs = self._procs
-        group = procs.group
-        try:
-            group.supervise(procs.stop_supervising)
-            if not (procs.stop_supervising.is_set() or procs.leaving):
-                self._dead = "every rank exited while the engine was running"
-        except LaunchError as exc:
-            if isinstance(exc, RankFailedError):
-                self._tracebacks = exc.tracebacks
-            self._dead = str(exc)
-        except BaseException as exc:  # noqa: BLE001 - reported, never lost in a thread
-            self._dead = f"the rank supervisor failed: {type(exc).__name__}: {exc}"
+        failure = procs.group.watch(procs.stop_supervising, lambda: procs.leaving, "the engine")
+        if failure is not None:
+            if isinstance(failure, RankFailedError):
+                self._tracebacks = failure.tracebacks
+            self._dead = str(failure)
 
     def _check_alive(self) -> None:
         if self._dead is None and self._failed is not None and time.monotonic() >= self._failed[0]:

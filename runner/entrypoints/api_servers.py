@@ -160,16 +160,8 @@ class _RankWatch:
         self._thread.start()
 
     def _run(self) -> None:
-        from runner.distributed.launch import LaunchError
-
-        try:
-            self.group.supervise(self._stop)
-            if not self._stop.is_set():
-                self.error = "every rank exited while the server was running"
-        except LaunchError as exc:
-            self.error = str(exc)
-        except BaseException as exc:  # noqa: BLE001 - reported, never lost in a thread
-            self.error = f"the rank supervisor failed: {type(exc).__name__}: {exc}"
+        failure = self.group.watch(self._stop, lambda: False, "the server")
+        self.error = None if failure is None else str(failure)
 
     def stop(self) -> None:
         self._stop.set()
