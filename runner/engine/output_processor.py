@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.engine.byte_level import byte_level_table
 from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.generation_config import GenerationConfig
 from runner.engine.logprobs import LogprobsState, PromptLogprobsState
@@ -83,6 +84,7 @@ class OutputProcessor:
         self.request_states: dict[int, RequestState] = {}  # by engine request id
         # single tokens' texts per decoding options (skip_special_tokens, spaces_between_special_tokens)
         self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}
+        self._byte_table = None if tokenizer is None else byte_level_table(tokenizer)  # byte-level: tokens' bytes
         self._children: dict[str, list[int]] = {}  # client request id -> its live engine request ids
 
     # ------------------------------------------------------------------ requests
@@ -122,7 +124,7 @@ class OutputProcessor:
             states.append(RequestState(
                 engine_id, request_id, index, parent, prompt, prompt_token_ids, base.output_kind,
                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child, self._token_texts.setdefault(
-                    (child.skip_special_tokens, child.spaces_between_special_tokens), {})),
+                    (child.skip_special_tokens, child.spaces_between_special_tokens), {}), self._byte_table),
                 LogprobsState(self.tokenizer, child.logprobs), metrics, prompt_logprobs))
             requests.append(EngineCoreRequest(engine_id, prompt_token_ids, child,
                                               default_seed=child_default_seed(default_seed, index),
