@@ -6,13 +6,18 @@ detokenizer: without stop strings and stray bytes the whole text is the tokenize
 from __future__ import annotations
 
 import random
+from dataclasses import fields
 
 import pytest
 
 from runner.engine.detokenizer import IncrementalDetokenizer
+from runner.core.requests import EngineCoreOutput
 from runner.engine.byte_level import byte_level_table
+from runner.engine.output_processor import OutputProcessor
 from runner.engine.tokenizer import make_decoder
-from runner.sampling_params import SamplingParams
+from runner.outputs import CompletionOutput, RequestOutput
+from runner.sampling_params import RequestOutputKind, SamplingParams
+from runner.worker.outputs import TokenLogprobs
 
 pytest.importorskip("transformers")
 
@@ -80,7 +85,7 @@ def test_the_tiny_tokenizer_is_byte_level(tok) -> None:
 
 
 @pytest.mark.parametrize("seed", range(6))
-def test_table_texts_equal_real_decodes_on_random_streams(tok, seed: int) -> None:
+def test_byte_texts_equal_real_decodes_on_random_streams(tok, seed: int) -> None:
     rng = random.Random(seed)
     checked_whole = 0
     byte_table = byte_level_table(tok)
@@ -106,3 +111,53 @@ def test_table_texts_equal_real_decodes_on_random_streams(tok, seed: int) -> Non
                 assert fast.output_text == whole
                 checked_whole += 1
     assert checked_whole >= 1
+
+
+def test_output_processor_streams_equal_with_and_without_bytes(tok) -> None:
+    """Whole requests through the output processor (n > 1, every output kind, log-probabilities, stop strings
+    kept or cut, several tokens per step): the same RequestOutputs and aborts, decoded from bytes or not."""
+    rng = random.Random(7)
+    with_bytes = OutputProcessor(tok, max_model_len=256)
+    without = OutputProcessor(tok, max_model_len=256)
+    without._byte_table = None  # the tokenizer's decodes only: the reference
+    assert with_bytes._byte_table is not None
+    engine_ids = iter(range(10**6))
+    live: dict[int, list[int]] = {}  # engine request id -> its tokens still to come
+    for r in range(40):
+        tokens_of = random_tokens(tok, rng, 30)
+        params = random_params(tok, rng, tokens_of)
+        params.n = rng.choice([1, 1, 2, 3])
+        params.logprobs = rng.choice([None, None, 1, 2])
+        params.output_kind = rng.choice(list(RequestOutputKind))
+        prompt = random_tokens(tok, rng, rng.randrange(1, 9))
+        ids = [next(engine_ids) for _ in range(params.n)]
+        for proc in (with_bytes, without):
+            proc.add_request(f"r{r}", None, prompt, params.clone(), 5.0, engine_request_ids=ids)
+        for eid in ids:
+            live[eid] = random_tokens(tok, rng, rng.randrange(1, 30))
+    step = 0
+    while live:
+        step += 1
+        outputs = []
+        for eid in rng.sample(sorted(live), min(len(live), 25)):
+            left = live[eid]
+            new = left[:rng.choice([1, 1, 1, 2, 3])]
+            live[eid] = left[len(new):]
+            finish = None if live[eid] else rng.choice(["length", "stop"])
+            if finish is not None:
+                del live[eid]
+            entries = [TokenLogprobs(t, -0.5, 1, [t, 3], [-0.5, -1.0]) for t in new]
+            outputs.append(EngineCoreOutput(eid, new, entries, finish, None))
+        got = with_bytes.process_outputs(outputs, now=100.0 + step)
+        assert got == without.process_outputs(outputs, now=100.0 + step)
+        for eid in got[1]:
+            live.pop(eid, None)
+    assert not with_bytes.has_unfinished_requests() and not without.has_unfinished_requests()
+
+
+def test_outputs_are_built_in_their_fields_order() -> None:
+    """The output processor builds them positionally (per token, keywords cost more): the order it assumes."""
+    assert [f.name for f in fields(CompletionOutput)] == ["index", "text", "token_ids", "cumulative_logprob",
+                                                          "logprobs", "finish_reason", "stop_reason"]
+    assert [f.name for f in fields(RequestOutput)] == ["request_id", "prompt", "prompt_token_ids", "outputs",
+                                                       "finished", "metrics", "error", "prompt_logprobs"]
