@@ -23,7 +23,7 @@ pytest.importorskip("transformers")
 
 from tiny_checkpoint import SENTENCES, build_tokenizer  # noqa: E402
 
-UTF8 = "Caf\u00e9 cr\u00e8me, \u6771\u4eac and \u65e5\u672c\u8a9e text \U0001f600."
+UTF8 = "Caf\u00e9 cr\u00e8me, \u6771\u4eac and \u65e5\u672c\u8a9e text \U0001f600, a real \ufffd."
 
 
 @pytest.fixture(scope="module")

@@ -77,6 +77,7 @@ class IncrementalDetokenizer:
         self._byte_table = byte_table if tokenizer is not None else None
         self._by_bytes: bool | None = None if self._byte_table is not None else False
         self._prefix_bytes = self._pending_bytes = b""
+        self._prefix_valid = False  # _prefix_bytes is valid UTF-8 (so its text needs no decode again)
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
         """Take a step's new tokens; returns the stop string that ended the request, if one did.
@@ -115,8 +116,15 @@ class IncrementalDetokenizer:
         split = self._read_offset - self._prefix_offset
         self._prefix_bytes = b"".join(pieces[:split])  # type: ignore[arg-type]  # no None: checked above
         self._pending_bytes = b"".join(pieces[split:])  # type: ignore[arg-type]
-        self._prefix_text = self._prefix_bytes.decode("utf-8", "replace")
+        self._set_prefix_text()
         self._by_bytes = True
+
+    def _set_prefix_text(self) -> None:
+        """_prefix_text from _prefix_bytes, and whether those are valid UTF-8 (_prefix_valid)."""
+        try:
+            self._prefix_text, self._prefix_valid = self._prefix_bytes.decode("utf-8"), True
+        except UnicodeDecodeError:
+            self._prefix_text, self._prefix_valid = self._prefix_bytes.decode("utf-8", "replace"), False
 
     def _bytes_next(self, token: int) -> str:
         """:meth:`_decode_next` on the window's bytes: the same two texts, decoded by Python from bytes."""
@@ -127,14 +135,29 @@ class IncrementalDetokenizer:
             return self._decode_next()
         pending = self._pending_bytes + piece
         prefix_text = self._prefix_text
-        new_text = (self._prefix_bytes + pending).decode("utf-8", "replace")
-        if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
-            self._pending_bytes = pending
-            return ""
+        new: str | None = None
+        if self._prefix_valid:  # valid UTF-8 joined to valid UTF-8 decodes to the two texts joined
+            try:
+                new = pending.decode("utf-8")
+            except UnicodeDecodeError:
+                pass
+        if new is not None:
+            if not new or new.endswith(REPLACEMENT_CHAR):  # the rule below, on the prefix's text + new
+                self._pending_bytes = pending
+                return ""
+            new_text = prefix_text + new
+        else:
+            new_text = (self._prefix_bytes + pending).decode("utf-8", "replace")
+            if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+                self._pending_bytes = pending
+                return ""
         window, prefix = self._window, self._prefix_offset
         self._prefix_offset, self._read_offset = self._read_offset, len(window)
         self._prefix_bytes, self._pending_bytes = pending, b""
-        self._prefix_text = pending.decode("utf-8", "replace")
+        if new is not None:
+            self._prefix_text, self._prefix_valid = new, True
+        else:
+            self._set_prefix_text()
         if prefix > 0:
             del window[:prefix]
             self._prefix_offset -= prefix
