@@ -4,9 +4,9 @@ a sink that keeps nothing), with no server, socket or event loop around it, so i
 noise of a shared machine's scheduling.
 
 Workload: the tiny checkpoint's byte-level tokenizer (``tests/tiny_checkpoint.py``), 256 streamed (DELTA)
-requests of 16 prompt ids, 64 steps of one token each; the tokens are drawn at random from the vocabulary (a
-random model's greedy tokens are as ragged: 41 % of the vocabulary, and about 40 % of its tokens, are part of a character), or with ``--whole``
-only from tokens that decode alone to whole characters (a trained model's text). Reports the process CPU
+requests of 16 prompt ids, 64 steps of one token each; the tokens are drawn at random from the vocabulary (41 %
+of it is part of a character, and about as many of a random model's greedy tokens), or with ``--whole`` only
+from tokens that decode alone to whole characters (a trained model's text). Reports the process CPU
 microseconds per token, the median of ``--repeats``. The runner imported is the one on ``PYTHONPATH`` (compare
 checkouts with ``PYTHONPATH=<checkout> python benchmarks/bench_output_processing.py``).
 """
