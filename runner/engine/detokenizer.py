@@ -3,7 +3,10 @@
 Each step decodes a short window of ids twice (text-generation-inference's prefix/read offsets) and emits the
 difference, holding tokens back while they end in half a UTF-8 character. The first of the two decodes is most
 often that of the one token emitted last: its text comes from a table shared by the requests of one engine
-(``token_texts``), so a step costs one decode per request. The earliest stop string to
+(``token_texts``), so a step costs one decode per request. With a byte-level tokenizer (``byte_level.py``)
+the same rule reads the window's text from its tokens' bytes instead (Python's UTF-8 decode of a few bytes, the
+same text as the tokenizer's), with no call into the tokenizer at all; a window holding an added token (a
+special token) is decoded by the tokenizer, as before. The earliest stop string to
 complete wins; while streaming, the last ``max(len(stop)) - 1`` characters are held back because text once
 sent cannot be taken back. Design: docs/design_notes.md, "Engine client".
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from runner.engine.byte_level import ByteLevelTable
 from runner.engine.tokenizer import make_decoder
 from runner.sampling_params import SamplingParams
 
@@ -42,9 +46,11 @@ class IncrementalDetokenizer:
     """One request's output text. ``tokenizer`` None: no text (token ids only), and no stop strings."""
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
-                 token_texts: dict[int, str] | None = None) -> None:
+                 token_texts: dict[int, str] | None = None, byte_table: ByteLevelTable | None = None) -> None:
         """``token_texts``: single tokens' texts decoded with these ``params``' decoding options (skip and
-        spacing of special tokens), shared by the requests that decode alike; filled as tokens come."""
+        spacing of special tokens), shared by the requests that decode alike; filled as tokens come.
+        ``byte_table``: ``byte_level.byte_level_table(tokenizer)``, shared by every request (None: decode with
+        the tokenizer only)."""
         if params.stop and tokenizer is None:
             raise ValueError(f"stop strings {params.stop!r} need a tokenizer to find them in the text, and this "
                              "model has none; use stop_token_ids")
@@ -65,6 +71,13 @@ class IncrementalDetokenizer:
         self._window: list[int] = [t for t in tail if isinstance(t, int)]
         self._read_offset = len(self._window)
         self._prefix_offset = max(self._read_offset - INITIAL_OFFSET, 0)
+        # Byte-level decoding: while every token of window[prefix:] has bytes in the table, _prefix_bytes holds
+        # window[prefix:read]'s, _pending_bytes window[read:]'s and _prefix_text their decode. _by_bytes None:
+        # not looked at yet (the prompt's tail is looked at with the first outputs); False: the tokenizer decodes.
+        self._byte_table = byte_table if tokenizer is not None else None
+        self._by_bytes: bool | None = None if self._byte_table is not None else False
+        self._prefix_bytes = self._pending_bytes = b""
+        self._prefix_valid = False  # _prefix_bytes is valid UTF-8 (so its text needs no decode again)
 
     def update(self, new_token_ids: Sequence[int], stop_terminated: bool) -> str | None:
         """Take a step's new tokens; returns the stop string that ended the request, if one did.
@@ -78,9 +91,11 @@ class IncrementalDetokenizer:
         if stop_terminated and not self.include_stop_str_in_output:
             to_decode.pop()
         before = len(self.output_text)
+        if self._by_bytes is None:
+            self._window_to_bytes()
         for token in to_decode:
             self._window.append(token)
-            self.output_text += self._decode_next()
+            self.output_text += self._bytes_next(token) if self._by_bytes else self._decode_next()
         if stop_terminated or not self.stop:
             return None
         found = find_stop_string(self.output_text, len(self.output_text) - before, self.stop,
@@ -90,6 +105,64 @@ class IncrementalDetokenizer:
         stop_string, cut = found
         self.output_text = self.output_text[:cut]
         return stop_string
+
+    def _window_to_bytes(self) -> None:
+        """Decode from the tokens' bytes from now on if every token of window[prefix:] has some."""
+        assert self._byte_table is not None  # only with a byte-level tokenizer
+        pieces = [self._byte_table.get(t) for t in self._window[self._prefix_offset:]]
+        if any(p is None for p in pieces):
+            self._by_bytes = False
+            return
+        split = self._read_offset - self._prefix_offset
+        self._prefix_bytes = b"".join(pieces[:split])  # type: ignore[arg-type]  # no None: checked above
+        self._pending_bytes = b"".join(pieces[split:])  # type: ignore[arg-type]
+        self._set_prefix_text()
+        self._by_bytes = True
+
+    def _set_prefix_text(self) -> None:
+        """_prefix_text from _prefix_bytes, and whether those are valid UTF-8 (_prefix_valid)."""
+        try:
+            self._prefix_text, self._prefix_valid = self._prefix_bytes.decode("utf-8"), True
+        except UnicodeDecodeError:
+            self._prefix_text, self._prefix_valid = self._prefix_bytes.decode("utf-8", "replace"), False
+
+    def _bytes_next(self, token: int) -> str:
+        """:meth:`_decode_next` on the window's bytes: the same two texts, decoded by Python from bytes."""
+        assert self._byte_table is not None and self._prefix_text is not None  # set with _by_bytes
+        piece = self._byte_table.get(token)
+        if piece is None:  # an added token: the tokenizer decodes from here on
+            self._by_bytes = False
+            return self._decode_next()
+        pending = self._pending_bytes + piece
+        prefix_text = self._prefix_text
+        new: str | None = None
+        if self._prefix_valid:  # valid UTF-8 joined to valid UTF-8 decodes to the two texts joined
+            try:
+                new = pending.decode("utf-8")
+            except UnicodeDecodeError:
+                pass
+        if new is not None:
+            if not new or new.endswith(REPLACEMENT_CHAR):  # the rule below, on the prefix's text + new
+                self._pending_bytes = pending
+                return ""
+            new_text = prefix_text + new
+        else:
+            new_text = (self._prefix_bytes + pending).decode("utf-8", "replace")
+            if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
+                self._pending_bytes = pending
+                return ""
+        window, prefix = self._window, self._prefix_offset
+        self._prefix_offset, self._read_offset = self._read_offset, len(window)
+        self._prefix_bytes, self._pending_bytes = pending, b""
+        if new is not None:
+            self._prefix_text, self._prefix_valid = new, True
+        else:
+            self._set_prefix_text()
+        if prefix > 0:
+            del window[:prefix]
+            self._prefix_offset -= prefix
+            self._read_offset -= prefix
+        return new_text[len(prefix_text):]
 
     def _decode_next(self) -> str:
         assert self._decode is not None  # only with a tokenizer
@@ -112,6 +185,8 @@ class IncrementalDetokenizer:
             del window[:prefix]
             self._prefix_offset -= prefix
             self._read_offset -= prefix
+        if self._byte_table is not None:
+            self._window_to_bytes()  # back to bytes once the window holds no added token
         return new_text[len(prefix_text):]
 
     def get_next_output_text(self, finished: bool, delta: bool) -> str:

@@ -103,6 +103,14 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[i
     return list(ids.ids) if hasattr(ids, "ids") else [int(t) for t in ids]
 
 
+def rust_backend(tokenizer: Any) -> Any | None:
+    """The ``tokenizers.Tokenizer`` behind a fast transformers tokenizer or a :class:`TokenizersAdapter`; None
+    for any other (slow) tokenizer."""
+    if _is_transformers(tokenizer):
+        return getattr(tokenizer, "backend_tokenizer", None)
+    return tokenizer.backend if isinstance(tokenizer, TokenizersAdapter) else None
+
+
 def make_decoder(tokenizer: Any, *, skip_special_tokens: bool,
                  spaces_between_special_tokens: bool = True) -> Callable[[list[int]], str]:
     """A function from ids to text, with no clean-up of spaces (vLLM's detokenizer does none either: it would
@@ -110,8 +118,7 @@ def make_decoder(tokenizer: Any, *, skip_special_tokens: bool,
     what its ``decode`` does without clean-up, at a fifth of the cost (the detokenizer decodes twice per
     token). ``spaces_between_special_tokens=False`` goes to transformers' ``decode``, where slow tokenizers use
     it; fast ones join added tokens without spaces anyway."""
-    backend = getattr(tokenizer, "backend_tokenizer", None) if _is_transformers(tokenizer) else \
-        getattr(tokenizer, "backend", None) if isinstance(tokenizer, TokenizersAdapter) else None
+    backend = rust_backend(tokenizer)
     if backend is not None:
         return lambda ids: backend.decode(ids, skip_special_tokens=skip_special_tokens)
     if _is_transformers(tokenizer):
