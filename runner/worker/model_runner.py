@@ -314,19 +314,17 @@ class ModelRunner(LaunchingRunner):
             raise ValueError(f"a step of {num_reqs} requests exceeds the {limits.max_reqs} the step inputs hold "
                              "(--max-num-seqs)")
         host = self.inputs.stage()
-        shapes: list[int] = []
 
         def buffers(r: int, width: int, t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             if width > limits.max_blocks:
                 raise ValueError(f"a request of the step holds {width} KV blocks, more than the "
                                  f"{limits.max_blocks} of --max-model-len={self.max_model_len}")
-            shapes.append(width)
             return (host.query_start_loc[:r + 1], host.seq_lens[:r], host.block_table[:r * width].reshape(r, width),
                     host.slot_mapping[:t], host.positions[:t])
 
         a = attention_arrays(sched.num_computed, sched.query_lens, sched.blocks, self.block_size,
                              num_padded_tokens=padded, buffers=buffers)
-        width = shapes[0]
+        width = a.block_table.shape[1]
         ids = host.input_ids
         ids[:n] = sched.token_ids
         ids[n:padded] = 0

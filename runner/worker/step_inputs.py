@@ -106,7 +106,8 @@ class StepInputs:
         self._events: list[torch.cuda.Event | None] = [None] * len(self._staging)
         self._next = 0
         self._current = 0
-        self._block_table_offset = self._layout.spans["block_table"][1]
+        table_dtype, self._block_table_offset, _ = self._layout.spans["block_table"]
+        self._block_table_itemsize = table_dtype.itemsize
         self.num_staging_waits = 0  # stage() calls that found their buffer's previous copy not yet run
 
     def stage(self) -> StagedFields:
@@ -124,7 +125,7 @@ class StepInputs:
         device, non-blocking; nothing to do on the CPU."""
         if self.device_type == "cpu":
             return
-        end = self._block_table_offset + 4 * block_table_entries
+        end = self._block_table_offset + self._block_table_itemsize * block_table_entries
         k = self._current
         self._device_raw[:end].copy_(self._staging[k][:end], non_blocking=True)
         if self.device_type == "cuda":
