@@ -35,7 +35,7 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from runner.core.messages import (
     ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, Outputs, Profile, Ready, Shutdown,
@@ -49,6 +49,9 @@ from runner.engine.protocol import (
 from runner.engine.simple_output import RequestTracker
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # imported where the ranks start: the launcher pulls in multiprocessing and torch
+    from runner.distributed.launch import RankGroup
 
 logger = logging.getLogger("ubatch.engine")
 
@@ -136,7 +139,7 @@ class MPEngineClient(EngineClient):
         self.metrics = metrics
         self.on_dead = on_dead
         self._ranks: list[_Rank] = []
-        self._group: Any = None
+        self._group: RankGroup | None = None
         self._ctx: Any = None
         self._out_socket: Any = None
         self._sockets = sockets
@@ -214,7 +217,8 @@ class MPEngineClient(EngineClient):
             self._ranks.append(_Rank(sock))
         if self._owns_ranks:
             self._group = start_ranks(cfg, sockets)
-            self._supervisor = threading.Thread(target=self._supervise, name="ubatch-rank-supervisor", daemon=True)
+            self._supervisor = threading.Thread(target=self._supervise, args=(self._group,),
+                                                name="ubatch-rank-supervisor", daemon=True)
             self._supervisor.start()
         self._reader = asyncio.create_task(self._read_outputs(), name="ubatch-engine-outputs")
         deadline = STARTUP_GRACE_S + cfg.dist_timeout_s
@@ -233,9 +237,9 @@ class MPEngineClient(EngineClient):
         fails with ``message``."""
         self._die(message)
 
-    def _supervise(self) -> None:
+    def _supervise(self, group: RankGroup) -> None:
         """Thread: wait on the rank processes; a failure (or an unexpected exit) kills the engine."""
-        failure = self._group.watch(self._stop_supervising, lambda: self._stopping, "the server")
+        failure = group.watch(self._stop_supervising, lambda: self._stopping, "the server")
         message = None if failure is None else str(failure)
         if message is not None and self._loop is not None and not self._loop.is_closed():
             self._loop.call_soon_threadsafe(self._die, message)
@@ -476,7 +480,7 @@ class MPEngineClient(EngineClient):
             self.on_dead(message)
 
 
-def start_ranks(cfg: Any, sockets: EngineSockets, *, child_tracebacks: bool = True) -> Any:
+def start_ranks(cfg: Any, sockets: EngineSockets, *, child_tracebacks: bool = True) -> RankGroup:
     """Spawn one engine-core process per DP rank over ``sockets`` (a started ``RankGroup``; the ranks ignore
     SIGINT/SIGTERM/SIGHUP: the caller drains and stops them) and log their pids. ``child_tracebacks``: a rank
     that fails prints its traceback to stderr."""

@@ -32,10 +32,13 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Connection, wait
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.engine.core_client import EngineSockets
 from runner.entrypoints.api_server_proc import SIGNALS, ApiServerSpec, api_server_main
+
+if TYPE_CHECKING:
+    from runner.distributed.launch import RankGroup
 
 logger = logging.getLogger("runner.entrypoints.openai.api_servers")
 
@@ -55,7 +58,7 @@ def serve_api_servers(cfg: Any, args: argparse.Namespace, tokenizer: Any, genera
     sockets = EngineSockets.create(cfg.data_parallel_size, count)
     metrics_dir = tempfile.mkdtemp(prefix="ubatch-prometheus-")
     signals = _Signals()
-    group: Any = None
+    group: RankGroup | None = None
     servers = _ApiServers()
     failure: str | None = None
     try:
@@ -128,7 +131,7 @@ def _supervise(servers: "_ApiServers", ranks: "_RankWatch", signals: "_Signals",
     return failure
 
 
-def _stop_ranks(group: Any, sockets: EngineSockets, timeout_s: float) -> None:
+def _stop_ranks(group: RankGroup, sockets: EngineSockets, timeout_s: float) -> None:
     """Every API server is gone: tell the ranks to leave their loops (after their wave), then wait for them."""
     import zmq
 
@@ -152,7 +155,7 @@ def _stop_ranks(group: Any, sockets: EngineSockets, timeout_s: float) -> None:
 class _RankWatch:
     """The ranks' supervisor, in a thread: ``error`` names the failed rank(s) (the launcher's words)."""
 
-    def __init__(self, group: Any) -> None:
+    def __init__(self, group: RankGroup) -> None:
         self.group = group
         self.error: str | None = None
         self._stop = threading.Event()
