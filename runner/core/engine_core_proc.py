@@ -30,6 +30,7 @@ import pickle
 import time
 from typing import Any
 
+from runner.config import RunnerConfig
 from runner.core.engine_core import EngineCore
 from runner.core.messages import (
     ENCODER, INPUT_DECODER, AbortRequests, AddRequest, AddRequests, CoreFailed, CoreInfo, CoreStats, DBOBucketStat,
@@ -47,7 +48,7 @@ STATS_INTERVAL_S = 0.5
 MIN_PROFILE_STEPS = 2
 
 
-def run_engine_core(cfg: Any, input_addresses: list[str], output_addresses: list[str]) -> None:
+def run_engine_core(cfg: RunnerConfig, input_addresses: list[str], output_addresses: list[str]) -> None:
     """The body of one spawned rank (``RankGroup(run_engine_core, dp, args=(cfg, inputs, outputs))``): rank ``r``
     binds ``input_addresses[r]`` and sends to every client's ``output_addresses[c]``."""
     import torch.distributed as dist

@@ -37,6 +37,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
+from runner.config import RunnerConfig
 from runner.core.messages import (
     ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, Outputs, Profile, Ready, Shutdown,
     StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
@@ -480,7 +481,7 @@ class MPEngineClient(EngineClient):
             self.on_dead(message)
 
 
-def start_ranks(cfg: Any, sockets: EngineSockets, *, child_tracebacks: bool = True) -> RankGroup:
+def start_ranks(cfg: RunnerConfig, sockets: EngineSockets, *, child_tracebacks: bool = True) -> RankGroup:
     """Spawn one engine-core process per DP rank over ``sockets`` (a started ``RankGroup``; the ranks ignore
     SIGINT/SIGTERM/SIGHUP: the caller drains and stops them) and log their pids. ``child_tracebacks``: a rank
     that fails prints its traceback to stderr."""

@@ -33,7 +33,7 @@ from runner.core.messages import (
     Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
 )
 from runner.core.requests import EngineCoreRequest
-from runner.distributed.launch import LaunchInterrupted
+from runner.distributed.launch import LaunchInterrupted, RankGroup
 from runner.engine.core_client import CORE_FAILED_GRACE_S, STARTUP_GRACE_S, EngineSockets, start_ranks
 from runner.engine.engine_core_client import OnOutputs, RunReport
 from runner.engine.protocol import EngineDeadError
@@ -73,7 +73,7 @@ class _Processes:
     apart from the client, so interpreter exit can close it (``atexit``) without keeping the client alive."""
 
     def __init__(self) -> None:
-        self.group: Any = None  # runner.distributed.launch.RankGroup
+        self.group: RankGroup | None = None
         self.ctx: Any = None
         self.out: Any = None
         self.ranks: list[_Rank] = []
@@ -150,7 +150,8 @@ class SyncMPClient:
                 procs.ranks.append(_Rank(sock))
             procs.group = start_ranks(cfg, procs.sockets, child_tracebacks=rank_tracebacks)
             atexit.register(procs.close)  # after multiprocessing's own exit hook: runs before it
-            procs.supervisor = threading.Thread(target=self._supervise, name="ubatch-rank-supervisor", daemon=True)
+            procs.supervisor = threading.Thread(target=self._supervise, args=(procs.group,),
+                                                name="ubatch-rank-supervisor", daemon=True)
             procs.supervisor.start()
             self._wait_ready(STARTUP_GRACE_S + cfg.dist_timeout_s)
         except LaunchInterrupted as exc:
@@ -313,12 +314,12 @@ class SyncMPClient:
             self._handle(self._next_message(), None)
 
     # ------------------------------------------------------------------ failure
-    def _supervise(self) -> None:
+    def _supervise(self, group: RankGroup) -> None:
         """Thread: wait on the rank processes; a failure (or an unexpected exit) kills the engine."""
         from runner.distributed.launch import RankFailedError
 
         procs = self._procs
-        failure = procs.group.watch(procs.stop_supervising, lambda: procs.leaving, "the engine")
+        failure = group.watch(procs.stop_supervising, lambda: procs.leaving, "the engine")
         if failure is not None:
             if isinstance(failure, RankFailedError):
                 self._tracebacks = failure.tracebacks

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
+from runner.config import RunnerConfig
 from runner.engine.core_client import EngineSockets
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -28,7 +29,7 @@ class ApiServerSpec:
     index: int
     count: int
     args: argparse.Namespace
-    cfg: Any
+    cfg: RunnerConfig
     tokenizer: Any
     generation_config: Any
     max_logprobs: int

@@ -34,6 +34,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
+from runner.config import RunnerConfig
 from runner.engine.core_client import EngineSockets
 from runner.entrypoints.api_server_proc import SIGNALS, ApiServerSpec, api_server_main
 
@@ -46,7 +47,7 @@ logger = logging.getLogger("runner.entrypoints.openai.api_servers")
 DEAD_EXIT_S = 30.0
 
 
-def serve_api_servers(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any,
+def serve_api_servers(cfg: RunnerConfig, args: argparse.Namespace, tokenizer: Any, generation_config: Any,
                       max_logprobs: int) -> int:
     """Run the ranks and ``args.api_server_count`` API servers until a signal (drain; 0) or a failure (1)."""
     from runner.distributed.launch import environ_set
