@@ -3,9 +3,13 @@
 A completion request with several prompts runs one engine request per prompt (:meth:`EngineStreams.open`), each
 streamed with ``EngineClient.stream`` into a sink of this object: the engine hands each output straight to the
 request's buffer and wakes its handler, once per engine step however many outputs the step brought (no task
-or queue in between). A second task reads the ASGI receive channel: ``http.disconnect`` stops the stream at
-once, whether the response is streamed or the handler is still waiting for a final output (uvicorn reports the
-disconnect there as soon as the socket closes). ``close()`` ends every engine stream (which aborts its request
+or queue in between). A streamed response with one choice goes further (:meth:`EngineStreams.set_direct_format`):
+while its handler waits, the engine's output reader formats and writes each step's chunk itself, and wakes the
+handler only for the last output, an error, or a write that has to wait for the client.
+
+A second task reads the ASGI receive channel: ``http.disconnect`` stops the stream at once, whether the response
+is streamed or the handler is still waiting for a final output (uvicorn reports the disconnect there as soon as
+the socket closes). ``close()`` ends every engine stream (which aborts its request
 if the engine did not finish it) and also calls ``EngineClient.abort`` for every request the engine did not
 finish, so an engine whose streams do not abort frees the KV blocks too.
 """
@@ -14,7 +18,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from typing import Any, Awaitable, Callable, MutableMapping
+from types import GeneratorType
+from typing import Any, Awaitable, Callable, Coroutine, MutableMapping
 
 from runner.engine.protocol import CloseStream, EngineClient
 from runner.outputs import RequestOutput
@@ -25,6 +30,10 @@ logger = logging.getLogger(__name__)
 _END = object()  # a stream ended
 
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]  # starlette's
+# The text of one output's stream chunk(s), updating the response's state as the handler would ("" for none).
+DirectFormat = Callable[[int, RequestOutput], str]
+# Write a chunk's text to the client now: None when written, else what finishes the write (``send_now``).
+DirectWrite = Callable[[str], Awaitable[None] | None]
 
 
 class _Sink:
@@ -64,6 +73,11 @@ class EngineStreams:
         self._closed = False
         self._abort_tasks: set[asyncio.Task[None]] = set()
         self._abort_timer: asyncio.TimerHandle | None = None
+        self._direct_format: DirectFormat | None = None
+        self._direct_write: DirectWrite | None = None
+        self._direct_open = False  # the handler waits in next_batch with nothing queued: the reader may write
+        self._unfinished_write: Awaitable[None] | None = None  # a direct write that waits for the client
+        self._direct_error: BaseException | None = None  # what a direct format or write raised
         self._watcher = asyncio.create_task(self._watch(receive), name=f"disconnect watch {request_ids[0]}") \
             if receive is not None else None
 
@@ -76,9 +90,37 @@ class EngineStreams:
         self._closers.append(self.engine.stream(self.request_ids[i], prompt, prompt_token_ids, params,
                                                 _Sink(self, i)))
 
+    def set_direct_format(self, format: DirectFormat) -> None:
+        """With :meth:`set_direct_write`: the engine's output reader answers this stream's outputs itself while
+        the handler waits in :meth:`next_batch`; ``format`` turns an output into chunk text exactly as the handler
+        would (the handler sets it: it knows the response's shape). The last output, errors and ends still go to
+        the handler, in order."""
+        self._direct_format = format
+
+    def set_direct_write(self, write: DirectWrite) -> None:
+        """With :meth:`set_direct_format`: ``write`` sends chunk text to the client (the response sets it once
+        its headers are out)."""
+        self._direct_write = write
+
     def _push(self, i: int, item: Any) -> None:
+        if self._direct_open and isinstance(item, RequestOutput) and not item.finished and item.error is None:
+            self._write_directly(i, item)
+            return
         self._items.append((i, item))
         self._wake()
+
+    def _write_directly(self, i: int, output: RequestOutput) -> None:
+        assert self._direct_format is not None and self._direct_write is not None
+        try:
+            text = self._direct_format(i, output)
+            unfinished = self._direct_write(text) if text else None
+        except BaseException as exc:  # noqa: BLE001 - raised to the handler, as its own formatting would
+            self._direct_error = exc
+            unfinished = None
+        if unfinished is not None or self._direct_error is not None:
+            self._unfinished_write = unfinished
+            self._direct_open = False  # what follows queues behind it, for the handler
+            self._wake()
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -130,8 +172,18 @@ class EngineStreams:
         output with an ``error`` comes in a batch of its own, after the outputs before it."""
         items = self._items
         while self.stop_reason is None and self._num_ended < len(self._closers):
+            if self._unfinished_write is not None:
+                unfinished, self._unfinished_write = self._unfinished_write, None
+                await unfinished
+            if self._direct_error is not None:
+                exc, self._direct_error = self._direct_error, None
+                raise exc
             if not items:
-                await self._wait()
+                self._direct_open = self._direct_write is not None and self._direct_format is not None
+                try:
+                    await self._wait()
+                finally:
+                    self._direct_open = False
                 continue
             batch: list[tuple[int, RequestOutput]] = []
             while items:
@@ -182,6 +234,7 @@ class EngineStreams:
         """Stop reading now (the client left, or an aborted request's engine did not end it in time)."""
         if self.stop_reason is None:
             self.stop_reason = reason
+            self._direct_open = False
             self._wake()
 
     def abort(self, grace_s: float) -> None:
@@ -212,6 +265,10 @@ class EngineStreams:
             self._abort_timer.cancel()
         if self._watcher is not None:
             self._watcher.cancel()
+        self._direct_open = False
+        if isinstance(self._unfinished_write, (Coroutine, GeneratorType)):  # the client left while it waited
+            self._unfinished_write.close()
+        self._unfinished_write = None
         try:
             for close in self._closers:
                 try:

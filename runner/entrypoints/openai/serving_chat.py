@@ -34,7 +34,7 @@ from runner.entrypoints.openai.serving_engine import (
     OpenAIServing,
 )
 from runner.entrypoints.openai.sse import DONE, TextChunks, chunk_event
-from runner.outputs import Logprob
+from runner.outputs import CompletionOutput, Logprob
 
 ROLE = "assistant"
 # The fields of the stream chunks built from templates (``chunk_templates.py``): each choice's first chunk (the
@@ -111,28 +111,31 @@ class OpenAIServingChat(OpenAIServing):
                                                                                           created=created))
         last = self.chunk_template((*key, "last"), render, LAST_FIELDS).bind(id=request_id, created=created)
         plain_only = not request.logprobs and not request.return_token_ids
-        events: list[str] = []
+
+        def event(p: int, out: CompletionOutput) -> str:
+            i = choices.index(p, out)
+            state = choices.states[i]
+            first = not state.token_ids
+            state.add(out)
+            if plain_only and out.finish_reason is not None:
+                return last.fill(index=i, text=out.text, finish_reason=out.finish_reason, stop_reason=out.stop_reason)
+            if plain_only:
+                return plain.event(i, out.text) if out.text or out.token_ids else ""
+            if not (out.text or out.token_ids or out.finish_reason is not None):
+                return ""
+            return chunk(ChatCompletionResponseStreamChoice(
+                index=i, delta=DeltaMessage(content=out.text),
+                logprobs=self._logprobs(request, text, out.token_ids, out.logprobs or []),
+                finish_reason=out.finish_reason, stop_reason=out.stop_reason,
+                **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first)))
+
+        events_of = self.output_events(event)
+        if len(choices.states) == 1:  # one choice: the engine's output reader writes its steps' chunks itself
+            streams.set_direct_format(events_of)
         while (batch := await self.next_outputs(streams)) is not None:
-            for p, output in batch:
-                for out in output.outputs:
-                    i = choices.index(p, out)
-                    first = not choices.states[i].token_ids
-                    choices.states[i].add(out)
-                    if plain_only and out.finish_reason is not None:
-                        events.append(last.fill(index=i, text=out.text, finish_reason=out.finish_reason,
-                                                stop_reason=out.stop_reason))
-                    elif plain_only:
-                        if out.text or out.token_ids:
-                            events.append(plain.event(i, out.text))
-                    elif out.text or out.token_ids or out.finish_reason is not None:
-                        events.append(chunk(ChatCompletionResponseStreamChoice(
-                            index=i, delta=DeltaMessage(content=out.text),
-                            logprobs=self._logprobs(request, text, out.token_ids, out.logprobs or []),
-                            finish_reason=out.finish_reason, stop_reason=out.stop_reason,
-                            **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
+            events = "".join([events_of(p, output) for p, output in batch])
             if events:  # what was ready goes out in one write
-                yield "".join(events)
-                events.clear()
+                yield events
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):

@@ -29,7 +29,7 @@ from runner.entrypoints.openai.serving_engine import (
     OpenAIServing,
 )
 from runner.entrypoints.openai.sse import DONE, TextChunks, chunk_event
-from runner.outputs import Logprob
+from runner.outputs import CompletionOutput, Logprob
 
 # The fields of the stream chunks built from templates (``chunk_templates.py``): a token's text, and the last one.
 TEXT_FIELDS: dict[str, SlotKind] = {"id": "str", "created": "int", "index": "int", "text": "str"}
@@ -100,37 +100,39 @@ class OpenAIServingCompletion(OpenAIServing):
                                                                                           created=created))
         last = self.chunk_template((*key, "last"), render, LAST_FIELDS).bind(id=request_id, created=created)
         plain_only = request.logprobs is None and not request.return_token_ids
-        events: list[str] = []
+
+        def event(p: int, out: CompletionOutput) -> str:
+            i = choices.index(p, out)
+            state = choices.states[i]
+            if plain_only:
+                state.add(out)
+                if out.finish_reason is not None:
+                    return last.fill(index=i, text=out.text, finish_reason=out.finish_reason,
+                                     stop_reason=out.stop_reason)
+                return plain.event(i, out.text) if out.text or out.token_ids else ""
+            logprobs = None
+            if request.logprobs is not None:
+                # offsets count the tokens' texts, as in the full response (the text itself may lag behind while a
+                # stop string could still complete)
+                logprobs = completion_logprobs(out.token_ids, out.logprobs or [], request.logprobs, text,
+                                               initial_offset=state.token_text_len)
+                state.token_text_len += sum(len(t) for t in logprobs.tokens)
+            first = not state.token_ids
+            state.add(out)
+            if not (out.text or out.token_ids or out.finish_reason is not None):
+                return ""
+            return chunk(CompletionResponseStreamChoice(
+                index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
+                stop_reason=out.stop_reason,
+                **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first)))
+
+        events_of = self.output_events(event)
+        if len(choices.states) == 1:  # one choice: the engine's output reader writes its steps' chunks itself
+            streams.set_direct_format(events_of)
         while (batch := await self.next_outputs(streams)) is not None:
-            for p, output in batch:
-                for out in output.outputs:
-                    i = choices.index(p, out)
-                    state = choices.states[i]
-                    if plain_only:
-                        state.add(out)
-                        if out.finish_reason is not None:
-                            events.append(last.fill(index=i, text=out.text, finish_reason=out.finish_reason,
-                                                    stop_reason=out.stop_reason))
-                        elif out.text or out.token_ids:
-                            events.append(plain.event(i, out.text))
-                        continue
-                    logprobs = None
-                    if request.logprobs is not None:
-                        # offsets count the tokens' texts, as in the full response (the text itself may lag behind
-                        # while a stop string could still complete)
-                        logprobs = completion_logprobs(out.token_ids, out.logprobs or [], request.logprobs, text,
-                                                       initial_offset=state.token_text_len)
-                        state.token_text_len += sum(len(t) for t in logprobs.tokens)
-                    first = not state.token_ids
-                    state.add(out)
-                    if out.text or out.token_ids or out.finish_reason is not None:
-                        events.append(chunk(CompletionResponseStreamChoice(
-                            index=i, text=out.text, logprobs=logprobs, finish_reason=out.finish_reason,
-                            stop_reason=out.stop_reason,
-                            **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first))))
+            events = "".join([events_of(p, output) for p, output in batch])
             if events:  # what was ready goes out in one write
-                yield "".join(events)
-                events.clear()
+                yield events
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):

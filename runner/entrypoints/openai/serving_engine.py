@@ -204,7 +204,7 @@ class OpenAIServing:
         answered as ``body()``. The engine requests end with it either way (``streams`` closed)."""
         if stream:
             return EventStreamResponse(events(), lambda exc: sse_event(self.failure(exc).body().model_dump()),
-                                       streams.close)
+                                       streams.close, streams.set_direct_write)
         try:
             while (item := await self.next_output(streams)) is not None:
                 p, output = item
@@ -218,6 +218,15 @@ class OpenAIServing:
             raise self.failure(exc) from exc
         finally:
             await streams.close()
+
+    @staticmethod
+    def output_events(event: Callable[[int, CompletionOutput], str]) -> Callable[[int, RequestOutput], str]:
+        """A stream's text for one engine output of prompt p, from ``event`` (the text for one of its samples)."""
+        def events_of(p: int, output: RequestOutput) -> str:
+            outs = output.outputs
+            return event(p, outs[0]) if len(outs) == 1 else "".join([event(p, out) for out in outs])
+
+        return events_of
 
     def end_unfinished(self, streams: EngineStreams, choices: Choices) -> list[int]:
         """Choices the engine did not finish (the server aborted them, or the engine ended their request

@@ -14,6 +14,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runner.entrypoints.openai.chunk_templates import ChunkTemplate
+from runner.entrypoints.openai.send_now import send_now
 
 DONE = "data: [DONE]\n\n"
 
@@ -68,15 +69,19 @@ RAW_SEND = "ubatch.raw_send"
 class EventStreamResponse(Response):
     """``events`` as server-sent events, in one write per item. An exception the events raise after the 200 goes
     into the stream as ``on_error(exc)`` (an error event), then ``[DONE]``, as vLLM does; ``close`` runs at the
-    end whatever happened (it ends the engine requests)."""
+    end whatever happened (it ends the engine requests). ``direct_write``, when given, receives (once the headers
+    are out) a function that writes event text at once from any task (``send_now``): the engine's output reader
+    writes a step's chunk with it (``EngineStreams.set_direct_write``)."""
 
     media_type = "text/event-stream"
 
     def __init__(self, events: AsyncGenerator[str, None], on_error: Callable[[Exception], str],
-                 close: Callable[[], Awaitable[None]]) -> None:
+                 close: Callable[[], Awaitable[None]],
+                 direct_write: Callable[[Callable[[str], Awaitable[None] | None]], None] | None = None) -> None:
         self.events = events
         self.on_error = on_error
         self.close = close
+        self.direct_write = direct_write
         self.status_code = 200
         self.background = None
         self.init_headers({"Cache-Control": "no-cache"})
@@ -85,6 +90,9 @@ class EventStreamResponse(Response):
         send_body = scope.get(RAW_SEND, send)  # served without RawSend (a test's app): through the middlewares
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            if self.direct_write is not None and RAW_SEND in scope:  # the server's own send: safe from any task
+                self.direct_write(lambda text: send_now(send_body({"type": "http.response.body",
+                                                                   "body": text.encode(), "more_body": True})))
             try:
                 async for event in self.events:
                     await send_body({"type": "http.response.body", "body": event.encode(), "more_body": True})
