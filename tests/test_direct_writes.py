@@ -1,0 +1,276 @@
+"""A stream's chunks written by the engine's output reader itself (``EngineStreams.set_direct_format`` /
+``set_direct_write`` over ``send_now``): a write that need not wait happens at once without waking the handler;
+one that waits for the client is finished by the handler before anything after it; the last output, errors and
+a disconnect still go to the handler; and over a real server with a client that reads slowly (flow control),
+the streamed text equals the whole response's."""
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from typing import Any, Awaitable
+
+import pytest
+
+from runner.engine.protocol import EngineDeadError
+from runner.entrypoints.openai import sse
+from runner.entrypoints.openai.engine_streams import EngineStreams
+from runner.entrypoints.openai.send_now import send_now
+from runner.outputs import RequestOutput
+from runner.sampling_params import SamplingParams
+from tests.fake_engine_client import FakeEngineClient
+from tests.openai_harness import MODEL, ServerThread
+from tests.test_engine_streams import SinkEngine, output, texts
+
+
+# ---- send_now ---------------------------------------------------------------------------------------------------
+def test_send_now_finishes_a_send_that_need_not_wait_at_once() -> None:
+    written: list[str] = []
+
+    async def send(message: str) -> None:
+        written.append(message)
+
+    async def main() -> None:
+        assert send_now(send("a")) is None
+        assert written == ["a"]  # before any task switch
+
+    asyncio.run(main())
+
+
+def test_send_now_hands_a_waiting_send_to_the_awaiting_task() -> None:
+    async def main() -> None:
+        ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        written: list[str] = []
+
+        async def send(message: str) -> None:
+            await ready  # the client's socket is full
+            written.append(message)
+
+        rest = send_now(send("a"))
+        assert rest is not None and written == []
+        waiter = asyncio.ensure_future(rest)
+        await asyncio.sleep(0)
+        assert not waiter.done()
+        ready.set_result(None)
+        await asyncio.wait_for(waiter, 5)
+        assert written == ["a"]
+
+    asyncio.run(main())
+
+
+def test_send_now_passes_a_cancellation_into_the_waiting_send_and_raises_what_it_raises() -> None:
+    async def main() -> None:
+        seen: list[str] = []
+
+        async def send() -> None:
+            try:
+                await asyncio.get_running_loop().create_future()
+            except asyncio.CancelledError:
+                seen.append("cancelled")
+                raise
+
+        async def broken() -> None:
+            raise OSError("connection reset")
+
+        rest = send_now(send())
+        assert rest is not None
+        waiter = asyncio.ensure_future(rest)
+        await asyncio.sleep(0)
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        assert seen == ["cancelled"]
+        with pytest.raises(OSError, match="connection reset"):
+            send_now(broken())
+
+    asyncio.run(main())
+
+
+# ---- EngineStreams ----------------------------------------------------------------------------------------------
+class Client:
+    """The response's side of a direct stream: what was written, and a switch that makes writes wait."""
+
+    def __init__(self) -> None:
+        self.written: list[str] = []
+        self.full: asyncio.Future[None] | None = None  # while set, a write waits for it
+
+    def format(self, i: int, out: RequestOutput) -> str:
+        return f"{i}:{out.outputs[0].text};"
+
+    def write(self, text: str) -> Awaitable[None] | None:
+        return send_now(self._send(text))
+
+    async def _send(self, text: str) -> None:
+        if self.full is not None:
+            await self.full
+        self.written.append(text)
+
+
+def direct(engine: SinkEngine, client: Client) -> EngineStreams:
+    streams = EngineStreams(engine, ["r-0"], receive=None)
+    streams.open(None, [1, 2], SamplingParams(max_tokens=8))
+    streams.set_direct_format(client.format)
+    streams.set_direct_write(client.write)
+    return streams
+
+
+def test_outputs_are_written_while_the_handler_waits_and_the_last_one_wakes_it() -> None:
+    async def main() -> None:
+        engine, client = SinkEngine(), Client()
+        streams = direct(engine, client)
+        sink = engine.sinks["r-0"]
+        sink.put(output("r-0", "a"))  # before the handler waits: queued for it
+        assert texts(await streams.next_batch()) == [(0, "a")]
+        reader = asyncio.ensure_future(streams.next_batch())
+        await asyncio.sleep(0)
+        sink.put(output("r-0", "b"))
+        sink.put(output("r-0", "c"))
+        assert client.written == ["0:b;", "0:c;"]  # written at once, by the caller of put
+        await asyncio.sleep(0)
+        assert not reader.done()  # and the handler was not woken for them
+        sink.put(output("r-0", "d", finished=True))
+        sink.end()
+        assert texts(await asyncio.wait_for(reader, 5)) == [(0, "d")]
+        assert streams.finished == [True] and client.written == ["0:b;", "0:c;"]
+        assert await streams.next_batch() is None
+        await streams.close()
+
+    asyncio.run(main())
+
+
+def test_a_write_that_waits_is_finished_by_the_handler_before_the_outputs_after_it() -> None:
+    async def main() -> None:
+        engine, client = SinkEngine(), Client()
+        streams = direct(engine, client)
+        sink = engine.sinks["r-0"]
+        reader = asyncio.ensure_future(streams.next_batch())
+        await asyncio.sleep(0)
+        client.full = asyncio.get_running_loop().create_future()
+        sink.put(output("r-0", "a"))  # its write waits for the client
+        sink.put(output("r-0", "b"))  # queued behind it, for the handler
+        await asyncio.sleep(0)
+        assert client.written == [] and not reader.done()
+        client.full.set_result(None)
+        client.full = None
+        assert texts(await asyncio.wait_for(reader, 5)) == [(0, "b")]
+        assert client.written == ["0:a;"]
+        await streams.close()
+
+    asyncio.run(main())
+
+
+def test_errors_failures_and_format_exceptions_reach_the_handler() -> None:
+    async def main() -> None:
+        engine, client = SinkEngine(), Client()
+        streams = direct(engine, client)
+        sink = engine.sinks["r-0"]
+        reader = asyncio.ensure_future(streams.next_batch())
+        await asyncio.sleep(0)
+        sink.put(output("r-0", "bad", finished=True, error="no room"))
+        batch = await asyncio.wait_for(reader, 5)
+        assert batch is not None and batch[0][1].error == "no room" and client.written == []
+        await streams.close()
+
+        engine, client = SinkEngine(), Client()
+        streams = direct(engine, client)
+        reader = asyncio.ensure_future(streams.next_batch())
+        await asyncio.sleep(0)
+        engine.sinks["r-0"].fail(EngineDeadError("rank 1 died"))
+        with pytest.raises(EngineDeadError, match="rank 1 died"):
+            await asyncio.wait_for(reader, 5)
+        await streams.close()
+
+        def broken(i: int, out: RequestOutput) -> str:
+            raise RuntimeError(f"the engine returned sample {out.outputs[0].index + 3} for a request with n=1")
+
+        engine, client = SinkEngine(), Client()
+        streams = direct(engine, client)
+        streams.set_direct_format(broken)
+        reader = asyncio.ensure_future(streams.next_batch())
+        await asyncio.sleep(0)
+        engine.sinks["r-0"].put(output("r-0", "a"))
+        with pytest.raises(RuntimeError, match="sample 3"):
+            await asyncio.wait_for(reader, 5)
+        await streams.close()
+
+    asyncio.run(main())
+
+
+def test_nothing_is_written_after_a_disconnect() -> None:
+    async def main() -> None:
+        engine, client = SinkEngine(), Client()
+        messages: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        streams = EngineStreams(engine, ["r-0"], receive=messages.get)
+        streams.open(None, [1, 2], SamplingParams(max_tokens=8))
+        streams.set_direct_format(client.format)
+        streams.set_direct_write(client.write)
+        reader = asyncio.ensure_future(streams.next_batch())
+        await asyncio.sleep(0)
+        engine.sinks["r-0"].put(output("r-0", "a"))
+        await messages.put({"type": "http.disconnect"})
+        assert await asyncio.wait_for(reader, 5) is None and streams.disconnected
+        engine.sinks["r-0"].put(output("r-0", "b"))
+        assert client.written == ["0:a;"]
+        await streams.close()
+
+    asyncio.run(main())
+
+
+# ---- a real server, a slow client ------------------------------------------------------------------------------
+def read_chunked_events(sock: socket.socket, deadline_s: float) -> list[str]:
+    """The ``data:`` payloads of a chunked server-sent-event response read from ``sock`` to its end."""
+    data = b""
+    deadline = time.monotonic() + deadline_s
+    while not data.endswith(b"0\r\n\r\n"):
+        assert time.monotonic() < deadline, "the server did not end the stream in time"
+        piece = sock.recv(65536)
+        assert piece, "the server closed the connection before the end of the stream"
+        data += piece
+    head, body = data.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200"), head
+    payload = b""
+    while True:
+        size_line, body = body.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        if size == 0:
+            break
+        payload, body = payload + body[:size], body[size + 2:]
+    return [line[len("data: "):] for line in payload.decode().split("\n") if line.startswith("data: ")]
+
+
+def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small socket buffers and a client that reads only after a pause fill the server's transport, so uvicorn's
+    ``send`` waits (flow control) for some of the direct writes: the handler finishes those, and the streamed
+    text still equals the whole response's."""
+    waited: list[int] = []
+
+    def counting_send_now(sending: Awaitable[None]) -> Awaitable[None] | None:
+        rest = send_now(sending)
+        waited.append(rest is not None)
+        return rest
+
+    monkeypatch.setattr(sse, "send_now", counting_send_now)
+    max_tokens = 2000
+    server = ServerThread(FakeEngineClient(max_model_len=4096))
+    server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted sockets inherit it
+    with server as running:
+        with running.http() as http:
+            whole = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": max_tokens})
+            assert whole.status_code == 200
+            expected = whole.json()["choices"][0]["text"]
+        body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True}).encode()
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.settimeout(30)
+            sock.connect(("127.0.0.1", running.port))
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            time.sleep(1.0)  # the server writes into full buffers meanwhile
+            events = read_chunked_events(sock, 60)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == expected and len(expected) == max_tokens
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert sum(waited) >= 1, "no direct write waited for the client: the test did not fill the buffers"
+    assert len(waited) - sum(waited) >= 1, "no direct write finished at once"
