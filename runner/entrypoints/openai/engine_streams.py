@@ -19,7 +19,8 @@ import asyncio
 import logging
 from collections import deque
 from types import GeneratorType
-from typing import Any, Awaitable, Callable, Coroutine, MutableMapping
+from collections.abc import Coroutine
+from typing import Any, Awaitable, Callable, MutableMapping
 
 from runner.engine.protocol import CloseStream, EngineClient
 from runner.outputs import RequestOutput

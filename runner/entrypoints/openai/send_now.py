@@ -9,7 +9,8 @@ instead of waking the request's handler for it (``EngineStreams.set_direct_write
 from __future__ import annotations
 
 import types
-from typing import Any, Awaitable, Coroutine, Generator
+from collections.abc import Awaitable, Coroutine, Generator
+from typing import Any
 
 
 def send_now(sending: Awaitable[None]) -> Awaitable[None] | None:
