@@ -46,7 +46,11 @@ class _Sink:
         self.streams, self.index = streams, index
 
     def put(self, output: RequestOutput) -> None:
-        self.streams._push(self.index, output)
+        streams = self.streams
+        if streams._direct_open and not output.finished and output.error is None:
+            streams._write_directly(self.index, output)
+        else:
+            streams._push(self.index, output)
 
     def fail(self, exc: BaseException) -> None:
         self.streams._push(self.index, exc)
@@ -104,17 +108,15 @@ class EngineStreams:
         self._direct_write = write
 
     def _push(self, i: int, item: Any) -> None:
-        if self._direct_open and isinstance(item, RequestOutput) and not item.finished and item.error is None:
-            self._write_directly(i, item)
-            return
         self._items.append((i, item))
         self._wake()
 
     def _write_directly(self, i: int, output: RequestOutput) -> None:
-        assert self._direct_format is not None and self._direct_write is not None
+        """Answer a running request's output at once (the handler waits with nothing queued: ``_direct_open``)."""
+        format, write = self._direct_format, self._direct_write
         try:
-            text = self._direct_format(i, output)
-            unfinished = self._direct_write(text) if text else None
+            text = format(i, output)  # type: ignore[misc]  # both set where _direct_open is
+            unfinished = write(text) if text else None  # type: ignore[misc]
         except BaseException as exc:  # noqa: BLE001 - raised to the handler, as its own formatting would
             self._direct_error = exc
             unfinished = None
