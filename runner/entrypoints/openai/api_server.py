@@ -76,8 +76,10 @@ def build_app(engine_client: EngineClient, served_model_names: list[str], api_ke
         return await chat.create_chat_completion(raw)
 
     # The inference routes are Starlette's routes, registered first so that they serve every POST: they take the
-    # raw Request, for which FastAPI's per-request dependency solving and telemetry cost about a tenth of a
-    # request's CPU and do nothing. FastAPI's declarations of them below only describe them in the OpenAPI schema.
+    # raw Request, for which FastAPI's per-request dependency solving and operation telemetry cost about a tenth
+    # of a request's CPU and do nothing (with an OpenTelemetry provider configured, FastAPI's HTTP span still
+    # names the route; its operation span is not made). FastAPI's declarations of them below only describe them
+    # in the OpenAPI schema.
     app.add_route("/v1/completions", create_completion, methods=["POST"], include_in_schema=False)
     app.add_route("/v1/chat/completions", create_chat_completion, methods=["POST"], include_in_schema=False)
     app.post("/v1/completions")(create_completion)
