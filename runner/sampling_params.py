@@ -45,11 +45,13 @@ class SamplingParamsError(ValueError):
 
 
 def _is_number(v: Any) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool)
+    t = type(v)
+    return t is float or t is int or (t is not bool and isinstance(v, (int, float)))
 
 
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    t = type(v)
+    return t is int or (t is not bool and isinstance(v, int))
 
 
 def wrap_int64(value: int) -> int:
