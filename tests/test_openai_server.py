@@ -236,3 +236,43 @@ def test_api_key() -> None:
             assert http.get("/openapi.json").status_code == 401  # every other route needs the key too
             assert http.get("/openapi.json", headers={"Authorization": "Bearer sekret"}).status_code == 200
     assert srv.engine.submitted[1:] == []  # only the authorized request reached the engine
+
+
+def test_inference_routes_methods_and_schema(server: ServerThread) -> None:
+    """The inference routes (Starlette's, ahead of FastAPI's declarations) answer only POST, with FastAPI's 405,
+    and the OpenAPI schema still lists them."""
+    with server.http() as http:
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            for method in ("GET", "PUT", "DELETE"):
+                r = http.request(method, path)
+                assert (r.status_code, r.headers["allow"], r.json()) == (405, "POST", {"detail": "Method Not Allowed"})
+        paths = http.get("/openapi.json").json()["paths"]
+        assert {"/v1/completions", "/v1/chat/completions"} <= set(paths)
+        assert list(paths["/v1/completions"]) == ["post"] and list(paths["/v1/chat/completions"]) == ["post"]
+
+
+def test_request_log_only_when_enabled(caplog: pytest.LogCaptureFixture) -> None:
+    """Off by default, as in vLLM (``--enable-log-requests`` turns it on): one INFO line per engine request."""
+    import argparse
+    import logging
+
+    from fastapi.testclient import TestClient
+
+    from runner.entrypoints.openai.api_server import build_app
+    from runner.entrypoints.openai.cli_args import add_server_args, request_logging
+
+    parser = argparse.ArgumentParser()
+    add_server_args(parser)
+    assert [request_logging(parser.parse_args(flags)) for flags in (
+        [], ["--enable-log-requests"], ["--enable-log-requests", "--disable-log-requests"],
+        ["--no-enable-log-requests"])] == [False, True, False, False]
+    body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}
+    for kwargs, logged in (({}, False), ({"log_requests": True}, True)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="runner.entrypoints.openai"):
+            r = TestClient(build_app(FakeEngineClient(), [MODEL], **kwargs)).post("/v1/completions", json=body)
+        assert r.status_code == 200
+        lines = [rec.getMessage() for rec in caplog.records if rec.getMessage().startswith("Request ")]
+        assert len(lines) == int(logged)
+        if logged:
+            assert lines[0].startswith(f"Request {r.json()['id']}-0: 3 prompt tokens, SamplingParams(n=1")

@@ -249,3 +249,20 @@ def test_sample_shape_and_vocab_errors() -> None:
         Sampler(3, "cpu").sample(torch.zeros(1, 3), [RowSpec(SamplingParams(logit_bias={7: 1.0}))])
     with pytest.raises(ValueError, match="row 0 uses penalties but has no request slot"):
         Sampler(3, "cpu").sample(torch.zeros(1, 3), [RowSpec(SamplingParams(presence_penalty=1.0))])
+
+
+def test_clone_equals_and_shares_nothing_mutable() -> None:
+    import copy
+
+    params = SamplingParams(n=2, temperature=0.7, seed=5, stop=["x", "yz"], stop_token_ids=[3, 4],
+                            logit_bias={"7": 1.5}, max_tokens=9)
+    params.all_stop_token_ids |= {11}
+    clone = params.clone()
+    assert clone == params == copy.deepcopy(params) and type(clone) is SamplingParams
+    clone.stop.append("w")
+    clone.stop_token_ids.append(5)
+    clone.logit_bias[8] = 1.0
+    clone.all_stop_token_ids.add(12)
+    clone.max_tokens = 1
+    assert (params.stop, params.stop_token_ids, params.logit_bias, params.all_stop_token_ids, params.max_tokens) == \
+        (["x", "yz"], [3, 4], {7: 1.5}, {3, 4, 11}, 9)

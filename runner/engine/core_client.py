@@ -301,9 +301,10 @@ class MPEngineClient(EngineClient):
         info = self._info
         if not prompt_token_ids:
             raise RequestError("prompt", "the prompt is empty: at least one token is needed")
-        bad = next((t for t in prompt_token_ids if not 0 <= t < info.vocab_size), None)
-        if bad is not None:
-            raise RequestError("prompt", f"prompt token id {bad} is outside the vocabulary [0, {info.vocab_size})")
+        vocab = info.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:  # in C; the first bad id named below
+            bad = next(t for t in prompt_token_ids if not 0 <= t < vocab)
+            raise RequestError("prompt", f"prompt token id {bad} is outside the vocabulary [0, {vocab})")
         params.check_vocab(info.vocab_size)
         room = info.max_model_len - len(prompt_token_ids)
         if room < 1:
@@ -331,16 +332,19 @@ class MPEngineClient(EngineClient):
                                             f"--max-queued-requests {self.max_queued_requests})")
 
     def _pick_rank(self) -> int:
+        if len(self._ranks) == 1:
+            return 0
         return min(range(len(self._ranks)), key=lambda r: (self._ranks[r].outstanding, r))
 
     def _submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                 sink: OutputSink) -> None:
         """Check the request, register its sink and send its engine requests to the ranks."""
         self._check_accepting(params.n)
-        params = self._check_request(list(prompt_token_ids), params)
+        prompt_token_ids = list(prompt_token_ids)  # the caller's list stays the caller's
+        params = self._check_request(prompt_token_ids, params)
         if self.tracker.has(request_id):
             raise RequestError("request_id", f"request id {request_id!r} is already running")
-        children = self.tracker.add(request_id, prompt, list(prompt_token_ids), params, sink,
+        children = self.tracker.add(request_id, prompt, prompt_token_ids, params, sink,
                                     lambda: next(self._engine_ids))
         if self.metrics is not None:
             self.metrics.on_prompt_tokens(len(prompt_token_ids))

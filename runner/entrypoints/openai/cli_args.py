@@ -78,9 +78,19 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                             "whole requests (tokenizing, detokenizing, streaming): more spread that CPU over more "
                             "cores (vLLM's flag; default 1)")
     group.add_argument("--uvicorn-log-level", choices=LOG_LEVELS, default="info", help="uvicorn's log level")
+    group.add_argument("--enable-log-requests", action=argparse.BooleanOptionalAction, default=False,
+                       help="log each request (its id, prompt length and sampling parameters) at INFO; off by "
+                            "default, as in vLLM")
     group.add_argument("--disable-log-requests", action="store_true",
-                       help="do not log each request (its id, prompt length and sampling parameters)")
+                       help="turn off uvicorn's access log, and the request log if --enable-log-requests is also "
+                            "given (vLLM's older flag; request logs are off unless --enable-log-requests)")
     return group
+
+
+def request_logging(args: argparse.Namespace) -> bool:
+    """Whether the server logs a line per request: ``--enable-log-requests`` (off by default, as in vLLM), unless
+    ``--disable-log-requests`` is also given."""
+    return args.enable_log_requests and not args.disable_log_requests
 
 
 def served_model_names(args: argparse.Namespace) -> list[str]:

@@ -84,8 +84,8 @@ class ServerMetrics:
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(name)
         self._success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
                                 labels + ["finished_reason"], registry=reg)
-        for reason in FINISH_REASONS:  # every series present from the start, at 0
-            self._success.labels(name, reason)
+        # every series present from the start, at 0; the children kept, as a label lookup costs more than an inc
+        self._success_by_reason = {reason: self._success.labels(name, reason) for reason in FINISH_REASONS}
         self._per_api_server = None if api_server is None else Counter(
             PREFIX + "api_server_requests", "Requests finished by each API-server process (--api-server-count).",
             labels + ["api_server"], registry=reg).labels(name, str(api_server))
@@ -101,8 +101,10 @@ class ServerMetrics:
         once under its reason (vLLM runs n samples as n requests); latency from arrival to the end when the
         engine recorded the end."""
         for sample in output.outputs:
-            if sample.finish_reason is not None:
-                self._success.labels(self.model_name, sample.finish_reason).inc()
+            reason = sample.finish_reason
+            if reason is not None:
+                counter = self._success_by_reason.get(reason)
+                (counter if counter is not None else self._success.labels(self.model_name, reason)).inc()
         if self._per_api_server is not None:
             self._per_api_server.inc()
         m = output.metrics

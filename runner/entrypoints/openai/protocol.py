@@ -11,8 +11,8 @@ neutral value (``UNSUPPORTED``); fields no one defines are ignored with a warnin
 """
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from typing import Any, ClassVar, Literal
 
 from pydantic import (
@@ -38,8 +38,12 @@ def set_max_logprobs(limit: int) -> None:
 
 
 def random_id(prefix: str) -> str:
-    """A request id as vLLM makes them (``cmpl-<uuid hex>``, ``chatcmpl-<uuid hex>``): unique per request."""
-    return f"{prefix}-{uuid.uuid4().hex}"
+    """A request id as vLLM makes them (``cmpl-<uuid hex>``, ``chatcmpl-<uuid hex>``): unique per request. The
+    bits of ``uuid.uuid4().hex`` (random, with its version and variant bits set), without the ``UUID`` object,
+    which cost more than the rest of the id's use."""
+    value = int.from_bytes(os.urandom(16), "big")
+    value = (value & ~(0xC000 << 48) | 0x8000 << 48) & ~(0xF000 << 64) | 4 << 76
+    return f"{prefix}-{value:032x}"
 
 
 class _Strict(BaseModel):
@@ -166,14 +170,20 @@ class CompletionRequest(_SamplingFields):
     @classmethod
     def _prompt_shape(cls, value: Any) -> Any:
         def is_ids(v: Any) -> bool:
-            return isinstance(v, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in v)
+            if not isinstance(v, list):
+                return False
+            if set(map(type, v)) <= {int}:  # what JSON gives, checked in C (a long prompt's ids, per request)
+                return True
+            return all(isinstance(t, int) and not isinstance(t, bool) for t in v)
 
-        shape_ok = isinstance(value, str) or (isinstance(value, list) and value and (
-            is_ids(value) or all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value)))
+        non_empty_list = isinstance(value, list) and len(value) > 0
+        single = isinstance(value, str) or (non_empty_list and is_ids(value))
+        shape_ok = single or (non_empty_list and (
+            all(isinstance(p, str) for p in value) or all(is_ids(p) for p in value)))
         if not shape_ok:
             raise ValueError("prompt must be a non-empty string, a list of token ids, or a non-empty list of "
                              f"strings or of token-id lists; got {_short(value)}")
-        prompts = [value] if isinstance(value, str) or is_ids(value) else value
+        prompts = [value] if single else value
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")

@@ -107,7 +107,7 @@ class Choices:
 
 class OpenAIServing:
     def __init__(self, engine: EngineClient, models: ServingModels, lifecycle: ServerLifecycle,
-                 log_requests: bool = True, *, max_request_bytes: int = 8 << 20,
+                 log_requests: bool = False, *, max_request_bytes: int = 8 << 20,
                  tokenizer_thread: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.models = models
@@ -142,10 +142,10 @@ class OpenAIServing:
     def check_prompt(self, prompt: EnginePrompt, param: str) -> EnginePrompt:
         if not prompt.token_ids:
             raise bad_request(f"{param} is empty after tokenization", param)
-        vocab = self.engine.vocab_size
-        bad = [t for t in prompt.token_ids if not 0 <= t < vocab]
-        if bad:
-            raise bad_request(f"{param} has token id {bad[0]}, outside the model's vocabulary [0, {vocab})", param)
+        vocab, ids = self.engine.vocab_size, prompt.token_ids
+        if min(ids) < 0 or max(ids) >= vocab:  # in C; the first bad id named below
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise bad_request(f"{param} has token id {bad}, outside the model's vocabulary [0, {vocab})", param)
         return prompt
 
     def chunk_template(self, key: tuple[str, ...], render: Callable[..., str],
