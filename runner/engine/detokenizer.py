@@ -189,8 +189,9 @@ class IncrementalDetokenizer:
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to report now: all of it (``delta`` False) or what is new since the last call, less the
         characters held back for a stop string while the request runs."""
-        hold = 0 if finished else self.stop_buffer_length
-        length = max(0, len(self.output_text) - hold)
+        length = len(self.output_text)
+        if not finished and self.stop_buffer_length:
+            length = max(0, length - self.stop_buffer_length)
         if not delta:
             return self.output_text[:length]
         start = self._last_output_text_offset
