@@ -3,15 +3,16 @@ engine-core outputs, with no server, socket or event loop around it, so its CPU 
 of a shared machine's scheduling. Two paths are timed: ``tracker``, ``RequestTracker.process`` (detokenization,
 stop strings, ``RequestOutput`` s, hand-over to a sink that keeps nothing); ``client``, all the server's client
 does with a rank's message once received (``MPEngineClient._on_outputs``): the msgpack decode of the
-``Outputs`` message as the rank encoded it, the rank's stats, the tracker, and the server's Prometheus metrics
-(``ServerMetrics``) as the metrics sink.
+``Outputs`` message as the rank encoded it (``CoreLoop._send_outputs``), the rank's stats, the tracker, and the
+server's Prometheus metrics (``ServerMetrics``) as the metrics sink.
 
 Workload: the tiny checkpoint's byte-level tokenizer (``tests/tiny_checkpoint.py``), 256 streamed (DELTA)
 requests of 16 prompt ids, 64 steps of one token each; the tokens are drawn at random from the vocabulary (41 %
 of it is part of a character, and about as many of a random model's greedy tokens), or with ``--whole`` only
 from tokens that decode alone to whole characters (a trained model's text). Reports the process CPU
-microseconds per token, the median of ``--repeats``, with the garbage collector tuned as in the API server. The runner imported is the one on ``PYTHONPATH`` (compare
-checkouts with ``PYTHONPATH=<checkout> python benchmarks/bench_output_processing.py``).
+microseconds per token, the median of ``--repeats``, with the garbage collector tuned as in the API server
+(``tune_gc``). The runner imported is the one on ``PYTHONPATH`` (compare checkouts with
+``PYTHONPATH=<checkout> python benchmarks/bench_output_processing.py``).
 """
 from __future__ import annotations
 

@@ -4,8 +4,9 @@ for DP > 1 (vLLM's ``EngineCoreClient``: ``InprocClient`` / ``SyncMPClient``).
 The client speaks the engine core's language: requests go in as :class:`~runner.core.requests.EngineCoreRequest`
 (the caller's :class:`~runner.engine.output_processor.OutputProcessor` made them), outputs come back as
 :class:`~runner.core.requests.EngineCoreOutput` s (over ZeroMQ, their fields as the ranks sent them:
-``CoreOutput``), and :meth:`EngineCoreClient.run` runs the engine until every request added has finished. The step loop lives in the engine core (``EngineCore.run_wave`` in process, each
-rank's ``CoreLoop`` over ZeroMQ); the caller only turns outputs into ``RequestOutput`` s between steps.
+``CoreOutput``), and :meth:`EngineCoreClient.run` runs the engine until every request added has finished. The
+step loop lives in the engine core (``EngineCore.run_wave`` in process, each rank's ``CoreLoop`` over ZeroMQ);
+the caller only turns outputs into ``RequestOutput`` s between steps.
 """
 from __future__ import annotations
 
