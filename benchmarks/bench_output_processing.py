@@ -1,14 +1,18 @@
 """The engine client's output processing alone, per streamed token: what the API server does with each step's
-engine-core outputs (``RequestTracker.process``: detokenization, stop strings, ``RequestOutput`` s, hand-over to
-a sink that keeps nothing), with no server, socket or event loop around it, so its CPU is measured without the
-noise of a shared machine's scheduling.
+engine-core outputs, with no server, socket or event loop around it, so its CPU is measured without the noise
+of a shared machine's scheduling. Two paths are timed: ``tracker``, ``RequestTracker.process`` (detokenization,
+stop strings, ``RequestOutput`` s, hand-over to a sink that keeps nothing); ``client``, all the server's client
+does with a rank's message once received (``MPEngineClient._on_outputs``): the msgpack decode of the
+``Outputs`` message as the rank encoded it (``CoreLoop._send_outputs``), the rank's stats, the tracker, and the
+server's Prometheus metrics (``ServerMetrics``) as the metrics sink.
 
 Workload: the tiny checkpoint's byte-level tokenizer (``tests/tiny_checkpoint.py``), 256 streamed (DELTA)
 requests of 16 prompt ids, 64 steps of one token each; the tokens are drawn at random from the vocabulary (41 %
 of it is part of a character, and about as many of a random model's greedy tokens), or with ``--whole`` only
 from tokens that decode alone to whole characters (a trained model's text). Reports the process CPU
-microseconds per token, the median of ``--repeats``. The runner imported is the one on ``PYTHONPATH`` (compare
-checkouts with ``PYTHONPATH=<checkout> python benchmarks/bench_output_processing.py``).
+microseconds per token, the median of ``--repeats``, with the garbage collector tuned as in the API server
+(``tune_gc``). The runner imported is the one on ``PYTHONPATH`` (compare checkouts with
+``PYTHONPATH=<checkout> python benchmarks/bench_output_processing.py``).
 """
 from __future__ import annotations
 
@@ -24,13 +28,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from tiny_checkpoint import build_tokenizer  # noqa: E402
 
+from runner.core.engine_core import tune_gc  # noqa: E402
+from runner.core.engine_core_proc import CoreLoop  # noqa: E402
+from runner.core.messages import OUTPUT_DECODER, CoreStats  # noqa: E402
 from runner.core.requests import EngineCoreOutput  # noqa: E402
+from runner.engine.core_client import MPEngineClient, _Rank  # noqa: E402
 from runner.engine.simple_output import RequestTracker  # noqa: E402
+from runner.entrypoints.openai.metrics import ServerMetrics  # noqa: E402
 from runner.engine.tokenizer import make_decoder  # noqa: E402
 from runner.outputs import RequestOutput  # noqa: E402
 from runner.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 NUM_REQUESTS, PROMPT_LEN, STEPS = 256, 16, 64
+
+
+class RankSends:
+    """What ``CoreLoop._send_outputs`` reads of its rank, so that the messages are encoded as a rank encodes
+    them; ``sent`` keeps each message's bytes."""
+
+    def __init__(self, engine_ids: range) -> None:
+        self.rank = 0
+        self.outs = [self]
+        self.client_of = dict.fromkeys(engine_ids, 0)
+        self._last_stats = [0.0]
+        self.step = 0
+        self.sent: list[bytes] = []
+
+    def send(self, data: bytes) -> None:
+        self.sent.append(data)
+
+    def _stats(self) -> CoreStats:
+        return CoreStats(NUM_REQUESTS, 0, 0.1 + self.step / STEPS, self.step, 0)
 
 
 class DiscardSink:
@@ -46,34 +74,66 @@ class DiscardSink:
         pass
 
 
-def one_run(tokenizer, pool: list[int], seed: int) -> float:
-    tracker = RequestTracker(tokenizer)
+def one_run(tokenizer, pool: list[int], seed: int, path: str) -> float:
+    """CPU microseconds per token of one pass over ``STEPS`` steps of ``NUM_REQUESTS`` requests along ``path``."""
+    client = None
+    if path == "client":  # the server's client, unstarted: its tracker, one rank without a socket, the metrics
+        client = MPEngineClient(None, tokenizer=tokenizer, metrics=ServerMetrics("bench", 4096))
+        client._ranks.append(_Rank(None))
+        tracker = client.tracker
+    else:
+        tracker = RequestTracker(tokenizer)
     engine_ids = iter(range(10**9))
     rng = random.Random(seed)
     for i in range(NUM_REQUESTS):
         params = SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
         tracker.add(f"r{i}", None, [rng.randrange(3, 200) for _ in range(PROMPT_LEN)], params, DiscardSink(),
                     lambda: next(engine_ids))
+        if client is not None:
+            client._where[i] = 0
+            client._ranks[0].outstanding += 1
     steps = [[EngineCoreOutput(i, [rng.choice(pool)], finish_reason="length" if t == STEPS - 1 else None)
               for i in range(NUM_REQUESTS)] for t in range(STEPS)]
+    if client is None:
+        gc.collect()
+        start = time.process_time()
+        for outputs in steps:
+            tracker.process(outputs, None)
+        return (time.process_time() - start) / (NUM_REQUESTS * STEPS) * 1e6
+    rank = RankSends(range(NUM_REQUESTS))
+    for rank.step, outputs in enumerate(steps):
+        CoreLoop._send_outputs(rank, outputs)  # type: ignore[arg-type]  # the fields it reads
+    messages = rank.sent
+    decode, on_outputs = OUTPUT_DECODER.decode, client._on_outputs
     gc.collect()
     start = time.process_time()
-    for outputs in steps:
-        tracker.process(outputs, None)
-    return (time.process_time() - start) / (NUM_REQUESTS * STEPS) * 1e6
+    for data in messages:
+        on_outputs(decode(data))
+    elapsed = time.process_time() - start
+    assert tracker.num_requests == 0 and client._ranks[0].outstanding == 0, "every request must have finished"
+    return elapsed / (NUM_REQUESTS * STEPS) * 1e6
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--whole", action="store_true", help="only tokens that decode alone to whole characters")
+    p.add_argument("--path", choices=("tracker", "client", "both"), default="both",
+                   help="what to time (module docstring); both: each in turn, alternating")
     args = p.parse_args()
     tokenizer = build_tokenizer()
     decode = make_decoder(tokenizer, skip_special_tokens=True)
     pool = [t for t in range(4, len(tokenizer)) if not args.whole or "\ufffd" not in decode([t])]
-    runs = [one_run(tokenizer, pool, seed) for seed in range(args.repeats)]
-    print(f"output processing: {statistics.median(runs):.2f} us per token (median of {args.repeats}; "
-          f"{'whole-character' if args.whole else 'random'} tokens)")
+    tune_gc()  # the collector's settings of the API server (and of the engine cores)
+    paths = ("tracker", "client") if args.path == "both" else (args.path,)
+    runs: dict[str, list[float]] = {path: [] for path in paths}
+    for seed in range(args.repeats):
+        for path in paths:
+            runs[path].append(one_run(tokenizer, pool, seed, path))
+    kind = "whole-character" if args.whole else "random"
+    for path in paths:
+        print(f"output processing ({path}): {statistics.median(runs[path]):.2f} us per token "
+              f"(median of {args.repeats}; {kind} tokens)")
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from runner.engine.core_client import _rank_stats
 from runner.engine.protocol import EngineStats, RankStats
 from runner.entrypoints.openai.metrics import ServerMetrics
 from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -96,7 +97,7 @@ def test_the_dbo_cost_model_decision_per_bucket() -> None:
                                                  DBOBucketStat("prefill 512-1023 tok eager", True, 1.4)]))
     got_msg = OUTPUT_DECODER.decode(ENCODER.encode(sent))
     assert isinstance(got_msg, Outputs)
-    rank0 = RankStats(dbo_buckets={b.bucket: (b.dbo_on, b.speedup) for b in got_msg.stats.dbo_buckets})
+    rank0 = _rank_stats(got_msg.stats)
     m = ServerMetrics(MODEL, 100)
     m.on_engine_stats(EngineStats(ranks=[rank0, RankStats()]))
     got = samples(m.render().decode())
@@ -108,3 +109,27 @@ def test_the_dbo_cost_model_decision_per_bucket() -> None:
     assert sum(name == "ubatch:dbo_cost_model_enabled" for name, _ in got) == 2  # rank 1 has measured nothing
     m.on_engine_stats(EngineStats(ranks=[RankStats()]))
     assert not any(name.startswith("ubatch:dbo_cost_model") for name, _ in samples(m.render().decode()))
+
+
+def test_equal_gaps_observed_together_render_as_one_by_one() -> None:
+    """A step's gaps come in one ``on_tokens`` call, equal ones observed together: the histograms render the
+    same counts in every bucket (and the same sum, but for rounding) as the gaps observed one by one."""
+    gaps = [0.02] * 5 + [0.3] * 2 + [0.02, 7.0, 0.01, 1e6]
+    together, one_by_one = ServerMetrics(MODEL, 100), ServerMetrics(MODEL, 100)
+    together.on_tokens(len(gaps) + 1, 0.5, gaps)
+    together.on_tokens(1, None, [0.04])
+    one_by_one.on_tokens(0, 0.5, [])
+    for gap in gaps + [0.04]:
+        one_by_one.on_tokens(1, None, [gap])
+    one_by_one.on_tokens(1, None, [])
+    got, want = samples(together.render().decode()), samples(one_by_one.render().decode())
+    assert got.keys() == want.keys()
+    for key, expected in want.items():
+        if key[0] == "ubatch:inter_token_latency_seconds_sum":
+            assert abs(got[key] - expected) <= 1e-9 * expected, key
+        elif not key[0].endswith("_created"):
+            assert got[key] == expected, key
+    assert value(got, "ubatch:inter_token_latency_seconds_count") == len(gaps) + 1
+    assert value(got, "ubatch:inter_token_latency_seconds_bucket", le="0.025") == 7  # six of 0.02, one of 0.01
+    assert value(got, "ubatch:inter_token_latency_seconds_bucket", le="+Inf") == len(gaps) + 1
+    assert value(got, "ubatch:generation_tokens_total") == len(gaps) + 2

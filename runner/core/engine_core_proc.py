@@ -35,6 +35,7 @@ from runner.core.engine_core import EngineCore
 from runner.core.messages import (
     ENCODER, INPUT_DECODER, AbortRequests, AddRequest, AddRequests, CoreFailed, CoreInfo, CoreStats, DBOBucketStat,
     Outputs, OutputMessage, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
+    WireOutput,
 )
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 
@@ -173,7 +174,7 @@ class CoreLoop:
     def _add_request(self, request: EngineCoreRequest, client_index: int) -> None:
         if self.stopping:  # the client stops sending before Shutdown; never start a wave now
             refused = EngineCoreOutput(request.request_id, finish_reason="abort", error="the engine is shutting down")
-            self.outs[client_index].send(ENCODER.encode(Outputs(self.rank, [refused], self._stats())))
+            self.outs[client_index].send(ENCODER.encode(Outputs(self.rank, [WireOutput.of(refused)], self._stats())))
             return
         self.client_of[request.request_id] = client_index
         self.core.add_request(request)
@@ -210,11 +211,12 @@ class CoreLoop:
         """Each client gets its requests' outputs; the stats go along, and alone to a client without outputs
         when ``force_stats`` or its last ones are ``STATS_INTERVAL_S`` old."""
         now = time.monotonic()
-        per_client: list[list[EngineCoreOutput]] = [[] for _ in self.outs]
+        per_client: list[list[WireOutput]] = [[] for _ in self.outs]
+        wire = WireOutput.of
         for out in outputs:
             client = self.client_of.pop(out.request_id, None) if out.finished else self.client_of.get(out.request_id)
             if client is not None:  # None: aborted by its client, which expects nothing more
-                per_client[client].append(out)
+                per_client[client].append(wire(out))
         stats: CoreStats | None = None
         for client, mine in enumerate(per_client):
             if mine or force_stats or now - self._last_stats[client] >= STATS_INTERVAL_S:

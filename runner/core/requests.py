@@ -8,6 +8,7 @@ engine client (``runner/engine/``), never to a rank's step loop. The same types 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from runner.sampling_params import SamplingParams
 from runner.worker.outputs import TokenLogprobs
@@ -46,3 +47,35 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+class CoreOutput(Protocol):
+    """What a client reads of an engine-core output: an :class:`EngineCoreOutput` made in this process, or the
+    same fields as a rank sent them over ZeroMQ (``runner.core.messages.WireOutput``), read as they arrive."""
+
+    @property
+    def request_id(self) -> int: ...
+
+    @property
+    def new_token_ids(self) -> list[int]: ...
+
+    @property
+    def new_logprobs(self) -> list[TokenLogprobs] | None: ...
+
+    @property
+    def finish_reason(self) -> str | None: ...
+
+    @property
+    def stop_reason(self) -> int | None: ...
+
+    @property
+    def error(self) -> str | None: ...
+
+    @property
+    def new_prompt_logprobs(self) -> list[TokenLogprobs] | None: ...
+
+    @property
+    def prompt_logprobs_start(self) -> int: ...
+
+    @property
+    def finished(self) -> bool: ...

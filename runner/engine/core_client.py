@@ -39,10 +39,9 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from runner.config import RunnerConfig
 from runner.core.messages import (
-    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, Outputs, Profile, Ready, Shutdown,
-    StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
+    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, Outputs, Profile, Ready,
+    Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted, WireOutput,
 )
-from runner.core.requests import EngineCoreOutput
 from runner.engine.protocol import (
     CloseStream, EngineClient, EngineDeadError, EngineOverloadedError, EngineShuttingDownError, EngineStats,
     MetricsSink, OutputSink, RankStats, RequestError,
@@ -86,7 +85,8 @@ class _Rank:
     socket: Any
     info: CoreInfo | None = None
     outstanding: int = 0  # engine requests sent and not finished
-    stats: RankStats = field(default_factory=RankStats)
+    # as last reported, kept as it came: turned into RankStats only when asked (stats(), the /metrics route)
+    core_stats: CoreStats = field(default_factory=CoreStats)
     running: bool = False  # as last reported (WaveStarted / WaveDone)
 
 
@@ -187,7 +187,7 @@ class MPEngineClient(EngineClient):
         return self._dead_error
 
     def stats(self) -> EngineStats:
-        return EngineStats([r.stats for r in self._ranks])
+        return EngineStats([_rank_stats(r.core_stats) for r in self._ranks])
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -455,23 +455,22 @@ class MPEngineClient(EngineClient):
             self._die(f"reading the ranks' outputs failed: {type(exc).__name__}: {exc}")
 
     def _on_outputs(self, msg: Outputs) -> None:
-        rank = self._ranks[msg.rank]
-        s = msg.stats
-        rank.stats = RankStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_steps, s.num_ubatched_steps,
-                               s.comm_s, s.comm_exposed_s, {b.bucket: (b.dbo_on, b.speedup) for b in s.dbo_buckets})
+        """A rank's step: its stats are kept as they came (the metrics read them when scraped: the /metrics
+        route hands ``stats()`` to the sink first), its outputs processed."""
+        self._ranks[msg.rank].core_stats = msg.stats
         if msg.outputs:
             self._process(msg.outputs)
-        if self.metrics is not None:
-            self.metrics.on_engine_stats(self.stats())
 
-    def _process(self, outputs: list[EngineCoreOutput]) -> None:
+    def _process(self, outputs: list[WireOutput]) -> None:
+        where, ranks = self._where, self._ranks
         for out in outputs:
-            if out.finished:
-                rank = self._where.pop(out.request_id, None)
+            if out.finish_reason is not None:
+                rank = where.pop(out.request_id, None)
                 if rank is not None:
-                    self._ranks[rank].outstanding -= 1
+                    ranks[rank].outstanding -= 1
         to_abort = self.tracker.process(outputs, self.metrics)
-        self._abort_engine_requests(to_abort)
+        if to_abort:
+            self._abort_engine_requests(to_abort)
 
     def _die(self, message: str) -> None:
         if self._dead_error is not None:
@@ -483,6 +482,11 @@ class MPEngineClient(EngineClient):
         self._ready.set()  # a start() still waiting learns of it
         if self.on_dead is not None:
             self.on_dead(message)
+
+
+def _rank_stats(s: CoreStats) -> RankStats:
+    return RankStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_steps, s.num_ubatched_steps, s.comm_s,
+                     s.comm_exposed_s, {b.bucket: (b.dbo_on, b.speedup) for b in s.dbo_buckets})
 
 
 def start_ranks(cfg: RunnerConfig, sockets: EngineSockets, *, child_tracebacks: bool = True) -> RankGroup:

@@ -84,18 +84,21 @@ class IncrementalDetokenizer:
         ``stop_terminated``: the engine core stopped the request on its last token (EOS or a stop token)."""
         if not new_token_ids:
             return None
-        self.token_ids.extend(new_token_ids)
+        self.token_ids += new_token_ids
         if self.tokenizer is None:
             return None
-        to_decode = list(new_token_ids)
+        to_decode = new_token_ids  # only read
         if stop_terminated and not self.include_stop_str_in_output:
-            to_decode.pop()
+            to_decode = new_token_ids[:-1]
         before = len(self.output_text)
         if self._by_bytes is None:
             self._window_to_bytes()
+        window = self._window
         for token in to_decode:
-            self._window.append(token)
-            self.output_text += self._bytes_next(token) if self._by_bytes else self._decode_next()
+            window.append(token)
+            text = self._bytes_next(token) if self._by_bytes else self._decode_next()
+            if text:
+                self.output_text += text
         if stop_terminated or not self.stop:
             return None
         found = find_stop_string(self.output_text, len(self.output_text) - before, self.stop,
@@ -120,11 +123,10 @@ class IncrementalDetokenizer:
         self._by_bytes = True
 
     def _set_prefix_text(self) -> None:
-        """_prefix_text from _prefix_bytes, and whether those are valid UTF-8 (_prefix_valid)."""
-        try:
-            self._prefix_text, self._prefix_valid = self._prefix_bytes.decode("utf-8"), True
-        except UnicodeDecodeError:
-            self._prefix_text, self._prefix_valid = self._prefix_bytes.decode("utf-8", "replace"), False
+        """_prefix_text from _prefix_bytes, and whether those are valid UTF-8 (_prefix_valid: no U+FFFD in the
+        text; bytes of a real U+FFFD count as invalid too, which only sends the next token down the longer way)."""
+        self._prefix_text = text = self._prefix_bytes.decode("utf-8", "replace")
+        self._prefix_valid = REPLACEMENT_CHAR not in text
 
     def _bytes_next(self, token: int) -> str:
         """:meth:`_decode_next` on the window's bytes: the same two texts, decoded by Python from bytes."""
@@ -134,35 +136,30 @@ class IncrementalDetokenizer:
             self._by_bytes = False
             return self._decode_next()
         pending = self._pending_bytes + piece
-        prefix_text = self._prefix_text
-        new: str | None = None
-        if self._prefix_valid:  # valid UTF-8 joined to valid UTF-8 decodes to the two texts joined
-            try:
-                new = pending.decode("utf-8")
-            except UnicodeDecodeError:
-                pass
-        if new is not None:
-            if not new or new.endswith(REPLACEMENT_CHAR):  # the rule below, on the prefix's text + new
+        new = pending.decode("utf-8", "replace")
+        if self._prefix_valid:
+            # valid UTF-8 ends where a character does: the window's text is the prefix's text + new, and the
+            # rule below on it reads on new alone
+            if not new or new[-1] == REPLACEMENT_CHAR:
                 self._pending_bytes = pending
                 return ""
-            new_text = prefix_text + new
+            emitted = new
         else:
+            prefix_text = self._prefix_text
             new_text = (self._prefix_bytes + pending).decode("utf-8", "replace")
             if len(new_text) <= len(prefix_text) or new_text.endswith(REPLACEMENT_CHAR):
                 self._pending_bytes = pending
                 return ""
+            emitted = new_text[len(prefix_text):]
+        # emitted: the prefix moves to the read offset (its bytes are pending's, its text new), the read offset
+        # to the window's end, and what lies before the prefix is dropped
         window, prefix = self._window, self._prefix_offset
-        self._prefix_offset, self._read_offset = self._read_offset, len(window)
+        self._prefix_text, self._prefix_valid = new, REPLACEMENT_CHAR not in new
         self._prefix_bytes, self._pending_bytes = pending, b""
-        if new is not None:
-            self._prefix_text, self._prefix_valid = new, True
-        else:
-            self._set_prefix_text()
         if prefix > 0:
             del window[:prefix]
-            self._prefix_offset -= prefix
-            self._read_offset -= prefix
-        return new_text[len(prefix_text):]
+        self._prefix_offset, self._read_offset = self._read_offset - prefix, len(window)
+        return emitted
 
     def _decode_next(self) -> str:
         assert self._decode is not None  # only with a tokenizer
@@ -192,8 +189,9 @@ class IncrementalDetokenizer:
     def get_next_output_text(self, finished: bool, delta: bool) -> str:
         """The text to report now: all of it (``delta`` False) or what is new since the last call, less the
         characters held back for a stop string while the request runs."""
-        hold = 0 if finished else self.stop_buffer_length
-        length = max(0, len(self.output_text) - hold)
+        length = len(self.output_text)
+        if not finished and self.stop_buffer_length:
+            length = max(0, length - self.stop_buffer_length)
         if not delta:
             return self.output_text[:length]
         start = self._last_output_text_offset

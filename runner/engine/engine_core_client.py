@@ -3,20 +3,21 @@ for DP > 1 (vLLM's ``EngineCoreClient``: ``InprocClient`` / ``SyncMPClient``).
 
 The client speaks the engine core's language: requests go in as :class:`~runner.core.requests.EngineCoreRequest`
 (the caller's :class:`~runner.engine.output_processor.OutputProcessor` made them), outputs come back as
-:class:`~runner.core.requests.EngineCoreOutput` s, and :meth:`EngineCoreClient.run` runs the engine until every
-request added has finished. The step loop lives in the engine core (``EngineCore.run_wave`` in process, each
-rank's ``CoreLoop`` over ZeroMQ); the caller only turns outputs into ``RequestOutput`` s between steps.
+:class:`~runner.core.requests.EngineCoreOutput` s (over ZeroMQ, their fields as the ranks sent them:
+``CoreOutput``), and :meth:`EngineCoreClient.run` runs the engine until every request added has finished. The
+step loop lives in the engine core (``EngineCore.run_wave`` in process, each rank's ``CoreLoop`` over ZeroMQ);
+the caller only turns outputs into ``RequestOutput`` s between steps.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
 
 from runner.core.overlap_loop import LoopStats
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.requests import CoreOutput, EngineCoreRequest
 from runner.tracing import RankTrace
 
-OnOutputs = Callable[[list[EngineCoreOutput]], None]
+OnOutputs = Callable[[Sequence[CoreOutput]], None]
 
 
 @dataclass

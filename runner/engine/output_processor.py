@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.requests import CoreOutput, EngineCoreRequest
 from runner.engine.byte_level import byte_level_table
 from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.generation_config import GenerationConfig
@@ -51,12 +51,15 @@ class RequestState:
     delta: bool = field(init=False)  # output_kind is DELTA (looked up once: it is read per token)
     final_only: bool = field(init=False)  # output_kind is FINAL_ONLY
     wants_logprobs: bool = field(init=False)  # the request asked for sample log-probabilities
+    plain: bool = field(init=False)  # one DELTA sample, no log-probabilities of either kind: the common case
     output_prompt_ids: list[int] = field(init=False)  # RequestOutput.prompt_token_ids ([] for a bad prompt)
 
     def __post_init__(self) -> None:
         self.delta = self.output_kind == RequestOutputKind.DELTA
         self.final_only = self.output_kind == RequestOutputKind.FINAL_ONLY
         self.wants_logprobs = self.logprobs.logprobs is not None
+        self.plain = self.delta and self.parent is None and not self.wants_logprobs \
+            and self.prompt_logprobs.prompt_logprobs is None
         self.output_prompt_ids = self.prompt_token_ids if isinstance(self.prompt_token_ids, list) else []
 
     def completion(self, new_token_ids: list[int], finish_reason: str | None,
@@ -170,7 +173,7 @@ class OutputProcessor:
         return list(self.request_states)
 
     # ------------------------------------------------------------------ outputs
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput],
+    def process_outputs(self, outputs: Iterable[CoreOutput],
                         now: float | None = None) -> tuple[list[RequestOutput], list[int]]:
         """Turn one batch of engine-core outputs (from any DP rank, any order) into RequestOutputs; returns
         them and the engine request ids that stopped here (a stop string, or bad log-probabilities) and must
@@ -194,6 +197,15 @@ class OutputProcessor:
                 stop_string = state.detokenizer.update(new_ids, finish_reason == "stop")
                 if stop_string is not None:
                     finish_reason, stop_reason = "stop", stop_string
+            if finish_reason is None and state.plain and not out.new_prompt_logprobs:
+                # what _request_output builds for a running plain request, inline (most outputs): its new text
+                # and ids; no error (that finishes a request), no log-probabilities
+                request_outputs.append(RequestOutput(
+                    state.request_id, state.prompt, state.output_prompt_ids,
+                    [CompletionOutput(state.index, state.detokenizer.get_next_output_text(False, True),
+                                      list(new_ids), None, None, None, None)],
+                    False, state.metrics, None, None))
+                continue
             problem = None  # the two updates return None at once where nothing was asked nor sent: skipped
             if state.wants_logprobs:
                 problem = state.logprobs.update(new_ids, out.new_logprobs)

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from runner import tracing
 from runner.config import ConfigError, RunnerConfig, make_config
 from runner.core.overlap_loop import LoopStats
-from runner.core.requests import EngineCoreOutput
+from runner.core.requests import CoreOutput
 from runner.engine.engine_core_client import EngineCoreClient, RunReport
 from runner.engine.generation_config import GenerationConfig, load_generation_config, model_eos_token_ids
 from runner.engine.inproc_client import InprocClient
@@ -463,7 +463,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         client = self._client
 
-        def collect(outputs: list[EngineCoreOutput]) -> None:
+        def collect(outputs: Sequence[CoreOutput]) -> None:
             nonlocal out_tokens
             results, to_abort = processor.process_outputs(outputs)
             if to_abort:
