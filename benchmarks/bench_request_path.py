@@ -42,7 +42,7 @@ from common import RESULTS_DIR, write_csv  # noqa: E402
 from tiny_checkpoint import build_tokenizer  # noqa: E402
 
 from runner.config import RunnerConfig  # noqa: E402
-from runner.core.messages import CoreInfo, CoreStats, Outputs  # noqa: E402
+from runner.core.messages import CoreInfo, CoreStats, Outputs, WireOutput  # noqa: E402
 from runner.core.requests import EngineCoreOutput  # noqa: E402
 from runner.engine.core_client import MPEngineClient, _Rank  # noqa: E402
 from runner.engine.protocol import CloseStream, EngineClient, EngineStats, OutputSink  # noqa: E402
@@ -90,7 +90,7 @@ class LoopbackRank:
     def _step(self) -> None:
         ids, self.pending = self.pending, []
         outputs = [EngineCoreOutput(i, [TOKEN], finish_reason="length", num_prompt_tokens=PROMPT_LEN) for i in ids]
-        self.client._on_outputs(Outputs(0, outputs, CoreStats()))
+        self.client._on_outputs(Outputs(0, [WireOutput.of(o) for o in outputs], CoreStats()))
 
 
 def mp_engine(tokenizer: Any, metrics: ServerMetrics) -> MPEngineClient:
