@@ -11,8 +11,9 @@ Workload: a small Qwen3-MoE chat checkpoint written by transformers (``tests/tin
   streamed token and share of a core, and the ranks' share of a core.
 
 ``--client``: the load generator's HTTP client, ``aiohttp`` (default; vLLM's ``benchmark_serving.py`` reads its
-streams the same way: 20-45 µs of CPU per streamed token on a 2-core machine) or ``httpx`` (45-130 µs: the
-client of the earlier figures in docs/benchmarks.md). Both cost less per token the more lines each read finds.
+streams the same way: about 30 µs of CPU per streamed token on a 2-core machine) or ``httpx`` (about 65-80 µs:
+the client of the earlier figures in docs/benchmarks.md). Both cost less per token the more lines each read finds,
+so the figures fall when the client gets less CPU.
 
 ``--placement`` (with two cores or more; "first" and "last" are the first and last core this process may run on):
 
@@ -25,12 +26,13 @@ client of the earlier figures in docs/benchmarks.md). Both cost less per token t
 
 Why ``rank-alone`` is the default: ``LLM.generate`` is one process (``OMP_NUM_THREADS=1``) with a core to itself,
 and the rank does the same engine work per token, so only a rank with a core of its own can reach the goal of
-0.8x its rate. The front end then has the other core: at 0.8x of an offline 15-20k tok/s the API server (about
-30 µs per token) and the aiohttp load generator (about 25 µs) need 0.7-0.9 of it. With ``api-alone`` the load
-generator's CPU comes out of the rank's core instead, which caps the served rate at ``1 / (1 + c x offline)`` of
-the offline one (``c`` the load generator's CPU per token): about 0.7x, whatever the API server costs. Where
-the machine was otherwise idle, ``rank-alone`` served 0.82-0.87x and ``api-alone`` 0.57-0.69x in the same
-repeats (docs/benchmarks.md); on a machine busy with other jobs the two do not differ.
+0.8x its rate. The front end then has the other core: at 0.8x of an offline 15-20k tok/s the API server (30-40
+µs per token) and the aiohttp load generator (about 30 µs) need 0.7 to 1.1 of it, so the goal is at the edge of
+what two cores can show. With ``api-alone`` the load generator's CPU comes out of the rank's core instead, which
+caps the served rate at ``1 / (1 + c x offline)`` of the offline one (``c`` the load generator's CPU per token):
+about 0.65x, whatever the API server costs. Measured (docs/benchmarks.md, 27 repeats on a machine shared with
+other jobs): the ranks got up to 87 % of a core with ``rank-alone`` and at most 66 % with ``api-alone``, and
+``rank-alone`` served more in 17 of the 27 repeats with aiohttp (19 with httpx).
 ``--client`` and ``--placement`` take several values: each combination is served in turn within every repeat.
 
 ``--api-server-count N`` serves with N API-server processes (their CPU summed), placed as the API server is
