@@ -4,20 +4,43 @@ Workload: a small Qwen3-MoE chat checkpoint written by transformers (``tests/tin
 2 layers, 8 experts, a byte-level BPE tokenizer, float32), 256 prompts of 16 token ids, 64 output tokens each
 (``ignore_eos``, greedy). Side by side, ``--repeats`` times, medians:
 
-- ``offline``: ``LLM.generate`` on the 256 prompts in a process of its own;
-- ``served``: ``python -m runner serve`` with ``--max-num-seqs 256``, 256 concurrent streamed completions from
-  an ``httpx`` client in a process of its own; output tok/s, the API-server process's CPU seconds per streamed
-  token (its own CPU, not its ranks'), and the load generator's CPU share (it must not be the bottleneck).
-  With two cores or more the API server runs alone on the last core and its ranks share the first with the
-  load generator: unpinned, where the scheduler puts three busy processes on two cores changes both figures by
-  up to 1.8x from run to run (the API server's CPU per token depends on how many outputs each wake-up finds).
+- ``offline``: ``LLM.generate`` on the 256 prompts in a process of its own (``OMP_NUM_THREADS=1``: one core);
+- ``served``: ``python -m runner serve`` with ``--max-num-seqs 256``, 256 concurrent streamed completions from a
+  load generator in a process of its own; output tok/s and its ratio to the offline run of the same repeat, the
+  API-server process's CPU per streamed token (its own CPU, not its ranks'), the load generator's CPU per
+  streamed token and share of a core, and the ranks' share of a core.
 
-``--api-server-count N`` serves with N API-server processes (their CPU summed); pinned, they share the API
-server's core, and ``--spread`` gives API server i core i instead (so with 2 cores the second shares the
-first core with the rank and the load generator); ``--unpinned`` leaves placement to the scheduler.
+``--client``: the load generator's HTTP client, ``aiohttp`` (default; vLLM's ``benchmark_serving.py`` reads its
+streams the same way: about 30 µs of CPU per streamed token on a 2-core machine) or ``httpx`` (about 65-80 µs:
+the client of the earlier figures in docs/benchmarks.md). Both cost less per token the more lines each read finds,
+so the figures fall when the client gets less CPU.
+
+``--placement`` (with two cores or more; "first" and "last" are the first and last core this process may run on):
+
+- ``rank-alone`` (default): the engine rank(s) alone on the first core; the API server(s) and the load generator
+  together on the last;
+- ``api-alone``: the API server(s) alone on the last core; the ranks and the load generator on the first;
+- ``spread``: API server i on core i, the ranks and the load generator on the first;
+- ``unpinned``: nothing pinned; where the scheduler puts three busy processes on two cores changes the figures
+  by up to 1.8x from run to run (the API server's CPU per token depends on how many outputs each wake-up finds).
+
+Why ``rank-alone`` is the default: ``LLM.generate`` is one process (``OMP_NUM_THREADS=1``) with a core to itself,
+and the rank does the same engine work per token, so only a rank with a core of its own can reach the goal of
+0.8x its rate. The front end then has the other core: at 0.8x of an offline 15-20k tok/s the API server (30-40
+µs per token) and the aiohttp load generator (about 30 µs) need 0.7 to 1.1 of it, so the goal is at the edge of
+what two cores can show. With ``api-alone`` the load generator's CPU comes out of the rank's core instead, which
+caps the served rate at ``1 / (1 + c x offline)`` of the offline one (``c`` the load generator's CPU per token):
+about 0.65x, whatever the API server costs. Measured (docs/benchmarks.md, 27 repeats on a machine shared with
+other jobs): the ranks got up to 87 % of a core with ``rank-alone`` and at most 66 % with ``api-alone``, and
+``rank-alone`` served more in 17 of the 27 repeats with aiohttp (19 with httpx).
+``--client`` and ``--placement`` take several values: each combination is served in turn within every repeat.
+
+``--api-server-count N`` serves with N API-server processes (their CPU summed), placed as the API server is
+(``--spread`` and ``--unpinned`` are short for ``--placement spread`` and ``--placement unpinned``).
 ``--checkout DIR`` serves from another checkout of the project (an earlier commit): before/after on one machine;
 ``--against DIR`` serves both in turn within each repeat, which a machine shared with other jobs needs.
-Writes ``benchmarks/results/api_server_<label>.csv``. Usage: ``python benchmarks/bench_api_server.py [--repeats 3]``.
+Writes ``benchmarks/results/api_server_<label>.csv``. Usage: ``python benchmarks/bench_api_server.py [--repeats 3]
+[--client aiohttp httpx] [--placement rank-alone api-alone]``.
 """
 from __future__ import annotations
 
@@ -58,31 +81,51 @@ llm.close()
 """
 
 LOAD = """
-import asyncio, json, os, random, sys, time, httpx
-base, model, pids, (n, plen, out) = sys.argv[1], sys.argv[2], [int(p) for p in sys.argv[3].split(",")], map(int, sys.argv[4:7])
+import asyncio, json, os, random, sys, time
+client, base, model = sys.argv[1:4]
+pids, ranks = ([int(p) for p in arg.split(",") if p] for arg in sys.argv[4:6])
+n, plen, out = map(int, sys.argv[6:9])
 def cpu(p):
     f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-async def one(h, i):
-    body = {"model": model, "prompt": [random.Random(i).randrange(3, 200) for _ in range(plen)], "max_tokens": out,
+def body(i):
+    return {"model": model, "prompt": [random.Random(i).randrange(3, 200) for _ in range(plen)], "max_tokens": out,
             "ignore_eos": True, "temperature": 0, "stream": True}
-    chunks = 0
-    async with h.stream("POST", f"{base}/v1/completions", json=body) as r:
-        async for line in r.aiter_lines():
-            chunks += line.startswith("data: {")
-    return chunks
-async def main():
+async def with_aiohttp(count):  # as vLLM's benchmark_serving.py reads a stream
+    import aiohttp
+    async def one(s, i):
+        chunks = 0
+        async with s.post(f"{base}/v1/completions", json=body(i)) as r:
+            r.raise_for_status()
+            async for line in r.content:
+                chunks += line.startswith(b"data: {")
+        return chunks
+    connector = aiohttp.TCPConnector(limit=n, force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as s:
+        return sum(await asyncio.gather(*[one(s, i) for i in range(count)]))
+async def with_httpx(count):
+    import httpx
+    async def one(h, i):
+        chunks = 0
+        async with h.stream("POST", f"{base}/v1/completions", json=body(i)) as r:
+            r.raise_for_status()
+            async for line in r.aiter_lines():
+                chunks += line.startswith("data: {")
+        return chunks
     limits = httpx.Limits(max_connections=n, max_keepalive_connections=0)
-    async with httpx.AsyncClient(timeout=600, limits=limits) as h:  # warm-up on connections of its own
-        await asyncio.gather(*[one(h, i) for i in range(8)])
     async with httpx.AsyncClient(timeout=600, limits=limits) as h:
-        server0, self0, t0 = sum(map(cpu, pids)), time.process_time(), time.perf_counter()
-        chunks = sum(await asyncio.gather(*[one(h, i) for i in range(n)]))
-        wall = time.perf_counter() - t0
-        server, me = sum(map(cpu, pids)) - server0, time.process_time() - self0
+        return sum(await asyncio.gather(*[one(h, i) for i in range(count)]))
+async def main():
+    run = {"aiohttp": with_aiohttp, "httpx": with_httpx}[client]
+    await run(8)  # warm-up (and the client's imports), on connections of its own
+    server0, ranks0, self0, t0 = sum(map(cpu, pids)), sum(map(cpu, ranks)), time.process_time(), time.perf_counter()
+    chunks = await run(n)
+    wall = time.perf_counter() - t0
+    server, rank, me = sum(map(cpu, pids)) - server0, sum(map(cpu, ranks)) - ranks0, time.process_time() - self0
     tokens = n * out
     print(json.dumps({"tok_s": tokens / wall, "api_us_per_token": server / tokens * 1e6,
-                      "client_cpu_share": me / wall, "chunks": chunks, "tokens": tokens}))
+                      "client_us_per_token": me / tokens * 1e6, "client_cpu_share": me / wall,
+                      "rank_cpu_share": rank / wall, "chunks": chunks, "tokens": tokens}))
 asyncio.run(main())
 """
 
@@ -130,7 +173,29 @@ def api_server_pids(srv: Any, count: int) -> list[int]:
     return pids
 
 
-def served(model: str, checkout: Path, api_servers: int = 1, placement: str = "pinned") -> dict[str, Any]:
+PLACEMENTS = ("rank-alone", "api-alone", "spread", "unpinned")
+CLIENTS = ("aiohttp", "httpx")
+
+
+def place(placement: str, server_pid: int, front: list[int], cores: list[int]) -> list[str]:
+    """Pin the server's processes for ``placement`` (see the module docstring); the ``taskset`` prefix that puts
+    the load generator where that placement wants it (none when nothing is pinned)."""
+    if len(cores) < 2 or placement == "unpinned":
+        return []
+    first, last = cores[0], cores[-1]
+    for child in children(server_pid):  # the ranks (and the API servers, re-pinned below)
+        pin(child, {first})
+    if placement == "spread":
+        where = [cores[i % len(cores)] for i in range(len(front))]
+    else:
+        where = [last] * len(front)
+    pin(server_pid, {where[0]} if front == [server_pid] else {first})  # else an idle parent
+    for pid, core in zip(front, where):
+        pin(pid, {core})
+    return ["taskset", "-c", str(last if placement == "rank-alone" else first)]
+
+
+def served(model: str, checkout: Path, api_servers: int, placement: str, client: str) -> dict[str, Any]:
     from runner.entrypoints.benchserve.server_proc import ServerProcess, free_port
 
     flags = f" --api-server-count {api_servers}" if api_servers > 1 else ""
@@ -151,18 +216,10 @@ def served(model: str, checkout: Path, api_servers: int = 1, placement: str = "p
     try:
         assert srv.proc is not None
         front = api_server_pids(srv, api_servers)
-        load = [sys.executable, "-c", LOAD, srv.base_url, model, ",".join(map(str, front)), str(NUM_PROMPTS),
-                str(PROMPT_LEN), str(OUTPUT_LEN)]
-        cores = sorted(os.sched_getaffinity(0))
-        if len(cores) >= 2 and placement != "unpinned":
-            # the API server(s) on the last core; the ranks (and an idle parent) and the load generator on the
-            # first; --spread: API server i on core i
-            for child in children(srv.proc.pid):
-                pin(child, {cores[0]})
-            pin(srv.proc.pid, {cores[0] if api_servers > 1 else cores[-1]})
-            for i, pid in enumerate(front):
-                pin(pid, {cores[i % len(cores)] if placement == "spread" else cores[-1]})
-            load = ["taskset", "-c", str(cores[0]), *load]
+        ranks = [pid for pid in children(srv.proc.pid) if pid not in front]
+        load = [sys.executable, "-c", LOAD, client, srv.base_url, model, ",".join(map(str, front)),
+                ",".join(map(str, ranks)), str(NUM_PROMPTS), str(PROMPT_LEN), str(OUTPUT_LEN)]
+        load = place(placement, srv.proc.pid, front, sorted(os.sched_getaffinity(0))) + load
         out = subprocess.run(load, capture_output=True, text=True, timeout=1200)
         if out.returncode:
             raise RuntimeError(f"load run failed:\n{out.stderr[-3000:]}")
@@ -174,14 +231,17 @@ def served(model: str, checkout: Path, api_servers: int = 1, placement: str = "p
         srv.stop()
 
 
+#: the CSV's name of each figure a served run reports, and the load generator's name for it
+FIGURES = {"served_tok_s": "tok_s", "api_us_per_token": "api_us_per_token",
+           "client_us_per_token": "client_us_per_token", "client_cpu_share": "client_cpu_share",
+           "rank_cpu_share": "rank_cpu_share"}
+
+
 def medians(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, float]:
-    med = {
-        "offline_tok_s": statistics.median(o["tok_s"] for o, _ in runs),
-        "served_tok_s": statistics.median(s["tok_s"] for _, s in runs),
-        "api_us_per_token": statistics.median(s["api_us_per_token"] for _, s in runs),
-        "client_cpu_share": statistics.median(s["client_cpu_share"] for _, s in runs),
-    }
-    med["served_over_offline"] = med["served_tok_s"] / med["offline_tok_s"]
+    med = {"offline_tok_s": statistics.median(o["tok_s"] for o, _ in runs)}
+    med.update({name: statistics.median(s[key] for _, s in runs) for name, key in FIGURES.items()})
+    # each repeat's ratio, then their median: a shared machine's load moves a repeat's offline and served alike
+    med["served_over_offline"] = statistics.median(s["tok_s"] / o["tok_s"] for o, s in runs)
     return med
 
 
@@ -195,37 +255,55 @@ def main() -> int:
                         "machine: the other jobs' load then falls on both alike)")
     p.add_argument("--against-label", default="against", help="the label of --against's rows")
     p.add_argument("--api-server-count", type=int, default=1, help="API-server processes (serve's flag)")
+    p.add_argument("--client", nargs="+", choices=CLIENTS, default=["aiohttp"],
+                   help="the load generator's HTTP client; several: served in turn in every repeat (default aiohttp)")
     where = p.add_mutually_exclusive_group()
-    where.add_argument("--spread", action="store_const", const="spread", dest="placement", default="pinned",
-                       help="API server i on core i (default: every API server on the last core)")
-    where.add_argument("--unpinned", action="store_const", const="unpinned", dest="placement",
-                       help="pin nothing")
+    where.add_argument("--placement", nargs="+", choices=PLACEMENTS, default=["rank-alone"],
+                       help="where the processes run; several: served in turn in every repeat (default rank-alone)")
+    where.add_argument("--spread", action="store_const", const=["spread"], dest="placement",
+                       help="the same as --placement spread")
+    where.add_argument("--unpinned", action="store_const", const=["unpinned"], dest="placement",
+                       help="the same as --placement unpinned")
     args = p.parse_args()
+    if args.repeats < 1 or args.api_server_count < 1:
+        p.error(f"--repeats and --api-server-count must be >= 1, got {args.repeats} and {args.api_server_count}")
     from tiny_checkpoint import write_checkpoint
 
     checkouts = [(args.label, args.checkout.resolve())]
     if args.against is not None:
         checkouts.insert(0, (args.against_label, args.against.resolve()))
-    runs: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {label: [] for label, _ in checkouts}
+    settings = [(label, checkout, client, placement) for label, checkout in checkouts
+                for client in dict.fromkeys(args.client) for placement in dict.fromkeys(args.placement)]
+    runs: dict[tuple[str, str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {
+        (label, client, placement): [] for label, _, client, placement in settings}
     with tempfile.TemporaryDirectory(prefix="ubatch-api-bench-") as tmp:
         model = str(Path(tmp) / "chat-qwen3-moe")
         write_checkpoint(Path(model))
-        for rep in range(args.repeats):  # offline and served alternate, so machine drift falls on both
+        for rep in range(args.repeats):  # offline and every setting in turn, so machine drift falls on all
             off = offline(model, args.checkout.resolve())
-            for label, checkout in checkouts:
-                srv = served(model, checkout, args.api_server_count, args.placement)
-                runs[label].append((off, srv))
-                print(f"repeat {rep} {label}: offline {off['tok_s']:.0f} tok/s, served {srv['tok_s']:.0f} tok/s, "
-                      f"API server {srv['api_us_per_token']:.1f} us/token, client CPU {srv['client_cpu_share']:.0%}")
+            first = rep % len(settings)  # each repeat starts with the next setting: none is always the first
+            for label, checkout, client, placement in settings[first:] + settings[:first]:
+                srv = served(model, checkout, args.api_server_count, placement, client)
+                runs[(label, client, placement)].append((off, srv))
+                print(f"repeat {rep} {label}, {client}, {placement}: offline {off['tok_s']:.0f} tok/s, served "
+                      f"{srv['tok_s']:.0f} tok/s ({srv['tok_s'] / off['tok_s']:.2f}x; the machine's load average "
+                      f"{os.getloadavg()[0]:.1f}), API server {srv['api_us_per_token']:.1f} us/token, load generator "
+                      f"{srv['client_us_per_token']:.1f} us/token ({srv['client_cpu_share']:.0%} of a core), ranks "
+                      f"{srv['rank_cpu_share']:.0%} of a core")
     rows = []
-    for label, _ in checkouts:
-        med = medians(runs[label])
-        print(f"| {label} | {med['offline_tok_s']:.0f} | {med['served_tok_s']:.0f} | "
-              f"{med['served_over_offline']:.2f}x | {med['api_us_per_token']:.1f} | {med['client_cpu_share']:.0%} |")
-        rows.append({"label": label, "repeats": args.repeats, **med})
+    print("| checkout | client | placement | offline tok/s | served tok/s | served / offline | API server CPU per "
+          "streamed token | load generator CPU per streamed token | load generator CPU | ranks' CPU |")
+    for (label, client, placement), pairs in runs.items():
+        med = medians(pairs)
+        print(f"| {label} | {client} | {placement} | {med['offline_tok_s']:.0f} | {med['served_tok_s']:.0f} | "
+              f"{med['served_over_offline']:.2f}x | {med['api_us_per_token']:.1f} µs | "
+              f"{med['client_us_per_token']:.1f} µs | {med['client_cpu_share']:.0%} of a core | "
+              f"{med['rank_cpu_share']:.0%} of a core |")
+        rows.append({"label": label, "client": client, "placement": placement,
+                     "api_server_count": args.api_server_count, "repeats": args.repeats, **med})
         if med["client_cpu_share"] > 0.8:
-            print(f"warning ({label}): the load generator used more than 80% of a core: it may be what limits the "
-                  "served rate")
+            print(f"warning ({label}, {client}, {placement}): the load generator used more than 80% of a core: it "
+                  "may be what limits the served rate")
     slug = "".join(c if c.isalnum() else "_" for c in args.label).strip("_")
     write_csv(rows, RESULTS_DIR / f"api_server_{slug}.csv")
     return 0

@@ -126,3 +126,56 @@ def test_workload_and_metrics_definitions() -> None:
     m = compute_metrics(results, 2.0)
     assert (m.completed, m.failed, m.total_output_tokens, m.errors) == (1, 1, 5, ("HTTP 503: full",))
     assert m.output_throughput == 2.5 and round(m.tpot_ms["mean"], 6) == 20.0  # (0.18 - 0.1) / (5 - 1)
+
+
+def test_send_completion_reads_the_stream_and_names_failures() -> None:
+    """The client against a stand-in server: SSE lines split across writes, an HTTP error, a silent server."""
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from runner.entrypoints.benchserve.http_client import send_completion
+    from runner.entrypoints.benchserve.workload import BenchRequest
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for piece in ("a", "é", "c"):
+            line = json.dumps({"choices": [{"text": piece}]})
+            await resp.write(f"data: {line[:5]}".encode())  # a line split in two writes
+            await resp.write(f"{line[5:]}\n\n".encode())
+        usage = {"prompt_tokens": len(body["prompt"]), "completion_tokens": body["max_tokens"]}
+        await resp.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    async def full(request: web.Request) -> web.Response:
+        return web.Response(status=503, text="queue full")
+
+    async def silent(request: web.Request) -> web.Response:
+        await asyncio.sleep(2)  # past the client's 0.5 s; the server's cleanup waits for it
+        return web.Response(text="late")
+
+    async def main() -> list[RequestResult]:
+        app = web.Application()
+        app.router.add_post("/stream", stream)
+        app.router.add_post("/full", full)
+        app.router.add_post("/silent", silent)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as client:
+                return [await send_completion(client, f"http://127.0.0.1:{port}/{path}", "m", BenchRequest([1, 2], 3),
+                                              timeout_s=0.5) for path in ("stream", "full", "silent")]
+        finally:
+            await runner.cleanup()
+
+    ok, full_result, silent_result = asyncio.run(main())
+    assert (ok.ok, ok.text, ok.chunks, ok.prompt_tokens, ok.output_tokens, len(ok.itl_s)) == (True, "aéc", 3, 2, 3, 2)
+    assert (full_result.ok, full_result.error) == (False, "HTTP 503: queue full")
+    assert not silent_result.ok and silent_result.error.endswith("(limit 0.5 s per wait)"), silent_result.error
+    assert "TimeoutError" in silent_result.error.split(":")[0], silent_result.error

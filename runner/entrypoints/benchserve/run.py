@@ -1,5 +1,6 @@
 """One benchmark run against one server: send the workload on its schedule, time every request, and read the
-server's step counters (and, optionally, a profile window of a few seconds) around it."""
+server's step counters (and, optionally, a profile window of a few seconds) around it. The requests share one
+``aiohttp`` session (vLLM's benchmark client), its connections kept alive between requests."""
 from __future__ import annotations
 
 import asyncio
@@ -7,9 +8,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import httpx
+import aiohttp
 
-from runner.entrypoints.benchserve.http_client import RequestResult, send_completion
+from runner.entrypoints.benchserve.http_client import RequestResult, request_timeout, send_completion
 from runner.entrypoints.benchserve.metrics import BenchmarkMetrics, compute_metrics
 from runner.entrypoints.benchserve.server_proc import scrape
 from runner.entrypoints.benchserve.workload import BenchRequest
@@ -34,17 +35,17 @@ class RunResult:
     duration_s: float = 0.0
 
 
-async def _profile(client: httpx.AsyncClient, base_url: str, window: ProfileWindow,
+async def _profile(client: aiohttp.ClientSession, base_url: str, window: ProfileWindow,
                    headers: dict[str, str]) -> dict[str, Any] | None:
     await asyncio.sleep(window.delay_s)
     before = await asyncio.to_thread(scrape, base_url, STEP_METRICS)
-    resp = await client.post(f"{base_url}/start_profile", headers=headers, timeout=60)
-    resp.raise_for_status()
+    async with client.post(f"{base_url}/start_profile", headers=headers, timeout=request_timeout(60)) as resp:
+        resp.raise_for_status()
     await asyncio.sleep(window.duration_s)
-    resp = await client.post(f"{base_url}/stop_profile", headers=headers, timeout=120)
-    resp.raise_for_status()
+    async with client.post(f"{base_url}/stop_profile", headers=headers, timeout=request_timeout(120)) as resp:
+        resp.raise_for_status()
+        answer = await resp.json()
     after = await asyncio.to_thread(scrape, base_url, STEP_METRICS)
-    answer = resp.json()
     answer["steps"] = after.get(STEP_METRICS[0], 0.0) - before.get(STEP_METRICS[0], 0.0)
     return answer
 
@@ -57,8 +58,8 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     before = await asyncio.to_thread(scrape, base_url, STEP_METRICS + TOKEN_METRICS)
-    limits = httpx.Limits(max_connections=max_concurrency or len(requests) or 1, max_keepalive_connections=None)
-    async with httpx.AsyncClient(limits=limits, timeout=None) as client:
+    connector = aiohttp.TCPConnector(limit=max_concurrency or len(requests) or 1)
+    async with aiohttp.ClientSession(connector=connector, trust_env=True) as client:  # proxies as httpx read them
         start, cpu_start = time.perf_counter(), time.process_time()
 
         async def one(req: BenchRequest, at: float) -> RequestResult:
