@@ -10,10 +10,12 @@ Workload: a small Qwen3-MoE chat checkpoint written by transformers (``tests/tin
   API-server process's CPU per streamed token (its own CPU, not its ranks'), the load generator's CPU per
   streamed token and share of a core, and the ranks' share of a core.
 
-``--client``: the load generator's HTTP client, ``aiohttp`` (default; vLLM's ``benchmark_serving.py`` reads its
-streams the same way: about 30 µs of CPU per streamed token on a 2-core machine) or ``httpx`` (about 65-80 µs:
-the client of the earlier figures in docs/benchmarks.md). Both cost less per token the more lines each read finds,
-so the figures fall when the client gets less CPU.
+``--client``: the load generator's HTTP client. ``aiohttp`` (default) keeps a pool of connections, as a client
+library does (the openai SDK's httpx pool, vLLM's ``benchmark_serving.py`` session): a warm-up of 256 one-token
+requests opens them before the measured run, which then reuses them; it counts each read's chunks without
+splitting lines. ``httpx`` opens a connection per request and reads line by line: the client of the earlier
+figures in docs/benchmarks.md, kept so they can be compared. A client costs less per token the more chunks
+each read finds, so its figure falls when it gets less CPU.
 
 ``--placement`` (with two cores or more; "first" and "last" are the first and last core this process may run on):
 
@@ -21,18 +23,15 @@ so the figures fall when the client gets less CPU.
   together on the last;
 - ``api-alone``: the API server(s) alone on the last core; the ranks and the load generator on the first;
 - ``spread``: API server i on core i, the ranks and the load generator on the first;
-- ``unpinned``: nothing pinned; where the scheduler puts three busy processes on two cores changes the figures
-  by up to 1.8x from run to run (the API server's CPU per token depends on how many outputs each wake-up finds).
+- ``unpinned``: nothing pinned; where the scheduler puts three busy processes on two cores moves the figures
+  from run to run (the API server's CPU per token depends on how many outputs each wake-up finds).
 
 Why ``rank-alone`` is the default: ``LLM.generate`` is one process (``OMP_NUM_THREADS=1``) with a core to itself,
-and the rank does the same engine work per token, so only a rank with a core of its own can reach the goal of
-0.8x its rate. The front end then has the other core: at 0.8x of an offline 15-20k tok/s the API server (30-40
-µs per token) and the aiohttp load generator (about 30 µs) need 0.7 to 1.1 of it, so the goal is at the edge of
-what two cores can show. With ``api-alone`` the load generator's CPU comes out of the rank's core instead, which
-caps the served rate at ``1 / (1 + c x offline)`` of the offline one (``c`` the load generator's CPU per token):
-about 0.65x, whatever the API server costs. Measured (docs/benchmarks.md, 27 repeats on a machine shared with
-other jobs): the ranks got up to 87 % of a core with ``rank-alone`` and at most 66 % with ``api-alone``, and
-``rank-alone`` served more in 17 of the 27 repeats with aiohttp (19 with httpx).
+and the rank does the same engine work per token, so only a rank with a core of its own can match its rate; the
+front end (API server and load generator) then shares the other core. With ``api-alone`` the load generator's
+CPU comes out of the rank's core instead, which caps the served rate at ``1 / (1 + c x offline)`` of the
+offline one (``c`` the load generator's CPU per token), whatever the API server costs. docs/benchmarks.md has
+the measurements of both.
 ``--client`` and ``--placement`` take several values: each combination is served in turn within every repeat.
 
 ``--api-server-count N`` serves with N API-server processes (their CPU summed), placed as the API server is
@@ -88,21 +87,26 @@ n, plen, out = map(int, sys.argv[6:9])
 def cpu(p):
     f = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
     return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-def body(i):
-    return {"model": model, "prompt": [random.Random(i).randrange(3, 200) for _ in range(plen)], "max_tokens": out,
+def body(i, tokens=out):
+    return {"model": model, "prompt": [random.Random(i).randrange(3, 200) for _ in range(plen)], "max_tokens": tokens,
             "ignore_eos": True, "temperature": 0, "stream": True}
-async def with_aiohttp(count):  # as vLLM's benchmark_serving.py reads a stream
+SESSION = None
+async def with_aiohttp(count, tokens=out):  # a pool of connections; the chunks of each read counted at once
     import aiohttp
+    global SESSION
+    if SESSION is None:
+        SESSION = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=n),
+                                        timeout=aiohttp.ClientTimeout(total=600))
     async def one(s, i):
-        chunks = 0
-        async with s.post(f"{base}/v1/completions", json=body(i)) as r:
+        chunks, tail = 0, b""
+        async with s.post(f"{base}/v1/completions", json=body(i, tokens)) as r:
             r.raise_for_status()
-            async for line in r.content:
-                chunks += line.startswith(b"data: {")
+            async for data in r.content.iter_any():
+                data = tail + data
+                chunks += data.count(b"data: {")
+                tail = data[-6:]  # too short to hold a whole marker: none is counted twice
         return chunks
-    connector = aiohttp.TCPConnector(limit=n, force_close=True)
-    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600)) as s:
-        return sum(await asyncio.gather(*[one(s, i) for i in range(count)]))
+    return sum(await asyncio.gather(*[one(SESSION, i) for i in range(count)]))
 async def with_httpx(count):
     import httpx
     async def one(h, i):
@@ -117,7 +121,10 @@ async def with_httpx(count):
         return sum(await asyncio.gather(*[one(h, i) for i in range(count)]))
 async def main():
     run = {"aiohttp": with_aiohttp, "httpx": with_httpx}[client]
-    await run(8)  # warm-up (and the client's imports), on connections of its own
+    if client == "aiohttp":
+        await run(n, 1)  # warm-up: opens the pool's n connections
+    else:
+        await run(8)  # warm-up (and the client's imports), on connections of its own
     server0, ranks0, self0, t0 = sum(map(cpu, pids)), sum(map(cpu, ranks)), time.process_time(), time.perf_counter()
     chunks = await run(n)
     wall = time.perf_counter() - t0
@@ -126,6 +133,8 @@ async def main():
     print(json.dumps({"tok_s": tokens / wall, "api_us_per_token": server / tokens * 1e6,
                       "client_us_per_token": me / tokens * 1e6, "client_cpu_share": me / wall,
                       "rank_cpu_share": rank / wall, "chunks": chunks, "tokens": tokens}))
+    if SESSION is not None:
+        await SESSION.close()
 asyncio.run(main())
 """
 

@@ -7,6 +7,7 @@ encoded as vLLM encodes them. Design: docs/design_notes.md, "Engine client".
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from pathlib import Path
@@ -86,12 +87,20 @@ def _tokenizers_fallback(path: Path, why: str) -> TokenizersAdapter:
     return TokenizersAdapter(Tokenizer.from_file(str(file)))
 
 
-def _is_transformers(tokenizer: Any) -> bool:
+@functools.cache
+def _transformers_base() -> type | None:
+    """transformers' tokenizer base class, looked up once (its lazy module makes each import a slow lookup, and
+    every request's detokenizer asks), or None without transformers."""
     try:
         from transformers import PreTrainedTokenizerBase
     except ImportError:
-        return False
-    return isinstance(tokenizer, PreTrainedTokenizerBase)
+        return None
+    return PreTrainedTokenizerBase
+
+
+def _is_transformers(tokenizer: Any) -> bool:
+    base = _transformers_base()
+    return base is not None and isinstance(tokenizer, base)
 
 
 def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:

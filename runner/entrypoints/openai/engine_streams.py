@@ -266,7 +266,7 @@ class EngineStreams:
         self._closed = True
         if self._abort_timer is not None:
             self._abort_timer.cancel()
-        if self._watcher is not None:
+        if self._watcher is not None:  # it ends at the loop's next turn; nothing here waits for that
             self._watcher.cancel()
         self._direct_open = False
         if isinstance(self._unfinished_write, (Coroutine, GeneratorType)):  # the client left while it waited
@@ -278,8 +278,6 @@ class EngineStreams:
                     await close()
                 except Exception:  # the engine may be gone; the request is ended on this side either way
                     logger.exception("Closing the engine stream of %s failed", self.request_ids[0])
-            if self._watcher is not None:
-                await asyncio.gather(self._watcher, return_exceptions=True)
             for rid, finished in zip(self.request_ids[:len(self._closers)], self.finished):
                 if not finished:
                     await self._abort(rid)
