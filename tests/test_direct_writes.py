@@ -115,6 +115,15 @@ def direct(engine: SinkEngine, client: Client) -> EngineStreams:
     return streams
 
 
+async def waiting() -> tuple[SinkEngine, Client, EngineStreams, asyncio.Future[Any]]:
+    """A direct stream whose handler waits in ``next_batch`` (its future)."""
+    engine, client = SinkEngine(), Client()
+    streams = direct(engine, client)
+    reader = asyncio.ensure_future(streams.next_batch())
+    await asyncio.sleep(0)
+    return engine, client, streams, reader
+
+
 def test_outputs_are_written_while_the_handler_waits_and_the_last_one_wakes_it() -> None:
     async def main() -> None:
         engine, client = SinkEngine(), Client()
@@ -141,11 +150,8 @@ def test_outputs_are_written_while_the_handler_waits_and_the_last_one_wakes_it()
 
 def test_a_write_that_waits_is_finished_by_the_handler_before_the_outputs_after_it() -> None:
     async def main() -> None:
-        engine, client = SinkEngine(), Client()
-        streams = direct(engine, client)
+        engine, client, streams, reader = await waiting()
         sink = engine.sinks["r-0"]
-        reader = asyncio.ensure_future(streams.next_batch())
-        await asyncio.sleep(0)
         client.full = asyncio.get_running_loop().create_future()
         sink.put(output("r-0", "a"))  # its write waits for the client
         sink.put(output("r-0", "b"))  # queued behind it, for the handler
@@ -162,20 +168,14 @@ def test_a_write_that_waits_is_finished_by_the_handler_before_the_outputs_after_
 
 def test_errors_failures_and_format_exceptions_reach_the_handler() -> None:
     async def main() -> None:
-        engine, client = SinkEngine(), Client()
-        streams = direct(engine, client)
+        engine, client, streams, reader = await waiting()
         sink = engine.sinks["r-0"]
-        reader = asyncio.ensure_future(streams.next_batch())
-        await asyncio.sleep(0)
         sink.put(output("r-0", "bad", finished=True, error="no room"))
         batch = await asyncio.wait_for(reader, 5)
         assert batch is not None and batch[0][1].error == "no room" and client.written == []
         await streams.close()
 
-        engine, client = SinkEngine(), Client()
-        streams = direct(engine, client)
-        reader = asyncio.ensure_future(streams.next_batch())
-        await asyncio.sleep(0)
+        engine, client, streams, reader = await waiting()
         engine.sinks["r-0"].fail(EngineDeadError("rank 1 died"))
         with pytest.raises(EngineDeadError, match="rank 1 died"):
             await asyncio.wait_for(reader, 5)
@@ -184,11 +184,8 @@ def test_errors_failures_and_format_exceptions_reach_the_handler() -> None:
         def broken(i: int, out: RequestOutput) -> str:
             raise RuntimeError(f"the engine returned sample {out.outputs[0].index + 3} for a request with n=1")
 
-        engine, client = SinkEngine(), Client()
-        streams = direct(engine, client)
+        engine, client, streams, reader = await waiting()
         streams.set_direct_format(broken)
-        reader = asyncio.ensure_future(streams.next_batch())
-        await asyncio.sleep(0)
         engine.sinks["r-0"].put(output("r-0", "a"))
         with pytest.raises(RuntimeError, match="sample 3"):
             await asyncio.wait_for(reader, 5)
