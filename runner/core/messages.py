@@ -101,8 +101,8 @@ class Ready(msgspec.Struct, tag="ready"):
 
 class WireOutput(msgspec.Struct, array_like=True, gc=False):
     """An :class:`~runner.core.requests.EngineCoreOutput` on its way to a client: a msgpack array of its values
-    without the fields' names (13 bytes for a one-token output, where the dataclass, a map with every name,
-    took 143), decoded in about a third of the time. The client reads these as they arrive
+    without the fields' names (the dataclass goes as a map with every name: about ten times the bytes, and
+    slower to decode; docs/benchmarks.md has the figures). The client reads these as they arrive
     (``runner.core.requests.CoreOutput``). No reference cycle can pass through one, so the garbage collector
     does not track them (``gc=False``)."""
 

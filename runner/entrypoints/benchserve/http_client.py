@@ -1,7 +1,7 @@
 """One streamed completion request, timed as ``vllm bench serve`` times it: TTFT is the first content chunk's
 arrival, every later chunk adds an inter-token gap, and the token counts are the server's own ``usage``. It is
-sent with ``aiohttp`` and its stream read line by line, as vLLM's benchmark does: that costs the client about half
-the CPU per streamed token that an ``httpx`` stream does, so the client is not what limits a fast server."""
+sent with ``aiohttp`` and its stream read line by line, as vLLM's benchmark does: it costs the client less CPU per
+streamed token than an ``httpx`` stream (docs/benchmarks.md), so the client is not what limits a fast server."""
 from __future__ import annotations
 
 import json
