@@ -3,7 +3,8 @@
 The GPU machines run Python 3.12 with torch, Triton, numpy, transformers, pytest, hypothesis, httpx, jinja2 and
 prometheus-client installed, and reach no package index. What this project needs beyond that: ``greenlet``
 (``setup.cfg``'s install_requires) and the server's stack (``python -m runner serve`` / ``bench-serve``:
-FastAPI, uvicorn, pyzmq, msgspec, the OpenAI client). ``TOP`` pins them at the versions the project is
+FastAPI, uvicorn with httptools as the serve extra installs it, pyzmq, msgspec, the OpenAI client, and aiohttp,
+bench-serve's streaming client). ``TOP`` pins them at the versions the project is
 tested with; pip resolves their dependencies for CPython 3.12 on manylinux x86-64, so the folder holds the
 whole closure, one version of each. Wheels of packages the image already has (anyio, click, ...) come along
 at the versions these pins need; nothing that would shadow the image's torch, CUDA or numpy may.
@@ -21,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 TOP = ("greenlet==3.5.6", "fastapi==0.165.0", "uvicorn==0.54.0", "pyzmq==27.3.0", "msgspec==0.22.0",
-       "openai==3.57.0")
+       "openai==3.57.0", "aiohttp==3.14.5", "httptools==0.9.0")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux1_x86_64", "any")
 NEVER = re.compile(r"^(torch|triton|numpy|nvidia[-_].*|cuda[-_].*)$")  # the GPU image's own stack
