@@ -9,11 +9,16 @@ server's asyncio loop (vLLM V1's ``AsyncLLM`` over ``DPAsyncMPClient``).
   (``client_index`` c of N, over :class:`EngineSockets` made by the parent, which also starts and supervises
   the ranks: ``runner/entrypoints/api_servers.py``). Client c sends its requests with its index, gets their
   outputs and every rank's ``Ready``/wave/failure messages on its own socket, and numbers its engine requests
-  c, c + N, c + 2N, ... so that no two clients' ids meet on a rank.
+  c, c + N, c + 2N, ... so that no two clients' ids meet on a rank. Every rank reports its load (running +
+  waiting, all clients' requests) to every client with each step's outputs, and at least every
+  ``STATS_INTERVAL_S`` without them: what exceeds a client's own requests there is the other clients' load,
+  which its choice of rank and ``--max-queued-requests`` count too (vLLM's DP coordinator publishes the same
+  counts to its front ends).
 - **Requests.** Each request is validated here (prompt ids in the vocabulary, prompt + max_tokens within
   max_model_len), split into ``n`` engine requests (int ids, one per sample), and each is sent to the DP rank
-  with the least outstanding work. The ranks step while any has work (waves: see
-  ``runner/core/engine_core_proc.py``); this client relays each rank's ``WaveStarted`` to every rank.
+  with the least outstanding work (this client's requests and, as last reported, the other clients'). The
+  ranks step while any has work (waves: see ``runner/core/engine_core_proc.py``); this client relays each
+  rank's ``WaveStarted`` to every rank.
 - **Outputs.** One task reads every rank's outputs, turns each step's into ``RequestOutput`` s in one pass
   (detokenization, stop strings, ``n``: the output processor) and hands each to its request's sink
   (:meth:`stream`: the request handler's buffer, no task in between; :meth:`generate`: a queue); a stop
@@ -84,7 +89,9 @@ class EngineSockets:
 class _Rank:
     socket: Any
     info: CoreInfo | None = None
-    outstanding: int = 0  # engine requests sent and not finished
+    outstanding: int = 0  # this client's engine requests sent and not finished
+    # other clients' requests on this rank (--api-server-count): the rank's reported load beyond this client's
+    others: int = 0
     # as last reported, kept as it came: turned into RankStats only when asked (stats(), the /metrics route)
     core_stats: CoreStats = field(default_factory=CoreStats)
     running: bool = False  # as last reported (WaveStarted / WaveDone)
@@ -145,6 +152,7 @@ class MPEngineClient(EngineClient):
         self._out_socket: Any = None
         self._sockets = sockets
         self._owns_ranks = sockets is None
+        self._num_clients = num_clients
         self.client_index = client_index
         self._reader: asyncio.Task | None = None
         self._supervisor: threading.Thread | None = None
@@ -326,15 +334,16 @@ class MPEngineClient(EngineClient):
             raise EngineShuttingDownError("the server is shutting down and takes no new requests")
         if self.max_queued_requests is not None:  # requests beyond what the ranks can run at once wait
             capacity = self.cfg.max_num_seqs * len(self._ranks)
-            waiting = max(0, sum(r.outstanding for r in self._ranks) - capacity)
-            if max(0, sum(r.outstanding for r in self._ranks) + n - capacity) > self.max_queued_requests:
+            load = sum(r.outstanding + r.others for r in self._ranks)
+            waiting = max(0, load - capacity)
+            if max(0, load + n - capacity) > self.max_queued_requests:
                 raise EngineOverloadedError(f"the waiting queue is full ({waiting} requests waiting, "
                                             f"--max-queued-requests {self.max_queued_requests})")
 
     def _pick_rank(self) -> int:
         if len(self._ranks) == 1:
             return 0
-        return min(range(len(self._ranks)), key=lambda r: (self._ranks[r].outstanding, r))
+        return min(range(len(self._ranks)), key=lambda r: (self._ranks[r].outstanding + self._ranks[r].others, r))
 
     def _submit(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                 sink: OutputSink) -> None:
@@ -457,9 +466,12 @@ class MPEngineClient(EngineClient):
     def _on_outputs(self, msg: Outputs) -> None:
         """A rank's step: its stats are kept as they came (the metrics read them when scraped: the /metrics
         route hands ``stats()`` to the sink first), its outputs processed."""
-        self._ranks[msg.rank].core_stats = msg.stats
+        rank = self._ranks[msg.rank]
+        rank.core_stats = msg.stats
         if msg.outputs:
             self._process(msg.outputs)
+        if self._num_clients > 1:  # the rank counts every client's requests; its outputs to us are processed
+            rank.others = max(0, msg.stats.num_running + msg.stats.num_waiting - rank.outstanding)
 
     def _process(self, outputs: list[WireOutput]) -> None:
         where, ranks = self._where, self._ranks
