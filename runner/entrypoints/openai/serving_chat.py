@@ -129,13 +129,8 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                 **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first)))
 
-        events_of = self.output_events(event)
-        if len(choices.states) == 1:  # one choice: the engine's output reader writes its steps' chunks itself
-            streams.set_direct_format(events_of)
-        while (batch := await self.next_outputs(streams)) is not None:
-            events = "".join([events_of(p, output) for p, output in batch])
-            if events:  # what was ready goes out in one write
-                yield events
+        async for events in self.output_texts(streams, choices, event):
+            yield events
         if streams.disconnected:
             return
         for i in self.end_unfinished(streams, choices):

@@ -219,14 +219,21 @@ class OpenAIServing:
         finally:
             await streams.close()
 
-    @staticmethod
-    def output_events(event: Callable[[int, CompletionOutput], str]) -> Callable[[int, RequestOutput], str]:
-        """A stream's text for one engine output of prompt p, from ``event`` (the text for one of its samples)."""
+    async def output_texts(self, streams: EngineStreams, choices: Choices,
+                           event: Callable[[int, CompletionOutput], str]) -> AsyncGenerator[str, None]:
+        """A stream's text for every batch of outputs ready (one write each), ``event`` giving the text of one
+        sample's output of prompt p. With one choice, the engine's output reader writes its running outputs
+        itself (``EngineStreams.set_direct_format``) and this yields only what reaches the handler."""
         def events_of(p: int, output: RequestOutput) -> str:
             outs = output.outputs
             return event(p, outs[0]) if len(outs) == 1 else "".join([event(p, out) for out in outs])
 
-        return events_of
+        if len(choices.states) == 1:
+            streams.set_direct_format(events_of)
+        while (batch := await self.next_outputs(streams)) is not None:
+            text = "".join([events_of(p, output) for p, output in batch])
+            if text:
+                yield text
 
     def end_unfinished(self, streams: EngineStreams, choices: Choices) -> list[int]:
         """Choices the engine did not finish (the server aborted them, or the engine ended their request
