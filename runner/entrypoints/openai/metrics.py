@@ -47,9 +47,9 @@ def observe_repeated(histogram: Histogram, value: float, count: int) -> None:
     """``histogram.observe(value)`` ``count`` times, as one update of its sum and of the bucket ``value`` falls
     in (its first upper bound >= ``value``): the same counts, and the same sum but for float rounding. A step's
     inter-token gaps are mostly one value (the requests' previous tokens came in the same step), and
-    prometheus_client observes one value at a time. ``histogram`` is a labelled
-    child (one series); this reads its ``_sum``, ``_buckets`` and ``_upper_bounds``, which ``observe`` uses
-    (``tests/test_openai_metrics.py`` checks that both render the same text)."""
+    prometheus_client observes one value at a time. ``histogram`` is a labelled child (one series); this reads
+    its ``_sum``, ``_buckets`` and ``_upper_bounds``, which ``observe`` uses (``tests/test_openai_metrics.py``
+    checks that both render the same text)."""
     histogram._sum.inc(value * count)
     for bound, bucket in zip(histogram._upper_bounds, histogram._buckets):
         if value <= bound:
