@@ -1,5 +1,5 @@
 """The API server's CPU per request, without the engine's per-token work: streamed completions that end after
-one token, served by the real app (``api_server.build_app``, wrapped in ``RawSend`` as ``serve_app`` runs it)
+one token (``--max-tokens``: more, one per step), served by the real app (``api_server.build_app``, wrapped in ``RawSend`` as ``serve_app`` runs it)
 and driven in-process over ASGI, so what is measured is the per-request path: route, body read and pydantic
 parse, sampling parameters, ``OpenAIServing.start`` (request log, ``EngineStreams``), the engine client's
 ``_submit`` (checks, ``RequestTracker.add``, the msgpack ``AddRequest``), the one output, the close path and
@@ -8,8 +8,9 @@ the Prometheus metrics.
 Engines (``--engine``):
 
 - ``mp`` (default): the server's own ``MPEngineClient`` with a loopback rank in place of the engine-core
-  process: each ``AddRequest`` it is sent is answered on the next event-loop turn with one finished token,
-  all the requests sent in a turn in one ``Outputs`` message (as a step's), through the client's output path.
+  process: it steps on every event-loop turn while requests run, each running request getting one token per
+  step, all of a step's outputs in one ``Outputs`` message, through the client's output path (the engine
+  client's and the handlers' per-token work: detokenizer, stream chunks, direct writes).
 - ``fake``: an ``EngineClient`` stand-in that finishes each request with one ``RequestOutput`` itself (the
   server's part alone, no engine client).
 
@@ -54,7 +55,8 @@ from runner.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = "bench-model"
 PROMPT_LEN, MAX_MODEL_LEN = 16, 256
-TOKEN = 70  # the one generated token
+TOKEN = 70  # the one generated token (--engine fake)
+TOKENS = [70, 71, 72, 73, 74, 75, 76, 77]  # the tokens a loopback rank generates, in turn
 
 
 class _Request(msgspec.Struct):
@@ -73,32 +75,46 @@ _RANK_DECODER = msgspec.msgpack.Decoder(_Add | _Abort)
 
 
 class LoopbackRank:
-    """In place of a rank's input socket: the engine requests sent in one event-loop turn finish with one token
-    each on the next turn, in one ``Outputs`` message through the client's output path."""
+    """In place of a rank's input socket: a step on every event-loop turn while requests run, each running
+    request getting one token per step (a step's outputs in one ``Outputs`` message through the client's output
+    path), until it has ``tokens``."""
 
-    def __init__(self, client: MPEngineClient) -> None:
+    def __init__(self, client: MPEngineClient, tokens: int) -> None:
         self.client = client
-        self.pending: list[int] = []
+        self.tokens = tokens
+        self.running: dict[int, int] = {}  # request id -> tokens generated
+        self.stepping = False
 
     def send(self, data: bytes) -> None:
         msg = _RANK_DECODER.decode(data)
         if isinstance(msg, _Add):
-            if not self.pending:
+            if not self.stepping:
+                self.stepping = True
                 asyncio.get_running_loop().call_soon(self._step)
-            self.pending.append(msg.request.request_id)
+            self.running[msg.request.request_id] = 0
 
     def _step(self) -> None:
-        ids, self.pending = self.pending, []
-        outputs = [EngineCoreOutput(i, [TOKEN], finish_reason="length", num_prompt_tokens=PROMPT_LEN) for i in ids]
+        outputs, running, last = [], self.running, self.tokens - 1
+        for i, done in list(running.items()):
+            finished = done == last
+            outputs.append(EngineCoreOutput(i, [TOKENS[done % len(TOKENS)]], num_prompt_tokens=PROMPT_LEN,
+                                            finish_reason="length" if finished else None))
+            if finished:
+                del running[i]
+            else:
+                running[i] = done + 1
         self.client._on_outputs(Outputs(0, [WireOutput.of(o) for o in outputs], CoreStats()))
+        self.stepping = bool(running)
+        if self.stepping:
+            asyncio.get_running_loop().call_soon(self._step)
 
 
-def mp_engine(tokenizer: Any, metrics: ServerMetrics) -> MPEngineClient:
+def mp_engine(tokenizer: Any, metrics: ServerMetrics, tokens: int) -> MPEngineClient:
     """The server's engine client over one loopback rank (its start-up, which spawns the ranks, left out)."""
     client = MPEngineClient(RunnerConfig(), tokenizer=tokenizer, metrics=metrics)
     info = CoreInfo(rank=0, max_model_len=MAX_MODEL_LEN, vocab_size=len(tokenizer), num_kv_blocks=1024,
                     block_size=16, eos_token_ids=[], dtype="float32", experts_backend="torch")
-    client._ranks.append(_Rank(LoopbackRank(client), info))
+    client._ranks.append(_Rank(LoopbackRank(client, tokens), info))
     client._accepting = True
     return client
 
@@ -223,10 +239,10 @@ async def serve_requests(app: Any, body: bytes, num_requests: int, concurrency: 
     return time.process_time() - start
 
 
-def build(engine_kind: str, log_requests: bool) -> Any:
+def build(engine_kind: str, log_requests: bool, tokens: int) -> Any:
     tokenizer = build_tokenizer()
     metrics = ServerMetrics(MODEL, MAX_MODEL_LEN)
-    engine: EngineClient = mp_engine(tokenizer, metrics) if engine_kind == "mp" else OneTokenEngine(tokenizer,
+    engine: EngineClient = mp_engine(tokenizer, metrics, tokens) if engine_kind == "mp" else OneTokenEngine(tokenizer,
                                                                                                     metrics)
     return RawSend(build_app(engine, [MODEL], log_requests=log_requests, metrics=metrics))
 
@@ -249,17 +265,20 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--log-requests", choices=("on", "off"), default="off",
                    help="the request log (the server's default before it followed vLLM's: on)")
+    p.add_argument("--max-tokens", type=int, default=1, help="tokens per request (mp engine)")
     p.add_argument("--no-stream", action="store_true", help="non-streamed completions")
     p.add_argument("--label", default="current")
     p.add_argument("--out", default=None, help="CSV path (default benchmarks/results/request_path_<label>.csv)")
     args = p.parse_args()
+    if args.engine == "fake" and args.max_tokens != 1:
+        p.error(f"--max-tokens {args.max_tokens}: the fake engine answers one token; use --engine mp")
     log_requests = args.log_requests == "on"
     route_request_log(log_requests)
-    body = json.dumps({"model": MODEL, "prompt": list(range(3, 3 + PROMPT_LEN)), "max_tokens": 1,
+    body = json.dumps({"model": MODEL, "prompt": list(range(3, 3 + PROMPT_LEN)), "max_tokens": args.max_tokens,
                        "stream": not args.no_stream, "ignore_eos": True, "temperature": 0}).encode()
 
     async def run() -> tuple[list[float], list[float]]:
-        app = build(args.engine, log_requests)
+        app = build(args.engine, log_requests, args.max_tokens)
         # warm-up: templates rendered, code paths taken once, before the objects made so far are frozen
         await serve_requests(app, body, 200, args.concurrency)
         await serve_requests(bare_app, body, 200, args.concurrency)
@@ -275,11 +294,13 @@ def main() -> int:
 
     served, floor = asyncio.run(run())
     med, med_floor = statistics.median(served), statistics.median(floor)
-    print(f"{args.label}: {med:.1f} us CPU per request ({args.engine} engine, request log {args.log_requests}, "
+    print(f"{args.label}: {med:.1f} us CPU per request of {args.max_tokens} token(s) ({args.engine} engine, "
+          f"request log {args.log_requests}, "
           f"{'non-streamed' if args.no_stream else 'streamed'}; median of {args.repeats}: "
           f"{', '.join(f'{s:.1f}' for s in served)}); the driver alone {med_floor:.1f} us")
     write_csv([{"label": args.label, "engine": args.engine, "log_requests": args.log_requests,
-                "stream": not args.no_stream, "requests": args.requests, "concurrency": args.concurrency,
+                "stream": not args.no_stream, "max_tokens": args.max_tokens, "requests": args.requests,
+                "concurrency": args.concurrency,
                 "repeats": args.repeats, "us_per_request": round(med, 2), "driver_us_per_request": round(med_floor, 2),
                 "runs_us": " ".join(f"{s:.1f}" for s in served)}],
               args.out or RESULTS_DIR / f"request_path_{args.label.replace(' ', '_')}.csv")

@@ -142,8 +142,8 @@ class CountBodies:
 
 
 def test_stream_body_chunks_skip_the_middlewares() -> None:
-    """The response start and the final empty body go through the middlewares; the events go straight to the
-    server's ``send``, and the client still reads every one of them."""
+    """The response start and the body's end (the last chunk and ``[DONE]``, one message) go through the
+    middlewares; the other events go straight to the server's ``send``, and the client still reads every one."""
     seen: list[Message] = []
     server = ServerThread()
     server.app.add_middleware(CountBodies, seen=seen)
@@ -155,5 +155,8 @@ def test_stream_body_chunks_skip_the_middlewares() -> None:
                 events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) != ""
-    kinds = [(m["type"], m.get("body", b"")) for m in seen]
-    assert kinds == [("http.response.start", b""), ("http.response.body", b"")]
+    assert [m["type"] for m in seen] == ["http.response.start", "http.response.body"]
+    end = seen[1]["body"].decode()
+    assert not seen[1]["more_body"] and end.endswith("data: [DONE]\n\n")
+    assert end.count("data: ") == 2 and json.loads(end.split("\n\n")[0][len("data: "):])["choices"][0][
+        "finish_reason"] == "length"

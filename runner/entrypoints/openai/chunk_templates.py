@@ -26,6 +26,8 @@ def _encode(kind: SlotKind, value: Value) -> str:
     if kind == "int":
         assert isinstance(value, int)
         return str(value)
+    if value is None:  # the usual stop_reason: json.dumps would build an encoder for it
+        return "null"
     return json.dumps(value, ensure_ascii=False)
 
 

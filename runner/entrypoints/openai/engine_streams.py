@@ -232,6 +232,11 @@ class EngineStreams:
     def disconnected(self) -> bool:
         return self.stop_reason == "disconnect"
 
+    @property
+    def all_finished(self) -> bool:
+        """The engine finished every request of the stream: no output follows the last one read."""
+        return len(self._closers) == len(self.request_ids) and all(self.finished)
+
     # ---- ending ----------------------------------------------------------------------------------------------
     def stop(self, reason: str) -> None:
         """Stop reading now (the client left, or an aborted request's engine did not end it in time)."""

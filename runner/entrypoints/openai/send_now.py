@@ -17,7 +17,7 @@ def send_now(sending: Awaitable[None]) -> Awaitable[None] | None:
     """Run ``sending`` (an ASGI ``send(message)`` call) until it finishes or first waits: None when it finished
     (what it raised propagates), else the awaitable that runs the rest of it (``sending`` itself where it is not
     a coroutine)."""
-    if not isinstance(sending, Coroutine):
+    if type(sending) is not types.CoroutineType and not isinstance(sending, Coroutine):  # the ABC check is slower
         return sending
     try:
         waiting_on = sending.send(None)

@@ -33,7 +33,7 @@ from runner.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
 )
-from runner.entrypoints.openai.sse import DONE, TextChunks, chunk_event
+from runner.entrypoints.openai.sse import TextChunks, chunk_event
 from runner.outputs import CompletionOutput, Logprob
 
 ROLE = "assistant"
@@ -105,8 +105,7 @@ class OpenAIServingChat(OpenAIServing):
         key = ("chat", model, str(include_usage))
         first_chunk = self.chunk_template((*key, "role"), functools.partial(render, role=ROLE), ROLE_FIELDS).bind(
             id=request_id, created=created)
-        for i in range(len(choices.states)):
-            yield first_chunk.fill(index=i)
+        head = "".join([first_chunk.fill(index=i) for i in range(len(choices.states))])
         plain = TextChunks(self.chunk_template((*key, "text"), render, TEXT_FIELDS).bind(id=request_id,
                                                                                           created=created))
         last = self.chunk_template((*key, "last"), render, LAST_FIELDS).bind(id=request_id, created=created)
@@ -129,14 +128,15 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                 **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first)))
 
-        async for events in self.output_texts(streams, choices, event):
+        def tail() -> str:
+            ends = [chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=""),
+                                                             finish_reason="abort"))
+                    for i in self.end_unfinished(streams, choices)]
+            if include_usage:
+                ends.append(chunk_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
+                                                                     choices=[], usage=choices.usage()),
+                                        include_usage))
+            return "".join(ends)
+
+        async for events in self.output_texts(streams, choices, event, head=head, tail=tail):
             yield events
-        if streams.disconnected:
-            return
-        for i in self.end_unfinished(streams, choices):
-            yield chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=""),
-                                                           finish_reason="abort"))
-        if include_usage:
-            yield chunk_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                           usage=choices.usage()), include_usage)
-        yield DONE

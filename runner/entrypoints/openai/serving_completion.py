@@ -28,7 +28,7 @@ from runner.entrypoints.openai.serving_engine import (
     EnginePrompt,
     OpenAIServing,
 )
-from runner.entrypoints.openai.sse import DONE, TextChunks, chunk_event
+from runner.entrypoints.openai.sse import TextChunks, chunk_event
 from runner.outputs import CompletionOutput, Logprob
 
 # The fields of the stream chunks built from templates (``chunk_templates.py``): a token's text, and the last one.
@@ -126,13 +126,13 @@ class OpenAIServingCompletion(OpenAIServing):
                 stop_reason=out.stop_reason,
                 **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first)))
 
-        async for events in self.output_texts(streams, choices, event):
+        def tail() -> str:
+            ends = [chunk(CompletionResponseStreamChoice(index=i, text="", finish_reason="abort"))
+                    for i in self.end_unfinished(streams, choices)]
+            if include_usage:
+                ends.append(chunk_event(CompletionStreamResponse(id=request_id, created=created, model=model,
+                                                                 choices=[], usage=choices.usage()), include_usage))
+            return "".join(ends)
+
+        async for events in self.output_texts(streams, choices, event, tail=tail):
             yield events
-        if streams.disconnected:
-            return
-        for i in self.end_unfinished(streams, choices):
-            yield chunk(CompletionResponseStreamChoice(index=i, text="", finish_reason="abort"))
-        if include_usage:
-            yield chunk_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                       usage=choices.usage()), include_usage)
-        yield DONE

@@ -36,7 +36,7 @@ from runner.entrypoints.openai.limits import read_body
 from runner.entrypoints.openai.prompt_bounds import check_prompt_chars, max_prompt_chars, release_memory_after
 from runner.entrypoints.openai.protocol import UsageInfo
 from runner.entrypoints.openai.serving_models import ServingModels
-from runner.entrypoints.openai.sse import EventStreamResponse, sse_event
+from runner.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
 from runner.outputs import CompletionOutput, Logprob, RequestOutput
 from runner.sampling_params import SamplingParams
 
@@ -220,20 +220,30 @@ class OpenAIServing:
             await streams.close()
 
     async def output_texts(self, streams: EngineStreams, choices: Choices,
-                           event: Callable[[int, CompletionOutput], str]) -> AsyncGenerator[str, None]:
+                           event: Callable[[int, CompletionOutput], str], *, head: str = "",
+                           tail: Callable[[], str] = str) -> AsyncGenerator[str, None]:
         """A stream's text for every batch of outputs ready (one write each), ``event`` giving the text of one
         sample's output of prompt p. With one choice, the engine's output reader writes its running outputs
-        itself (``EngineStreams.set_direct_format``) and this yields only what reaches the handler."""
+        itself (``EngineStreams.set_direct_format``) and this yields only what reaches the handler. ``head``
+        goes out with the first batch, and the batch that finishes the last engine request with ``tail()`` and
+        ``[DONE]`` (unless the client left): a stream's end is one write."""
         def events_of(p: int, output: RequestOutput) -> str:
             outs = output.outputs
             return event(p, outs[0]) if len(outs) == 1 else "".join([event(p, out) for out in outs])
 
         if len(choices.states) == 1:
             streams.set_direct_format(events_of)
+        held = head
         while (batch := await self.next_outputs(streams)) is not None:
-            text = "".join([events_of(p, output) for p, output in batch])
+            text = held + "".join([events_of(p, output) for p, output in batch])
+            held = ""
+            if streams.all_finished:  # nothing follows: it goes out with the end
+                held = text
+                break
             if text:
                 yield text
+        if not streams.disconnected:
+            yield held + tail() + DONE
 
     def end_unfinished(self, streams: EngineStreams, choices: Choices) -> list[int]:
         """Choices the engine did not finish (the server aborted them, or the engine ended their request

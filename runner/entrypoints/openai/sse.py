@@ -67,9 +67,10 @@ RAW_SEND = "ubatch.raw_send"
 
 
 class EventStreamResponse(Response):
-    """``events`` as server-sent events, in one write per item. An exception the events raise after the 200 goes
-    into the stream as ``on_error(exc)`` (an error event), then ``[DONE]``, as vLLM does; ``close`` runs at the
-    end whatever happened (it ends the engine requests). ``direct_write``, when given, receives (once the headers
+    """``events`` as server-sent events, in one write per item; the item that ends with ``[DONE]`` is the last
+    and goes out with the body's end (one write). An exception the events raise after the 200 goes into the
+    stream as ``on_error(exc)`` (an error event), then ``[DONE]``, as vLLM does; ``close`` runs at the end
+    whatever happened (it ends the engine requests). ``direct_write``, when given, receives (once the headers
     are out) a function that writes event text at once from any task (``send_now``): the engine's output reader
     writes a step's chunk with it (``EngineStreams.set_direct_write``)."""
 
@@ -93,15 +94,20 @@ class EventStreamResponse(Response):
             if self.direct_write is not None and RAW_SEND in scope:  # the server's own send: safe from any task
                 self.direct_write(lambda text: send_now(send_body({"type": "http.response.body",
                                                                    "body": text.encode(), "more_body": True})))
+            end = ""  # the event that ends with [DONE] is the last: it goes out with the body's end, one write
             try:
                 async for event in self.events:
-                    await send_body({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                    if event.endswith(DONE):
+                        end = event
+                    else:
+                        await send_body({"type": "http.response.body", "body": event.encode(), "more_body": True})
             except OSError:
                 raise
             except Exception as exc:
-                tail = self.on_error(exc) + DONE
-                await send_body({"type": "http.response.body", "body": tail.encode(), "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+                if end:  # after [DONE] the stream is whole: the error is the server's own
+                    raise
+                end = self.on_error(exc) + DONE
+            await send({"type": "http.response.body", "body": end.encode(), "more_body": False})
         except OSError:  # the client went away while we wrote; ``close`` ends its requests
             pass
         finally:
