@@ -1,8 +1,8 @@
 """A stream's chunks written by the engine's output reader itself (``EngineStreams.set_direct_format`` /
 ``set_direct_write`` over ``send_now``): a write that need not wait happens at once without waking the handler;
 one that waits for the client is finished by the handler before anything after it; the last output, errors and
-a disconnect still go to the handler; and over a real server with a client that reads slowly (flow control),
-the streamed text equals the whole response's."""
+a disconnect still go to the handler; over a real server with a client that reads slowly (flow control), the
+streamed text equals the whole response's; and a stream's end (a chat stream's start too) is one body message."""
 from __future__ import annotations
 
 import asyncio
@@ -215,8 +215,9 @@ def test_nothing_is_written_after_a_disconnect() -> None:
 
 
 # ---- a real server, a slow client ------------------------------------------------------------------------------
-def read_chunked_events(sock: socket.socket, deadline_s: float) -> list[str]:
-    """The ``data:`` payloads of a chunked server-sent-event response read from ``sock`` to its end."""
+def read_http_chunks(sock: socket.socket, deadline_s: float) -> list[str]:
+    """The chunks of a chunked HTTP response read from ``sock`` to its end, as the server framed them: uvicorn
+    frames each body message it writes as one chunk."""
     data = b""
     deadline = time.monotonic() + deadline_s
     while not data.endswith(b"0\r\n\r\n"):
@@ -226,14 +227,37 @@ def read_chunked_events(sock: socket.socket, deadline_s: float) -> list[str]:
         data += piece
     head, body = data.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 200"), head
-    payload = b""
+    chunks = []
     while True:
         size_line, body = body.split(b"\r\n", 1)
         size = int(size_line, 16)
         if size == 0:
-            break
-        payload, body = payload + body[:size], body[size + 2:]
-    return [line[len("data: "):] for line in payload.decode().split("\n") if line.startswith("data: ")]
+            return chunks
+        chunks.append(body[:size].decode())
+        body = body[size + 2:]
+
+
+def events_of(chunks: list[str]) -> list[str]:
+    """The ``data:`` payloads of server-sent-event text."""
+    return [line[len("data: "):] for line in "".join(chunks).split("\n") if line.startswith("data: ")]
+
+
+def read_chunked_events(sock: socket.socket, deadline_s: float) -> list[str]:
+    """The ``data:`` payloads of a chunked server-sent-event response read from ``sock`` to its end."""
+    return events_of(read_http_chunks(sock, deadline_s))
+
+
+def stream_over_socket(port: int, path: str, body: dict[str, Any], pause_s: float = 0.0) -> list[str]:
+    """POST ``body`` to ``path`` over a plain socket and read the chunked response (after ``pause_s``)."""
+    data = json.dumps(body).encode()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", port))
+        sock.sendall(b"POST %s HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (path.encode(), len(data), data))
+        time.sleep(pause_s)
+        return read_http_chunks(sock, 60)
 
 
 def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -256,18 +280,40 @@ def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(monkeypatch: 
             whole = http.post("/v1/completions", json={"model": MODEL, "prompt": "hello", "max_tokens": max_tokens})
             assert whole.status_code == 200
             expected = whole.json()["choices"][0]["text"]
-        body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True}).encode()
-        with socket.socket() as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-            sock.settimeout(30)
-            sock.connect(("127.0.0.1", running.port))
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
-            time.sleep(1.0)  # the server writes into full buffers meanwhile
-            events = read_chunked_events(sock, 60)
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": max_tokens, "stream": True}
+        # the server writes into full buffers during the pause
+        events = events_of(stream_over_socket(running.port, "/v1/completions", body, pause_s=1.0))
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
     assert "".join(c["choices"][0]["text"] for c in chunks) == expected and len(expected) == max_tokens
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(waited) >= 1, "no direct write waited for the client: the test did not fill the buffers"
     assert len(waited) - sum(waited) >= 1, "no direct write finished at once"
+
+
+def test_a_stream_ends_in_one_write_and_a_chat_stream_starts_with_its_first_tokens() -> None:
+    """The last tokens, the usage chunk and ``[DONE]`` are one body message (one HTTP chunk, written with the
+    body's end); a chat stream's role chunk goes out with its first tokens. The text equals the whole response's."""
+    server = ServerThread(FakeEngineClient(max_model_len=4096))
+    with server as running:
+        with running.http() as http:
+            whole = http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 12}).json()
+        for path, body in [
+                ("/v1/completions", {"model": MODEL, "prompt": "hello", "max_tokens": 12}),
+                ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hello"}],
+                                          "max_tokens": 12})]:
+            chunks = stream_over_socket(running.port, path, {**body, "stream": True,
+                                                             "stream_options": {"include_usage": True}})
+            last = events_of(chunks[-1:])
+            assert last[-1] == "[DONE]" and len(last) == 3, last
+            assert json.loads(last[0])["choices"][0]["finish_reason"] == "length"
+            assert json.loads(last[1])["usage"]["completion_tokens"] == 12
+            assert all("[DONE]" not in c for c in chunks[:-1])
+            if path == "/v1/chat/completions":
+                first = [json.loads(e) for e in events_of(chunks[:1])]
+                assert first[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+                assert len(first) >= 2 and first[1]["choices"][0]["delta"]["content"]
+                text = "".join(json.loads(e)["choices"][0]["delta"].get("content") or ""
+                               for e in events_of(chunks)[:-2])
+                assert text == whole["choices"][0]["message"]["content"]
