@@ -67,11 +67,15 @@ class _Add(msgspec.Struct, tag="add"):
     request: _Request
 
 
+class _AddMany(msgspec.Struct, tag="add_many"):
+    requests: list[_Request]
+
+
 class _Abort(msgspec.Struct, tag="abort"):
     request_ids: list[int]
 
 
-_RANK_DECODER = msgspec.msgpack.Decoder(_Add | _Abort)
+_RANK_DECODER = msgspec.msgpack.Decoder(_Add | _AddMany | _Abort)
 
 
 class LoopbackRank:
@@ -87,11 +91,13 @@ class LoopbackRank:
 
     def send(self, data: bytes) -> None:
         msg = _RANK_DECODER.decode(data)
-        if isinstance(msg, _Add):
-            if not self.stepping:
-                self.stepping = True
-                asyncio.get_running_loop().call_soon(self._step)
-            self.running[msg.request.request_id] = 0
+        if isinstance(msg, _Abort):
+            return
+        if not self.stepping:
+            self.stepping = True
+            asyncio.get_running_loop().call_soon(self._step)
+        for request in [msg.request] if isinstance(msg, _Add) else msg.requests:
+            self.running[request.request_id] = 0
 
     def _step(self) -> None:
         outputs, running, last = [], self.running, self.tokens - 1

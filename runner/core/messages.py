@@ -61,7 +61,8 @@ class AddRequest(msgspec.Struct, tag="add"):
 
 class AddRequests(msgspec.Struct, tag="add_many"):
     """Several requests at once, all added before the rank steps again: a batch handed over together (the offline
-    client's) starts in the same step on every rank, as it would in one process."""
+    client's) starts in the same step on every rank, as it would in one process; an API server's engine client
+    sends the requests it took in one event-loop turn this way (one message instead of one per request)."""
 
     requests: list[EngineCoreRequest]
     client_index: int = 0

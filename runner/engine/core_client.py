@@ -44,13 +44,14 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from runner.config import RunnerConfig
 from runner.core.messages import (
-    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, CoreFailed, CoreInfo, CoreStats, Outputs, Profile, Ready,
-    Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted, WireOutput,
+    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, AddRequests, CoreFailed, CoreInfo, CoreStats, InputMessage,
+    Outputs, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted, WireOutput,
 )
 from runner.engine.protocol import (
     CloseStream, EngineClient, EngineDeadError, EngineOverloadedError, EngineShuttingDownError, EngineStats,
     MetricsSink, OutputSink, RankStats, RequestError,
 )
+from runner.core.requests import EngineCoreRequest
 from runner.engine.simple_output import RequestTracker
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
@@ -95,6 +96,8 @@ class _Rank:
     # as last reported, kept as it came: turned into RankStats only when asked (stats(), the /metrics route)
     core_stats: CoreStats = field(default_factory=CoreStats)
     running: bool = False  # as last reported (WaveStarted / WaveDone)
+    # engine requests taken in this event-loop turn, sent together at its end (MPEngineClient._send_added)
+    added: list[EngineCoreRequest] = field(default_factory=list)
 
 
 def rank_threads(dp: int) -> int:
@@ -165,6 +168,7 @@ class MPEngineClient(EngineClient):
         self._seeds = itertools.count(client_index, num_clients)
         self.tracker = RequestTracker(tokenizer, generation_config)  # the checkpoint's EOS ids on every request
         self._where: dict[int, int] = {}  # engine request id -> rank
+        self._send_scheduled = False  # _send_added runs at the end of this event-loop turn
         self._ready = asyncio.Event()
         self._profiles: dict[int, Any] = {}
         self._profiles_done = asyncio.Event()
@@ -271,7 +275,7 @@ class MPEngineClient(EngineClient):
                 await asyncio.sleep(0.02)
             self._stopping = True
             for rank in self._ranks:
-                await rank.socket.send(ENCODER.encode(Shutdown()))
+                await self._send(rank, Shutdown())
             while time.monotonic() < deadline and self._group is not None \
                     and any(p.is_alive() for p in self._group.procs):
                 await asyncio.sleep(0.05)
@@ -296,6 +300,7 @@ class MPEngineClient(EngineClient):
             self._reader = None
         if self._ctx is not None:
             for rank in self._ranks:
+                rank.added = []  # requests taken in this last turn: the ranks are gone
                 rank.socket.close(linger=0)
             self._out_socket.close(linger=0)
             self._ctx.term()
@@ -362,7 +367,32 @@ class MPEngineClient(EngineClient):
             rank = self._pick_rank()
             self._where[child.request_id] = rank
             self._ranks[rank].outstanding += 1
-            self._ranks[rank].socket.send(ENCODER.encode(AddRequest(child, self.client_index)))
+            self._ranks[rank].added.append(child)
+        if not self._send_scheduled:
+            self._send_scheduled = True
+            asyncio.get_running_loop().call_soon(self._send_added)
+
+    def _send_added(self) -> None:
+        """Send each rank the engine requests taken since the last call, in one message: a burst of requests
+        wakes ZeroMQ's I/O thread and the rank once, not once per request. Runs at the end of the event-loop
+        turn that took them (a handler's ``stream`` only queues them), so they wait for no step."""
+        self._send_scheduled = False
+        for rank in self._ranks:
+            self._send_rank_added(rank)
+
+    def _send_rank_added(self, rank: _Rank) -> None:
+        added = rank.added
+        if added:
+            rank.added = []
+            message = AddRequest(added[0], self.client_index) if len(added) == 1 else \
+                AddRequests(added, self.client_index)
+            rank.socket.send(ENCODER.encode(message))
+
+    def _send(self, rank: _Rank, message: InputMessage) -> Any:
+        """Send ``message`` to ``rank`` after the engine requests queued for it (an abort never overtakes the
+        request it aborts); returns the socket's send (an awaitable)."""
+        self._send_rank_added(rank)
+        return rank.socket.send(ENCODER.encode(message))
 
     def stream(self, request_id: str, prompt: str | None, prompt_token_ids: list[int], params: SamplingParams,
                sink: OutputSink) -> CloseStream:
@@ -410,13 +440,13 @@ class MPEngineClient(EngineClient):
         if self._ctx is None:
             return
         for rank, ids in by_rank.items():
-            self._ranks[rank].socket.send(ENCODER.encode(AbortRequests(ids)))
+            self._send(self._ranks[rank], AbortRequests(ids))
 
     # ------------------------------------------------------------------ profiling
     async def start_profile(self) -> None:
         """Every rank records its timeline from its next step on (vLLM's ``/start_profile``)."""
         for rank in self._ranks:
-            await rank.socket.send(ENCODER.encode(StartProfile()))
+            await self._send(rank, StartProfile())
 
     async def stop_profile(self, path: str, timeout_s: float = 60.0) -> Any:
         """Stop recording; write one Chrome trace (a process per rank) to ``path`` and return its
@@ -425,7 +455,7 @@ class MPEngineClient(EngineClient):
 
         self._profiles, self._profiles_done = {}, asyncio.Event()
         for rank in self._ranks:
-            await rank.socket.send(ENCODER.encode(StopProfile(self.client_index)))
+            await self._send(rank, StopProfile(self.client_index))
         await asyncio.wait_for(self._profiles_done.wait(), timeout_s)
         per_rank = [self._profiles.get(r) for r in range(len(self._ranks))]
         if all(p is None for p in per_rank):
@@ -442,7 +472,7 @@ class MPEngineClient(EngineClient):
                 elif isinstance(msg, WaveStarted):
                     self._ranks[msg.rank].running = True
                     for rank in self._ranks:
-                        await rank.socket.send(ENCODER.encode(Wake(msg.wave)))
+                        await self._send(rank, Wake(msg.wave))
                 elif isinstance(msg, WaveDone):
                     self._ranks[msg.rank].running = False
                 elif isinstance(msg, Ready):
