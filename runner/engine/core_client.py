@@ -65,6 +65,9 @@ logger = logging.getLogger("ubatch.engine")
 STARTUP_GRACE_S = 600.0
 # A rank that reports a failure is named by that report only if the launcher has not named a cause by then.
 CORE_FAILED_GRACE_S = 3.0
+# The most engine requests a rank is sent in one message (the requests of one event-loop turn go together): a burst
+# of arrivals is handled in one long turn, and a rank that waited for its end would sit idle meanwhile.
+ADD_BATCH = 16
 
 
 @dataclass(frozen=True)
@@ -368,6 +371,8 @@ class MPEngineClient(EngineClient):
             self._where[child.request_id] = rank
             self._ranks[rank].outstanding += 1
             self._ranks[rank].added.append(child)
+            if len(self._ranks[rank].added) >= ADD_BATCH:  # a long turn: the rank starts on these meanwhile
+                self._send_rank_added(self._ranks[rank])
         if not self._send_scheduled:
             self._send_scheduled = True
             asyncio.get_running_loop().call_soon(self._send_added)
