@@ -47,11 +47,11 @@ from runner.core.messages import (
     ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, AddRequests, CoreFailed, CoreInfo, CoreStats, InputMessage,
     Outputs, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted, WireOutput,
 )
+from runner.core.requests import EngineCoreRequest
 from runner.engine.protocol import (
     CloseStream, EngineClient, EngineDeadError, EngineOverloadedError, EngineShuttingDownError, EngineStats,
     MetricsSink, OutputSink, RankStats, RequestError,
 )
-from runner.core.requests import EngineCoreRequest
 from runner.engine.simple_output import RequestTracker
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
@@ -379,8 +379,9 @@ class MPEngineClient(EngineClient):
 
     def _send_added(self) -> None:
         """Send each rank the engine requests taken since the last call, in one message: a burst of requests
-        wakes ZeroMQ's I/O thread and the rank once, not once per request. Runs at the end of the event-loop
-        turn that took them (a handler's ``stream`` only queues them), so they wait for no step."""
+        wakes ZeroMQ's I/O thread and the rank once per ``ADD_BATCH`` requests, not once per request. Runs at the
+        end of the event-loop turn that took them (a handler's ``stream`` only queues them), so they wait for no
+        step."""
         self._send_scheduled = False
         for rank in self._ranks:
             self._send_rank_added(rank)
