@@ -128,15 +128,14 @@ class OpenAIServingChat(OpenAIServing):
                 finish_reason=out.finish_reason, stop_reason=out.stop_reason,
                 **choices.token_ids(i, out.token_ids, request.return_token_ids, first=first)))
 
-        def tail() -> str:
-            ends = [chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=""),
-                                                             finish_reason="abort"))
-                    for i in self.end_unfinished(streams, choices)]
-            if include_usage:
-                ends.append(chunk_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model,
-                                                                     choices=[], usage=choices.usage()),
-                                        include_usage))
-            return "".join(ends)
+        def aborted(i: int) -> str:
+            return chunk(ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(content=""),
+                                                            finish_reason="abort"))
 
-        async for events in self.output_texts(streams, choices, event, head=head, tail=tail):
+        def usage() -> str:
+            return chunk_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
+                                                            usage=choices.usage()), include_usage)
+
+        async for events in self.output_texts(streams, choices, event, head=head, aborted=aborted,
+                                              usage=usage if include_usage else None):
             yield events

@@ -221,12 +221,14 @@ class OpenAIServing:
 
     async def output_texts(self, streams: EngineStreams, choices: Choices,
                            event: Callable[[int, CompletionOutput], str], *, head: str = "",
-                           tail: Callable[[], str] = str) -> AsyncGenerator[str, None]:
+                           aborted: Callable[[int], str], usage: Callable[[], str] | None
+                           ) -> AsyncGenerator[str, None]:
         """A stream's text for every batch of outputs ready (one write each), ``event`` giving the text of one
         sample's output of prompt p. With one choice, the engine's output reader writes its running outputs
         itself (``EngineStreams.set_direct_format``) and this yields only what reaches the handler. ``head``
-        goes out with the first batch, and the batch that finishes the last engine request with ``tail()`` and
-        ``[DONE]`` (unless the client left): a stream's end is one write."""
+        goes out with the first batch, and the batch that finishes the last engine request with the end (unless
+        the client left): ``aborted(i)`` for each choice the engine did not finish (``end_unfinished``),
+        ``usage()`` when the request asked for it, and ``[DONE]``. A stream's end is one write."""
         def events_of(p: int, output: RequestOutput) -> str:
             outs = output.outputs
             return event(p, outs[0]) if len(outs) == 1 else "".join([event(p, out) for out in outs])
@@ -243,7 +245,8 @@ class OpenAIServing:
             if text:
                 yield text
         if not streams.disconnected:
-            yield held + tail() + DONE
+            ends = [aborted(i) for i in self.end_unfinished(streams, choices)]
+            yield "".join([held, *ends, usage() if usage is not None else "", DONE])
 
     def end_unfinished(self, streams: EngineStreams, choices: Choices) -> list[int]:
         """Choices the engine did not finish (the server aborted them, or the engine ended their request
