@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
+from discard_sink import DiscardSink  # noqa: E402
 from tiny_checkpoint import build_tokenizer  # noqa: E402
 
 from runner.core.engine_core import tune_gc  # noqa: E402
@@ -36,7 +37,6 @@ from runner.engine.core_client import MPEngineClient, _Rank  # noqa: E402
 from runner.engine.simple_output import RequestTracker  # noqa: E402
 from runner.entrypoints.openai.metrics import ServerMetrics  # noqa: E402
 from runner.engine.tokenizer import make_decoder  # noqa: E402
-from runner.outputs import RequestOutput  # noqa: E402
 from runner.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
 
 NUM_REQUESTS, PROMPT_LEN, STEPS = 256, 16, 64
@@ -59,19 +59,6 @@ class RankSends:
 
     def _stats(self) -> CoreStats:
         return CoreStats(NUM_REQUESTS, 0, 0.1 + self.step / STEPS, self.step, 0)
-
-
-class DiscardSink:
-    """A request handler's buffer that keeps nothing."""
-
-    def put(self, output: RequestOutput) -> None:
-        pass
-
-    def fail(self, exc: BaseException) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
 
 
 def one_run(tokenizer, pool: list[int], seed: int, path: str) -> float:

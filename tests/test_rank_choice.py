@@ -13,8 +13,8 @@ from runner.config import RunnerConfig
 from runner.core.messages import INPUT_DECODER, AddRequest, AddRequests, CoreInfo, CoreStats, Outputs, WireOutput
 from runner.engine.core_client import EngineSockets, MPEngineClient, _Rank
 from runner.engine.protocol import EngineOverloadedError
-from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
+from tests.discard_sink import DiscardSink
 
 
 class RecordingSocket:
@@ -34,17 +34,6 @@ class RecordingSocket:
         sent = asyncio.get_running_loop().create_future()  # as zmq.asyncio's send: done once sent
         sent.set_result(None)
         return sent
-
-
-class NullSink:
-    def put(self, output: RequestOutput) -> None:
-        pass
-
-    def fail(self, exc: BaseException) -> None:
-        pass
-
-    def end(self) -> None:
-        pass
 
 
 def attached(num_clients: int, max_queued_requests: int | None = None) -> tuple[MPEngineClient, list[RecordingSocket]]:
@@ -69,7 +58,7 @@ def report(client: MPEngineClient, rank: int, running: int, waiting: int, finish
 async def submit(client: MPEngineClient, count: int, first: int = 0) -> None:
     """``count`` requests taken in one event-loop turn, then that turn's end, where the client sends them."""
     for i in range(first, first + count):
-        client.stream(f"r{i}", None, [1, 2, 3], SamplingParams(max_tokens=4), NullSink())
+        client.stream(f"r{i}", None, [1, 2, 3], SamplingParams(max_tokens=4), DiscardSink())
     await asyncio.sleep(0)
 
 
@@ -129,7 +118,7 @@ def test_the_requests_of_one_turn_go_to_a_rank_in_one_message_and_what_follows_a
         await submit(client, 4)
         assert [r.messages for r in ranks] == [["AddRequests"], ["AddRequests"]]
         assert [len(r.request_ids) for r in ranks] == [2, 2]
-        client.stream("one", None, [1, 2, 3], SamplingParams(max_tokens=4), NullSink())  # to rank 0 (a tie)
+        client.stream("one", None, [1, 2, 3], SamplingParams(max_tokens=4), DiscardSink())  # to rank 0 (a tie)
         await client.start_profile()
         assert ranks[0].messages == ["AddRequests", "AddRequest", "StartProfile"]
         assert ranks[1].messages == ["AddRequests", "StartProfile"]
