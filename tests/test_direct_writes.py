@@ -1,5 +1,5 @@
 """A stream's chunks written by the engine's output reader itself (``EngineStreams.set_direct_format`` /
-``set_direct_write`` over ``send_now``): a write that need not wait happens at once without waking the handler;
+``set_direct_write`` over ``chunk_writer``): a write that need not wait happens at once without waking the handler;
 one that waits for the client is finished by the handler before anything after it; the last output, errors and
 a disconnect still go to the handler; over a real server with a client that reads slowly (flow control), the
 streamed text equals the whole response's; and a stream's end (a chat stream's start too) is one body message."""
@@ -12,9 +12,11 @@ import time
 from typing import Any, Awaitable
 
 import pytest
+from starlette.types import Send
 
 from runner.engine.protocol import EngineDeadError
-from runner.entrypoints.openai import sse
+from runner.entrypoints.openai import chunk_writer, sse
+from runner.entrypoints.openai.chunk_writer import ChunkWrite
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.send_now import send_now
 from runner.outputs import RequestOutput
@@ -261,17 +263,28 @@ def stream_over_socket(port: int, path: str, body: dict[str, Any], pause_s: floa
 
 
 def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small socket buffers and a client that reads only after a pause fill the server's transport, so uvicorn's
-    ``send`` waits (flow control) for some of the direct writes: the handler finishes those, and the streamed
-    text still equals the whole response's."""
-    waited: list[int] = []
+    """Small socket buffers and a client that reads only after a pause fill the server's transport, so some of the
+    direct writes go to uvicorn's ``send``, which waits (flow control): the handler finishes those, and the
+    streamed text still equals the whole response's. The writes before the buffers fill skip uvicorn's ``send``
+    (``chunk_writer``)."""
+    waited: list[bool] = []  # per chunk written: whether the write waited for the client
+    through_uvicorn: list[bool] = []  # per chunk handed to uvicorn's send
+
+    def counting_writer(send: Send) -> ChunkWrite:
+        write = chunk_writer.chunk_writer(send)
+
+        def counted(body: bytes) -> Awaitable[None] | None:
+            rest = write(body)
+            waited.append(rest is not None)
+            return rest
+        return counted
 
     def counting_send_now(sending: Awaitable[None]) -> Awaitable[None] | None:
-        rest = send_now(sending)
-        waited.append(rest is not None)
-        return rest
+        through_uvicorn.append(True)
+        return send_now(sending)
 
-    monkeypatch.setattr(sse, "send_now", counting_send_now)
+    monkeypatch.setattr(sse, "chunk_writer", counting_writer)
+    monkeypatch.setattr(chunk_writer, "send_now", counting_send_now)
     max_tokens = 2000
     server = ServerThread(FakeEngineClient(max_model_len=4096))
     server.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)  # accepted sockets inherit it
@@ -289,6 +302,7 @@ def test_a_client_that_reads_slowly_gets_the_whole_stream_in_order(monkeypatch: 
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert sum(waited) >= 1, "no direct write waited for the client: the test did not fill the buffers"
     assert len(waited) - sum(waited) >= 1, "no direct write finished at once"
+    assert len(through_uvicorn) < len(waited) - sum(waited), "every write that finished at once went through uvicorn"
 
 
 def test_a_stream_ends_in_one_write_and_a_chat_stream_starts_with_its_first_tokens() -> None:

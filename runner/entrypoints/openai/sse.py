@@ -14,7 +14,7 @@ from starlette.responses import Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from runner.entrypoints.openai.chunk_templates import ChunkTemplate
-from runner.entrypoints.openai.send_now import send_now
+from runner.entrypoints.openai.chunk_writer import chunk_writer
 
 DONE = "data: [DONE]\n\n"
 
@@ -71,7 +71,7 @@ class EventStreamResponse(Response):
     and goes out with the body's end (one write). An exception the events raise after the 200 goes into the
     stream as ``on_error(exc)`` (an error event), then ``[DONE]``, as vLLM does; ``close`` runs at the end
     whatever happened (it ends the engine requests). ``direct_write``, when given, receives (once the headers
-    are out) a function that writes event text at once from any task (``send_now``): the engine's output reader
+    are out) a function that writes event text at once from any task (``chunk_writer``): the engine's output reader
     writes a step's chunk with it (``EngineStreams.set_direct_write``)."""
 
     media_type = "text/event-stream"
@@ -88,19 +88,19 @@ class EventStreamResponse(Response):
         self.init_headers({"Cache-Control": "no-cache"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        send_body = scope.get(RAW_SEND, send)  # served without RawSend (a test's app): through the middlewares
+        # served without RawSend (a test's app): through the middlewares
+        write_chunk = chunk_writer(scope.get(RAW_SEND, send))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
             if self.direct_write is not None and RAW_SEND in scope:  # the server's own send: safe from any task
-                self.direct_write(lambda text: send_now(send_body({"type": "http.response.body",
-                                                                   "body": text.encode(), "more_body": True})))
+                self.direct_write(lambda text: write_chunk(text.encode()))
             end = ""  # the event that ends with [DONE] is the last: it goes out with the body's end, one write
             try:
                 async for event in self.events:
                     if event.endswith(DONE):
                         end = event
-                    else:
-                        await send_body({"type": "http.response.body", "body": event.encode(), "more_body": True})
+                    elif (unfinished := write_chunk(event.encode())) is not None:
+                        await unfinished
             except OSError:
                 raise
             except Exception as exc:
