@@ -43,6 +43,7 @@ def api_server_main(spec: ApiServerSpec, sock: socket.socket, conn: Connection) 
     status."""
     from runner.distributed.launch import describe_exception
     from runner.distributed.liveness import die_with_parent
+    from runner.entrypoints.openai.api_server import run_loop
     from runner.entrypoints.openai.protocol import set_max_logprobs
     from runner.entrypoints.server_setup import log_to_stderr
 
@@ -52,7 +53,7 @@ def api_server_main(spec: ApiServerSpec, sock: socket.socket, conn: Connection) 
     set_max_logprobs(spec.max_logprobs)
     log_to_stderr()
     try:
-        code = asyncio.run(_serve_attached(spec, sock, conn))
+        code = run_loop(_serve_attached(spec, sock, conn))
     except Exception as exc:  # noqa: BLE001 - one line naming this API server; the parent names it too
         print(f"error: API server {spec.index}: {describe_exception(exc)}", file=sys.stderr)
         code = 1

@@ -69,7 +69,9 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             from runner.entrypoints.api_servers import serve_api_servers
 
             return serve_api_servers(cfg, args, tokenizer, info.generation_config, max_logprobs)
-        return asyncio.run(_serve(cfg, args, tokenizer, info.generation_config))
+        from runner.entrypoints.openai.api_server import run_loop
+
+        return run_loop(_serve(cfg, args, tokenizer, info.generation_config))
     except KeyboardInterrupt:  # a signal before the HTTP server took over signal handling (model loading)
         print("interrupted while the engine was starting", file=sys.stderr)
         return 130

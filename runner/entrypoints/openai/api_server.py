@@ -22,9 +22,10 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from types import FrameType
-from typing import Callable, Iterator
+from typing import Any, Callable, Coroutine, Iterator
 
 import uvicorn
+import uvloop
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -151,6 +152,13 @@ class DrainingServer(uvicorn.Server):
         # A Python signal handler runs between bytecodes of the main thread: hand over to the event loop.
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self.lifecycle.begin_drain, signal.Signals(sig).name)
+
+
+def run_loop(main: Coroutine[Any, Any, int]) -> int:
+    """Run an API server's ``main`` to its end on uvloop's event loop, as vLLM's API server does (``uvloop.run``)
+    and uvicorn would itself (``loop="auto"``): its loop, handles and transports are compiled, which costs the
+    server less CPU per request and per streamed chunk than asyncio's own loop (docs/benchmarks.md)."""
+    return uvloop.run(main)
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
