@@ -252,20 +252,25 @@ def test_inference_routes_methods_and_schema(server: ServerThread) -> None:
 
 
 def test_request_log_only_when_enabled(caplog: pytest.LogCaptureFixture) -> None:
-    """Off by default, as in vLLM (``--enable-log-requests`` turns it on): one INFO line per engine request."""
+    """Off by default, as in vLLM (``--enable-log-requests`` turns it on): one INFO line per engine request.
+    uvicorn's access log is on unless ``--disable-uvicorn-access-log`` (or ``--disable-log-requests``), and only
+    at a log level that shows INFO."""
     import argparse
     import logging
 
     from fastapi.testclient import TestClient
 
     from runner.entrypoints.openai.api_server import build_app
-    from runner.entrypoints.openai.cli_args import add_server_args, request_logging
+    from runner.entrypoints.openai.cli_args import add_server_args, request_logging, uvicorn_access_log
 
     parser = argparse.ArgumentParser()
     add_server_args(parser)
     assert [request_logging(parser.parse_args(flags)) for flags in (
         [], ["--enable-log-requests"], ["--enable-log-requests", "--disable-log-requests"],
         ["--no-enable-log-requests"])] == [False, True, False, False]
+    assert [uvicorn_access_log(parser.parse_args(flags)) for flags in (
+        [], ["--disable-uvicorn-access-log"], ["--disable-log-requests"], ["--uvicorn-log-level", "warning"],
+        ["--uvicorn-log-level", "debug"])] == [True, False, False, False, True]
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}
     for kwargs, logged in (({}, False), ({"log_requests": True}, True)):
         caplog.clear()

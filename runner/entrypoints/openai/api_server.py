@@ -31,7 +31,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from runner.engine.protocol import EngineClient
-from runner.entrypoints.openai.cli_args import request_logging, server_limits, served_model_names
+from runner.entrypoints.openai.cli_args import (
+    request_logging,
+    server_limits,
+    served_model_names,
+    uvicorn_access_log,
+)
 from runner.entrypoints.openai.errors import OpenAIError, redact
 from runner.entrypoints.openai.gate import ServerGate
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
@@ -183,7 +188,7 @@ async def run_server(args: argparse.Namespace, engine_client: EngineClient, *,
         configure_app(app)
     sock = sock if sock is not None else bind_socket(args.host, args.port)
     return await serve_app(app, sock, engine_dead=engine_dead, log_level=args.uvicorn_log_level,
-                           access_log=not args.disable_log_requests, handle_signals=handle_signals)
+                           access_log=uvicorn_access_log(args), handle_signals=handle_signals)
 
 
 async def serve_app(app: FastAPI, sock: socket.socket, *, engine_dead: asyncio.Event | None = None,

@@ -84,7 +84,17 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--disable-log-requests", action="store_true",
                        help="turn off uvicorn's access log, and the request log if --enable-log-requests is also "
                             "given (vLLM's older flag; request logs are off unless --enable-log-requests)")
+    group.add_argument("--disable-uvicorn-access-log", action="store_true",
+                       help="turn off uvicorn's access log (a line per request at INFO; vLLM's flag)")
     return group
+
+
+def uvicorn_access_log(args: argparse.Namespace) -> bool:
+    """Whether uvicorn writes its access log: on unless ``--disable-uvicorn-access-log`` or
+    ``--disable-log-requests``, and only where ``--uvicorn-log-level`` lets its INFO lines through (uvicorn
+    builds each line's arguments before its logger drops them)."""
+    return not (args.disable_uvicorn_access_log or args.disable_log_requests) \
+        and LOG_LEVELS.index(args.uvicorn_log_level) >= LOG_LEVELS.index("info")
 
 
 def request_logging(args: argparse.Namespace) -> bool:
