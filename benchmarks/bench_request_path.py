@@ -273,15 +273,21 @@ def main() -> int:
                    help="the request log (the server's default before it followed vLLM's: on)")
     p.add_argument("--max-tokens", type=int, default=1, help="tokens per request (mp engine)")
     p.add_argument("--no-stream", action="store_true", help="non-streamed completions")
+    p.add_argument("--n", type=int, default=1,
+                   help="choices per request (mp engine; above 1, sampled at temperature 1 with a seed, as n > 1 "
+                        "needs)")
     p.add_argument("--label", default="current")
     p.add_argument("--out", default=None, help="CSV path (default benchmarks/results/request_path_<label>.csv)")
     args = p.parse_args()
     if args.engine == "fake" and args.max_tokens != 1:
         p.error(f"--max-tokens {args.max_tokens}: the fake engine answers one token; use --engine mp")
+    if args.engine == "fake" and args.n != 1:
+        p.error(f"--n {args.n}: the fake engine answers one choice; use --engine mp")
     log_requests = args.log_requests == "on"
     route_request_log(log_requests)
+    sampling = {"temperature": 0} if args.n == 1 else {"n": args.n, "temperature": 1.0, "seed": 0}
     body = json.dumps({"model": MODEL, "prompt": list(range(3, 3 + PROMPT_LEN)), "max_tokens": args.max_tokens,
-                       "stream": not args.no_stream, "ignore_eos": True, "temperature": 0}).encode()
+                       "stream": not args.no_stream, "ignore_eos": True, **sampling}).encode()
 
     async def run() -> tuple[list[float], list[float]]:
         app = build(args.engine, log_requests, args.max_tokens)
@@ -300,12 +306,12 @@ def main() -> int:
 
     served, floor = asyncio.run(run())
     med, med_floor = statistics.median(served), statistics.median(floor)
-    print(f"{args.label}: {med:.1f} us CPU per request of {args.max_tokens} token(s) ({args.engine} engine, "
+    print(f"{args.label}: {med:.1f} us CPU per request of {args.n} x {args.max_tokens} token(s) ({args.engine} engine, "
           f"request log {args.log_requests}, "
           f"{'non-streamed' if args.no_stream else 'streamed'}; median of {args.repeats}: "
           f"{', '.join(f'{s:.1f}' for s in served)}); the driver alone {med_floor:.1f} us")
     write_csv([{"label": args.label, "engine": args.engine, "log_requests": args.log_requests,
-                "stream": not args.no_stream, "max_tokens": args.max_tokens, "requests": args.requests,
+                "stream": not args.no_stream, "n": args.n, "max_tokens": args.max_tokens, "requests": args.requests,
                 "concurrency": args.concurrency,
                 "repeats": args.repeats, "us_per_request": round(med, 2), "driver_us_per_request": round(med_floor, 2),
                 "runs_us": " ".join(f"{s:.1f}" for s in served)}],

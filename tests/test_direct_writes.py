@@ -150,6 +150,40 @@ def test_outputs_are_written_while_the_handler_waits_and_the_last_one_wakes_it()
     asyncio.run(main())
 
 
+def test_several_prompts_are_written_directly_and_nothing_overtakes_what_waits_for_the_handler() -> None:
+    """Two prompts' running outputs are written by the caller of ``put``; once one prompt's last output is queued
+    for the handler, the other prompt's next output queues behind it until the handler waits again."""
+    async def main() -> None:
+        engine, client = SinkEngine(), Client()
+        streams = EngineStreams(engine, ["r-0", "r-1"], receive=None)
+        for _ in range(2):
+            streams.open(None, [1, 2], SamplingParams(max_tokens=8))
+        streams.set_direct_format(client.format)
+        streams.set_direct_write(client.write)
+        first, second = engine.sinks["r-0"], engine.sinks["r-1"]
+        reader = asyncio.ensure_future(streams.next_batch())
+        await asyncio.sleep(0)
+        first.put(output("r-0", "a"))
+        second.put(output("r-1", "b"))
+        assert client.written == ["0:a;", "1:b;"] and not reader.done()
+        first.put(output("r-0", "c", finished=True))
+        first.end()
+        second.put(output("r-1", "d"))  # after a queued output: behind it, not written
+        assert texts(await asyncio.wait_for(reader, 5)) == [(0, "c"), (1, "d")]
+        assert client.written == ["0:a;", "1:b;"]
+        reader = asyncio.ensure_future(streams.next_batch())
+        await asyncio.sleep(0)
+        second.put(output("r-1", "e"))  # the handler waits again: written at once
+        assert client.written == ["0:a;", "1:b;", "1:e;"] and not reader.done()
+        second.put(output("r-1", "f", finished=True))
+        second.end()
+        assert texts(await asyncio.wait_for(reader, 5)) == [(1, "f")]
+        assert streams.finished == [True, True] and await streams.next_batch() is None
+        await streams.close()
+
+    asyncio.run(main())
+
+
 def test_a_write_that_waits_is_finished_by_the_handler_before_the_outputs_after_it() -> None:
     async def main() -> None:
         engine, client, streams, reader = await waiting()

@@ -3,9 +3,10 @@
 A completion request with several prompts runs one engine request per prompt (:meth:`EngineStreams.open`), each
 streamed with ``EngineClient.stream`` into a sink of this object: the engine hands each output straight to the
 request's buffer and wakes its handler, once per engine step however many outputs the step brought (no task
-or queue in between). A streamed response with one choice goes further (:meth:`EngineStreams.set_direct_format`):
-while its handler waits, the engine's output reader formats and writes each step's chunk itself, and wakes the
-handler only for the last output, an error, or a write that has to wait for the client.
+or queue in between). A streamed response goes further (:meth:`EngineStreams.set_direct_format`): while its
+handler waits, the engine's output reader formats and writes each step's chunk itself, and wakes the handler only
+for a last output, an error, or a write that has to wait for the client; whatever comes after such an item, from
+any of the request's prompts and samples, queues behind it, so the order on the wire is the engine's.
 
 A second task reads the ASGI receive channel: ``http.disconnect`` stops the stream at once, whether the response
 is streamed or the handler is still waiting for a final output (uvicorn reports the disconnect there as soon as
@@ -108,6 +109,9 @@ class EngineStreams:
         self._direct_write = write
 
     def _push(self, i: int, item: Any) -> None:
+        """Queue an item for the handler; what any prompt's stream brings after it queues behind it (no direct
+        write overtakes it) until the handler has read the queue and waits again."""
+        self._direct_open = False
         self._items.append((i, item))
         self._wake()
 

@@ -224,8 +224,8 @@ class OpenAIServing:
                            aborted: Callable[[int], str], usage: Callable[[], str] | None
                            ) -> AsyncGenerator[str, None]:
         """A stream's text for every batch of outputs ready (one write each), ``event`` giving the text of one
-        sample's output of prompt p. With one choice, the engine's output reader writes its running outputs
-        itself (``EngineStreams.set_direct_format``) and this yields only what reaches the handler. ``head``
+        sample's output of prompt p. The engine's output reader writes the running outputs itself
+        (``EngineStreams.set_direct_format``) and this yields only what reaches the handler. ``head``
         goes out with the first batch, and the batch that finishes the last engine request with the end (unless
         the client left): ``aborted(i)`` for each choice the engine did not finish (``end_unfinished``),
         ``usage()`` when the request asked for it, and ``[DONE]``. A stream's end is one write."""
@@ -233,8 +233,7 @@ class OpenAIServing:
             outs = output.outputs
             return event(p, outs[0]) if len(outs) == 1 else "".join([event(p, out) for out in outs])
 
-        if len(choices.states) == 1:
-            streams.set_direct_format(events_of)
+        streams.set_direct_format(events_of)
         held = head
         while (batch := await self.next_outputs(streams)) is not None:
             text = held + "".join([events_of(p, output) for p, output in batch])
