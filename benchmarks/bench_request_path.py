@@ -14,7 +14,8 @@ Engines (``--engine``):
 - ``fake``: an ``EngineClient`` stand-in that finishes each request with one ``RequestOutput`` itself (the
   server's part alone, no engine client).
 
-No uvicorn: its HTTP parsing and socket writes are not in the figure. ``--log-requests`` sets the request log
+``--n N``: N choices per request (sampled at temperature 1 with a seed, as ``n`` > 1 needs), each getting a
+token per step. No uvicorn: its HTTP parsing and socket writes are not in the figure. ``--log-requests`` sets the request log
 (on: an INFO line per request to a handler writing to /dev/null, as the server's stderr handler; off: the
 logger is not called). Reports the process CPU microseconds per request, the median of ``--repeats``, and the
 driver's own cost (the same requests answered by a bare ASGI app), to CSV. Compare checkouts with
