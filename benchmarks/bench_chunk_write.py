@@ -5,10 +5,11 @@ server's: ``api_server.run_loop``).
 
 A uvicorn server (httptools, as ``serve`` runs it) in this process holds ``--streams`` streamed responses open
 to a client process that reads them all as they come, and writes ``--steps`` times one chunk to every stream
-(an SSE completion event of one token, 190 bytes), then lets the event loop turn: as the engine client's output
-reader answers a step. The server has the first core this process may use, the client the last. The figure is this thread's CPU time over the steps, divided by the chunks: the framing,
-the checks, the socket writes (the kernel's loopback path included) and the loop's turn, for each way and loop,
-in turn ``--repeats`` times; medians. Writes ``benchmarks/results/chunk_write.csv``. Usage:
+(an SSE completion event of one token, 191 bytes), then lets the event loop turn: as the engine client's output
+reader answers a step. The server has the first core this process may use, the client the last. The figure is
+this thread's CPU time over the steps, divided by the chunks: the framing, the checks, the socket writes (the
+kernel's loopback path included) and the loop's turn, for each way and loop, in turn ``--repeats`` times;
+medians. Writes ``benchmarks/results/chunk_write.csv``. Usage:
 ``python benchmarks/bench_chunk_write.py [--streams 64] [--steps 300]``.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
-"""The API server's CPU per request, without the engine's per-token work: streamed completions that end after
-one token (``--max-tokens``: more, one per step), served by the real app (``api_server.build_app``, wrapped in ``RawSend`` as ``serve_app`` runs it)
-and driven in-process over ASGI, so what is measured is the per-request path: route, body read and pydantic
-parse, sampling parameters, ``OpenAIServing.start`` (request log, ``EngineStreams``), the engine client's
-``_submit`` (checks, ``RequestTracker.add``, the msgpack ``AddRequest``), the one output, the close path and
-the Prometheus metrics.
+"""The API server's CPU per request, without the engine's per-token work: streamed completions that end after one token
+(``--max-tokens``: more, one per step), served by the real app (``api_server.build_app``, wrapped in ``RawSend`` as
+``serve_app`` runs it) and driven in-process over ASGI, so what is measured is the per-request path: route, body
+read and pydantic parse, sampling parameters, ``OpenAIServing.start`` (request log, ``EngineStreams``), the engine
+client's ``_submit`` (checks, ``RequestTracker.add``, the msgpack ``AddRequest``), the one output, the close path
+and the Prometheus metrics.
 
 Engines (``--engine``):
 
@@ -15,8 +15,8 @@ Engines (``--engine``):
   server's part alone, no engine client).
 
 ``--n N``: N choices per request (sampled at temperature 1 with a seed, as ``n`` > 1 needs), each getting a
-token per step. No uvicorn: its HTTP parsing and socket writes are not in the figure. ``--log-requests`` sets the request log
-(on: an INFO line per request to a handler writing to /dev/null, as the server's stderr handler; off: the
+token per step. No uvicorn: its HTTP parsing and socket writes are not in the figure. ``--log-requests`` sets the
+request log (on: an INFO line per request to a handler writing to /dev/null, as the server's stderr handler; off: the
 logger is not called). Reports the process CPU microseconds per request, the median of ``--repeats``, and the
 driver's own cost (the same requests answered by a bare ASGI app), to CSV. Compare checkouts with
 ``PYTHONPATH=<checkout> python benchmarks/bench_request_path.py``.

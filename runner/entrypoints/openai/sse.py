@@ -88,7 +88,7 @@ class EventStreamResponse(Response):
         self.init_headers({"Cache-Control": "no-cache"})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # served without RawSend (a test's app): through the middlewares
+        # body chunks go to the server's own send (RawSend); an app served without it (a test's) has the middlewares'
         write_chunk = chunk_writer(scope.get(RAW_SEND, send))
         try:
             await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
