@@ -30,19 +30,25 @@ ChunkWrite = Callable[[bytes], Awaitable[None] | None]
 def chunk_writer(send: Send) -> ChunkWrite:
     """A writer of body chunks (never the body's end) for the response that ``send`` serves, once its headers
     went out through it."""
+    through_send = _through(send)
     if (RequestResponseCycle is not None and isinstance(send, types.MethodType)
             and type(send.__self__) is RequestResponseCycle and send.__func__ is RequestResponseCycle.send):
-        return _direct(send.__self__, send)
+        return _direct(send.__self__, through_send)
+    return through_send
+
+
+def _through(send: Send) -> ChunkWrite:
+    """Each chunk as an ASGI body message to ``send``, run up to its first wait."""
     return lambda body: send_now(send({"type": "http.response.body", "body": body, "more_body": True}))
 
 
-def _direct(cycle: RequestResponseCycle, send: Send) -> ChunkWrite:
+def _direct(cycle: RequestResponseCycle, through_send: ChunkWrite) -> ChunkWrite:
     write, flow = cycle.transport.write, cycle.flow
 
     def write_chunk(body: bytes) -> Awaitable[None] | None:
         if flow.write_paused or cycle.disconnected or not cycle.chunked_encoding or cycle.response_complete \
                 or not body:
-            return send_now(send({"type": "http.response.body", "body": body, "more_body": True}))
+            return through_send(body)
         write(b"%x\r\n%b\r\n" % (len(body), body))
         return None
 
