@@ -369,10 +369,11 @@ class MPEngineClient(EngineClient):
             child.default_seed = self.cfg.seed * 1_000_003 + next(self._seeds)
             rank = self._pick_rank()
             self._where[child.request_id] = rank
-            self._ranks[rank].outstanding += 1
-            self._ranks[rank].added.append(child)
-            if len(self._ranks[rank].added) >= ADD_BATCH:  # a long turn: the rank starts on these meanwhile
-                self._send_rank_added(self._ranks[rank])
+            target = self._ranks[rank]
+            target.outstanding += 1
+            target.added.append(child)
+            if len(target.added) >= ADD_BATCH:  # a long turn: the rank starts on these meanwhile
+                self._send_rank_added(target)
         if not self._send_scheduled:
             self._send_scheduled = True
             asyncio.get_running_loop().call_soon(self._send_added)
