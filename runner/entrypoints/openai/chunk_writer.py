@@ -2,12 +2,12 @@
 
 uvicorn's ``send`` of a body chunk (``httptools_impl.RequestResponseCycle.send``) checks the ASGI message, frames
 the chunk for chunked transfer encoding and writes it to the transport. A stream sends one chunk per token, and
-those checks, the message dict and the coroutine cost more than the framing and the write themselves
-(docs/benchmarks.md, ``benchmarks/bench_chunk_write.py``). :func:`chunk_writer` gives a response whose headers
-are out a writer that frames and writes the chunk as uvicorn does, and hands the chunk to uvicorn's ``send``
-whenever that would do anything else: the client's socket is full (it waits for the drain), the client is gone
-(it drops the chunk), the response is not chunked or is complete. Any other ``send`` (h11, a wrapped one) gets
-each chunk as a body message, run through :func:`send_now`.
+those checks, the message dict and the coroutine cost more user-space CPU than the framing and the write call
+themselves (docs/benchmarks.md, ``benchmarks/bench_chunk_write.py``). :func:`chunk_writer` gives a response whose
+headers are out a writer that frames and writes the chunk as uvicorn does, and hands the chunk to uvicorn's ``send``
+whenever that would do anything else: the client's socket is full (it waits for the drain), the client is gone (it
+drops the chunk), the response is not chunked or is complete. Any other ``send`` (h11, a wrapped one) gets each
+chunk as a body message, run through :func:`send_now`.
 """
 from __future__ import annotations
 
