@@ -18,6 +18,7 @@ $(VENV)/.installed: setup.cfg pyproject.toml
 		$(PY) -m pip install -q torch==2.13.0; \
 	fi
 	$(PY) -m pip install -q -e '.[dev,serve]'
+	$(PY) .ci/check_install.py dev serve
 	touch $@
 
 install: $(VENV)/.installed

@@ -31,7 +31,7 @@ from tiny_checkpoint import build_tokenizer  # noqa: E402
 
 from runner.core.engine_core import tune_gc  # noqa: E402
 from runner.core.engine_core_proc import CoreLoop  # noqa: E402
-from runner.core.messages import OUTPUT_DECODER, CoreStats  # noqa: E402
+from runner.core.messages import OUTPUT_DECODER, CoreStats, Outputs  # noqa: E402
 from runner.core.requests import EngineCoreOutput  # noqa: E402
 from runner.engine.core_client import MPEngineClient, _Rank  # noqa: E402
 from runner.engine.simple_output import RequestTracker  # noqa: E402
@@ -95,7 +95,9 @@ def one_run(tokenizer, pool: list[int], seed: int, path: str) -> float:
     gc.collect()
     start = time.process_time()
     for data in messages:
-        on_outputs(decode(data))
+        message = decode(data)
+        assert isinstance(message, Outputs), f"a rank's step sent {type(message).__name__}, not Outputs"
+        on_outputs(message)
     elapsed = time.process_time() - start
     assert tracker.num_requests == 0 and client._ranks[0].outstanding == 0, "every request must have finished"
     return elapsed / (NUM_REQUESTS * STEPS) * 1e6
