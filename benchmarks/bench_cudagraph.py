@@ -33,18 +33,18 @@ if __name__ == "__main__" and not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np  # noqa: E402
+import numpy as np
 
-from cudagraph.dispatch import GraphKey, token_split  # noqa: E402
-from cudagraph.manager import GraphRunner  # noqa: E402
-from cudagraph.sizes import parse_cuda_graph_sizes  # noqa: E402
-from runner.worker.cuda_graphs import make_graph_runner  # noqa: E402
-from runner.config import RunnerConfig  # noqa: E402
-from runner.attention.kv_cache import build_attention_metadata  # noqa: E402
-from runner.worker.model_runner import ModelRunner  # noqa: E402
-from ubatch.forward_context import set_forward_context  # noqa: E402
-from ubatch.slicing import maybe_create_ubatch_slices  # noqa: E402
-from ubatch.wrapper import UBatchConfig, UBatchWrapper  # noqa: E402
+from cudagraph.dispatch import GraphKey, token_split
+from cudagraph.manager import GraphRunner
+from cudagraph.sizes import parse_cuda_graph_sizes
+from runner.attention.kv_cache import build_attention_metadata
+from runner.config import RunnerConfig
+from runner.worker.cuda_graphs import make_graph_runner
+from runner.worker.model_runner import ModelRunner
+from ubatch.forward_context import set_forward_context
+from ubatch.slicing import maybe_create_ubatch_slices
+from ubatch.wrapper import UBatchConfig, UBatchWrapper
 
 OUT = Path(__file__).resolve().parent / "results" / "cudagraph.csv"
 

@@ -33,8 +33,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_host_overhead import MODEL  # noqa: E402 - registers the null-cost model
-from common import RESULTS_DIR, write_csv  # noqa: E402
+from bench_host_overhead import MODEL
+from common import RESULTS_DIR, write_csv
 
 ENGINES = ("default", "enable_dbo")  # default flags; enable_dbo=True
 MAX_LOOKS = 3  # ubatched steps in a call where DBO stayed off: the cost model's looks at it

@@ -20,9 +20,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, write_csv  # noqa: E402
-
-from runner.models.loader import TINY_MODELS  # noqa: E402
+from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, write_csv
+from runner.models.loader import TINY_MODELS
 
 _SMALL = {**TINY_MODELS["tiny-deepseek-v3"], "vocab_size": 2048, "hidden_size": 512, "intermediate_size": 1024,
           "moe_intermediate_size": 256, "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 8,

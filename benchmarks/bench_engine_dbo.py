@@ -20,9 +20,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, write_csv  # noqa: E402
-
-from runner.models.loader import TINY_MODELS  # noqa: E402
+from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, write_csv
+from runner.models.loader import TINY_MODELS
 
 MODEL = "bench-qwen3-moe-120m"
 MODEL_CONFIG = TINY_MODELS[MODEL]  # a built-in benchmark model (runner.models.loader.BENCH_MODELS)

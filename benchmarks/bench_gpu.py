@@ -30,11 +30,10 @@ if __name__ == "__main__" and not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, calibrated_link, write_csv, write_json  # noqa: E402
-
-from runner.models.loader import TINY_MODELS  # noqa: E402
-from ubatch.modular_moe.prepare_finalize import device_wait  # noqa: E402
-from ubatch.trace_metrics import intersect, length  # noqa: E402
+from common import RESULTS_DIR, calibrated_link, write_csv, write_json
+from runner.models.loader import TINY_MODELS
+from ubatch.modular_moe.prepare_finalize import device_wait
+from ubatch.trace_metrics import intersect, length
 
 MODEL = "bench-qwen3-moe-1b"
 MODEL_CONFIG = TINY_MODELS[MODEL]  # a built-in benchmark model (runner.models.loader.BENCH_MODELS)
@@ -153,7 +152,7 @@ def experts_rows(limits: Limits, iters: int, expert_tokens: tuple[int, ...] = EX
                         "limit_ms": round(limit, 3)}
             try:
                 backend = make_experts(name)
-                run = lambda: backend.apply(batch, w13, w2)  # noqa: E731
+                run = lambda: backend.apply(batch, w13, w2)
                 out = run().float()
                 row["max_rel_err"] = f"{((out - reference).abs().max() / reference.abs().max()).item():.1e}"
                 row["eager_ms"] = round(cuda_median_ms(run, iters), 3)
@@ -161,9 +160,9 @@ def experts_rows(limits: Limits, iters: int, expert_tokens: tuple[int, ...] = EX
                 try:
                     row["graph_ms"] = round(cuda_median_ms(as_graph(run), iters), 3)
                     row["graph_x_limit"] = round(row["graph_ms"] / limit, 1)
-                except Exception as exc:  # the torch reference syncs: say so in the table
+                except Exception as exc:  # noqa: BLE001  (the torch reference syncs: say so in the table)
                     row["graph_ms"] = f"not capturable: {type(exc).__name__}"
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 row["eager_ms"] = f"{type(exc).__name__}: {str(exc)[:100]}"
             rows.append(row)
             emit(row)
@@ -197,7 +196,7 @@ def attention_rows(limits: Limits, iters: int, emit: Emit = print) -> list[Row]:
                 row["eager_x_limit"] = round(row["eager_ms"] / limit, 1)
                 row["graph_ms"] = round(cuda_median_ms(as_graph(run), iters), 3)
                 row["graph_x_limit"] = round(row["graph_ms"] / limit, 1)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 row["eager_ms"] = f"{type(exc).__name__}: {str(exc)[:100]}"
             rows.append(row)
             emit(row)
@@ -275,7 +274,6 @@ class StepBench:
 
     def __init__(self, iters: int, cache_dir: str | None = None) -> None:
         from bench_cudagraph import Decode
-
         from runner.config import RunnerConfig
         from runner.worker.model_runner import ModelRunner
 

@@ -21,9 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_csv  # noqa: E402
-
-from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, dbo_yield, set_forward_context  # noqa: E402
+from common import write_csv
+from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, dbo_yield, set_forward_context
 
 
 def wrapper_handoffs(n: int, executor: str = "greenlet") -> float:

@@ -24,9 +24,8 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, write_csv  # noqa: E402
-
-from runner.models.loader import TINY_MODELS  # noqa: E402
+from common import RESULTS_DIR, write_csv
+from runner.models.loader import TINY_MODELS
 
 MODEL = "bench-host-qwen3-moe"
 MODEL_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "hidden_size": 16, "intermediate_size": 32,

@@ -29,15 +29,19 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_csv  # noqa: E402
-
-from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context  # noqa: E402
-from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
-from ubatch.modular_moe.layer import FusedMoE  # noqa: E402
-from ubatch.modular_moe.prepare_finalize.base import routed_bytes  # noqa: E402
-from ubatch import trace  # noqa: E402
-from ubatch.sbo import SboFlags  # noqa: E402
-from ubatch.trace_metrics import overlap_metrics  # noqa: E402
+from common import write_csv
+from ubatch import (
+    UBatchConfig,
+    UBatchSlice,
+    UBatchWrapper,
+    set_forward_context,
+    trace,
+)
+from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.modular_moe.layer import FusedMoE
+from ubatch.modular_moe.prepare_finalize.base import routed_bytes
+from ubatch.sbo import SboFlags
+from ubatch.trace_metrics import overlap_metrics
 
 RATIOS = (0.25, 0.5, 1.0, 2.0, 4.0)
 

@@ -26,18 +26,17 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from discard_sink import DiscardSink  # noqa: E402
-from tiny_checkpoint import build_tokenizer  # noqa: E402
-
-from runner.core.engine_core import tune_gc  # noqa: E402
-from runner.core.engine_core_proc import CoreLoop  # noqa: E402
-from runner.core.messages import OUTPUT_DECODER, CoreStats, Outputs  # noqa: E402
-from runner.core.requests import EngineCoreOutput  # noqa: E402
-from runner.engine.core_client import MPEngineClient, _Rank  # noqa: E402
-from runner.engine.simple_output import RequestTracker  # noqa: E402
-from runner.entrypoints.openai.metrics import ServerMetrics  # noqa: E402
-from runner.engine.tokenizer import make_decoder  # noqa: E402
-from runner.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from discard_sink import DiscardSink
+from runner.core.engine_core import tune_gc
+from runner.core.engine_core_proc import CoreLoop
+from runner.core.messages import OUTPUT_DECODER, CoreStats, Outputs
+from runner.core.requests import EngineCoreOutput
+from runner.engine.core_client import MPEngineClient, _Rank
+from runner.engine.simple_output import RequestTracker
+from runner.engine.tokenizer import make_decoder
+from runner.entrypoints.openai.metrics import ServerMetrics
+from runner.sampling_params import RequestOutputKind, SamplingParams
+from tiny_checkpoint import build_tokenizer
 
 NUM_REQUESTS, PROMPT_LEN, STEPS = 256, 16, 64
 

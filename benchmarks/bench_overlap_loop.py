@@ -22,11 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, write_csv  # noqa: E402
-
-from runner.entrypoints.llm import LLM  # noqa: E402
-from runner.models.loader import TINY_MODELS  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
+from common import RESULTS_DIR, write_csv
+from runner.entrypoints.llm import LLM
+from runner.models.loader import TINY_MODELS
+from runner.sampling_params import SamplingParams
 
 WIDE = "bench-wide-qwen3-moe"
 WIDE_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "hidden_size": 256, "intermediate_size": 512,

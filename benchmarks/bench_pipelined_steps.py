@@ -22,8 +22,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_host_overhead import MODEL, PROMPT_LEN  # noqa: E402 - registers the null-cost model
-from common import RESULTS_DIR, write_csv  # noqa: E402
+from bench_host_overhead import MODEL, PROMPT_LEN
+from common import RESULTS_DIR, write_csv
 
 LOOPS = ("sync", "pipelined")
 EDGE = 2  # EngineCore.step calls left out at each end of a wave

@@ -23,12 +23,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import torch  # noqa: E402
+import torch
 
-from common import RESULTS_DIR, write_csv  # noqa: E402
-
-from runner.attention.kv_cache import build_attention_metadata  # noqa: E402
-from runner.attention.reference import per_request_prefill  # noqa: E402
+from common import RESULTS_DIR, write_csv
+from runner.attention.kv_cache import build_attention_metadata
+from runner.attention.reference import per_request_prefill
 
 HQ, HKV, D, BS = 16, 4, 128, 16
 SHAPES = [  # (name, context per request, new tokens per request)
@@ -67,8 +66,8 @@ def timed(fn, device: torch.device, repeats: int) -> float:
 
 def sdpa_kernels(device: torch.device, dtype: torch.dtype) -> list[dict]:
     """Which kernel takes each form, on a small GQA group (4 requests, 64 queries after 64 keys of context)."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
     import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     r, lq, s, g = 4, 64, 128, HQ // HKV
     q = torch.randn(r, HQ, lq, D, device=device, dtype=dtype)

@@ -40,19 +40,18 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, write_csv  # noqa: E402
-from tiny_checkpoint import build_tokenizer  # noqa: E402
-
-from runner.config import RunnerConfig  # noqa: E402
-from runner.core.messages import CoreInfo, CoreStats, Outputs, WireOutput  # noqa: E402
-from runner.core.requests import EngineCoreOutput  # noqa: E402
-from runner.engine.core_client import MPEngineClient, _Rank  # noqa: E402
-from runner.engine.protocol import CloseStream, EngineClient, EngineStats, OutputSink  # noqa: E402
-from runner.entrypoints.openai.api_server import build_app  # noqa: E402
-from runner.entrypoints.openai.metrics import ServerMetrics  # noqa: E402
-from runner.entrypoints.openai.sse import RawSend  # noqa: E402
-from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
+from common import RESULTS_DIR, write_csv
+from runner.config import RunnerConfig
+from runner.core.messages import CoreInfo, CoreStats, Outputs, WireOutput
+from runner.core.requests import EngineCoreOutput
+from runner.engine.core_client import MPEngineClient, _Rank
+from runner.engine.protocol import CloseStream, EngineClient, EngineStats, OutputSink
+from runner.entrypoints.openai.api_server import build_app
+from runner.entrypoints.openai.metrics import ServerMetrics
+from runner.entrypoints.openai.sse import RawSend
+from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from runner.sampling_params import SamplingParams
+from tiny_checkpoint import build_tokenizer
 
 MODEL = "bench-model"
 PROMPT_LEN, MAX_MODEL_LEN = 16, 256
@@ -258,7 +257,7 @@ def route_request_log(log_requests: bool) -> None:
     """As ``api_server._log_to_stderr``: the package's INFO lines to a handler, here writing to /dev/null."""
     package = logging.getLogger("runner.entrypoints.openai")
     if log_requests and not package.handlers:
-        handler = logging.StreamHandler(open(os.devnull, "w"))  # noqa: SIM115 - lives as long as the process
+        handler = logging.StreamHandler(open(os.devnull, "w"))
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
         package.addHandler(handler)
         package.setLevel(logging.INFO)

@@ -19,15 +19,14 @@ from typing import Any, Callable
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
+import numpy as np
+import torch
 
-from common import RESULTS_DIR, write_csv  # noqa: E402
-
-from runner.attention.kv_cache import BlockRows  # noqa: E402
-from runner.core.scheduler import Request  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
-from runner.worker.scheduled_batch import SchedulerOutput  # noqa: E402
+from common import RESULTS_DIR, write_csv
+from runner.attention.kv_cache import BlockRows
+from runner.core.scheduler import Request
+from runner.sampling_params import SamplingParams
+from runner.worker.scheduled_batch import SchedulerOutput
 
 MODES = ("greedy", "random", "all")
 PROMPT_LEN = 32  # tokens of history each row's penalty counts start from (sampler part)

@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, write_csv  # noqa: E402
+from common import RESULTS_DIR, write_csv
 
 MODEL = "bench-qwen3-moe-120m"
 ENGINE = "--max-num-seqs 512 --max-num-batched-tokens 2048 --max-model-len 512 --device cpu"

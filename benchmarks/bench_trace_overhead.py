@@ -23,9 +23,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_csv  # noqa: E402
-
-from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, dbo_yield, set_forward_context, trace  # noqa: E402
+from common import write_csv
+from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, dbo_yield, set_forward_context, trace
 
 SLICES = [UBatchSlice(slice(0, 1), slice(0, 1)), UBatchSlice(slice(1, 2), slice(1, 2))]
 

@@ -18,11 +18,23 @@ from typing import Any, Callable, ContextManager, Protocol, Sequence
 import torch
 
 from cudagraph.backends import (
-    CudaGraphBackend, GraphBackend, deepep_ll_counter, is_out_of_memory, warm_ubatch_threads,
+    CudaGraphBackend,
+    GraphBackend,
+    deepep_ll_counter,
+    is_out_of_memory,
+    warm_ubatch_threads,
 )
 from cudagraph.dispatch import (
-    BatchKind, CaptureRuleError, Dispatch, GraphKey, Why, check_deepep_ll_rules, check_replay,
-    classify_batch, plan_captures, select_graph,
+    BatchKind,
+    CaptureRuleError,
+    Dispatch,
+    GraphKey,
+    Why,
+    check_deepep_ll_rules,
+    check_replay,
+    classify_batch,
+    plan_captures,
+    select_graph,
 )
 from ubatch import streams, trace
 from ubatch.forward_context import ForwardContext, set_forward_context

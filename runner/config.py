@@ -220,7 +220,7 @@ class RunnerConfig:
         """Capacity of the fixed-size all-to-all buffers: a step never has more tokens than the budget."""
         return self.max_dispatch_tokens_per_rank or self.max_num_batched_tokens
 
-    def replace(self, **changes: Any) -> "RunnerConfig":
+    def replace(self, **changes: Any) -> RunnerConfig:
         """A validated copy with ``changes`` applied (e.g. ``cfg.replace(enable_dbo=True)`` for a bench)."""
         return dataclasses.replace(self, **changes)
 

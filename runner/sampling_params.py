@@ -220,7 +220,7 @@ class SamplingParams:
         return max((len(s) for s in self.stop), default=1) - 1 if self.stop and not self.include_stop_str_in_output \
             else 0
 
-    def clone(self) -> "SamplingParams":
+    def clone(self) -> SamplingParams:
         """A copy that shares nothing mutable with this one: its lists, dict and set are copied (their items, token
         ids, biases and stop strings, are immutable), without ``copy.deepcopy``'s walk over every item."""
         out = object.__new__(type(self))  # the fields as they are: no __post_init__ again

@@ -7,7 +7,7 @@ import sys
 # fork-based multi-process tests are only safe when OpenMP pools stay single-threaded (set before torch loads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch  # noqa: E402
+import torch
 
 # Triton runs either in its CPU interpreter (TRITON_INTERPRET=1, CPU tensors) or compiled (CUDA tensors), and
 # the choice is per *process*: Triton reads the variable when ``triton.language`` is first imported (its own
@@ -23,14 +23,16 @@ import torch  # noqa: E402
 # Fixtures of a delegated test are still set up here, so they must not launch kernels.
 os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else "1")
 
-import pytest  # noqa: E402
+import pytest
 
-from ubatch.triton_runtime import interpreter_enabled  # noqa: E402
-from env_guard import process_state_module, process_state_session, process_state_test  # noqa: E402,F401
-from tiny_checkpoint import tiny_chat_checkpoint  # noqa: E402,F401  (a session fixture: a checkpoint with a tokenizer)
-from stream_sanitizer_plugin import (  # noqa: E402,F401  (--stream-sanitizer)
-    pytest_addoption, stream_sanitizer_fresh_history, stream_sanitizer_session,
+from env_guard import process_state_module, process_state_session, process_state_test  # noqa: F401
+from stream_sanitizer_plugin import (  # noqa: F401  (--stream-sanitizer)
+    pytest_addoption,
+    stream_sanitizer_fresh_history,
+    stream_sanitizer_session,
 )
+from tiny_checkpoint import tiny_chat_checkpoint  # noqa: F401  (a session fixture: a checkpoint with a tokenizer)
+from ubatch.triton_runtime import interpreter_enabled
 
 torch.set_num_threads(1)
 

@@ -40,7 +40,7 @@ class StackWeights:
 
     @classmethod
     def random(cls, layers: int = 2, experts: int = 8, hidden: int = 16, inter: int = 24, top_k: int = 2,
-               seed: int = 0, routes: Routes | None = None) -> "StackWeights":
+               seed: int = 0, routes: Routes | None = None) -> StackWeights:
         g = torch.Generator().manual_seed(seed)
         gates = [torch.randn(experts, hidden, generator=g) for _ in range(layers)]
         w13 = [torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2 for _ in range(layers)]
@@ -61,7 +61,7 @@ class StackWeights:
                 assert bool(((ids >= 0) & (ids < experts)).all()), "a forced route names a missing expert"
                 assert all(len(set(row)) == self.top_k for row in ids.tolist()), "forced ids repeat in a row"
 
-    def layer(self, i: int) -> "StackWeights":
+    def layer(self, i: int) -> StackWeights:
         """Layer ``i`` alone, its forced routes included."""
         routes = None if self.routes is None else self.routes[i:i + 1]
         return StackWeights(self.gates[i:i + 1], self.w13[i:i + 1], self.w2[i:i + 1], self.top_k, routes)

@@ -61,11 +61,11 @@ class ServerThread:
 
         try:
             self.exit_code = asyncio.run(main())
-        except BaseException as exc:  # reported by stop()
+        except BaseException as exc:  # noqa: BLE001  (reported by stop())
             self.error = exc
             self._ready.set()
 
-    def start(self) -> "ServerThread":
+    def start(self) -> ServerThread:
         self._thread.start()
         assert self._ready.wait(TIMEOUT_S), "the server thread did not start its event loop"
         assert self.error is None, self.error
@@ -94,7 +94,7 @@ class ServerThread:
             self.call_soon(self.app.state.lifecycle.begin_drain, "test stop")
         return self.wait_stopped()
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

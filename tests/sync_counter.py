@@ -44,7 +44,7 @@ def _has_bool_index(args: tuple[Any, ...]) -> bool:
 
 
 class _Mode(TorchDispatchMode):
-    def __init__(self, counter: "SyncCounter") -> None:
+    def __init__(self, counter: SyncCounter) -> None:
         super().__init__()
         self.counter = counter
 
@@ -108,7 +108,7 @@ class SyncCounter:
                 local.mode.__exit__(None, None, None)
 
     @contextlib.contextmanager
-    def watching(self, model: torch.nn.Module) -> Iterator["SyncCounter"]:
+    def watching(self, model: torch.nn.Module) -> Iterator[SyncCounter]:
         original_forward = model.forward
         counter = self
 

@@ -6,10 +6,10 @@ import random
 import pytest
 import torch
 
-from runner.attention import paged_attention, paged_mla_attention, write_kv
-from runner.core.kv_blocks import BlockAllocator, OutOfKVBlocksError
-from runner.attention.kv_cache import KVCacheSpec, allocate_kv_caches, build_attention_metadata
 from reference_metadata import compute_slot_mapping, make_block_table
+from runner.attention import paged_attention, paged_mla_attention, write_kv
+from runner.attention.kv_cache import KVCacheSpec, allocate_kv_caches, build_attention_metadata
+from runner.core.kv_blocks import BlockAllocator, OutOfKVBlocksError
 
 BLOCK = 4
 

@@ -20,10 +20,10 @@ import torch
 from runner.attention import reference
 from runner.attention.backend import AttentionBackend
 from runner.attention.graph import DecodeMetadataBuffers
+from runner.attention.kv_cache import build_attention_metadata
 from runner.attention.ops import mha_attention, mla_attention
 from runner.attention.torch_backend import TorchAttentionBackend
 from runner.attention.triton_backend import TritonAttentionBackend
-from runner.attention.kv_cache import build_attention_metadata
 from ubatch.slicing import padded_ubatch_slices, split_attn_metadata
 
 BS, NUM_BLOCKS = 4, 48
@@ -226,8 +226,8 @@ def test_bench_support_runs_every_decode_backend_alike() -> None:
 # ---- the engine's choice: --attention-backend ------------------------------------------------------------
 def test_config_and_resolution_of_the_attention_backend() -> None:
     from runner.attention import resolve_attention_backend
-    from runner.entrypoints.cli import build_parser
     from runner.config import ConfigError, RunnerConfig, make_config
+    from runner.entrypoints.cli import build_parser
 
     assert RunnerConfig().attention_backend == "auto"
     with pytest.raises(ConfigError, match="attention_backend must be one of auto, torch, triton; got 'flash'"):

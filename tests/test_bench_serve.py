@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from runner.entrypoints.benchserve.metrics import compute_metrics
 from runner.entrypoints.benchserve.http_client import RequestResult
+from runner.entrypoints.benchserve.metrics import compute_metrics
 from runner.entrypoints.benchserve.workload import arrival_offsets, random_requests
 
 pytestmark = pytest.mark.slow

@@ -22,7 +22,11 @@ import torch
 import runner.worker.cuda_graphs as manager
 from cudagraph import GraphKey, Why, token_split
 from test_cudagraph_dispatch import (
-    REPLAY_SIZES, DecodeBatches, check_both_kinds_replay, check_replay_equals_eager, make_runner,
+    REPLAY_SIZES,
+    DecodeBatches,
+    check_both_kinds_replay,
+    check_replay_equals_eager,
+    make_runner,
 )
 from ubatch.context import UBatchContext
 

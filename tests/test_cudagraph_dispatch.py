@@ -19,20 +19,32 @@ import torch
 
 import runner.worker.cuda_graphs as manager
 from cudagraph import (
-    BatchKind, CaptureRuleError, GraphKey, Why, capture_blocker, check_deepep_ll_rules, check_replay,
-    classify_batch, default_capture_sizes, pad_to_capture_size, parse_cuda_graph_sizes, plan_captures,
-    resolve_capture_sizes, select_graph, token_split,
+    BatchKind,
+    CaptureRuleError,
+    GraphKey,
+    Why,
+    capture_blocker,
+    check_deepep_ll_rules,
+    check_replay,
+    classify_batch,
+    default_capture_sizes,
+    pad_to_capture_size,
+    parse_cuda_graph_sizes,
+    plan_captures,
+    resolve_capture_sizes,
+    select_graph,
+    token_split,
 )
 from cudagraph.backends import EagerReplayBackend, GraphBackend, deepep_ll_counter
 from runner import attention as eager_attention
 from runner.attention import graph as ga
+from runner.attention.kv_cache import build_attention_metadata
 from runner.config import RunnerConfig
 from runner.distributed.dp import local_decision
-from runner.attention.kv_cache import build_attention_metadata
 from step_numerics import assert_bit_equal, assert_steps_close
-from ubatch.log_once import forget_logged
 from ubatch.context import UBatchContext
 from ubatch.forward_context import set_forward_context
+from ubatch.log_once import forget_logged
 from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink
 from ubatch.slicing import maybe_create_ubatch_slices
@@ -419,7 +431,7 @@ def moe_link(runner) -> EmulatedLink | None:
 REPLAY_SIZES = (1, 3, 4, 6, 8, 13, 16)  # up to the largest capture size; 13 pads into the 16 graph
 
 
-def check_replay_equals_eager(runner, batches: "DecodeBatches", gr, dbo: bool, link: str | None,
+def check_replay_equals_eager(runner, batches: DecodeBatches, gr, dbo: bool, link: str | None,
                               sizes: Sequence[int] = REPLAY_SIZES, tol: float | None = None) -> None:
     """Each size's replay equals its eager step, and is a replay of the graph it should be: exactly one graph
     replayed per step, of the padded size, ubatched exactly when DBO is on and the step reaches the DBO
@@ -447,7 +459,7 @@ def check_replay_equals_eager(runner, batches: "DecodeBatches", gr, dbo: bool, l
     assert gr.stats[Why.REPLAY] == len(sizes), dict(gr.stats)
 
 
-def check_both_kinds_replay(runner, batches: "DecodeBatches", gr, sizes: Sequence[int] = REPLAY_SIZES,
+def check_both_kinds_replay(runner, batches: DecodeBatches, gr, sizes: Sequence[int] = REPLAY_SIZES,
                             tol: float = 1e-5) -> None:
     """With the measured cost model's plan, a step at a size that may ubatch replays the plain graph when it runs
     without DBO and the DBO graph when it runs with it; both equal the eager step."""

@@ -160,14 +160,13 @@ def test_a_step_whose_two_choices_execute_differently_is_left_to_the_thresholds(
 def test_the_cuda_timer_reads_device_time_one_step_later_without_a_sync() -> None:
     """GPU time of the forward, not the host's: the host launches both steps long before the GPU ends them,
     and a step's time is handed over only once the GPU has passed its end event (``query``, no sync)."""
-    from standins.cuda_events import FakeCuda
-
     from runner.worker.dbo_step_timing import CudaEventStepTimer
+    from standins.cuda_events import FakeCuda
 
     class CountingCuda(FakeCuda):
         num_events = 0
 
-        def Event(self, enable_timing: bool = False) -> Any:  # noqa: N802 (torch.cuda's name)
+        def Event(self, enable_timing: bool = False) -> Any:
             self.num_events += 1
             return super().Event(enable_timing)
 

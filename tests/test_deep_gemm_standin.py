@@ -18,7 +18,11 @@ from standin_harness import bf16_inputs, bf16_weights, run_standin_ep
 from standins import deep_gemm as dg
 from ubatch import stream_sanitizer
 from ubatch.modular_moe.experts.deep_gemm_experts import (
-    DeepGemmExperts, per_block_cast_to_fp8, per_block_dequant, per_token_cast_to_fp8, per_token_dequant,
+    DeepGemmExperts,
+    per_block_cast_to_fp8,
+    per_block_dequant,
+    per_token_cast_to_fp8,
+    per_token_dequant,
 )
 from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.modular_moe.types import ExpertTokens
@@ -101,7 +105,7 @@ def gemm(arch: int, a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor,
 def test_sm100_keeps_only_each_scales_exponent() -> None:
     """Blackwell reads fp32 scales as UE8M0 (the exponent: each scale rounded down to a power of two)."""
     (qa, sfa), (qb, sfb), masked_m = operands()
-    floor2 = lambda sf: torch.exp2(torch.floor(torch.log2(sf)))  # noqa: E731
+    floor2 = lambda sf: torch.exp2(torch.floor(torch.log2(sf)))
     blackwell = gemm(10, (qa, sfa), (qb, sfb), masked_m)
     assert torch.equal(blackwell, gemm(9, (qa, floor2(sfa)), (qb, floor2(sfb)), masked_m))
     assert not torch.equal(blackwell, gemm(9, (qa, sfa), (qb, sfb), masked_m))

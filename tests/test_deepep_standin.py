@@ -15,7 +15,15 @@ import torch
 
 from moe_harness import dense_reference
 from standin_harness import (
-    CAPACITY, EXPERTS, HIDDEN, LAYERS, StandinStack, assert_bf16_close, bf16_inputs, bf16_weights, run_standin_ep,
+    CAPACITY,
+    EXPERTS,
+    HIDDEN,
+    LAYERS,
+    StandinStack,
+    assert_bf16_close,
+    bf16_inputs,
+    bf16_weights,
+    run_standin_ep,
 )
 from standins import deep_ep as standin
 from ubatch import stream_sanitizer, streams

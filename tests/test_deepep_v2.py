@@ -17,7 +17,16 @@ import torch
 
 import standin_harness
 from moe_harness import dense_reference
-from standin_harness import CAPACITY, EXPERTS, HIDDEN, LAYERS, StandinStack, assert_bf16_close, bf16_inputs, bf16_weights
+from standin_harness import (
+    CAPACITY,
+    EXPERTS,
+    HIDDEN,
+    LAYERS,
+    StandinStack,
+    assert_bf16_close,
+    bf16_inputs,
+    bf16_weights,
+)
 from standins import deep_ep as v1_standin
 from standins import deep_ep_v2 as standin
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, stream_sanitizer, streams
@@ -25,9 +34,12 @@ from ubatch.distributed import run_thread_ranks
 from ubatch.forward_context import DPMetadata
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.prepare_finalize import (
-    AUTO_BACKEND, PHASE_AWARE_BACKENDS, make_prepare_finalize, phase_backends,
+    AUTO_BACKEND,
+    PHASE_AWARE_BACKENDS,
+    deepep_v2,
+    make_prepare_finalize,
+    phase_backends,
 )
-from ubatch.modular_moe.prepare_finalize import deepep_v2
 from ubatch.modular_moe.runtime import MoERuntime
 
 CALLS_PER_LAYER = 2  # dispatch + combine, per ubatch

@@ -31,7 +31,13 @@ from ubatch.forward_context import DPMetadata
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.two_stream import TwoStreamCombine, alt_stream
 from ubatch.sbo import (
-    ENV_SHARED_EXPERTS_OUTSIDE, SBO_OFF, DeviceProps, OverlapArgs, SboFlags, check_sbo_modes, compute_overlap_args,
+    ENV_SHARED_EXPERTS_OUTSIDE,
+    SBO_OFF,
+    DeviceProps,
+    OverlapArgs,
+    SboFlags,
+    check_sbo_modes,
+    compute_overlap_args,
     select_sbo_modes,
 )
 

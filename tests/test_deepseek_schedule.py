@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from devices import device_for
-from runner.config import ConfigError, RunnerConfig
 from runner.attention.kv_cache import allocate_kv_caches, build_attention_metadata
+from runner.config import ConfigError, RunnerConfig
 from runner.models.loader import load_model, resolve_model_path
 from runner.models.schedules import DBOSchedule, check_schedule
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, trace

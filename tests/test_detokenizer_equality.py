@@ -10,9 +10,9 @@ from dataclasses import fields
 
 import pytest
 
-from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.core.requests import EngineCoreOutput
 from runner.engine.byte_level import byte_level_table
+from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.tokenizer import make_decoder
 from runner.outputs import CompletionOutput, RequestOutput
@@ -21,7 +21,7 @@ from runner.worker.outputs import TokenLogprobs
 
 pytest.importorskip("transformers")
 
-from tiny_checkpoint import SENTENCES, build_tokenizer  # noqa: E402
+from tiny_checkpoint import SENTENCES, build_tokenizer
 
 UTF8 = "Caf\u00e9 cr\u00e8me, \u6771\u4eac and \u65e5\u672c\u8a9e text \U0001f600, a real \ufffd."
 

@@ -100,4 +100,4 @@ def test_backends_without_extras_refuse_by_name() -> None:
     layer = FusedMoE(E, K, H, I, expert_bias=True, activation=ClampedSwiGLU(),
                      parallel=MoEParallelConfig(experts_backend="triton"))
     with pytest.raises(ValueError, match="use --experts-backend torch or grouped_mm"):
-        layer.kernel  # noqa: B018 (builds the kernel)
+        layer.kernel

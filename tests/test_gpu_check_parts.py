@@ -20,15 +20,28 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "benchmarks")]
 
 import bench_gpu  # noqa: E402
-from gpucheck import wheels  # noqa: E402
+from gpucheck import (  # noqa: E402
+    parts,
+    select_tests,
+    wheels,
+)
 from gpucheck.goals import MISS, evaluate  # noqa: E402
 from gpucheck.outcomes import count_tests  # noqa: E402
 from gpucheck.parts import (  # noqa: E402
-    GPU_TEST_FILES, TEST_WORKERS, all_parts, bench_part, child_env, engine_link_part, engine_part, env_part,
+    GPU_TEST_FILES,
+    TEST_WORKERS,
+    all_parts,
+    bench_part,
+    child_env,
+    engine_link_part,
+    engine_part,
+    env_part,
     gpu_test_files,
-    model_part, sanitized_tests, serve_command, serve_part,
+    model_part,
+    sanitized_tests,
+    serve_command,
+    serve_part,
 )
-from gpucheck import parts, select_tests  # noqa: E402
 from gpucheck.report import render  # noqa: E402
 from gpucheck.schedule import Context, Part, run_parts, write_outputs  # noqa: E402
 from gpucheck.subproc import run_logged  # noqa: E402

@@ -16,14 +16,13 @@ from typing import Any, Iterator
 import pytest
 import torch
 
-from moe_harness import StackWeights, run_ep
-from test_moe_ep import YIELDS_PER_LAYER, check, rank_inputs
 from cudagraph.dispatch import capture_blocker
+from moe_harness import StackWeights, run_ep
 from runner.config import RunnerConfig, experts_backends
+from test_moe_ep import YIELDS_PER_LAYER, check, rank_inputs
 from ubatch.log_once import forget_logged
 from ubatch.modular_moe.config import MoEParallelConfig
-from ubatch.modular_moe.experts import EXPERTS_CHOICES, make_experts, resolve_experts_backend
-from ubatch.modular_moe.experts import grouped_mm_experts
+from ubatch.modular_moe.experts import EXPERTS_CHOICES, grouped_mm_experts, make_experts, resolve_experts_backend
 from ubatch.modular_moe.experts.grouped_mm_experts import GroupedMMExperts, gemm_dtype_for
 from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.modular_moe.layer import FusedMoE

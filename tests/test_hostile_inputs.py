@@ -26,8 +26,8 @@ import pytest
 from runner import LLM, SamplingParams
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
 from runner.entrypoints.openai.errors import redact
-from tests.openai_harness import MODEL, ServerThread
 from tests.fake_engine_client import FakeEngineClient
+from tests.openai_harness import MODEL, ServerThread
 from tiny_checkpoint import TinyCheckpoint
 
 pytestmark = pytest.mark.slow

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runner.entrypoints.cli import build_parser
-from runner.config import ConfigError, RunnerConfig
 from runner.attention.kv_cache import KVCacheTooLargeError
+from runner.config import ConfigError, RunnerConfig
+from runner.entrypoints.cli import build_parser
 from runner.worker.memory_budget import (
     GIB,
     MemoryFigures,

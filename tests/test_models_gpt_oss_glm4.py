@@ -295,7 +295,7 @@ def test_gpt_oss_graph_decode_replay_equals_eager(tmp_path: Path, dbo: bool) -> 
     layers: contexts up to 32 tokens against a window of 16, every size's replay equal to its eager step."""
     import runner.worker.cuda_graphs as manager
     from cudagraph.backends import EagerReplayBackend
-    from test_cudagraph_dispatch import DecodeBatches, REPLAY_SIZES, check_replay_equals_eager, make_runner
+    from test_cudagraph_dispatch import REPLAY_SIZES, DecodeBatches, check_replay_equals_eager, make_runner
 
     runner = make_runner(model="tiny-gpt-oss", cache_dir=str(tmp_path), enable_dbo=dbo)
     try:

@@ -11,8 +11,8 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
+from runner.attention.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata  # noqa: E402
 from runner.core.kv_blocks import BlockAllocator  # noqa: E402
-from runner.attention.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata
 from runner.engine.tokenizer import encode, load_tokenizer  # noqa: E402
 from runner.models.loader import iter_checkpoint, load_model, resolve_model_path  # noqa: E402
 from runner.models.registry import get_model_class, parse_config  # noqa: E402

@@ -35,7 +35,7 @@ class Background:
         def run() -> None:
             try:
                 self.value = fn()
-            except BaseException as exc:
+            except BaseException as exc:  # noqa: BLE001
                 self.error = exc
 
         self._thread = threading.Thread(target=run, daemon=True)

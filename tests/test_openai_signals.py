@@ -56,7 +56,7 @@ class ServerProcess:
         self._reader.join(10)
         return code
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,11 +9,11 @@ from collections import Counter
 import torch
 
 from fake_runner import FakeRunner, reference_generate
-from test_overlap_loop import drive
 from runner.core.scheduler import Scheduler
 from runner.sampling_params import SamplingParams
 from runner.worker.penalties import PenaltyState
 from runner.worker.scheduled_batch import ScheduledChunk
+from test_overlap_loop import drive
 
 V = 64
 SEED_BASE = 1000  # test_overlap_loop.drive seeds request r with SEED_BASE + r

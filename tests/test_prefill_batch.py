@@ -19,11 +19,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runner.attention import reference
 from runner.attention.backend import AttentionBackend
 from runner.attention.kv_cache import build_attention_metadata
 from runner.attention.metadata import PagedAttentionMetadata
 from runner.attention.prefill_batch import PAD_FACTOR, PAD_SLACK, group_prefills
-from runner.attention import reference
 from runner.attention.torch_backend import TorchAttentionBackend
 from runner.attention.triton_backend import TritonAttentionBackend
 from ubatch.slicing import padded_ubatch_slices, split_attn_metadata

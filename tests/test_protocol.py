@@ -153,7 +153,7 @@ def test_exception_at_every_yield_position_surfaces_and_next_call_works(n: int, 
                 run(w, x)
             assert timeouts == [], f"ubatch {u} failing at {at}: a handoff timed out instead of aborting"
             assert threading.active_count() == threads, "a worker was stuck and replaced"
-            assert any("model" == tb.name for tb in info.traceback)  # the original traceback is kept
+            assert any(tb.name == "model" for tb in info.traceback)  # the original traceback is kept
             plan.clear()
             assert torch.equal(run(w, x), x + 1)
     w.close()

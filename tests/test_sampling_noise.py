@@ -8,7 +8,12 @@ import numpy as np
 import torch
 
 from runner.worker.sampling_noise import (
-    MASK64, draw_by_inverse_cdf_, row_uniform, row_uniforms, seed_hash, splitmix64,
+    MASK64,
+    draw_by_inverse_cdf_,
+    row_uniform,
+    row_uniforms,
+    seed_hash,
+    splitmix64,
 )
 
 

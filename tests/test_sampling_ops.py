@@ -12,17 +12,21 @@ import pytest
 import torch
 
 pytest.importorskip("transformers")
-from transformers.generation.logits_process import (  # noqa: E402
-    MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-    TopKLogitsWarper, TopPLogitsWarper,
+from transformers.generation.logits_process import (
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
 )
 
-import runner.worker.sampler as sampler_module  # noqa: E402
-from runner.sampling_params import SamplingParams  # noqa: E402
-from runner.worker import sampling_ops as ops  # noqa: E402
-from runner.worker.sampler import Sampler  # noqa: E402
-from runner.worker.sampling_metadata import RowSpec  # noqa: E402
-from runner.worker.scheduled_batch import ScheduledChunk  # noqa: E402
+import runner.worker.sampler as sampler_module
+from runner.sampling_params import SamplingParams
+from runner.worker import sampling_ops as ops
+from runner.worker.sampler import Sampler
+from runner.worker.sampling_metadata import RowSpec
+from runner.worker.scheduled_batch import ScheduledChunk
 
 V = 64
 

@@ -17,7 +17,13 @@ import torch
 import torch.nn.functional as F
 
 from moe_harness import (
-    MoEStack, StackWeights, count_receives, dense_reference, expected_receives, halves, link_bytes,
+    MoEStack,
+    StackWeights,
+    count_receives,
+    dense_reference,
+    expected_receives,
+    halves,
+    link_bytes,
     link_stats,
 )
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, streams, trace
@@ -28,7 +34,13 @@ from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.two_stream import CombineOverlapArgs, DownGemmOverlapArgs, alt_stream
 from ubatch.sbo import (
-    ENV_COMM_SMS, ENV_SHARED_EXPERTS_OUTSIDE, SBO_OFF, DeviceProps, OverlapArgs, SboFlags, compute_overlap_args,
+    ENV_COMM_SMS,
+    ENV_SHARED_EXPERTS_OUTSIDE,
+    SBO_OFF,
+    DeviceProps,
+    OverlapArgs,
+    SboFlags,
+    compute_overlap_args,
     select_sbo_modes,
 )
 

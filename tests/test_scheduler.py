@@ -6,10 +6,10 @@ import random
 import pytest
 
 from fake_runner import FakeRunner, reference_generate
+from runner.core.scheduler import Scheduler
 from runner.sampling_params import SamplingParams
 from runner.worker.sampler import request_seed
-from runner.core.scheduler import Scheduler
-from runner.worker.scheduled_batch import SchedulerOutput, ScheduledChunk
+from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
 VOCAB = 64
 

@@ -22,9 +22,9 @@ import pytest
 
 import test_serve_e2e as e2e
 from proc_sockets import descendants
-from test_faults import assert_nothing_left
 from runner import LLM
 from runner.entrypoints.benchserve.server_proc import METRIC_LINE, ServerProcess
+from test_faults import assert_nothing_left
 from tiny_checkpoint import TinyCheckpoint
 
 pytestmark = pytest.mark.slow

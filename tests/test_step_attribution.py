@@ -92,11 +92,11 @@ class Probes:
 
     def install(self) -> None:
         import runner.worker.model_runner as model_runner
-        import ubatch.modular_moe.experts.torch_experts  # noqa: F401 - its class must exist to be wrapped
+        import ubatch.modular_moe.experts.torch_experts
         import ubatch.modular_moe.layer as layer
         import ubatch.modular_moe.prepare_finalize.none  # noqa: F401
-        from runner.worker.device_future_map import DeviceFutureMap
         from runner.core.scheduler import Scheduler
+        from runner.worker.device_future_map import DeviceFutureMap
         from ubatch.modular_moe.experts.base import MoEExperts
         from ubatch.modular_moe.prepare_finalize.base import PrepareFinalize
 
@@ -187,7 +187,7 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_every_named_phase_is_on_the_timeline(traced_run: dict[str, Any]) -> None:
     _, spans = spans_from_chrome(traced_run["chrome"], 0)
-    assert PHASES <= {s.name for s in spans}
+    assert {s.name for s in spans} >= PHASES
 
 
 def test_every_ubatched_step_has_each_phase_as_often_as_it_runs(traced_run: dict[str, Any]) -> None:

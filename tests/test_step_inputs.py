@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from runner.attention.kv_cache import BlockTable, BlockRows, attention_arrays, build_attention_metadata
+from runner.attention.kv_cache import BlockRows, BlockTable, attention_arrays, build_attention_metadata
 from runner.worker.step_inputs import StepInputs, StepInputSizes
 
 BS = 4
@@ -76,11 +76,12 @@ def test_fields_are_aligned_and_disjoint_and_prefix_views_are_kept() -> None:
 def test_a_runner_reads_its_inputs_through_fixed_buffers() -> None:
     """The runner's input ids, positions and mask are the step-input buffer's fields, and a step longer than
     ``--max-num-seqs`` requests is refused with a clear error."""
+    import tempfile
+
     from runner.config import RunnerConfig
+    from runner.sampling_params import SamplingParams
     from runner.worker.model_runner import ModelRunner
     from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
-    from runner.sampling_params import SamplingParams
-    import tempfile
 
     with tempfile.TemporaryDirectory() as cache:
         runner = ModelRunner(RunnerConfig(model="tiny-qwen3-moe", cache_dir=cache, max_num_seqs=2,

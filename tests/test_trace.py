@@ -21,7 +21,14 @@ from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.plot import main as plot_main
 from ubatch.trace_metrics import (
-    TimedSpan, format_metrics, intersect, length, overlap_metrics, spans_from_chrome, subtract, union,
+    TimedSpan,
+    format_metrics,
+    intersect,
+    length,
+    overlap_metrics,
+    spans_from_chrome,
+    subtract,
+    union,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -286,7 +293,7 @@ class FakeEvent:
     def synchronize(self) -> None:
         pass
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         return (end.t - self.t) * 1e3  # ms, like torch.cuda.Event
 
 

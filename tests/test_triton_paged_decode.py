@@ -25,10 +25,14 @@ import pytest
 import torch
 
 import runner.attention.triton_paged_decode as tpd
-from ubatch.triton_runtime import interpreter_enabled
 from runner.attention.triton_paged_decode import (
-    MAX_SPLITS, DecodeShape, choose_num_splits, paged_decode_attention, plan_decode_launch,
+    MAX_SPLITS,
+    DecodeShape,
+    choose_num_splits,
+    paged_decode_attention,
+    plan_decode_launch,
 )
+from ubatch.triton_runtime import interpreter_enabled
 
 BS = 8  # tokens per cache block in the interpreter tests
 

@@ -21,7 +21,10 @@ transformers = pytest.importorskip("transformers")
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context  # noqa: E402
 from ubatch.distributed import run_thread_ranks  # noqa: E402
 from ubatch.integrations.transformers import (  # noqa: E402
-    FAMILIES, DBOSparseMoeBlock, fused_moe_from_block, make_dbo_capable,
+    FAMILIES,
+    DBOSparseMoeBlock,
+    fused_moe_from_block,
+    make_dbo_capable,
 )
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
 from ubatch.modular_moe.router import select_experts  # noqa: E402

@@ -23,11 +23,11 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
-from ubatch.triton_runtime import interpreter_enabled  # noqa: E402
+from ubatch.triton_runtime import interpreter_enabled
 
 H100 = GPUTarget("cuda", 90, 32)
 

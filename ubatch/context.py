@@ -211,7 +211,7 @@ class UBatchContext:
         """Give this ubatch the first turn (threads executor; called by the launcher, not a ubatch thread)."""
         self._wake_up()
 
-    def __enter__(self) -> "UBatchContext":
+    def __enter__(self) -> UBatchContext:
         _local.ctx = self
         self.current_stream = self.compute_stream
         if self.step.executor == "threads":

@@ -54,11 +54,11 @@ class DeviceProps:
         return self.is_cuda and self.capability[0] >= 10
 
     @classmethod
-    def cpu(cls) -> "DeviceProps":
+    def cpu(cls) -> DeviceProps:
         return cls("cpu", "cpu")
 
     @classmethod
-    def of(cls, device: torch.device | str | None = None) -> "DeviceProps":
+    def of(cls, device: torch.device | str | None = None) -> DeviceProps:
         """Properties of a real device (``None``: the accelerator if any, else the CPU)."""
         dev = streams.resolve_device(device)
         if dev.type != "cuda":
@@ -66,7 +66,7 @@ class DeviceProps:
         return _cuda_props(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_props(index: int) -> DeviceProps:
     p = torch.cuda.get_device_properties(index)
     return DeviceProps("cuda", p.name, (p.major, p.minor), p.multi_processor_count)

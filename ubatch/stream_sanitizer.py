@@ -13,10 +13,10 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-from types import FrameType
 import threading
 import weakref
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -40,7 +40,7 @@ _SKIP = frozenset({"record_stream"})
 class StreamOrderError(RuntimeError):
     """Two accesses to overlapping memory from different streams with no happens-before edge."""
 
-    def __init__(self, current: "Access", previous: "Access") -> None:
+    def __init__(self, current: Access, previous: Access) -> None:
         self.current, self.previous = current, previous
         hazard = {(False, True): "read-after-write", (True, True): "write-after-write",
                   (True, False): "write-after-read"}[(current.write, previous.write)]
@@ -70,7 +70,7 @@ class Access:
         return (f"{'write' if self.write else 'read'} by {self.op} on stream {self.stream.name!r} ({who}, "
                 f"thread {self.thread!r}) at {filename}:{line} ({func})")
 
-    def overlap(self, other: "Access") -> str:
+    def overlap(self, other: Access) -> str:
         return f"[{max(self.start, other.start)}, {min(self.end, other.end)})"
 
 
@@ -192,7 +192,7 @@ def _where() -> tuple[str, int, str]:
 class _Mode(TorchDispatchMode):
     """The dispatch mode: every aten op on CPU tensors becomes one "kernel" on the current null stream."""
 
-    def __init__(self, sanitizer: "StreamSanitizer") -> None:
+    def __init__(self, sanitizer: StreamSanitizer) -> None:
         super().__init__()
         self.sanitizer = sanitizer
         self.plans: dict[Any, _OpPlan] = {}
@@ -252,7 +252,7 @@ class StreamSanitizer:
         self._clocks = VectorClocks()
         self._storages: dict[int, _Storage] = {}
         self._new_storages = 0
-        self._collective_streams: "weakref.WeakKeyDictionary[Any, streams.NullStream]" = weakref.WeakKeyDictionary()
+        self._collective_streams: weakref.WeakKeyDictionary[Any, streams.NullStream] = weakref.WeakKeyDictionary()
         self._collective_streams_by_id: dict[int, tuple[Any, streams.NullStream]] = {}
         self._previous_profile: Callable[..., Any] | None = None
         self.num_kernels = 0

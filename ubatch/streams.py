@@ -46,12 +46,12 @@ class NullEvent:
     def __init__(self) -> None:
         self.event_id = next(_event_ids)
 
-    def record(self, stream: "Stream | None" = None) -> None:
+    def record(self, stream: Stream | None = None) -> None:
         obs = _observer
         if obs is not None:
             obs.on_record(self, stream if stream is not None else _cpu_current())
 
-    def wait(self, stream: "Stream | None" = None) -> None:
+    def wait(self, stream: Stream | None = None) -> None:
         obs = _observer
         if obs is not None:
             obs.on_wait(stream if stream is not None else _cpu_current(), self)
@@ -75,17 +75,17 @@ class NullStream:
         self.stream_id = next(_null_ids)
         self.name = name or f"cpu-stream-{self.stream_id}"
 
-    def wait_stream(self, other: "Stream") -> None:
+    def wait_stream(self, other: Stream) -> None:
         obs = _observer
         if obs is not None:
             obs.on_wait_stream(self, other)
 
-    def wait_event(self, event: "Event") -> None:
+    def wait_event(self, event: Event) -> None:
         obs = _observer
         if obs is not None:
             obs.on_wait(self, event)
 
-    def record_event(self, event: "NullEvent | None" = None) -> "NullEvent":
+    def record_event(self, event: NullEvent | None = None) -> NullEvent:
         event = event if event is not None else NullEvent()
         event.record(self)
         return event
@@ -159,7 +159,7 @@ def current_stream(device: torch.device | str | None = None) -> Stream:
     return getattr(_cpu_state, "stream", _DEFAULT_CPU_STREAM)
 
 
-def stream_getter(like: Stream) -> "Callable[[], Stream]":
+def stream_getter(like: Stream) -> Callable[[], Stream]:
     """A cheap zero-argument ``current_stream`` for the device of ``like`` (the yield path calls it)."""
     if isinstance(like, NullStream):
         return lambda: getattr(_cpu_state, "stream", _DEFAULT_CPU_STREAM)
@@ -167,7 +167,7 @@ def stream_getter(like: Stream) -> "Callable[[], Stream]":
     return lambda: torch.cuda.current_stream(device)
 
 
-def stream_setter(like: Stream) -> "Callable[[Stream], None]":
+def stream_setter(like: Stream) -> Callable[[Stream], None]:
     """A cheap ``set_current_stream`` specialised for the device of ``like`` (the yield path calls it)."""
     if isinstance(like, NullStream):
         def set_cpu(s: Stream) -> None:

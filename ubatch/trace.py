@@ -19,7 +19,7 @@ from typing import Any, Callable, Iterator, Literal
 
 from ubatch.forward_context import maybe_get_forward_context
 
-_ACTIVE: "TraceRecorder | None" = None
+_ACTIVE: TraceRecorder | None = None
 
 Stamp = Any  # float seconds on the perf_counter clock, or an event with record/synchronize/elapsed_time
 

@@ -20,12 +20,15 @@ import torch
 
 from ubatch import streams, trace
 from ubatch.context import (
-    DBOTimeoutError, DBOYieldMismatchError, UBatchContext, check_protocol_settings, make_ubatch_contexts,
+    DBOTimeoutError,
+    DBOYieldMismatchError,
+    UBatchContext,
+    check_protocol_settings,
+    make_ubatch_contexts,
     run_greenlet_step,
 )
 from ubatch.forward_context import ForwardContext, maybe_get_forward_context, override_forward_context
 from ubatch.slicing import CommonAttentionMetadata, UBatchSlice, split_attn_metadata
-
 
 SPLIT_DIMS = ("tokens", "batch")
 # split_dim -> (the UBatchSlice field that cuts dim 0, what one row of dim 0 is called, plural)

@@ -123,7 +123,6 @@ def main() -> int:
         return 2
     args = parse_args()
     from bench_gpu import MODEL
-
     from runner import SamplingParams
     from runner.entrypoints.cli import random_prompts
     from runner.models.loader import model_config, resolve_model_path

@@ -129,7 +129,6 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
     from bench_gpu import MODEL
-
     from runner import LLM, SamplingParams
     from runner.entrypoints.cli import random_prompts
     from runner.models.loader import model_config, resolve_model_path

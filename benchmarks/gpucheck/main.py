@@ -12,7 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Sequence
 
@@ -86,7 +86,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [p for p in all_parts() if p.name in args.parts]
     ctx = Context(repo=REPO, out_dir=out, work_dir=work, log_path=log, cache_dir=args.cache_dir.resolve(),
                   python=sys.executable, options={"tests": args.tests, "serve_seconds": args.serve_seconds})
-    results = {"started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(REPO),
+    results = {"started": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(REPO),
                "time_limit_s": args.time_limit_s, "command": " ".join(["gpu_check.py", *(argv or sys.argv[1:])]),
                "work_dir": str(work), "parts": {}, "goals": evaluate({})}
     write_outputs(results, out)

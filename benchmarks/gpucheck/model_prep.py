@@ -58,7 +58,6 @@ def main() -> int:
     args = p.parse_args()
     from bench_gpu import MODEL
     from common import write_json
-
     from runner.models.loader import cache_root
 
     name = args.model or MODEL

@@ -26,11 +26,11 @@ class KVCacheSpec:
     per_token_shape: tuple[int, ...]
 
     @classmethod
-    def mha(cls, num_kv_heads: int, head_size: int) -> "KVCacheSpec":
+    def mha(cls, num_kv_heads: int, head_size: int) -> KVCacheSpec:
         return cls("mha", (2, num_kv_heads, head_size))
 
     @classmethod
-    def mla(cls, kv_lora_rank: int, qk_rope_head_dim: int) -> "KVCacheSpec":
+    def mla(cls, kv_lora_rank: int, qk_rope_head_dim: int) -> KVCacheSpec:
         return cls("mla", (kv_lora_rank + qk_rope_head_dim,))
 
     def numel_per_token(self) -> int:
@@ -203,7 +203,7 @@ class BlockTable:
         self.num_blocks = np.zeros(num_rows, dtype=np.int32)
 
     @classmethod
-    def from_lists(cls, block_lists: Sequence[Sequence[int]], max_blocks: int | None = None) -> "BlockTable":
+    def from_lists(cls, block_lists: Sequence[Sequence[int]], max_blocks: int | None = None) -> BlockTable:
         """Row ``i`` = ``block_lists[i]`` (hand-built batches, dummy steps, tests)."""
         width = max([len(b) for b in block_lists], default=0)
         if max_blocks is not None:
@@ -249,7 +249,7 @@ class BlockRows:
     held: np.ndarray  # int64 [num_reqs]
 
     @classmethod
-    def from_lists(cls, block_lists: Sequence[Sequence[int]], max_blocks: int | None = None) -> "BlockRows":
+    def from_lists(cls, block_lists: Sequence[Sequence[int]], max_blocks: int | None = None) -> BlockRows:
         table = BlockTable.from_lists(block_lists, max_blocks)
         return cls(table, np.arange(len(block_lists), dtype=np.int64), table.num_blocks[:len(block_lists)].copy())
 

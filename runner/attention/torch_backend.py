@@ -16,7 +16,6 @@ from runner.attention.backend import AttentionBackend
 from runner.attention.options import AttentionOptions, sinks_of, softmax_with_sinks, window_of
 from runner.attention.prefill_batch import PrefillGroup
 
-
 #: score elements a prefill slice may hold (16 MiB in fp32). Past that each elementwise pass over the scores
 #: (scale, mask, softmax, cast) runs from DRAM instead of the cache: a group of 8 requests of 256 queries over
 #: 1024 keys and 16 heads took twice the time of the same requests one by one on the CPU.

@@ -18,15 +18,14 @@ import gc
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, cast
 
+from runner.config import RunnerConfig
 from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop, use_overlap_loop
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.core.scheduler import FINISHED, Request, Scheduler
-from runner.config import RunnerConfig
 from runner.worker.outputs import ModelRunnerOutput, PromptLogprobs
 from runner.worker.runner_protocol import ModelRunnerProtocol
 from runner.worker.sampler import request_seed
 from runner.worker.scheduled_batch import SchedulerOutput
-
 
 #: The cyclic collector's first threshold once an engine core is built (CPython's default: 700). See tune_gc().
 GC_THRESHOLD0 = 50_000

@@ -33,8 +33,25 @@ from typing import Any
 from runner.config import RunnerConfig
 from runner.core.engine_core import EngineCore
 from runner.core.messages import (
-    ENCODER, INPUT_DECODER, AbortRequests, AddRequest, AddRequests, CoreFailed, CoreInfo, CoreStats, DBOBucketStat,
-    Outputs, OutputMessage, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
+    ENCODER,
+    INPUT_DECODER,
+    AbortRequests,
+    AddRequest,
+    AddRequests,
+    CoreFailed,
+    CoreInfo,
+    CoreStats,
+    DBOBucketStat,
+    OutputMessage,
+    Outputs,
+    Profile,
+    Ready,
+    Shutdown,
+    StartProfile,
+    StopProfile,
+    Wake,
+    WaveDone,
+    WaveStarted,
     WireOutput,
 )
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
@@ -81,7 +98,7 @@ def run_engine_core(cfg: RunnerConfig, input_addresses: list[str], output_addres
                                       runner.block_size, sorted(runner.eos_token_ids), dtype,
                                       runner.experts_backend)))
         CoreLoop(core, inp, outs, rank, world).run()
-    except BaseException as exc:  # noqa: BLE001 - reported to the clients, then re-raised for the launcher
+    except BaseException as exc:
         send_all(outs, CoreFailed(rank, describe_exception(exc)))
         raise
     finally:

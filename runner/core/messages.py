@@ -122,7 +122,7 @@ class WireOutput(msgspec.Struct, array_like=True, gc=False):
         return self.finish_reason is not None
 
     @staticmethod
-    def of(out: EngineCoreOutput) -> "WireOutput":
+    def of(out: EngineCoreOutput) -> WireOutput:
         return WireOutput(out.request_id, out.new_token_ids, out.num_prompt_tokens, out.finish_reason,
                           out.stop_reason, out.error, out.new_logprobs, out.new_prompt_logprobs,
                           out.prompt_logprobs_start)

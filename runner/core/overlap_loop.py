@@ -20,12 +20,12 @@ from typing import Any, Callable, Union
 import torch
 
 from runner.core.future_map import FutureTokenMap
-from ubatch import trace
 from runner.core.scheduler import Request, Scheduler
 from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.pending import LaunchingRunner, PendingStep
 from runner.worker.runner_protocol import ModelRunnerProtocol
 from runner.worker.scheduled_batch import SchedulerOutput
+from ubatch import trace
 
 OnResults = Callable[[SchedulerOutput, ModelRunnerOutput, list[Request]], None]
 

@@ -16,11 +16,11 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 
 from runner.attention.kv_cache import BlockRows, BlockTable, blocks_needed
+from runner.config import RunnerConfig
 from runner.core.kv_blocks import BlockAllocator
 from runner.core.prompt_checks import prompt_token_problem
 from runner.core.slots import SlotPool, placeholder
 from runner.sampling_params import SamplingParams, SamplingParamsError
-from runner.config import RunnerConfig
 from runner.worker.runner_protocol import ModelRunnerProtocol
 from runner.worker.scheduled_batch import SchedulerOutput
 
@@ -126,7 +126,7 @@ class Scheduler:
         return len(self._inflight_steps)
 
     @classmethod
-    def from_runner(cls, cfg: RunnerConfig, runner: ModelRunnerProtocol) -> "Scheduler":
+    def from_runner(cls, cfg: RunnerConfig, runner: ModelRunnerProtocol) -> Scheduler:
         """Budgets from the config; cache geometry, vocabulary and EOS from the model runner."""
         return cls(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                    block_size=runner.block_size, num_kv_blocks=runner.num_kv_blocks,
@@ -280,7 +280,7 @@ class Scheduler:
             self._inflight_steps.append(step_id)
         return batch.output(self.block_table, bs, finished, step_id)
 
-    def _take(self, req: Request, n: int, batch: "_StepArrays") -> None:
+    def _take(self, req: Request, n: int, batch: _StepArrays) -> None:
         """Schedule ``n`` tokens of ``req`` (a prefill chunk, or any chunk of an admitted request) and advance it."""
         start = req.num_computed_tokens
         stop = start + n
@@ -296,7 +296,7 @@ class Scheduler:
             req.output_token_ids.append(placeholder(req.slot))
             req.num_pending += 1
 
-    def _grow(self, req: Request, need_total: int, batch: "_StepArrays") -> bool:
+    def _grow(self, req: Request, need_total: int, batch: _StepArrays) -> bool:
         """Give ``req`` blocks up to ``need_total``, preempting later requests not scheduled in this step
         (``batch``); False if ``req`` itself had to be preempted (or failed)."""
         if need_total > self.allocator.num_blocks:  # cannot happen after add_request's check; never livelock

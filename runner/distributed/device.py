@@ -61,7 +61,7 @@ def backend_for(device_type: str) -> str:
     return "nccl" if device_type == "cuda" else "gloo"
 
 
-def torch_device(choice: str) -> "torch.device":
+def torch_device(choice: str) -> torch.device:
     """The ``torch.device`` this process's model runs on: the current CUDA device (the launcher set it per
     rank) or the CPU."""
     import torch

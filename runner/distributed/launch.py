@@ -22,6 +22,7 @@ from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Sequence
 
+from runner.distributed.device import backend_for, resolve_device_type
 from runner.distributed.liveness import (
     BEAT_INTERVAL_S,
     STALE_S,
@@ -32,7 +33,6 @@ from runner.distributed.liveness import (
     silence,
     start_heartbeat,
 )
-from runner.distributed.device import backend_for, resolve_device_type
 from runner.distributed.rendezvous import PrivateRendezvous, join_store, loopback_env
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
@@ -211,7 +211,7 @@ class ParentSignals:
         self.armed = False
         self.pending: int | None = None
 
-    def __enter__(self) -> "ParentSignals":
+    def __enter__(self) -> ParentSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, getattr(signal, "SIGHUP", None)):
                 if sig is None:

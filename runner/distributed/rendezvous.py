@@ -61,14 +61,14 @@ class PrivateRendezvous:
     def close(self) -> None:
         shutil.rmtree(self.directory, ignore_errors=True)
 
-    def __enter__(self) -> "PrivateRendezvous":
+    def __enter__(self) -> PrivateRendezvous:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def join_store(store_path: str, world_size: int, timeout_s: float) -> "dist.Store":
+def join_store(store_path: str, world_size: int, timeout_s: float) -> dist.Store:
     """The rank side: open the shared file as a store whose waits give up after ``timeout_s``."""
     from datetime import timedelta
 

@@ -44,13 +44,38 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
 
 from runner.config import RunnerConfig
 from runner.core.messages import (
-    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequest, AddRequests, CoreFailed, CoreInfo, CoreStats, InputMessage,
-    Outputs, Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted, WireOutput,
+    ENCODER,
+    OUTPUT_DECODER,
+    AbortRequests,
+    AddRequest,
+    AddRequests,
+    CoreFailed,
+    CoreInfo,
+    CoreStats,
+    InputMessage,
+    Outputs,
+    Profile,
+    Ready,
+    Shutdown,
+    StartProfile,
+    StopProfile,
+    Wake,
+    WaveDone,
+    WaveStarted,
+    WireOutput,
 )
 from runner.core.requests import EngineCoreRequest
 from runner.engine.protocol import (
-    CloseStream, EngineClient, EngineDeadError, EngineOverloadedError, EngineShuttingDownError, EngineStats,
-    MetricsSink, OutputSink, RankStats, RequestError,
+    CloseStream,
+    EngineClient,
+    EngineDeadError,
+    EngineOverloadedError,
+    EngineShuttingDownError,
+    EngineStats,
+    MetricsSink,
+    OutputSink,
+    RankStats,
+    RequestError,
 )
 from runner.engine.simple_output import RequestTracker
 from runner.outputs import RequestOutput
@@ -80,7 +105,7 @@ class EngineSockets:
     outputs: list[str]
 
     @staticmethod
-    def create(num_ranks: int, num_clients: int) -> "EngineSockets":
+    def create(num_ranks: int, num_clients: int) -> EngineSockets:
         directory = tempfile.mkdtemp(prefix="ubatch-engine-")  # mode 0700
         return EngineSockets(directory, [f"ipc://{os.path.join(directory, f'in-{r}')}" for r in range(num_ranks)],
                              [f"ipc://{os.path.join(directory, f'out-{c}')}" for c in range(num_clients)])
@@ -240,7 +265,7 @@ class MPEngineClient(EngineClient):
         deadline = STARTUP_GRACE_S + cfg.dist_timeout_s
         try:
             await asyncio.wait_for(self._ready.wait(), deadline)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             missing = [r for r, rank in enumerate(self._ranks) if rank.info is None]
             self._die(f"rank {', '.join(map(str, missing))} did not load the model within {deadline:.0f} s")
         if self._dead_error is not None:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
 
 from runner.outputs import RequestOutput
@@ -197,7 +197,7 @@ async def _pump(iterator: AsyncIterator[RequestOutput], sink: OutputSink) -> Non
         async for output in iterator:
             sink.put(output)
         sink.end()
-    except Exception as exc:  # handed to the reader, which answers it (500 for EngineDeadError, 503 ...)
+    except Exception as exc:  # noqa: BLE001  (handed to the reader, which answers it (500 for EngineDeadError, 503 ...))
         sink.fail(exc)
     finally:
         if isinstance(iterator, AsyncGenerator):

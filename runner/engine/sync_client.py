@@ -29,8 +29,23 @@ from typing import Any
 
 from runner.config import RunnerConfig
 from runner.core.messages import (
-    ENCODER, OUTPUT_DECODER, AbortRequests, AddRequests, CoreFailed, CoreInfo, CoreStats, Outputs, OutputMessage,
-    Profile, Ready, Shutdown, StartProfile, StopProfile, Wake, WaveDone, WaveStarted,
+    ENCODER,
+    OUTPUT_DECODER,
+    AbortRequests,
+    AddRequests,
+    CoreFailed,
+    CoreInfo,
+    CoreStats,
+    OutputMessage,
+    Outputs,
+    Profile,
+    Ready,
+    Shutdown,
+    StartProfile,
+    StopProfile,
+    Wake,
+    WaveDone,
+    WaveStarted,
 )
 from runner.core.requests import EngineCoreRequest
 from runner.distributed.launch import LaunchInterrupted, RankGroup
@@ -126,6 +141,7 @@ class SyncMPClient:
 
     def __init__(self, cfg: RunnerConfig, *, rank_tracebacks: bool = True) -> None:
         import multiprocessing.util  # noqa: F401 - its exit hook registered before ours, so ours runs first
+
         import zmq
 
         self.cfg = cfg

@@ -92,7 +92,7 @@ def server_flags(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if not isinstance(v, argparse.ArgumentParser)})
 
 
-def _supervise(servers: "_ApiServers", ranks: "_RankWatch", signals: "_Signals", sock: socket.socket,
+def _supervise(servers: _ApiServers, ranks: _RankWatch, signals: _Signals, sock: socket.socket,
                shutdown_timeout_s: float) -> str | None:
     """Until every API server has exited: relay signals and failures; the first failure, or None."""
     from runner.distributed.launch import describe_exit
@@ -264,7 +264,7 @@ class _Signals:
         self.pending: list[int] = []
         self.saved: dict[int, Any] = {}
 
-    def __enter__(self) -> "_Signals":
+    def __enter__(self) -> _Signals:
         for sig in SIGNALS:
             self.saved[sig] = signal.signal(sig, self._handle)
         return self

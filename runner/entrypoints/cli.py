@@ -30,20 +30,24 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from runner.config import RunnerConfig
+from runner.core.prompt_checks import prompt_problem
 from runner.engine.generation_config import GenerationConfig
 from runner.entrypoints.cli_parser import CliParser
 from runner.entrypoints.engine_args import (
-    add_engine_args, add_model_positional, config_from_args, model_info_or_exit, resolve_model_arg,
+    add_engine_args,
+    add_model_positional,
+    config_from_args,
+    model_info_or_exit,
+    resolve_model_arg,
 )
 from runner.entrypoints.output_paths import output_path_error
-from runner.core.prompt_checks import prompt_problem
-from runner.entrypoints.tokenizer_args import tokenizer_dir_or_exit
-from runner.entrypoints.report import (  # noqa: F401 (compare_outputs: API)
+from runner.entrypoints.report import (
     compare_outputs,
     report_bench,
     report_generate,
     request_output_json,
 )
+from runner.entrypoints.tokenizer_args import tokenizer_dir_or_exit
 from runner.sampling_params import SamplingParams, SamplingParamsError
 
 if TYPE_CHECKING:  # the functions that build one import it where they run

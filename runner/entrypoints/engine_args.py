@@ -14,8 +14,18 @@ from typing import TYPE_CHECKING
 
 from cudagraph.sizes import parse_cuda_graph_sizes
 from runner.config import (
-    ATTENTION_BACKENDS, DBO_COST_MODELS, DBO_DP_RULES, DBO_SCHEDULES, DTYPES, UBATCH_SPLITS, ConfigError, RunnerConfig,
-    all2all_backends, config_fields, experts_backends, make_config,
+    ATTENTION_BACKENDS,
+    DBO_COST_MODELS,
+    DBO_DP_RULES,
+    DBO_SCHEDULES,
+    DTYPES,
+    UBATCH_SPLITS,
+    ConfigError,
+    RunnerConfig,
+    all2all_backends,
+    config_fields,
+    experts_backends,
+    make_config,
 )
 from runner.distributed.device import DEVICE_CHOICES
 from runner.engine.generation_config import GenerationConfig

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Iterable, Sequence
 from runner import tracing
 from runner.config import ConfigError, RunnerConfig, make_config
 from runner.core.overlap_loop import LoopStats
+from runner.core.prompt_checks import prompt_problem
 from runner.core.requests import CoreOutput
 from runner.engine.engine_core_client import EngineCoreClient, RunReport
 from runner.engine.generation_config import GenerationConfig, load_generation_config, model_eos_token_ids
@@ -36,7 +37,6 @@ from runner.engine.inproc_client import InprocClient
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.tokenizer import apply_chat_template, encode, load_tokenizer, load_tokenizer_from_dir
 from runner.entrypoints.output_paths import output_path_error
-from runner.core.prompt_checks import prompt_problem
 from runner.entrypoints.vllm_engine_args import pop_vllm_engine_args
 from runner.outputs import RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams

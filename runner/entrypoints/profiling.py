@@ -10,9 +10,8 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-from typing import Any
-
 from http import HTTPStatus
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse

@@ -170,7 +170,7 @@ class Throughput:
         return (max(self.runs) - min(self.runs)) / self.median if self.median else 0.0
 
     @classmethod
-    def of(cls, run: dict[str, Any]) -> "Throughput":
+    def of(cls, run: dict[str, Any]) -> Throughput:
         return cls([tok_per_s(s) for s in run.get("repeats") or [run["stats"]]])
 
 

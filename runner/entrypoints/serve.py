@@ -48,7 +48,10 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     from runner.entrypoints.openai.protocol import set_max_logprobs
     from runner.entrypoints.server_setup import log_to_stderr
     from runner.entrypoints.tokenizer_args import (
-        apply_chat_template_arg, max_logprobs_or_exit, read_chat_template, tokenizer_dir_or_exit,
+        apply_chat_template_arg,
+        max_logprobs_or_exit,
+        read_chat_template,
+        tokenizer_dir_or_exit,
     )
 
     tokenizer_dir = tokenizer_dir_or_exit(args, parser)

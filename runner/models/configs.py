@@ -43,7 +43,7 @@ class RopeConfig:
     high_freq_factor: float | None = None  # llama3
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any], max_position_embeddings: int) -> "RopeConfig":
+    def from_hf(cls, d: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
         params = d.get("rope_parameters")
         if params is None:
             params = dict(d.get("rope_scaling") or {})
@@ -127,7 +127,7 @@ class BaseMoEConfig:
         return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "BaseMoEConfig":
+    def from_dict(cls, d: dict[str, Any]) -> BaseMoEConfig:
         """Parse ``config.json``'s fields; each architecture's config defines it."""
         raise NotImplementedError(f"{cls.__name__} does not parse a config.json")
 
@@ -178,7 +178,7 @@ class DeepseekV2Config(BaseMoEConfig):
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DeepseekV2Config":
+    def from_dict(cls, d: dict[str, Any]) -> DeepseekV2Config:
         out = cls._prepare(d)
         if "n_routed_experts" not in out and "num_local_experts" in out:
             out["n_routed_experts"] = out["num_local_experts"]
@@ -228,7 +228,7 @@ class GptOssConfig(BaseMoEConfig):
     attention_bias: bool = True
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "GptOssConfig":
+    def from_dict(cls, d: dict[str, Any]) -> GptOssConfig:
         quant = d.get("quantization_config")
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
@@ -281,7 +281,7 @@ class Glm4MoeConfig(DeepseekV2Config):
         return int(self.head_dim * self.partial_rotary_factor)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Glm4MoeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> Glm4MoeConfig:
         out = dict(d)
         # HF's Glm4MoeTopkRouter: always sigmoid + correction bias + group-limited top-k
         out["scoring_func"], out["topk_method"] = "sigmoid", "noaux_tc"

@@ -25,14 +25,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from runner.attention.ops import mla_attention
 from runner.attention.kv_cache import KVCacheSpec
-from runner.models.configs import DeepseekV2Config
-from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
+from runner.attention.ops import mla_attention
 from runner.config import DBO_SCHEDULES
 from runner.models.base import DecoderLayer, DecoderModel, MoECausalLM, current_attn_metadata, moe_or_dense_layer
+from runner.models.configs import DeepseekV2Config
+from runner.models.layers import DenseMLP, RMSNorm, RotaryEmbedding, yarn_softmax_mscale
 from runner.models.schedules import (
-    DEFAULT_DBO_SCHEDULE, DBOSchedule, ScheduledFusedMoE, pipeline_epilogue, pipeline_prologue, stage_boundary,
+    DEFAULT_DBO_SCHEDULE,
+    DBOSchedule,
+    ScheduledFusedMoE,
+    pipeline_epilogue,
+    pipeline_prologue,
+    stage_boundary,
 )
 from runner.models.weights import WeightSpec
 from ubatch import trace

@@ -11,7 +11,13 @@ from typing import Any
 from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig, DeepseekV2Config, Glm4MoeConfig, GptOssConfig
 from runner.models.standard_configs import (
-    LlamaConfig, MixtralConfig, OlmoeConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig,
+    LlamaConfig,
+    MixtralConfig,
+    OlmoeConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 # architecture -> (module, class name, config class)

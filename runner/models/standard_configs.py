@@ -79,7 +79,7 @@ class LlamaConfig(StandardConfig):
     family: ClassVar[str] = "LlamaForCausalLM"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "LlamaConfig":
+    def from_dict(cls, d: dict[str, Any]) -> LlamaConfig:
         out = cls._prepare(d)
         bias = bool(out.get("attention_bias", False))
         out.update(num_experts=0, qkv_bias=bias, o_bias=bias, mlp_bias=bool(out.get("mlp_bias", False)),
@@ -92,7 +92,7 @@ class Qwen2Config(StandardConfig):
     family: ClassVar[str] = "Qwen2ForCausalLM"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Qwen2Config":
+    def from_dict(cls, d: dict[str, Any]) -> Qwen2Config:
         cls._refuse_sliding_layers(cls.family, d)
         out = cls._prepare(d)
         out.update(num_experts=0, qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm="none", sliding_window=None)
@@ -104,7 +104,7 @@ class Qwen3Config(StandardConfig):
     family: ClassVar[str] = "Qwen3ForCausalLM"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Qwen3Config":
+    def from_dict(cls, d: dict[str, Any]) -> Qwen3Config:
         cls._refuse_sliding_layers(cls.family, d)
         out = cls._prepare(d)
         bias = bool(out.get("attention_bias", False))
@@ -120,7 +120,7 @@ class MixtralConfig(StandardConfig):
     family: ClassVar[str] = "MixtralForCausalLM"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "MixtralConfig":
+    def from_dict(cls, d: dict[str, Any]) -> MixtralConfig:
         out = cls._prepare(d)
         out.update(num_experts=out.get("num_local_experts", 8), moe_intermediate_size=out["intermediate_size"],
                    norm_topk_prob=True, qkv_bias=False, o_bias=False, qk_norm="none", decoder_sparse_step=1,
@@ -135,7 +135,7 @@ class Qwen2MoeConfig(StandardConfig):
     family: ClassVar[str] = "Qwen2MoeForCausalLM"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Qwen2MoeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> Qwen2MoeConfig:
         cls._refuse_sliding_layers(cls.family, d)
         out = cls._prepare(d)
         if "num_experts" not in out and "num_local_experts" in out:
@@ -153,7 +153,7 @@ class OlmoeConfig(StandardConfig):
     family: ClassVar[str] = "OlmoeForCausalLM"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "OlmoeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> OlmoeConfig:
         out = cls._prepare(d)
         if "num_experts" not in out and "num_local_experts" in out:
             out["num_experts"] = out["num_local_experts"]
@@ -173,7 +173,7 @@ class Qwen3MoeConfig(StandardConfig):
     family: ClassVar[str] = "Qwen3MoeForCausalLM"
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Qwen3MoeConfig":
+    def from_dict(cls, d: dict[str, Any]) -> Qwen3MoeConfig:
         cls._refuse_sliding_layers(cls.family, d)
         out = cls._prepare(d)
         if "num_experts" not in out and "num_local_experts" in out:

@@ -48,7 +48,7 @@ class DeviceSpec:
         return f"step_us={self.step_us:g},us_per_token={self.us_per_token:g}"
 
     @classmethod
-    def parse(cls, text: str) -> "DeviceSpec":
+    def parse(cls, text: str) -> DeviceSpec:
         """``"step_us=3000,us_per_token=0"`` (the ``--emulate-device`` syntax); both keys optional, one needed."""
         if not isinstance(text, str):
             raise ValueError(f"--emulate-device spec must be a string like 'step_us=3000,us_per_token=2', "

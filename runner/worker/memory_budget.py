@@ -14,8 +14,6 @@ from dataclasses import dataclass
 
 import torch
 
-from runner.config import RunnerConfig, check_gpu_memory_utilization
-from runner.worker.cuda_graphs import CapturingRunner
 from runner.attention.kv_cache import (
     KVCacheTooLargeError,
     allocate_kv_caches,
@@ -23,6 +21,8 @@ from runner.attention.kv_cache import (
     build_attention_metadata,
     kv_bytes_per_block,
 )
+from runner.config import RunnerConfig, check_gpu_memory_utilization
+from runner.worker.cuda_graphs import CapturingRunner
 
 logger = logging.getLogger("ubatch.runner")
 GIB = 1 << 30

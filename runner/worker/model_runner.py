@@ -20,10 +20,9 @@ With tracing on, the step's CPU phases (DP vote, input preparation, sampling) ar
 """
 from __future__ import annotations
 
+import logging
 from types import NotImplementedType
 from typing import Any, cast
-
-import logging
 
 import numpy as np
 import torch
@@ -31,35 +30,39 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from runner.attention import make_attention_backend
+from runner.attention.kv_cache import allocate_kv_caches, attention_arrays, blocks_needed, build_attention_metadata
+from runner.attention.metadata import PagedAttentionMetadata
+from runner.config import ConfigError
+from runner.distributed.device import torch_device
+from runner.distributed.dp import DPDecision, coordinate_batch_across_dp, local_decision
+from runner.models.loader import load_model
 from runner.worker.cuda_graphs import maybe_make_graph_runner
 from runner.worker.dbo_cost_model import DBOCostModel
 from runner.worker.dbo_step_timing import MeasuredDBO, make_step_timer
-from runner.distributed.device import torch_device
-from runner.distributed.dp import DPDecision, coordinate_batch_across_dp, local_decision
-from runner.attention.metadata import PagedAttentionMetadata
-from runner.attention.kv_cache import allocate_kv_caches, attention_arrays, blocks_needed, build_attention_metadata
-from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
-from runner.config import ConfigError
-from runner.models.loader import load_model
 from runner.worker.device_future_map import DeviceFutureMap
 from runner.worker.emulated_device import DeviceSpec, EmulatedDevice
+from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
+from runner.worker.outputs import ModelRunnerOutput, PromptLogprobs
 from runner.worker.pending import LaunchingRunner, PendingStep
 from runner.worker.prompt_logprobs import prompt_logprobs
 from runner.worker.sampler import PendingSample, Sampler, StepRows
-from runner.worker.outputs import ModelRunnerOutput, PromptLogprobs
 from runner.worker.scheduled_batch import SchedulerOutput
 from runner.worker.step_inputs import StagedFields, StepInputs, StepInputSizes
+from ubatch import trace
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
+from ubatch.log_once import log_once
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.experts import resolve_experts_backend
-from ubatch import trace
-from ubatch.log_once import log_once
-from ubatch.streams import Stream
 from ubatch.slicing import (
-    CommonAttentionMetadata, UBatchSlice, balanced_split_points, check_ubatch_thresholds, padded_ubatch_slices,
+    CommonAttentionMetadata,
+    UBatchSlice,
+    balanced_split_points,
+    check_ubatch_thresholds,
+    padded_ubatch_slices,
     split_attn_metadata,
 )
+from ubatch.streams import Stream
 from ubatch.wrapper import UBatchConfig, UBatchWrapper
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}

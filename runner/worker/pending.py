@@ -28,7 +28,7 @@ class PendingStep:
         self.read_at: float | None = None
 
     @classmethod
-    def ready(cls, output: ModelRunnerOutput) -> "PendingStep":
+    def ready(cls, output: ModelRunnerOutput) -> PendingStep:
         """A step whose output is already on the host (a runner that computes it at launch)."""
         return cls(lambda _timeout: output)
 

@@ -10,7 +10,6 @@ not depend on its batch, DP rank or DBO. Design: docs/design_notes.md, "Model ru
 from __future__ import annotations
 
 import time
-
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -153,7 +152,7 @@ class Sampler:
         _, pending = self.launch_step(logits, step)
         return pending.result()
 
-    def launch_step(self, logits: torch.Tensor, step: StepRows) -> tuple[torch.Tensor, "PendingSample"]:
+    def launch_step(self, logits: torch.Tensor, step: StepRows) -> tuple[torch.Tensor, PendingSample]:
         """Sample one token per row of ``step`` (at least one) on the device without waiting for it: the
         sampled-id tensor (for the next step's placeholders) and the pending read of the results."""
         self._check(logits, len(step))

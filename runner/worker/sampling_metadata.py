@@ -23,7 +23,16 @@ from runner.attention.kv_cache import host_to_device
 from runner.sampling_params import SamplingParams
 from runner.worker.sampling_noise import row_uniforms
 from runner.worker.sampling_settings import (
-    LOGIT_BIAS, LOGPROBS, MIN_P, MIN_TOKENS, PENALTIES, RANDOM, TEMPERATURE, TOP_K, TOP_P, SamplingSettings,
+    LOGIT_BIAS,
+    LOGPROBS,
+    MIN_P,
+    MIN_TOKENS,
+    PENALTIES,
+    RANDOM,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    SamplingSettings,
 )
 
 

@@ -144,7 +144,7 @@ class SamplingSettings:
 
     @classmethod
     def of_rows(cls, params: Sequence[SamplingParams], seeds: Sequence[int], prompt_lens: Sequence[int],
-                vocab_size: int, eos_token_ids: Iterable[int] = ()) -> "SamplingSettings":
+                vocab_size: int, eos_token_ids: Iterable[int] = ()) -> SamplingSettings:
         """A table for one batch given by hand: row ``i`` from ``params[i]``, ``seeds[i]``, ``prompt_lens[i]``."""
         table = cls(vocab_size, eos_token_ids, len(params))
         for i, (p, seed, prompt_len) in enumerate(zip(params, seeds, prompt_lens, strict=True)):

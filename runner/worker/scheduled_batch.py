@@ -86,7 +86,7 @@ class SchedulerOutput:
     @classmethod
     def from_arrays(cls, *, req_ids: np.ndarray, slots: np.ndarray, num_computed: np.ndarray,
                     query_lens: np.ndarray, sample: np.ndarray, token_ids: np.ndarray, blocks: BlockRows,
-                    requests: Sequence[Any], finished_req_ids: list[int], step_id: int) -> "SchedulerOutput":
+                    requests: Sequence[Any], finished_req_ids: list[int], step_id: int) -> SchedulerOutput:
         out = cls.__new__(cls)
         out._set(req_ids, slots, num_computed, query_lens, sample, token_ids, blocks, requests, finished_req_ids,
                  step_id)
@@ -142,7 +142,7 @@ class SchedulerOutput:
                     self.sample.tolist(), self.requests, self.slots.tolist())]
         return self._chunks
 
-    def with_token_ids(self, token_ids: np.ndarray) -> "SchedulerOutput":
+    def with_token_ids(self, token_ids: np.ndarray) -> SchedulerOutput:
         """A copy of this step with other token ids (placeholders resolved); this one is not touched."""
         if len(token_ids) != self.num_tokens:
             raise ValueError(f"{len(token_ids)} token ids for a step of {self.num_tokens} tokens")

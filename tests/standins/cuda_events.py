@@ -26,7 +26,7 @@ class FakeStream:
 
     _ids = itertools.count()
 
-    def __init__(self, cuda: "FakeCuda", name: str = "") -> None:
+    def __init__(self, cuda: FakeCuda, name: str = "") -> None:
         self.cuda = cuda
         self.t = 0.0
         self.name = name or f"stream{next(FakeStream._ids)}"
@@ -40,14 +40,14 @@ class FakeStream:
         self.t = start + seconds
         return start, self.t
 
-    def wait_event(self, event: "FakeEvent") -> None:
+    def wait_event(self, event: FakeEvent) -> None:
         if event.time is not None:  # an unrecorded event is complete already (CUDA's rule)
             self.t = max(self.t, event.time)
 
-    def wait_stream(self, other: "FakeStream") -> None:
+    def wait_stream(self, other: FakeStream) -> None:
         self.t = max(self.t, other.t)
 
-    def record_event(self, event: "FakeEvent | None" = None) -> "FakeEvent":
+    def record_event(self, event: FakeEvent | None = None) -> FakeEvent:
         event = event if event is not None else FakeEvent(self.cuda)
         event.record(self)
         return event
@@ -65,7 +65,7 @@ class FakeStream:
 class FakeEvent:
     """``torch.cuda.Event`` on the simulated timeline: it fires when its stream's earlier work is done."""
 
-    def __init__(self, cuda: "FakeCuda", enable_timing: bool = False) -> None:
+    def __init__(self, cuda: FakeCuda, enable_timing: bool = False) -> None:
         self.cuda = cuda
         self.enable_timing = enable_timing
         self.time: float | None = None
@@ -88,7 +88,7 @@ class FakeEvent:
     def query(self) -> bool:
         return self.time is None or self.cuda.host >= self.time
 
-    def elapsed_time(self, end: "FakeEvent") -> float:
+    def elapsed_time(self, end: FakeEvent) -> float:
         if not (self.enable_timing and end.enable_timing):
             raise RuntimeError("Both events must be created with argument 'enable_timing=True'")
         if self.time is None or end.time is None:
@@ -112,10 +112,10 @@ class FakeCuda:
         self.num_syncs = 0
 
     # -- the torch.cuda API --------------------------------------------------------------------------------
-    def Event(self, enable_timing: bool = False) -> FakeEvent:  # noqa: N802 (torch.cuda's name)
+    def Event(self, enable_timing: bool = False) -> FakeEvent:
         return FakeEvent(self, enable_timing)
 
-    def Stream(self, device: Any = None) -> FakeStream:  # noqa: N802
+    def Stream(self, device: Any = None) -> FakeStream:
         s = FakeStream(self)
         self.streams.append(s)
         return s

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -71,10 +71,10 @@ class EventHandle:
 class EventOverlap:
     """``deep_ep.EventOverlap`` (``deep_ep/utils/event.py``)."""
 
-    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[tuple] = None) -> None:
+    def __init__(self, event: EventHandle | None = None, extra_tensors: tuple | None = None) -> None:
         self.event = event
         self.extra_tensors = extra_tensors
-        self.hook_after_wait: Optional[Callable[[], None]] = None
+        self.hook_after_wait: Callable[[], None] | None = None
 
     def current_stream_wait(self, release_handle: bool = False) -> None:
         assert self.event is not None
@@ -85,7 +85,7 @@ class EventOverlap:
         if release_handle:
             self.event = None
 
-    def __enter__(self) -> "EventOverlap":
+    def __enter__(self) -> EventOverlap:
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -100,7 +100,7 @@ class Handle(tuple):
     ubatch: int
     call: int
 
-    def __new__(cls, items: Sequence[Any], kind: str, call: int, **extra: Any) -> "Handle":
+    def __new__(cls, items: Sequence[Any], kind: str, call: int, **extra: Any) -> Handle:
         obj = super().__new__(cls, items)
         obj.kind, obj.ubatch, obj.call = kind, dbo_current_ubatch_id(), call
         obj.__dict__.update(extra)
@@ -214,7 +214,7 @@ class Buffer:
 
     # ---- stream rules of the high-throughput kernels ---------------------------------------------------
     @contextlib.contextmanager
-    def _on_comm_stream(self, previous_event: Optional[EventOverlap], async_finish: bool,
+    def _on_comm_stream(self, previous_event: EventOverlap | None, async_finish: bool,
                         allocate_on_comm_stream: bool) -> Iterator[dict[str, Any]]:
         """The comm stream waits for ``previous_event`` (else the current stream), runs the kernel, then
         either an event is recorded on it (``async_finish``) or the current stream waits for it."""
@@ -240,9 +240,9 @@ class Buffer:
 
     # ---- high throughput (intranode) -----------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
-                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            previous_event: EventOverlap | None = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
-                            ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+                            ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, EventOverlap]:
         _require(topk_idx.dim() == 2, "topk_idx.dim() == 2")
         _require(topk_idx.is_contiguous(), "topk_idx.is_contiguous()")
         _require(num_experts > 0, "num_experts > 0")
@@ -260,13 +260,13 @@ class Buffer:
             per_rank = is_token_in_rank.sum(dim=0).to(torch.int32)
         return per_rank, None, per_expert, is_token_in_rank, EventOverlap(launch["event"])
 
-    def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: Optional[tuple] = None,
-                 num_tokens_per_rank: Optional[torch.Tensor] = None,
-                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
-                 is_token_in_rank: Optional[torch.Tensor] = None, num_tokens_per_expert: Optional[torch.Tensor] = None,
-                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
-                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+    def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor], handle: tuple | None = None,
+                 num_tokens_per_rank: torch.Tensor | None = None,
+                 num_tokens_per_rdma_rank: torch.Tensor | None = None,
+                 is_token_in_rank: torch.Tensor | None = None, num_tokens_per_expert: torch.Tensor | None = None,
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Config | None = None,
+                 previous_event: EventOverlap | None = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False) -> tuple[Any, ...]:
         config = self.get_dispatch_config(self.group_size) if config is None else config
         if self.group_size > NUM_MAX_NVL_PEERS:
@@ -381,10 +381,10 @@ class Buffer:
         shifted = torch.cat([torch.zeros(self.group_size, 1, dtype=torch.int64), theirs[:, :-1]], dim=1)
         return (starts.unsqueeze(1) + shifted).to(torch.int32)
 
-    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: Optional[torch.Tensor] = None,
-                bias: Any = None, config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+    def combine(self, x: torch.Tensor, handle: tuple, topk_weights: torch.Tensor | None = None,
+                bias: Any = None, config: Config | None = None, previous_event: EventOverlap | None = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         config = self.get_combine_config(self.group_size) if config is None else config
         if self.group_size > NUM_MAX_NVL_PEERS:
             raise NotImplementedError("DeepEP stand-in: internode combine (more than 8 ranks) is not modelled")
@@ -454,7 +454,7 @@ class Buffer:
 
     def _ll_finish(self, call: int, slot: _LLSlot, receive: Callable[[], None], async_finish: bool,
                    return_recv_hook: bool, launch_stream: streams.Stream
-                   ) -> tuple[Optional[EventHandle], Optional[Callable[[], None]]]:
+                   ) -> tuple[EventHandle | None, Callable[[], None] | None]:
         """Run (or hand out as the hook) the receive phase on ``launch_stream``, then the stream rules."""
         def recv_phase() -> None:
             if slot.owner != call:
@@ -481,11 +481,11 @@ class Buffer:
         return None, hook
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                             num_experts: int, cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                             dispatch_wait_recv_cost_stats: torch.Tensor | None = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False
-                             ) -> tuple[Any, torch.Tensor, tuple, EventOverlap, Optional[Callable]]:
+                             ) -> tuple[Any, torch.Tensor, tuple, EventOverlap, Callable | None]:
         assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2
         _require(self.low_latency_mode, "low_latency_mode")
         _require(x.dim() == 2 and x.is_contiguous() and x.dtype == torch.bfloat16,
@@ -553,9 +553,9 @@ class Buffer:
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
-                            return_recv_hook: bool = False, out: Optional[torch.Tensor] = None,
-                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None
-                            ) -> tuple[torch.Tensor, EventOverlap, Optional[Callable]]:
+                            return_recv_hook: bool = False, out: torch.Tensor | None = None,
+                            combine_wait_recv_cost_stats: torch.Tensor | None = None
+                            ) -> tuple[torch.Tensor, EventOverlap, Callable | None]:
         src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts = handle
         assert self.nvshmem_qp_depth >= (num_max_dispatch_tokens_per_rank + 1) * 2
         r, me = self.group_size, self.rank

@@ -9,7 +9,7 @@ as the real package does; what it cannot model raises ``NotImplementedError``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Tuple, Union
+from typing import Any, Callable, Union
 
 import torch
 
@@ -71,7 +71,7 @@ class EPHandle:
     def __init__(self, num_experts: int, expert_alignment: int, num_max_tokens_per_rank: int, num_sms: int,
                  topk_idx: torch.Tensor, num_recv_tokens: int, num_recv_tokens_per_expert_list: list,
                  psum_num_recv_tokens_per_scaleup_rank: torch.Tensor, psum_num_recv_tokens_per_expert: torch.Tensor,
-                 recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor, owner: "ElasticBuffer",
+                 recv_src_metadata: torch.Tensor, dst_buffer_slot_idx: torch.Tensor, owner: ElasticBuffer,
                  call: int) -> None:
         self.do_expand = False
         self.num_experts = num_experts
@@ -95,7 +95,7 @@ class EPHandle:
 class ElasticBuffer:
     """``deep_ep.ElasticBuffer`` on CPU: intranode (direct-mode) dispatch and combine over gloo."""
 
-    def __init__(self, group: Any, num_bytes: Optional[int] = None, num_cpu_bytes: int = 0,
+    def __init__(self, group: Any, num_bytes: int | None = None, num_cpu_bytes: int = 0,
                  num_max_tokens_per_rank: int = 0, hidden: int = 0, num_topk: int = 0,
                  use_fp8_dispatch: bool = False, deterministic: bool = False, allow_hybrid_mode: bool = True,
                  allow_multiple_reduction: bool = True, prefer_overlap_with_compute: bool = True, sl_idx: int = 3,
@@ -139,13 +139,13 @@ class ElasticBuffer:
     def get_comm_stream(self) -> streams.Stream:
         return self._comm
 
-    def get_physical_domain_size(self) -> Tuple[int, int]:
+    def get_physical_domain_size(self) -> tuple[int, int]:
         return self.num_rdma_ranks, self.num_nvlink_ranks
 
-    def get_logical_domain_size(self) -> Tuple[int, int]:
+    def get_logical_domain_size(self) -> tuple[int, int]:
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
@@ -159,7 +159,7 @@ class ElasticBuffer:
         return min(num_qps, self.num_allocated_qps)
 
     # ---- stream rules (``stream_control_prologue`` / ``stream_control_epilogue``) -----------------------
-    def _prologue(self, previous_event: Optional[EventHandle], allocate_on_comm_stream: bool) -> streams.Stream:
+    def _prologue(self, previous_event: EventHandle | None, allocate_on_comm_stream: bool) -> streams.Stream:
         if previous_event is not None and not isinstance(previous_event, EventHandle):
             raise TypeError(f"previous_event must be a deep_ep EventHandle (ElasticBuffer.capture()), got "
                             f"{type(previous_event).__name__}: V2 takes the bare event, not an EventOverlap")
@@ -195,17 +195,17 @@ class ElasticBuffer:
         return handle
 
     # ---- dispatch ----------------------------------------------------------------------------------------
-    def dispatch(self, x: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
-                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
-                 cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
-                 num_experts: Optional[int] = None, num_max_tokens_per_rank: Optional[int] = None,
-                 expert_alignment: Optional[int] = None, num_sms: int = 0, num_qps: int = 0,
-                 previous_event: Optional[EventHandle] = None,
-                 previous_event_before_epilogue: Optional[EventHandle] = None,
+    def dispatch(self, x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
+                 topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
+                 cumulative_local_expert_recv_stats: torch.Tensor | None = None,
+                 num_experts: int | None = None, num_max_tokens_per_rank: int | None = None,
+                 expert_alignment: int | None = None, num_sms: int = 0, num_qps: int = 0,
+                 previous_event: EventHandle | None = None,
+                 previous_event_before_epilogue: EventHandle | None = None,
                  async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False,
-                 handle: Optional[EPHandle] = None, do_handle_copy: bool = True, do_cpu_sync: Optional[bool] = None,
+                 handle: EPHandle | None = None, do_handle_copy: bool = True, do_cpu_sync: bool | None = None,
                  do_expand: bool = False, do_zero_padding: bool = False, use_tma_aligned_col_major_sf: bool = False
-                 ) -> Tuple[Any, Optional[torch.Tensor], Optional[torch.Tensor], EPHandle, EventOverlap]:
+                 ) -> tuple[Any, torch.Tensor | None, torch.Tensor | None, EPHandle, EventOverlap]:
         if isinstance(x, tuple):
             raise NotImplementedError("DeepEP V2 stand-in: FP8 (tuple) dispatch input is not modelled")
         if do_expand:
@@ -319,12 +319,12 @@ class ElasticBuffer:
         return recv_x, recv_topk_idx, recv_topk_weights, handle, event
 
     # ---- combine -----------------------------------------------------------------------------------------
-    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: Optional[torch.Tensor] = None,
-                bias: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor], None] = None, num_sms: int = 0,
-                num_qps: int = 0, previous_event: Optional[EventHandle] = None,
-                previous_event_before_epilogue: Optional[EventHandle] = None,
+    def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
+                bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None, num_sms: int = 0,
+                num_qps: int = 0, previous_event: EventHandle | None = None,
+                previous_event_before_epilogue: EventHandle | None = None,
                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False
-                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+                ) -> tuple[torch.Tensor, torch.Tensor | None, EventOverlap]:
         self._check_handle(handle, "combine")
         num_sms = handle.num_sms if num_sms == 0 else num_sms
         num_qps = self.get_theoretical_num_qps(num_sms) if num_qps == 0 else num_qps

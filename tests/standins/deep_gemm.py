@@ -18,8 +18,6 @@ The architecture the real library reads from the device is a module setting here
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 __version__ = "2.x (CPU stand-in)"
@@ -117,8 +115,8 @@ def _effective_scales(sf: torch.Tensor, mn: int, k: int, gran_mn: int, gran_k: i
 
 def m_grouped_fp8_gemm_nt_masked(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
                                  d: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
-                                 recipe: Optional[tuple[int, int, int]] = None,
-                                 recipe_a: Optional[tuple[int, int]] = None, recipe_b: Optional[tuple[int, int]] = None,
+                                 recipe: tuple[int, int, int] | None = None,
+                                 recipe_a: tuple[int, int] | None = None, recipe_b: tuple[int, int] | None = None,
                                  compiled_dims: str = "nk", disable_ue8m0_cast: bool = False) -> None:
     """``d[g, :masked_m[g]] = a[g, :masked_m[g]] @ b[g].T`` with fp8 operands and their scales."""
     (qa, sfa), (qb, sfb) = a, b

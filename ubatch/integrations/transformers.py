@@ -189,5 +189,5 @@ def make_dbo_capable(model: nn.Module, parallel: MoEParallelConfig | None = None
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, fused_moe_from_block(block, config, runtime, family))
-    setattr(model, "moe_runtime", runtime)  # a plain attribute: nn.Module's typed __setattr__ is for submodules
+    setattr(model, "moe_runtime", runtime)  # noqa: B010  (a plain attribute: nn.Module's typed __setattr__ is for submodules)
     return model

@@ -20,7 +20,13 @@ from typing import Callable
 import torch
 
 from ubatch import trace
-from ubatch.context import dbo_current_ubatch_id, dbo_enabled, dbo_maybe_run_recv_hook, dbo_register_recv_hook, dbo_yield
+from ubatch.context import (
+    dbo_current_ubatch_id,
+    dbo_enabled,
+    dbo_maybe_run_recv_hook,
+    dbo_register_recv_hook,
+    dbo_yield,
+)
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.prepare_finalize.base import Hook, PrepareFinalize
 from ubatch.modular_moe.two_stream import TwoStreamCombine

@@ -21,7 +21,12 @@ import torch
 from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.prepare_finalize import (
-    EmulatedLink, LinkSpec, PrepareFinalize, make_prepare_finalize, parse_link, phase_backends,
+    EmulatedLink,
+    LinkSpec,
+    PrepareFinalize,
+    make_prepare_finalize,
+    parse_link,
+    phase_backends,
 )
 
 

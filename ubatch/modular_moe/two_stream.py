@@ -85,7 +85,7 @@ def _accepts_overlap_args(obj: Any) -> bool:
     return callable(getattr(obj, "set_sbo_overlap_args", None))
 
 
-def static_tokens(tokens: "ExpertTokens") -> int:
+def static_tokens(tokens: ExpertTokens) -> int:
     """The token dimension the down GEMM tiles over: the masked capacity, or the contiguous row count."""
     return tokens.hidden.shape[1] if tokens.layout == "masked" else tokens.hidden.shape[0]
 
@@ -106,7 +106,7 @@ class TwoStreamCombine:
     must keep the args per ``dbo_current_ubatch_id()``. No backend in this repository implements it yet.
     """
 
-    def __init__(self, flags: SboFlags, prepare_finalize: Any, experts: Any, tokens: "ExpertTokens",
+    def __init__(self, flags: SboFlags, prepare_finalize: Any, experts: Any, tokens: ExpertTokens,
                  device: torch.device) -> None:
         self.flags = flags
         self.pf = prepare_finalize

@@ -14,8 +14,8 @@ import json
 import math
 import shlex
 import statistics
-import tempfile
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +23,14 @@ from runner.entrypoints.benchserve.metrics import BenchmarkMetrics
 from runner.entrypoints.benchserve.run import ProfileWindow, RunResult, run_once
 from runner.entrypoints.benchserve.server_proc import ServerProcess
 from runner.entrypoints.benchserve.vllm_result import (
-    DEFAULT_METRIC_PERCENTILES, DEFAULT_PERCENTILE_METRICS, PERCENTILE_METRICS, RunSettings, parse_metric_percentiles,
-    parse_percentile_metrics, result_filename, vllm_result,
+    DEFAULT_METRIC_PERCENTILES,
+    DEFAULT_PERCENTILE_METRICS,
+    PERCENTILE_METRICS,
+    RunSettings,
+    parse_metric_percentiles,
+    parse_percentile_metrics,
+    result_filename,
+    vllm_result,
 )
 from runner.entrypoints.benchserve.workload import arrival_offsets, random_requests
 

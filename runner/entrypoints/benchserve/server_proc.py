@@ -53,7 +53,7 @@ class ServerProcess:
         self.log_path = self.log.name
         self.proc: subprocess.Popen | None = None
 
-    def __enter__(self) -> "ServerProcess":
+    def __enter__(self) -> ServerProcess:
         self.start()
         return self
 

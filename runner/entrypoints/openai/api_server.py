@@ -33,8 +33,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from runner.engine.protocol import EngineClient
 from runner.entrypoints.openai.cli_args import (
     request_logging,
-    server_limits,
     served_model_names,
+    server_limits,
     uvicorn_access_log,
 )
 from runner.entrypoints.openai.errors import OpenAIError, redact

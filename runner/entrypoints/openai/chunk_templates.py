@@ -40,7 +40,7 @@ class ChunkTemplate:
         self._kinds = kinds
 
     @classmethod
-    def render(cls, render: Callable[..., str], kinds: dict[str, SlotKind]) -> "ChunkTemplate":
+    def render(cls, render: Callable[..., str], kinds: dict[str, SlotKind]) -> ChunkTemplate:
         """The template of ``render(**values)`` (an event rendered through its model) for the fields in ``kinds``."""
         markers: dict[str, Value] = {}
         found_as: dict[str, str] = {}  # how each marker reads in the rendered chunk
@@ -68,7 +68,7 @@ class ChunkTemplate:
         pieces.append(text[at:])
         return cls(pieces, slots, dict(kinds))
 
-    def bind(self, **values: Value) -> "ChunkTemplate":
+    def bind(self, **values: Value) -> ChunkTemplate:
         """This template with these fields filled."""
         pieces, slots = [self._pieces[0]], []
         for slot, piece in zip(self._slots, self._pieces[1:]):

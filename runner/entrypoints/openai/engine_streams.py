@@ -19,8 +19,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from types import GeneratorType
 from collections.abc import Coroutine
+from types import GeneratorType
 from typing import Any, Awaitable, Callable, MutableMapping
 
 from runner.engine.protocol import CloseStream, EngineClient
@@ -64,7 +64,7 @@ class EngineStreams:
     """The engine streams of one HTTP request (``request_ids[i]`` for prompt i, opened with :meth:`open`)."""
 
     def __init__(self, engine: EngineClient, request_ids: list[str], receive: Receive | None,
-                 on_close: Callable[["EngineStreams"], None] | None = None) -> None:
+                 on_close: Callable[[EngineStreams], None] | None = None) -> None:
         self.engine = engine
         self.request_ids = request_ids
         self.finished = [False] * len(request_ids)  # the engine reported the request finished

@@ -33,7 +33,7 @@ def _rest(coroutine: Coroutine[Any, Any, None], waiting_on: Any) -> Generator[An
     while True:
         try:
             yield waiting_on
-        except BaseException as exc:  # the awaiting task was cancelled, or a future it waited on failed
+        except BaseException as exc:  # noqa: BLE001  (the awaiting task was cancelled, or a future it waited on failed)
             try:
                 waiting_on = coroutine.throw(exc)
             except StopIteration:

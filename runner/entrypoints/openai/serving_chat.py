@@ -78,7 +78,7 @@ class OpenAIServingChat(OpenAIServing):
         try:
             text = tokenizer.apply_chat_template([m.template_dict() for m in request.messages], **kwargs,
                                                  add_generation_prompt=request.add_generation_prompt, tokenize=False)
-        except Exception as exc:  # a template that raises on these messages (jinja's raise_exception, a bad key)
+        except Exception as exc:  # noqa: BLE001  (a template that raises on these messages (jinja's raise_exception, a bad key))
             raise bad_request(f"The chat template of `{model}` failed on these messages: {exc}", "messages") from None
         return EnginePrompt(text, self.tokenize(text, "messages", request.add_special_tokens))
 

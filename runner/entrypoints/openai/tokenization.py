@@ -71,7 +71,7 @@ def _chat_ids(tokenizer: Any, request: TokenizeChatRequest, model: str) -> list[
                                              **(request.chat_template_kwargs or {}), tokenize=False,
                                              add_generation_prompt=request.add_generation_prompt,
                                              continue_final_message=request.continue_final_message)
-    except Exception as exc:  # a template that raises on these messages
+    except Exception as exc:  # noqa: BLE001  (a template that raises on these messages)
         raise bad_request(f"The chat template of `{model}` failed on these messages: {exc}", "messages") from None
     return list(tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"])
 

@@ -17,11 +17,21 @@ from typing import Any, Sequence
 import torch
 
 from ubatch.context import (
-    dbo_current_ubatch_id, dbo_get_previous_event, dbo_num_ubatches, dbo_switch_to_comm, dbo_switch_to_compute,
-    dbo_switch_to_compute_sync, dbo_yield_and_switch_from_comm_to_compute, dbo_yield_and_switch_from_compute_to_comm,
+    dbo_current_ubatch_id,
+    dbo_get_previous_event,
+    dbo_num_ubatches,
+    dbo_switch_to_comm,
+    dbo_switch_to_compute,
+    dbo_switch_to_compute_sync,
+    dbo_yield_and_switch_from_comm_to_compute,
+    dbo_yield_and_switch_from_compute_to_comm,
 )
 from ubatch.modular_moe.prepare_finalize.base import (
-    FinalizeReceiver, Hook, PrepareFinalize, PrepareReceiver, device_start,
+    FinalizeReceiver,
+    Hook,
+    PrepareFinalize,
+    PrepareReceiver,
+    device_start,
 )
 from ubatch.modular_moe.types import ExpertTokens
 

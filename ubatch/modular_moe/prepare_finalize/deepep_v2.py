@@ -18,7 +18,11 @@ import torch
 from ubatch.context import dbo_current_ubatch_id
 from ubatch.forward_context import maybe_get_forward_context
 from ubatch.modular_moe.prepare_finalize.base import (
-    FinalizeReceiver, Hook, PrepareFinalize, PrepareReceiver, device_start,
+    FinalizeReceiver,
+    Hook,
+    PrepareFinalize,
+    PrepareReceiver,
+    device_start,
 )
 from ubatch.modular_moe.prepare_finalize.deepep import _check_bf16, import_deep_ep
 from ubatch.modular_moe.types import ExpertTokens

@@ -20,7 +20,6 @@ from ubatch import streams, trace
 from ubatch.modular_moe.comm import Handle
 from ubatch.modular_moe.prepare_finalize import device_wait
 
-
 # Bounds of a modelled link. A transfer is waited for while the run holds its collectives open, so a latency
 # of minutes (latency_us=1e9) only hangs the run: 1 s per transfer is already slower than any real network.
 # Below 1 MB/s a step's all-to-all would take minutes too.
@@ -55,7 +54,7 @@ class LinkSpec:
         return self.latency_us * 1e-6 + nbytes / (self.gbps * 1e9)
 
     @classmethod
-    def calibrated(cls, nbytes: int, transfers: int, seconds: float, latency_us: float = 20.0) -> "LinkSpec":
+    def calibrated(cls, nbytes: int, transfers: int, seconds: float, latency_us: float = 20.0) -> LinkSpec:
         """The link on which ``transfers`` transfers of ``nbytes`` bytes in all take ``seconds`` one after the
         other: each pays ``latency_us`` once and the bandwidth carries the bytes in what is left (benchmarks set
         the link relative to a measured compute time this way)."""
@@ -67,7 +66,7 @@ class LinkSpec:
         return f"latency_us={self.latency_us:g}" + ("" if math.isinf(self.gbps) else f",gbps={self.gbps:.6g}")
 
     @classmethod
-    def parse(cls, text: str) -> "LinkSpec":
+    def parse(cls, text: str) -> LinkSpec:
         """``"latency_us=50,gbps=10"`` (the ``--emulate-link`` syntax); both keys optional."""
         values: dict[str, float] = {}
         for part in filter(None, (p.strip() for p in text.split(","))):
@@ -89,7 +88,7 @@ class LinkSpec:
 
 class _DeadlineHandle:
     def __init__(self, inner: Handle | None, deadline: float, on_done: Callable[[float], None] | None,
-                 link: "EmulatedLink") -> None:
+                 link: EmulatedLink) -> None:
         self.inner, self.deadline, self.on_done, self.link = inner, deadline, on_done, link
 
     def wait(self) -> None:
@@ -168,7 +167,7 @@ class EmulatedLink:
         on_done = None
         if rec is not None:
             track, pid = _comm_track(), trace.current_pid()  # the posting rank's, as the wait may run elsewhere
-            on_done = lambda end: rec.span(label, "comm", track, now, end, pid=pid, bytes=nbytes)  # noqa: E731
+            on_done = lambda end: rec.span(label, "comm", track, now, end, pid=pid, bytes=nbytes)
         return _DeadlineHandle(inner, deadline, on_done, self)
 
     def _cuda_transfer(self, seconds: float, inner: Handle | None, rec: trace.TraceRecorder | None, label: str,

@@ -5,7 +5,13 @@ from typing import Any
 
 import torch
 
-from ubatch.modular_moe.prepare_finalize.base import FinalizeReceiver, Hook, PrepareFinalize, PrepareReceiver, routed_bytes
+from ubatch.modular_moe.prepare_finalize.base import (
+    FinalizeReceiver,
+    Hook,
+    PrepareFinalize,
+    PrepareReceiver,
+    routed_bytes,
+)
 from ubatch.modular_moe.types import ExpertTokens
 
 

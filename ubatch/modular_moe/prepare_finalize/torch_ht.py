@@ -25,7 +25,12 @@ import torch
 from ubatch import trace
 from ubatch.modular_moe.comm import AllToAll
 from ubatch.modular_moe.prepare_finalize.base import (
-    FinalizeReceiver, Hook, PrepareFinalize, PrepareReceiver, pick_group, routed_bytes,
+    FinalizeReceiver,
+    Hook,
+    PrepareFinalize,
+    PrepareReceiver,
+    pick_group,
+    routed_bytes,
 )
 from ubatch.modular_moe.prepare_finalize.emulated_link import sum_handles
 from ubatch.modular_moe.types import ExpertTokens
