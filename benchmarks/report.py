@@ -61,8 +61,7 @@ def benches(quick: bool) -> list[Bench]:
               "model's forward (forward hooks): what a GPU would wait for the host each step; *(-sampl)*: the same "
               "less `ModelRunner._launch_sampling` (the logits and the sampler). The phase table is thread CPU time, so the "
               "other processes on this machine do not inflate it; its sum can exceed *host* with the overlap loop, "
-              "where part of it runs next to the forward. The engine before its host-time rewrite, measured the same "
-              "way, is in the recorded section near the end of this report."),
+              "where part of it runs next to the forward."),
         Bench("engine_single", "The engine's DBO, one process: the link model alone",
               ["benchmarks/bench_engine_dbo.py", "--modes", "single", "--repeats", moe_r,
                "--output", "benchmarks/results/engine_dbo_single.csv"],
@@ -93,8 +92,8 @@ def benches(quick: bool) -> list[Bench]:
                "--max-tokens", "32", "--max-num-seqs", "64", "--disable-tqdm",
                "--output-csv", "benchmarks/results/runner_bench_default.csv"],
               "The default thresholds and the measured cost model decide where DBO runs. On the tiny built-in "
-              "model (hidden 64) every op is dispatch-bound and DBO loses (next section), so the cost model tries "
-              "it once per step size and keeps it off; the ratio shows what that exploration costs."),
+              "model (hidden 64) every op is dispatch-bound; the run shows which buckets the cost model turned DBO on "
+              "in, and that the outputs do not change."),
         Bench("runner_bench", "End to end, DBO forced: `python -m runner bench` on the tiny model",
               ["-m", "runner", "bench", "--model", "tiny-qwen3-moe", "--data-parallel-size", "2",
                "--enable-expert-parallel", "--dbo-decode-token-threshold", "8", "--dbo-prefill-token-threshold", "32",
@@ -160,7 +159,7 @@ def benches(quick: bool) -> list[Bench]:
 # commit with this one -- which a run of this script cannot regenerate: every section whose title ends with this
 # mark is kept from the existing report as it is, in its order.
 RECORDED_MARK = "(recorded)"
-GPU_RECORD_TITLE = "GPU check on one H100: the first `make gpu-check`, and after its fixes (recorded)"
+GPU_RECORD_TITLE = "GPU check on one H200 (recorded)"
 
 
 def machine() -> str:
@@ -249,8 +248,8 @@ def main() -> None:
             continue
         cmd = "python " + " ".join(b.argv)
         if b.needs_gpu and not has_gpu:
-            sections.append(f"## {b.title}\n\n{b.what}\n\nNot run here: needs a CUDA GPU (`{cmd}`). Figures measured "
-                            f"on an H100 are in the recorded section \"{GPU_RECORD_TITLE}\".\n")
+            sections.append(f"## {b.title}\n\n{b.what}\n\nNot run here: needs a CUDA GPU (`{cmd}`). The current GPU "
+                            f"figures are in the recorded section \"{GPU_RECORD_TITLE}\".\n")
             continue
         if not (ROOT / b.argv[0]).exists() and b.argv[0] != "-m":
             sections.append(f"## {b.title}\n\nNot run: `{b.argv[0]}` does not exist yet.\n")
