@@ -25,8 +25,8 @@ import torch
 from common import RESULTS_DIR, write_csv
 from runner.attention.kv_cache import BlockRows
 from runner.core.scheduler import Request
+from runner.core.scheduler_output import SchedulerOutput
 from runner.sampling_params import SamplingParams
-from runner.worker.scheduled_batch import SchedulerOutput
 
 MODES = ("greedy", "random", "all")
 PROMPT_LEN = 32  # tokens of history each row's penalty counts start from (sampler part)
@@ -63,7 +63,8 @@ def step_of(reqs: list[Request], start: int, tokens: list[list[int]], step_id: i
         req_ids=np.arange(n, dtype=np.int64), slots=np.arange(n, dtype=np.int64),
         num_computed=np.full(n, start, dtype=np.int64), query_lens=np.array([len(t) for t in tokens], dtype=np.int64),
         sample=np.ones(n, dtype=bool), token_ids=np.array([t for ts in tokens for t in ts], dtype=np.int64),
-        blocks=BlockRows.from_lists([[i] for i in range(n)]), requests=reqs, finished_req_ids=[], step_id=step_id)
+        blocks=BlockRows.from_lists([[i] for i in range(n)]), requests=[r.snapshot for r in reqs], finished_req_ids=[],
+        step_id=step_id)
 
 
 def requests_for(params: SamplingParams, prompts: list[list[int]]) -> list[Request]:

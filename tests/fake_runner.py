@@ -16,12 +16,14 @@ from typing import Any, Sequence
 
 import torch
 
+from runner.core.future_map import FutureTokenMap
+from runner.core.runner_output import ModelRunnerOutput, PendingStep
+from runner.core.scheduler_output import SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.dbo_step_timing import MeasuredDBO
-from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.sampler import Sampler, request_seed
 from runner.worker.sampling_metadata import RowSpec
-from runner.worker.scheduled_batch import SchedulerOutput
+from ubatch import trace
 
 
 def logits_for(history: Sequence[int], vocab_size: int) -> torch.Tensor:
@@ -57,9 +59,23 @@ def reference_generate(prompt: list[int], params: SamplingParams, vocab_size: in
             return out, "length"
 
 
+def forward_step(runner: FakeRunner, future_map: FutureTokenMap, out: SchedulerOutput) -> ModelRunnerOutput | None:
+    """The forward side of one step of a runner that computes on the host: resolve ``out``'s placeholders from
+    ``future_map``, run it, store what it sampled under each request's slot for the next step."""
+    with trace.region("resolve", "step", track="step"):
+        resolved = future_map.resolve(out)
+    output = runner.step(resolved)
+    with trace.region("store", "step", track="step"):
+        if output is not None and output.sampled_token_ids:
+            future_map.store_sampled(out, output.sampled_token_ids)
+    return output
+
+
 class FakeRunner:
-    """A :class:`~runner.worker.runner_protocol.ModelRunnerProtocol` whose steps compute on the host: one rank, no
-    device of its own, no DBO cost model, no emulated link."""
+    """A :class:`~runner.core.runner_protocol.ModelRunnerProtocol` whose steps compute on the host: one rank, no
+    device of its own, no DBO cost model, no emulated link. :meth:`launch` resolves placeholders from its own
+    host future-token map and computes the step at once (a ready :class:`PendingStep`); :meth:`step` computes
+    a step whose inputs are real tokens (subclasses override it to watch or gate steps)."""
 
     rank, world_size = 0, 1
     device: torch.device | None = None
@@ -75,6 +91,15 @@ class FakeRunner:
         self.cache = [-1] * (num_kv_blocks * block_size)
         self.num_steps = 0
         self.steps: list[SchedulerOutput] = []
+        self.future_map = FutureTokenMap(1)  # grows to the slots the scheduler names
+
+    @property
+    def num_placeholders_resolved(self) -> int:
+        return self.future_map.num_resolved
+
+    def launch(self, sched: SchedulerOutput) -> PendingStep | None:
+        output = forward_step(self, self.future_map, sched)
+        return None if output is None else PendingStep.ready(output)
 
     def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         if not sched.chunks:

@@ -14,11 +14,11 @@ import pytest
 from cudagraph import GraphKey
 from cudagraph.backends import EagerReplayBackend
 from runner.config import RunnerConfig
+from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.cuda_graphs import make_graph_runner
 from runner.worker.dbo_cost_model import Execution, StepRecord
 from runner.worker.model_runner import ModelRunner
-from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 from ubatch import trace
 
 NUM_REQS, PROMPT, BLOCKS_PER_REQ = 8, 5, 16

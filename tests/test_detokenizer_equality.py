@@ -11,13 +11,13 @@ from dataclasses import fields
 import pytest
 
 from runner.core.requests import EngineCoreOutput
+from runner.core.runner_output import TokenLogprobs
 from runner.engine.byte_level import byte_level_table
 from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.tokenizer import make_decoder
 from runner.outputs import CompletionOutput, RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams
-from runner.worker.outputs import TokenLogprobs
 
 pytest.importorskip("transformers")
 

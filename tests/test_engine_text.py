@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from runner.core.requests import EngineCoreOutput
+from runner.core.runner_output import TokenLogprobs
 from runner.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from runner.engine.generation_config import GenerationConfig, GenerationConfigError, load_generation_config
 from runner.engine.output_processor import OutputProcessor
@@ -24,7 +25,6 @@ from runner.engine.tokenizer import (
 )
 from runner.outputs import Logprob
 from runner.sampling_params import RequestOutputKind, SamplingParams
-from runner.worker.outputs import TokenLogprobs
 
 transformers = pytest.importorskip("transformers")
 

@@ -110,6 +110,11 @@ def test_packages_depend_one_way() -> None:
 # sampling_params, tracing, ...) are shared leaves that every layer may use; they import no layer above them
 # except ``distributed`` (device choice) and ``models``/``attention`` helpers, checked by the cycle test.
 RUNNER_LAYERS = ("entrypoints", "engine", "core", "worker", "models", "attention", "distributed")
+# The step contract -- what the scheduler hands a model runner and what it hands back -- is the engine core's
+# (vLLM's worker imports ``vllm.v1.core.sched.output`` the same way): the model runner implements it, so
+# ``worker`` may import these modules of ``core`` and no other, and they import no layer above ``models``
+# (test_the_step_contract_imports_no_layer_above_models), so no path through them leads back into core.
+STEP_CONTRACT = frozenset({"runner.core.scheduler_output", "runner.core.runner_output"})
 
 
 def _runner_layer(module: str) -> int | None:
@@ -124,5 +129,15 @@ def test_runner_layers_depend_one_way() -> None:
     assert {m.split(".")[1] for m in graph if _runner_layer(m) is not None} >= {"entrypoints", "core", "worker"}
     upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
                     if _runner_layer(m) is not None and _runner_layer(t) is not None
-                    and _runner_layer(t) < _runner_layer(m))
+                    and _runner_layer(t) < _runner_layer(m)
+                    and not (m.startswith("runner.worker.") and t in STEP_CONTRACT))
     assert upward == []
+
+
+def test_the_step_contract_imports_no_layer_above_models() -> None:
+    graph = import_graph()
+    assert STEP_CONTRACT <= graph.keys()
+    models = RUNNER_LAYERS.index("models")
+    above = sorted(f"{m} -> {t}" for m in STEP_CONTRACT for t in graph[m]
+                   if _runner_layer(t) is not None and _runner_layer(t) < models)
+    assert above == []

@@ -15,9 +15,9 @@ import torch
 
 from runner.attention.kv_cache import build_attention_metadata
 from runner.config import RunnerConfig
+from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.model_runner import ModelRunner
-from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 from sync_counter import SyncCounter
 from ubatch.forward_context import set_forward_context
 

@@ -16,17 +16,17 @@ import pytest
 import torch
 
 from devices import device_args
-from fake_runner import FakeRunner, reference_generate
+from fake_runner import FakeRunner, forward_step, reference_generate
 from runner.config import RunnerConfig
 from runner.core.future_map import FutureTokenMap
-from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError, forward_step, run_steps
+from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError, run_steps
 from runner.core.scheduler import Scheduler
+from runner.core.scheduler_output import SchedulerOutput
 from runner.core.slots import SlotPool, placeholder
 from runner.entrypoints.cli import build_parser, job_from_args
 from runner.entrypoints.llm import LLM
 from runner.sampling_params import SamplingParams
 from runner.worker.sampler import request_seed
-from runner.worker.scheduled_batch import SchedulerOutput
 
 VOCAB = 64
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,9 +10,9 @@ import torch
 
 from fake_runner import FakeRunner, reference_generate
 from runner.core.scheduler import Scheduler
+from runner.core.scheduler_output import ScheduledChunk
 from runner.sampling_params import SamplingParams
 from runner.worker.penalties import PenaltyState
-from runner.worker.scheduled_batch import ScheduledChunk
 from test_overlap_loop import drive
 
 V = 64

@@ -25,11 +25,11 @@ from reference_metadata import reference_attention_metadata, reference_request_g
 from runner.attention.kv_cache import blocks_needed, build_attention_metadata
 from runner.attention.metadata import build_paged_metadata
 from runner.attention.torch_backend import TorchAttentionBackend
+from runner.core.runner_output import ModelRunnerOutput
 from runner.core.scheduler import Scheduler
+from runner.core.scheduler_output import SchedulerOutput
 from runner.sampling_params import SamplingParams
-from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.sampler import request_seed
-from runner.worker.scheduled_batch import SchedulerOutput
 
 SETTINGS = settings(max_examples=120, deadline=None)
 FIELDS = ("query_start_loc", "query_start_loc_cpu", "seq_lens", "seq_lens_cpu", "block_table", "slot_mapping",

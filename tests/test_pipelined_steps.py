@@ -20,12 +20,12 @@ import pytest
 import torch
 
 from runner.config import ConfigError, RunnerConfig
+from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.core.slots import placeholder
 from runner.entrypoints.cli import build_parser, job_from_args
 from runner.sampling_params import SamplingParams
 from runner.worker.device_future_map import DeviceFutureMap
 from runner.worker.emulated_device import DeviceSpec, DeviceWaitTimeout, EmulatedDevice
-from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 from tiny_checkpoint import tiny_chat_checkpoint  # noqa: F401 - a fixture
 
 PIPELINED = dict(disable_overlap_schedule=False)

@@ -197,8 +197,8 @@ def test_device_side_makes_no_host_sync_with_every_option_on(monkeypatch: pytest
     The greedy rows' argmax is the one op that differs by device: on the CPU ``argmax_rows`` and
     ``greedy_tokens`` read the logits' host memory through numpy (there is no device to wait for), elsewhere they
     are tensor work, which is what runs here."""
+    from runner.core.scheduler_output import ScheduledChunk
     from runner.worker import sampling_ops
-    from runner.worker.scheduled_batch import ScheduledChunk
 
     monkeypatch.setattr(sampling_ops, "argmax_rows", lambda x: x.argmax(dim=-1))
     monkeypatch.setattr(sampling_ops, "greedy_tokens", sampling_ops.greedy_tokens_torch)

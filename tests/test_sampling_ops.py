@@ -22,11 +22,11 @@ from transformers.generation.logits_process import (
 )
 
 import runner.worker.sampler as sampler_module
+from runner.core.scheduler_output import ScheduledChunk
 from runner.sampling_params import SamplingParams
 from runner.worker import sampling_ops as ops
 from runner.worker.sampler import Sampler
 from runner.worker.sampling_metadata import RowSpec
-from runner.worker.scheduled_batch import ScheduledChunk
 
 V = 64
 

@@ -16,6 +16,7 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
@@ -26,11 +27,11 @@ import torch
 from fake_runner import FakeRunner, run_wave
 from reference_sampling_metadata import reference_sampling_metadata
 from runner.core.scheduler import Scheduler
+from runner.core.scheduler_output import RequestSnapshot, ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.sampler import Sampler, StepRows, request_seed
 from runner.worker.sampling_metadata import RowSpec, SamplingMetadata, build_sampling_metadata, settings_of_rows
 from runner.worker.sampling_settings import SamplingSettings
-from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
 V = 64
 EOS = 7
@@ -184,9 +185,8 @@ def test_a_slot_written_by_another_request_is_rewritten() -> None:
     to the same slot with other settings (at position 0, as the scheduler admits it)."""
     sampler = Sampler(V, "cpu")
 
-    class Req:
-        def __init__(self, params: SamplingParams) -> None:
-            self.sampling, self.seed, self.prompt_token_ids = params, 5, [1, 2]
+    def Req(params: SamplingParams) -> RequestSnapshot:
+        return RequestSnapshot(params, 5, (1, 2))
 
     def step(req_id: int, params: SamplingParams, computed: int) -> SchedulerOutput:
         from runner.attention.kv_cache import BlockRows
@@ -211,7 +211,7 @@ def test_a_step_without_slots_is_an_error_naming_the_request() -> None:
     out = SchedulerOutput.from_arrays(
         req_ids=np.array([4]), slots=np.array([-1]), num_computed=np.array([0]), query_lens=np.array([1]),
         sample=np.array([True]), token_ids=np.array([1]), blocks=BlockRows.from_lists([[0]]),
-        requests=[object()], finished_req_ids=[], step_id=1)
+        requests=[RequestSnapshot(SamplingParams())], finished_req_ids=[], step_id=1)
     with pytest.raises(ValueError, match=r"request 4 has no slot \(slot=-1\)"):
         Sampler(V, "cpu").prepare(out)
 
@@ -300,14 +300,13 @@ def test_cuda_steps_sample_on_the_device_as_on_the_cpu() -> None:
     from runner.attention.kv_cache import BlockRows
     from runner.worker.sampler import read_back, sample_on_device
 
-    class Req:
-        def __init__(self, params: SamplingParams, seed: int, prompt: list[int]) -> None:
-            self.sampling, self.seed, self.prompt_token_ids = params, seed, prompt
-
     rng = random.Random(5)
     n = 24
-    reqs = [Req(random_params(rng), 100 + i, [rng.randrange(V) for _ in range(rng.randint(1, 6))]) for i in range(n)]
-    reqs[0].sampling = reqs[1].sampling = SamplingParams(temperature=0.0)  # plain greedy rows in the mix
+    reqs = [RequestSnapshot(random_params(rng), 100 + i, tuple(rng.randrange(V) for _ in range(rng.randint(1, 6))))
+            for i in range(n)]
+    greedy = SamplingParams(temperature=0.0)
+    reqs[0] = dataclasses.replace(reqs[0], sampling=greedy)  # plain greedy rows in the mix
+    reqs[1] = dataclasses.replace(reqs[1], sampling=greedy)
     slots = np.array(rng.sample(range(40), n), dtype=np.int64)
     samplers = {dev: Sampler(V, dev, [EOS]) for dev in ("cpu", "cuda")}
     history = [list(r.prompt_token_ids) for r in reqs]
@@ -358,9 +357,8 @@ def test_cuda_greedy_steps_take_the_argmax_alone_without_a_sync() -> None:
     included), and its read goes through the event waiter."""
     from runner.attention.kv_cache import BlockRows
 
-    class Req:
-        def __init__(self) -> None:
-            self.sampling, self.seed, self.prompt_token_ids = SamplingParams(temperature=0.0), 0, [1, 2]
+    def Req() -> RequestSnapshot:
+        return RequestSnapshot(SamplingParams(temperature=0.0), 0, (1, 2))
 
     n = 16
     sched = SchedulerOutput.from_arrays(

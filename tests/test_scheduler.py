@@ -7,9 +7,9 @@ import pytest
 
 from fake_runner import FakeRunner, reference_generate
 from runner.core.scheduler import Scheduler
+from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.sampler import request_seed
-from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
 VOCAB = 64
 

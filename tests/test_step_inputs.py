@@ -79,9 +79,9 @@ def test_a_runner_reads_its_inputs_through_fixed_buffers() -> None:
     import tempfile
 
     from runner.config import RunnerConfig
+    from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
     from runner.sampling_params import SamplingParams
     from runner.worker.model_runner import ModelRunner
-    from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
     with tempfile.TemporaryDirectory() as cache:
         runner = ModelRunner(RunnerConfig(model="tiny-qwen3-moe", cache_dir=cache, max_num_seqs=2,

@@ -6,7 +6,7 @@ import pytest
 
 from runner.core.messages import ENCODER, OUTPUT_DECODER, CoreStats, Outputs, WireOutput
 from runner.core.requests import EngineCoreOutput
-from runner.worker.outputs import TokenLogprobs
+from runner.core.runner_output import TokenLogprobs
 
 FIELDS = ("request_id", "new_token_ids", "new_logprobs", "finish_reason", "stop_reason", "error",
           "num_prompt_tokens", "new_prompt_logprobs", "prompt_logprobs_start", "finished")

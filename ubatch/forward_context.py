@@ -13,7 +13,11 @@ from __future__ import annotations
 import contextlib
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Iterator
+
+import torch
+
+from ubatch.slicing import UBatchSlice
 
 _local = threading.local()
 
@@ -65,15 +69,17 @@ class DPMetadata:
 
 @dataclass
 class ForwardContext:
-    attn_metadata: Any = None
-    ubatch_slices: list[Any] | None = None
-    ubatch_slice: Any = None  # set inside a ubatch: this ubatch's UBatchSlice
+    # The caller's attention metadata, opaque here (object, not a type of ours: each attention backend builds and
+    # reads its own): the wrapper splits a CommonAttentionMetadata per ubatch and hands a list out one per ubatch.
+    attn_metadata: object = None
+    ubatch_slices: list[UBatchSlice] | None = None
+    ubatch_slice: UBatchSlice | None = None  # set inside a ubatch: this ubatch's slice
     ubatch_id: int | None = None  # set inside a ubatch
     dp_metadata: DPMetadata | None = None
     trace_rank: int | None = None  # the DP rank a trace files this step's spans under (None: 0)
     # [num_tokens] bool on the device, True for real rows: padding rows are routed to no expert. A device
     # tensor (not a count) so a CUDA graph reads it from a persistent buffer; sliced per ubatch.
-    real_token_mask: Any = None
+    real_token_mask: torch.Tensor | None = None
 
 
 def get_forward_context() -> ForwardContext:
@@ -103,9 +109,9 @@ def override_forward_context(ctx: ForwardContext | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def set_forward_context(attn_metadata: Any = None, ubatch_slices: list[Any] | None = None, *,
+def set_forward_context(attn_metadata: object = None, ubatch_slices: list[UBatchSlice] | None = None, *,
                         dp_metadata: DPMetadata | None = None, trace_rank: int | None = None,
-                        real_token_mask: Any = None) -> Iterator[ForwardContext]:
+                        real_token_mask: torch.Tensor | None = None) -> Iterator[ForwardContext]:
     """Set the forward context for this thread for the duration of the block (nests; restores on exit)."""
     ctx = ForwardContext(attn_metadata=attn_metadata, ubatch_slices=ubatch_slices, dp_metadata=dp_metadata,
                          trace_rank=trace_rank, real_token_mask=real_token_mask)

@@ -21,11 +21,11 @@ from typing import Callable, Iterable, cast
 from runner.config import RunnerConfig
 from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop, use_overlap_loop
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.runner_output import ModelRunnerOutput, PromptLogprobs
+from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.core.scheduler import FINISHED, Request, Scheduler
-from runner.worker.outputs import ModelRunnerOutput, PromptLogprobs
-from runner.worker.runner_protocol import ModelRunnerProtocol
+from runner.core.scheduler_output import SchedulerOutput
 from runner.worker.sampler import request_seed
-from runner.worker.scheduled_batch import SchedulerOutput
 
 #: The cyclic collector's first threshold once an engine core is built (CPython's default: 700). See tune_gc().
 GC_THRESHOLD0 = 50_000
@@ -180,31 +180,31 @@ class EngineCore:
 
         ``update`` has just applied the step: a sampling request got its token unless it had finished before
         (a stop found in an earlier step, an abort), and the requests it finished are ``done``. So the tokens
-        to report are the step's own, found in one pass without looking at each request's history.
+        to report are the step's own, found in one pass without looking at each request's history. The step
+        names its requests by id (its snapshots are the forward side's); their state is the scheduler's.
         """
         logprobs = output.logprobs
         step_outputs = self._step_outputs
+        live = self.scheduler.requests
         finished = set(done)
         if output.prompt_logprobs is not None:
             self._add_prompt_logprobs(out, output.prompt_logprobs, finished)
         # a sampling row's token is an int (Scheduler.update checked it); only those rows are read below
         sampled = cast("list[int]", output.sampled_token_ids)
-        triples = zip(out.requests, out.sample.tolist(), sampled)
+        rows = zip(out.req_ids.tolist(), out.requests, out.sample.tolist(), sampled)
         if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
-            for req, sample, token in triples:
-                if sample and (req.status is not FINISHED or _reports_token(req, finished)):
-                    step_outputs[req.req_id] = EngineCoreOutput(req.req_id, [token],
-                                                                num_prompt_tokens=len(req.prompt_token_ids))
+            for rid, snap, sample, token in rows:
+                if sample and _reports_token(live.get(rid), finished):
+                    step_outputs[rid] = EngineCoreOutput(rid, [token], num_prompt_tokens=len(snap.prompt_token_ids))
             return
-        for i, (req, sample, token) in enumerate(triples):
-            if not sample or (req.status is FINISHED and not _reports_token(req, finished)):  # none, or discarded
+        for i, (rid, snap, sample, token) in enumerate(rows):
+            if not sample or not _reports_token(live.get(rid), finished):  # none, or discarded
                 continue
-            rid = req.req_id
             entry = logprobs[i] if logprobs is not None else None
             prev = step_outputs.get(rid)
             if prev is None:
                 step_outputs[rid] = EngineCoreOutput(rid, [token], None if entry is None else [entry],
-                                                     num_prompt_tokens=len(req.prompt_token_ids))
+                                                     num_prompt_tokens=len(snap.prompt_token_ids))
             else:  # a second processed step in one call (a sync point): append
                 prev.new_token_ids.append(token)
                 if entry is not None:
@@ -214,13 +214,14 @@ class EngineCore:
                              finished: set[Request]) -> None:
         """The prompt log-probabilities a prefill chunk computed, on its request's output (made for a chunk that
         sampled nothing); the client joins them by position (``prompt_logprobs_start``)."""
-        for req, chunk in zip(out.requests, entries):
-            if chunk is None or (req.status is FINISHED and req not in finished):
+        live = self.scheduler.requests
+        for rid, snap, chunk in zip(out.req_ids.tolist(), out.requests, entries):
+            req = live.get(rid)
+            if chunk is None or req is None or (req.status is FINISHED and req not in finished):
                 continue
-            rid = req.req_id
             prev = self._step_outputs.get(rid)
             if prev is None:
-                self._step_outputs[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(req.prompt_token_ids),
+                self._step_outputs[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(snap.prompt_token_ids),
                                                            new_prompt_logprobs=list(chunk.entries),
                                                            prompt_logprobs_start=chunk.start)
             elif prev.new_prompt_logprobs is None:
@@ -251,7 +252,10 @@ class EngineCore:
         self.runner.close()
 
 
-def _reports_token(req: Request, finished: set[Request]) -> bool:
-    """Whether a request that is finished now reports the token of the step just processed: yes if that step
-    finished it (a stop token, its length), unless it ended in error (no valid token was sampled)."""
-    return req in finished and req.finish_reason != "error"
+def _reports_token(req: Request | None, finished: set[Request]) -> bool:
+    """Whether a request reports the token of the step just processed: yes while it runs, and if that step
+    finished it (a stop token, its length) unless it ended in error (no valid token was sampled); no if it
+    had finished before (None: finished, reported and forgotten since)."""
+    if req is None:
+        return False
+    return req.status is not FINISHED or (req in finished and req.finish_reason != "error")

@@ -204,8 +204,7 @@ class CoreLoop:
             return
         self._profiled_steps, self._stop_profile_after = 0, False
         self._profile = contextlib.ExitStack()
-        self._recording = self._profile.enter_context(tracing.record("profile", getattr(self.core.runner, "device",
-                                                                                          None)))
+        self._recording = self._profile.enter_context(tracing.record("profile", self.core.runner.device))
 
     def _stop_profile(self, client_index: int) -> None:
         from runner import tracing

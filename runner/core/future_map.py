@@ -20,9 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
+from runner.core.scheduler_output import SchedulerOutput
 from runner.core.slots import slot_of
 from runner.worker.future_book import FutureTokenBook
-from runner.worker.scheduled_batch import SchedulerOutput
 
 
 class FutureTokenMap(FutureTokenBook):

@@ -15,7 +15,7 @@ from __future__ import annotations
 import msgspec
 
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
-from runner.worker.outputs import TokenLogprobs
+from runner.core.runner_output import TokenLogprobs
 
 
 class CoreInfo(msgspec.Struct):

@@ -1,32 +1,32 @@
 """The engine's step loop: synchronous, or overlapped as SGLang's overlap scheduler and vLLM's async scheduling.
 
 Overlapped, ``schedule N+1 -> launch N+1 -> read N's results -> process N -> schedule N+2``: one executor thread
-launches steps in order and never reads a result, so the device always has the next step queued while the host
-works; placeholders for tokens still in flight are resolved on the device (or from this loop's host map for a
-stand-in runner that computes on the host). Every wait is bounded by ``step_timeout_s``; ``LoopStats`` records
-the launches that had to wait and why. Design: docs/design_notes.md, "Engine core: scheduler and step loops".
+launches steps in order (``runner.launch``) and never reads a result, so the device always has the next step
+queued while the host works; the runner resolves placeholders for tokens still in flight from the steps it
+launched before. Every wait is bounded by ``step_timeout_s``; ``LoopStats`` records the launches that had to wait
+and why. Design: docs/design_notes.md, "Engine core: scheduler and step loops".
 """
 from __future__ import annotations
 
 import collections
+import functools
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import Any, Callable, Union
+from typing import Callable, TypeVar, Union
 
 import torch
 
-from runner.core.future_map import FutureTokenMap
+from runner.core.runner_output import ModelRunnerOutput, PendingStep
+from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.core.scheduler import Request, Scheduler
-from runner.worker.outputs import ModelRunnerOutput
-from runner.worker.pending import LaunchingRunner, PendingStep
-from runner.worker.runner_protocol import ModelRunnerProtocol
-from runner.worker.scheduled_batch import SchedulerOutput
+from runner.core.scheduler_output import SchedulerOutput
 from ubatch import trace
 
+T = TypeVar("T")
 OnResults = Callable[[SchedulerOutput, ModelRunnerOutput, list[Request]], None]
 
 
@@ -44,7 +44,7 @@ class ForwardExecutor:
         self.name = name
         self.busy_s = 0.0
         self.busy_cpu_s = 0.0
-        self._queue: queue.SimpleQueue[tuple[Callable[[], Any], Future] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -53,34 +53,36 @@ class ForwardExecutor:
         if self.device is not None and torch.device(self.device).type == "cuda":
             torch.cuda.set_device(self.device)
         while True:
-            item = self._queue.get()
-            if item is None:
+            job = self._queue.get()
+            if job is None:
                 return
-            fn, fut = item
-            if not fut.set_running_or_notify_cancel():
-                continue
-            t0, c0 = time.perf_counter(), time.thread_time()
-            try:
-                result = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the waiting CPU thread
-                self.busy_s += time.perf_counter() - t0
-                self.busy_cpu_s += time.thread_time() - c0
-                fut.set_exception(exc)
-            else:
-                self.busy_s += time.perf_counter() - t0  # before the result: a waiter then sees the total
-                self.busy_cpu_s += time.thread_time() - c0
-                fut.set_result(result)
+            job()
+
+    def _run(self, fn: Callable[[], T], fut: Future[T]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        t0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting CPU thread
+            self.busy_s += time.perf_counter() - t0
+            self.busy_cpu_s += time.thread_time() - c0
+            fut.set_exception(exc)
+        else:
+            self.busy_s += time.perf_counter() - t0  # before the result: a waiter then sees the total
+            self.busy_cpu_s += time.thread_time() - c0
+            fut.set_result(result)
 
     @property
     def thread_id(self) -> int | None:
         """The executor thread's ``threading.get_ident()`` (set once ``start()`` has returned)."""
         return self._thread.ident
 
-    def submit(self, fn: Callable[[], Any]) -> Future:
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
         if not self._thread.is_alive():
             raise RuntimeError("the forward executor is closed")
-        fut: Future = Future()
-        self._queue.put((fn, fut))
+        fut: Future[T] = Future()
+        self._queue.put(functools.partial(self._run, fn, fut))
         return fut
 
     def close(self) -> None:
@@ -93,8 +95,8 @@ class ForwardExecutor:
 class LoopStats:
     """One generate() call's loop. ``forward_idle_fraction``: share of the wall time the forward side was not
     running or launching a step (waiting for the CPU to schedule / process), ``1 - forward_busy_s / wall_s``.
-    With a :class:`LaunchingRunner` the forward side's busy time is its launches (host work); the wait for the
-    device is then the CPU thread's ``copy_wait_s``."""
+    With a runner that queues its steps on a device the forward side's busy time is its launches (host work);
+    the wait for the device is then the CPU thread's ``copy_wait_s``."""
 
     overlap: bool
     wall_s: float = 0.0
@@ -103,15 +105,15 @@ class LoopStats:
     copy_wait_s: float = 0.0  # CPU thread blocked on copy_done
     # Forward side: part of forward_busy_s spent in the step's one host read of sampled ids, i.e. waiting for the
     # device (Sampler.read_back_s); forward_busy_s - read_wait_s is the forward side's own host work. With the
-    # overlap loop and a LaunchingRunner (the model runner) the forward side never reads: 0, the wait is in
-    # copy_wait_s.
+    # overlap loop the forward side reads only the steps a runner computed at launch (a ready PendingStep, a
+    # stand-in); the model runner's steps are read on the CPU thread, inside copy_wait_s.
     read_wait_s: float = 0.0
     # Forward side's CPU time in the same calls (time.thread_time): its own work, without the waits for the GIL
     # (held by the CPU thread) that forward_busy_s counts too.
     forward_cpu_s: float = 0.0
     num_steps: int = 0  # launched steps with work somewhere (including this rank's dummy steps)
     num_overlapped_steps: int = 0  # launched while the previous step's results were still unprocessed
-    num_placeholders_resolved: int = 0  # inputs taken from the future-token map on the forward side
+    num_placeholders_resolved: int = 0  # inputs the runner took from its future-token map
     sync_reasons: collections.Counter = field(default_factory=collections.Counter)
     # Steps (0-based launch order, steps with work) whose launch began only after the previous step's results
     # had been read on the host: with the pipelined loop only after a sync point (sync_reasons) or when the host
@@ -172,9 +174,12 @@ def make_step_loop(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: F
                            step_timeout_s)
 
 
-def run_steps(sched: Scheduler, runner: ModelRunnerProtocol, **kwargs: Any) -> LoopStats:
+def run_steps(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: ForwardExecutor | None = None,
+              consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
+              on_results: OnResults | None = None, step_timeout_s: float | None = None) -> LoopStats:
     """Step ``sched`` until no DP rank has work (:func:`make_step_loop`'s arguments); returns the loop's stats."""
-    loop = make_step_loop(sched, runner, **kwargs)
+    loop = make_step_loop(sched, runner, executor=executor, consecutive_prefill_overlap=consecutive_prefill_overlap,
+                          before_launch=before_launch, on_results=on_results, step_timeout_s=step_timeout_s)
     try:
         while loop.step():
             pass
@@ -193,7 +198,7 @@ class SyncStepLoop:
         self.stats = LoopStats(overlap=False)
         self._start = time.perf_counter()
         self._read0 = read_back_seconds(runner)
-        self._resolved0 = placeholders_resolved(runner)
+        self._resolved0 = runner.num_placeholders_resolved
 
     def step(self) -> bool:
         stats, sched = self.stats, self.sched
@@ -223,42 +228,14 @@ class SyncStepLoop:
     def finish(self) -> LoopStats:
         self.stats.wall_s = time.perf_counter() - self._start
         self.stats.read_wait_s = read_back_seconds(self.runner) - self._read0
-        self.stats.num_placeholders_resolved = placeholders_resolved(self.runner) - self._resolved0
+        self.stats.num_placeholders_resolved = self.runner.num_placeholders_resolved - self._resolved0
         return self.stats
-
-
-def placeholders_resolved(runner: ModelRunnerProtocol) -> int:
-    """Placeholders the runner's own (device-resident) future-token map has resolved so far; 0 for a runner
-    whose steps are resolved by the loop's host map (a test stand-in)."""
-    return runner.num_placeholders_resolved if isinstance(runner, LaunchingRunner) else 0
-
-
-def launch_step(runner: ModelRunnerProtocol, future_map: FutureTokenMap, out: SchedulerOutput) -> PendingStep | None:
-    """Launch one step on the forward side without waiting for its results. A :class:`LaunchingRunner` (the
-    model runner) resolves ``out``'s placeholders on its device; any other runner (a stand-in whose ``step``
-    computes on the host) gets them resolved from ``future_map`` and runs the step here, its result ready."""
-    if isinstance(runner, LaunchingRunner):
-        return runner.launch(out)
-    output = forward_step(runner, future_map, out)
-    return None if output is None else PendingStep.ready(output)
-
-
-def forward_step(runner: ModelRunnerProtocol, future_map: FutureTokenMap, out: SchedulerOutput) -> ModelRunnerOutput | None:
-    """The forward side of one step: resolve ``out``'s placeholders, run it, store what it sampled under each
-    request's slot for the next step. Runs on the executor thread only."""
-    with trace.region("resolve", "step", track="step"):
-        resolved = future_map.resolve(out)
-    output = runner.step(resolved)
-    with trace.region("store", "step", track="step"):
-        if output is not None and output.sampled_token_ids:
-            future_map.store_sampled(out, output.sampled_token_ids)
-    return output
 
 
 @dataclass
 class _Launched:
     out: SchedulerOutput
-    launched: Future | None = None  # set by the executor once the step is launched (its PendingStep)
+    launched: Future[PendingStep | None] | None = None  # set by the executor once the step is launched (its PendingStep)
     launch_started: float = 0.0  # perf_counter when the executor began launching it
     pending: PendingStep | None = None  # once launched: its results, read by the CPU thread
 
@@ -277,22 +254,26 @@ class OverlapStepLoop:
         self.step_timeout_s = step_timeout_s
         self.consecutive_prefill_overlap = consecutive_prefill_overlap
         self.before_launch, self.on_results = before_launch, on_results
-        self.future_map = FutureTokenMap(sched.slots.capacity)
         self.stats = LoopStats(overlap=True)
         self._inflight: _Launched | None = None  # launched, results not yet processed
         self._launched: _Launched | None = None  # launched in the current iteration, not yet handed on
         self._busy0, self._start = executor.busy_s, time.perf_counter()
         self._cpu0 = executor.busy_cpu_s
-        self._read0 = read_back_seconds(runner)
-        self._resolved0 = placeholders_resolved(runner)
+        self._forward_read_s = 0.0  # the host reads of steps the runner computed at launch (on the executor)
+        self._resolved0 = runner.num_placeholders_resolved
         self._previous: _Launched | None = None  # the last step with work whose results were read
+        self._failed: BaseException | None = None  # what step() raised, if it did
 
     def _launch(self, out: SchedulerOutput) -> _Launched:
         item = _Launched(out)
 
-        def launch() -> PendingStep | None:
+        def launch() -> PendingStep | None:  # on the executor thread
             item.launch_started = time.perf_counter()
-            return launch_step(self.runner, self.future_map, out)
+            read0 = read_back_seconds(self.runner)
+            pending = self.runner.launch(out)
+            if pending is not None and pending.read_at_launch:  # read here, not by the CPU thread
+                self._forward_read_s += read_back_seconds(self.runner) - read0
+            return pending
 
         item.launched = self.executor.submit(launch)
         return item
@@ -355,6 +336,13 @@ class OverlapStepLoop:
         return out
 
     def step(self) -> bool:
+        try:
+            return self._step()
+        except BaseException as exc:
+            self._failed = exc
+            raise
+
+    def _step(self) -> bool:
         stats, sched = self.stats, self.sched
         if self.before_launch is not None:
             self.before_launch(stats.num_steps)
@@ -364,8 +352,7 @@ class OverlapStepLoop:
         if self._inflight is not None and not out.num_reqs:
             self._process_inflight("nothing_to_schedule")
             carried = out.finished_req_ids
-            out = self._schedule()
-            out.finished_req_ids[:0] = carried
+            out = self._schedule().with_finished_before(carried)
         elif self._inflight is not None and not self.consecutive_prefill_overlap and out.has_prefill \
                 and self._inflight.out.has_prefill:
             self._process_inflight("consecutive_prefill")
@@ -388,22 +375,26 @@ class OverlapStepLoop:
         return True
 
     def finish(self) -> LoopStats:
-        """Wait for the steps already handed to the executor before anyone reuses the runner (also after an
-        error: the original error is the one to report)."""
+        """Wait for the steps already handed to the executor before anyone reuses the runner. After ``step()``
+        raised, that error is the one to report: a step in flight that failed too is added to it as a note;
+        otherwise (the caller stopped stepping) its error is raised here."""
+        errors: list[Exception] = []
         for pending in (self._inflight, self._launched):
             if pending is not None:
                 try:
                     self._wait(pending)
-                except BaseException:  # noqa: BLE001
-                    pass
+                except Exception as exc:  # noqa: BLE001 - the step's own error (or a StepTimeoutError), reported below
+                    errors.append(exc)
         self._inflight = self._launched = None
         stats = self.stats
         stats.wall_s = time.perf_counter() - self._start
         stats.forward_busy_s = self.executor.busy_s - self._busy0
         stats.forward_cpu_s = self.executor.busy_cpu_s - self._cpu0
-        # A LaunchingRunner's results are read on this (the CPU) thread, inside copy_wait_s: none on the forward side.
-        stats.read_wait_s = 0.0 if isinstance(self.runner, LaunchingRunner) else \
-            read_back_seconds(self.runner) - self._read0
-        stats.num_placeholders_resolved = self.future_map.num_resolved + placeholders_resolved(self.runner) \
-            - self._resolved0
+        stats.read_wait_s = self._forward_read_s
+        stats.num_placeholders_resolved = self.runner.num_placeholders_resolved - self._resolved0
+        if errors and self._failed is not None:
+            for err in errors:
+                self._failed.add_note(f"a step still in flight when the loop stopped failed too: {err!r}")
+        elif errors:
+            raise errors[0]
         return stats

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from runner.core.runner_output import TokenLogprobs
 from runner.sampling_params import SamplingParams
-from runner.worker.outputs import TokenLogprobs
 
 
 @dataclass

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence, cast
 
 import numpy as np
 
@@ -19,10 +19,10 @@ from runner.attention.kv_cache import BlockRows, BlockTable, blocks_needed
 from runner.config import RunnerConfig
 from runner.core.kv_blocks import BlockAllocator
 from runner.core.prompt_checks import prompt_token_problem
+from runner.core.runner_protocol import ModelRunnerProtocol
+from runner.core.scheduler_output import RequestSnapshot, SchedulerOutput
 from runner.core.slots import SlotPool, placeholder
 from runner.sampling_params import SamplingParams, SamplingParamsError
-from runner.worker.runner_protocol import ModelRunnerProtocol
-from runner.worker.scheduled_batch import SchedulerOutput
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 FINISH_REASONS = ("stop", "length", "abort", "error")
@@ -34,6 +34,8 @@ INVALID_SAMPLE_ERROR = ("sampling produced no valid token: the logits were not f
 
 @dataclass(eq=False, slots=True)  # identity semantics: requests live in lists that are searched and removed from
 class Request:
+    """The scheduler's own, mutable record of one request; a step hands the model runner its ``snapshot``."""
+
     req_id: int
     prompt_token_ids: list[int]
     sampling: SamplingParams
@@ -53,6 +55,11 @@ class Request:
     # Fixed at add_request, so the per-step checks are one set lookup and one comparison:
     stop_ids: frozenset[int] = frozenset()  # tokens that stop it: EOS (unless ignore_eos) and stop_token_ids
     max_outputs: int = 0  # outputs after which it stops for length: max_tokens, or what max_model_len leaves
+    # What the forward side reads of it (settings, seed, prompt), taken once: steps in flight hold it, never `self`.
+    snapshot: RequestSnapshot = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.snapshot = RequestSnapshot(self.sampling, self.seed, tuple(self.prompt_token_ids))
 
     @property
     def num_tokens(self) -> int:
@@ -69,7 +76,7 @@ class Request:
         return self.status == FINISHED
 
 
-def _check_prompt(prompt: Any, vocab_size: int, max_model_len: int) -> str | None:
+def _check_prompt(prompt: object, vocab_size: int, max_model_len: int) -> str | None:
     """Why this prompt cannot run, or None."""
     problem = prompt_token_problem(prompt, vocab_size, max_model_len)
     return None if problem is None else f"prompt: {problem}"
@@ -109,7 +116,8 @@ class Scheduler:
         # Every admitted request's blocks, a row per slot, kept from step to step (the steps' metadata gathers
         # the rows); wide enough for max_model_len tokens.
         self.block_table = BlockTable(self.slots.capacity, blocks_needed(max_model_len, block_size))
-        self._inflight_steps: deque[int] = deque()  # ids of scheduled, non-empty outputs not yet updated
+        # Scheduled, non-empty steps not yet updated: their ids and their (live) requests, in schedule order
+        self._inflight_steps: deque[tuple[int, list[Request]]] = deque()
         self.wants_sync = False  # the last schedule() left a request out rather than preempt with a step in flight
         self._step_seq = 0
         self.requests: dict[int, Request] = {}
@@ -277,7 +285,7 @@ class Scheduler:
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         self._step_seq = step_id
         if reqs:
-            self._inflight_steps.append(step_id)
+            self._inflight_steps.append((step_id, reqs))
         return batch.output(self.block_table, bs, finished, step_id)
 
     def _take(self, req: Request, n: int, batch: _StepArrays) -> None:
@@ -341,15 +349,15 @@ class Scheduler:
     def update(self, sched: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
         """Apply the results of ``sched`` (outputs must come back in schedule order): fill in each sampled
         token, run the stop checks; return the requests that finished. Nothing changes if it raises."""
-        reqs = sched.requests
-        if len(sampled) != len(reqs):
-            raise ValueError(f"model runner returned {len(sampled)} results for {len(reqs)} chunks")
-        if not reqs:
+        if len(sampled) != sched.num_reqs:
+            raise ValueError(f"model runner returned {len(sampled)} results for {sched.num_reqs} chunks")
+        if not sched.num_reqs:
             return []
-        if not self._inflight_steps or self._inflight_steps[0] != sched.step_id:
-            oldest = self._inflight_steps[0] if self._inflight_steps else None
+        if not self._inflight_steps or self._inflight_steps[0][0] != sched.step_id:
+            oldest = self._inflight_steps[0][0] if self._inflight_steps else None
             raise RuntimeError(f"results of step {sched.step_id} arrive out of order (update() called twice?); the "
                                f"oldest step in flight is {oldest}")
+        reqs = self._inflight_steps[0][1]
         samples = sched.sample.tolist()
         invalid = self._invalid_samples(reqs, samples, sampled)
         self._inflight_steps.popleft()
@@ -377,13 +385,15 @@ class Scheduler:
             self.running = [r for r in self.running if r.status is RUNNING]
         return done
 
-    def _invalid_samples(self, reqs: Sequence[Request], samples: list[bool], sampled: Sequence[Any]) -> set[int]:
+    def _invalid_samples(self, reqs: Sequence[Request], samples: list[bool], sampled: Sequence[int | None]
+                         ) -> set[int]:
         """The positions of live sampling chunks whose token is outside the vocabulary (the sampler's
         ``INVALID_TOKEN`` for non-finite logits): those requests end with an error, the others go on. One pass
         of C over the batch when every token is valid. A token that is not an ``int`` is a bug of the model
         runner, not of a request: it raises."""
         picked = sampled if all(samples) else [t for t, s in zip(sampled, samples) if s]
-        if not picked or (set(map(type, picked)) == {int} and min(picked) >= 0 and max(picked) < self.vocab_size):
+        if not picked or (set(map(type, picked)) == {int} and min(cast("list[int]", picked)) >= 0
+                          and max(cast("list[int]", picked)) < self.vocab_size):
             return set()
         invalid = set()
         for i, (req, token, sample) in enumerate(zip(reqs, sampled, samples)):
@@ -464,4 +474,5 @@ class _StepArrays:
         return SchedulerOutput.from_arrays(
             req_ids=np.array([r.req_id for r in reqs], dtype=np.int64), slots=slots, num_computed=starts,
             query_lens=lens, sample=sample, token_ids=np.array(self.tokens, dtype=np.int64),
-            blocks=BlockRows(table, slots, held), requests=reqs, finished_req_ids=finished, step_id=step_id)
+            blocks=BlockRows(table, slots, held), requests=[r.snapshot for r in reqs], finished_req_ids=finished,
+            step_id=step_id)

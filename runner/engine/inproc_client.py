@@ -12,9 +12,9 @@ from runner import tracing
 from runner.config import RunnerConfig
 from runner.core.engine_core import EngineCore
 from runner.core.requests import EngineCoreRequest
+from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.distributed.liveness import report_progress
 from runner.engine.engine_core_client import OnOutputs, RunReport
-from runner.worker.runner_protocol import ModelRunnerProtocol
 
 
 class InprocClient:

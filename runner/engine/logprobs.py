@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Sequence
 
+from runner.core.runner_output import TokenLogprobs
 from runner.engine.tokenizer import make_decoder
 from runner.outputs import Logprob, PromptLogprobs, SampleLogprobs
-from runner.worker.outputs import TokenLogprobs
 
 
 class LogprobsState:

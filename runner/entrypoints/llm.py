@@ -31,6 +31,7 @@ from runner.config import ConfigError, RunnerConfig, make_config
 from runner.core.overlap_loop import LoopStats
 from runner.core.prompt_checks import prompt_problem
 from runner.core.requests import CoreOutput
+from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.engine.engine_core_client import EngineCoreClient, RunReport
 from runner.engine.generation_config import GenerationConfig, load_generation_config, model_eos_token_ids
 from runner.engine.inproc_client import InprocClient
@@ -40,7 +41,6 @@ from runner.entrypoints.output_paths import output_path_error
 from runner.entrypoints.vllm_engine_args import pop_vllm_engine_args
 from runner.outputs import RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams
-from runner.worker.runner_protocol import ModelRunnerProtocol
 
 if TYPE_CHECKING:  # built on demand: importing it loads the model code
     from runner.worker.model_runner import ModelRunner

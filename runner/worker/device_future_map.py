@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from runner.attention.kv_cache import host_to_device
+from runner.core.scheduler_output import SchedulerOutput
 from runner.worker.future_book import FutureTokenBook
-from runner.worker.scheduled_batch import SchedulerOutput
 
 _MIN_SLOTS = 64
 

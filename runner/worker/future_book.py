@@ -13,7 +13,7 @@ from typing import Sequence
 
 import numpy as np
 
-from runner.worker.scheduled_batch import SchedulerOutput
+from runner.core.scheduler_output import SchedulerOutput
 
 
 class FutureTokenBook:

@@ -11,7 +11,7 @@ persistent ``real_token_mask`` buffer and routed to no expert.
 A step is *launched* (:meth:`ModelRunner.launch`): the host's work, then the forward and the sampler queued on
 the device, the previous step's tokens taken from the device-resident future-token map
 (``device_future_map.py``), the sampled ids scattered into it and copied to pinned host memory behind an event;
-it returns a :class:`~runner.worker.pending.PendingStep` whose ``result()`` waits for that copy. So the step loop
+it returns a :class:`~runner.core.runner_output.PendingStep` whose ``result()`` waits for that copy. So the step loop
 can launch step N+1 before it reads step N's results. With ``--emulate-device`` every step also gets a device
 time on an emulated stream (``emulated_device.py``) that its read waits for.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 from types import NotImplementedType
-from typing import Any, cast
+from typing import Sequence, TypeVar, cast
 
 import numpy as np
 import torch
@@ -32,7 +32,9 @@ from torch.distributed import ProcessGroup
 from runner.attention import make_attention_backend
 from runner.attention.kv_cache import allocate_kv_caches, attention_arrays, blocks_needed, build_attention_metadata
 from runner.attention.metadata import PagedAttentionMetadata
-from runner.config import ConfigError
+from runner.config import ConfigError, RunnerConfig
+from runner.core.runner_output import ModelRunnerOutput, PendingStep, PromptLogprobs
+from runner.core.scheduler_output import SchedulerOutput
 from runner.distributed.device import torch_device
 from runner.distributed.dp import DPDecision, coordinate_batch_across_dp, local_decision
 from runner.models.loader import load_model
@@ -42,11 +44,8 @@ from runner.worker.dbo_step_timing import MeasuredDBO, make_step_timer
 from runner.worker.device_future_map import DeviceFutureMap
 from runner.worker.emulated_device import DeviceSpec, EmulatedDevice
 from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
-from runner.worker.outputs import ModelRunnerOutput, PromptLogprobs
-from runner.worker.pending import LaunchingRunner, PendingStep
 from runner.worker.prompt_logprobs import prompt_logprobs
 from runner.worker.sampler import PendingSample, Sampler, StepRows
-from runner.worker.scheduled_batch import SchedulerOutput
 from runner.worker.step_inputs import StagedFields, StepInputs, StepInputSizes
 from ubatch import trace
 from ubatch.distributed import new_ep_groups
@@ -65,6 +64,7 @@ from ubatch.slicing import (
 from ubatch.streams import Stream
 from ubatch.wrapper import UBatchConfig, UBatchWrapper
 
+T = TypeVar("T")
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 NUM_UBATCHES = 2
 DEFAULT_MAX_MODEL_LEN = 2048
@@ -79,8 +79,12 @@ def resolve_dtype(name: str) -> torch.dtype | None:
     return DTYPES[name]
 
 
-class ModelRunner(LaunchingRunner):
-    def __init__(self, cfg: Any, rank: int = 0, world_size: int = 1) -> None:
+class ModelRunner:
+    """One DP rank's model runner: implements the engine core's contract
+    (:class:`~runner.core.runner_protocol.ModelRunnerProtocol`), its steps launched without waiting for the
+    device (module docstring)."""
+
+    def __init__(self, cfg: RunnerConfig, rank: int = 0, world_size: int = 1) -> None:
         self.cfg = cfg
         self.rank, self.world_size = rank, world_size
         self.device = torch_device(cfg.device)  # --device: the configured device, not whatever is available
@@ -258,7 +262,7 @@ class ModelRunner(LaunchingRunner):
         return PendingStep(read)
 
     def _forward(self, sched: SchedulerOutput, decision: DPDecision,
-                 split_point: list[int] | int | None) -> tuple[torch.Tensor, Any]:
+                 split_point: list[int] | int | None) -> tuple[torch.Tensor, CommonAttentionMetadata]:
         with trace.region("inputs", "step", track="step"):
             n = sched.num_tokens
             padded = decision.num_tokens_padded if self.graph_runner is None else \
@@ -438,7 +442,7 @@ class ModelRunner(LaunchingRunner):
             self.wrapper.close()
 
 
-def _scatter(values: list[Any], picks: np.ndarray, n: int) -> list[Any]:
+def _scatter(values: Sequence[T | None], picks: np.ndarray, n: int) -> list[T | None]:
     """A list of ``n`` with ``values[j]`` at ``picks[j]`` and None elsewhere (numpy, no Python per request)."""
     out = np.full(n, None, dtype=object)
     out[picks] = values

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from runner.attention.kv_cache import host_to_device
-from runner.worker.scheduled_batch import ScheduledChunk
+from runner.core.scheduler_output import ScheduledChunk
 
 _MIN_SLOTS = 8
 #: A step's input ids on the device (placeholders resolved) and the positions in them of the tokens recorded.

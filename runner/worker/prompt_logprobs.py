@@ -14,9 +14,9 @@ from typing import Callable
 import numpy as np
 import torch
 
+from runner.core.runner_output import PromptLogprobs, TokenLogprobs
+from runner.core.scheduler_output import SchedulerOutput
 from runner.worker import sampling_ops as ops
-from runner.worker.outputs import PromptLogprobs, TokenLogprobs
-from runner.worker.scheduled_batch import SchedulerOutput
 
 
 def _targets(sched: SchedulerOutput) -> list[tuple[int, int, int, list[int], int]]:

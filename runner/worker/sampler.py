@@ -16,15 +16,15 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
+from runner.core.runner_output import TokenLogprobs
+from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker import sampling_ops as ops
 from runner.worker.event_wait import EventWaiter
-from runner.worker.outputs import TokenLogprobs
 from runner.worker.penalties import PenaltyState, apply_penalties_
 from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, settings_of_rows
 from runner.worker.sampling_noise import INVALID_TOKEN, draw_by_inverse_cdf_
 from runner.worker.sampling_settings import PENALTIES, SamplingSettings
-from runner.worker.scheduled_batch import ScheduledChunk, SchedulerOutput
 
 
 def request_seed(params: SamplingParams, default_seed: int) -> int:

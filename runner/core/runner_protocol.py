@@ -1,10 +1,10 @@
 """What the engine core calls and reads on a model runner: the one contract between ``runner/core`` and a runner.
 
-The real :class:`~runner.worker.model_runner.ModelRunner` implements it, as do the tests' stand-ins
-(``tests/fake_runner.py``). A runner that is also a :class:`~runner.worker.pending.LaunchingRunner` has its steps
-launched without waiting for their results; any other runner's :meth:`ModelRunnerProtocol.step` computes a step on
-the host. The step's inputs are :class:`~runner.worker.scheduled_batch.SchedulerOutput`, its outputs
-:class:`~runner.worker.outputs.ModelRunnerOutput`.
+The engine core owns it, with the step's inputs (:class:`~runner.core.scheduler_output.SchedulerOutput`) and
+outputs (:class:`~runner.core.runner_output.ModelRunnerOutput`, :class:`~runner.core.runner_output.PendingStep`);
+the real :class:`~runner.worker.model_runner.ModelRunner` implements it, as do the tests' stand-ins
+(``tests/fake_runner.py``). The overlap loop launches every step with :meth:`ModelRunnerProtocol.launch` and reads
+its output later; the synchronous loop calls :meth:`ModelRunnerProtocol.step`.
 """
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from typing import AbstractSet, Protocol
 
 import torch
 
+from runner.core.runner_output import ModelRunnerOutput, PendingStep
+from runner.core.scheduler_output import SchedulerOutput
 from runner.worker.dbo_step_timing import MeasuredDBO
-from runner.worker.outputs import ModelRunnerOutput
 from runner.worker.sampler import Sampler
-from runner.worker.scheduled_batch import SchedulerOutput
 
 
 class ModelRunnerProtocol(Protocol):
@@ -68,8 +68,19 @@ class ModelRunnerProtocol(Protocol):
         """(modelled all-to-all seconds in flight, seconds of it a ubatch waited for) so far; None without an
         emulated link."""
 
+    @property
+    def num_placeholders_resolved(self) -> int:
+        """Placeholders (tokens of a step still in flight, ``runner/core/slots.py``) this runner has resolved
+        so far."""
+
+    def launch(self, sched: SchedulerOutput) -> PendingStep | None:
+        """Start one step, its placeholders unresolved (the runner resolves them from the steps it launched
+        before), and return without waiting for its output; None when no DP rank had work (the same on every
+        rank). A runner that computes the step here returns :meth:`PendingStep.ready`."""
+
     def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Run one step and return its output; None when no DP rank had work (the same on every rank)."""
+        """Launch one step and wait for its output (the synchronous loop: no placeholders); None when no DP rank
+        had work."""
 
     def close(self) -> None:
         """Release what the runner holds (graphs, ubatch threads)."""

@@ -1,22 +1,38 @@
-"""What the scheduler hands the model runner for one step: the chunk of tokens each request computes.
+"""What the scheduler hands the model runner for one step (vLLM's ``vllm/v1/core/sched/output.py``): the chunk
+of tokens each request computes, as immutable arrays and per-request snapshots.
 
 A step is arrays over its requests in schedule order (``req_ids``, ``slots``, ``num_computed``, ``query_lens``,
-``sample``, the flat ``token_ids``, the requests' block-table rows); ``chunks`` gives the same step as one
-:class:`ScheduledChunk` per request, built on first use for stand-ins and tests. Of ``requests[i]`` the forward
-side may read only what is fixed for its life (``sampling``, ``seed``, ``prompt_token_ids``): the scheduler
-keeps changing the rest while the step runs.
+``sample``, the flat ``token_ids``, the requests' block-table rows) and one :class:`RequestSnapshot` per
+request: what the forward side reads of it, fixed when the request was added. With the overlap loop the
+scheduler schedules step N+1 (and mutates its own ``Request`` objects) while step N runs, so nothing here
+refers to a live request: the arrays are read-only, the snapshots frozen. The block-table rows are the one
+shared piece, by design (vLLM's persistent block table): the scheduler only appends past the blocks a step in
+flight holds (``held``) and clears a row only once no step in flight uses it
+(``runner/attention/kv_cache.py``, ``BlockTable``). ``chunks`` gives the same step as one
+:class:`ScheduledChunk` per request, built on first use for stand-ins and tests.
 """
 from __future__ import annotations
 
 import copy
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from runner.attention.kv_cache import BlockRows
 from runner.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSnapshot:
+    """What the forward side reads of one request, fixed for its life: its sampling settings, the seed of its
+    draws and its prompt (prompt logprobs, penalty counts, where its outputs start). A batch built by hand from
+    :class:`ScheduledChunk` objects carries no prompt (``()``): its chunks give their prompt lengths."""
+
+    sampling: SamplingParams
+    seed: int = 0  # params.seed, else the engine's per-request default (runner.worker.sampler.request_seed)
+    prompt_token_ids: tuple[int, ...] = ()
 
 
 @dataclass
@@ -51,12 +67,20 @@ class ScheduledChunk:
         return len(self.token_ids) == 1 and self.num_computed_tokens > 0
 
 
+def _frozen(a: np.ndarray) -> np.ndarray:
+    """``a`` made read-only (a view when it is someone else's array: theirs stays writable)."""
+    if a.flags.writeable:
+        a = a.view()
+        a.flags.writeable = False
+    return a
+
+
 class SchedulerOutput:
-    """One step: its requests in schedule order, as arrays (module docstring).
+    """One step: its requests in schedule order, as arrays and snapshots (module docstring).
 
     ``SchedulerOutput(chunks, finished_req_ids, step_id)`` builds one from chunks (hand-built batches);
-    the scheduler uses :meth:`from_arrays`. Treat both as read-only: the forward side reads them while the
-    scheduler already builds the next step.
+    the scheduler uses :meth:`from_arrays`. Read-only: the forward side reads it while the scheduler already
+    builds the next step; :meth:`with_token_ids` and :meth:`with_finished_before` make changed copies.
     """
 
     req_ids: np.ndarray  # int64 [R]
@@ -66,43 +90,48 @@ class SchedulerOutput:
     sample: np.ndarray  # bool [R]: the chunk reaches the end of the known tokens -> sample one token
     token_ids: np.ndarray  # int64 [T]: every chunk's tokens, in order (placeholders < 0 until resolved)
     blocks: BlockRows  # the requests' block-table rows
-    requests: Sequence[Any]  # per request: an object with .sampling and .seed (see module docstring)
-    finished_req_ids: list[int]  # finished since the previous schedule()
+    requests: tuple[RequestSnapshot, ...]  # per request: its sampling settings, seed and prompt
+    finished_req_ids: tuple[int, ...]  # finished since the previous schedule()
     step_id: int  # schedule() numbers its outputs: update() must see them in this order
 
-    def __init__(self, chunks: Sequence[ScheduledChunk] = (), finished_req_ids: list[int] | None = None,
+    def __init__(self, chunks: Sequence[ScheduledChunk] = (), finished_req_ids: Sequence[int] = (),
                  step_id: int = -1) -> None:
         chunks = list(chunks)
         tokens = [t for c in chunks for t in c.token_ids]
-        self._set(np.array([c.req_id for c in chunks], dtype=np.int64), np.array([c.slot for c in chunks],
-                                                                                 dtype=np.int64),
+        self._set(np.array([c.req_id for c in chunks], dtype=np.int64),
+                  np.array([c.slot for c in chunks], dtype=np.int64),
                   np.array([c.num_computed_tokens for c in chunks], dtype=np.int64),
                   np.array([len(c.token_ids) for c in chunks], dtype=np.int64),
                   np.array([c.sample for c in chunks], dtype=bool), np.array(tokens, dtype=np.int64),
-                  BlockRows.from_lists([c.block_ids for c in chunks]), chunks,
-                  [] if finished_req_ids is None else finished_req_ids, step_id)
+                  BlockRows.from_lists([c.block_ids for c in chunks]),
+                  tuple(RequestSnapshot(c.sampling, c.seed) for c in chunks), tuple(finished_req_ids), step_id)
         self._chunks: list[ScheduledChunk] | None = chunks
+        self.hand_built = True  # the chunks carry prompt lengths, the snapshots no prompts
 
     @classmethod
     def from_arrays(cls, *, req_ids: np.ndarray, slots: np.ndarray, num_computed: np.ndarray,
                     query_lens: np.ndarray, sample: np.ndarray, token_ids: np.ndarray, blocks: BlockRows,
-                    requests: Sequence[Any], finished_req_ids: list[int], step_id: int) -> SchedulerOutput:
+                    requests: Sequence[RequestSnapshot], finished_req_ids: Sequence[int],
+                    step_id: int) -> SchedulerOutput:
         out = cls.__new__(cls)
-        out._set(req_ids, slots, num_computed, query_lens, sample, token_ids, blocks, requests, finished_req_ids,
-                 step_id)
+        out._set(req_ids, slots, num_computed, query_lens, sample, token_ids, blocks, tuple(requests),
+                 tuple(finished_req_ids), step_id)
         out._chunks = None
+        out.hand_built = False
         return out
 
     def _set(self, req_ids: np.ndarray, slots: np.ndarray, num_computed: np.ndarray, query_lens: np.ndarray,
-             sample: np.ndarray, token_ids: np.ndarray, blocks: BlockRows, requests: Sequence[Any],
-             finished_req_ids: list[int], step_id: int) -> None:
+             sample: np.ndarray, token_ids: np.ndarray, blocks: BlockRows, requests: tuple[RequestSnapshot, ...],
+             finished_req_ids: tuple[int, ...], step_id: int) -> None:
         n = len(req_ids)
         if not (len(slots) == len(num_computed) == len(query_lens) == len(sample) == len(blocks) == len(requests)
                 == n):
             raise ValueError(f"a step of {n} requests needs one slot, context length, query length, sample flag, "
-                             "block row and request each")
-        self.req_ids, self.slots, self.num_computed, self.query_lens = req_ids, slots, num_computed, query_lens
-        self.sample, self.token_ids, self.blocks, self.requests = sample, token_ids, blocks, requests
+                             "block row and request snapshot each")
+        self.req_ids, self.slots = _frozen(req_ids), _frozen(slots)
+        self.num_computed, self.query_lens = _frozen(num_computed), _frozen(query_lens)
+        self.sample, self.token_ids = _frozen(sample), _frozen(token_ids)
+        self.blocks, self.requests = blocks, requests
         self.finished_req_ids, self.step_id = finished_req_ids, step_id
         self.num_reqs = n
         self.num_tokens = len(token_ids)  # computed once: the runner, the vote and the loop all ask
@@ -114,11 +143,6 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> list[int]:
         return self.query_lens.tolist()
-
-    @property
-    def hand_built(self) -> bool:
-        """Built from :class:`ScheduledChunk` objects (``requests`` are the chunks), not by the scheduler."""
-        return self._chunks is not None and self.requests is self._chunks
 
     @property
     def chunks(self) -> list[ScheduledChunk]:
@@ -147,7 +171,7 @@ class SchedulerOutput:
         if len(token_ids) != self.num_tokens:
             raise ValueError(f"{len(token_ids)} token ids for a step of {self.num_tokens} tokens")
         out = copy.copy(self)
-        out.token_ids = token_ids
+        out.token_ids = _frozen(token_ids)
         if self._chunks is not None and self.hand_built:  # keep its chunk objects' type
             tokens, a = token_ids.tolist(), 0
             chunks = []
@@ -155,9 +179,16 @@ class SchedulerOutput:
                 b = a + len(c.token_ids)
                 chunks.append(dataclasses.replace(c, token_ids=tokens[a:b]))
                 a = b
-            out._chunks = out.requests = chunks
+            out._chunks = chunks
         else:
             out._chunks = None
+        return out
+
+    def with_finished_before(self, finished_req_ids: Sequence[int]) -> SchedulerOutput:
+        """A copy of this step that also reports ``finished_req_ids``, ahead of its own (a step the loop
+        scheduled and dropped for being empty hands its finished ids on to the next one)."""
+        out = copy.copy(self)
+        out.finished_req_ids = tuple(finished_req_ids) + self.finished_req_ids
         return out
 
     def __len__(self) -> int:
