@@ -3,17 +3,17 @@ the offline ``LLM``'s and the CLI's, which raise or refuse a ``--prompts-file`` 
 from __future__ import annotations
 
 import numbers
-from typing import Any, Sequence
+from typing import Sequence, TypeGuard
 
 from runner.sampling_params import SamplingParams
 
 
-def is_token_id(value: Any) -> bool:
+def is_token_id(value: object) -> TypeGuard[numbers.Integral]:
     """An integer token id: ``int``, a numpy or other ``numbers.Integral`` integer, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def prompt_token_problem(prompt: Any, vocab_size: int, max_model_len: int) -> str | None:
+def prompt_token_problem(prompt: object, vocab_size: int, max_model_len: int) -> str | None:
     """Why these prompt ids cannot run, or None: not a list of ids, empty, an id outside the vocabulary, or
     prompt + 1 generated token over ``max_model_len``."""
     if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
@@ -23,7 +23,7 @@ def prompt_token_problem(prompt: Any, vocab_size: int, max_model_len: int) -> st
     for position, t in enumerate(prompt):
         if not is_token_id(t):
             return f"the token at position {position} is {t!r}, not an integer token id"
-        if not 0 <= t < vocab_size:
+        if not 0 <= int(t) < vocab_size:
             return f"token id {t} at position {position} is outside the vocabulary [0, {vocab_size})"
     if len(prompt) + 1 > max_model_len:
         return (f"the prompt has {len(prompt)} tokens but max_model_len is {max_model_len}: prompt + 1 generated "
@@ -31,7 +31,7 @@ def prompt_token_problem(prompt: Any, vocab_size: int, max_model_len: int) -> st
     return None
 
 
-def prompt_problem(prompt: Any, params: SamplingParams, vocab_size: int, max_model_len: int) -> str | None:
+def prompt_problem(prompt: object, params: SamplingParams, vocab_size: int, max_model_len: int) -> str | None:
     """Why this prompt cannot run offline, or None: the server's checks (empty, a token id outside the
     vocabulary, prompt + 1 generated token over ``max_model_len``, a sampling token id outside the vocabulary).
     ``max_tokens`` past ``max_model_len`` is no error offline: generation stops there (vLLM's LLM alike)."""

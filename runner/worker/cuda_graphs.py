@@ -8,8 +8,9 @@ where no request ever reads.
 """
 from __future__ import annotations
 
+import enum
 import logging
-from typing import Any, Protocol, Sequence
+from typing import Protocol, Sequence
 
 import torch
 from torch.distributed import ProcessGroup
@@ -84,7 +85,13 @@ class CapturingRunner(Protocol):
 
     @property
     def real_token_mask(self) -> torch.Tensor: ...
-_RUNNERS_WRAPPER: Any = object()  # make_graph_runner's default: the model runner's own UBatchWrapper
+class _Default(enum.Enum):
+    """The ``wrapper`` argument's default: the model runner's own UBatchWrapper (None is a value: no DBO)."""
+
+    RUNNERS_WRAPPER = enum.auto()
+
+
+_RUNNERS_WRAPPER = _Default.RUNNERS_WRAPPER
 
 
 def capture_agreement(dp_group: ProcessGroup | None) -> CaptureAgreement | None:
@@ -106,7 +113,7 @@ def capture_agreement(dp_group: ProcessGroup | None) -> CaptureAgreement | None:
 
 
 def planned_keys(model_runner: CapturingRunner, sizes: Sequence[int] | str | None = None,
-                 wrapper: Any = _RUNNERS_WRAPPER) -> list[GraphKey]:
+                 wrapper: UBatchWrapper | None | _Default = _RUNNERS_WRAPPER) -> list[GraphKey]:
     """The graphs ``make_graph_runner(model_runner, sizes=..., wrapper=...)`` captures by default (the KV
     budget's trial capture needs the largest): with the measured DBO cost model, a plain and a DBO graph at
     every size that may ubatch, so each choice it makes replays."""
@@ -121,7 +128,7 @@ def planned_keys(model_runner: CapturingRunner, sizes: Sequence[int] | str | Non
 
 def make_graph_runner(model_runner: CapturingRunner, *, sizes: Sequence[int] | str | None = None,
                       backend: GraphBackend | None = None, num_warmups: int = 2, progress: bool | None = None,
-                      wrapper: Any = _RUNNERS_WRAPPER, keys: Sequence[GraphKey] | None = None) -> GraphRunner:
+                      wrapper: UBatchWrapper | None | _Default = _RUNNERS_WRAPPER, keys: Sequence[GraphKey] | None = None) -> GraphRunner:
     """A :class:`GraphRunner` over ``model_runner``'s model and persistent input buffers (not yet captured).
 
     ``wrapper`` defaults to the runner's own UBatchWrapper (``None`` plans no DBO graphs); ``keys``

@@ -63,9 +63,10 @@ class CudaEventStepTimer:
     ``cuda``: ``torch.cuda``, or the CPU stand-in a test passes.
     """
 
+    # Any: torch.cuda (a module, whose Event torch types loosely) or a test's stand-in with the same Event API
     def __init__(self, cuda: Any = torch.cuda) -> None:
         self.cuda = cuda
-        self._start: Any = None
+        self._start: Any = None  # Any: an event of ``cuda`` (torch.cuda.Event or the stand-in's), None between steps
         self._pending: collections.deque[tuple[StepRecord, Any, Any]] = collections.deque()
         self._free: list[Any] = []  # events whose times were read
 
