@@ -1,5 +1,6 @@
-"""Steps launched before the previous step's results are read (runner/worker/pending.py, the overlap loop with
-the model runner's device-resident future-token map) and the emulated device (``--emulate-device``).
+"""Steps launched before the previous step's results are read (``PendingStep`` in runner/core/runner_output.py,
+the overlap loop with the model runner's device-resident future-token map) and the emulated device
+(``--emulate-device``).
 
 - With the emulated device, the loop's own counters show that in steady decode no step's launch waited for the
   previous step's results, and the emulated stream never drained; the synchronous loop's counters show the
