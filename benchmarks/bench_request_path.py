@@ -32,8 +32,9 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any, AsyncIterator
+from typing import Any
 
 import msgspec
 

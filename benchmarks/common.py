@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import csv
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 RESULTS_DIR = Path(__file__).parent / "results"
 

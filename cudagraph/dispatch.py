@@ -16,8 +16,8 @@ a reason as well as the answer, and is table-tested on CPU:
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Collection, Sequence
 
 from cudagraph.sizes import pad_to_capture_size
 from ubatch.slicing import is_last_ubatch_empty

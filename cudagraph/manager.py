@@ -10,10 +10,12 @@ first under ``no_grad`` and keep only their outputs; a size that runs out of mem
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, ContextManager, Protocol, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -59,7 +61,7 @@ class MetadataBuffers(Protocol):
 MetadataBuffersFactory = Callable[[int], MetadataBuffers]  # called with the largest capture size
 # Entered around warm-ups and captures; yields how many of the model's attention layers take the graph
 # metadata (0: the model's attention must be capturable by itself).
-CapturableAttention = Callable[[torch.nn.Module], ContextManager[int]]
+CapturableAttention = Callable[[torch.nn.Module], contextlib.AbstractContextManager[int]]
 # Called after every planned size with "this rank captured it"; returns "every DP rank captured it". DP ranks
 # must keep the same graphs: a graph replays its collectives, and a peer running eager at that size would
 # build a step of another padded size.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import bisect
 import logging
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 logger = logging.getLogger("ubatch.cudagraph")
 

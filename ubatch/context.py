@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from ubatch import streams, trace
 from ubatch.forward_context import set_thread_forward_context

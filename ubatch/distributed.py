@@ -6,8 +6,9 @@ different ranks; sharing one group would let rank 0's ubatch-1 dispatch pair wit
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist

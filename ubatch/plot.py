@@ -12,7 +12,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ubatch import trace
 from ubatch.trace_metrics import TimedSpan, overlap_metrics, spans_from_chrome, trace_pids

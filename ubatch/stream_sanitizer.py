@@ -15,9 +15,10 @@ import os
 import sys
 import threading
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef

@@ -20,7 +20,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
-from typing import Any, Callable, Iterator, Sequence, Union, cast
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Union, cast
 
 import torch
 

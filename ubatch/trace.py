@@ -14,8 +14,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Literal
+from typing import Any, Literal
 
 from ubatch.forward_context import maybe_get_forward_context
 

@@ -8,8 +8,9 @@ time; a graph replay adds compute but no comm. The interval helpers are pure fun
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 Interval = tuple[float, float]
 GRAPH_REPLAY = "graph_replay"  # the compute span a CUDA-graph replay records

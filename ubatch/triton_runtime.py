@@ -11,7 +11,6 @@ import contextlib
 import os
 import threading
 from types import ModuleType
-from typing import ContextManager
 
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on", "y"})
 
@@ -41,6 +40,6 @@ def import_triton(feature: str) -> tuple[ModuleType, ModuleType]:
     return triton, tl
 
 
-def launch_guard(interpret: bool) -> ContextManager[object]:
+def launch_guard(interpret: bool) -> contextlib.AbstractContextManager[object]:
     """Serialise interpreted launches (see INTERPRETER_LOCK); compiled launches need no lock."""
     return INTERPRETER_LOCK if interpret else contextlib.nullcontext()

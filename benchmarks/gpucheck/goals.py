@@ -14,8 +14,9 @@ comm = compute (``engine_link``).
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from bench_gpu import attention_shape, experts_shape
 

@@ -12,9 +12,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Sequence
 
 from gpucheck.goals import evaluate
 from gpucheck.parts import SERVE_SECONDS, all_parts

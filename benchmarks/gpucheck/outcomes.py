@@ -7,7 +7,8 @@ Lines that are not JSON (a run killed mid-write) are ignored.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 MAX_LISTED = 40
 

@@ -12,8 +12,9 @@ import json
 import os
 import re
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from bench_gpu import MODEL as BENCH_MODEL
 from gpucheck.outcomes import count_tests

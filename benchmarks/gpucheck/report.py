@@ -5,7 +5,8 @@ part-way still gets a report of what it measured, and parts that failed show the
 """
 from __future__ import annotations
 
-from typing import Any, Iterable, Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from gpucheck.engine_figures import engine_figures
 

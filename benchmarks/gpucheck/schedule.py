@@ -12,9 +12,10 @@ from __future__ import annotations
 import dataclasses
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from gpucheck.goals import evaluate
 

@@ -11,9 +11,9 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Sequence
 
 KILL_GRACE_S = 5.0
 TAIL_CHARS = 3000

@@ -9,7 +9,8 @@ as the real package does; what it cannot model raises ``NotImplementedError``.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Union
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -195,7 +196,7 @@ class ElasticBuffer:
         return handle
 
     # ---- dispatch ----------------------------------------------------------------------------------------
-    def dispatch(self, x: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]],
+    def dispatch(self, x: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
                  topk_idx: torch.Tensor | None = None, topk_weights: torch.Tensor | None = None,
                  cumulative_local_expert_recv_stats: torch.Tensor | None = None,
                  num_experts: int | None = None, num_max_tokens_per_rank: int | None = None,
@@ -320,7 +321,7 @@ class ElasticBuffer:
 
     # ---- combine -----------------------------------------------------------------------------------------
     def combine(self, x: torch.Tensor, handle: EPHandle, topk_weights: torch.Tensor | None = None,
-                bias: Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor], None] = None, num_sms: int = 0,
+                bias: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None, num_sms: int = 0,
                 num_qps: int = 0, previous_event: EventHandle | None = None,
                 previous_event_before_epilogue: EventHandle | None = None,
                 async_with_compute_stream: bool = False, allocate_on_comm_stream: bool = False

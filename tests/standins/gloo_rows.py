@@ -5,7 +5,8 @@ protocol guarantees: every rank makes the same sequence of DeepEP calls.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

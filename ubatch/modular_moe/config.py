@@ -1,8 +1,9 @@
 """How one MoE layer is spread over expert-parallel ranks, and which backends move and compute its tokens."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

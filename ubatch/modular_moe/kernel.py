@@ -15,7 +15,7 @@ no tokens (the experts step simply has nothing to do), or a GPU capture deadlock
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 

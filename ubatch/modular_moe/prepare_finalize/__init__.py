@@ -12,7 +12,8 @@ node), or their all-to-alls would not pair up.
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from ubatch.log_once import log_once
 from ubatch.modular_moe.prepare_finalize.base import PrepareFinalize

@@ -21,7 +21,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import Counter
-from typing import Any, Callable, Sequence, overload
+from collections.abc import Callable, Sequence
+from typing import Any, overload
 
 import torch
 

@@ -12,7 +12,8 @@ than with an ``EP_HOST_ASSERT`` from inside DeepEP.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -10,8 +10,9 @@ stream sanitizer. Design: docs/design_notes.md, "MoE layer and the DBO runtime".
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 

@@ -17,8 +17,9 @@ complete at ``wait()``, which the hook calls.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
