@@ -3,9 +3,9 @@
 A decode step is captured once per batch size (vLLM's FULL cudagraph mode); a DBO step is captured by
 running its ubatches inside the capture, so a replay needs no threads. :class:`GraphRunner` captures and
 replays; the engine builds one through ``runner.worker.cuda_graphs``. This package depends on ``ubatch`` only,
-never on the engine. GPU-free, table-tested pieces: :mod:`cudagraph.sizes` (ladder, ``--cuda-graph-sizes`` parsing, padding)
-and :mod:`cudagraph.dispatch` (batch descriptors and the replay rules). Only ``sizes`` is imported
-eagerly, so a CLI can parse ``--cuda-graph-sizes`` without importing torch.
+never on the engine. GPU-free, table-tested pieces: :mod:`cudagraph.sizes` (ladder, ``--cuda-graph-sizes``
+parsing, padding) and :mod:`cudagraph.dispatch` (batch descriptors and the replay rules). Only ``sizes`` is
+imported eagerly, so a CLI can parse ``--cuda-graph-sizes`` without importing torch.
 """
 from __future__ import annotations
 

@@ -75,13 +75,12 @@ class CudaGraphBackend:
         try:
             # The outer stream guard restores this thread's stream even when the capture's end raises:
             # torch.cuda.graph.__exit__ calls capture_end() before it leaves its own stream context.
-            with torch.cuda.stream(stream):
-                with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    try:
-                        out = fn()
-                    except BaseException as exc:
-                        body_error.append(exc)
-                        raise
+            with torch.cuda.stream(stream), torch.cuda.graph(graph, pool=pool, stream=stream):
+                try:
+                    out = fn()
+                except BaseException as exc:
+                    body_error.append(exc)
+                    raise
         except BaseException as exc:
             self._abandon(graph, pool, stream, end_failed=not body_error or exc is not body_error[0])
             raise

@@ -23,7 +23,7 @@ from cudagraph.sizes import pad_to_capture_size
 from ubatch.slicing import is_last_ubatch_empty
 
 
-class BatchKind(str, enum.Enum):
+class BatchKind(str, enum.Enum):  # noqa: UP042 - StrEnum needs Python 3.11 (setup.cfg allows 3.10) and changes str()
     UNIFORM_DECODE = "uniform_decode"  # every request computes exactly one token
     MIXED = "mixed"  # any prefill or chunked-prefill chunk
     DUMMY = "dummy"  # no request: an idle DP rank keeping collectives matched
@@ -89,7 +89,7 @@ def plan_captures(sizes: Sequence[int], *, dbo_enabled: bool, decode_threshold: 
     return keys
 
 
-class Why(str, enum.Enum):
+class Why(str, enum.Enum):  # noqa: UP042 - StrEnum needs Python 3.11 (setup.cfg allows 3.10) and changes str()
     """Why a step replays or runs eager (a stable code for tests and counters; ``Dispatch.detail`` explains)."""
 
     REPLAY = "replay"

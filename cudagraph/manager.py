@@ -254,10 +254,10 @@ class GraphRunner:
             if not is_out_of_memory(exc) or isinstance(exc, _WarmupOutOfMemory):
                 raise
             oom = exc
-        if self.agree is not None and not self.agree(entry is not None):
-            if entry is not None:  # a DP peer ran out of memory at this size: keep the plans identical
-                self.backend.release(entry.graph)
-                entry = None
+        # agree() is a collective every DP rank must reach, so it is called before entry is looked at
+        if self.agree is not None and not self.agree(entry is not None) and entry is not None:
+            self.backend.release(entry.graph)  # a DP peer ran out of memory at this size: keep the plans identical
+            entry = None
         self.backend.synchronize()
         if entry is not None:
             self.graphs[key] = entry

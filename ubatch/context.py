@@ -155,9 +155,10 @@ class UBatchContext:
 
     # ---- control transfer -------------------------------------------------------------------------
     def _wake_up(self) -> None:
-        try:
+        # already released: a handoff and an abort raced, both mean "run"
+        try:  # noqa: SIM105 - a handoff's hot path: contextlib.suppress costs ~0.9 us more per call
             self._turn.release()
-        except RuntimeError:  # already released: a handoff and an abort raced, both mean "run"
+        except RuntimeError:
             pass
 
     def _resume(self, now: float = 0.0) -> None:
@@ -353,7 +354,7 @@ def run_greenlet_step(contexts: Sequence[UBatchContext], bodies: Sequence[Callab
 
     step = contexts[0].step
     driver = getcurrent()
-    for ctx, body in zip(contexts, bodies):
+    for ctx, body in zip(contexts, bodies, strict=True):
         ctx.glet = greenlet(body, parent=driver)
     try:
         contexts[0].glet.switch()
@@ -365,7 +366,8 @@ def run_greenlet_step(contexts: Sequence[UBatchContext], bodies: Sequence[Callab
         if step.aborted:
             for ctx in contexts:
                 if ctx.glet:  # started and suspended
-                    ctx.glet.throw(DBOAbortedError(f"ubatch {ctx.id} aborted because ubatch {step.error_ubatch} failed"))
+                    why = f"ubatch {ctx.id} aborted because ubatch {step.error_ubatch} failed"
+                    ctx.glet.throw(DBOAbortedError(why))
     finally:
         for ctx in contexts:
             ctx.glet = None

@@ -61,7 +61,7 @@ def run_thread_ranks(world_size: int, fn: Callable[[int, list[Any]], Any], num_g
         t.start()
     for t in threads:
         t.join(timeout_s)
-    for rank, err in enumerate(errors):
+    for err in errors:
         if err is not None:
             raise err
     stuck = [r for r, t in enumerate(threads) if t.is_alive()]

@@ -21,7 +21,8 @@ from ubatch.trace_metrics import TimedSpan, overlap_metrics, spans_from_chrome, 
 COLORS = {"A": "#4C72B0", "E": "#DD8452", "S": "#55A868", "D": "#8172B3", "C": "#C44E52", "compute": "#8C8C8C"}
 HATCHED = {"wait": ("//", "#BBBBBB"), "recv": ("xx", "#937860")}
 LEGEND = [("A", "attention"), ("E", "experts"), ("S", "shared experts"), ("D", "dispatch in flight"),
-          ("C", "combine in flight"), ("wait", "waiting for its turn"), ("recv", "recv hook (waiting for an all-to-all)")]
+          ("C", "combine in flight"), ("wait", "waiting for its turn"),
+          ("recv", "recv hook (waiting for an all-to-all)")]
 _SUB = str.maketrans("0123456789", "₀₁₂₃₄₅₆₇₈₉")
 
 

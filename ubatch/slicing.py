@@ -7,6 +7,7 @@ balances the two halves and falls back to a token-level "two-chunk" cut when tha
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -50,7 +51,7 @@ class CommonAttentionMetadata:
         ``PAD_SLOT_ID`` at position 0, so padded slices can be split like real ones.
         """
         q, s = _as_lens("query_lens", query_lens), _as_lens("seq_lens", seq_lens)
-        if len(q) != len(s) or any(si < qi for qi, si in zip(q, s)):
+        if len(q) != len(s) or any(si < qi for qi, si in zip(q, s, strict=True)):
             raise ValueError(f"need query_len <= seq_len per request, got query_lens={q}, seq_lens={s}")
         n_reqs = len(q) if num_reqs_padded is None else num_reqs_padded
         n_toks = sum(q) if num_tokens_padded is None else num_tokens_padded
@@ -208,7 +209,7 @@ def maybe_create_ubatch_slices(should_ubatch: bool, num_scheduled_tokens: np.nda
     if num_reqs_padded < len(lens):
         raise ValueError(f"num_reqs_padded={num_reqs_padded} is smaller than the {len(lens)} scheduled requests")
     bounds = _token_boundaries(split_point, num_tokens, num_tokens_padded, num_ubatches)
-    slices = [_slice_for_tokens(cu, s, e) for s, e in zip(bounds[:-1], bounds[1:])]
+    slices = [_slice_for_tokens(cu, s, e) for s, e in itertools.pairwise(bounds)]
     last = slices[-1]
     padded_last = UBatchSlice(slice(last.request_slice.start, num_reqs_padded),
                               slice(last.token_slice.start, num_tokens_padded))
@@ -234,11 +235,11 @@ def padded_ubatch_slices(num_scheduled_tokens: np.ndarray | Sequence[int], num_t
     if num_tokens_padded < num_tokens:
         raise ValueError(f"num_tokens_padded={num_tokens_padded} is smaller than the {num_tokens} scheduled tokens")
     bounds = [0, *_inner_boundaries(split_point, num_tokens_padded, num_ubatches), num_tokens_padded]
-    if any(b <= a for a, b in zip(bounds, bounds[1:])):
+    if any(b <= a for a, b in itertools.pairwise(bounds)):
         raise ValueError(f"ubatch boundaries {bounds} over {num_tokens_padded} padded tokens leave a ubatch "
                          "without a single row")
     out = []
-    for start, end in zip(bounds[:-1], bounds[1:]):
+    for start, end in itertools.pairwise(bounds):
         if start >= num_tokens:
             out.append(UBatchSlice(slice(num_reqs, num_reqs), slice(start, end)))
         else:

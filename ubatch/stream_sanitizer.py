@@ -184,7 +184,7 @@ def _where() -> tuple[str, int, str]:
     while f is not None:
         code = f.f_code
         name = code.co_filename
-        if not (name.startswith(_TORCH_DIR) or name == _THIS_FILE or name == _STREAMS_FILE):
+        if not (name.startswith(_TORCH_DIR) or name in (_THIS_FILE, _STREAMS_FILE)):
             return name, f.f_lineno, code.co_name
         f = f.f_back
     return "<unknown>", 0, ""
@@ -213,7 +213,8 @@ def _dispatch(self: _Mode, func: Any, types: Any, args: tuple = (), kwargs: dict
     reads: list[torch.Tensor] = []
     writes: list[torch.Tensor] = []
     fresh: list[torch.Tensor] = []
-    for (_, kind), value in zip(plan.arg_kinds, args):
+    # the call may pass fewer positional args than the schema has (the rest default or come as kwargs)
+    for (_, kind), value in zip(plan.arg_kinds, args, strict=False):
         if kind != "meta":
             if type(value) is torch.Tensor or isinstance(value, torch.Tensor):
                 (writes if kind == "write" else reads).append(value)
@@ -456,7 +457,7 @@ def _span(t: torch.Tensor) -> tuple[torch.UntypedStorage, int, int, int] | None:
     start = int(t.storage_offset()) * item
     if t.is_contiguous():
         return st, base, start, start + n * item
-    extent = 1 + sum((int(size) - 1) * abs(stride) for size, stride in zip(t.shape, t.stride()))
+    extent = 1 + sum((int(size) - 1) * abs(stride) for size, stride in zip(t.shape, t.stride(), strict=True))
     return st, base, start, start + extent * item
 
 

@@ -357,7 +357,8 @@ def to_chrome_trace(rec: TraceRecorder, pid: int | None = None) -> dict[str, Any
     """Trace Event Format dict: "X" spans and "i" instants (µs since the first event), "M" names.
 
     One process per rank (``pid``; ``pid=`` keeps one rank), one thread per track, ordered ubatch0,
-    gpu0, comm0, ubatch1, ... (``gpu<u>`` only in a cuda-clock trace). Span args (``phase``, ``layer``, ``bytes``, ...) are kept as event args.
+    gpu0, comm0, ubatch1, ... (``gpu<u>`` only in a cuda-clock trace). Span args (``phase``, ``layer``,
+    ``bytes``, ...) are kept as event args.
     """
     spans, instants = rec.resolved()
     if pid is not None:

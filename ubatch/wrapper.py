@@ -9,6 +9,7 @@ executor (greenlets on one worker thread by default, or a thread per ubatch) is 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 import time
 import warnings
@@ -230,7 +231,7 @@ def batch_ubatch_slices(batch_size: int, num_ubatches: int = 2) -> list[UBatchSl
     bounds = [0]
     for i in range(num_ubatches):
         bounds.append(bounds[-1] + base + (i < extra))
-    return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 def merge_ubatch_outputs(outputs: Sequence[Any]) -> Any:
@@ -359,7 +360,7 @@ class UBatchWrapper:
                                         self.config.handoff_timeout_s, self.config.executor)
         results: list[Any] = [None] * n
         bodies = []
-        for ctx, rows in zip(contexts, row_slices):
+        for ctx, rows in zip(contexts, row_slices, strict=True):
             a = tuple(_slice_arg(v, num_rows, rows) for v in args)
             kw = {k: _slice_arg(v, num_rows, rows) for k, v in kwargs.items()}
             bodies.append(self._make_body(ctx, a, kw, results))
@@ -379,7 +380,7 @@ class UBatchWrapper:
 
             worker.submit(drive)
             return
-        for worker, body in zip(self._pool.workers, bodies):
+        for worker, body in zip(self._pool.workers, bodies, strict=True):  # one worker per ubatch
             worker.submit(self._thread_job(worker, step, body))
         contexts[0].start()
 
@@ -402,10 +403,9 @@ class UBatchWrapper:
 
         def body() -> None:
             try:
-                with torch.inference_mode(inference), torch.set_grad_enabled(grad):
-                    with override_forward_context(ctx.forward_context):
-                        with ctx:
-                            results[ctx.id] = runnable(*args, **kwargs)
+                with (torch.inference_mode(inference), torch.set_grad_enabled(grad),
+                      override_forward_context(ctx.forward_context), ctx):
+                    results[ctx.id] = runnable(*args, **kwargs)
             except BaseException as exc:  # noqa: BLE001 - every failure must reach the caller
                 ctx.step.fail(ctx.id, exc)
 

@@ -81,4 +81,5 @@ def make_prepare_finalize(name: str, *, num_experts: int, hidden_size: int, ep_r
                                        deep_ep_module=deep_ep_module)
 
 
-__all__ = ["ALL2ALL_BACKENDS", "ALL2ALL_CHOICES", "AUTO_BACKEND", "PHASE_AWARE_BACKENDS", "phase_backends", "EmulatedLink", "LinkSpec", "PrepareFinalize", "make_prepare_finalize", "parse_link"]
+__all__ = ["ALL2ALL_BACKENDS", "ALL2ALL_CHOICES", "AUTO_BACKEND", "PHASE_AWARE_BACKENDS", "phase_backends",
+           "EmulatedLink", "LinkSpec", "PrepareFinalize", "make_prepare_finalize", "parse_link"]

@@ -8,6 +8,7 @@ replaces ``torch.cuda`` in tests. Design: docs/design_notes.md, "MoE layer and t
 """
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -165,10 +166,10 @@ class EmulatedLink:
         with self._lock:
             self.in_flight_s += deadline - now
         rec = trace.active()
-        on_done = None
+        on_done: Callable[[float], None] | None = None
         if rec is not None:
             track, pid = _comm_track(), trace.current_pid()  # the posting rank's, as the wait may run elsewhere
-            on_done = lambda end: rec.span(label, "comm", track, now, end, pid=pid, bytes=nbytes)
+            on_done = functools.partial(rec.span, label, "comm", track, now, pid=pid, bytes=nbytes)  # (end)
         return _DeadlineHandle(inner, deadline, on_done, self)
 
     def _cuda_transfer(self, seconds: float, inner: Handle | None, rec: trace.TraceRecorder | None, label: str,
