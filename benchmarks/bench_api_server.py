@@ -194,12 +194,9 @@ def place(placement: str, server_pid: int, front: list[int], cores: list[int]) -
     first, last = cores[0], cores[-1]
     for child in children(server_pid):  # the ranks (and the API servers, re-pinned below)
         pin(child, {first})
-    if placement == "spread":
-        where = [cores[i % len(cores)] for i in range(len(front))]
-    else:
-        where = [last] * len(front)
+    where = [cores[i % len(cores)] for i in range(len(front))] if placement == "spread" else [last] * len(front)
     pin(server_pid, {where[0]} if front == [server_pid] else {first})  # else an idle parent
-    for pid, core in zip(front, where):
+    for pid, core in zip(front, where, strict=True):
         pin(pid, {core})
     return ["taskset", "-c", str(last if placement == "rank-alone" else first)]
 

@@ -150,9 +150,9 @@ def run_rank(model_name: str, cache_dir: str, ratios: list[float], repeats: int,
 
 def print_table(rows: list[dict[str, Any]], cols: list[str]) -> None:
     widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
-    print(" | ".join(c.rjust(w) for c, w in zip(cols, widths)))
+    print(" | ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))
     for r in rows:
-        print(" | ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths)))
+        print(" | ".join(str(r[c]).rjust(w) for c, w in zip(cols, widths, strict=True)))
 
 
 def main() -> None:

@@ -33,7 +33,8 @@ WORKLOADS = {  # name -> (prompts per rank, prompt length, max tokens)
 
 
 def engine_settings(mode: str, cache_dir: str, device: str = "auto") -> dict[str, Any]:
-    base = dict(model=MODEL, cache_dir=cache_dir, device=device, enable_dbo=True, dbo_cost_model="off",  # DBO on every step
+    # DBO on every step
+    base = dict(model=MODEL, cache_dir=cache_dir, device=device, enable_dbo=True, dbo_cost_model="off",
                 dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2, max_num_seqs=512,
                 max_num_batched_tokens=2048, max_model_len=512, emulate_link="latency_us=0,gbps=1000",
                 dist_timeout_s=600.0)
@@ -117,11 +118,13 @@ def run_mode(mode: str, cache_dir: str, ratios: list[float], repeats: int,
                         "compute_s": round(compute_s, 4), "comm_s": round(comm_s, 4),
                         "dbo_off_s": round(t_off, 4), "dbo_on_s": round(t_on, 4), "ideal_s": round(ideal, 4),
                         "speedup": round(t_off / t_on, 3),
-                        "saving_pct_of_ideal": round(100 * (t_off - t_on) / (t_off - ideal), 1) if t_off > ideal else 0.0,
+                        "saving_pct_of_ideal": (round(100 * (t_off - t_on) / (t_off - ideal), 1)
+                                                if t_off > ideal else 0.0),
                         "comm_hidden_pct": round(m.hidden_pct, 1),
                         "unattributed_pct": round(m.unattributed_pct, 1),
                         "copy_cpu_s": round(cpu.other_s, 4) if cpu is not None else 0.0,
-                        "copy_cpu_pct_of_rank_cpu": round(100 * cpu.other_s / cpu.total_s, 1) if cpu and cpu.total_s else 0.0,
+                        "copy_cpu_pct_of_rank_cpu": (round(100 * cpu.other_s / cpu.total_s, 1)
+                                                     if cpu and cpu.total_s else 0.0),
                         "ubatched_steps": f"{traced.num_ubatched_steps}/{traced.num_steps}",
                         "wire_on_over_off": round(wire[True] / wire[False], 3) if wire[False] else 0.0,
                         "outputs_identical": tokens[False] == tokens[True],  # greedy: DBO must not change a token
@@ -166,7 +169,7 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         return
     groups = sorted({(r["mode"], r["workload"]) for r in rows})
     fig, axes = plt.subplots(1, len(groups), figsize=(4.2 * len(groups), 3.6), squeeze=False)
-    for ax, (mode, workload) in zip(axes[0], groups):
+    for ax, (mode, workload) in zip(axes[0], groups, strict=True):
         sel = [r for r in rows if (r["mode"], r["workload"]) == (mode, workload)]
         x = [r["comm_over_compute"] for r in sel]
         ax.plot(x, [r["dbo_off_s"] for r in sel], "o-", label="DBO off")

@@ -10,6 +10,7 @@ benchmarks/bench_gpu.py [--sections kernels step] [--iters 20] [--ratios 0.5 1 2
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -153,7 +154,7 @@ def experts_rows(limits: Limits, iters: int, expert_tokens: tuple[int, ...] = EX
                         "limit_ms": round(limit, 3)}
             try:
                 backend = make_experts(name)
-                run = lambda: backend.apply(batch, w13, w2)
+                run = functools.partial(backend.apply, batch, w13, w2)
                 out = run().float()
                 row["max_rel_err"] = f"{((out - reference).abs().max() / reference.abs().max()).item():.1e}"
                 row["eager_ms"] = round(cuda_median_ms(run, iters), 3)
@@ -231,7 +232,8 @@ def sleep_overlap_pct(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, d
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as fh:
         prof.export_chrome_trace(fh.name)
-        events = [e for e in json.load(open(fh.name))["traceEvents"] if e.get("cat") == "kernel"]
+        with open(fh.name) as trace_file:
+            events = [e for e in json.load(trace_file)["traceEvents"] if e.get("cat") == "kernel"]
     sleeps = [(e["ts"], e["ts"] + e["dur"]) for e in events if device_wait.KERNEL_NAME in e["name"]]
     compute = [(e["ts"], e["ts"] + e["dur"]) for e in events if device_wait.KERNEL_NAME not in e["name"]]
 

@@ -321,25 +321,26 @@ def print_table(rows: list[dict[str, Any]]) -> None:
             "same"]
     widths = [11, 3, 10, 7, 7, 8, 9, 7, 7, 8, 5]
     print("ms per step (median of repeats); host = wall - forward; (-sampl): host less ModelRunner._launch_sampling")
-    print(" | ".join(f"{h:>{w}}" for h, w in zip(head, widths)))
+    print(" | ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)))
     for wl, dp in keys:
         s, o = by[(wl, dp, "sync")], by[(wl, dp, "overlap")]
         cells = [wl, dp, s["wall_ms"], s["forward_ms"], s["host_ms"], s["host_excl_sampling_ms"], o["wall_ms"],
                  o["forward_ms"], o["host_ms"], o["host_excl_sampling_ms"], "yes" if s["same_tokens"] else "NO"]
-        print(" | ".join(f"{c:>{w}.3f}" if isinstance(c, float) else f"{c!s:>{w}}" for c, w in zip(cells, widths)))
+        print(" | ".join(f"{c:>{w}.3f}" if isinstance(c, float) else f"{c!s:>{w}}"
+                         for c, w in zip(cells, widths, strict=True)))
     if rows[0]["cpu_schedule_ms"] == "":
         return
     print()
     print("host phases, CPU ms per step (instrumented run; exclusive thread CPU time, both threads)")
     head = ["workload", "DP", "loop", *PHASES]
     widths = [11, 3, 8] + [max(8, len(p)) for p in PHASES]
-    print(" | ".join(f"{h:>{w}}" for h, w in zip(head, widths)))
+    print(" | ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)))
     for wl, dp in keys:
         for loop in LOOPS:
             r = by[(wl, dp, loop)]
             cells = [wl, dp, loop, *[r[f"cpu_{p}_ms"] for p in PHASES]]
             print(" | ".join(f"{c:>{w}.3f}" if isinstance(c, float) else f"{c!s:>{w}}"
-                             for c, w in zip(cells, widths)))
+                             for c, w in zip(cells, widths, strict=True)))
 
 
 def main() -> None:

@@ -77,7 +77,7 @@ class Stack(torch.nn.Module):
         self.matmuls = args.matmuls
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for mixer, gate, moe in zip(self.mixers, self.gates, self.moes):
+        for mixer, gate, moe in zip(self.mixers, self.gates, self.moes, strict=True):
             with trace.compute_span("attention", "A"):
                 h = x
                 for _ in range(self.matmuls):

@@ -121,14 +121,15 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     widths = [5, 7, 7, 7, 10, 9, 8, 8, 10, 11, 5]
     print("ms per step (median of repeats); waits: launches after the previous step's results were read; "
           "drained: launches that found the emulated stream empty (over the measured steps)")
-    print(" | ".join(f"{h:>{w}}" for h, w in zip(head, widths)))
+    print(" | ".join(f"{h:>{w}}" for h, w in zip(head, widths, strict=True)))
     for r in rows:
         cells = [r["requests"], r["device_ms"], r["host_ms"], r["sync_wall_ms"], r["sync_over_sum"],
                  r["pipelined_wall_ms"], r["pipelined_over_max"], r["speedup"],
                  f"{r['sync_launches_after_read']:g}/{r['pipelined_launches_after_read']:g}",
                  f"{r['sync_drained_launches']:g}/{r['pipelined_drained_launches']:g}",
                  "yes" if r["same_tokens"] else "NO"]
-        print(" | ".join(f"{c:>{w}.3f}" if isinstance(c, float) else f"{c!s:>{w}}" for c, w in zip(cells, widths)))
+        print(" | ".join(f"{c:>{w}.3f}" if isinstance(c, float) else f"{c!s:>{w}}"
+                         for c, w in zip(cells, widths, strict=True)))
 
 
 def main() -> None:

@@ -18,7 +18,9 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -49,6 +51,11 @@ def make_backend(name: str):
         raise RuntimeError("prefill only")
 
     return TritonAttentionBackend(decode_fn=no_decode)
+
+
+def repeated(times: int, fn: Callable[..., Any], *args: Any) -> Callable[[], list[Any]]:
+    """``fn(*args)`` run ``times`` times (once per layer), as one call to time."""
+    return lambda: [fn(*args) for _ in range(times)]
 
 
 def timed(fn, device: torch.device, repeats: int) -> float:
@@ -117,7 +124,7 @@ def main() -> None:
     for i, (label, ctx, qlen) in enumerate(SHAPES):
         if args.shapes is not None and i not in args.shapes:
             continue
-        need = [-(-(c + q) // BS) for c, q in zip(ctx, qlen)]
+        need = [-(-(c + q) // BS) for c, q in zip(ctx, qlen, strict=True)]
         ids = torch.randperm(sum(need)).tolist()
         blocks, at = [], 0
         for n in need:
@@ -127,10 +134,10 @@ def main() -> None:
         v_cache = torch.randn_like(k_cache)
         q = torch.randn(sum(qlen), HQ, D, device=device, dtype=dtype)
         meta = backend.build_metadata(build_attention_metadata(ctx, qlen, blocks, BS, device=device))
-        batched = timed(lambda: [backend.attend(q, k_cache, v_cache, meta, D ** -0.5) for _ in range(args.layers)],
+        batched = timed(repeated(args.layers, backend.attend, q, k_cache, v_cache, meta, D ** -0.5),
                         device, args.repeats)
-        loop = timed(lambda: [per_request_prefill(kind, q, k_cache, v_cache, meta, D ** -0.5)
-                              for _ in range(args.layers)], device, args.repeats)
+        loop = timed(repeated(args.layers, per_request_prefill, kind, q, k_cache, v_cache, meta, D ** -0.5),
+                     device, args.repeats)
         got = backend.attend(q, k_cache, v_cache, meta, D ** -0.5)
         want = per_request_prefill(kind, q, k_cache, v_cache, meta, D ** -0.5)
         diff = max(float((got[r].float() - w.float()).abs().max()) for r, w in want.items())

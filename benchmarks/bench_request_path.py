@@ -258,7 +258,7 @@ def route_request_log(log_requests: bool) -> None:
     """As ``api_server._log_to_stderr``: the package's INFO lines to a handler, here writing to /dev/null."""
     package = logging.getLogger("runner.entrypoints.openai")
     if log_requests and not package.handlers:
-        handler = logging.StreamHandler(open(os.devnull, "w"))
+        handler = logging.StreamHandler(open(os.devnull, "w"))  # noqa: SIM115 - held for the process's life
         handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(name)s: %(message)s"))
         package.addHandler(handler)
         package.setLevel(logging.INFO)

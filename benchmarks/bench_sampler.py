@@ -73,35 +73,39 @@ def requests_for(params: SamplingParams, prompts: list[list[int]]) -> list[Reque
 
 
 def bench_sampler(rows: int, vocab: int, repeats: int) -> list[dict[str, Any]]:
-    from runner.worker.sampler import Sampler
-
     g = torch.Generator().manual_seed(0)
     base_logits = torch.randn(rows, vocab, generator=g) * 3
-    out = []
-    for mode in MODES:
-        params = params_for(mode, vocab)
-        sampler = Sampler(vocab, "cpu", eos_token_ids=[EOS])
-        history = torch.randint(0, vocab, (rows, PROMPT_LEN), generator=g).tolist()
-        reqs = requests_for(params, [h[:PROMPT_LEN // 2] for h in history])
-        sampler.prepare(step_of(reqs, 0, history, 0))  # settings written; a prompt and outputs counted
-        position = [PROMPT_LEN]
-        logits = [base_logits]
-        steps: list[SchedulerOutput] = []
+    return [sampler_row(mode, base_logits, g, repeats) for mode in MODES]
 
-        def setup() -> None:
-            logits[0] = base_logits.clone()  # the sampler works in place
-            p = position[0]
-            steps[:] = [step_of(reqs, p, [[h[p % PROMPT_LEN]] for h in history], p)]
 
-        def step() -> None:
-            sampler.sample_step(logits[0], sampler.prepare(steps[0]))
-            position[0] += 1
+def sampler_row(mode: str, base_logits: torch.Tensor, g: torch.Generator, repeats: int) -> dict[str, Any]:
+    """One decode step's sampling in ``mode``, over ``base_logits`` (rows x vocab) and a fresh history drawn
+    from ``g``."""
+    from runner.worker.sampler import Sampler
 
-        setup()
-        step()  # warm-up
-        out.append({"part": "sampler", "rows": rows, "vocab": vocab, "mode": mode,
-                    "sample_s": round(median_time(step, repeats, setup), 5)})
-    return out
+    rows, vocab = base_logits.shape
+    params = params_for(mode, vocab)
+    sampler = Sampler(vocab, "cpu", eos_token_ids=[EOS])
+    history = torch.randint(0, vocab, (rows, PROMPT_LEN), generator=g).tolist()
+    reqs = requests_for(params, [h[:PROMPT_LEN // 2] for h in history])
+    sampler.prepare(step_of(reqs, 0, history, 0))  # settings written; a prompt and outputs counted
+    position = [PROMPT_LEN]
+    logits = [base_logits]
+    steps: list[SchedulerOutput] = []
+
+    def setup() -> None:
+        logits[0] = base_logits.clone()  # the sampler works in place
+        p = position[0]
+        steps[:] = [step_of(reqs, p, [[h[p % PROMPT_LEN]] for h in history], p)]
+
+    def step() -> None:
+        sampler.sample_step(logits[0], sampler.prepare(steps[0]))
+        position[0] += 1
+
+    setup()
+    step()  # warm-up
+    return {"part": "sampler", "rows": rows, "vocab": vocab, "mode": mode,
+            "sample_s": round(median_time(step, repeats, setup), 5)}
 
 
 def bench_draw(rows: int, vocab: int, repeats: int) -> list[dict[str, Any]]:

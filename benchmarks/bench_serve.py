@@ -52,7 +52,8 @@ def bench_serve(label: str, args: list[str]) -> dict[str, Any]:
     print(f"$ OMP_NUM_THREADS={RANK_THREADS} python {shlex.join(cmd[1:])}", flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": RANK_THREADS})
     if proc.returncode != 0:
-        raise RuntimeError(f"bench-serve {label} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"bench-serve {label} failed ({proc.returncode}):\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     link = next((ln for ln in proc.stdout.splitlines() if ln.startswith("calibrated link:")), "")
     data = json.loads(out.read_text())
     data["calibration"] = link
@@ -159,7 +160,8 @@ def main() -> int:
             "--compare", "dbo", *link, "--request-rate", "inf", "--max-concurrency", "4",
             "--num-prompts", str(n_low), "--input-len", "32", "--output-len", "32", "--repeats", str(args.repeats),
             "--server-args", engine_low])
-        low["calibration"] = low["calibration"] or f"the saturation run's link: {engine_low.split('--emulate-link ')[-1]}"
+        saturation_link = engine_low.split("--emulate-link ")[-1]
+        low["calibration"] = low["calibration"] or f"the saturation run's link: {saturation_link}"
         rows += compare_table("Low load: 4 in flight, default cost model", low,
                               ["P99 ITL (ms)", "Median ITL (ms)", "Median TPOT (ms)", "Median TTFT (ms)",
                                "Output token throughput (tok/s)", "Steps ubatched", "Engine steps"])

@@ -142,7 +142,8 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str)
         core.close()
         llm.close()
     return {"cpu_ms": 1e3 * statistics.median(cpu[steady]), "wall_ms": 1e3 * statistics.median(wall[steady]),
-            "ops": statistics.median(ops), "forward_ms": 1e3 * statistics.median(fwd[steady]), "loop_ms": 1e3 * loop_s, "steps": steps, "tokens": tokens}
+            "ops": statistics.median(ops), "forward_ms": 1e3 * statistics.median(fwd[steady]), "loop_ms": 1e3 * loop_s,
+            "steps": steps, "tokens": tokens}
 
 
 def child(tree: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -59,9 +59,9 @@ def benches(quick: bool) -> list[Bench]:
               "2 experts), at 64, 256 and 1024 running decode requests per rank and a mixed prefill/decode batch, "
               "DP=1 and DP=2, the synchronous and the overlap loop side by side. *host* = wall per step - the "
               "model's forward (forward hooks): what a GPU would wait for the host each step; *(-sampl)*: the same "
-              "less `ModelRunner._launch_sampling` (the logits and the sampler). The phase table is thread CPU time, so the "
-              "other processes on this machine do not inflate it; its sum can exceed *host* with the overlap loop, "
-              "where part of it runs next to the forward."),
+              "less `ModelRunner._launch_sampling` (the logits and the sampler). The phase table is thread CPU "
+              "time, so the other processes on this machine do not inflate it; its sum can exceed *host* with the "
+              "overlap loop, where part of it runs next to the forward."),
         Bench("engine_single", "The engine's DBO, one process: the link model alone",
               ["benchmarks/bench_engine_dbo.py", "--modes", "single", "--repeats", moe_r,
                "--output", "benchmarks/results/engine_dbo_single.csv"],
@@ -282,7 +282,8 @@ def main() -> None:
               "Python dispatch, and with two gloo processes twice the real transfers)."
               + (" GPU sections that say 'Not run' need a GPU; none was available for these runs." if not has_gpu
                  else "")
-              + " Sections marked (recorded) were measured by hand (on another machine, or against an earlier commit) and are kept as they were.\n\n")
+              + " Sections marked (recorded) were measured by hand (on another machine, or against an earlier commit)"
+                " and are kept as they were.\n\n")
     Path(args.out).write_text(header + "\n".join(sections))
     print(f"wrote {args.out}")
 

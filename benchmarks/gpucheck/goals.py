@@ -66,7 +66,8 @@ def kernel_x(row: dict[str, Any]) -> tuple[float, str] | None:
     return None
 
 
-def kernel_goal(kernel: str, shape: str, limit_x: float, backend_key: str) -> Callable[[dict[str, Any]], tuple[bool, str]]:
+def kernel_goal(kernel: str, shape: str, limit_x: float,
+                backend_key: str) -> Callable[[dict[str, Any]], tuple[bool, str]]:
     def check(parts: dict[str, Any]) -> tuple[bool, str]:
         bench = part_data(parts, "bench")
         rows = [r for r in bench.get("kernels", []) if r.get("kernel") == kernel and r.get("shape") == shape]

@@ -206,7 +206,8 @@ def serve_command(help_text: str, model_dir: str, json_path: Path, seconds: int)
     the model, both servers at ``--max-num-seqs 256`` and 0.4 of the GPU's memory each (they run side by side
     on the one GPU), a saturating burst of 16-token prompts x 128 new tokens (EOS ignored), JSON out. It has no
     duration option: ``SERVE_PROMPTS`` requests per server keep a run well inside ``seconds``, and a
-    ``--duration`` option is used if one appears. No emulated link: on one GPU there is no all-to-all for DBO to hide."""
+    ``--duration`` option is used if one appears. No emulated link: on one GPU there is no all-to-all for DBO to
+    hide."""
     args = ["-m", "runner", "bench-serve", "--compare", "dbo"]
     wanted = [("--model", model_dir), ("--server-args", "--max-num-seqs 256 --gpu-memory-utilization 0.4"),
               ("--request-rate", "inf"), ("--input-len", "16"), ("--output-len", "128"),

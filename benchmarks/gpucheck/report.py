@@ -178,9 +178,11 @@ def render(results: dict[str, Any]) -> str:
                     for name, p in parts.items()])
     lines += ["", "## Environment", "", *env_section(env)]
     lines += ["", "## Tests", "", *tests_section(_data(results, "tests"))]
-    lines += ["", "## Kernels and the decode step (`bench_gpu.py --quick`)", "", *bench_section(_data(results, "bench"))]
+    lines += ["", "## Kernels and the decode step (`bench_gpu.py --quick`)", "",
+              *bench_section(_data(results, "bench"))]
     lines += ["", "## The engine as a user runs it (1.2B model, 256 prompts x 128 new tokens, --max-num-seqs 256)", "",
-              *engine_section({"default flags": _data(results, "engine"), "--enable-dbo": _data(results, "engine_dbo")})]
+              *engine_section({"default flags": _data(results, "engine"),
+                               "--enable-dbo": _data(results, "engine_dbo")})]
     lines += ["", "## The engine with an emulated link at comm = compute (`gpucheck.engine_link`)", "",
               *engine_link_section(_data(results, "engine_link"))]
     lines += ["", "## Server (`bench-serve --compare dbo`)", "", *serve_section(parts.get("serve") or {})]
