@@ -23,7 +23,10 @@ TOKENS_PER_RANK = [10, 14]  # DP ranks need not hold equal batches
 def make_weights(seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Built once and shared: every rank must see the same weights (thread ranks share the global RNG)."""
     g = torch.Generator().manual_seed(seed)
-    r = lambda *shape: torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g) / shape[-1] ** 0.5
+
     return [{"mixer": r(HIDDEN, HIDDEN), "router": r(EXPERTS, HIDDEN), "gate": r(EXPERTS, INTER, HIDDEN),
              "up": r(EXPERTS, INTER, HIDDEN), "down": r(EXPERTS, HIDDEN, INTER)} for _ in range(LAYERS)]
 

@@ -424,7 +424,7 @@ class Buffer:
             rows = all_to_all_rows(self.group, [x[s] for s in from_src], back_counts)
             origin = all_to_all_rows(self.group, [src_idx[s].to(torch.int64) for s in from_src], back_counts)
             out = torch.zeros(num_recv, x.shape[1], dtype=torch.float32)
-            for part, idx in zip(rows, origin):
+            for part, idx in zip(rows, origin, strict=True):
                 out.index_add_(0, idx, part.float())
             for b in (bias_0, bias_1):
                 if b is not None:
@@ -434,7 +434,7 @@ class Buffer:
             if topk_weights is not None:
                 w_rows = all_to_all_rows(self.group, [topk_weights[s] for s in from_src], back_counts)
                 recv_topk_weights = torch.zeros(num_recv, topk_weights.shape[1], dtype=torch.float32)
-                for part, idx in zip(w_rows, origin):
+                for part, idx in zip(w_rows, origin, strict=True):
                     recv_topk_weights.index_add_(0, idx, part)
         return combined, recv_topk_weights, EventOverlap(launch["event"])
 
@@ -536,7 +536,7 @@ class Buffer:
 
         def receive() -> None:  # pack per local expert: source ranks in order, each source's tokens in order
             recv_count.zero_()
-            for s, (part, m) in enumerate(zip(rows, meta)):
+            for s, (part, m) in enumerate(zip(rows, meta, strict=True)):
                 local = m[:, 1] - me * e_loc
                 for e in range(e_loc):
                     sel = (local == e).nonzero().squeeze(1)
@@ -615,7 +615,7 @@ class Buffer:
 
         def receive() -> None:  # weighted sum over each token's experts, in fp32, written as bf16
             acc = torch.zeros(num_tokens, x.shape[2], dtype=torch.float32)
-            for part, m in zip(rows, meta):
+            for part, m in zip(rows, meta, strict=True):
                 tokens, experts = m[:, 0], m[:, 1]
                 k = (topk_idx.index_select(0, tokens) == experts.unsqueeze(1)).to(torch.int64).argmax(dim=1)
                 w = topk_weights[tokens, k]

@@ -8,7 +8,7 @@ as the real package does; what it cannot model raises ``NotImplementedError``.
 """
 from __future__ import annotations
 
-import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -146,11 +146,11 @@ class ElasticBuffer:
     def get_logical_domain_size(self) -> tuple[int, int]:
         return self.num_scaleout_ranks, self.num_scaleup_ranks
 
-    @functools.cache
     def get_theoretical_num_sms(self, num_experts: int, num_topk: int, num_scaleout_topk: int = 0,
                                 rdma_gbs: float = 0, nvlink_gbs: float = 0, sm_read_gbs: float = 200,
                                 sm_write_gbs: float = 50) -> int:
-        """Even, at least 4, at most the device's SMs: a fixed stand-in of DeepEP's bandwidth model."""
+        """Even, at least 4, at most the device's SMs: a fixed stand-in of DeepEP's bandwidth model (which the
+        real buffer memoizes per instance; this arithmetic is cheap enough to recompute)."""
         assert num_scaleout_topk == 0
         _require(num_experts % self.num_ranks == 0, "num_experts % num_groups == 0")
         return min(NUM_DEVICE_SMS, _align(max(4, 2 * self.num_ranks + num_topk), 2))
@@ -362,7 +362,7 @@ class ElasticBuffer:
             counts = [int(t.shape[0]) for t in back]
             back_idx = all_to_all_rows(self.group, origin, counts)
             acc = torch.zeros(num_combined, hidden, dtype=torch.float32)
-            for part, idx in zip(back, back_idx):
+            for part, idx in zip(back, back_idx, strict=True):
                 acc.index_add_(0, idx - me * handle.num_max_tokens_per_rank, part.float())
             for b in (bias_0, bias_1):
                 if b is not None:
@@ -375,4 +375,4 @@ class ElasticBuffer:
 def _recv_counts(handle: EPHandle) -> list[int]:
     """Rows received from each source rank, from a handle's inclusive prefix sum (known on the CPU here)."""
     psum = [0] + handle.psum_num_recv_tokens_per_scaleup_rank.tolist()
-    return [b - a for a, b in zip(psum, psum[1:])]
+    return [b - a for a, b in itertools.pairwise(psum)]
