@@ -155,10 +155,9 @@ class UBatchContext:
 
     # ---- control transfer -------------------------------------------------------------------------
     def _wake_up(self) -> None:
-        # already released: a handoff and an abort raced, both mean "run"
         try:  # noqa: SIM105 - a handoff's hot path: contextlib.suppress costs ~0.9 us more per call
             self._turn.release()
-        except RuntimeError:
+        except RuntimeError:  # already released: a handoff and an abort raced, both mean "run"
             pass
 
     def _resume(self, now: float = 0.0) -> None:

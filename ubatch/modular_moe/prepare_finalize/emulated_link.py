@@ -169,7 +169,8 @@ class EmulatedLink:
         on_done: Callable[[float], None] | None = None
         if rec is not None:
             track, pid = _comm_track(), trace.current_pid()  # the posting rank's, as the wait may run elsewhere
-            on_done = functools.partial(rec.span, label, "comm", track, now, pid=pid, bytes=nbytes)  # (end)
+            # called with the transfer's end: rec.span(label, "comm", track, now, end, ...)
+            on_done = functools.partial(rec.span, label, "comm", track, now, pid=pid, bytes=nbytes)
         return _DeadlineHandle(inner, deadline, on_done, self)
 
     def _cuda_transfer(self, seconds: float, inner: Handle | None, rec: trace.TraceRecorder | None, label: str,
