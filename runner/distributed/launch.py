@@ -185,10 +185,8 @@ def _child_main(payload: bytes, rank: int, world_size: int, store_path: str, tim
         if print_traceback:
             sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.rstrip().splitlines()))
             sys.stderr.flush()
-        try:
+        with contextlib.suppress(OSError, ValueError):  # the parent is gone: nobody to report to
             conn.send_bytes(pickle.dumps(("error", describe_exception(exc), failed_at, text)))
-        except (OSError, ValueError):
-            pass
     finally:
         conn.close()
     # os._exit: skip interpreter teardown, which can hang on a process group whose peers are gone.

@@ -31,6 +31,7 @@ server's asyncio loop (vLLM V1's ``AsyncLLM`` over ``DPAsyncMPClient``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import os
@@ -321,10 +322,9 @@ class MPEngineClient(EngineClient):
             self._supervisor = None
         if self._reader is not None:
             self._reader.cancel()
-            try:
+            # closing: the reader's error, if any, was already reported
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing: its error was already reported
-                pass
             self._reader = None
         if self._ctx is not None:
             for rank in self._ranks:

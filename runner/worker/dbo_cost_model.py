@@ -18,7 +18,7 @@ from dataclasses import dataclass
 COST_MODELS = ("measured", "off")
 
 
-class Execution(str, enum.Enum):
+class Execution(str, enum.Enum):  # noqa: UP042  (StrEnum needs Python 3.11; setup.cfg allows 3.10)
     """How a step ran: steps of one kind are compared only with steps of the same kind."""
 
     REPLAYED = "replayed"  # a CUDA-graph replay

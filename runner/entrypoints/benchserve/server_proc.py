@@ -48,8 +48,8 @@ class ServerProcess:
         self.cmd = [sys.executable, "-m", "runner", "serve", model, "--host", "127.0.0.1", "--port", str(self.port),
                     "--disable-log-requests", *shlex.split(serve_args)]
         self.startup_timeout_s = startup_timeout_s
-        self.log = tempfile.NamedTemporaryFile(prefix=f"ubatch-bench-{name.replace(' ', '-')}-", suffix=".log",
-                                               dir=log_dir, delete=False)
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115  (closed by stop(), after the server's last line)
+            prefix=f"ubatch-bench-{name.replace(' ', '-')}-", suffix=".log", dir=log_dir, delete=False)
         self.log_path = self.log.name
         self.proc: subprocess.Popen | None = None
 
