@@ -40,10 +40,10 @@ def tune_gc() -> tuple[int, ...]:
       thousands of objects once torch and a model are loaded.
     - The first generation's threshold is raised to :data:`GC_THRESHOLD0` (never lowered). The collector runs
       when allocations minus frees of container objects pass it; a step allocates a few per request (outputs,
-      token lists) and frees them by the end of the step, so at 700 a step of 1024 requests ran about seven
-      collections that found only that step's live objects to walk, and nothing to free (about half a
-      millisecond a step: ``docs/benchmarks.md``, engine host time). Garbage cycles are still collected once
-      that many objects outlive their steps.
+      token lists) and frees them by the end of the step, so at 700 a step of 1024 requests would run about seven
+      collections that found only that step's live objects to walk, and nothing to free. Garbage cycles are
+      still collected once that many objects outlive their steps. The API server calls this too, where the
+      defaults' cost was measured (``docs/benchmarks.md``, "The API server's CPU per streamed token").
 
     Objects made later are collected as usual; :meth:`EngineCore.close` unfreezes and puts the thresholds it
     returns (the ones before) back, so an offline ``LLM`` leaves its user's process as it found it.
