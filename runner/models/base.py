@@ -131,8 +131,9 @@ class MoECausalLM(nn.Module):
         self.dbo_schedule.name = check_schedule(name, self.supported_dbo_schedules, type(self).__name__)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.model.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         raise NotImplementedError

@@ -2,7 +2,8 @@
 
 Why our own dataclasses instead of ``transformers`` configs: the runner must load a checkpoint without
 transformers installed, and it must fail loudly on features the models here do not implement (quantised
-weights, unsupported RoPE scaling, sliding windows) instead of silently computing something else.
+weights in a scheme other than FP8, unsupported RoPE scaling, sliding windows) instead of silently computing
+something else.
 Unknown keys are ignored, so newer config files still load.
 
 Aliases handled (all seen in the wild):
@@ -19,6 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from runner.models.quantization.scheme import Fp8Scheme, parse_quantization_config
 
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16}
@@ -81,9 +84,6 @@ def _filter(cls: type, d: dict[str, Any]) -> dict[str, Any]:
 
 
 def _common_checks(d: dict[str, Any]) -> None:
-    if d.get("quantization_config"):
-        method = d["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"quantized checkpoints are not supported (quantization_config.quant_method={method!r})")
     act = d.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"unsupported hidden_act {act!r}: only 'silu' (SwiGLU) is implemented")
@@ -115,6 +115,7 @@ class BaseMoEConfig:
     torch_dtype: str | None = None
     rope_theta: float = 10000.0
     rope: RopeConfig = field(default_factory=RopeConfig)
+    quantization: Fp8Scheme | None = None  # quantization_config (runner/models/quantization/scheme.py)
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -136,6 +137,7 @@ class BaseMoEConfig:
         _common_checks(d)
         out = dict(d)
         out.setdefault("torch_dtype", d.get("dtype"))
+        out["quantization"] = parse_quantization_config(d.get("quantization_config"))
         if out.get("num_key_value_heads") is None:
             out["num_key_value_heads"] = out.get("num_attention_heads", 4)
         return out

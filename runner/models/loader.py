@@ -10,12 +10,16 @@ Every problem with a checkpoint is a :class:`CheckpointError` naming the file an
 config that is not a JSON object, an unknown architecture, a missing field, a corrupt or truncated
 safetensors file, a missing tensor); for a cached built-in model it says which cache entry to delete. A cache
 directory that cannot be written is a :class:`CacheDirError`, so the CLI can blame ``--cache-dir``.
+
+FP8 checkpoints (``quantization_config``, ``runner/models/quantization/``) load with their weights kept in FP8;
+``quantization='fp8'`` quantises an unquantised checkpoint while it is read.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -31,9 +35,13 @@ from torch import nn
 from runner.config import ConfigError
 from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
+from runner.models.quantization.convert import Fp8Plan, apply_fp8, plan_from_checkpoint, plan_online, quantize_online
+from runner.models.quantization.scheme import FP8_METHOD, Fp8Scheme, check_quantization_arg
 from runner.models.registry import architecture_of, get_model_class, parse_config, supported_architectures
 from runner.models.weights import FUSED_RE, canonical_name, expand_fused
 from ubatch.modular_moe.config import MoEParallelConfig
+
+logger = logging.getLogger(__name__)
 
 TINY_MODELS: dict[str, dict[str, Any]] = {
     "tiny-qwen3-moe": {
@@ -304,23 +312,60 @@ def auto_dtype(checkpoint_dtype: torch.dtype | None, device: torch.device | str)
     return dtype
 
 
+def checkpoint_tensor_names(path: Path) -> list[str]:
+    """Every tensor name in the checkpoint (headers only: no tensor is read)."""
+    names: list[str] = []
+    for file in checkpoint_files(path):
+        with open_checkpoint_file(file) as fh:
+            names.extend(fh.keys())
+    return names
+
+
+def fp8_scheme(config: BaseMoEConfig, quantization: str | None, path: Path) -> Fp8Scheme | None:
+    """The FP8 scheme the model runs with: the checkpoint's own, or block-wise online quantisation for
+    ``quantization='fp8'`` on an unquantised checkpoint (vLLM's ``--quantization fp8``); logged either way."""
+    check_quantization_arg(quantization)
+    scheme = config.quantization
+    if scheme is not None:
+        logger.info("%s: %s as the checkpoint holds them%s", path, scheme.describe(),
+                    " (--quantization fp8 has nothing to do)" if quantization == FP8_METHOD else "")
+        return scheme
+    if quantization == FP8_METHOD:
+        scheme = Fp8Scheme(online=True)
+        logger.info("%s: quantising the unquantised checkpoint online to %s (--quantization fp8)", path,
+                    scheme.describe())
+        return scheme
+    return None
+
+
 def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: torch.dtype | None = None,
-               cache_dir: str | os.PathLike | None = None,
-               device: torch.device | str = "cpu") -> tuple[MoECausalLM, BaseMoEConfig]:
+               cache_dir: str | os.PathLike | None = None, device: torch.device | str = "cpu",
+               quantization: str | None = None) -> tuple[MoECausalLM, BaseMoEConfig]:
     """Build the model for ``config.json``'s architecture and load this rank's weights.
 
-    ``dtype`` defaults to :func:`auto_dtype` of the config's ``torch_dtype``/``dtype`` on ``device``.
+    ``dtype`` defaults to :func:`auto_dtype` of the config's ``torch_dtype``/``dtype`` on ``device``; it is the
+    compute dtype, and that of every weight an FP8 checkpoint does not quantise. ``quantization``: ``None`` or
+    ``'fp8'`` (:func:`fp8_scheme`).
     """
     path = resolve_model_path(model, cache_dir)
     config = load_config(path)
+    scheme = fp8_scheme(config, quantization, path)
     dtype = dtype or auto_dtype(config.dtype, device)
     cls = get_model_class(config.architectures[0])
     with torch.device("meta"), skip_weight_init():  # every parameter is overwritten by the checkpoint
         net = cls(config, parallel, dtype)
-    check_spec_covers_parameters(net)
-    net.to_empty(device=device)
     try:
-        net.load_weights(iter_checkpoint(path, net))
+        plan: Fp8Plan | None = None
+        if scheme is not None:
+            plan = plan_online(net, scheme) if scheme.online else plan_from_checkpoint(
+                net, scheme, checkpoint_tensor_names(path))
+            apply_fp8(net, plan)
+        check_spec_covers_parameters(net)
+        net.to_empty(device=device)
+        weights = iter_checkpoint(path, net)
+        if plan is not None and scheme is not None and scheme.online:
+            weights = quantize_online(weights, net, plan)
+        net.load_weights(weights)
     except CheckpointError:
         raise
     except ValueError as e:  # weights.py: a missing, unexpected or mis-shaped tensor
@@ -395,6 +440,8 @@ def check_spec_covers_parameters(net: MoECausalLM) -> None:
     for prefix, module in net.named_modules():
         if id(module) in moe_ids:  # the expert loads fill the fused expert tensors (and biases), nothing else
             filled |= {f"{prefix}.w13_weight", f"{prefix}.w2_weight"}
+            if spec.expert_scale is not None:
+                filled |= {f"{prefix}.w13_weight_scale_inv", f"{prefix}.w2_weight_scale_inv"}
             if spec.expert_bias:
                 filled |= {f"{prefix}.w13_bias", f"{prefix}.w2_bias"}
     missing = [n for n, _ in net.named_parameters() if n not in filled]

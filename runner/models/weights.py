@@ -5,6 +5,11 @@ see and what a built-in tiny checkpoint holds; a missing, mis-shaped or unknown 
 silently skipped one gives a model that runs and emits garbage. Experts load per expert, fused (transformers
 5's in-memory layout) or in gpt-oss's fused layout, each EP rank keeping its own; ``aliases`` rewrite a family's
 other names (Mixtral's ``block_sparse_moe``) first.
+
+FP8 checkpoints add a scale tensor per quantised matrix (``<module>.weight_scale_inv``, or ``weight_scale`` for
+per-tensor scales, which may be stored as a scalar: it loads as a 1 x 1 grid); the spec lists the linear layers'
+scales by name and the experts' by rule (``expert_scale``), and an FP8 tensor never loads into a bf16 parameter
+or the reverse, since a cast would silently drop or miss its scales.
 """
 from __future__ import annotations
 
@@ -15,9 +20,12 @@ from typing import Callable, Iterable, Iterator, Mapping
 import torch
 from torch import nn
 
+from ubatch.fp8 import FP8_DTYPE, scale_shape
 from ubatch.modular_moe.layer import FusedMoE
 
-EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)$")
+EXPERT_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                       r"(weight|bias|weight_scale_inv|weight_scale)$")
+SCALE_KINDS = ("weight_scale_inv", "weight_scale")
 FUSED_RE = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias)?$")
 FUSED_LAYOUTS = ("stacked", "gpt_oss")
 LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -43,6 +51,10 @@ class WeightSpec:
     aliases: tuple[tuple[re.Pattern[str], str], ...] = ()
     expert_bias: bool = False  # experts have biases (gpt-oss)
     fused_layout: str = "stacked"  # how fused expert tensors are laid out (FUSED_LAYOUTS, module docstring)
+    #: the experts' FP8 scale tensor kind (``weight_scale_inv`` / ``weight_scale``) when they are FP8
+    expert_scale: str | None = None
+    #: the scale blocks of (gate and up, down) when the experts are FP8
+    expert_scale_blocks: tuple[tuple[int, int], tuple[int, int]] | None = None
 
     def __post_init__(self) -> None:
         if self.fused_layout not in FUSED_LAYOUTS:
@@ -50,12 +62,18 @@ class WeightSpec:
 
     def expert_shape(self, proj: str, kind: str = "weight") -> tuple[int, ...]:
         i, h = self.moe_intermediate_size, self.hidden_size
+        if kind in SCALE_KINDS:
+            if self.expert_scale_blocks is None:
+                raise ValueError(f"this model's experts have no FP8 {kind}")
+            b13, b2 = self.expert_scale_blocks
+            return scale_shape(h, i, b2) if proj == "down_proj" else scale_shape(i, h, b13)
         if kind == "bias":
             return (h,) if proj == "down_proj" else (i,)
         return (h, i) if proj == "down_proj" else (i, h)
 
     def expert_kinds(self) -> tuple[str, ...]:
-        return ("weight", "bias") if self.expert_bias else ("weight",)
+        kinds = ("weight", "bias") if self.expert_bias else ("weight",)
+        return kinds + (self.expert_scale,) if self.expert_scale is not None else kinds
 
     def all_names(self) -> Iterator[tuple[str, tuple[int, ...]]]:
         """Every tensor of a full (all-experts, per-expert format) checkpoint, with its shape."""
@@ -70,6 +88,19 @@ class WeightSpec:
 def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...]) -> None:
     if tuple(got) != tuple(want):
         raise ValueError(f"weight {name!r} has shape {tuple(got)}, expected {tuple(want)}")
+
+
+def canonical_scale(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A per-tensor FP8 scale (``*.weight_scale``, stored as ``[]`` or ``[1]``) as the 1 x 1 grid it loads into."""
+    if name.endswith(".weight_scale") and tensor.dim() < 2 and tensor.numel() == 1:
+        return tensor.reshape(1, 1)
+    return tensor
+
+
+def _check_dtype(name: str, tensor: torch.Tensor, target: torch.Tensor) -> None:
+    if (tensor.dtype == FP8_DTYPE) != (target.dtype == FP8_DTYPE):
+        raise ValueError(f"weight {name!r} is {tensor.dtype}, but the model holds it as {target.dtype} (an FP8 "
+                         "weight needs its scale tensor, and quantization_config must say the checkpoint is FP8)")
 
 
 def canonical_name(spec: WeightSpec, name: str) -> str:
@@ -137,9 +168,12 @@ def load_hf_weights(model: nn.Module, spec: WeightSpec, weights: Iterable[tuple[
     loaded_experts: set[tuple[int, int, str, str]] = set()
 
     def load_one(name: str, tensor: torch.Tensor) -> None:
+        tensor = canonical_scale(name, tensor)
         m = EXPERT_RE.match(name)
         if m and m.group(4) == "bias" and not spec.expert_bias:
             raise ValueError(f"unexpected weight {name!r}: this model's experts have no biases")
+        if m and m.group(4) in SCALE_KINDS and m.group(4) != spec.expert_scale:
+            raise ValueError(f"unexpected weight {name!r}: this model's experts have no FP8 {m.group(4)}")
         if not wants_weight(spec, name):
             if m:
                 _check_shape(name, tensor.shape, spec.expert_shape(m.group(3), m.group(4)))
@@ -147,6 +181,10 @@ def load_hf_weights(model: nn.Module, spec: WeightSpec, weights: Iterable[tuple[
         if m and int(m.group(1)) in spec.moe_layers and int(m.group(2)) < spec.num_experts:
             layer, expert, proj, kind = int(m.group(1)), int(m.group(2)), m.group(3), m.group(4)
             _check_shape(name, tensor.shape, spec.expert_shape(proj, kind))
+            if kind in SCALE_KINDS:
+                if spec.moe_layers[layer].load_expert_scale(expert, SHARD_OF[proj], tensor):
+                    loaded_experts.add((layer, expert, proj, kind))
+                return
             shard = SHARD_OF[proj] + ("_bias" if kind == "bias" else "")
             if spec.moe_layers[layer].load_expert_weight(expert, shard, tensor):
                 loaded_experts.add((layer, expert, proj, kind))
@@ -157,6 +195,7 @@ def load_hf_weights(model: nn.Module, spec: WeightSpec, weights: Iterable[tuple[
         target = params.get(spec.rename.get(name, name))
         if target is None:
             raise RuntimeError(f"internal: no parameter for weight {name!r}")
+        _check_dtype(name, tensor, target)
         with torch.no_grad():
             target.copy_(tensor)
         loaded.add(name)

@@ -27,7 +27,7 @@ from ubatch.context import (
     dbo_register_recv_hook,
     dbo_yield,
 )
-from ubatch.modular_moe.experts.base import MoEExperts
+from ubatch.modular_moe.experts.base import ExpertWeight, MoEExperts
 from ubatch.modular_moe.prepare_finalize.base import Hook, PrepareFinalize
 from ubatch.modular_moe.two_stream import TwoStreamCombine
 from ubatch.modular_moe.types import ExpertMLPExtras
@@ -58,7 +58,7 @@ class FusedMoEModularKernel:
         self.experts = experts
         self.shared_experts = shared_experts
 
-    def __call__(self, hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+    def __call__(self, hidden: torch.Tensor, w13: ExpertWeight, w2: ExpertWeight, topk_weights: torch.Tensor,
                  topk_ids: torch.Tensor, extras: ExpertMLPExtras | None = None) -> torch.Tensor:
         pf = self.prepare_finalize
         self.experts.check_extras(extras)
@@ -78,9 +78,9 @@ class FusedMoEModularKernel:
         two = TwoStreamCombine(sbo, pf, self.experts, tokens, hidden.device) if sbo.two_stream else None
         t1 = rec.mark() if rec is not None else 0.0  # host and (cuda clock) device time
         if two is None:
-            expert_out = self.experts.apply(tokens, w13, w2, extras)
+            expert_out = self.experts.run(tokens, w13, w2, extras)
         else:
-            expert_out = two.run_experts(lambda: self.experts.apply(tokens, w13, w2, extras))
+            expert_out = two.run_experts(lambda: self.experts.run(tokens, w13, w2, extras))
         if rec is not None:
             rec.span("experts", "compute", dbo_current_ubatch_id(), t1, rec.mark(), phase="E")
 

@@ -12,6 +12,10 @@ a device tensor, so this costs no host sync and stays CUDA-graph capturable.
 ``expert_bias`` and ``activation`` (gpt-oss) add per-expert biases ``w13_bias [E_local, 2I]`` (gate entries,
 then up entries) and ``w2_bias [E_local, H]`` and the clamped SwiGLU; the experts backend must implement them
 (``MoEExperts.supports_extras``: torch and grouped_mm), which is checked when the kernel is built.
+
+:meth:`FusedMoE.use_fp8_weights` makes the layer hold its experts as a checkpoint's FP8 (float8_e4m3fn values,
+``w13_weight_scale_inv`` / ``w2_weight_scale_inv`` block scales, ``ubatch/fp8.py``); the kernel then gets
+:class:`~ubatch.fp8.Fp8Tensor` weights, which a backend either consumes (DeepGEMM) or dequantises.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from torch import nn
 
 from ubatch import trace
 from ubatch.forward_context import maybe_get_forward_context
+from ubatch.fp8 import FP8_DTYPE, Fp8Tensor, scale_shape
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts import make_experts, resolve_experts_backend
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
@@ -82,6 +87,39 @@ class FusedMoE(nn.Module):
             self.e_score_correction_bias = None
         self.shared_experts = shared_experts
         self._kernels: dict[str, FusedMoEModularKernel] = {}
+        #: (w13 block, w2 block) once the experts are FP8 (:meth:`use_fp8_weights`), else None
+        self.fp8_blocks: tuple[tuple[int, int], tuple[int, int]] | None = None
+        self.w13_weight_scale_inv: nn.Parameter | None = None
+        self.w2_weight_scale_inv: nn.Parameter | None = None
+
+    def use_fp8_weights(self, block: tuple[int, int] | None) -> None:
+        """Hold the experts as float8_e4m3fn with fp32 scales, one per ``block`` (``None``: one per matrix, the
+        per-tensor scheme), on the device the weights are on (the meta device while a model is built).
+
+        ``w13``'s gate rows and up rows are blocked separately (each expert's checkpoint has one tensor and one
+        scale grid per projection), so ``w13_weight_scale_inv [E_local, 2 * cdiv(I, bn), cdiv(H, bk)]``.
+        """
+        if self.w13_bias is not None or self.activation is not None:
+            raise ValueError("FP8 experts with biases or the clamped SwiGLU (gpt-oss) are not supported")
+        e, i, h = self.w13_weight.shape[0], self.intermediate_size, self.hidden_size
+        b13, b2 = (block, block) if block is not None else ((i, h), (h, i))
+        device = self.w13_weight.device
+        self.fp8_blocks = (b13, b2)
+        self.w13_weight = nn.Parameter(torch.empty(e, 2 * i, h, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(e, h, i, dtype=FP8_DTYPE, device=device), requires_grad=False)
+        self.w13_weight_scale_inv = nn.Parameter(torch.empty(e, *scale_shape(2 * i, h, b13, 2), device=device),
+                                                 requires_grad=False)
+        self.w2_weight_scale_inv = nn.Parameter(torch.empty(e, *scale_shape(h, i, b2), device=device),
+                                                requires_grad=False)
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor] | tuple[Fp8Tensor, Fp8Tensor]:
+        """``(w13, w2)`` as the kernel takes them: plain tensors, or FP8 ones with their scales."""
+        if self.fp8_blocks is None:
+            return self.w13_weight, self.w2_weight
+        assert self.w13_weight_scale_inv is not None and self.w2_weight_scale_inv is not None
+        b13, b2 = self.fp8_blocks
+        return (Fp8Tensor(self.w13_weight, self.w13_weight_scale_inv, b13, row_shards=2),
+                Fp8Tensor(self.w2_weight, self.w2_weight_scale_inv, b2))
 
     @property
     def kernel(self) -> FusedMoEModularKernel:
@@ -129,8 +167,34 @@ class FusedMoE(nn.Module):
         if tuple(weight.shape) != tuple(target.shape):
             raise ValueError(f"expert {global_expert_id} {shard} weight has shape {tuple(weight.shape)}, "
                              f"expected {tuple(target.shape)}")
+        if (target.dtype == FP8_DTYPE) != (weight.dtype == FP8_DTYPE):  # a cast would drop or miss the scales
+            raise ValueError(f"expert {global_expert_id} {shard} weight is {weight.dtype}, but this layer holds "
+                             f"{target.dtype} experts")
         with torch.no_grad():
             target.copy_(weight)
+        return True
+
+    def load_expert_scale(self, global_expert_id: int, shard: str, scale: torch.Tensor) -> bool:
+        """One expert projection's FP8 scales (``gate``/``up``/``down``: its ``weight_scale_inv`` grid, or its
+        per-tensor ``weight_scale`` as a 1 x 1 grid); False for another rank's expert."""
+        if self.w13_weight_scale_inv is None or self.w2_weight_scale_inv is None:
+            raise ValueError(f"expert {global_expert_id} {shard}: got an FP8 scale, but this MoE layer's experts "
+                             "are not FP8")
+        if shard not in ("gate", "up", "down"):
+            raise ValueError(f"unknown expert scale shard {shard!r}; expected gate, up or down")
+        if not 0 <= global_expert_id < self.num_experts:
+            raise ValueError(f"expert id {global_expert_id} out of range [0, {self.num_experts})")
+        if global_expert_id not in self.local_expert_range:
+            return False
+        local = global_expert_id - self.local_expert_range.start
+        half = self.w13_weight_scale_inv.shape[1] // 2
+        target = {"gate": self.w13_weight_scale_inv[local, :half], "up": self.w13_weight_scale_inv[local, half:],
+                  "down": self.w2_weight_scale_inv[local]}[shard]
+        if tuple(scale.shape) != tuple(target.shape):
+            raise ValueError(f"expert {global_expert_id} {shard} scale has shape {tuple(scale.shape)}, "
+                             f"expected {tuple(target.shape)}")
+        with torch.no_grad():
+            target.copy_(scale)
         return True
 
     def load_fused_experts(self, w13: torch.Tensor, w2: torch.Tensor) -> None:
@@ -153,13 +217,15 @@ class FusedMoE(nn.Module):
                 routed_scaling_factor=self.routed_scaling_factor, group_scoring=self.group_scoring)
             topk_ids = route_padding_nowhere(topk_ids)
         kernel = self.kernel_for(self.runtime.backend_for_step())
-        return kernel(hidden_states, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.extras())
+        w13, w2 = self.expert_weights()
+        return kernel(hidden_states, w13, w2, topk_weights, topk_ids, self.extras())
 
     def extra_repr(self) -> str:
         r = self.local_expert_range
         return (f"experts={self.num_experts} (local {r.start}..{r.stop - 1}), top_k={self.top_k}, "
                 f"hidden={self.hidden_size}, intermediate={self.intermediate_size}, "
-                f"all2all={self.parallel.all2all_backend}, experts_backend={self.parallel.experts_backend}")
+                f"all2all={self.parallel.all2all_backend}, experts_backend={self.parallel.experts_backend}"
+                + (f", fp8_blocks={self.fp8_blocks}" if self.fp8_blocks is not None else ""))
 
 
 def route_padding_nowhere(topk_ids: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,11 @@ from abc import ABC, abstractmethod
 
 import torch
 
+from ubatch.fp8 import Fp8Tensor
 from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens, Layout
+
+#: expert weights as a layer holds them: plain tensors, or a checkpoint's FP8 with its scales
+ExpertWeight = torch.Tensor | Fp8Tensor
 
 
 class MoEExperts(ABC):
@@ -20,6 +24,27 @@ class MoEExperts(ABC):
     supported_layouts: tuple[Layout, ...] = ("contiguous", "masked")
     #: implements ``ExpertMLPExtras`` (expert biases, clamped SwiGLU: gpt-oss)
     supports_extras: bool = False
+    #: computes with FP8 weights and their block scales itself (:meth:`apply_fp8`)
+    supports_fp8_weights: bool = False
+
+    def run(self, tokens: ExpertTokens, w13: ExpertWeight, w2: ExpertWeight,
+            extras: ExpertMLPExtras | None = None) -> torch.Tensor:
+        """:meth:`apply` on plain weights; on FP8 ones :meth:`apply_fp8` where the backend has it, else
+        :meth:`apply` on the weights dequantised to the activations' dtype (W8A16: a full copy of this layer's
+        experts each call, what the CPU and GPUs without an FP8 kernel run)."""
+        if isinstance(w13, Fp8Tensor) and isinstance(w2, Fp8Tensor):
+            if self.supports_fp8_weights:
+                return self.apply_fp8(tokens, w13, w2, extras)
+            dtype = tokens.hidden.dtype
+            return self.apply(tokens, w13.dequantize(dtype), w2.dequantize(dtype), extras)
+        if isinstance(w13, Fp8Tensor) or isinstance(w2, Fp8Tensor):
+            raise TypeError("w13 and w2 must both be FP8 or both plain tensors")
+        return self.apply(tokens, w13, w2, extras)
+
+    def apply_fp8(self, tokens: ExpertTokens, w13: Fp8Tensor, w2: Fp8Tensor,
+                  extras: ExpertMLPExtras | None = None) -> torch.Tensor:
+        """:meth:`apply` with FP8 weights, for backends with :attr:`supports_fp8_weights`."""
+        raise NotImplementedError(f"experts backend {self.name!r} does not compute with FP8 weights")
 
     @abstractmethod
     def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,

@@ -7,6 +7,10 @@ The quantisation helpers are plain torch (``torch.float8_e4m3fn`` exists on CPU)
 without a GPU; ``deep_gemm`` itself is imported only when a ``DeepGemmExperts`` is constructed without an
 explicit ``deep_gemm_module`` (the tests pass their CPU stand-in, ``tests/standins/deep_gemm.py``, which
 follows DeepGEMM's signatures, layouts and scaling rules); only the real package is checked for CUDA.
+
+A checkpoint's own FP8 experts (:meth:`DeepGemmExperts.apply_fp8`, 128 x 128 blocks) go to the GEMMs as they
+are, values and scales; where DeepGEMM keeps only scale exponents (UE8M0, SM100) they are requantised once with
+power-of-two scales and cached, since rounding the scales alone would change the weights.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from ubatch.fp8 import Fp8Tensor
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.experts.torch_experts import check_expert_weights
 from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens, Layout
@@ -137,6 +142,7 @@ class DeepGemmExperts(MoEExperts):
 
     name = "deep_gemm"
     supported_layouts: tuple[Layout, ...] = ("masked",)
+    supports_fp8_weights = True
 
     def __init__(self, expected_m: int | None = None, use_ue8m0: bool | None = None,
                  deep_gemm_module: Any = None) -> None:
@@ -149,28 +155,49 @@ class DeepGemmExperts(MoEExperts):
 
     def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
               extras: ExpertMLPExtras | None = None) -> torch.Tensor:
+        self._check(tokens, w13, w2, extras)
+        use_ue8m0 = self._ue8m0(tokens.hidden.device)
+        return self._masked(tokens, self._quantized(w13, use_ue8m0), self._quantized(w2, use_ue8m0), use_ue8m0)
+
+    def apply_fp8(self, tokens: ExpertTokens, w13: Fp8Tensor, w2: Fp8Tensor,
+                  extras: ExpertMLPExtras | None = None) -> torch.Tensor:
+        """The checkpoint's FP8 experts: 128 x 128 blocks on one grid (the intermediate size a multiple of 128)."""
+        self._check(tokens, w13.data, w2.data, extras)
+        for label, w in (("w13", w13), ("w2", w2)):
+            if w.block != (QUANT_BLOCK, QUANT_BLOCK) or not w.uniform_grid():
+                raise ValueError(f"DeepGEMM needs {QUANT_BLOCK} x {QUANT_BLOCK} weight blocks on one grid; {label} "
+                                 f"has {w.block} blocks over {w.row_shards} row shard(s) of "
+                                 f"{w.data.shape[-2] // w.row_shards} rows")
+        use_ue8m0 = self._ue8m0(tokens.hidden.device)
+        return self._masked(tokens, self._checkpoint_pair(w13, use_ue8m0), self._checkpoint_pair(w2, use_ue8m0),
+                            use_ue8m0)
+
+    def _check(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
+               extras: ExpertMLPExtras | None) -> None:
         self.check_extras(extras)
         if tokens.layout != "masked":
             raise ValueError(
                 f"DeepGemmExperts supports only the masked layout, got {tokens.layout!r}; use 'triton' or 'torch'"
             )
-        num_experts, hidden_size, inter = check_expert_weights(tokens, w13, w2)
+        _, hidden_size, inter = check_expert_weights(tokens, w13, w2)
         for label, dim in (("hidden size", hidden_size), ("intermediate size", inter)):
             if dim % QUANT_BLOCK:
                 raise ValueError(f"DeepGEMM needs the {label} ({dim}) to be a multiple of {QUANT_BLOCK}")
+        if self._needs_cuda and tokens.hidden.device.type != "cuda":
+            raise RuntimeError(f"DeepGemmExperts needs CUDA tensors, got {tokens.hidden.device}")
+
+    def _masked(self, tokens: ExpertTokens, w13_q: _Fp8Pair, w2_q: _Fp8Pair, use_ue8m0: bool) -> torch.Tensor:
+        """Both grouped GEMMs over the masked buffer, SiLU-and-mul between them, padding rows zeroed."""
         hidden = tokens.hidden
         assert tokens.expert_num_tokens is not None
-        if self._needs_cuda and hidden.device.type != "cuda":
-            raise RuntimeError(f"DeepGemmExperts needs CUDA tensors, got {hidden.device}")
-        use_ue8m0 = self._ue8m0(hidden.device)
+        num_experts, two_i, hidden_size = w13_q[0].shape
+        inter = two_i // 2
         capacity = hidden.shape[1]
         # Grouped masked GEMMs want the per-group row count to be a whole number of M blocks.
         a = _pad_dim(hidden, 1, QUANT_BLOCK) if capacity % QUANT_BLOCK else hidden
         max_m = a.shape[1]
         masked_m = tokens.expert_num_tokens.to(device=hidden.device, dtype=torch.int32)
         expected_m = self.expected_m if self.expected_m is not None else capacity
-        w13_q = self._quantized(w13, use_ue8m0)
-        w2_q = self._quantized(w2, use_ue8m0)
 
         gate_up = torch.empty((num_experts, max_m, 2 * inter), dtype=torch.bfloat16, device=hidden.device)
         self._masked_gemm(per_token_cast_to_fp8(a, use_ue8m0), w13_q, gate_up, masked_m, expected_m)
@@ -184,6 +211,17 @@ class DeepGemmExperts(MoEExperts):
         out = out.masked_fill(~valid.unsqueeze(-1), 0)
         # Contiguous, even when the capacity was padded: DeepEP's low-latency combine asserts it of its input.
         return out[:, :capacity].to(hidden.dtype).contiguous()
+
+    def _checkpoint_pair(self, w: Fp8Tensor, use_ue8m0: bool) -> _Fp8Pair:
+        """A checkpoint's FP8 weight as DeepGEMM's operand: as is, or requantised once to UE8M0 scales."""
+        if not use_ue8m0:
+            return w.data, w.scale.float()
+        key = (w.data.data_ptr(), tuple(w.data.shape), w.data.dtype, w.data.device, w.data._version, "ue8m0")
+        entry = self._weight_cache.get(key)
+        if entry is None or entry[0]() is not w.data:
+            entry = (weakref.ref(w.data), per_block_cast_to_fp8(w.dequantize(torch.float32), use_ue8m0=True))
+            self._weight_cache[key] = entry
+        return entry[1]
 
     def _ue8m0(self, device: torch.device) -> bool:
         if self.use_ue8m0 is not None:
