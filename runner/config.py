@@ -27,6 +27,7 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
                  "bfloat16": "bfloat16", "bf16": "bfloat16",
                  "float16": "float16", "half": "float16", "fp16": "float16"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATION_METHODS = ("fp8",)  # --quantization (runner/models/quantization/scheme.py)
 # DP > 1 with expert parallelism needs a real all-to-all; this is what the CLI and LLM() pick when unset: the
 # phase-aware one (SGLang's default ``--deepep-mode auto``), high-throughput layout for prefill, low-latency
 # for decode.
@@ -106,6 +107,8 @@ class RunnerConfig:
 
     model: str = "tiny-qwen3-moe"
     dtype: str = "auto"  # the checkpoint's dtype; float32 checkpoints run bf16 on a GPU (vLLM's auto)
+    # None | "fp8": an FP8 checkpoint runs as it is either way; "fp8" quantises an unquantised one while loading
+    quantization: str | None = None
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_dbo: bool = False
@@ -150,6 +153,11 @@ class RunnerConfig:
         if dtype is None:
             raise ConfigError("dtype", f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
         self.dtype = dtype
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ConfigError("quantization", f"quantization={self.quantization!r} is not supported by this engine "
+                                              "(accepted: None, or 'fp8': an FP8 checkpoint runs as it is, an "
+                                              "unquantized one is quantized per 128x128 block while loading); use "
+                                              "an FP8 or unquantized checkpoint")
         for name in ("data_parallel_size", "dbo_decode_token_threshold", "dbo_prefill_token_threshold",
                      "max_num_seqs", "max_num_batched_tokens", "block_size"):
             _int(name, getattr(self, name), 1)

@@ -33,7 +33,7 @@ def test_a_vllm_script_with_the_usual_engine_arguments_runs() -> None:
 @pytest.mark.parametrize("name, value, instead", [
     ("tensor_parallel_size", 2, "use data_parallel_size=N (--data-parallel-size N) with enable_expert_parallel=True"),
     ("pipeline_parallel_size", 2, "use data_parallel_size=N"),
-    ("quantization", "fp8", "use an unquantized checkpoint with dtype='bfloat16'"),
+    ("quantization", "awq", "use an FP8 or unquantized checkpoint"),
     ("kv_cache_dtype", "fp8", "dtype=... sets the model's and the KV cache's dtype together"),
     ("enable_prefix_caching", True, "this engine has no prefix cache"),
     ("enable_chunked_prefill", False, "raise max_num_batched_tokens to max_model_len"),
@@ -66,7 +66,7 @@ def test_the_cli_takes_vllm_flags_at_their_no_op_values() -> None:
 
 @pytest.mark.parametrize("flags, message", [
     (["--tensor-parallel-size", "2"], "argument --tensor-parallel-size: tensor_parallel_size=2 is not supported"),
-    (["-q", "fp8"], "argument --quantization: quantization='fp8' is not supported"),
+    (["-q", "awq"], "argument --quantization: quantization='awq' is not supported"),
     (["--enable-prefix-caching"], "argument --enable-prefix-caching: enable_prefix_caching=True is not supported"),
 ])
 def test_the_cli_refuses_an_unhonourable_vllm_flag_with_exit_2(flags: list[str], message: str,

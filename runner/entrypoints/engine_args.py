@@ -75,6 +75,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
            else f"also the positional MODEL (default: {RunnerConfig().model})"))
     add("--dtype", choices=sorted(set(DTYPES) | {"half", "float", "bf16", "fp16", "fp32"}),
         help="default auto: the checkpoint's dtype; a float32 checkpoint runs in bfloat16 on a GPU")
+    add("--quantization", "-q", metavar="METHOD",
+        help="fp8: an FP8 checkpoint runs as it is (also without this flag); an unquantized one is quantized per "
+             "128x128 block while loading (default: none)")
     add("--data-parallel-size", "-dp", type=int, metavar="N",
         help="DP ranks (spawned here unless under torchrun, where it is the world size)")
     add("--enable-expert-parallel", action="store_true", default=None,

@@ -3,7 +3,7 @@ cannot do, and refused otherwise with what to use instead.
 
 vLLM scripts pass ``trust_remote_code=True``, ``tensor_parallel_size=1``, ``enable_prefix_caching=False`` and
 the like routinely; ``LLM(...)`` and every CLI take them (``check_vllm_engine_args``) so such a script runs
-as written. A value the engine cannot honour (``tensor_parallel_size=2``, ``quantization="fp8"``) raises
+as written. A value the engine cannot honour (``tensor_parallel_size=2``, ``kv_cache_dtype="fp8"``) raises
 :class:`~runner.config.ConfigError` naming the argument, its value and the alternative, rather than being
 silently ignored.
 """
@@ -62,8 +62,6 @@ VLLM_ENGINE_ARGS: tuple[VllmEngineArg, ...] = (
                   "prefills in one step"),
     VllmEngineArg("enable_prefix_caching", _none_or(False), "False (this engine has no prefix cache)",
                   "leave it unset or False"),
-    VllmEngineArg("quantization", _none_or(), "None (weights run unquantized, in dtype)",
-                  "use an unquantized checkpoint with dtype='bfloat16' (or 'auto': the checkpoint's dtype)"),
     VllmEngineArg("revision", _none_or(), "None (checkpoints are local directories or built-in models)",
                   "check the revision out into a local directory and pass that as the model"),
     VllmEngineArg("download_dir", _none_or(), "None (nothing is downloaded: checkpoints are local directories)",
@@ -117,7 +115,6 @@ def add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
         help="prefills are always chunked, --no-enable-chunked-prefill is refused (default: on)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
         help="there is no prefix cache, --enable-prefix-caching is refused (default: off)")
-    add("--quantization", "-q", metavar="METHOD", help="none only: weights run unquantized (default: none)")
     add("--revision", metavar="REV", help="none only: checkpoints are local directories (default: none)")
     add("--download-dir", metavar="DIR", help="none only: nothing is downloaded (default: none)")
     add("--tokenizer-mode", metavar="MODE", help="auto only (default: auto)")

@@ -17,10 +17,10 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from runner.config import QUANTIZATION_METHODS
 from ubatch.fp8 import DEFAULT_BLOCK
 
 FP8_METHOD = "fp8"
-QUANTIZATION_CHOICES = (FP8_METHOD,)  # --quantization / LLM(quantization=...)
 
 
 @dataclass(frozen=True)
@@ -97,6 +97,6 @@ def parse_quantization_config(q: object) -> Fp8Scheme | None:
 
 def check_quantization_arg(value: object) -> None:
     """``--quantization`` / ``quantization=``: ``None`` or ``'fp8'``; ``ValueError`` naming anything else."""
-    if value is not None and value not in QUANTIZATION_CHOICES:
+    if value is not None and value not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization={value!r} is not supported by this engine (accepted: None, or 'fp8': an FP8 "
                          "checkpoint runs as it is, a bf16 one is quantised per 128x128 block while loading)")
