@@ -1,0 +1,130 @@
+"""FP8 expert weights (``ubatch/fp8.py``): block quantisation with partial blocks, W8A16 through any backend, and
+the DeepGEMM experts on a checkpoint's own FP8 weights and scales (over the CPU stand-in, ``tests/standins``)."""
+from __future__ import annotations
+
+from typing import Any, Iterator
+
+import pytest
+import torch
+
+from standins import deep_gemm as dg
+from ubatch.fp8 import FP8_DTYPE, FP8_MAX, Fp8Tensor, dequantize_blocks, quantize_blocks, scale_shape
+from ubatch.modular_moe.experts.deep_gemm_experts import DeepGemmExperts
+from ubatch.modular_moe.experts.torch_experts import TorchExperts
+from ubatch.modular_moe.types import ExpertTokens
+
+E, H, I = 4, 256, 256
+FP8_REL = 1e-1  # as tests/test_deep_gemm_standin.py: two GEMMs with e4m3 activations
+
+
+@pytest.fixture(autouse=True)
+def hopper() -> Iterator[None]:
+    dg.set_arch_major(9)
+    yield
+    dg.set_arch_major(9)
+
+
+def test_block_quantisation_with_partial_blocks_is_within_e4m3_rounding() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(3, 576, 200, generator=g)  # 4.5 x 1.5625 blocks, as DeepSeek-V3's kv_a_proj_with_mqa rows
+    q, scale = quantize_blocks(w, (128, 128))
+    assert q.dtype == FP8_DTYPE and q.shape == w.shape
+    assert scale.shape == (3, 5, 2) == (3, *scale_shape(576, 200, (128, 128)))
+    assert q.float().abs().amax() == FP8_MAX  # each block's largest entry maps to the largest e4m3 value
+    back = dequantize_blocks(q, scale, (128, 128))
+    # e4m3 keeps 3 mantissa bits: relative rounding error at most 2^-4 of each entry (normal range)
+    big = w.abs() > scale.repeat_interleave(128, 1)[:, :576].repeat_interleave(128, 2)[..., :200] * 2 ** -6
+    assert ((back - w).abs() <= w.abs() * 2 ** -4 + 1e-12)[big].all()
+    last = w[:, 512:, 128:]  # the partial corner block has a scale of its own
+    assert torch.allclose(scale[:, 4, 1], last.abs().amax(dim=(-2, -1)) / FP8_MAX)
+
+
+def fp8_experts(i: int = I, block: tuple[int, int] = (128, 128), seed: int = 0) -> tuple[Fp8Tensor, Fp8Tensor]:
+    """Experts as a checkpoint holds them: gate, up and down quantised one matrix at a time."""
+    g = torch.Generator().manual_seed(seed)
+    gate, up = (torch.randn(E, i, H, generator=g) / H ** 0.5 for _ in range(2))
+    down = torch.randn(E, H, i, generator=g) / i ** 0.5
+    (qg, sg), (qu, su) = quantize_blocks(gate, block), quantize_blocks(up, block)
+    w13 = Fp8Tensor(torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1), block, row_shards=2)
+    return w13, Fp8Tensor(*quantize_blocks(down, block), block)
+
+
+def test_fused_gate_up_dequantises_each_projection_with_its_own_grid() -> None:
+    w13, _ = fp8_experts(i=96)  # 96 rows: 0.75 of a block each, so the two grids are not one grid
+    assert not w13.uniform_grid() and w13.scale.shape == (E, 2, 2)
+    half = w13.data.shape[1] // 2
+    gate = dequantize_blocks(w13.data[:, :half], w13.scale[:, :1], (128, 128))
+    up = dequantize_blocks(w13.data[:, half:], w13.scale[:, 1:], (128, 128))
+    assert torch.equal(w13.dequantize(torch.float32), torch.cat([gate, up], dim=1))
+    assert fp8_experts()[0].uniform_grid()
+
+
+def masked_tokens(capacity: int = 40) -> ExpertTokens:
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(E, capacity, H, generator=g).bfloat16()
+    return ExpertTokens("masked", x, expert_num_tokens=torch.tensor([30, 0, capacity, 7], dtype=torch.int32))
+
+
+def contiguous_tokens() -> ExpertTokens:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(12, H, generator=g)
+    ids = torch.randint(-1, E, (12, 2), generator=g)
+    return ExpertTokens("contiguous", x, topk_ids=ids, topk_weights=torch.rand(12, 2, generator=g))
+
+
+@pytest.mark.parametrize("tokens", [masked_tokens(), contiguous_tokens()], ids=["masked", "contiguous"])
+def test_a_backend_without_fp8_kernels_runs_the_dequantised_weights(tokens: ExpertTokens) -> None:
+    w13, w2 = fp8_experts(i=96)
+    dtype = tokens.hidden.dtype
+    out = TorchExperts().run(tokens, w13, w2)
+    assert torch.equal(out, TorchExperts().apply(tokens, w13.dequantize(dtype), w2.dequantize(dtype)))
+
+
+def test_fp8_and_plain_weights_do_not_mix() -> None:
+    w13, w2 = fp8_experts()
+    with pytest.raises(TypeError, match="both be FP8 or both plain"):
+        TorchExperts().run(masked_tokens(), w13, w2.dequantize(torch.bfloat16))
+
+
+class Recording:
+    """The stand-in module, recording the weight operand of every masked GEMM."""
+
+    def __init__(self) -> None:
+        self.b: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def m_grouped_fp8_gemm_nt_masked(self, a: Any, b: Any, *args: Any) -> None:
+        self.b.append(b)
+        dg.m_grouped_fp8_gemm_nt_masked(a, b, *args)
+
+
+@pytest.mark.parametrize("capacity", [40, 128])
+@pytest.mark.parametrize("arch,use_ue8m0", [(9, False), (10, True)], ids=["sm90", "sm100_ue8m0"])
+def test_deep_gemm_experts_on_checkpoint_fp8_weights_match_torch_on_the_dequantised(arch: int, use_ue8m0: bool,
+                                                                                    capacity: int) -> None:
+    tokens = masked_tokens(capacity)
+    w13, w2 = fp8_experts()
+    dg.set_arch_major(arch)
+    module = Recording()
+    experts = DeepGemmExperts(deep_gemm_module=module, use_ue8m0=use_ue8m0)
+    out = experts.run(tokens, w13, w2)
+    ref = TorchExperts().apply(tokens, w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16))
+    err = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+    assert out.shape == ref.shape and err <= FP8_REL
+    assert not out[1].any() and not out[0, 30:].any()
+    if not use_ue8m0:  # Hopper: the checkpoint's own values and scales, nothing requantised
+        assert module.b[0][0] is w13.data and torch.equal(module.b[0][1], w13.scale)
+        assert module.b[1][0] is w2.data
+    else:  # Blackwell: requantised once to power-of-two scales, then cached
+        assert torch.equal(torch.exp2(torch.log2(module.b[0][1]).round()), module.b[0][1])
+        experts.run(tokens, w13, w2)
+        assert module.b[2][0] is module.b[0][0]
+
+
+@pytest.mark.parametrize("i, block, match", [
+    (96, (128, 128), "intermediate size \\(96\\) to be a multiple of 128"),
+    (I, (64, 64), "needs 128 x 128 weight blocks on one grid; w13 has \\(64, 64\\) blocks"),
+])
+def test_deep_gemm_refuses_fp8_weights_off_its_block_grid(i: int, block: tuple[int, int], match: str) -> None:
+    w13, w2 = fp8_experts(i=i, block=block)
+    with pytest.raises(ValueError, match=match):
+        DeepGemmExperts(deep_gemm_module=dg, use_ue8m0=False).run(masked_tokens(), w13, w2)
