@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -31,6 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from runner.config import ConfigError
 from runner.models.base import MoECausalLM
@@ -374,25 +374,19 @@ def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: tor
     return net.eval(), config
 
 
-_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
-                   "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_",
-                   "sparse_")
+class _SkipInit(TorchFunctionMode):
+    """A torch-function mode under which ``torch.nn.init``'s initialisers leave tensors as they are."""
 
+    # nn.init functions that dispatch through torch functions themselves, and the in-place fills every other one
+    # of them ends in (zeros_ -> zero_, ones_ -> fill_, xavier_*/kaiming_normal_/trunc_normal_ -> uniform_/normal_)
+    SKIPPED = frozenset({nn.init.uniform_, nn.init.normal_, nn.init.constant_, nn.init.kaiming_uniform_,
+                         torch.Tensor.uniform_, torch.Tensor.normal_, torch.Tensor.fill_, torch.Tensor.zero_})
 
-_init_lock = threading.Lock()
-_init_state = threading.local()  # .depth: how many skip_weight_init blocks this thread is inside
-_init_users = 0  # blocks open in any thread; the skipping wrappers are installed while it is positive
-_saved_init: dict[str, Callable[..., Any]] = {}
-
-
-def _skipping_init(name: str) -> Callable[..., Any]:
-    original = _saved_init[name]
-
-    def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if getattr(_init_state, "depth", 0):
-            return tensor
-        return original(tensor, *args, **kwargs)
-    return init
+    def __torch_function__(self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        if func in self.SKIPPED:
+            return args[0] if args else (kwargs or {})["tensor"]  # the tensor being initialised
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -403,28 +397,13 @@ def skip_weight_init() -> Iterator[None]:
     their random init there, and on meta tensors that goes through torch's reference ops, whose first use
     imports TorchDynamo: seconds of start-up for values the checkpoint overwrites anyway.
 
-    Ranks run as threads load concurrently, so the patch is shared: the first thread in installs wrappers
-    that skip only for threads inside a block, and the last one out restores the originals. A thread that
-    builds a model meanwhile, outside any block, still gets its random init.
+    It is a torch-function mode, not a patch of ``torch.nn.init``: modes are per thread, so rank threads that
+    load at once skip only their own inits, and a thread that builds a model meanwhile, outside any block, still
+    gets its random init. Inside the block the in-place fills (``fill_``, ``zero_``, ``uniform_``, ``normal_``)
+    are skipped too, as the initialisers are made of them.
     """
-    global _init_users
-    with _init_lock:
-        if _init_users == 0:
-            _saved_init.clear()
-            _saved_init.update({n: getattr(nn.init, n) for n in _INIT_FUNCTIONS if hasattr(nn.init, n)})
-            for name in _saved_init:
-                setattr(nn.init, name, _skipping_init(name))
-        _init_users += 1
-    _init_state.depth = getattr(_init_state, "depth", 0) + 1
-    try:
+    with _SkipInit():
         yield
-    finally:
-        _init_state.depth -= 1
-        with _init_lock:
-            _init_users -= 1
-            if _init_users == 0:
-                for name, fn in _saved_init.items():
-                    setattr(nn.init, name, fn)
 
 
 def check_spec_covers_parameters(net: MoECausalLM) -> None:
