@@ -128,3 +128,32 @@ def test_deep_gemm_refuses_fp8_weights_off_its_block_grid(i: int, block: tuple[i
     w13, w2 = fp8_experts(i=i, block=block)
     with pytest.raises(ValueError, match=match):
         DeepGemmExperts(deep_gemm_module=dg, use_ue8m0=False).run(masked_tokens(), w13, w2)
+
+
+TRITON_BLOCKS = dict(block_m=16, block_n=64, block_k=32)
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("layout", ["contiguous", "masked"])
+@pytest.mark.parametrize("block", [(128, 128), (32, 48)], ids=["one_partial_block", "blocks_straddling_tiles"])
+def test_triton_experts_dequantise_fp8_blocks_in_the_kernel(layout: str, block: tuple[int, int]) -> None:
+    """fp32 activations: the kernels' per-element scales give the torch experts' result on the dequantised
+    weights up to fp32 summation order; intermediate 48 puts gate and up on two grids that do not line up."""
+    from ubatch.modular_moe.experts.triton_experts import TritonExperts
+
+    e, h, i = 4, 64, 48
+    g = torch.Generator().manual_seed(3)
+    gate, up = (torch.randn(e, i, h, generator=g) / h ** 0.5 for _ in range(2))
+    (qg, sg), (qu, su) = quantize_blocks(gate, block), quantize_blocks(up, block)
+    w13 = Fp8Tensor(torch.cat([qg, qu], dim=1), torch.cat([sg, su], dim=1), block, row_shards=2)
+    w2 = Fp8Tensor(*quantize_blocks(torch.randn(e, h, i, generator=g) / i ** 0.5, block), block)
+    if layout == "masked":
+        tokens = ExpertTokens("masked", torch.randn(e, 12, h, generator=g),
+                              expert_num_tokens=torch.tensor([5, 0, 12, 1]))
+    else:
+        ids = torch.randint(-1, e, (10, 2), generator=g)
+        tokens = ExpertTokens("contiguous", torch.randn(10, h, generator=g), topk_ids=ids,
+                              topk_weights=torch.rand(10, 2, generator=g))
+    out = TritonExperts(**TRITON_BLOCKS).run(tokens, w13, w2)
+    ref = TorchExperts().apply(tokens, w13.dequantize(torch.float32), w2.dequantize(torch.float32))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)

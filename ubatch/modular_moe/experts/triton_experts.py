@@ -17,6 +17,11 @@ The reduction length ``K`` is a ``tl.constexpr``: a loop ``range`` with a run-ti
 which NumPy 2.4 turned from a deprecation into a TypeError; Triton 3.9 squeezes the array first). A compile-time
 ``K`` gives every Triton version a plain Python bound, and the compiler a static trip count; it costs one
 compilation per (hidden size, intermediate size), both fixed per model.
+
+FP8 weights with block scales (a checkpoint's, :class:`~ubatch.fp8.Fp8Tensor`) are dequantised tile by tile in
+the kernels (``FP8_W``): each loaded weight element is multiplied by the scale of its block, looked up per
+element, so partial blocks and gate/up grids that do not line up need nothing special. Activations stay in
+their dtype (weight-only W8A16, fp32 arithmetic as above).
 """
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from typing import Any
 
 import torch
 
+from ubatch.fp8 import Fp8Tensor
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.experts.moe_align import moe_align_block_size
 from ubatch.modular_moe.experts.torch_experts import check_expert_weights
@@ -56,7 +62,9 @@ def _load_kernels() -> tuple[Any, Any]:
         a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
         num_valid, N, top_k,
         stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+        s_ptr, stride_se, stride_sn, stride_sk, up_scale_offset,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        FP8_W: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     ):
         # out[id, n] = silu(a[id // top_k] . w[e, n]) * (a[id // top_k] . w[e, N + n]) for the block's ids.
         pid_m = tl.program_id(0)
@@ -87,6 +95,11 @@ def _load_kernels() -> tuple[Any, Any]:
             w_mask = k_mask[:, None] & n_mask[None, :]
             gate_w = tl.load(gate_ptrs, mask=w_mask, other=0.0).to(tl.float32)
             up_w = tl.load(up_ptrs, mask=w_mask, other=0.0).to(tl.float32)
+            if FP8_W:  # each element times its block's scale; the up rows' grid starts up_scale_offset later
+                s_ptrs = (s_ptr + expert * stride_se + ((kb * BLOCK_K + offs_k)[:, None] // SCALE_BK) * stride_sk
+                          + (offs_n[None, :] // SCALE_BN) * stride_sn)
+                gate_w = gate_w * tl.load(s_ptrs, mask=w_mask, other=0.0)
+                up_w = up_w * tl.load(s_ptrs + up_scale_offset, mask=w_mask, other=0.0)
             acc_gate = tl.dot(a, gate_w, acc_gate, input_precision="ieee")
             acc_up = tl.dot(a, up_w, acc_up, input_precision="ieee")
             a_ptrs += BLOCK_K * stride_ak
@@ -101,8 +114,10 @@ def _load_kernels() -> tuple[Any, Any]:
         a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
         num_valid, N,
         stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
+        s_ptr, stride_se, stride_sn, stride_sk,
         MUL_ROUTED_WEIGHT: tl.constexpr,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        FP8_W: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     ):
         # out[id, n] = (a[id] . w[e, n]) * weight[id]: rows are already per (token, k), so no // top_k.
         pid_m = tl.program_id(0)
@@ -128,6 +143,10 @@ def _load_kernels() -> tuple[Any, Any]:
             k_mask = offs_k < K - kb * BLOCK_K
             a = tl.load(a_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
             w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0).to(tl.float32)
+            if FP8_W:
+                s_ptrs = (s_ptr + expert * stride_se + ((kb * BLOCK_K + offs_k)[:, None] // SCALE_BK) * stride_sk
+                          + (offs_n[None, :] // SCALE_BN) * stride_sn)
+                w = w * tl.load(s_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
             acc = tl.dot(a, w, acc, input_precision="ieee")
             a_ptrs += BLOCK_K * stride_ak
             w_ptrs += BLOCK_K * stride_wk
@@ -139,6 +158,19 @@ def _load_kernels() -> tuple[Any, Any]:
 
     _KERNELS[interpret] = (_fused_w13_silu_mul_kernel, _w2_kernel)
     return _KERNELS[interpret]
+
+
+_NO_FP8: dict[str, Any] = {"FP8_W": False, "SCALE_BN": 1, "SCALE_BK": 1}
+
+
+def _scale_args(w: Fp8Tensor) -> tuple[Any, ...]:
+    """A weight's scale pointer and strides (expert, row block, column block)."""
+    s = w.scale
+    return s, s.stride(0), s.stride(1), s.stride(2)
+
+
+def _scale_consts(w: Fp8Tensor) -> dict[str, Any]:
+    return {"FP8_W": True, "SCALE_BN": w.block[0], "SCALE_BK": w.block[1]}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -154,6 +186,7 @@ class TritonExperts(MoEExperts):
     """
 
     name = "triton"
+    supports_fp8_weights = True
 
     def __init__(
         self,
@@ -183,6 +216,15 @@ class TritonExperts(MoEExperts):
 
     def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
               extras: ExpertMLPExtras | None = None) -> torch.Tensor:
+        return self._apply(tokens, w13, w2, extras, None)
+
+    def apply_fp8(self, tokens: ExpertTokens, w13: Fp8Tensor, w2: Fp8Tensor,
+                  extras: ExpertMLPExtras | None = None) -> torch.Tensor:
+        """FP8 weights dequantised per block inside the kernels (any block size, partial blocks included)."""
+        return self._apply(tokens, w13.data, w2.data, extras, (w13, w2))
+
+    def _apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor, extras: ExpertMLPExtras | None,
+               fp8: tuple[Fp8Tensor, Fp8Tensor] | None) -> torch.Tensor:
         self.check_extras(extras)
         _, hidden_size, inter = check_expert_weights(tokens, w13, w2)
         if tokens.hidden.device.type != "cuda" and not self.interpret:
@@ -191,11 +233,12 @@ class TritonExperts(MoEExperts):
                 "without TRITON_INTERPRET=1 they need CUDA tensors"
             )
         if tokens.layout == "masked":
-            return self._apply_masked(tokens, w13, w2, hidden_size, inter)
-        return self._apply_contiguous(tokens, w13, w2, hidden_size, inter)
+            return self._apply_masked(tokens, w13, w2, hidden_size, inter, fp8)
+        return self._apply_contiguous(tokens, w13, w2, hidden_size, inter, fp8)
 
     def _apply_contiguous(
-        self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor, hidden_size: int, inter: int
+        self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor, hidden_size: int, inter: int,
+        fp8: tuple[Fp8Tensor, Fp8Tensor] | None,
     ) -> torch.Tensor:
         hidden = tokens.hidden
         assert tokens.topk_ids is not None and tokens.topk_weights is not None
@@ -206,11 +249,13 @@ class TritonExperts(MoEExperts):
         sorted_ids, expert_ids, num_post_pad = moe_align_block_size(tokens.topk_ids, self.block_m, w13.shape[0])
         weights = tokens.topk_weights.reshape(-1).contiguous()
         per_route = torch.zeros((num_routes, hidden_size), dtype=torch.float32, device=hidden.device)
-        self._run(hidden, top_k, w13, w2, weights, per_route, sorted_ids, expert_ids, num_post_pad, num_routes, inter)
+        self._run(hidden, top_k, w13, w2, weights, per_route, sorted_ids, expert_ids, num_post_pad, num_routes, inter,
+                  fp8)
         return per_route.view(num_rows, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
 
     def _apply_masked(
-        self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor, hidden_size: int, inter: int
+        self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor, hidden_size: int, inter: int,
+        fp8: tuple[Fp8Tensor, Fp8Tensor] | None,
     ) -> torch.Tensor:
         """Each (expert, slot < expert_num_tokens[e]) is a route with weight 1; no align or host sync needed.
 
@@ -234,7 +279,7 @@ class TritonExperts(MoEExperts):
         num_post_pad = torch.full((1,), sorted_ids.numel(), dtype=torch.int32, device=device)  # no H2D copy
         out = torch.zeros((num_slots, hidden_size), dtype=hidden.dtype, device=device)
         self._run(hidden.reshape(num_slots, hidden_size), 1, w13, w2, None, out,
-                  sorted_ids, expert_ids, num_post_pad, num_slots, inter)
+                  sorted_ids, expert_ids, num_post_pad, num_slots, inter, fp8)
         return out.view(num_experts, capacity, hidden_size)
 
     def _run(
@@ -250,10 +295,15 @@ class TritonExperts(MoEExperts):
         num_post_pad: torch.Tensor,
         num_routes: int,
         inter: int,
+        fp8: tuple[Fp8Tensor, Fp8Tensor] | None = None,
     ) -> None:
         """Launch both GEMMs; ``out`` must be zero-initialised (rows of non-local routes are never written)."""
         intermediate = torch.empty((num_routes, inter), dtype=torch.float32, device=a.device)
-        launch = dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k)
+        launch: dict[str, Any] = dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k)
+        # without FP8 weights the scale arguments are placeholders the kernels never read (FP8_W is False)
+        s13, s2 = (_scale_args(fp8[0]), _scale_args(fp8[1])) if fp8 is not None else ((w13, 0, 0, 0), (w2, 0, 0, 0))
+        f13, f2 = (_scale_consts(fp8[0]), _scale_consts(fp8[1])) if fp8 is not None else (_NO_FP8, _NO_FP8)
+        up_offset = (fp8[0].scale.shape[1] // 2) * fp8[0].scale.stride(1) if fp8 is not None else 0
         if not self.interpret:
             launch.update(num_warps=self.num_warps, num_stages=self.num_stages)
         hidden_size = a.shape[1]
@@ -264,7 +314,8 @@ class TritonExperts(MoEExperts):
                 num_routes, inter, top_k,
                 a.stride(0), a.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
                 intermediate.stride(0), intermediate.stride(1),
-                K=hidden_size, **launch,
+                *s13, up_offset,
+                K=hidden_size, **launch, **f13,
             )
             self._w2_kernel[(num_m_blocks, _cdiv(hidden_size, self.block_n))](
                 intermediate, w2, out, weights if weights is not None else intermediate,
@@ -272,6 +323,7 @@ class TritonExperts(MoEExperts):
                 num_routes, hidden_size,
                 intermediate.stride(0), intermediate.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
                 out.stride(0), out.stride(1),
+                *s2,
                 MUL_ROUTED_WEIGHT=weights is not None,
-                K=inter, **launch,
+                K=inter, **launch, **f2,
             )
