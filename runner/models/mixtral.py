@@ -15,7 +15,7 @@ _EXPERT = r"^(model\.layers\.\d+\.mlp\.experts\.\d+)\."
 class MixtralForCausalLM(StandardCausalLM):
     checkpoint_aliases = (
         (r"^(model\.layers\.\d+)\.block_sparse_moe\.", r"\1.mlp."),
-        (_EXPERT + r"w1\.weight$", r"\1.gate_proj.weight"),
-        (_EXPERT + r"w3\.weight$", r"\1.up_proj.weight"),
-        (_EXPERT + r"w2\.weight$", r"\1.down_proj.weight"),
+        (_EXPERT + r"w1\.(weight|weight_scale_inv|weight_scale)$", r"\1.gate_proj.\2"),  # with FP8 scales
+        (_EXPERT + r"w3\.(weight|weight_scale_inv|weight_scale)$", r"\1.up_proj.\2"),
+        (_EXPERT + r"w2\.(weight|weight_scale_inv|weight_scale)$", r"\1.down_proj.\2"),
     )
