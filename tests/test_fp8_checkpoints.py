@@ -256,3 +256,26 @@ def test_quantization_fp8_on_an_fp8_checkpoint_changes_nothing(written, caplog: 
 def test_an_unknown_quantization_argument_is_refused() -> None:
     with pytest.raises(ValueError, match=r"quantization='awq' is not supported by this engine"):
         load_model("tiny-qwen3-moe", quantization="awq")
+
+
+@pytest.mark.parametrize("module, match", [
+    ("lm_head", r"an FP8 lm_head is not supported"),
+    ("model.layers.0.mlp.gate", r"FP8 router gates are not supported"),
+])
+def test_fp8_where_the_engine_reads_plain_weights_is_refused(written, tmp_path: Path, module: str,
+                                                             match: str) -> None:
+    from safetensors.torch import load_file, save_file
+
+    _, pair = written("qwen3-block-sharded")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    config = json.loads((pair.fp8 / "config.json").read_text())
+    (bad / "config.json").write_text(json.dumps(config))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in sorted(pair.fp8.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    tensors[f"{module}.weight"], tensors[f"{module}.weight_scale_inv"] = quantize_blocks(
+        tensors[f"{module}.weight"], (128, 128))
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=match):
+        load_model(str(bad))

@@ -6,7 +6,7 @@ for :class:`~runner.models.quantization.fp8_linear.Fp8Linear` and turns the plan
 adds the scale tensors to the model's weight spec, so loading checks them like any other tensor.
 
 - From an FP8 checkpoint (:func:`plan_from_checkpoint`) a module is FP8 exactly when the checkpoint holds its scale
-  tensor. Router gates (read as plain weights by the routers) never are, and a module that
+  tensor. Router gates (read as plain weights by the routers) and the LM head never are, and a module that
   ``modules_to_not_convert`` lists must not be.
 - Online (:func:`plan_online`, ``--quantization fp8`` on a bf16 checkpoint): every linear layer of the decoder
   layers but the router gates, and every MoE layer's experts, as vLLM's ``fp8`` method does;
@@ -69,6 +69,8 @@ def plan_from_checkpoint(net: MoECausalLM, scheme: Fp8Scheme, tensor_names: Iter
         if scheme.skips(module):
             raise ValueError(f"weight {raw!r}: quantization_config.modules_to_not_convert lists {module!r}, but the "
                              "checkpoint holds it in FP8")
+        if module == "lm_head":  # the engine reads the model's dtype off its first parameter, the LM head
+            raise ValueError(f"weight {raw!r}: an FP8 lm_head is not supported; keep it in bf16")
         if module.endswith(ROUTER_SUFFIXES):
             raise ValueError(f"weight {raw!r}: FP8 router gates are not supported (the router reads its weight "
                              "in full precision); keep the gate in bf16")
