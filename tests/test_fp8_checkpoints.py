@@ -18,7 +18,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fp8_checkpoint import Fp8Pair, write_fp8_pair  # noqa: E402
-from runner.attention.kv_cache import blocks_needed  # noqa: E402
+from runner.attention.kv_cache import allocate_kv_caches, blocks_needed  # noqa: E402
+from runner.core.kv_blocks import BlockAllocator  # noqa: E402
 from runner.models.loader import CheckpointError, load_config, load_model  # noqa: E402
 from runner.models.quantization.fp8_linear import Fp8Linear  # noqa: E402
 from test_models_parity import BLOCK, PROMPTS, fresh_cache, greedy_generate, run_step  # noqa: E402
@@ -77,8 +78,12 @@ def written(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def prefill_logits(model: torch.nn.Module) -> torch.Tensor:
-    alloc = fresh_cache(model)
+def prefill_logits(model: torch.nn.Module, kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if kv_dtype == torch.float32:
+        alloc = fresh_cache(model)
+    else:
+        model.bind_kv_caches(allocate_kv_caches(model.kv_cache_specs(), 64, BLOCK, kv_dtype))
+        alloc = BlockAllocator(64)
     blocks = [alloc.allocate(blocks_needed(len(p), BLOCK)) for p in PROMPTS]
     return run_step(model, sum(PROMPTS, []), [0] * len(PROMPTS), [len(p) for p in PROMPTS], blocks)
 
@@ -89,6 +94,15 @@ def test_logits_equal_the_dequantised_model_exactly(written, variant: str) -> No
     fp8, _ = load_model(str(pair.fp8))
     reference, _ = load_model(str(pair.reference))
     assert torch.equal(prefill_logits(fp8), prefill_logits(reference))
+
+
+@pytest.mark.parametrize("variant", ["qwen3-block", "dsv3-block"])
+def test_bf16_compute_equals_the_dequantised_model_in_bf16(written, variant: str) -> None:
+    """Dequantising in fp32 and rounding once to bf16 gives the bf16 weights the twin loads: equal logits."""
+    _, pair = written(variant)
+    fp8, _ = load_model(str(pair.fp8), dtype=torch.bfloat16)
+    reference, _ = load_model(str(pair.reference), dtype=torch.bfloat16)
+    assert torch.equal(prefill_logits(fp8, torch.bfloat16), prefill_logits(reference, torch.bfloat16))
 
 
 @pytest.mark.parametrize("variant", ["qwen3-block", "dsv3-block"])
