@@ -1,8 +1,9 @@
 """FP8 checkpoints in the released layout load and run exactly as their dequantised twin, with FP8 in memory.
 
-Small transformers models (Qwen3-MoE; DeepSeek-V3 with MLA, a shared expert, a dense first layer) are written by
-``tests/fp8_checkpoint.py`` as FP8 checkpoints (128 x 128 blocks with partial ones at the edges, per-expert names,
-``modules_to_not_convert``, an index over shards; and per tensor) and as a twin holding the dequantised weights.
+Small transformers models (Qwen3-MoE; DeepSeek-V3 with MLA, a shared expert, a dense first layer; GLM-4.5 with
+biased projections) are written by ``tests/fp8_checkpoint.py`` as FP8 checkpoints (128 x 128 blocks with partial
+ones at the edges, per-expert names, ``modules_to_not_convert``, an index over shards; and per tensor) and as a
+twin holding the dequantised weights.
 On the CPU every FP8 weight is dequantised to the compute dtype before its GEMM, so in fp32 the logits must equal
 the twin's bit for bit; greedy tokens must equal transformers' on the dequantised weights.
 """
@@ -36,6 +37,12 @@ DSV3 = dict(vocab_size=256, hidden_size=192, intermediate_size=320, moe_intermed
             topk_group=2, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=160, kv_lora_rank=144,
             qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, routed_scaling_factor=2.5,
             initializer_range=0.1, eos_token_id=None)
+# GLM-4.5's layout (GLM-4.5-FP8 ships so): biased q/k/v, q/k norm, partial RoPE, DeepSeek-V3's router
+GLM4 = dict(vocab_size=256, hidden_size=192, intermediate_size=320, moe_intermediate_size=96, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=48, n_routed_experts=8, num_experts_per_tok=2,
+            n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1, attention_bias=True,
+            use_qk_norm=True, routed_scaling_factor=2.5, initializer_range=0.1, max_position_embeddings=256,
+            eos_token_id=None, bos_token_id=None, pad_token_id=None)
 NOT_CONVERT = ["model.layers.0.self_attn.o_proj", "model.layers.*.mlp.gate"]
 
 
@@ -44,13 +51,17 @@ def make_hf(kind: str) -> torch.nn.Module:
     if kind == "qwen3":
         cfg = transformers.Qwen3MoeConfig(**QWEN, attn_implementation="eager")
         return transformers.Qwen3MoeForCausalLM(cfg).eval()
-    cfg = transformers.DeepseekV3Config(**DSV3, attn_implementation="eager")
-    model = transformers.DeepseekV3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # HF inits the correction bias to zero; make it matter
-        for name, buf in model.named_buffers():
+    if kind == "glm4":
+        model = transformers.Glm4MoeForCausalLM(transformers.Glm4MoeConfig(**GLM4, attn_implementation="eager"))
+    else:
+        model = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**DSV3, attn_implementation="eager"))
+    with torch.no_grad():  # HF zeroes the correction bias and the attention biases; make them matter
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("e_score_correction_bias"):
-                buf.normal_(0, 0.05)
-    return model
+                t.normal_(0, 0.05)
+            elif name.endswith("bias"):
+                t.normal_(0, 0.5)
+    return model.eval()
 
 
 VARIANTS = {  # name -> (model, write_fp8_pair keyword arguments)
@@ -59,6 +70,7 @@ VARIANTS = {  # name -> (model, write_fp8_pair keyword arguments)
     "qwen3-per-tensor": ("qwen3", dict(block=None)),
     "qwen3-per-tensor-1d": ("qwen3", dict(block=None, scalar_scales=False)),
     "dsv3-block": ("dsv3", dict()),
+    "glm4-block": ("glm4", dict()),
 }
 
 
@@ -105,7 +117,7 @@ def test_bf16_compute_equals_the_dequantised_model_in_bf16(written, variant: str
     assert torch.equal(prefill_logits(fp8, torch.bfloat16), prefill_logits(reference, torch.bfloat16))
 
 
-@pytest.mark.parametrize("variant", ["qwen3-block", "dsv3-block"])
+@pytest.mark.parametrize("variant", ["qwen3-block", "dsv3-block", "glm4-block"])
 def test_greedy_tokens_equal_transformers_on_the_dequantised_weights(written, variant: str) -> None:
     hf, pair = written(variant)
     dequantised = type(hf).from_pretrained(pair.reference, attn_implementation="eager").eval()  # per-expert names
