@@ -363,7 +363,7 @@ def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: tor
         check_spec_covers_parameters(net)
         net.to_empty(device=device)
         weights = iter_checkpoint(path, net)
-        if plan is not None and scheme is not None and scheme.online:
+        if plan is not None and plan.scheme.online:
             weights = quantize_online(weights, net, plan)
         net.load_weights(weights)
     except CheckpointError:
