@@ -245,7 +245,7 @@ def test_online_fp8_equals_quantise_then_dequantise(written, tmp_path: Path,
     """``quantization='fp8'`` on the unquantised twin quantises per 128 x 128 block while loading: the same model
     as the twin's weights quantised and dequantised by the reference recipe."""
     _, pair = written("dsv3-block")
-    with caplog.at_level(logging.INFO, logger="runner.models.loader"):
+    with caplog.at_level(logging.INFO, logger="ubatch.models"):
         online, _ = load_model(str(pair.reference), quantization="fp8")
     assert "quantising the unquantised checkpoint online to FP8 e4m3 weights with one scale per 128x128 block" \
         in caplog.text
@@ -267,7 +267,7 @@ def test_online_fp8_equals_quantise_then_dequantise(written, tmp_path: Path,
 
 def test_quantization_fp8_on_an_fp8_checkpoint_changes_nothing(written, caplog: pytest.LogCaptureFixture) -> None:
     _, pair = written("qwen3-block")
-    with caplog.at_level(logging.INFO, logger="runner.models.loader"):
+    with caplog.at_level(logging.INFO, logger="ubatch.models"):
         flagged, _ = load_model(str(pair.fp8), quantization="fp8")
     assert "as the checkpoint holds them (--quantization fp8 has nothing to do)" in caplog.text
     plain, _ = load_model(str(pair.fp8))

@@ -41,7 +41,7 @@ from runner.models.registry import architecture_of, get_model_class, parse_confi
 from runner.models.weights import FUSED_RE, canonical_name, expand_fused
 from ubatch.modular_moe.config import MoEParallelConfig
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("ubatch.models")
 
 TINY_MODELS: dict[str, dict[str, Any]] = {
     "tiny-qwen3-moe": {
