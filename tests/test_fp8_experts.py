@@ -157,3 +157,84 @@ def test_triton_experts_dequantise_fp8_blocks_in_the_kernel(layout: str, block: 
     out = TritonExperts(**TRITON_BLOCKS).run(tokens, w13, w2)
     ref = TorchExperts().apply(tokens, w13.dequantize(torch.float32), w2.dequantize(torch.float32))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
+
+
+def routed_tokens(dtype: torch.dtype = torch.bfloat16) -> ExpertTokens:
+    """Contiguous tokens with a route to another rank (-1), a token routed nowhere and an expert with none."""
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, E - 1, (20, 2), generator=g)
+    ids[0, 1], ids[5] = -1, -1
+    return ExpertTokens("contiguous", torch.randn(20, H, generator=g).to(dtype), topk_ids=ids,
+                        topk_weights=torch.rand(20, 2, generator=g))
+
+
+@pytest.mark.parametrize("fp8_weights", [True, False], ids=["checkpoint_fp8", "bf16_quantised_at_run_time"])
+@pytest.mark.parametrize("arch,use_ue8m0", [(9, False), (10, True)], ids=["sm90", "sm100_ue8m0"])
+def test_deep_gemm_contiguous_layout_matches_torch_experts(fp8_weights: bool, arch: int, use_ue8m0: bool) -> None:
+    """Prefill's layout: routes grouped by expert, each group padded to DeepGEMM's M alignment."""
+    tokens = routed_tokens()
+    w13, w2 = fp8_experts()
+    dg.set_arch_major(arch)
+    experts = DeepGemmExperts(deep_gemm_module=dg, use_ue8m0=use_ue8m0)
+    bf13, bf2 = w13.dequantize(torch.bfloat16), w2.dequantize(torch.bfloat16)
+    out = experts.run(tokens, w13, w2) if fp8_weights else experts.run(tokens, bf13, bf2)
+    ref = TorchExperts().apply(tokens, bf13, bf2)
+    err = (out.float() - ref.float()).abs().max().item() / ref.float().abs().max().item()
+    assert out.shape == ref.shape and out.dtype == torch.bfloat16 and err <= FP8_REL
+    assert not out[5].any()  # a token routed to no local expert gets nothing
+
+
+def test_contiguous_stand_in_skips_padding_rows() -> None:
+    g = torch.Generator().manual_seed(5)
+    qa = quantize_blocks(torch.randn(256, H, generator=g), (1, 128))
+    qb = quantize_blocks(torch.randn(2, I, H, generator=g), (128, 128))
+    layout = torch.tensor([0] * 100 + [-1] * 28 + [1] * 128, dtype=torch.int32)
+    d = torch.full((256, I), 7.0, dtype=torch.bfloat16)
+    dg.m_grouped_fp8_gemm_nt_contiguous(qa, qb, d, layout)
+    a, b = dequantize_blocks(*qa, (1, 128)), dequantize_blocks(*qb, (128, 128))
+    assert torch.equal(d[:100], (a[:100] @ b[0].t()).bfloat16())
+    assert torch.equal(d[128:], (a[128:] @ b[1].t()).bfloat16())
+    assert bool((d[100:128] == 7.0).all())
+
+
+# DeepGEMM main 54e2261, csrc/apis/gemm.hpp: the py::arg list of ``m_grouped_fp8_fp4_gemm_nt_contiguous`` (also
+# bound as ``m_grouped_fp8_gemm_nt_contiguous``)
+DEEP_GEMM_MAIN_CONTIGUOUS_ARGS = ("a", "b", "d", "grouped_layout", "recipe", "recipe_a", "recipe_b",
+                                  "compiled_dims", "disable_ue8m0_cast", "use_psum_layout", "ensure_zero_padding",
+                                  "expected_m_for_psum_layout")
+
+
+def test_the_contiguous_stand_in_has_deepgemm_mains_name_and_arguments() -> None:
+    import inspect
+
+    assert dg.m_grouped_fp8_fp4_gemm_nt_contiguous is dg.m_grouped_fp8_gemm_nt_contiguous
+    params = inspect.signature(dg.m_grouped_fp8_gemm_nt_contiguous).parameters.values()
+    assert tuple(p.name for p in params) == DEEP_GEMM_MAIN_CONTIGUOUS_ARGS
+    assert [p.name for p in params if p.default is inspect.Parameter.empty] == list(DEEP_GEMM_MAIN_CONTIGUOUS_ARGS[:4])
+
+
+def test_deep_gemm_contiguous_layout_with_no_local_route_gives_zeros() -> None:
+    tokens = routed_tokens()
+    assert tokens.topk_ids is not None
+    tokens.topk_ids.fill_(-1)
+    w13, w2 = fp8_experts()
+    out = DeepGemmExperts(deep_gemm_module=dg, use_ue8m0=False).run(tokens, w13, w2)
+    assert out.shape == tokens.hidden.shape and not out.any()
+
+
+@pytest.mark.parametrize("dbo", [False, True], ids=["dbo_off", "dbo_on"])
+def test_deepep_high_throughput_with_deep_gemm_experts_equals_dense(dbo: bool) -> None:
+    """The prefill path on CPU: DeepEP HT dispatch (stand-in, contiguous layout) -> DeepGEMM contiguous fp8
+    experts (stand-in) -> HT combine, 2 ranks; against the dense bf16 reference in fp8 tolerance (one layer, as
+    tests/test_deep_gemm_standin.py's low-latency case)."""
+    from moe_harness import dense_reference
+    from standin_harness import bf16_inputs, bf16_weights, run_standin_ep
+
+    weights, inputs = bf16_weights(layers=1), bf16_inputs(2)
+    results = run_standin_ep(weights, inputs, "deepep_high_throughput", dbo,
+                             experts=lambda: DeepGemmExperts(deep_gemm_module=dg, use_ue8m0=False))
+    for rank, res in enumerate(results):
+        ref = dense_reference(weights, inputs[rank], rank)
+        moe = (ref.float() - inputs[rank].float()).abs().max().item()
+        err = (res["out"].float() - ref.float()).abs().max().item()
+        assert err <= FP8_REL * moe, f"rank {rank}: max err {err:.4g} vs the layer's contribution {moe:.4g}"

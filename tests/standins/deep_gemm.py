@@ -152,3 +152,56 @@ def m_grouped_fp8_gemm_nt_masked(a: tuple[torch.Tensor, torch.Tensor], b: tuple[
 
 m_grouped_fp8_fp4_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
 fp8_m_grouped_gemm_nt_masked = m_grouped_fp8_gemm_nt_masked
+
+
+def get_mk_alignment_for_contiguous_layout() -> int:
+    """Rows per group in the contiguous layout are padded to a multiple of this (DeepGEMM's M block)."""
+    return 128
+
+
+def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
+                                     d: torch.Tensor, grouped_layout: torch.Tensor,
+                                     recipe: tuple[int, int, int] | None = None,
+                                     recipe_a: tuple[int, int] | None = None, recipe_b: tuple[int, int] | None = None,
+                                     compiled_dims: str = "nk", disable_ue8m0_cast: bool = False,
+                                     use_psum_layout: bool = False, ensure_zero_padding: bool = True,
+                                     expected_m_for_psum_layout: int | None = None) -> None:
+    """``d[r] = a[r] @ b[grouped_layout[r]].T`` for each row whose group is ``>= 0``; rows of group ``-1`` (the
+    padding that aligns each group to :func:`get_mk_alignment_for_contiguous_layout`) are not computed."""
+    (qa, sfa), (qb, sfb) = a, b
+    _require(not use_psum_layout, "stand-in: the per-row grouped layout only (use_psum_layout=False)")
+    _require(expected_m_for_psum_layout is None, "not expected_m_for_psum_layout.has_value()")
+    _require(qa.stride(-1) == 1 and qb.stride(-1) == 1, "major_a == Major::K and major_b == Major::K")
+    _require(grouped_layout.is_contiguous(), "grouped_layout.is_contiguous()")
+    _require(qa.dtype == FP8 and qb.dtype == FP8, f"a and b are torch::kFloat8_e4m3fn, got {qa.dtype}, {qb.dtype}")
+    _require(qa.dim() == 2 and qb.dim() == 3 and d.dim() == 2, "a and d are 2-D, b is 3-D")
+    m, k = qa.shape
+    g, n, k_ = qb.shape
+    _require(m == d.shape[0] and n == d.shape[1] and k == k_, "m == m_ and n == n_ and k == k_")
+    _require(n > 0 and k > 0 and g > 0, "n > 0 and k > 0 and num_groups > 0")
+    _require(d.dtype == torch.bfloat16, f"d.scalar_type() == torch::kBFloat16, got {d.dtype}")
+    _require(grouped_layout.dtype == torch.int32, f"grouped_layout.scalar_type() == torch::kInt, got "
+                                                  f"{grouped_layout.dtype}")
+    _require(grouped_layout.shape == (m,), f"m == grouped_layout.size(0), got {tuple(grouped_layout.shape)}")
+    _require(d.stride(-1) == 1, "d is row-major (stride(-1) == 1)")
+    if m == 0:
+        return
+    if recipe_a is None and recipe is None:
+        recipe = _default_recipe(sfa, sfb)
+    _require((recipe_a is None) == (recipe_b is None), "recipe_a.has_value() == recipe_b.has_value()")
+    _require((recipe_a is None) != (recipe is None), "recipe_a.has_value() != recipe.has_value()")
+    (mn_a, k_a), (mn_b, k_b) = ((recipe[0], recipe[2]), (recipe[1], recipe[2])) if recipe else (recipe_a, recipe_b)
+    _check_sf(sfa.unsqueeze(0), m, k, mn_a, k_a, 1, "sfa")
+    _check_sf(sfb, n, k, mn_b, k_b, g, "sfb")
+    groups = grouped_layout.tolist()
+    _require(all(-1 <= x < g for x in groups), f"-1 <= grouped_layout < num_groups ({g})")
+    scale_a = _effective_scales(sfa.unsqueeze(0), m, k, mn_a, k_a, disable_ue8m0_cast, False)[0]
+    scale_b = _effective_scales(sfb, n, k, mn_b, k_b, disable_ue8m0_cast, True)
+    lhs = qa.float() * scale_a
+    for grp in range(g):
+        rows = torch.nonzero(grouped_layout == grp).flatten()
+        if rows.numel():
+            d[rows] = (lhs[rows] @ (qb[grp].float() * scale_b[grp]).t()).to(torch.bfloat16)
+
+
+m_grouped_fp8_fp4_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous

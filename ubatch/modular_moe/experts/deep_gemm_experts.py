@@ -1,7 +1,9 @@
-"""DeepGEMM fp8 experts for the masked (DeepEP low-latency) layout.
+"""DeepGEMM fp8 experts for the masked (DeepEP low-latency) and the contiguous layouts.
 
 DeepEP's low-latency dispatch hands over exactly what ``m_grouped_fp8_gemm_nt_masked`` consumes -- a
 ``[E_local, capacity, H]`` buffer plus per-expert counts -- so decode steps need no permute and no host sync.
+The contiguous layout (prefill, the high-throughput and torch all-to-alls) is sorted by expert into groups padded
+to DeepGEMM's M alignment for ``m_grouped_fp8_gemm_nt_contiguous``, in a buffer of fixed size (no host sync).
 DeepGEMM is fp8-only on this path: activations use per-token 1x128 scales, weights per-block 128x128 scales.
 The quantisation helpers are plain torch (``torch.float8_e4m3fn`` exists on CPU) so they are unit-tested
 without a GPU; ``deep_gemm`` itself is imported only when a ``DeepGemmExperts`` is constructed without an
@@ -37,6 +39,11 @@ _MASKED_GEMM_NAMES: tuple[str, ...] = (
     "m_grouped_fp8_gemm_nt_masked",
     "fp8_m_grouped_gemm_nt_masked",
     "m_grouped_gemm_fp8_fp8_bf16_nt_masked",
+)
+
+_CONTIGUOUS_GEMM_NAMES: tuple[str, ...] = (
+    "m_grouped_fp8_fp4_gemm_nt_contiguous",
+    "m_grouped_fp8_gemm_nt_contiguous",
 )
 
 _Fp8Pair = tuple[torch.Tensor, torch.Tensor]  # (fp8 values, fp32 scales): DeepGEMM's operand format
@@ -132,7 +139,7 @@ def _resolve_masked_gemm(deep_gemm: Any) -> Callable[..., None]:
 
 
 class DeepGemmExperts(MoEExperts):
-    """fp8 grouped GEMMs for the masked layout; SiLU-and-mul and re-quantisation run in torch between them.
+    """fp8 grouped GEMMs for both layouts; SiLU-and-mul and re-quantisation run in torch between them.
 
     ``expected_m`` is DeepGEMM's tuning hint for tokens per expert (defaults to the buffer capacity, as vLLM
     does). ``use_ue8m0`` defaults to True on SM100+, where DeepGEMM keeps only each scale's exponent (UE8M0)
@@ -141,7 +148,7 @@ class DeepGemmExperts(MoEExperts):
     """
 
     name = "deep_gemm"
-    supported_layouts: tuple[Layout, ...] = ("masked",)
+    supported_layouts: tuple[Layout, ...] = ("masked", "contiguous")
     supports_fp8_weights = True
 
     def __init__(self, expected_m: int | None = None, use_ue8m0: bool | None = None,
@@ -157,7 +164,7 @@ class DeepGemmExperts(MoEExperts):
               extras: ExpertMLPExtras | None = None) -> torch.Tensor:
         self._check(tokens, w13, w2, extras)
         use_ue8m0 = self._ue8m0(tokens.hidden.device)
-        return self._masked(tokens, self._quantized(w13, use_ue8m0), self._quantized(w2, use_ue8m0), use_ue8m0)
+        return self._compute(tokens, self._quantized(w13, use_ue8m0), self._quantized(w2, use_ue8m0), use_ue8m0)
 
     def apply_fp8(self, tokens: ExpertTokens, w13: Fp8Tensor, w2: Fp8Tensor,
                   extras: ExpertMLPExtras | None = None) -> torch.Tensor:
@@ -169,22 +176,73 @@ class DeepGemmExperts(MoEExperts):
                                  f"has {w.block} blocks over {w.row_shards} row shard(s) of "
                                  f"{w.data.shape[-2] // w.row_shards} rows")
         use_ue8m0 = self._ue8m0(tokens.hidden.device)
-        return self._masked(tokens, self._checkpoint_pair(w13, use_ue8m0), self._checkpoint_pair(w2, use_ue8m0),
-                            use_ue8m0)
+        return self._compute(tokens, self._checkpoint_pair(w13, use_ue8m0), self._checkpoint_pair(w2, use_ue8m0),
+                             use_ue8m0)
 
     def _check(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
                extras: ExpertMLPExtras | None) -> None:
         self.check_extras(extras)
-        if tokens.layout != "masked":
-            raise ValueError(
-                f"DeepGemmExperts supports only the masked layout, got {tokens.layout!r}; use 'triton' or 'torch'"
-            )
         _, hidden_size, inter = check_expert_weights(tokens, w13, w2)
         for label, dim in (("hidden size", hidden_size), ("intermediate size", inter)):
             if dim % QUANT_BLOCK:
                 raise ValueError(f"DeepGEMM needs the {label} ({dim}) to be a multiple of {QUANT_BLOCK}")
         if self._needs_cuda and tokens.hidden.device.type != "cuda":
             raise RuntimeError(f"DeepGemmExperts needs CUDA tensors, got {tokens.hidden.device}")
+
+    def _compute(self, tokens: ExpertTokens, w13_q: _Fp8Pair, w2_q: _Fp8Pair, use_ue8m0: bool) -> torch.Tensor:
+        if tokens.layout == "masked":
+            return self._masked(tokens, w13_q, w2_q, use_ue8m0)
+        return self._contiguous(tokens, w13_q, w2_q, use_ue8m0)
+
+    def _contiguous(self, tokens: ExpertTokens, w13_q: _Fp8Pair, w2_q: _Fp8Pair, use_ue8m0: bool) -> torch.Tensor:
+        """Routes sorted by local expert into groups padded to DeepGEMM's M alignment (padding rows in group -1),
+        both grouped GEMMs, then each route's row weighted and summed back onto its token.
+
+        The buffer has a fixed size, every route plus a full alignment of padding per expert plus one row where
+        routes to no local expert (id -1) land, so nothing is read back to size it: no host sync, capturable.
+        """
+        hidden = tokens.hidden
+        assert tokens.topk_ids is not None and tokens.topk_weights is not None
+        gemm = self._contiguous_gemm()
+        num_experts, two_i, hidden_size = w13_q[0].shape
+        inter = two_i // 2
+        num_tokens, top_k = tokens.topk_ids.shape
+        device = hidden.device
+        align = int(self._deep_gemm.get_mk_alignment_for_contiguous_layout())
+        total = num_tokens * top_k + num_experts * align + 1
+        flat = tokens.topk_ids.reshape(-1).to(torch.int64)
+        key = torch.where(flat >= 0, flat, num_experts)  # routes to other ranks sort last, as group E
+        order = torch.argsort(key, stable=True)
+        group = key[order]
+        counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+            0, key, torch.ones_like(key))
+        padded = (counts[:num_experts] + align - 1) // align * align
+        first_row = torch.cumsum(padded, 0) - padded  # each group's first row in the buffer
+        rank = torch.arange(order.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[group]
+        local = group < num_experts
+        rows = torch.where(local, first_row[group.clamp(max=num_experts - 1)] + rank, total - 1)
+        layout = torch.full((total,), -1, dtype=torch.int32, device=device)
+        layout[rows] = torch.where(local, group, -1).to(torch.int32)
+        layout[total - 1] = -1  # the row of the routes to no local expert is never computed
+        a = torch.zeros((total, hidden_size), dtype=hidden.dtype, device=device)
+        a[rows] = hidden[order // top_k]
+        gate_up = torch.zeros((total, 2 * inter), dtype=torch.bfloat16, device=device)
+        gemm(per_token_cast_to_fp8(a, use_ue8m0), w13_q, gate_up, layout)
+        gate_up_f = gate_up.float()
+        act = F.silu(gate_up_f[:, :inter]) * gate_up_f[:, inter:]
+        down = torch.zeros((total, hidden_size), dtype=torch.bfloat16, device=device)
+        gemm(per_token_cast_to_fp8(act, use_ue8m0), w2_q, down, layout)
+        weights = (tokens.topk_weights.reshape(-1)[order].float() * local).unsqueeze(1)
+        out = torch.zeros(hidden.shape, dtype=torch.float32, device=device)
+        out.index_add_(0, order // top_k, down[rows].float() * weights)
+        return out.to(hidden.dtype)
+
+    def _contiguous_gemm(self) -> Callable[..., None]:
+        for name in _CONTIGUOUS_GEMM_NAMES:
+            fn = getattr(self._deep_gemm, name, None)
+            if fn is not None:
+                return fn
+        raise ImportError(f"this deep_gemm build has none of {_CONTIGUOUS_GEMM_NAMES}; upgrade DeepGEMM")
 
     def _masked(self, tokens: ExpertTokens, w13_q: _Fp8Pair, w2_q: _Fp8Pair, use_ue8m0: bool) -> torch.Tensor:
         """Both grouped GEMMs over the masked buffer, SiLU-and-mul between them, padding rows zeroed."""
