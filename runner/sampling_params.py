@@ -71,6 +71,10 @@ def _check_range(name: str, value: Any, lo: float, hi: float, *, lo_open: bool =
         raise SamplingParamsError(name, f"{name} must be a number in {interval}, got {value!r}")
 
 
+# vLLM's bound on n (its VLLM_MAX_N_SEQUENCES default).
+MAX_N_SEQUENCES = 16384
+
+
 @dataclass
 class SamplingParams:
     """vLLM's sampling parameters (OpenAI's completion fields, plus ``top_k``, ``min_p``, ``repetition_penalty``,
@@ -104,12 +108,17 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _is_int(self.n) or self.n < 1:
             raise SamplingParamsError("n", f"n must be an integer >= 1, got {self.n!r}")
+        if self.n > MAX_N_SEQUENCES:
+            raise SamplingParamsError("n", f"n must be at most {MAX_N_SEQUENCES} (vLLM's VLLM_MAX_N_SEQUENCES "
+                                           f"default), got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             _check_range(name, getattr(self, name), -2.0, 2.0)
         _check_range("repetition_penalty", self.repetition_penalty, *REPETITION_PENALTY_RANGE)
         for name in ("n", "top_k", "max_tokens", "min_tokens", "logprobs"):
             _check_int64(name, getattr(self, name))
-        _check_range("temperature", self.temperature, 0.0, 2.0)
+        if not (_is_number(self.temperature) and math.isfinite(self.temperature) and self.temperature >= 0):
+            raise SamplingParamsError("temperature", f"temperature must be a finite number >= 0 (vLLM's range), "
+                                                     f"got {self.temperature!r}")
         _check_range("top_p", self.top_p, 0.0, 1.0, lo_open=True)
         if not _is_int(self.top_k) or self.top_k < -1:
             raise SamplingParamsError("top_k", f"top_k must be an integer >= 1, or 0 / -1 for off; got {self.top_k!r}")

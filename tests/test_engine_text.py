@@ -192,7 +192,7 @@ def test_generation_config_defaults_and_eos(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("content,message", [
-    ({"temperature": 5.0}, "temperature: temperature must be a number in [0, 2], got 5.0"),
+    ({"temperature": -1.0}, "temperature: temperature must be a finite number >= 0 (vLLM's range), got -1.0"),
     ({"max_new_tokens": 0}, "max_new_tokens: max_tokens must be an integer >= 1"),
     ({"eos_token_id": "x"}, "eos_token_id must be a token id or a list of them, got 'x'"),
     ([1, 2], "must hold a JSON object, got list"),

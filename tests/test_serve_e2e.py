@@ -200,7 +200,7 @@ def test_bad_requests_reach_no_rank_and_an_idle_server_uses_no_cpu(servers: dict
     url = f"{srv.base_url}/v1/completions"
     cases = [
         (httpx.post(url, content=b"{not json", headers={"Content-Type": "application/json"}), 400, None),
-        (httpx.post(url, json={"model": model, "prompt": "hi", "temperature": 5.0}), 400, "temperature"),
+        (httpx.post(url, json={"model": model, "prompt": "hi", "temperature": -1.0}), 400, "temperature"),
         (httpx.post(url, json={"model": "nope", "prompt": "hi"}), 404, "model"),
         (httpx.post(url, json={"model": model, "prompt": "hi", "max_tokens": 100000}), 400, "max_tokens"),
         (httpx.post(url, json={"model": model, "prompt": [[1, 10 ** 6]]}), 400, "prompt"),

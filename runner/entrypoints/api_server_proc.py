@@ -44,13 +44,11 @@ def api_server_main(spec: ApiServerSpec, sock: socket.socket, conn: Connection) 
     from runner.distributed.launch import describe_exception
     from runner.distributed.liveness import die_with_parent
     from runner.entrypoints.openai.api_server import run_loop
-    from runner.entrypoints.openai.protocol import set_max_logprobs
     from runner.entrypoints.server_setup import log_to_stderr
 
     for sig in SIGNALS:  # the parent decides when to drain
         signal.signal(sig, signal.SIG_IGN)
     die_with_parent(spec.parent_pid)
-    set_max_logprobs(spec.max_logprobs)
     log_to_stderr()
     try:
         code = run_loop(_serve_attached(spec, sock, conn))
@@ -94,7 +92,7 @@ async def _serve_attached(spec: ApiServerSpec, sock: socket.socket, conn: Connec
                 orders.lifecycle.begin_drain(orders.drain_why)
 
         code = await run_server(args, client, engine_dead=dead, metrics=metrics, sock=sock, configure_app=configure,
-                                handle_signals=False)
+                                handle_signals=False, max_logprobs=spec.max_logprobs)
         if client.dead_error is not None:
             print(f"error: API server {spec.index}: {client.dead_error}", file=sys.stderr)
             code = code or 1

@@ -45,7 +45,7 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
                      "/stop_profile instead")
     info = model_info_or_exit(cfg, parser)
     from runner.engine.tokenizer import load_tokenizer, load_tokenizer_from_dir
-    from runner.entrypoints.openai.protocol import set_max_logprobs
+    from runner.entrypoints.openai.cli_args import default_max_n
     from runner.entrypoints.server_setup import log_to_stderr
     from runner.entrypoints.tokenizer_args import (
         apply_chat_template_arg,
@@ -57,7 +57,8 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
     tokenizer_dir = tokenizer_dir_or_exit(args, parser)
     template = read_chat_template(args.chat_template, parser) if args.chat_template else None
     max_logprobs = max_logprobs_or_exit(args.max_logprobs, info.vocab_size, parser)
-    set_max_logprobs(max_logprobs)
+    if args.max_n is None:
+        args.max_n = default_max_n(cfg.max_num_seqs, cfg.data_parallel_size)
     log_to_stderr()
     if tokenizer_dir is not None:
         tokenizer = load_tokenizer_from_dir(tokenizer_dir)
@@ -74,7 +75,7 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
             return serve_api_servers(cfg, args, tokenizer, info.generation_config, max_logprobs)
         from runner.entrypoints.openai.api_server import run_loop
 
-        return run_loop(_serve(cfg, args, tokenizer, info.generation_config))
+        return run_loop(_serve(cfg, args, tokenizer, info.generation_config, max_logprobs))
     except KeyboardInterrupt:  # a signal before the HTTP server took over signal handling (model loading)
         print("interrupted while the engine was starting", file=sys.stderr)
         return 130
@@ -89,7 +90,7 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         return 1
 
 
-async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any) -> int:
+async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any, max_logprobs: int) -> int:
     from runner.core.engine_core import tune_gc
     from runner.engine.core_client import MPEngineClient
     from runner.entrypoints.openai.api_server import bind_socket, run_server
@@ -108,7 +109,8 @@ async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_
         metrics = ServerMetrics(served_model_names(args)[0], client.max_model_len)
         client.metrics = metrics
         code = await run_server(args, client, engine_dead=dead, metrics=metrics, sock=sock,
-                                configure_app=functools.partial(add_routes, profile_dir=args.profile_dir))
+                                configure_app=functools.partial(add_routes, profile_dir=args.profile_dir),
+                                max_logprobs=max_logprobs)
         if client.dead_error is not None:
             print(f"error: {client.dead_error}", file=sys.stderr)
             code = code or 1

@@ -27,8 +27,10 @@ from typing import Any, Callable, Coroutine, Iterator
 import uvicorn
 import uvloop
 from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from runner.engine.protocol import EngineClient
 from runner.entrypoints.openai.cli_args import (
@@ -40,12 +42,13 @@ from runner.entrypoints.openai.cli_args import (
 from runner.entrypoints.openai.errors import OpenAIError, redact
 from runner.entrypoints.openai.gate import ServerGate
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
-from runner.entrypoints.openai.limits import ServerLimits, with_header_timeout
+from runner.entrypoints.openai.limits import ClientLeft, RequestSlots, ServerLimits, with_header_timeout
 from runner.entrypoints.openai.metrics import ServerMetrics
 from runner.entrypoints.openai.serving_chat import OpenAIServingChat
 from runner.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from runner.entrypoints.openai.serving_models import ServingModels
 from runner.entrypoints.openai.sse import RawSend
+from runner.entrypoints.openai.tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger(__name__)
 
@@ -61,19 +64,20 @@ def build_app(engine_client: EngineClient, served_model_names: list[str], api_ke
     models = ServingModels(served_model_names, engine_client.max_model_len, model_root)
     metrics = metrics if metrics is not None else ServerMetrics(models.names[0], engine_client.max_model_len)
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-    completion = OpenAIServingCompletion(engine_client, models, lifecycle, log_requests,
-                                         max_request_bytes=limits.max_request_bytes, tokenizer_thread=tokenizer_thread)
-    chat = OpenAIServingChat(engine_client, models, lifecycle, log_requests,
-                             max_request_bytes=limits.max_request_bytes, tokenizer_thread=tokenizer_thread)
+    completion = OpenAIServingCompletion(engine_client, models, lifecycle, log_requests, limits=limits,
+                                         tokenizer_thread=tokenizer_thread)
+    chat = OpenAIServingChat(engine_client, models, lifecycle, log_requests, limits=limits,
+                             tokenizer_thread=tokenizer_thread)
+    tokenization = OpenAIServingTokenization(engine_client, models, lifecycle, limits=limits,
+                                             tokenizer_thread=tokenizer_thread)
 
     app = FastAPI(title="ubatch OpenAI-compatible server", version=package_version())
     app.state.lifecycle, app.state.metrics, app.state.models = lifecycle, metrics, models
-    app.state.engine_client, app.state.limits = engine_client, limits
-    app.add_middleware(ServerGate, lifecycle=lifecycle, api_key=api_key, max_request_bytes=limits.max_request_bytes)
-
-    @app.exception_handler(OpenAIError)
-    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
-        return exc.response()
+    app.state.engine_client, app.state.limits, app.state.tokenization = engine_client, limits, tokenization
+    app.state.left_mid_body = 0  # clients that disconnected before their request's body arrived
+    app.add_middleware(ServerGate, lifecycle=lifecycle, api_key=api_key, max_request_bytes=limits.max_request_bytes,
+                       slots=RequestSlots(limits.limit_concurrency))
+    add_error_handlers(app)
 
     async def create_completion(raw: Request) -> Response:
         return await completion.create_completion(raw)
@@ -115,6 +119,38 @@ def build_app(engine_client: EngineClient, served_model_names: list[str], api_ke
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """Every error the app answers is OpenAI-shaped: its own (``OpenAIError``), Starlette's and FastAPI's (404,
+    405, a schema-declared body's 422 as a 400) and any other exception (500, logged with its traceback). A client
+    that left mid-body is counted (``app.state.left_mid_body``) and logged as one line at DEBUG: nothing to
+    answer."""
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        error = OpenAIError(HTTPStatus(exc.status_code), str(exc.detail), headers=dict(exc.headers or {}))
+        return error.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return OpenAIError(HTTPStatus.BAD_REQUEST, f"Invalid request: {exc.errors()!s:.500}").response()
+
+    @app.exception_handler(ClientLeft)
+    async def client_left(raw: Request, _: ClientLeft) -> Response:
+        app.state.left_mid_body += 1
+        logger.debug("A client of %s left before its request was read", raw.url.path)
+        return Response(status_code=HTTPStatus.BAD_REQUEST)  # no one reads it
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("Request failed", exc_info=exc)
+        return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                           f"Internal error: {type(exc).__name__} (details in the server's log)").response()
 
 
 @functools.cache
@@ -174,16 +210,17 @@ def bind_socket(host: str, port: int) -> socket.socket:
 async def run_server(args: argparse.Namespace, engine_client: EngineClient, *,
                      engine_dead: asyncio.Event | None = None, metrics: ServerMetrics | None = None,
                      sock: socket.socket | None = None,
-                     configure_app: Callable[[FastAPI], None] | None = None, handle_signals: bool = True) -> int:
+                     configure_app: Callable[[FastAPI], None] | None = None, handle_signals: bool = True,
+                     max_logprobs: int = ServerLimits.max_logprobs) -> int:
     """Serve ``engine_client`` with the flags of ``cli_args.add_server_args`` (``args.model`` too) until
     SIGTERM/SIGINT (then drain; returns 0) or the engine dies (returns 1); see ``serve_app``.
     ``configure_app``: adds routes the engine client offers beyond ``EngineClient`` (profiling); they need the
     API key like ``/v1``. ``handle_signals=False``: signals are left alone (an API server of several, which the
-    parent tells to drain)."""
+    parent tells to drain). ``max_logprobs``: ``--max-logprobs``, resolved against the vocabulary."""
     _log_to_stderr()
     app = build_app(engine_client, served_model_names(args), args.api_key, shutdown_timeout_s=args.shutdown_timeout,
                     log_requests=request_logging(args), metrics=metrics,
-                    model_root=str(args.model), limits=server_limits(args))
+                    model_root=str(args.model), limits=server_limits(args, max_logprobs))
     if configure_app is not None:
         configure_app(app)
     sock = sock if sock is not None else bind_socket(args.host, args.port)
@@ -202,9 +239,10 @@ async def serve_app(app: FastAPI, sock: socket.socket, *, engine_dead: asyncio.E
     limits: ServerLimits = app.state.limits
     host, port = sock.getsockname()[:2]
     config = uvicorn.Config(RawSend(app), log_level=log_level, lifespan="off", timeout_graceful_shutdown=10,
-                            access_log=access_log, http=with_header_timeout(limits.header_timeout_s),
+                            access_log=access_log, http=with_header_timeout(limits.header_timeout_s,
+                                                                            limits.body_timeout_s),
                             timeout_keep_alive=int(math.ceil(limits.timeout_keep_alive_s)),
-                            limit_concurrency=limits.limit_concurrency)
+                            limit_concurrency=None)  # the gate limits generation requests (limits.RequestSlots)
     server = DrainingServer(config, lifecycle, handle_signals)
 
     async def exit_when_told() -> None:
@@ -227,6 +265,7 @@ async def serve_app(app: FastAPI, sock: socket.socket, *, engine_dead: asyncio.E
             task.cancel()
         await asyncio.gather(*watchers, return_exceptions=True)
         sock.close()
+        app.state.tokenization.shutdown()  # the tokenizer thread the routes share
     logger.info("Server stopped (exit status %d)", lifecycle.exit_code)
     return lifecycle.exit_code
 

@@ -10,6 +10,8 @@ import os
 from runner.entrypoints.openai.limits import ServerLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+# --max-n's default per engine slot (--max-num-seqs x --data-parallel-size).
+MAX_N_PER_SEQ_SLOT = 4
 
 
 def _port(value: str) -> int:
@@ -63,12 +65,34 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     group.add_argument("--header-timeout", type=_positive_seconds, default=ServerLimits.header_timeout_s,
                        metavar="SECONDS", help="a connection that has not sent a whole request head this long "
                                                f"after connecting is closed (default {ServerLimits.header_timeout_s:g})")
+    group.add_argument("--body-timeout", type=_positive_seconds, default=ServerLimits.body_timeout_s,
+                       metavar="SECONDS", help="a request whose body sends nothing for this long gets 408 and its "
+                                               "connection is closed (nginx's client_body_timeout; default "
+                                               f"{ServerLimits.body_timeout_s:g})")
+    group.add_argument("--body-total-timeout", type=_positive_seconds, default=ServerLimits.body_total_timeout_s,
+                       metavar="SECONDS", help="a request whose whole body has not arrived this long after its "
+                                               "headers gets 408 and its connection is closed (default "
+                                               f"{ServerLimits.body_total_timeout_s:g})")
     group.add_argument("--timeout-keep-alive", type=_positive_seconds, default=ServerLimits.timeout_keep_alive_s,
                        metavar="SECONDS", help="an idle keep-alive connection is closed after this long "
                                                f"(uvicorn's; default {ServerLimits.timeout_keep_alive_s:g})")
     group.add_argument("--limit-concurrency", type=_positive_int, default=ServerLimits.limit_concurrency,
-                       metavar="N", help="open connections and requests at once; more get 503 "
-                                         f"(uvicorn's; default {ServerLimits.limit_concurrency})")
+                       metavar="N", help="generation requests (/v1/..., /tokenize, /detokenize) served at once, "
+                                         "counted once their body has arrived; more get 503 with Retry-After. "
+                                         "/health, /metrics and /version never count (default "
+                                         f"{ServerLimits.limit_concurrency})")
+    group.add_argument("--max-n", type=_positive_int, default=None, metavar="N",
+                       help="the most sequences one request may ask for: n, times the number of prompts of a "
+                            f"completion's prompt list (default {MAX_N_PER_SEQ_SLOT} x --max-num-seqs x "
+                            "--data-parallel-size: four full batches of the engine)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests bring their own chat template (chat_template, or "
+                            "chat_template_kwargs.chat_template); each renders in a child process with a time and "
+                            "size bound. Off: such requests get 400 (vLLM's flag)")
+    group.add_argument("--chat-template-timeout", type=_positive_seconds,
+                       default=ServerLimits.chat_template_timeout_s, metavar="SECONDS",
+                       help="with --trust-request-chat-template, how long a request's template may render before "
+                            f"the request gets 400 (default {ServerLimits.chat_template_timeout_s:g})")
     group.add_argument("--profile-dir", default=None, metavar="DIR",
                        help="enable POST /start_profile and /stop_profile: the server records every rank's "
                             "timeline into a private directory (mode 0700) it creates inside DIR (default: off, "
@@ -108,7 +132,17 @@ def served_model_names(args: argparse.Namespace) -> list[str]:
     return list(args.served_model_name) if args.served_model_name else [str(args.model)]
 
 
-def server_limits(args: argparse.Namespace) -> ServerLimits:
-    """The per-client limits the flags set."""
+def default_max_n(max_num_seqs: int, data_parallel_size: int) -> int:
+    """``--max-n`` when not given: four times the sequences the engine runs in one step."""
+    return MAX_N_PER_SEQ_SLOT * max_num_seqs * data_parallel_size
+
+
+def server_limits(args: argparse.Namespace, max_logprobs: int = ServerLimits.max_logprobs) -> ServerLimits:
+    """The per-client limits the flags set (``max_logprobs``: ``--max-logprobs``, resolved against the
+    vocabulary)."""
     return ServerLimits(max_request_bytes=args.max_request_bytes, header_timeout_s=args.header_timeout,
-                        timeout_keep_alive_s=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency)
+                        body_timeout_s=args.body_timeout, body_total_timeout_s=args.body_total_timeout,
+                        timeout_keep_alive_s=args.timeout_keep_alive, limit_concurrency=args.limit_concurrency,
+                        max_n=args.max_n if args.max_n is not None else ServerLimits.max_n,
+                        max_logprobs=max_logprobs, trust_request_chat_template=args.trust_request_chat_template,
+                        chat_template_timeout_s=args.chat_template_timeout)

@@ -23,9 +23,15 @@ logger = logging.getLogger(__name__)
 ERROR_TYPES = {
     HTTPStatus.BAD_REQUEST: "BadRequestError",
     HTTPStatus.UNAUTHORIZED: "AuthenticationError",
+    HTTPStatus.FORBIDDEN: "PermissionDeniedError",
     HTTPStatus.NOT_FOUND: "NotFoundError",
+    HTTPStatus.METHOD_NOT_ALLOWED: "MethodNotAllowedError",
+    HTTPStatus.REQUEST_TIMEOUT: "RequestTimeoutError",
     HTTPStatus.CONFLICT: "ConflictError",
     HTTPStatus.REQUEST_ENTITY_TOO_LARGE: "RequestTooLargeError",
+    HTTPStatus.UNSUPPORTED_MEDIA_TYPE: "UnsupportedMediaTypeError",
+    HTTPStatus.UNPROCESSABLE_ENTITY: "UnprocessableEntityError",
+    HTTPStatus.TOO_MANY_REQUESTS: "RateLimitError",
     HTTPStatus.INTERNAL_SERVER_ERROR: "InternalServerError",
     HTTPStatus.SERVICE_UNAVAILABLE: "ServiceUnavailableError",
 }
@@ -35,20 +41,22 @@ class OpenAIError(Exception):
     """An error answered to the client: its HTTP status, message and the request field it names (if any)."""
 
     def __init__(self, status: HTTPStatus, message: str, param: str | None = None, *,
-                 retry_after_s: int | None = None) -> None:
+                 retry_after_s: int | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = HTTPStatus(status)
         self.message = message
         self.param = param
-        self.retry_after_s = retry_after_s  # sent as Retry-After (a 503 that will pass)
+        self.headers = dict(headers or {})
+        if retry_after_s is not None:  # a 503 that will pass
+            self.headers["Retry-After"] = str(retry_after_s)
 
     def body(self) -> ErrorResponse:
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=ERROR_TYPES[self.status], param=self.param,
+        kind = ERROR_TYPES.get(self.status, "ServerError" if self.status >= 500 else "BadRequestError")
+        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param,
                                              code=int(self.status)))
 
     def response(self) -> JSONResponse:
-        headers = None if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
-        return JSONResponse(self.body().model_dump(), status_code=int(self.status), headers=headers)
+        return JSONResponse(self.body().model_dump(), status_code=int(self.status), headers=self.headers or None)
 
 
 # Where a failure happened inside the server (``[/pytorch/third_party/gloo/.../pair.cc:534]``, a file path): for
@@ -121,15 +129,22 @@ def _walk(data: Any, path: str) -> None:
 _M = TypeVar("_M", bound=BaseModel)
 
 
-def parse_request(raw: bytes, model: type[_M]) -> _M:
-    """A request body as ``model``: malformed JSON, a body that is not a JSON object, invalid values and
-    unimplemented fields are 400s naming the field. Fields no API defines are ignored with a warning."""
+def load_json(raw: bytes) -> Any:
+    """A request body's JSON. Every way it can fail is a 400: malformed JSON, bytes that are not UTF-8, nesting
+    deeper than the parser's recursion allows, an integer longer than Python converts (4300 digits)."""
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+        return json.loads(raw)
     except RecursionError:
         raise bad_request("The request body nests JSON arrays or objects too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError and the int-conversion limit are ValueErrors
+        raise bad_request(f"The request body is not valid JSON: {exc}") from None
+
+
+def parse_request(raw: bytes, model: type[_M], context: dict[str, Any] | None = None) -> _M:
+    """A request body as ``model``: malformed JSON, a body that is not a JSON object, invalid values and
+    unimplemented fields are 400s naming the field. Fields no API defines are ignored with a warning.
+    ``context``: the server's limits that validators read (``max_logprobs``)."""
+    data = load_json(raw)
     if not isinstance(data, dict):
         raise bad_request(f"The request body must be a JSON object, got {type(data).__name__}")
     check_text(data, raw)
@@ -138,7 +153,7 @@ def parse_request(raw: bytes, model: type[_M]) -> _M:
         if name in data and data[name] not in neutral:
             raise bad_request(f"{name}={data[name]!r} is not supported by this server", name)
     try:
-        parsed = model.model_validate(data)
+        parsed = model.model_validate(data, context=context)
     except ValidationError as exc:
         raise from_validation_error(exc) from None
     except RecursionError:

@@ -5,12 +5,16 @@ Completions (vLLM ``_create_completion_logprobs``): ``tokens``, ``token_logprobs
 by rank, and the sampled token, as OpenAI's legacy API: up to N + 1 entries) and ``text_offset`` (where each
 token starts in the choice's text; a stream continues from the text already sent). Chat (vLLM
 ``_create_chat_logprobs``): ``content: [{token, logprob, bytes, top_logprobs: [{token, logprob, bytes}]}]``,
-``top_logprobs`` the N most likely tokens in rank order. ``-inf`` becomes -9999.0, the number OpenAI uses.
+``top_logprobs`` the N most likely tokens in rank order, ``bytes`` the token's own bytes (OpenAI's meaning): for
+a token that holds part of a UTF-8 character, whose text is U+FFFD, the bytes of its vocabulary entry
+(``token_bytes_fn``). ``-inf`` becomes -9999.0, the number OpenAI uses.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
+from runner.engine.byte_level import byte_level_table
 from runner.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -34,6 +38,37 @@ def token_text_fn(tokenizer: Any) -> Callable[[int, Logprob], str]:
         return f"token_id:{token_id}"
 
     return text
+
+
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback tokens
+
+
+def token_bytes_fn(tokenizer: Any) -> Callable[[int, str], list[int]]:
+    """A token's bytes, from its id and text: the text's UTF-8, unless the text is (or holds) U+FFFD, the
+    decoding of a partial character; then the token's own bytes from the vocabulary (byte-level BPE, or a
+    SentencePiece ``<0xNN>`` byte token), where the tokenizer has them."""
+    table = byte_level_table(tokenizer) if tokenizer is not None else None
+
+    def own_bytes(token_id: int) -> bytes | None:
+        if table is not None:
+            return table.get(token_id)
+        if tokenizer is None:
+            return None
+        match = _BYTE_TOKEN.fullmatch(str(tokenizer.convert_ids_to_tokens(token_id)))
+        return bytes([int(match.group(1), 16)]) if match else None
+
+    def token_bytes(token_id: int, text: str) -> list[int]:
+        if "\ufffd" in text:
+            own = own_bytes(token_id)
+            if own is not None:
+                return list(own)
+        return list(text.encode("utf-8", errors="replace"))
+
+    return token_bytes
+
+
+def _text_bytes(token_id: int, text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
 
 
 def _value(lp: Logprob) -> float:
@@ -72,17 +107,14 @@ def completion_logprobs(token_ids: list[int], steps: SampleLogprobs, num_top: in
 
 
 def chat_logprobs(token_ids: list[int], steps: SampleLogprobs, num_top: int,
-                  text: Callable[[int, Logprob], str]) -> ChatCompletionLogProbs:
+                  text: Callable[[int, Logprob], str],
+                  token_bytes: Callable[[int, str], list[int]] = _text_bytes) -> ChatCompletionLogProbs:
     content = []
     for i, token_id in enumerate(token_ids):
         step = _step_of(steps, i, token_id)
         token = text(token_id, step[token_id])
-        top = [ChatCompletionLogProb(token=(t_text := text(t, lp)), logprob=_value(lp), bytes=_bytes(t_text))
+        top = [ChatCompletionLogProb(token=(t_text := text(t, lp)), logprob=_value(lp), bytes=token_bytes(t, t_text))
                for t, lp in _top(step, num_top)]
-        content.append(ChatCompletionLogProbsContent(token=token, logprob=_value(step[token_id]), bytes=_bytes(token),
-                                                     top_logprobs=top))
+        content.append(ChatCompletionLogProbsContent(token=token, logprob=_value(step[token_id]),
+                                                     bytes=token_bytes(token_id, token), top_logprobs=top))
     return ChatCompletionLogProbs(content=content)
-
-
-def _bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))

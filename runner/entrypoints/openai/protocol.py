@@ -29,12 +29,16 @@ from runner.sampling_params import INT64_MAX, INT64_MIN
 
 # OpenAI's range for chat top_logprobs, and vLLM's default --max-logprobs for completions' logprobs.
 MAX_LOGPROBS = 20
+# vLLM's VLLM_MAX_COMPLETION_PROMPTS default: the most prompts one completion request may list.
+MAX_COMPLETION_PROMPTS = 1024
 
 
-def set_max_logprobs(limit: int) -> None:
-    """``serve --max-logprobs``: the most ``logprobs`` / ``top_logprobs`` a request may ask for."""
-    global MAX_LOGPROBS
-    MAX_LOGPROBS = limit
+def max_logprobs(info: ValidationInfo) -> int:
+    """The most ``logprobs`` / ``top_logprobs`` a request may ask for: the server's ``--max-logprobs``, passed as
+    the validation context (``errors.parse_request``), else vLLM's default."""
+    context = info.context
+    return int(context["max_logprobs"]) if isinstance(context, dict) and "max_logprobs" in context \
+        else MAX_LOGPROBS
 
 
 def random_id(prefix: str) -> str:
@@ -162,8 +166,9 @@ class CompletionRequest(_SamplingFields):
     @field_validator("logprobs", "prompt_logprobs")
     @classmethod
     def _logprobs_range(cls, value: int | None, info: ValidationInfo) -> int | None:
-        if value is not None and not 0 <= value <= MAX_LOGPROBS:
-            raise ValueError(f"{info.field_name} must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+        limit = max_logprobs(info)
+        if value is not None and not 0 <= value <= limit:
+            raise ValueError(f"{info.field_name} must be an integer in [0, {limit}], got {value}")
         return value
 
     @field_validator("prompt", mode="before")
@@ -184,6 +189,9 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must be a non-empty string, a list of token ids, or a non-empty list of "
                              f"strings or of token-id lists; got {_short(value)}")
         prompts = [value] if single else value
+        if len(prompts) > MAX_COMPLETION_PROMPTS:  # vLLM's message and bound
+            raise ValueError(f"prompt list length {len(prompts)} exceeds the maximum allowed count of "
+                             f"{MAX_COMPLETION_PROMPTS}")
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty")
@@ -248,18 +256,20 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: only with --trust-request-chat-template (chat_render.py)
 
     UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {
         **_UNSUPPORTED_COMMON, "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
         "function_call": (None, "none", "auto"), "echo": (None, False), "continue_final_message": (None, False),
-        "chat_template": (None,), "documents": (None,)}
+        "documents": (None,)}
 
     @field_validator("top_logprobs")
     @classmethod
     def _top_logprobs_need_logprobs(cls, value: int | None, info: ValidationInfo) -> int | None:
         if value is not None:
-            if not 0 <= value <= MAX_LOGPROBS:
-                raise ValueError(f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {value}")
+            limit = max_logprobs(info)
+            if not 0 <= value <= limit:
+                raise ValueError(f"top_logprobs must be an integer in [0, {limit}], got {value}")
             if value > 0 and not info.data.get("logprobs"):
                 raise ValueError("top_logprobs needs logprobs set to true")
         return value

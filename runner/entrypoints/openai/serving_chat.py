@@ -14,8 +14,7 @@ from fastapi.responses import Response
 
 from runner.entrypoints.openai.chunk_templates import SlotKind
 from runner.entrypoints.openai.engine_streams import EngineStreams
-from runner.entrypoints.openai.errors import bad_request
-from runner.entrypoints.openai.logprobs import chat_logprobs, token_text_fn
+from runner.entrypoints.openai.logprobs import chat_logprobs, token_bytes_fn, token_text_fn
 from runner.entrypoints.openai.protocol import (
     ChatCompletionLogProbs,
     ChatCompletionRequest,
@@ -45,10 +44,13 @@ LAST_FIELDS: dict[str, SlotKind] = {**TEXT_FIELDS, "finish_reason": "str", "stop
 
 
 class OpenAIServingChat(OpenAIServing):
+    _token_bytes: Callable[[int, str], list[int]] | None = None  # logprobs' bytes (``token_bytes_fn``), made once
+
     async def create_chat_completion(self, raw: Request) -> Response:
         request = await self.read(raw, ChatCompletionRequest)
+        self.check_n(request.n, 1)
         model = self.models.resolve(request.model)
-        prompt = self.check_prompt(await self.off_loop(self._render, request, model), "messages")
+        prompt = self.check_prompt(await self._render(raw, request, model), "messages")
         defaults = self.engine.default_sampling_params()
         max_tokens = resolve_max_tokens(request, len(prompt.token_ids), self.engine.max_model_len, defaults,
                                         "messages")
@@ -69,23 +71,21 @@ class OpenAIServingChat(OpenAIServing):
         return await self.respond(request.stream, streams, choices,
                                   lambda: self._events(streams, choices, request, request_id, model, text), body)
 
-    def _render(self, request: ChatCompletionRequest, model: str) -> EnginePrompt:
-        tokenizer = self.tokenizer()
-        if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-            raise bad_request(f"The model `{model}` has no chat template, so it cannot serve chat completions: use "
-                              "/v1/completions", "model")
-        kwargs = dict(request.chat_template_kwargs or {})
-        try:
-            text = tokenizer.apply_chat_template([m.template_dict() for m in request.messages], **kwargs,
-                                                 add_generation_prompt=request.add_generation_prompt, tokenize=False)
-        except Exception as exc:  # noqa: BLE001  (a template that raises on these messages (jinja's raise_exception, a bad key))
-            raise bad_request(f"The chat template of `{model}` failed on these messages: {exc}", "messages") from None
-        return EnginePrompt(text, self.tokenize(text, "messages", request.add_special_tokens))
+    async def _render(self, raw: Request, request: ChatCompletionRequest, model: str) -> EnginePrompt:
+        kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": request.add_generation_prompt}
+        text = await self.render_chat(raw, model, [m.template_dict() for m in request.messages], kwargs,
+                                      request.chat_template)
+        ids = await self.until_disconnect(raw, self.off_loop(self.tokenize, text, "messages",
+                                                             request.add_special_tokens))
+        return EnginePrompt(text, ids)
 
-    @staticmethod
-    def _logprobs(request: ChatCompletionRequest, text: Callable[[int, Logprob], str], token_ids: list[int],
+    def _logprobs(self, request: ChatCompletionRequest, text: Callable[[int, Logprob], str], token_ids: list[int],
                   steps: list[dict[int, Logprob]]) -> ChatCompletionLogProbs | None:
-        return chat_logprobs(token_ids, steps, request.top_logprobs or 0, text) if request.logprobs else None
+        if not request.logprobs:
+            return None
+        if self._token_bytes is None:
+            self._token_bytes = token_bytes_fn(self.tokenizer())
+        return chat_logprobs(token_ids, steps, request.top_logprobs or 0, text, self._token_bytes)
 
     async def _events(self, streams: EngineStreams, choices: Choices, request: ChatCompletionRequest,
                       request_id: str, model: str, text: Callable[[int, Logprob], str]) -> AsyncGenerator[str, None]:

@@ -42,10 +42,12 @@ class OpenAIServingCompletion(OpenAIServing):
         echo_only = request.echo and request.max_tokens == 0
         if wants_prompt(request):  # echo / prompt_logprobs: echo.py answers
             request = check_echo_request(request)
-        model = self.models.resolve(request.model)
         raw_prompts = request.prompts()
+        self.check_n(request.n, len(raw_prompts))
+        model = self.models.resolve(request.model)
         names = ["prompt"] if len(raw_prompts) == 1 else [f"prompt[{i}]" for i in range(len(raw_prompts))]
-        prompts = [await self.off_loop(self._prompt, p, name, request, model) if isinstance(p, str)
+        prompts = [await self.until_disconnect(raw, self.off_loop(self._prompt, p, name, request, model))
+                   if isinstance(p, str)
                    else self._prompt(p, name, request, model) for p, name in zip(raw_prompts, names)]
         defaults = self.engine.default_sampling_params()
         params = [build_sampling_params(request, resolve_max_tokens(request, len(p.token_ids),

@@ -3,10 +3,12 @@ tokenization, the checks a prompt must pass before any engine sees it, starting 
 accumulated choices, and the mapping of engine failures to HTTP statuses.
 
 Order of checks, so that nothing reaches the engine unless the whole request is valid: body and fields (400),
-model (404), prompts (tokenized here, in one tokenizer thread off the event loop, so a long prompt or chat
-template delays no other request's stream nor ``/health``; one thread, as vLLM does, because a tokenizer is not
-safe to use from several at once), token ids in the vocabulary and prompt + max_tokens within ``max_model_len``
-(400), sampling values (400), then admission (503 draining / 500 dead) and the engine.
+``n`` times the prompts within ``--max-n`` (400), model (404), prompts (tokenized here, in one tokenizer thread
+off the event loop, so a long prompt or chat template delays no other request's stream nor ``/health``; one
+thread, as vLLM does, because a tokenizer is not safe to use from several at once; a request's own chat template
+renders in a child process, ``chat_render``), token ids in the vocabulary and prompt + max_tokens within
+``max_model_len`` (400), sampling values (400), then admission (503 draining / 500 dead) and the engine. A client
+that disconnects while its prompt is rendered or tokenized ends its request there (``until_disconnect``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, AsyncGenerator, Callable, TypeVar
+from typing import Any, AsyncGenerator, Awaitable, Callable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -28,11 +30,12 @@ from runner.engine.protocol import (
     EngineShuttingDownError,
     RequestError,
 )
+from runner.entrypoints.openai.chat_render import refuse_untrusted, render_in_child, request_template_field
 from runner.entrypoints.openai.chunk_templates import ChunkTemplate, SlotKind
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request, redact
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
-from runner.entrypoints.openai.limits import read_body
+from runner.entrypoints.openai.limits import ClientLeft, ServerLimits, read_body
 from runner.entrypoints.openai.prompt_bounds import check_prompt_chars, max_prompt_chars, release_memory_after
 from runner.entrypoints.openai.protocol import UsageInfo
 from runner.entrypoints.openai.serving_models import ServingModels
@@ -105,30 +108,58 @@ class Choices:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
+def _apply_template(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any], max_chars: int,
+                    param: str, described: str) -> str:
+    try:
+        text = tokenizer.apply_chat_template(messages, **kwargs, tokenize=False)
+    except Exception as exc:  # noqa: BLE001  (a template that raises on these messages (jinja's raise_exception, a bad key))
+        raise bad_request(f"The chat template of {described[0].lower()}{described[1:]} failed on these messages: "
+                          f"{exc}", param) from None
+    check_prompt_chars(text, max_chars, param)
+    return text
+
+
+async def _disconnected(raw: Request) -> None:
+    """Returns once the client of ``raw`` (whose body was read) has disconnected."""
+    while (await raw.receive())["type"] != "http.disconnect":
+        pass
+
+
 class OpenAIServing:
     def __init__(self, engine: EngineClient, models: ServingModels, lifecycle: ServerLifecycle,
-                 log_requests: bool = False, *, max_request_bytes: int = 8 << 20,
+                 log_requests: bool = False, *, limits: ServerLimits = ServerLimits(),
                  tokenizer_thread: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.models = models
         self.lifecycle = lifecycle
         self.log_requests = log_requests
-        self.max_request_bytes = max_request_bytes
+        self.limits = limits
         self.tokenizer_thread = tokenizer_thread or ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._max_prompt_chars: int | None = None
         self._chunk_templates: dict[tuple[str, ...], ChunkTemplate] = {}
 
     # ---- input ------------------------------------------------------------------------------------------
     async def read(self, raw: Request, model: type[_M]) -> _M:
-        return parse_request(await read_body(raw, self.max_request_bytes), model)
+        body = await read_body(raw.receive, self.limits.max_request_bytes, self.limits)
+        return parse_request(body, model, {"max_logprobs": self.limits.max_logprobs})
+
+    def check_n(self, n: int, num_prompts: int) -> None:
+        """``n`` samples of each of ``num_prompts`` prompts: at most ``--max-n`` sequences per request."""
+        limit = self.limits.max_n
+        if n * num_prompts > limit:
+            what = f"n={n}" if num_prompts == 1 else f"n={n} samples of each of {num_prompts} prompts"
+            raise bad_request(f"{what} asks for {n * num_prompts} sequences, more than this server's limit of "
+                              f"{limit} per request (--max-n)", "n")
+
+    def max_prompt_chars(self) -> int:
+        if self._max_prompt_chars is None:
+            self._max_prompt_chars = max_prompt_chars(self.tokenizer(), self.engine.max_model_len)
+        return self._max_prompt_chars
 
     def tokenize(self, text: str, param: str, add_special_tokens: bool) -> list[int]:
         """``text``'s token ids (in the tokenizer thread); a text too long to fit is refused before tokenizing."""
-        tokenizer = self.tokenizer()
-        if self._max_prompt_chars is None:
-            self._max_prompt_chars = max_prompt_chars(tokenizer, self.engine.max_model_len)
-        check_prompt_chars(text, self._max_prompt_chars, param)
-        ids = tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+        check_prompt_chars(text, self.max_prompt_chars(), param)
+        ids = self.tokenizer()(text, add_special_tokens=add_special_tokens)["input_ids"]
         release_memory_after(text)
         return ids
 
@@ -136,8 +167,54 @@ class OpenAIServing:
         """``fn(*args)`` in the tokenizer thread (tokenization, chat templates)."""
         return await asyncio.get_running_loop().run_in_executor(self.tokenizer_thread, fn, *args)
 
+    async def until_disconnect(self, raw: Request, work: Awaitable[_R]) -> _R:
+        """``work``'s result, unless the client disconnects first: then ``work`` is cancelled (a render's child
+        is killed; a tokenization already in the thread runs out, bounded by the prompt's length) and
+        ``ClientLeft`` raised."""
+        task = asyncio.ensure_future(work)
+        watch = asyncio.ensure_future(_disconnected(raw))
+        try:
+            await asyncio.wait((task, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for pending in (task, watch):
+                if not pending.done():
+                    pending.cancel()
+            await asyncio.gather(task, watch, return_exceptions=True)
+        if not task.cancelled() and task.exception() is None:
+            return task.result()
+        if watch.done() and not watch.cancelled():
+            raise ClientLeft()
+        return task.result()  # raises the work's error
+
+    async def render_chat(self, raw: Request, model: str, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+                          top_level_template: str | None, param: str = "messages") -> str:
+        """The chat template applied to ``messages`` (``kwargs``: the template's variables and
+        ``add_generation_prompt`` / ``continue_final_message``): the checkpoint's template in the tokenizer
+        thread, a request's own (``chat_template``, or inside ``chat_template_kwargs``) in a child process with
+        ``--trust-request-chat-template`` only."""
+        tokenizer = self.tokenizer()
+        field = request_template_field(top_level_template, kwargs)
+        if field is not None and not self.limits.trust_request_chat_template:
+            raise refuse_untrusted(field)
+        if field is None and (tokenizer is None or getattr(tokenizer, "chat_template", None) is None):
+            raise bad_request(f"{self.models.described(model)} has no chat template, so it cannot serve chat "
+                              "completions: use /v1/completions", "model")
+        if top_level_template is not None:
+            kwargs = {**kwargs, "chat_template": top_level_template}
+        if field is not None:
+            return await self.until_disconnect(raw, render_in_child(
+                tokenizer, messages, kwargs, field=field, timeout_s=self.limits.chat_template_timeout_s,
+                max_chars=self.max_prompt_chars()))
+        return await self.until_disconnect(raw, self.off_loop(_apply_template, tokenizer, messages, kwargs,
+                                                              self.max_prompt_chars(), param,
+                                                              self.models.described(model)))
+
     def tokenizer(self) -> Any:
         return self.engine.get_tokenizer()
+
+    def shutdown(self) -> None:
+        """Stop the tokenizer thread (what it runs now finishes; nothing queued starts)."""
+        self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     def check_prompt(self, prompt: EnginePrompt, param: str) -> EnginePrompt:
         if not prompt.token_ids:

@@ -1,6 +1,7 @@
 """The names the model is served under (``--served-model-name``; vLLM's ``OpenAIServingModels``): ``GET /v1/models``
 lists them, and a request naming any other model is a 404 naming it. A request that names no model gets the
-first name, as in vLLM."""
+first name, as in vLLM. Error bodies name the model by its served name, never by the path the server loaded it
+from (``described``): without ``--served-model-name`` the only name is that path, and errors say "this model"."""
 from __future__ import annotations
 
 from http import HTTPStatus
@@ -23,9 +24,15 @@ class ServingModels:
         if requested is None:
             return self.names[0]
         if requested not in self.names:
-            raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist. This server serves: "
-                                                    f"{', '.join(self.names)}", "model")
+            public = [n for n in self.names if n != self.root]
+            serves = f"This server serves: {', '.join(public)}" if public else "GET /v1/models lists the served models"
+            raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist. {serves}", "model")
         return requested
+
+    def described(self, name: str) -> str:
+        """How an error body names served model ``name``: "The model `name`", or "This model" for the path the
+        model was loaded from."""
+        return "This model" if name == self.root else f"The model `{name}`"
 
     def list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=self.root, max_model_len=self.max_model_len)

@@ -17,7 +17,9 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, Field
 
 from runner.entrypoints.openai.errors import bad_request, parse_request
+from runner.entrypoints.openai.limits import read_body
 from runner.entrypoints.openai.protocol import ChatMessageParam, _Strict
+from runner.entrypoints.openai.serving_engine import OpenAIServing
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -35,6 +37,7 @@ class TokenizeChatRequest(_Strict):
     add_special_tokens: bool = False
     return_token_strs: bool | None = False
     chat_template_kwargs: dict[str, Any] | None = None
+    chat_template: str | None = None  # vLLM's: only with --trust-request-chat-template (chat_render.py)
 
 
 class TokenizeResponse(BaseModel):
@@ -53,63 +56,74 @@ class DetokenizeResponse(BaseModel):
     prompt: str
 
 
-def _tokenizer(app: FastAPI, model: str) -> Any:
-    tokenizer = app.state.engine_client.get_tokenizer()
-    if tokenizer is None:
-        raise bad_request(f"The model `{model}` is served without a tokenizer", "model")
-    return tokenizer
+class OpenAIServingTokenization(OpenAIServing):
+    """The two routes' work, with the bounds of the generation routes: the body limits, a prompt or rendered
+    conversation no longer than ``max_model_len`` could hold (400 before tokenizing), at most ``max_model_len``
+    token ids to detokenize, a request's own chat template only with ``--trust-request-chat-template``, and
+    tokenizing in the tokenizer thread, which a client disconnect stops waiting for."""
 
+    def _checked_tokenizer(self, model: str) -> Any:
+        tokenizer = self.tokenizer()
+        if tokenizer is None:
+            raise bad_request(f"{self.models.described(model)} is served without a tokenizer", "model")
+        return tokenizer
 
-def _chat_ids(tokenizer: Any, request: TokenizeChatRequest, model: str) -> list[int]:
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise bad_request(f"The model `{model}` has no chat template: tokenize a prompt instead", "messages")
-    if request.continue_final_message and request.add_generation_prompt:
-        raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
-                          "continue_final_message")
-    try:
-        text = tokenizer.apply_chat_template([m.template_dict() for m in request.messages],
-                                             **(request.chat_template_kwargs or {}), tokenize=False,
-                                             add_generation_prompt=request.add_generation_prompt,
-                                             continue_final_message=request.continue_final_message)
-    except Exception as exc:  # noqa: BLE001  (a template that raises on these messages)
-        raise bad_request(f"The chat template of `{model}` failed on these messages: {exc}", "messages") from None
-    return list(tokenizer(text, add_special_tokens=request.add_special_tokens)["input_ids"])
+    async def tokenize_route(self, raw: Request) -> JSONResponse:
+        body = await read_body(raw.receive, self.limits.max_request_bytes, self.limits)
+        request: TokenizeChatRequest | TokenizeCompletionRequest = parse_request(body, TokenizeChatRequest) \
+            if _has_messages(body) else parse_request(body, TokenizeCompletionRequest)
+        model = self.models.resolve(request.model)
+        tokenizer = self._checked_tokenizer(model)
+        if isinstance(request, TokenizeChatRequest):
+            if request.continue_final_message and request.add_generation_prompt:
+                raise bad_request("continue_final_message and add_generation_prompt cannot both be true",
+                                  "continue_final_message")
+            kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": request.add_generation_prompt,
+                      "continue_final_message": request.continue_final_message}
+            text = await self.render_chat(raw, model, [m.template_dict() for m in request.messages], kwargs,
+                                          request.chat_template)
+            param = "messages"
+        else:
+            text, param = request.prompt, "prompt"
+        ids = await self.until_disconnect(raw, self.off_loop(self.tokenize, text, param,
+                                                             request.add_special_tokens))
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len,
+                                             tokens=list(ids), token_strs=strs).model_dump())
+
+    async def detokenize_route(self, raw: Request) -> JSONResponse:
+        body = await read_body(raw.receive, self.limits.max_request_bytes, self.limits)
+        request = parse_request(body, DetokenizeRequest)
+        model = self.models.resolve(request.model)
+        tokenizer = self._checked_tokenizer(model)
+        vocab, limit = self.engine.vocab_size, self.engine.max_model_len
+        if len(request.tokens) > limit:
+            raise bad_request(f"tokens has {len(request.tokens)} token ids, more than this model's maximum context "
+                              f"length of {limit}", "tokens")
+        bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"tokens has token id {bad}, outside the model's vocabulary [0, {vocab})", "tokens")
+        text = await self.until_disconnect(raw, self.off_loop(tokenizer.decode, request.tokens))
+        return JSONResponse(DetokenizeResponse(prompt=text).model_dump())
 
 
 def _has_messages(body: bytes) -> bool:
     """Whether the body is the conversation form (a malformed body is left to ``parse_request`` to name)."""
     try:
         data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError):
+    except (ValueError, RecursionError):
         return False
     return isinstance(data, dict) and "messages" in data
 
 
 def add_tokenization_routes(app: FastAPI) -> None:
-    """The two routes, over ``app.state.engine_client`` and ``app.state.models`` (``build_app``'s)."""
+    """The two routes, over ``app.state.tokenization`` (``build_app``'s)."""
+    serving: OpenAIServingTokenization = app.state.tokenization
 
     @app.post("/tokenize")
     async def tokenize(raw: Request) -> JSONResponse:
-        body = await raw.body()
-        chat: TokenizeChatRequest | TokenizeCompletionRequest = parse_request(body, TokenizeChatRequest) \
-            if _has_messages(body) else parse_request(body, TokenizeCompletionRequest)
-        model = app.state.models.resolve(chat.model)
-        tokenizer = _tokenizer(app, model)
-        if isinstance(chat, TokenizeChatRequest):
-            ids = _chat_ids(tokenizer, chat, model)
-        else:
-            ids = list(tokenizer(chat.prompt, add_special_tokens=chat.add_special_tokens)["input_ids"])
-        strs = tokenizer.convert_ids_to_tokens(ids) if chat.return_token_strs else None
-        return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=app.state.engine_client.max_model_len,
-                                             tokens=ids, token_strs=strs).model_dump())
+        return await serving.tokenize_route(raw)
 
     @app.post("/detokenize")
     async def detokenize(raw: Request) -> JSONResponse:
-        request = parse_request(await raw.body(), DetokenizeRequest)
-        model = app.state.models.resolve(request.model)
-        tokenizer = _tokenizer(app, model)
-        vocab = app.state.engine_client.vocab_size
-        bad = next((t for t in request.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"tokens has token id {bad}, outside the model's vocabulary [0, {vocab})", "tokens")
-        return JSONResponse(DetokenizeResponse(prompt=tokenizer.decode(request.tokens)).model_dump())
+        return await serving.detokenize_route(raw)
