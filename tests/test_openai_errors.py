@@ -44,7 +44,7 @@ def check_error(server: ServerThread, path: str, body: dict | bytes, status: int
 
 
 @pytest.mark.parametrize("body, param, text", [
-    ({**COMPLETION, "temperature": 5}, "temperature", "temperature"),
+    ({**COMPLETION, "temperature": -0.5}, "temperature", "temperature"),
     ({**COMPLETION, "temperature": "hot"}, "temperature", "'hot'"),
     ({**COMPLETION, "top_p": 0}, "top_p", "top_p"),
     ({**COMPLETION, "top_k": -5}, "top_k", "-5"),

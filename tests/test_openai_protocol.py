@@ -123,7 +123,7 @@ def test_sampling_errors_name_the_request_field() -> None:
         return info.value.param
 
     chat = {"messages": [{"role": "user", "content": "hi"}]}
-    assert field_of(CompletionRequest, {"prompt": "x", "temperature": 3}) == "temperature"
+    assert field_of(CompletionRequest, {"prompt": "x", "temperature": -1}) == "temperature"
     assert field_of(CompletionRequest, {"prompt": "x", "top_p": 0}) == "top_p"
     assert field_of(CompletionRequest, {"prompt": "x", "n": 0}) == "n"
     assert field_of(CompletionRequest, {"prompt": "x", "n": 2, "temperature": 0}) == "n"

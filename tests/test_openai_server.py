@@ -239,13 +239,14 @@ def test_api_key() -> None:
 
 
 def test_inference_routes_methods_and_schema(server: ServerThread) -> None:
-    """The inference routes (Starlette's, ahead of FastAPI's declarations) answer only POST, with FastAPI's 405,
-    and the OpenAPI schema still lists them."""
+    """The inference routes (Starlette's, ahead of FastAPI's declarations) answer only POST, with a 405 in
+    OpenAI's error shape, and the OpenAPI schema still lists them."""
     with server.http() as http:
         for path in ("/v1/completions", "/v1/chat/completions"):
             for method in ("GET", "PUT", "DELETE"):
                 r = http.request(method, path)
-                assert (r.status_code, r.headers["allow"], r.json()) == (405, "POST", {"detail": "Method Not Allowed"})
+                assert (r.status_code, r.headers["allow"], r.json()) == (405, "POST", {"error": {
+                    "message": "Method Not Allowed", "type": "MethodNotAllowedError", "param": None, "code": 405}})
         paths = http.get("/openapi.json").json()["paths"]
         assert {"/v1/completions", "/v1/chat/completions"} <= set(paths)
         assert list(paths["/v1/completions"]) == ["post"] and list(paths["/v1/chat/completions"]) == ["post"]

@@ -18,13 +18,14 @@ class ServingModels:
         self.names = list(served_model_names)
         self.max_model_len = max_model_len
         self.root = root if root is not None else served_model_names[0]
+        self.path = root  # where the model was loaded from, which no error body names
 
     def resolve(self, requested: str | None) -> str:
         """The name to answer under; 404 for a model this server does not serve."""
         if requested is None:
             return self.names[0]
         if requested not in self.names:
-            public = [n for n in self.names if n != self.root]
+            public = [n for n in self.names if n != self.path]
             serves = f"This server serves: {', '.join(public)}" if public else "GET /v1/models lists the served models"
             raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist. {serves}", "model")
         return requested
@@ -32,7 +33,7 @@ class ServingModels:
     def described(self, name: str) -> str:
         """How an error body names served model ``name``: "The model `name`", or "This model" for the path the
         model was loaded from."""
-        return "This model" if name == self.root else f"The model `{name}`"
+        return "This model" if name == self.path else f"The model `{name}`"
 
     def list(self) -> ModelList:
         return ModelList(data=[ModelCard(id=name, root=self.root, max_model_len=self.max_model_len)
