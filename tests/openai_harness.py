@@ -13,6 +13,7 @@ import httpx
 import openai
 
 from runner.entrypoints.openai.api_server import bind_socket, build_app, serve_app
+from runner.entrypoints.openai.limits import ServerLimits
 from runner.entrypoints.openai.metrics import ServerMetrics
 from tests.fake_engine_client import FakeEngineClient
 
@@ -24,12 +25,13 @@ _T = TypeVar("_T")
 
 class ServerThread:
     def __init__(self, engine: FakeEngineClient | None = None, *, names: tuple[str, ...] = (MODEL,),
-                 api_key: str | None = None, shutdown_timeout_s: float = 5.0, with_dead_event: bool = True) -> None:
+                 api_key: str | None = None, shutdown_timeout_s: float = 5.0, with_dead_event: bool = True,
+                 limits: ServerLimits = ServerLimits()) -> None:
         self.engine = engine if engine is not None else FakeEngineClient()
         self.metrics = ServerMetrics(names[0], self.engine.max_model_len)
         self.engine.metrics = self.metrics
         self.app = build_app(self.engine, list(names), api_key, shutdown_timeout_s=shutdown_timeout_s,
-                             log_requests=False, metrics=self.metrics)
+                             log_requests=False, metrics=self.metrics, limits=limits)
         self.api_key = api_key
         self.sock: socket.socket = bind_socket("127.0.0.1", 0)
         self.port: int = self.sock.getsockname()[1]

@@ -13,6 +13,7 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
 import threading
 import time
@@ -26,6 +27,8 @@ import pytest
 from runner import LLM, SamplingParams
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
 from runner.entrypoints.openai.errors import redact
+from runner.entrypoints.openai.limits import ServerLimits
+from runner.entrypoints.openai.tokenization import add_tokenization_routes
 from tests.fake_engine_client import FakeEngineClient
 from tests.openai_harness import MODEL, ServerThread
 from tiny_checkpoint import TinyCheckpoint
@@ -33,7 +36,15 @@ from tiny_checkpoint import TinyCheckpoint
 pytestmark = pytest.mark.slow
 KEY = "test-key"
 ENGINE = "--device cpu --max-num-seqs 8 --dist-timeout-s 30"
-LIMITS = f"--api-key {KEY} --max-request-bytes 4000000 --header-timeout 1"
+LIMITS = f"--api-key {KEY} --max-request-bytes 4000000 --header-timeout 1 --body-timeout 1 --body-total-timeout 3 " \
+         "--limit-concurrency 16"
+MAX_N = 4 * 8  # --max-n's default: 4 x --max-num-seqs
+MAX_MODEL_LEN = 512  # the tiny checkpoint's
+CHAT_MESSAGES = [{"role": "user", "content": "hello"}]
+PLAIN_TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
+HUGE_TEMPLATE = "{{ 'a' * 30000000 }}"
+ENDLESS_TEMPLATE = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+INT_5000_DIGITS = b"1" + b"0" * 5000
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BIG = 2 ** 64
 
@@ -64,6 +75,38 @@ HOSTILE: list[tuple[str, str, Any, int, str | None]] = [
     ("a prompt too long to fit, refused before tokenizing", "/v1/completions",
      {"prompt": "The quick brown fox. " * 150_000}, 400, "prompt"),
     ("logprobs beyond the vocabulary", "/v1/completions", {"prompt": "hi", "logprobs": BIG}, 400, "logprobs"),
+    # a request's own chat template, without --trust-request-chat-template
+    ("a chat template in chat_template_kwargs", "/v1/chat/completions",
+     {"messages": CHAT_MESSAGES, "chat_template_kwargs": {"chat_template": PLAIN_TEMPLATE}}, 400,
+     "chat_template_kwargs.chat_template"),
+    ("a top-level chat template", "/v1/chat/completions", {"messages": CHAT_MESSAGES, "chat_template": HUGE_TEMPLATE},
+     400, "chat_template"),
+    ("a chat template in /tokenize's chat_template_kwargs", "/tokenize",
+     {"messages": CHAT_MESSAGES, "chat_template_kwargs": {"chat_template": HUGE_TEMPLATE}}, 400,
+     "chat_template_kwargs.chat_template"),
+    ("a top-level chat template on /tokenize", "/tokenize", {"messages": CHAT_MESSAGES, "chat_template": PLAIN_TEMPLATE},
+     400, "chat_template"),
+    # n and prompts x n
+    ("n far beyond --max-n", "/v1/completions", {"prompt": "hi", "n": 200_000, "temperature": 1.0}, 400, "n"),
+    ("n on a chat beyond --max-n", "/v1/chat/completions",
+     {"messages": CHAT_MESSAGES, "n": MAX_N + 1, "temperature": 1.0}, 400, "n"),
+    ("prompts x n beyond --max-n", "/v1/completions", {"prompt": ["a b"] * 8, "n": 8, "temperature": 1.0}, 400, "n"),
+    ("more prompts than vLLM's 1024", "/v1/completions", {"prompt": ["a"] * 1025}, 400, "prompt"),
+    # /tokenize and /detokenize have the completions' bounds
+    ("/tokenize of a prompt too long to fit", "/tokenize", {"prompt": "The quick brown fox. " * 150_000}, 400,
+     "prompt"),
+    ("/detokenize of more ids than a context holds", "/detokenize", {"tokens": [5] * (MAX_MODEL_LEN + 1)}, 400,
+     "tokens"),
+    ("/tokenize of a body over --max-request-bytes", "/tokenize", {"prompt": "z " * 2_500_000}, 413, None),
+    # integers Python will not convert
+    ("a JSON integer over 4300 digits", "/v1/completions", b'{"prompt": "hi", "max_tokens": ' + INT_5000_DIGITS + b"}",
+     400, None),
+    ("a JSON integer over 4300 digits on /tokenize", "/tokenize",
+     b'{"messages": [], "add_special_tokens": ' + INT_5000_DIGITS + b"}", 400, None),
+    ("a JSON integer over 4300 digits on /detokenize", "/detokenize", b'{"tokens": [' + INT_5000_DIGITS + b"]}", 400,
+     None),
+    # the model path in no error body
+    ("a model this server does not serve", "/v1/completions", {"prompt": "hi", "model": "other"}, 404, "model"),
 ]
 
 
@@ -131,6 +174,7 @@ def test_every_hostile_request_is_a_4xx_naming_its_field_and_the_server_goes_on(
         if param is not None:
             assert err["param"] == param, (name, err)
         assert not re.search(r"(^|\s)/\w+/", err["message"]), (name, err["message"])  # no paths in error bodies
+        assert model not in resp.text, (name, resp.text[:300])  # not even the served path
         assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200, name
     assert_still_serving(server, offline, model)
     m = wait_idle(server)
@@ -291,3 +335,286 @@ def test_non_finite_logits_end_only_their_request(tiny_chat_checkpoint: TinyChec
         assert [o.outputs[0].token_ids for o in again] == want
     finally:
         llm.close()
+
+
+# ---- the second round (issue 49): templates, bodies, shapes, limits ----------------------------------------------
+def host_port(srv: ServerProcess) -> tuple[str, int]:
+    host, port = srv.base_url.removeprefix("http://").split(":")
+    return host, int(port)
+
+
+def request_head(path: str, length: int, content_type: str = "application/json") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\nContent-Type: {content_type}\r\n"
+            f"Content-Length: {length}\r\n\r\n").encode()
+
+
+def read_response(sock: socket.socket) -> tuple[int, dict[str, Any]]:
+    """The status and JSON body of one response on ``sock`` (which the server may close after it)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the server closed the connection before answering: {data!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, "the server closed the connection mid-response"
+        body += chunk
+    return int(head.split()[1]), json.loads(body[:length])
+
+
+def assert_openai_error(status: int, body: dict[str, Any], want: int) -> dict[str, Any]:
+    assert status == want, body
+    err = body["error"]
+    assert err["code"] == want and err["message"] and err["type"], body
+    return err
+
+
+def test_posts_need_json_and_every_error_is_openai_shaped(server: ServerProcess) -> None:
+    """415 for a body that is not application/json (vLLM's check: a web page cannot send a cross-site "simple"
+    request); 404 and 405 in OpenAI's shape."""
+    url = server.base_url
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"):
+        for headers in ({"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"}, {}):
+            r = httpx.post(url + path, content=b'{"prompt": "hi"}', headers={**AUTH, **headers}, timeout=30)
+            assert_openai_error(r.status_code, r.json(), 415)
+    r = httpx.get(f"{url}/nowhere", headers=AUTH, timeout=30)
+    assert assert_openai_error(r.status_code, r.json(), 404)["type"] == "NotFoundError"
+    r = httpx.get(f"{url}/v1/completions", headers=AUTH, timeout=30)
+    assert assert_openai_error(r.status_code, r.json(), 405)["message"] == "Method Not Allowed"
+    assert httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={
+        **AUTH, "Content-Type": "application/json; charset=utf-8"}, timeout=60).status_code == 200
+
+
+def test_slow_bodies_get_408_and_stalled_connections_do_not_block_health(
+        server: ServerProcess, offline: LLM, tiny_chat_checkpoint: TinyCheckpoint) -> None:
+    """A body that stops (--body-timeout 1) or trickles (--body-total-timeout 3) gets 408 and its connection is
+    closed; 40 stalled bodies, more than --limit-concurrency 16, leave /health and completions answering."""
+    addr = host_port(server)
+    with socket.create_connection(addr, timeout=30) as stalled:
+        stalled.sendall(request_head("/v1/completions", 100) + b'{"prompt"')
+        status, body = read_response(stalled)
+        assert "--body-timeout" in assert_openai_error(status, body, 408)["message"]
+        assert stalled.recv(1024) == b""  # closed after the answer
+    with socket.create_connection(addr, timeout=30) as trickle:
+        trickle.sendall(request_head("/v1/completions", 100))
+        answer: list[tuple[int, dict[str, Any]]] = []
+        reader = threading.Thread(target=lambda: answer.append(read_response(trickle)))
+        reader.start()
+        for _ in range(60):  # a byte every 0.2 s: never 1 s apart, but 3 s in all
+            if answer or not reader.is_alive():
+                break
+            try:
+                trickle.sendall(b" ")
+            except OSError:
+                break
+            time.sleep(0.2)
+        reader.join(30)
+        assert answer, "no answer to a trickling body"
+        assert "--body-total-timeout" in assert_openai_error(*answer[0], 408)["message"]
+    stalls = [socket.create_connection(addr, timeout=30) for _ in range(40)]
+    try:
+        for sock in stalls:
+            sock.sendall(request_head("/v1/completions", 1000) + b"{")
+        assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+        assert_still_serving(server, offline, str(tiny_chat_checkpoint.path))
+    finally:
+        for sock in stalls:
+            sock.close()
+
+
+def test_clients_leaving_mid_body_log_no_traceback(server: ServerProcess) -> None:
+    addr = host_port(server)
+    for _ in range(20):
+        with socket.create_connection(addr, timeout=30) as sock:
+            sock.sendall(request_head("/v1/completions", 1000) + b'{"prompt": ')
+            time.sleep(0.05)  # the route is reading the body when the client leaves
+    assert httpx.get(f"{server.base_url}/health", timeout=30).status_code == 200
+    log = server.log_tail(2000)
+    assert "Traceback" not in log and "ClientDisconnect" not in log, log[-3000:]
+
+
+def test_an_early_413_is_read_by_the_client_sending_its_body(server: ServerProcess) -> None:
+    """A 10 MB body over --max-request-bytes, sent over 3 s (past the 1 s --header-timeout): the server answers
+    413 at once, reads and drops the rest, and the client reads the 413 instead of a reset."""
+    chunk = b"x" * (1 << 20)
+    with socket.create_connection(host_port(server), timeout=30) as sock:
+        sock.sendall(request_head("/v1/completions", 10 * len(chunk)))
+        for _ in range(10):
+            sock.sendall(chunk)
+            time.sleep(0.3)
+        status, body = read_response(sock)
+    assert "--max-request-bytes" in assert_openai_error(status, body, 413)["message"]
+
+
+def test_vllm_sampling_and_logprob_bytes(server: ServerProcess, tiny_chat_checkpoint: TinyCheckpoint,
+                                         offline: LLM) -> None:
+    """temperature 3.0 is accepted (vLLM takes any >= 0), offline too; a sampled token that is one byte of a
+    UTF-8 character has that byte as its logprob ``bytes``, not U+FFFD's."""
+    model = str(tiny_chat_checkpoint.path)
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": model, "messages": CHAT_MESSAGES, "temperature": 3.0, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert SamplingParams(temperature=3.0).temperature == 3.0
+    byte_token = offline.get_tokenizer().convert_tokens_to_ids("\u00e2")  # byte 0xE2, GPT-2's byte alphabet
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", headers=AUTH, timeout=60, json={
+        "model": model, "messages": CHAT_MESSAGES, "temperature": 0, "max_tokens": 1, "logprobs": True,
+        "logit_bias": {str(byte_token): 100}, "return_token_ids": True})
+    choice = r.json()["choices"][0]
+    assert choice["token_ids"] == [byte_token]
+    (entry,) = choice["logprobs"]["content"]
+    assert (entry["token"], entry["bytes"]) == ("\ufffd", [0xE2])
+
+
+def test_offline_max_tokens_past_the_context_stops_at_it(offline: LLM) -> None:
+    """vLLM's LLM: max_tokens beyond max_model_len is no error; generation stops where the context ends."""
+    prompt = "The quick brown fox"
+    (out,) = offline.generate([prompt], SamplingParams(temperature=0, max_tokens=10**9, ignore_eos=True),
+                              use_tqdm=False)
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == MAX_MODEL_LEN
+    assert out.outputs[0].finish_reason == "length"
+
+
+def test_generation_routes_at_their_limit_leave_health_and_metrics_answering() -> None:
+    """--limit-concurrency 2 with two streams running: a third generation request gets an OpenAI-shaped 503 with
+    Retry-After, /health, /metrics and /version answer, and the slots come back when the streams end."""
+    limits = ServerLimits(limit_concurrency=2)
+    srv = ServerThread(FakeEngineClient(token_delay_s=0.05), limits=limits)
+    add_tokenization_routes(srv.app)
+    with srv:
+        async def run() -> None:
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as h:
+                body = {"model": MODEL, "prompt": "hi", "max_tokens": 100, "stream": True}
+                async with h.stream("POST", "/v1/completions", json=body) as one, \
+                        h.stream("POST", "/v1/completions", json=body) as two:
+                    assert one.status_code == two.status_code == 200
+                    third = await h.post("/tokenize", json={"prompt": "hi"})
+                    assert_openai_error(third.status_code, third.json(), 503)
+                    assert third.headers["Retry-After"] == "1"
+                    for path in ("/health", "/metrics", "/version"):
+                        assert (await h.get(path)).status_code == 200
+                assert (await h.post("/tokenize", json={"prompt": "hi"})).status_code == 200
+
+        asyncio.run(run())
+
+
+def test_an_unexpected_exception_is_an_openai_shaped_500() -> None:
+    with ServerThread() as srv:
+        async def broken() -> None:
+            raise RuntimeError("a bug at /tmp/secret/place.py")
+
+        srv.app.add_api_route("/broken", broken)
+        r = httpx.get(f"{srv.url}/broken", timeout=30)
+        err = assert_openai_error(r.status_code, r.json(), 500)
+        assert "RuntimeError" in err["message"] and "secret" not in err["message"]
+
+
+def test_tokenize_runs_off_the_event_loop() -> None:
+    """While /tokenize's prompt is tokenized, /health answers and /detokenize is served."""
+    engine = FakeEngineClient()
+    tokenizer = engine.tokenizer = GatedTokenizer(engine.tokenizer)
+    srv = ServerThread(engine)
+    add_tokenization_routes(srv.app)
+    with srv:
+        async def run() -> list[str]:
+            order: list[str] = []
+            async with httpx.AsyncClient(base_url=srv.url, timeout=60) as h:
+                async def slow() -> None:
+                    resp = await h.post("/tokenize", json={"model": MODEL, "prompt": "a long prompt"})
+                    assert resp.status_code == 200, resp.text
+                    order.append("tokenized")
+
+                async def others() -> None:
+                    await asyncio.get_running_loop().run_in_executor(None, tokenizer.entered.wait, 60)
+                    assert (await h.get("/health")).status_code == 200
+                    order.append("health")
+                    tokenizer.gate.set()
+
+                await asyncio.gather(slow(), others())
+            return order
+
+        assert asyncio.run(run()) == ["health", "tokenized"]
+
+
+# ---- requests' own chat templates, with --trust-request-chat-template --------------------------------------------
+@pytest.fixture(scope="module")
+def trusting(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[ServerProcess]:
+    srv = ServerProcess(str(tiny_chat_checkpoint.path), f"{ENGINE} --trust-request-chat-template "
+                        "--chat-template-timeout 3 --shutdown-timeout 2", startup_timeout_s=300, name="trusting")
+    srv.start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+def children_of(pid: int) -> set[int]:
+    kids = set()
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                kids.add(int(entry))
+    return kids
+
+
+def wait_for(condition: Any, what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}"
+        time.sleep(0.1)
+
+
+def test_a_trusted_template_renders_and_is_bounded(trusting: ServerProcess, offline: LLM,
+                                                   tiny_chat_checkpoint: TinyCheckpoint) -> None:
+    """A request's template renders like the checkpoint's would; one rendering more than any prompt could hold,
+    or running past --chat-template-timeout, gets 400 naming the field, while /health answers."""
+    url, model = trusting.base_url, str(tiny_chat_checkpoint.path)
+    r = httpx.post(f"{url}/tokenize", timeout=60, json={"model": model, "messages": CHAT_MESSAGES,
+                                                         "chat_template": PLAIN_TEMPLATE})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == offline.get_tokenizer()("<user>hello", add_special_tokens=False)["input_ids"]
+    r = httpx.post(f"{url}/v1/chat/completions", timeout=60, json={
+        "model": model, "messages": CHAT_MESSAGES, "max_tokens": 2,
+        "chat_template_kwargs": {"chat_template": PLAIN_TEMPLATE}})
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/tokenize", timeout=60, json={"messages": CHAT_MESSAGES,
+                                                         "chat_template_kwargs": {"chat_template": HUGE_TEMPLATE}})
+    err = assert_openai_error(r.status_code, r.json(), 400)
+    assert err["param"] == "chat_template_kwargs.chat_template" and "characters" in err["message"], err
+    answers: list[httpx.Response] = []
+    endless = threading.Thread(target=lambda: answers.append(httpx.post(
+        f"{url}/v1/chat/completions", timeout=60,
+        json={"model": model, "messages": CHAT_MESSAGES, "chat_template": ENDLESS_TEMPLATE})))
+    endless.start()
+    assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+    endless.join(60)
+    err = assert_openai_error(answers[0].status_code, answers[0].json(), 400)
+    assert err["param"] == "chat_template" and "--chat-template-timeout" in err["message"], err
+    assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+
+
+def test_a_disconnect_ends_a_trusted_template_and_sigterm_ends_the_server(trusting: ServerProcess) -> None:
+    """A client that leaves while its template renders ends the render (its child process is gone); SIGTERM while
+    one renders ends the server within --shutdown-timeout plus a few seconds."""
+    assert trusting.proc is not None
+    pid = trusting.proc.pid
+    idle = children_of(pid)
+    body = json.dumps({"messages": CHAT_MESSAGES, "chat_template": ENDLESS_TEMPLATE}).encode()
+    with socket.create_connection(host_port(trusting), timeout=30) as sock:
+        sock.sendall(request_head("/v1/chat/completions", len(body)) + body)
+        wait_for(lambda: len(children_of(pid) - idle) == 1, "the render's child process")
+    wait_for(lambda: not children_of(pid) - idle, "the render's child to end after the client left", 5.0)
+    sock = socket.create_connection(host_port(trusting), timeout=30)
+    try:
+        sock.sendall(request_head("/v1/chat/completions", len(body)) + body)
+        wait_for(lambda: len(children_of(pid) - idle) == 1, "the render's child process")
+        trusting.proc.send_signal(signal.SIGTERM)
+        assert trusting.proc.wait(2 + 28) == 0  # --shutdown-timeout, uvicorn's 10 s task grace, the ranks' stop
+    finally:
+        sock.close()
