@@ -73,11 +73,8 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _render(self, raw: Request, request: ChatCompletionRequest, model: str) -> EnginePrompt:
         kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": request.add_generation_prompt}
-        text = await self.render_chat(raw, model, [m.template_dict() for m in request.messages], kwargs,
-                                      request.chat_template)
-        ids = await self.until_disconnect(raw, self.off_loop(self.tokenize, text, "messages",
-                                                             request.add_special_tokens))
-        return EnginePrompt(text, ids)
+        return await self.chat_prompt(raw, model, [m.template_dict() for m in request.messages], kwargs,
+                                      request.chat_template, request.add_special_tokens)
 
     def _logprobs(self, request: ChatCompletionRequest, text: Callable[[int, Logprob], str], token_ids: list[int],
                   steps: list[dict[int, Logprob]]) -> ChatCompletionLogProbs | None:

@@ -46,7 +46,7 @@ class OpenAIServingCompletion(OpenAIServing):
         self.check_n(request.n, len(raw_prompts))
         model = self.models.resolve(request.model)
         names = ["prompt"] if len(raw_prompts) == 1 else [f"prompt[{i}]" for i in range(len(raw_prompts))]
-        prompts = [await self.until_disconnect(raw, self.off_loop(self._prompt, p, name, request, model))
+        prompts = [await self.tokenized(raw, p, self.off_loop(self._prompt, p, name, request, model))
                    if isinstance(p, str)
                    else self._prompt(p, name, request, model) for p, name in zip(raw_prompts, names)]
         defaults = self.engine.default_sampling_params()

@@ -36,7 +36,12 @@ from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request, redact
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
 from runner.entrypoints.openai.limits import ClientLeft, ServerLimits, read_body
-from runner.entrypoints.openai.prompt_bounds import check_prompt_chars, max_prompt_chars, release_memory_after
+from runner.entrypoints.openai.prompt_bounds import (
+    LARGE_TEXT_CHARS,
+    check_prompt_chars,
+    max_prompt_chars,
+    release_memory_after,
+)
 from runner.entrypoints.openai.protocol import UsageInfo
 from runner.entrypoints.openai.serving_models import ServingModels
 from runner.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
@@ -108,17 +113,6 @@ class Choices:
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
-def _apply_template(tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any], max_chars: int,
-                    param: str, described: str) -> str:
-    try:
-        text = tokenizer.apply_chat_template(messages, **kwargs, tokenize=False)
-    except Exception as exc:  # noqa: BLE001  (a template that raises on these messages (jinja's raise_exception, a bad key))
-        raise bad_request(f"The chat template of {described[0].lower()}{described[1:]} failed on these messages: "
-                          f"{exc}", param) from None
-    check_prompt_chars(text, max_chars, param)
-    return text
-
-
 async def _disconnected(raw: Request) -> None:
     """Returns once the client of ``raw`` (whose body was read) has disconnected."""
     while (await raw.receive())["type"] != "http.disconnect":
@@ -186,28 +180,47 @@ class OpenAIServing:
             raise ClientLeft()
         return task.result()  # raises the work's error
 
-    async def render_chat(self, raw: Request, model: str, messages: list[dict[str, Any]], kwargs: dict[str, Any],
-                          top_level_template: str | None, param: str = "messages") -> str:
+    async def tokenized(self, raw: Request, text: str, work: Awaitable[_R]) -> _R:
+        """``work`` (the tokenization of ``text``), which a client disconnect stops waiting for when the text is
+        long enough for that to matter."""
+        if len(text) < LARGE_TEXT_CHARS:
+            return await work
+        return await self.until_disconnect(raw, work)
+
+    async def chat_prompt(self, raw: Request, model: str, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+                          top_level_template: str | None, add_special_tokens: bool) -> EnginePrompt:
         """The chat template applied to ``messages`` (``kwargs``: the template's variables and
-        ``add_generation_prompt`` / ``continue_final_message``): the checkpoint's template in the tokenizer
-        thread, a request's own (``chat_template``, or inside ``chat_template_kwargs``) in a child process with
-        ``--trust-request-chat-template`` only."""
+        ``add_generation_prompt`` / ``continue_final_message``), tokenized: the checkpoint's template renders in
+        the tokenizer thread with the tokenization, a request's own (``chat_template``, or inside
+        ``chat_template_kwargs``) in a child process, with ``--trust-request-chat-template`` only."""
         tokenizer = self.tokenizer()
         field = request_template_field(top_level_template, kwargs)
         if field is not None and not self.limits.trust_request_chat_template:
             raise refuse_untrusted(field)
-        if field is None and (tokenizer is None or getattr(tokenizer, "chat_template", None) is None):
-            raise bad_request(f"{self.models.described(model)} has no chat template, so it cannot serve chat "
-                              "completions: use /v1/completions", "model")
+        if field is None:
+            if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+                raise bad_request(f"{self.models.described(model)} has no chat template, so it cannot serve chat "
+                                  "completions: use /v1/completions", "model")
+            return await self.until_disconnect(raw, self.off_loop(
+                self._render_and_tokenize, tokenizer, messages, kwargs, add_special_tokens,
+                self.models.described(model)))
         if top_level_template is not None:
             kwargs = {**kwargs, "chat_template": top_level_template}
-        if field is not None:
-            return await self.until_disconnect(raw, render_in_child(
-                tokenizer, messages, kwargs, field=field, timeout_s=self.limits.chat_template_timeout_s,
-                max_chars=self.max_prompt_chars()))
-        return await self.until_disconnect(raw, self.off_loop(_apply_template, tokenizer, messages, kwargs,
-                                                              self.max_prompt_chars(), param,
-                                                              self.models.described(model)))
+        text = await self.until_disconnect(raw, render_in_child(
+            tokenizer, messages, kwargs, field=field, timeout_s=self.limits.chat_template_timeout_s,
+            max_chars=self.max_prompt_chars()))
+        ids = await self.until_disconnect(raw, self.off_loop(self.tokenize, text, "messages", add_special_tokens))
+        return EnginePrompt(text, ids)
+
+    def _render_and_tokenize(self, tokenizer: Any, messages: list[dict[str, Any]], kwargs: dict[str, Any],
+                             add_special_tokens: bool, described: str) -> EnginePrompt:
+        """In the tokenizer thread: the checkpoint's chat template, then the tokenization of its text."""
+        try:
+            text = tokenizer.apply_chat_template(messages, **kwargs, tokenize=False)
+        except Exception as exc:  # noqa: BLE001  (a template that raises on these messages (jinja's raise_exception, a bad key))
+            raise bad_request(f"The chat template of {described[0].lower()}{described[1:]} failed on these "
+                              f"messages: {exc}", "messages") from None
+        return EnginePrompt(text, self.tokenize(text, "messages", add_special_tokens))
 
     def tokenizer(self) -> Any:
         return self.engine.get_tokenizer()

@@ -80,13 +80,12 @@ class OpenAIServingTokenization(OpenAIServing):
                                   "continue_final_message")
             kwargs = {**(request.chat_template_kwargs or {}), "add_generation_prompt": request.add_generation_prompt,
                       "continue_final_message": request.continue_final_message}
-            text = await self.render_chat(raw, model, [m.template_dict() for m in request.messages], kwargs,
-                                          request.chat_template)
-            param = "messages"
+            prompt = await self.chat_prompt(raw, model, [m.template_dict() for m in request.messages], kwargs,
+                                            request.chat_template, request.add_special_tokens)
+            ids = prompt.token_ids
         else:
-            text, param = request.prompt, "prompt"
-        ids = await self.until_disconnect(raw, self.off_loop(self.tokenize, text, param,
-                                                             request.add_special_tokens))
+            ids = await self.until_disconnect(raw, self.off_loop(self.tokenize, request.prompt, "prompt",
+                                                                 request.add_special_tokens))
         strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
         return JSONResponse(TokenizeResponse(count=len(ids), max_model_len=self.engine.max_model_len,
                                              tokens=list(ids), token_strs=strs).model_dump())
