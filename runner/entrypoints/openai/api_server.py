@@ -74,10 +74,9 @@ def build_app(engine_client: EngineClient, served_model_names: list[str], api_ke
     app = FastAPI(title="ubatch OpenAI-compatible server", version=package_version())
     app.state.lifecycle, app.state.metrics, app.state.models = lifecycle, metrics, models
     app.state.engine_client, app.state.limits, app.state.tokenization = engine_client, limits, tokenization
-    app.state.left_mid_body = 0  # clients that disconnected before their request's body arrived
     app.add_middleware(ServerGate, lifecycle=lifecycle, api_key=api_key, max_request_bytes=limits.max_request_bytes,
                        slots=RequestSlots(limits.limit_concurrency))
-    add_error_handlers(app)
+    add_error_handlers(app, metrics)
 
     async def create_completion(raw: Request) -> Response:
         return await completion.create_completion(raw)
@@ -121,11 +120,11 @@ def build_app(engine_client: EngineClient, served_model_names: list[str], api_ke
     return app
 
 
-def add_error_handlers(app: FastAPI) -> None:
+def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
     """Every error the app answers is OpenAI-shaped: its own (``OpenAIError``), Starlette's and FastAPI's (404,
     405, a schema-declared body's 422 as a 400) and any other exception (500, logged with its traceback). A client
-    that left mid-body is counted (``app.state.left_mid_body``) and logged as one line at DEBUG: nothing to
-    answer."""
+    that left mid-body is counted (``ubatch:client_left_mid_body_total``) and logged as one line at DEBUG: there
+    is no one to answer."""
 
     @app.exception_handler(OpenAIError)
     async def openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -142,7 +141,7 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientLeft)
     async def client_left(raw: Request, _: ClientLeft) -> Response:
-        app.state.left_mid_body += 1
+        metrics.left_mid_body.inc()
         logger.debug("A client of %s left before its request was read", raw.url.path)
         return Response(status_code=HTTPStatus.BAD_REQUEST)  # no one reads it
 

@@ -97,6 +97,8 @@ class ServerMetrics:
                                                    build_1_2_5_buckets(max_model_len)).labels(name)
         self.prompt_tokens = counter("prompt_tokens", "Number of prefill tokens processed.").labels(name)
         self.generation_tokens = counter("generation_tokens", "Number of generation tokens processed.").labels(name)
+        self.left_mid_body = counter("client_left_mid_body", "Requests whose client disconnected before their "
+                                     "body arrived.").labels(name)
         self._success = Counter(PREFIX + "request_success", "Count of successfully processed requests.",
                                 labels + ["finished_reason"], registry=reg)
         # every series present from the start, at 0; the children kept, as a label lookup costs more than an inc
