@@ -32,10 +32,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # run from a checkout without `pip install -e .`
 
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context, trace  # noqa: E402
-from ubatch.distributed import run_thread_ranks  # noqa: E402
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
 from ubatch.modular_moe.layer import FusedMoE  # noqa: E402
 from ubatch.modular_moe.runtime import MoERuntime  # noqa: E402
+from ubatch.testing.thread_ranks import run_thread_ranks  # noqa: E402
 from ubatch.trace_metrics import format_metrics, overlap_metrics  # noqa: E402
 
 

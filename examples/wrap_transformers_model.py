@@ -17,9 +17,9 @@ import torch
 import transformers
 
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context
-from ubatch.distributed import run_thread_ranks
 from ubatch.integrations.transformers import make_dbo_capable
 from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.testing.thread_ranks import run_thread_ranks
 from ubatch.wrapper import batch_ubatch_slices
 
 BATCH, SEQ, WORLD = 4, 12, 2

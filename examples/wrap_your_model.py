@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 from ubatch import UBatchWrapper, maybe_create_ubatch_slices, set_forward_context
-from ubatch.distributed import run_thread_ranks
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.runtime import MoERuntime
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 HIDDEN, EXPERTS, TOP_K, INTER, LAYERS, WORLD = 32, 8, 2, 64, 3, 2
 TOKENS_PER_RANK = [10, 14]  # DP ranks need not hold equal batches

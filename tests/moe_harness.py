@@ -15,7 +15,6 @@ import torch
 
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context
 from ubatch.context import dbo_current_ubatch_id
-from ubatch.distributed import run_thread_ranks
 from ubatch.forward_context import DPMetadata, maybe_get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
@@ -23,6 +22,7 @@ from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink
 from ubatch.modular_moe.router import select_experts
 from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.modular_moe.types import ExpertTokens
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 Routes = list[list[torch.Tensor]]  # [layer][rank] -> [tokens of that rank, top_k] global expert ids
 # Logit given to every expert a forced route does not choose: softmax sends it exactly 0 in fp32, so top-k

@@ -16,12 +16,12 @@ import torch
 from moe_harness import StackWeights, current_row_start, halves
 from standins import deep_ep as standin_deep_ep
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context
-from ubatch.distributed import run_thread_ranks
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.sbo import SBO_OFF, SboFlags
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 HIDDEN, EXPERTS, INTER, TOP_K, LAYERS, CAPACITY = 2048, 8, 128, 2, 2, 16
 BF16_REL = 2.0**-6  # 2 ulps of bf16 (8 significant bits: ulp = 2^-7 of the leading power of two)

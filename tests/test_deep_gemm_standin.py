@@ -16,7 +16,6 @@ import torch
 from moe_harness import dense_reference
 from standin_harness import bf16_inputs, bf16_weights, run_standin_ep
 from standins import deep_gemm as dg
-from ubatch import stream_sanitizer
 from ubatch.modular_moe.experts.deep_gemm_experts import (
     DeepGemmExperts,
     per_block_cast_to_fp8,
@@ -26,6 +25,7 @@ from ubatch.modular_moe.experts.deep_gemm_experts import (
 )
 from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.modular_moe.types import ExpertTokens
+from ubatch.testing import stream_sanitizer
 
 E, H, I = 4, 256, 256
 # Two fp8 GEMMs with both operands rounded to e4m3 (3 mantissa bits: up to 2^-4 relative each): measured

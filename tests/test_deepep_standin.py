@@ -26,10 +26,11 @@ from standin_harness import (
     run_standin_ep,
 )
 from standins import deep_ep as standin
-from ubatch import stream_sanitizer, streams
-from ubatch.distributed import run_thread_ranks
+from ubatch import streams
 from ubatch.modular_moe.prepare_finalize import make_prepare_finalize
 from ubatch.modular_moe.prepare_finalize.deepep import DeepEPLowLatency
+from ubatch.testing import stream_sanitizer
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 BACKENDS = ("deepep_low_latency", "deepep_high_throughput")
 CALLS_PER_LAYER = 2  # dispatch + combine, per ubatch, for both modes

@@ -30,8 +30,7 @@ from standin_harness import (
 )
 from standins import deep_ep as v1_standin
 from standins import deep_ep_v2 as standin
-from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, stream_sanitizer, streams
-from ubatch.distributed import run_thread_ranks
+from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, streams
 from ubatch.forward_context import DPMetadata
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.prepare_finalize import (
@@ -42,6 +41,8 @@ from ubatch.modular_moe.prepare_finalize import (
     phase_backends,
 )
 from ubatch.modular_moe.runtime import MoERuntime
+from ubatch.testing import stream_sanitizer
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 CALLS_PER_LAYER = 2  # dispatch + combine, per ubatch
 YIELDS_PER_LAYER = 2

@@ -24,9 +24,8 @@ from moe_harness import StackWeights, dense_reference
 from standin_harness import LAYERS, LinearShared, StandinStack, assert_bf16_close, bf16_inputs, bf16_weights
 from standins import deep_ep_v2 as standin
 from test_stream_mutations import without_waits_in
-from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, stream_sanitizer, streams
+from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, streams
 from ubatch.context import dbo_current_ubatch_id
-from ubatch.distributed import run_thread_ranks
 from ubatch.forward_context import DPMetadata
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.two_stream import TwoStreamCombine, alt_stream
@@ -40,6 +39,8 @@ from ubatch.sbo import (
     compute_overlap_args,
     select_sbo_modes,
 )
+from ubatch.testing import stream_sanitizer
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 D = SboFlags(dispatch_shared_experts=True)
 CS = SboFlags(combine_shared_experts=True)

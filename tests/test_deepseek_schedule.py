@@ -20,10 +20,10 @@ from runner.config import ConfigError, RunnerConfig
 from runner.models.loader import load_model, resolve_model_path
 from runner.models.schedules import DBOSchedule, check_schedule
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, trace
-from ubatch.distributed import run_thread_ranks
 from ubatch.forward_context import DPMetadata
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.slicing import padded_ubatch_slices
+from ubatch.testing.thread_ranks import run_thread_ranks
 from ubatch.trace_metrics import TimedSpan, spans_from_chrome
 
 MODEL = "tiny-deepseek-v3"  # 3 layers: layer 0 dense (first_k_dense_replace=1), layers 1-2 MoE

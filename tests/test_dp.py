@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from runner.distributed.dp import coordinate_batch_across_dp, decide, local_decision, vote_table
-from ubatch.distributed import run_thread_ranks
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 
 def table(orig: list[int], votes: list[int], prefill: list[int] | None = None,

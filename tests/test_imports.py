@@ -10,6 +10,10 @@ package's ``__init__``, which is not a design dependency.
 from __future__ import annotations
 
 import ast
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -141,3 +145,66 @@ def test_the_step_contract_imports_no_layer_above_models() -> None:
     above = sorted(f"{m} -> {t}" for m in STEP_CONTRACT for t in graph[m]
                    if _runner_layer(t) is not None and _runner_layer(t) < models)
     assert above == []
+
+
+# Test tooling: ``ubatch.testing`` (the stream-order sanitizer, thread ranks) and the modules of ``tests/`` (its
+# stand-ins for hardware-only libraries as the package ``standins``: their module names are the real libraries').
+TESTING = "ubatch.testing"
+TEST_MODULES = frozenset({"tests", "standins"} | {p.stem for p in (ROOT / "tests").glob("*.py")})
+
+
+def _imported_names(path: Path) -> set[str]:
+    """Every absolute module name ``path`` imports (``from a import b``: ``a`` and ``a.b``)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+def test_no_product_module_imports_test_tooling() -> None:
+    mods = _modules()
+    assert {TESTING, f"{TESTING}.stream_sanitizer", f"{TESTING}.thread_ranks"} <= mods.keys()
+    assert {"conftest", "fake_runner", "stream_sanitizer_plugin"} <= TEST_MODULES
+    product = {m: path for m, path in mods.items() if not (m == TESTING or m.startswith(TESTING + "."))}
+    found = sorted(f"{m} -> {name}" for m, path in product.items() for name in _imported_names(path)
+                   if name == TESTING or name.startswith(TESTING + ".") or name.split(".")[0] in TEST_MODULES)
+    assert found == []
+
+
+# Run in a fresh interpreter: the hooks the test tooling installs, read before and after importing the product.
+_HOOKS_PROBE = """
+import json, sys, threading
+from torch.overrides import _get_current_function_mode_stack
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+def hooks():
+    streams = sys.modules.get("ubatch.streams")
+    return {"dispatch modes": len(_get_current_dispatch_mode_stack()),
+            "function modes": len(_get_current_function_mode_stack()),
+            "thread profile": repr(threading.getprofile()), "sys profile": repr(sys.getprofile()),
+            "sys trace": repr(sys.gettrace()),
+            "stream observer": repr(None if streams is None else streams._observer),
+            "testing imported": sorted(m for m in sys.modules if m.startswith("ubatch.testing"))}
+
+before = hooks()
+import ubatch, cudagraph, runner  # noqa: E401
+import runner.entrypoints.llm  # the offline API's module, as a user's script imports it
+print(json.dumps({"before": before, "after": hooks()}))
+"""
+
+
+def test_importing_the_product_installs_no_hook_whatever_the_environment() -> None:
+    """``import ubatch`` / ``runner`` with every debug switch set turns on no sanitizer, dispatch mode or
+    profiler: the test tooling is switched on by the tests (``--stream-sanitizer``), not by the environment."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(PYTHONPATH=str(ROOT), UBATCH_STREAM_SANITIZER="1", UBATCH_DEBUG="1", OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", _HOOKS_PROBE], env=env, cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    seen = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert seen["after"] == seen["before"]
+    assert seen["after"]["stream observer"] == "None" and seen["after"]["dispatch modes"] == 0

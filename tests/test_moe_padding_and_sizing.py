@@ -13,11 +13,11 @@ import torch
 
 from moe_harness import MoEStack, StackWeights, dense_reference, halves
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context, trace
-from ubatch.distributed import run_thread_ranks
 from ubatch.forward_context import DPMetadata
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.slicing import padded_ubatch_slices
+from ubatch.testing.thread_ranks import run_thread_ranks
 from ubatch.trace_metrics import spans_from_chrome
 
 REL_TOL = 1e-5

@@ -28,7 +28,6 @@ from moe_harness import (
 )
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, streams, trace
 from ubatch.context import dbo_current_ubatch_id
-from ubatch.distributed import run_thread_ranks
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.layer import FusedMoE
@@ -43,6 +42,7 @@ from ubatch.sbo import (
     compute_overlap_args,
     select_sbo_modes,
 )
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 HOPPER = DeviceProps("cuda", "H100", (9, 0), 132)
 BLACKWELL = DeviceProps("cuda", "B200", (10, 0), 148)

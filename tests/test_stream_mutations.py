@@ -21,14 +21,15 @@ import torch
 
 from moe_harness import StackWeights, run_ep
 from standin_harness import bf16_inputs, bf16_weights, run_standin_ep
-from ubatch import stream_sanitizer, streams
+from ubatch import streams
 from ubatch.context import UBatchContext, make_ubatch_contexts, run_greenlet_step
-from ubatch.distributed import run_thread_ranks
 from ubatch.forward_context import ForwardContext
 from ubatch.modular_moe.comm import WorkHandle
 from ubatch.modular_moe.prepare_finalize import deepep
 from ubatch.modular_moe.two_stream import TwoStreamCombine
 from ubatch.sbo import SboFlags
+from ubatch.testing import stream_sanitizer
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 CS = SboFlags(combine_shared_experts=True)
 

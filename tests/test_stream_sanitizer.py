@@ -1,4 +1,4 @@
-"""The stream-order sanitizer (``ubatch.stream_sanitizer``) on small programs whose answer is known.
+"""The stream-order sanitizer (``ubatch.testing.stream_sanitizer``) on small programs whose answer is known.
 
 Each race case has a twin with the edge that orders it, which must pass: so the sanitizer neither misses a
 missing wait nor reports a correct program. Every test runs under ``stream_sanitizer.sanitizing()``, so it
@@ -14,12 +14,14 @@ from typing import Any, Callable
 import pytest
 import torch
 
-from ubatch import stream_sanitizer, streams
+from stream_sanitizer_plugin import sanitize_child_processes
+from ubatch import streams
 from ubatch.context import make_ubatch_contexts, run_greenlet_step
-from ubatch.distributed import run_thread_ranks
 from ubatch.forward_context import ForwardContext
 from ubatch.modular_moe.comm import AllToAll
-from ubatch.stream_sanitizer import StreamOrderError
+from ubatch.testing import stream_sanitizer
+from ubatch.testing.stream_sanitizer import StreamOrderError
+from ubatch.testing.thread_ranks import run_thread_ranks
 
 
 def fork(x: torch.Tensor) -> tuple[torch.Tensor, streams.NullStream, streams.NullStream]:
@@ -225,7 +227,9 @@ def test_environment_variable_turns_it_on_in_a_fresh_process(value: str, expect_
             "with streams.stream(a):\n    x.add_(1)\n"
             "with streams.stream(b):\n    x.sum()\n"
             "print('finished')\n")
-    env = dict(os.environ, UBATCH_STREAM_SANITIZER=value)
+    # What ``--stream-sanitizer`` gives child processes: the variable and the tests' ``sitecustomize``.
+    env = sanitize_child_processes(dict(os.environ))
+    env["UBATCH_STREAM_SANITIZER"] = value
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     if expect_race:
         assert proc.returncode != 0 and "StreamOrderError" in proc.stderr and "finished" not in proc.stdout

@@ -15,11 +15,11 @@ from torch import nn
 
 from moe_harness import StackWeights, halves
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context, trace
-from ubatch.distributed import run_thread_ranks
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.plot import main as plot_main
+from ubatch.testing.thread_ranks import run_thread_ranks
 from ubatch.trace_metrics import (
     TimedSpan,
     format_metrics,

@@ -18,10 +18,10 @@ from runner import tracing
 from runner.config import RunnerConfig
 from standins.cuda_events import FakeCuda
 from ubatch import trace
-from ubatch.distributed import run_thread_ranks
 from ubatch.forward_context import ForwardContext, override_forward_context, set_forward_context
 from ubatch.modular_moe.prepare_finalize.emulated_link import EmulatedLink, LinkSpec
 from ubatch.modular_moe.prepare_finalize.torch_ll import TorchLowLatency
+from ubatch.testing.thread_ranks import run_thread_ranks
 from ubatch.trace_metrics import format_metrics, is_cpu_track, overlap_metrics, spans_from_chrome
 
 MS = 1e-3

@@ -19,7 +19,6 @@ from torch import nn
 transformers = pytest.importorskip("transformers")
 
 from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context  # noqa: E402
-from ubatch.distributed import run_thread_ranks  # noqa: E402
 from ubatch.integrations.transformers import (  # noqa: E402
     FAMILIES,
     DBOSparseMoeBlock,
@@ -29,6 +28,7 @@ from ubatch.integrations.transformers import (  # noqa: E402
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
 from ubatch.modular_moe.router import select_experts  # noqa: E402
 from ubatch.modular_moe.runtime import MoERuntime  # noqa: E402
+from ubatch.testing.thread_ranks import run_thread_ranks  # noqa: E402
 from ubatch.wrapper import batch_ubatch_slices, merge_ubatch_outputs  # noqa: E402
 
 BATCH, SEQ = 4, 9

@@ -25,14 +25,6 @@ from ubatch.wrapper import UBatchConfig, UBatchWrapper
 
 __version__ = "0.1.0"
 
-# ``UBATCH_STREAM_SANITIZER=1``: the stream-order sanitizer observes the whole process (and its children).
-import os as _os
-
-if _os.environ.get("UBATCH_STREAM_SANITIZER", "0") not in ("", "0"):
-    from ubatch import stream_sanitizer as _stream_sanitizer
-
-    _stream_sanitizer.enable()
-
 __all__ = [
     "DBOAbortedError",
     "DBOError",

@@ -10,9 +10,8 @@ Why not ``torch.cpu.Stream`` / ``torch.Event("cpu")``: ``torch.Event("cpu").reco
 has no ``query``/``synchronize``. Our null classes give every call the same surface as CUDA.
 
 Null streams and events still have identities, and every record / wait / synchronize is reported to an
-observer when one is installed: the stream-order sanitizer (:mod:`ubatch.stream_sanitizer`, installed by
-``ubatch/__init__.py`` under ``UBATCH_STREAM_SANITIZER=1``) turns them into happens-before edges, so a
-missing wait that CPU execution hides is still caught. Without an observer they cost one global read and
+observer when one is installed: the tests' stream-order sanitizer (:mod:`ubatch.testing.stream_sanitizer`)
+turns them into happens-before edges, so a missing wait that CPU execution hides is still caught. Without an observer they cost one global read and
 do nothing.
 """
 from __future__ import annotations
@@ -27,7 +26,7 @@ import torch
 
 _null_ids = itertools.count(1)
 _event_ids = itertools.count(1)
-# The stream-order sanitizer while it is enabled (``ubatch.stream_sanitizer``), else None. It only observes:
+# The stream-order sanitizer while it is enabled (``ubatch.testing.stream_sanitizer``), else None. It only observes:
 # CPU execution is the same with or without it.
 _observer: Any = None
 

@@ -5,8 +5,9 @@ test sees it. This replays CUDA's ordering rules over the CPU run as ``torch/cud
 clocks per stream over a ``TorchDispatchMode``), with memory keyed by storage byte range, each process group's
 collectives on a stream of their own, and every thread started while it is on observed. A violation raises
 :class:`StreamOrderError` naming both accesses (or is collected, :meth:`StreamSanitizer.collecting`). Host
-reads that bypass the dispatcher and allocator block reuse are not modelled. Enable with
-``UBATCH_STREAM_SANITIZER=1`` or pytest ``--stream-sanitizer``.
+reads that bypass the dispatcher and allocator block reuse are not modelled. Test tooling: nothing in the
+product imports it; tests turn it on with :func:`enable` / :func:`sanitizing` or pytest ``--stream-sanitizer``,
+whose child processes see ``UBATCH_STREAM_SANITIZER=1`` (``tests/stream_sanitizer_site/sitecustomize.py``).
 """
 from __future__ import annotations
 
