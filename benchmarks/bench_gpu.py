@@ -172,7 +172,7 @@ def experts_rows(limits: Limits, iters: int, expert_tokens: tuple[int, ...] = EX
 
 
 def attention_rows(limits: Limits, iters: int, emit: Emit = print) -> list[Row]:
-    from runner.attention.bench_support import decode_attention_backends
+    from decode_backends import decode_attention_backends
 
     cfg = MODEL_CONFIG
     hq, hkv, d, block = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"], 16

@@ -12,7 +12,9 @@ kernel (row selection, ``out=``, graph rows) without the interpreter's cost.
 """
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,8 +210,14 @@ def test_reference_module_is_still_importable_from_the_package() -> None:
 
 @pytest.mark.triton_interpreter
 def test_bench_support_runs_every_decode_backend_alike() -> None:
-    """What benchmarks/bench_gpu.py times: the same decode through each backend, equal results."""
-    from runner.attention.bench_support import decode_attention_backends
+    """What benchmarks/bench_gpu.py times (``benchmarks/decode_backends.py``): the same decode through each
+    backend, equal results."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_backends.py"
+    spec = importlib.util.spec_from_file_location("decode_backends", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    decode_attention_backends = module.decode_attention_backends
 
     g = torch.Generator().manual_seed(4)
     cache = torch.randn(12, BS, 2, 2, 8, generator=g)

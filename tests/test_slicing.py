@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_sequence_split import SeqFields, split_sequence_fields, tbo_padded_len
 from ubatch.slicing import (
     CommonAttentionMetadata,
-    SeqFields,
     UBatchSlice,
     balanced_split_points,
     check_ubatch_thresholds,
@@ -27,8 +27,6 @@ from ubatch.slicing import (
     slice_query_start_locs,
     split_attn_metadata,
     split_num_tokens_non_padded,
-    split_sequence_fields,
-    tbo_padded_len,
 )
 
 

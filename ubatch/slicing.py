@@ -10,7 +10,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -420,38 +419,11 @@ def compute_split_token_index(split_seq_index: int, forward_mode: str, extend_le
     return sum(lens) // 2 if is_two_chunk_split(lens, threshold) else sum(lens[:split_seq_index])
 
 
-class SeqFields(NamedTuple):
-    """One child's view of a sequence; its extend length is ``seq_len - prefix_len``."""
-
-    prefix_len: int
-    seq_len: int
-
-
-def split_sequence_fields(prefix_len: int, extend_len: int, left: int) -> tuple[SeqFields, SeqFields]:
-    """Per-child (prefix, seq_len) of a sequence whose first ``left`` new tokens go to child A.
-
-    A stops after its chunk (``seq_len = prefix + left``); B computes the rest and reads A's chunk as
-    prefix (``prefix += left``), keeping the full ``seq_len``.
-    """
-    _require_non_negative("prefix_len", prefix_len)
-    if not 0 < left < extend_len:
-        raise ValueError(f"left={left} must lie strictly inside extend_len={extend_len}")
-    return SeqFields(prefix_len, prefix_len + left), SeqFields(prefix_len + left, prefix_len + extend_len)
-
-
 def split_num_tokens_non_padded(split_token_index: int, num_tokens: int) -> tuple[int, int]:
     """Real tokens per child when the parent's real count may be below the split (padded / captured batches)."""
     _require_non_negative("split_token_index", split_token_index)
     _require_non_negative("num_tokens", num_tokens)
     return min(split_token_index, num_tokens), max(0, num_tokens - split_token_index)
-
-
-def tbo_padded_len(num_tokens: int, attn_tp_size: int) -> int:
-    """Round up so each attention-TP rank gets an equal share of the child's tokens."""
-    _require_non_negative("num_tokens", num_tokens)
-    if attn_tp_size < 1:
-        raise ValueError(f"attn_tp_size must be >= 1, got {attn_tp_size}")
-    return -(-num_tokens // attn_tp_size) * attn_tp_size
 
 
 def balanced_split_points(num_scheduled_tokens: np.ndarray | Sequence[int], forward_mode: str = "extend",

@@ -172,14 +172,6 @@ def arrays_to_device(arrays: Sequence[np.ndarray], device: torch.device | str) -
     return unpack_arrays(staging.to(device, non_blocking=True), offsets, arrays)
 
 
-def copy_from_host(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
-    """``dst.copy_(src)`` for a host ``src``, through pinned memory and ``non_blocking`` when ``dst`` is on CUDA
-    (see :func:`host_to_device`)."""
-    if dst.device.type == "cuda":
-        return dst.copy_(src.pin_memory(), non_blocking=True)
-    return dst.copy_(src)
-
-
 class BlockTable:
     """Every request's KV block ids, kept from step to step as one numpy array (vLLM V1's persistent block
     table, ``vllm/v1/worker/block_table.py``).

@@ -1,4 +1,4 @@
-"""Decode attention of every engine backend as zero-argument callables, for ``benchmarks/bench_gpu.py``.
+"""Decode attention of every engine backend as zero-argument callables, for ``bench_gpu.py``.
 
 Each callable runs the same decode a layer runs (``AttentionBackend.decode``) over an MHA cache
 ``[NB, BS, 2, Hkv, D]``, so the benchmark times what the engine calls, eagerly or captured in a graph:
