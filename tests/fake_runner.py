@@ -12,12 +12,16 @@ every token, so a settings row or penalty slot that is not written, reset or fed
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 from typing import Any, Sequence
 
 import torch
 
-from runner.core.future_map import FutureTokenMap
+from future_token_map import FutureTokenMap
+from runner.core.overlap_loop import ForwardExecutor, LoopStats, OnResults, make_step_loop
 from runner.core.runner_output import ModelRunnerOutput, PendingStep
+from runner.core.runner_protocol import ModelRunnerProtocol
+from runner.core.scheduler import Scheduler
 from runner.core.scheduler_output import SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.dbo_step_timing import MeasuredDBO
@@ -142,8 +146,6 @@ class FakeRunner:
 def run_wave(sched: Any, runner: Any, overlap: bool, before_launch: Any = None) -> None:
     """Run ``sched``'s steps on ``runner`` to the end of the wave, with the overlap loop's forward thread when
     ``overlap`` (closed afterwards), else the synchronous loop."""
-    from runner.core.overlap_loop import ForwardExecutor, run_steps
-
     executor = ForwardExecutor() if overlap else None
     try:
         run_steps(sched, runner, executor=executor, before_launch=before_launch)
@@ -151,3 +153,16 @@ def run_wave(sched: Any, runner: Any, overlap: bool, before_launch: Any = None) 
         if executor is not None:
             executor.close()
 
+
+def run_steps(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: ForwardExecutor | None = None,
+              consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
+              on_results: OnResults | None = None, step_timeout_s: float | None = None) -> LoopStats:
+    """Step ``sched`` until no DP rank has work (:func:`make_step_loop`'s arguments); returns the loop's stats."""
+    loop = make_step_loop(sched, runner, executor=executor, consecutive_prefill_overlap=consecutive_prefill_overlap,
+                          before_launch=before_launch, on_results=on_results, step_timeout_s=step_timeout_s)
+    try:
+        while loop.step():
+            pass
+    finally:
+        stats = loop.finish()
+    return stats

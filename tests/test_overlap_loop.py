@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from devices import device_args
-from fake_runner import FakeRunner, forward_step, reference_generate
+from fake_runner import FakeRunner, forward_step, reference_generate, run_steps
+from future_token_map import FutureTokenMap
 from runner.config import RunnerConfig
-from runner.core.future_map import FutureTokenMap
-from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError, run_steps
+from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError
 from runner.core.scheduler import Scheduler
 from runner.core.scheduler_output import SchedulerOutput
 from runner.core.slots import SlotPool, placeholder

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from fake_runner import FakeRunner
-from runner.core.overlap_loop import ForwardExecutor, make_step_loop, run_steps
+from fake_runner import FakeRunner, run_steps
+from runner.core.overlap_loop import ForwardExecutor, make_step_loop
 from runner.core.runner_output import ModelRunnerOutput
 from runner.core.scheduler import Request, Scheduler
 from runner.core.scheduler_output import RequestSnapshot, SchedulerOutput

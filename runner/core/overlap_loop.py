@@ -174,20 +174,6 @@ def make_step_loop(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: F
                            step_timeout_s)
 
 
-def run_steps(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: ForwardExecutor | None = None,
-              consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
-              on_results: OnResults | None = None, step_timeout_s: float | None = None) -> LoopStats:
-    """Step ``sched`` until no DP rank has work (:func:`make_step_loop`'s arguments); returns the loop's stats."""
-    loop = make_step_loop(sched, runner, executor=executor, consecutive_prefill_overlap=consecutive_prefill_overlap,
-                          before_launch=before_launch, on_results=on_results, step_timeout_s=step_timeout_s)
-    try:
-        while loop.step():
-            pass
-    finally:
-        stats = loop.finish()
-    return stats
-
-
 class SyncStepLoop:
     """Schedule, run, process: one step at a time in the caller's thread."""
 

@@ -1,8 +1,8 @@
 """Request slots: a small id per live request, and the placeholder token that names its next token.
 
 A slot is allocated when a request is admitted and freed after the last step that used it has finished,
-so one slot means one request for its whole life. The scheduler hands slots out; the future-token map
-(``runner.core.future_map``) is indexed by them.
+so one slot means one request for its whole life. The scheduler hands slots out; the future-token maps
+(``runner/worker/device_future_map.py``, the tests' host map) are indexed by them.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ A placeholder ``-(slot + 1)`` (``runner/core/slots.py``) names the next token of
 step whose inputs hold placeholders is run, each one must name a slot that holds a token of its own request,
 stored since the slot was last read; anything else is a bug (a placeholder resolved without its producer's
 store, or two requests sharing a slot) that would feed a stale or foreign token. These checks need no token
-value, so they stay on the host both for the host map (``runner/core/future_map.py``, a host-computing runner's) and for
-the model runner's device-resident map (``runner/worker/device_future_map.py``).
+value, so they stay on the host both for the tests' host map (``tests/future_token_map.py``) and for the model
+runner's device-resident map (``runner/worker/device_future_map.py``).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Request slots and the future-token map: how step N+1 names a token that step N has not produced yet.
+"""The future-token map on the host, for the tests' stand-in runner: how step N+1 names a token step N has not made.
 
 With the overlap loop the CPU schedules step N+1 while step N still runs, so a request decoding in both
 steps feeds N+1 a token nobody knows yet. The scheduler writes a *placeholder* ``-(slot + 1)`` instead
@@ -33,7 +33,8 @@ class FutureTokenMap(FutureTokenBook):
     before its forward. An entry is consumed by the read that resolves it, so each placeholder needs exactly
     one fresh store (``CI mode`` of the pool-indexed SGLang map, always on here). Both are vectorised over the
     step: a few numpy operations, whatever the batch size. The model runner keeps its tokens on its device
-    instead (``runner/worker/device_future_map.py``); this map serves runners whose steps compute on the host.
+    instead (``runner/worker/device_future_map.py``); this map serves the tests' runners, whose steps compute on
+    the host (``fake_runner.py``).
     """
 
     def __init__(self, capacity: int) -> None:
