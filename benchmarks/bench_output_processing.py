@@ -27,11 +27,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from discard_sink import DiscardSink
+from runner.config import RunnerConfig
 from runner.core.engine_core import tune_gc
 from runner.core.engine_core_proc import CoreLoop
 from runner.core.messages import OUTPUT_DECODER, CoreStats, Outputs
 from runner.core.requests import EngineCoreOutput
-from runner.engine.core_client import MPEngineClient, _Rank
+from runner.engine.async_llm import MPEngineClient
+from runner.engine.mp_client import _Rank
 from runner.engine.simple_output import RequestTracker
 from runner.engine.tokenizer import make_decoder
 from runner.entrypoints.openai.metrics import ServerMetrics
@@ -64,7 +66,7 @@ def one_run(tokenizer, pool: list[int], seed: int, path: str) -> float:
     """CPU microseconds per token of one pass over ``STEPS`` steps of ``NUM_REQUESTS`` requests along ``path``."""
     client = None
     if path == "client":  # the server's client, unstarted: its tracker, one rank without a socket, the metrics
-        client = MPEngineClient(None, tokenizer=tokenizer, metrics=ServerMetrics("bench", 4096))
+        client = MPEngineClient(RunnerConfig(), tokenizer=tokenizer, metrics=ServerMetrics("bench", 4096))
         client._ranks.append(_Rank(None))
         tracker = client.tracker
     else:

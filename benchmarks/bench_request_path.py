@@ -43,9 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, write_csv
 from runner.config import RunnerConfig
-from runner.core.messages import CoreInfo, CoreStats, Outputs, WireOutput
+from runner.core.messages import CoreInfo, CoreStats, Outputs
 from runner.core.requests import EngineCoreOutput
-from runner.engine.core_client import MPEngineClient, _Rank
+from runner.engine.async_llm import MPEngineClient
+from runner.engine.mp_client import _Rank
 from runner.engine.protocol import CloseStream, EngineClient, EngineStats, OutputSink
 from runner.entrypoints.openai.api_server import build_app
 from runner.entrypoints.openai.metrics import ServerMetrics
@@ -110,7 +111,7 @@ class LoopbackRank:
                 del running[i]
             else:
                 running[i] = done + 1
-        self.client._on_outputs(Outputs(0, [WireOutput.of(o) for o in outputs], CoreStats()))
+        self.client._on_outputs(Outputs(0, outputs, CoreStats()))
         self.stepping = bool(running)
         if self.stepping:
             asyncio.get_running_loop().call_soon(self._step)

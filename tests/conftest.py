@@ -6,6 +6,10 @@ import sys
 
 # fork-based multi-process tests are only safe when OpenMP pools stay single-threaded (set before torch loads).
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The offline LLM and the CLI run their engine core in a process of their own by default (vLLM's
+# VLLM_ENABLE_V1_MULTIPROCESSING=1); an engine process costs seconds to start, so tests run it in process unless
+# they ask for the default (tests/test_mp_default.py does, and compares the two).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import torch
 

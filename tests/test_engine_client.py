@@ -19,7 +19,7 @@ import pytest
 from proc_sockets import cpu_seconds
 from runner import LLM
 from runner.config import make_config
-from runner.engine.core_client import MPEngineClient
+from runner.engine.async_llm import MPEngineClient
 from runner.engine.protocol import EngineDeadError, RequestError
 from runner.sampling_params import RequestOutputKind, SamplingParams
 
@@ -94,7 +94,7 @@ def test_abort_frees_kv_and_bad_requests_are_refused_before_any_rank() -> None:
         client = MPEngineClient(engine_config(1))
         await client.start()
         try:
-            with pytest.raises(RequestError, match="prompt token id 9999 is outside the vocabulary"):
+            with pytest.raises(RequestError, match=r"token id 9999 at position \d+ is outside the vocabulary"):
                 async for _ in client.generate("bad", None, [1, 9999], SamplingParams(max_tokens=2)):
                     pass
             with pytest.raises(RequestError, match=r"max_tokens \(5000\).*exceeds max_model_len") as e:
@@ -144,7 +144,7 @@ def test_a_killed_rank_fails_requests_in_flight_naming_it() -> None:
 
 
 def test_rank_threads_follow_omp_num_threads_else_share_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:
-    from runner.engine.core_client import rank_threads
+    from runner.engine.mp_client import rank_threads
 
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert rank_threads(1) == 3 and rank_threads(2) == 3

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from runner.engine.core_client import _rank_stats
+from runner.engine.async_llm import _rank_stats
 from runner.engine.protocol import EngineStats, RankStats
 from runner.entrypoints.openai.metrics import ServerMetrics
 from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput

@@ -10,8 +10,10 @@ import asyncio
 import pytest
 
 from runner.config import RunnerConfig
-from runner.core.messages import INPUT_DECODER, AddRequest, AddRequests, CoreInfo, CoreStats, Outputs, WireOutput
-from runner.engine.core_client import EngineSockets, MPEngineClient, _Rank
+from runner.core.messages import INPUT_DECODER, AddRequest, AddRequests, CoreInfo, CoreStats, Outputs
+from runner.core.requests import EngineCoreOutput
+from runner.engine.async_llm import MPEngineClient
+from runner.engine.mp_client import EngineSockets, _Rank
 from runner.engine.protocol import EngineOverloadedError
 from runner.sampling_params import SamplingParams
 from tests.discard_sink import DiscardSink
@@ -51,7 +53,7 @@ def attached(num_clients: int, max_queued_requests: int | None = None) -> tuple[
 
 
 def report(client: MPEngineClient, rank: int, running: int, waiting: int, finished: tuple[int, ...] = ()) -> None:
-    outputs = [WireOutput(i, [5], finish_reason="length") for i in finished]
+    outputs = [EngineCoreOutput(i, [5], finish_reason="length") for i in finished]
     client._on_outputs(Outputs(rank, outputs, CoreStats(num_running=running, num_waiting=waiting)))
 
 

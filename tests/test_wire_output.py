@@ -1,10 +1,10 @@
-"""The engine-core outputs on the rank -> client link (``runner.core.messages.WireOutput``): what a client
+"""The engine-core outputs on the rank -> client link (``runner.core.requests.EngineCoreOutput``, array-like): what a client
 decodes equals what the rank's engine core made, field for field, whatever fields are set."""
 from __future__ import annotations
 
 import pytest
 
-from runner.core.messages import ENCODER, OUTPUT_DECODER, CoreStats, Outputs, WireOutput
+from runner.core.messages import ENCODER, OUTPUT_DECODER, CoreStats, Outputs
 from runner.core.requests import EngineCoreOutput
 from runner.core.runner_output import TokenLogprobs
 
@@ -26,7 +26,7 @@ CASES = [
 
 @pytest.mark.parametrize("sent", CASES, ids=range(len(CASES)))
 def test_a_client_reads_what_the_rank_made(sent: EngineCoreOutput) -> None:
-    msg = OUTPUT_DECODER.decode(ENCODER.encode(Outputs(1, [WireOutput.of(sent)], CoreStats(num_running=2))))
+    msg = OUTPUT_DECODER.decode(ENCODER.encode(Outputs(1, [sent], CoreStats(num_running=2))))
     assert isinstance(msg, Outputs) and msg.rank == 1 and msg.stats.num_running == 2
     (got,) = msg.outputs
     assert {f: getattr(got, f) for f in FIELDS} == {f: getattr(sent, f) for f in FIELDS}
@@ -34,6 +34,6 @@ def test_a_client_reads_what_the_rank_made(sent: EngineCoreOutput) -> None:
 
 def test_a_one_token_output_is_a_few_bytes() -> None:
     """Values only, without the fields' names: a one-token output of a running request."""
-    one = len(ENCODER.encode(Outputs(0, [WireOutput.of(CASES[0])] * 100, CoreStats())))
+    one = len(ENCODER.encode(Outputs(0, [CASES[0]] * 100, CoreStats())))
     none = len(ENCODER.encode(Outputs(0, [], CoreStats())))
     assert (one - none) / 100 <= 14

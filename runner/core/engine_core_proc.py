@@ -28,7 +28,7 @@ import contextlib
 import logging
 import pickle
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from runner.config import RunnerConfig
 from runner.core.engine_core import EngineCore
@@ -52,9 +52,11 @@ from runner.core.messages import (
     Wake,
     WaveDone,
     WaveStarted,
-    WireOutput,
 )
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+
+if TYPE_CHECKING:  # the model code is imported in the rank, once it runs
+    from runner.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("ubatch.engine_core")
 
@@ -93,10 +95,7 @@ def run_engine_core(cfg: RunnerConfig, input_addresses: list[str], output_addres
 
         runner = ModelRunner(cfg, rank, world)
         core = EngineCore(cfg, runner, before_launch=report_progress)
-        dtype = str(next(runner.model.parameters()).dtype).removeprefix("torch.")
-        send_all(outs, Ready(CoreInfo(rank, runner.max_model_len, runner.vocab_size, runner.num_kv_blocks,
-                                      runner.block_size, sorted(runner.eos_token_ids), dtype,
-                                      runner.experts_backend)))
+        send_all(outs, Ready(rank_info(runner)))
         CoreLoop(core, inp, outs, rank, world).run()
     except BaseException as exc:
         send_all(outs, CoreFailed(rank, describe_exception(exc)))
@@ -108,6 +107,13 @@ def run_engine_core(cfg: RunnerConfig, input_addresses: list[str], output_addres
         for out in outs:
             out.close()
         ctx.term()
+
+
+def rank_info(runner: ModelRunner) -> CoreInfo:
+    """What a client needs to know of a loaded rank (its ``Ready``)."""
+    dtype = str(next(runner.model.parameters()).dtype).removeprefix("torch.")
+    return CoreInfo(runner.rank, runner.max_model_len, runner.vocab_size, runner.num_kv_blocks, runner.block_size,
+                    sorted(runner.eos_token_ids), dtype, runner.experts_backend)
 
 
 def send_all(outs: list[Any], msg: OutputMessage) -> None:
@@ -191,7 +197,7 @@ class CoreLoop:
     def _add_request(self, request: EngineCoreRequest, client_index: int) -> None:
         if self.stopping:  # the client stops sending before Shutdown; never start a wave now
             refused = EngineCoreOutput(request.request_id, finish_reason="abort", error="the engine is shutting down")
-            self.outs[client_index].send(ENCODER.encode(Outputs(self.rank, [WireOutput.of(refused)], self._stats())))
+            self.outs[client_index].send(ENCODER.encode(Outputs(self.rank, [refused], self._stats())))
             return
         self.client_of[request.request_id] = client_index
         self.core.add_request(request)
@@ -220,19 +226,18 @@ class CoreLoop:
         if self.running:
             return
         self.running = True
-        if self.world > 1:
-            send_all(self.outs, WaveStarted(self.rank, self.wave))
+        # with one rank too: a client's run ends once the wave it started is over, its final counters in
+        send_all(self.outs, WaveStarted(self.rank, self.wave))
 
     def _send_outputs(self, outputs: list[EngineCoreOutput], force_stats: bool = False) -> None:
         """Each client gets its requests' outputs; the stats go along, and alone to a client without outputs
         when ``force_stats`` or its last ones are ``STATS_INTERVAL_S`` old."""
         now = time.monotonic()
-        per_client: list[list[WireOutput]] = [[] for _ in self.outs]
-        wire = WireOutput.of
+        per_client: list[list[EngineCoreOutput]] = [[] for _ in self.outs]
         for out in outputs:
             client = self.client_of.pop(out.request_id, None) if out.finished else self.client_of.get(out.request_id)
             if client is not None:  # None: aborted by its client, which expects nothing more
-                per_client[client].append(wire(out))
+                per_client[client].append(out)
         stats: CoreStats | None = None
         for client, mine in enumerate(per_client):
             if mine or force_stats or now - self._last_stats[client] >= STATS_INTERVAL_S:

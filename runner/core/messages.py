@@ -15,7 +15,6 @@ from __future__ import annotations
 import msgspec
 
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
-from runner.core.runner_output import TokenLogprobs
 
 
 class CoreInfo(msgspec.Struct):
@@ -100,37 +99,9 @@ class Ready(msgspec.Struct, tag="ready"):
     info: CoreInfo
 
 
-class WireOutput(msgspec.Struct, array_like=True, gc=False):
-    """An :class:`~runner.core.requests.EngineCoreOutput` on its way to a client: a msgpack array of its values
-    without the fields' names (the dataclass goes as a map with every name: about ten times the bytes, and
-    slower to decode; docs/benchmarks.md has the figures). The client reads these as they arrive
-    (``runner.core.requests.CoreOutput``). No reference cycle can pass through one, so the garbage collector
-    does not track them (``gc=False``)."""
-
-    request_id: int
-    new_token_ids: list[int] = []
-    num_prompt_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: int | None = None
-    error: str | None = None
-    new_logprobs: list[TokenLogprobs] | None = None
-    new_prompt_logprobs: list[TokenLogprobs] | None = None
-    prompt_logprobs_start: int = 0
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-    @staticmethod
-    def of(out: EngineCoreOutput) -> WireOutput:
-        return WireOutput(out.request_id, out.new_token_ids, out.num_prompt_tokens, out.finish_reason,
-                          out.stop_reason, out.error, out.new_logprobs, out.new_prompt_logprobs,
-                          out.prompt_logprobs_start)
-
-
 class Outputs(msgspec.Struct, tag="outputs"):
     rank: int
-    outputs: list[WireOutput]
+    outputs: list[EngineCoreOutput]  # array-like structs: values only, no field names
     stats: CoreStats
 
 

@@ -43,3 +43,12 @@ def prompt_problem(prompt: object, params: SamplingParams, vocab_size: int, max_
     except ValueError as e:
         return str(e)
     return None
+
+
+def max_tokens_problem(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> str | None:
+    """Why ``max_tokens`` cannot be generated after this prompt, or None: the server refuses what would run past
+    ``max_model_len`` (vLLM's API server alike); the offline front ends stop generating there instead."""
+    if num_prompt_tokens + max_tokens <= max_model_len:
+        return None
+    return (f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) = {num_prompt_tokens + max_tokens} "
+            f"exceeds max_model_len {max_model_len}")

@@ -7,8 +7,9 @@ engine client (``runner/engine/``), never to a rank's step loop. The same types 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+
+import msgspec
 
 from runner.core.runner_output import TokenLogprobs
 from runner.sampling_params import SamplingParams
@@ -27,14 +28,18 @@ class EngineCoreRequest:
     arrival_time: float = 0.0
 
 
-@dataclass
-class EngineCoreOutput:
+class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     """What one step added to a request: its new tokens (at most one per step today), their log-probabilities
     when asked for, and, when it finished, why. ``finish_reason`` is vLLM's: "stop" (EOS or a stop token,
-    named by ``stop_reason``), "length", "abort", or "error" (``error`` says what was wrong)."""
+    named by ``stop_reason``), "length", "abort", or "error" (``error`` says what was wrong).
+
+    One type in process and on the rank -> client link: a msgspec struct encoded as a msgpack array of its values
+    without the fields' names (a map with every name is about ten times the bytes, and slower to decode;
+    docs/benchmarks.md has the figures). No reference cycle can pass through one, so the garbage collector does
+    not track them (``gc=False``)."""
 
     request_id: int
-    new_token_ids: list[int] = field(default_factory=list)
+    new_token_ids: list[int] = []
     new_logprobs: list[TokenLogprobs] | None = None
     finish_reason: str | None = None
     stop_reason: int | None = None
@@ -49,33 +54,7 @@ class EngineCoreOutput:
         return self.finish_reason is not None
 
 
-class CoreOutput(Protocol):
-    """What a client reads of an engine-core output: an :class:`EngineCoreOutput` made in this process, or the
-    same fields as a rank sent them over ZeroMQ (``runner.core.messages.WireOutput``), read as they arrive."""
-
-    @property
-    def request_id(self) -> int: ...
-
-    @property
-    def new_token_ids(self) -> list[int]: ...
-
-    @property
-    def new_logprobs(self) -> list[TokenLogprobs] | None: ...
-
-    @property
-    def finish_reason(self) -> str | None: ...
-
-    @property
-    def stop_reason(self) -> int | None: ...
-
-    @property
-    def error(self) -> str | None: ...
-
-    @property
-    def new_prompt_logprobs(self) -> list[TokenLogprobs] | None: ...
-
-    @property
-    def prompt_logprobs_start(self) -> int: ...
-
-    @property
-    def finished(self) -> bool: ...
+def default_seed(seed: int, index: int) -> int:
+    """The seed of the ``index``-th engine request an engine client makes under ``cfg.seed`` = ``seed``: an
+    unseeded random request's tokens then depend only on its prompt and this number, never on its rank or batch."""
+    return seed * 1_000_003 + index

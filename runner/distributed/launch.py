@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Sequence
@@ -285,6 +286,30 @@ def launch(fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, tim
     return results
 
 
+_MAIN_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _main_hidden(hide: bool) -> Iterator[None]:
+    """While a rank is spawned, show multiprocessing a ``__main__`` without a file or module name, so that the
+    child does not run the user's script again: a rank whose function lives in an importable package (the engine
+    cores) needs nothing from it, and a script that builds an ``LLM`` at its top level, without the
+    ``if __name__ == "__main__"`` guard, then works as vLLM's default does. Only for the start call; nothing else
+    in this process reads ``__main__`` meanwhile but the spawn's preparation data."""
+    if not hide:
+        yield
+        return
+    with _MAIN_LOCK:
+        real = sys.modules["__main__"]
+        stub = types.ModuleType("__main__")
+        stub.__spec__ = None
+        sys.modules["__main__"] = stub
+        try:
+            yield
+        finally:
+            sys.modules["__main__"] = real
+
+
 class RankGroup:
     """``nprocs`` spawned ranks of one world, started and supervised by the caller (:func:`launch` is the
     blocking form). A server starts them, supervises them from a thread (``supervise(stop)``) while it serves,
@@ -299,7 +324,7 @@ class RankGroup:
     def __init__(self, fn: Callable[..., Any], nprocs: int, args: Sequence[Any] = (), *, timeout_s: float = 120.0,
                  device: str = "auto", backend: str | None = None, num_threads: int = 1, grace_s: float = 5.0,
                  start_method: str = "spawn", child_tracebacks: bool = True, silence_s: float | None = None,
-                 parent_handles_signals: bool = False) -> None:
+                 parent_handles_signals: bool = False, import_main: bool = True) -> None:
         if nprocs < 1:
             raise ValueError(f"nprocs must be >= 1, got {nprocs}")
         self.nprocs = nprocs
@@ -311,6 +336,7 @@ class RankGroup:
         self.ctx = mp.get_context(start_method)
         self.board = new_board(self.ctx, nprocs)
         self.child_tracebacks, self.parent_handles_signals = child_tracebacks, parent_handles_signals
+        self.import_main = import_main
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.started: list[float] = []
@@ -335,7 +361,7 @@ class RankGroup:
             self.procs.append(p)  # before start(): a signal arriving during start() still finds it to stop
             self.conns.append(parent_conn)
             with environ_set({**common, "RANK": str(rank), "WORLD_SIZE": str(self.nprocs), "LOCAL_RANK": str(rank),
-                           "LOCAL_WORLD_SIZE": str(self.nprocs)}):
+                           "LOCAL_WORLD_SIZE": str(self.nprocs)}), _main_hidden(not self.import_main):
                 p.start()
             child_conn.close()
             self.started.append(time.monotonic())
@@ -372,6 +398,39 @@ class RankGroup:
             c.close()
         self.rdzv.close()
         return stopped
+
+
+class RankSupervisor:
+    """A long-lived engine's rank supervisor: a daemon thread over :meth:`RankGroup.watch`. The first failure is
+    kept (``error``: the launcher's one line; ``tracebacks``: by rank) and handed to ``on_failure`` from the
+    thread; ``expected_exit()`` true means the ranks were told to leave. One supervisor serves every engine client
+    and the multi-API-server parent."""
+
+    def __init__(self, group: RankGroup, what: str, expected_exit: Callable[[], bool] = lambda: False,
+                 on_failure: Callable[[str], None] | None = None) -> None:
+        self.group = group
+        self.error: str | None = None
+        self.tracebacks: dict[int, str] = {}
+        self._what, self._expected_exit, self._on_failure = what, expected_exit, on_failure
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="ubatch-rank-supervisor", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        failure = self.group.watch(self._stop, self._expected_exit, self._what)
+        if failure is None:
+            return
+        if isinstance(failure, RankFailedError):
+            self.tracebacks = failure.tracebacks
+        self.error = str(failure)
+        if self._on_failure is not None:
+            self._on_failure(self.error)
+
+    def stop(self) -> None:
+        """Stop watching (the ranks are being stopped on purpose) and wait for the thread. Idempotent."""
+        self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=10)
 
 
 def _supervise(procs: list[Any], conns: list[Connection], board: Any, started: list[float], silence_s: float,

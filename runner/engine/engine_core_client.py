@@ -1,24 +1,25 @@
-"""What the offline front ends drive: one engine client, in-process for one rank or over the engine-core processes
-for DP > 1 (vLLM's ``EngineCoreClient``: ``InprocClient`` / ``SyncMPClient``).
+"""What the offline front ends drive (vLLM's ``EngineCoreClient``): the protocol every client of the family
+implements (``runner/engine/core_client.py`` picks one), and what one run reports.
 
-The client speaks the engine core's language: requests go in as :class:`~runner.core.requests.EngineCoreRequest`
-(the caller's :class:`~runner.engine.output_processor.OutputProcessor` made them), outputs come back as
-:class:`~runner.core.requests.EngineCoreOutput` s (over ZeroMQ, their fields as the ranks sent them:
-``CoreOutput``), and :meth:`EngineCoreClient.run` runs the engine until every request added has finished. The
-step loop lives in the engine core (``EngineCore.run_wave`` in process, each rank's ``CoreLoop`` over ZeroMQ);
-the caller only turns outputs into ``RequestOutput`` s between steps.
+Requests go in as :class:`~runner.core.requests.EngineCoreRequest` (the caller's ``OutputProcessor`` made them),
+outputs come back as :class:`~runner.core.requests.EngineCoreOutput` s (one msgspec struct in process and on the
+wire), and :meth:`EngineCoreClient.run` runs the engine until every request added has finished. The step loop
+lives in the engine core (``EngineCore.run_wave`` in process, each rank's ``CoreLoop`` in its process); the caller
+only turns outputs into ``RequestOutput`` s, while the cores step when they run in processes of their own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, Sequence
 
+from runner.config import RunnerConfig
+from runner.core.messages import CoreInfo
 from runner.core.overlap_loop import LoopStats
-from runner.core.requests import CoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.tracing import RankTrace
 
-OnOutputs = Callable[[Sequence[CoreOutput]], None]
-
+OnOutputs = Callable[[Sequence[EngineCoreOutput]], None]
 
 @dataclass
 class RunReport:
@@ -38,14 +39,26 @@ class EngineCoreClient(Protocol):
     """One engine (every DP rank it runs) as the offline ``LLM`` sees it; used from one thread at a time."""
 
     @property
+    def core_info(self) -> CoreInfo:
+        """What the engine's rank 0 is: vocabulary, ``max_model_len``, dtype, experts backend, ..."""
+
+    @property
     def max_model_len(self) -> int: ...
 
     @property
     def vocab_size(self) -> int: ...
 
     @property
+    def runner(self) -> ModelRunnerProtocol | None:
+        """The model runner when it is in this process (None: the engine runs in processes of its own)."""
+
+    @property
     def forward_thread_id(self) -> int | None:
         """The thread the in-process engine core steps on (None: none in this process)."""
+
+    def prepare(self, cfg: RunnerConfig) -> None:
+        """Run the next :meth:`run` with ``cfg`` (benchmarks switch the loop settings between runs), or raise
+        ValueError naming what cannot change any more."""
 
     def add_request(self, request: EngineCoreRequest) -> None:
         """Queue a request for the next :meth:`run`; ids are unique across the client's ranks."""

@@ -1,9 +1,10 @@
 """The engine client for one rank in this process (vLLM's ``InprocClient``): an :class:`EngineCore` over a model
 runner, stepped by the core's own loop (:meth:`EngineCore.run_wave`) in the calling thread.
 
-The offline ``LLM`` uses it with one DP rank, and on each rank of a world someone else launched (``torchrun``,
-or ``runner.distributed.launch``: vLLM's ``external_launcher``), where every rank steps its own core and the DP
-vote inside the runner keeps the ranks in lockstep. The core is built on the first request, so its one-time
+The offline ``LLM`` uses it with one DP rank under ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` or an injected runner,
+and on each rank of a world someone else launched (``torchrun``, or ``runner.distributed.launch``: vLLM's
+``external_launcher``), where every rank steps its own core and the DP vote inside the runner keeps the ranks in
+lockstep. The core is built on the first request, so its one-time
 set-up (the garbage collector's tuning) is not counted in the first call's time.
 """
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from runner import tracing
 from runner.config import RunnerConfig
 from runner.core.engine_core import EngineCore
+from runner.core.messages import CoreInfo
 from runner.core.requests import EngineCoreRequest
 from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.distributed.liveness import report_progress
@@ -31,6 +33,16 @@ class InprocClient:
         if self._core is None:
             self._core = EngineCore(self.cfg, self.runner, before_launch=report_progress)  # liveness: step count
         return self._core
+
+    @property
+    def core_info(self) -> CoreInfo:
+        """What a rank process would report of this runner once loaded (a ModelRunner's; a stand-in has none)."""
+        from runner.core.engine_core_proc import rank_info
+        from runner.worker.model_runner import ModelRunner
+
+        if not isinstance(self.runner, ModelRunner):
+            raise TypeError(f"this client runs an injected {type(self.runner).__name__}, not a ModelRunner")
+        return rank_info(self.runner)
 
     @property
     def max_model_len(self) -> int:

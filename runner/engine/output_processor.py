@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Sequence
 
-from runner.core.requests import CoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.engine.byte_level import byte_level_table
 from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.generation_config import GenerationConfig
@@ -173,7 +173,7 @@ class OutputProcessor:
         return list(self.request_states)
 
     # ------------------------------------------------------------------ outputs
-    def process_outputs(self, outputs: Iterable[CoreOutput],
+    def process_outputs(self, outputs: Iterable[EngineCoreOutput],
                         now: float | None = None) -> tuple[list[RequestOutput], list[int]]:
         """Turn one batch of engine-core outputs (from any DP rank, any order) into RequestOutputs; returns
         them and the engine request ids that stopped here (a stop string, or bad log-probabilities) and must

@@ -1,7 +1,7 @@
 """What a front end needs from the engine while requests arrive and stream (vLLM's ``EngineClient`` protocol).
 
 The OpenAI server (``runner/entrypoints/openai/``) is written against :class:`EngineClient` only: the
-multi-process client (one engine-core process per DP rank, ``runner/engine/core_client.py``) implements it,
+multi-process client (one engine-core process per DP rank, ``runner/engine/async_llm.py``) implements it,
 and so can a test double. Everything here is asyncio-friendly: no call blocks the event loop on a forward step.
 """
 from __future__ import annotations

@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Iterable, Sequence
 
-from runner.core.requests import CoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.engine.generation_config import GenerationConfig
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.protocol import MetricsSink, OutputSink
@@ -69,7 +69,7 @@ class RequestTracker:
                 self._last_token.pop(eid, None)
             self._forget(request_id)
 
-    def process(self, outputs: Sequence[CoreOutput], metrics: MetricsSink | None) -> list[int]:
+    def process(self, outputs: Sequence[EngineCoreOutput], metrics: MetricsSink | None) -> list[int]:
         """Hand the ranks' outputs to their requests; returns the engine requests to abort (stopped here).
         The step's tokens and gaps go to ``metrics`` in one report (a request's first token in one of its own,
         with its time to first token)."""

@@ -17,7 +17,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from runner.config import RunnerConfig
-from runner.engine.core_client import EngineSockets
+from runner.engine.mp_client import EngineSockets
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -62,7 +62,7 @@ def api_server_main(spec: ApiServerSpec, sock: socket.socket, conn: Connection) 
 
 async def _serve_attached(spec: ApiServerSpec, sock: socket.socket, conn: Connection) -> int:
     from runner.core.engine_core import tune_gc
-    from runner.engine.core_client import MPEngineClient
+    from runner.engine.async_llm import MPEngineClient
     from runner.entrypoints.openai.api_server import run_server
     from runner.entrypoints.openai.cli_args import served_model_names
     from runner.entrypoints.openai.metrics import ServerMetrics

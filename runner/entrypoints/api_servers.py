@@ -1,7 +1,7 @@
 """``serve --api-server-count N`` (vLLM's flag): N API-server processes on one port in front of the same ranks.
 
 One process's event loop tokenizes, detokenizes and writes every streamed token; N of them spread that CPU.
-This process (the parent) binds the listening socket once, starts the ranks (``core_client.start_ranks``) and
+This process (the parent) binds the listening socket once, starts the ranks (``mp_client.EngineProcesses``) and
 N API-server processes that inherit the socket (``api_server_proc.py``: the kernel hands each new connection to
 one of them, which serves that request end to end with its own engine client, ``client_index`` i of N), and
 supervises all:
@@ -29,17 +29,16 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import time
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, Any
 
 from runner.config import RunnerConfig
-from runner.engine.core_client import EngineSockets
+from runner.engine.mp_client import EngineProcesses, EngineSockets
 from runner.entrypoints.api_server_proc import SIGNALS, ApiServerSpec, api_server_main
 
 if TYPE_CHECKING:
-    from runner.distributed.launch import RankGroup
+    from runner.distributed.launch import RankSupervisor
 
 logger = logging.getLogger("runner.entrypoints.openai.api_servers")
 
@@ -50,8 +49,9 @@ DEAD_EXIT_S = 30.0
 def serve_api_servers(cfg: RunnerConfig, args: argparse.Namespace, tokenizer: Any, generation_config: Any,
                       max_logprobs: int) -> int:
     """Run the ranks and ``args.api_server_count`` API servers until a signal (drain; 0) or a failure (1)."""
+    import zmq
+
     from runner.distributed.launch import environ_set
-    from runner.engine.core_client import start_ranks
     from runner.entrypoints.openai.api_server import bind_socket
 
     count = args.api_server_count
@@ -59,25 +59,24 @@ def serve_api_servers(cfg: RunnerConfig, args: argparse.Namespace, tokenizer: An
     sockets = EngineSockets.create(cfg.data_parallel_size, count)
     metrics_dir = tempfile.mkdtemp(prefix="ubatch-prometheus-")
     signals = _Signals()
-    group: RankGroup | None = None
+    ranks = EngineProcesses(sockets, owns_ranks=True)  # the parent's: it starts, watches and stops the ranks
     servers = _ApiServers()
     failure: str | None = None
     try:
         with signals:
-            group = start_ranks(cfg, sockets)
-            ranks = _RankWatch(group)
+            ranks.connect(zmq.Context(), None)
+            ranks.start(cfg, "the server")
+            assert ranks.supervisor is not None
             with environ_set({"PROMETHEUS_MULTIPROC_DIR": metrics_dir}):
                 for i in range(count):
                     servers.start(ApiServerSpec(i, count, server_flags(args), cfg, tokenizer, generation_config,
                                                 max_logprobs, sockets, os.getpid()), sock)
-            failure = _supervise(servers, ranks, signals, sock, args.shutdown_timeout)
-            if failure is None:
-                _stop_ranks(group, sockets, args.shutdown_timeout + 30.0)
-            ranks.stop()
+            failure = _supervise(servers, ranks.supervisor, signals, sock, args.shutdown_timeout)
+            # every API server is gone: the ranks leave their loops after their wave, then are stopped
+            ranks.close(graceful=failure is None, wait_s=args.shutdown_timeout + 30.0)
     finally:
         servers.close()
-        if group is not None:
-            group.close()
+        ranks.close(graceful=False)
         sock.close()
         sockets.remove()
         shutil.rmtree(metrics_dir, ignore_errors=True)
@@ -92,7 +91,7 @@ def server_flags(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if not isinstance(v, argparse.ArgumentParser)})
 
 
-def _supervise(servers: _ApiServers, ranks: _RankWatch, signals: _Signals, sock: socket.socket,
+def _supervise(servers: _ApiServers, ranks: RankSupervisor, signals: _Signals, sock: socket.socket,
                shutdown_timeout_s: float) -> str | None:
     """Until every API server has exited: relay signals and failures; the first failure, or None."""
     from runner.distributed.launch import describe_exit
@@ -130,46 +129,6 @@ def _supervise(servers: _ApiServers, ranks: _RankWatch, signals: _Signals, sock:
             servers.kill_after(DEAD_EXIT_S if not draining else shutdown_timeout_s + DEAD_EXIT_S)
         servers.kill_overdue()
     return failure
-
-
-def _stop_ranks(group: RankGroup, sockets: EngineSockets, timeout_s: float) -> None:
-    """Every API server is gone: tell the ranks to leave their loops (after their wave), then wait for them."""
-    import zmq
-
-    from runner.core.messages import ENCODER, Shutdown
-
-    ctx = zmq.Context()
-    try:
-        for address in sockets.inputs:
-            out = ctx.socket(zmq.PUSH)
-            out.setsockopt(zmq.LINGER, 1000)
-            out.connect(address)
-            out.send(ENCODER.encode(Shutdown()))
-            out.close()
-    finally:
-        ctx.term()
-    deadline = time.monotonic() + timeout_s
-    for p in group.procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-
-
-class _RankWatch:
-    """The ranks' supervisor, in a thread: ``error`` names the failed rank(s) (the launcher's words)."""
-
-    def __init__(self, group: RankGroup) -> None:
-        self.group = group
-        self.error: str | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="ubatch-rank-supervisor", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        failure = self.group.watch(self._stop, lambda: False, "the server")
-        self.error = None if failure is None else str(failure)
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=10)
 
 
 class _ApiServers:

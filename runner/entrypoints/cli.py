@@ -4,8 +4,9 @@ Flags default to ``None`` so "not given" is visible: RunnerConfig's own defaults
 ``--all2all-backend`` becomes ``auto`` when DP > 1 with expert parallelism. Every bad value — argparse's
 or RunnerConfig's validation — exits with code 2 and ``argument --flag: ...``.
 
-Launch modes (vLLM's ``LLM``): with ``--data-parallel-size N > 1`` this process runs the job over N engine-core
-processes it starts (``LLM(data_parallel_size=N)``: ``runner/engine/sync_client.py``) and reports; under
+Launch modes (vLLM's ``LLM``): in a plain process the job runs over the engine-core processes this process
+starts, one per DP rank (``runner/engine/sync_client.py``; ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` keeps one rank
+in this process), and this process reports; under
 ``torchrun`` (``--distributed-executor-backend external_launcher`` asks for it) every process runs the job as
 one rank, SPMD, and rank 0 reports.
 
@@ -160,7 +161,7 @@ class Job:
     disable_tqdm: bool
     repeats: int = 1  # bench: timed runs per variant
     tokenizer: str | None = None  # --tokenizer: a directory to load the tokenizer from instead of the model's
-    rank_processes: bool = False  # DP > 1 in a plain process: the engine-core processes are started here
+    rank_processes: bool = False  # a plain process (not torchrun): the engine client is started here
     debug: bool = False  # --debug: the rank processes print their tracebacks
 
 
@@ -267,21 +268,20 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio,
                                  info.vocab_size, cfg.seed)
     return Job(args.command, cfg, prompts, sampling, args.disable_tqdm, getattr(args, "bench_repeats", 1),
-               tokenizer, rank_processes=cfg.data_parallel_size > 1 and not torchrun_env_present(),
+               tokenizer, rank_processes=not torchrun_env_present(),
                debug=_debug(args))
 
 
 # ---------------------------------------------------------------------------------------------- the run
 def open_llm(job: Job, cfg: RunnerConfig) -> LLM:
-    """The engine of one run: over engine-core processes started here when ``job.rank_processes`` (their
-    tracebacks on stderr only with ``--debug``), else in this process (the only rank, or one of torchrun's)."""
+    """The engine of one run: in a plain process (``job.rank_processes``) the client ``make_client`` picks (over
+    engine-core processes, their tracebacks on stderr only with ``--debug``), else this rank of torchrun's world."""
+    from runner.engine.core_client import make_client
     from runner.entrypoints.llm import LLM
 
     if not job.rank_processes:
         return LLM(cfg, tokenizer=job.tokenizer)
-    from runner.engine.sync_client import SyncMPClient
-
-    client = SyncMPClient(cfg, rank_tracebacks=job.debug)
+    client = make_client(cfg, rank_tracebacks=job.debug)
     try:
         return LLM(cfg, engine_client=client, tokenizer=job.tokenizer)
     except BaseException:
@@ -337,13 +337,8 @@ def run_job(job: Job) -> dict[str, Any] | None:
 def model_facts(llm: LLM) -> tuple[str, str]:
     """(the dtype the ranks' model computes in: ``bfloat16``, ``float32``, ...; their experts backend), as the
     rank processes reported them once loaded, or read from this process's model runner."""
-    from runner.engine.sync_client import SyncMPClient
-
-    client = llm.engine_client
-    if isinstance(client, SyncMPClient):
-        return client.core_info.dtype, client.core_info.experts_backend
-    runner = llm.model_runner
-    return str(next(runner.model.parameters()).dtype).removeprefix("torch."), runner.experts_backend
+    info = llm.engine_client.core_info
+    return info.dtype, info.experts_backend
 
 
 def float32_check(job: Job, runs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -400,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         describe_exception,
         torchrun_env_present,
     )
-    from runner.engine.sync_client import RanksDeadError
+    from runner.engine.mp_client import RanksDeadError
 
     under_torchrun = torchrun_env_present() and int(os.environ["WORLD_SIZE"]) > 1
     who = f"[rank {os.environ['RANK']}] " if under_torchrun else ""  # every torchrun process reports its own

@@ -1,12 +1,14 @@
 """LLM: the offline Python API, as vLLM users write it (vLLM's ``vllm/entrypoints/llm.py``).
 
 ``generate`` and ``chat`` take vLLM's arguments and return vLLM's ``RequestOutput``s. The LLM turns prompts into
-engine-core requests and outputs back into ``RequestOutput``s (``OutputProcessor``); an engine client runs them
-(``runner/engine/engine_core_client.py``), which of three is picked from where the LLM runs:
+engine-core requests and outputs back into ``RequestOutput``s (``OutputProcessor``); an engine client runs them,
+picked by ``runner.engine.core_client.make_client`` from where the LLM runs:
 
-- one DP rank: the in-process client (``InprocClient``: an ``EngineCore`` and its step loop in this process);
-- ``data_parallel_size > 1`` in a plain process: the engine-core processes, one per rank, started here and
-  stopped by ``close()``, ``del`` or interpreter exit (``SyncMPClient``);
+- in a plain process, by default: the engine-core processes, one per DP rank (one for one rank, as vLLM's
+  ``VLLM_ENABLE_V1_MULTIPROCESSING=1``), started here and stopped by ``close()``, ``del`` or interpreter exit
+  (``SyncMPClient``): this process detokenizes and builds outputs while the cores run the next steps;
+- one DP rank with ``VLLM_ENABLE_V1_MULTIPROCESSING=0``, or an injected runner: the in-process client
+  (``InprocClient``: an ``EngineCore`` and its step loop in this process);
 - inside a world someone else launched (``torchrun``, ``runner.distributed.launch``; vLLM's
   ``distributed_executor_backend="external_launcher"``): one LLM per rank, every rank calling ``generate`` with
   the same prompts (SPMD); prompt ``i`` runs on rank ``i % data_parallel_size`` (its in-process client) and the
@@ -30,11 +32,11 @@ from runner import tracing
 from runner.config import ConfigError, RunnerConfig, make_config
 from runner.core.overlap_loop import LoopStats
 from runner.core.prompt_checks import prompt_problem
-from runner.core.requests import CoreOutput
+from runner.core.requests import EngineCoreOutput, default_seed
 from runner.core.runner_protocol import ModelRunnerProtocol
+from runner.engine.core_client import make_client
 from runner.engine.engine_core_client import EngineCoreClient, RunReport
 from runner.engine.generation_config import GenerationConfig, load_generation_config, model_eos_token_ids
-from runner.engine.inproc_client import InprocClient
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.tokenizer import apply_chat_template, encode, load_tokenizer, load_tokenizer_from_dir
 from runner.entrypoints.output_paths import output_path_error
@@ -157,27 +159,14 @@ class LLM:
         # before any weight is read: the generation config (a bad one is an error) and max_model_len
         self.generation_config = self._load_generation_config(
             runner.eos_token_ids if runner is not None else None)
-        self._runner: ModelRunnerProtocol | None = runner
-        self._client: EngineCoreClient
         if runner is None:
             from runner.models.loader import check_max_model_len, model_config
 
             if cfg.max_model_len is not None:
                 check_max_model_len(cfg.max_model_len, model_config(cfg.model, cfg.cache_dir))
-        if engine_client is not None:
-            self._client = engine_client
-            if isinstance(engine_client, InprocClient):
-                self._runner = engine_client.runner
-        elif runner is None and world is None and cfg.data_parallel_size > 1:
-            from runner.engine.sync_client import SyncMPClient
-
-            self._client = SyncMPClient(cfg)  # the rank processes load the model
-        else:
-            if runner is None:
-                from runner.worker.model_runner import ModelRunner
-
-                runner = self._runner = ModelRunner(cfg, self.rank, self.world_size)
-            self._client = InprocClient(cfg, runner)
+        self._client: EngineCoreClient = engine_client if engine_client is not None \
+            else make_client(cfg, runner=runner, world=world)
+        self._runner: ModelRunnerProtocol | None = self._client.runner
         self._tokenizer = load_tokenizer_from_dir(tokenizer) if isinstance(tokenizer, (str, os.PathLike)) \
             else tokenizer
         self._tokenizer_loaded = tokenizer is not None
@@ -194,10 +183,12 @@ class LLM:
     @property
     def runner(self) -> ModelRunnerProtocol:
         """This process's model runner (one DP rank, or this rank of a launched world); a RuntimeError when the
-        ranks run in processes this LLM started."""
+        engine cores run in processes this LLM started (set VLLM_ENABLE_V1_MULTIPROCESSING=0 for one rank in this
+        process)."""
         if self._runner is None:
-            raise RuntimeError(f"this LLM runs data_parallel_size={self.cfg.data_parallel_size} ranks in their own "
-                               "processes: their model runners are not in this process")
+            raise RuntimeError(f"this LLM runs its data_parallel_size={self.cfg.data_parallel_size} engine core(s) "
+                               "in their own processes: their model runners are not in this process (set "
+                               "VLLM_ENABLE_V1_MULTIPROCESSING=0 to run one rank in this process)")
         return self._runner
 
     @property
@@ -255,9 +246,9 @@ class LLM:
     def _close(self) -> None:
         self._client.close()
 
-    def __del__(self) -> None:  # the rank processes of an LLM that was never closed end with it
+    def __del__(self) -> None:  # the engine-core processes of an LLM that was never closed end with it
         client = self.__dict__.get("_client")
-        if client is not None and not isinstance(client, InprocClient):
+        if client is not None and client.runner is None:
             client.close()
 
     def _prompt_inputs(self, prompts: Any) -> list[tuple[str | None, Any]]:
@@ -385,8 +376,7 @@ class LLM:
                 raise ValueError(f"stop strings {stop!r} need a tokenizer to find them in the text, and model "
                                  f"{self.cfg.model!r} has none; use stop_token_ids")
         client = self._client
-        if isinstance(client, InprocClient):  # benchmarks switch the loop settings with llm.cfg = ...
-            client.prepare(self.cfg)
+        client.prepare(self.cfg)  # benchmarks switch the loop settings with llm.cfg = ... (in process only)
         local = list(range(self.rank, len(inputs), self.world_size))
         self._check_prompts(inputs, params, local)
         start = time.perf_counter()
@@ -399,7 +389,7 @@ class LLM:
             n = params[i].n
             for request in processor.add_request(str(first_id + i), text, ids, params[i],
                                                  engine_request_ids=range(engine_id, engine_id + n),
-                                                 default_seed=self.cfg.seed * 1_000_003 + i):
+                                                 default_seed=default_seed(self.cfg.seed, i)):
                 client.add_request(request)
             engine_id += n
         self._engine_request_counter = engine_id
@@ -463,7 +453,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         client = self._client
 
-        def collect(outputs: Sequence[CoreOutput]) -> None:
+        def collect(outputs: Sequence[EngineCoreOutput]) -> None:
             nonlocal out_tokens
             results, to_abort = processor.process_outputs(outputs)
             if to_abort:

@@ -61,7 +61,7 @@ class ProfileRecorder:
 
 
 def add_profile_routes(app: FastAPI, root: str) -> None:
-    """Routes over ``app.state.engine_client`` (an ``MPEngineClient``), writing under ``root``
+    """Routes over ``app.state.engine_client`` (an ``MPEngineClient``, ``runner/engine/async_llm.py``), writing under ``root``
     (``--profile-dir``); ``app.state.profiles`` is the recorder."""
     recorder = app.state.profiles = ProfileRecorder(root)
 

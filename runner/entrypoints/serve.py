@@ -92,7 +92,7 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
 
 async def _serve(cfg: Any, args: argparse.Namespace, tokenizer: Any, generation_config: Any, max_logprobs: int) -> int:
     from runner.core.engine_core import tune_gc
-    from runner.engine.core_client import MPEngineClient
+    from runner.engine.async_llm import MPEngineClient
     from runner.entrypoints.openai.api_server import bind_socket, run_server
     from runner.entrypoints.openai.cli_args import served_model_names
     from runner.entrypoints.openai.metrics import ServerMetrics
