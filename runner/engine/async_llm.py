@@ -43,6 +43,7 @@ from runner.engine.protocol import (
     RequestError,
 )
 from runner.engine.simple_output import RequestTracker
+from runner.engine.tokenizer import Tokenizer
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
 
@@ -74,7 +75,7 @@ class MPEngineClient(AsyncMPClient, EngineClient):
     (:meth:`engine_failed`)."""
 
     # tokenizer: a transformers tokenizer (third-party), or None for a model without one
-    def __init__(self, cfg: RunnerConfig, *, tokenizer: Any = None,
+    def __init__(self, cfg: RunnerConfig, *, tokenizer: Tokenizer = None,
                  default_params: dict[str, Any] | None = None, max_queued_requests: int | None = None,
                  metrics: MetricsSink | None = None, on_dead: Callable[[str], None] | None = None,
                  generation_config: GenerationConfig | None = None, sockets: EngineSockets | None = None,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from runner.engine.tokenizer import rust_backend
+from runner.engine.tokenizer import Tokenizer, rust_backend
 
 
 def _unicode_to_bytes() -> dict[str, int]:
@@ -31,7 +31,7 @@ def _unicode_to_bytes() -> dict[str, int]:
 class ByteLevelTable:
     """Token id -> its bytes, filled on first use; None for a token the byte-level rule does not cover."""
 
-    def __init__(self, backend: Any) -> None:
+    def __init__(self, backend: Any) -> None:  # third-party: the tokenizers library's Rust tokenizer
         self._backend = backend
         self._char_bytes = _unicode_to_bytes()
         self._added = set(backend.get_added_tokens_decoder())
@@ -56,7 +56,7 @@ class ByteLevelTable:
             return None
 
 
-def byte_level_table(tokenizer: Any) -> ByteLevelTable | None:
+def byte_level_table(tokenizer: Tokenizer) -> ByteLevelTable | None:
     """The table for ``tokenizer`` when its Rust decoder is exactly byte-level, else None (module docstring)."""
     backend = rust_backend(tokenizer)
     if backend is None:

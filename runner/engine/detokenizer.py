@@ -12,10 +12,10 @@ sent cannot be taken back. Design: docs/design_notes.md, "Engine client".
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from runner.engine.byte_level import ByteLevelTable
-from runner.engine.tokenizer import make_decoder
+from runner.engine.tokenizer import Tokenizer, make_decoder
 from runner.sampling_params import SamplingParams
 
 # How many prompt tokens before the first output token the window starts with (vLLM's
@@ -45,7 +45,7 @@ def find_stop_string(text: str, new_chars: int, stop: Sequence[str],
 class IncrementalDetokenizer:
     """One request's output text. ``tokenizer`` None: no text (token ids only), and no stop strings."""
 
-    def __init__(self, tokenizer: Any, prompt_token_ids: Sequence[int], params: SamplingParams,
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: Sequence[int], params: SamplingParams,
                  token_texts: dict[int, str] | None = None, byte_table: ByteLevelTable | None = None) -> None:
         """``token_texts``: single tokens' texts decoded with these ``params``' decoding options (skip and
         spacing of special tokens), shared by the requests that decode alike; filled as tokens come.

@@ -77,13 +77,13 @@ class GenerationConfig:
         return f"{self.source}: " + "; ".join(parts) + " (--generation-config vllm ignores the file)"
 
 
-def model_eos_token_ids(model_config: Any) -> list[int]:
+def model_eos_token_ids(model_config: Any) -> list[int]:  # third-party: a config.json as transformers reads it
     """``config.json``'s ``eos_token_id`` (an id, a list of them, or none) as a list: what the scheduler stops on."""
     eos = getattr(model_config, "eos_token_id", None)
     return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
 
-def _eos_ids(value: Any, file: Path) -> list[int]:
+def _eos_ids(value: Any, file: Path) -> list[int]:  # a JSON value, as the file has it
     if value is None:
         return []
     ids = [value] if isinstance(value, int) and not isinstance(value, bool) else value

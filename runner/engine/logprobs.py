@@ -7,17 +7,17 @@ byte-level piece of a multi-byte character shows as U+FFFD there, while the outp
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Sequence
 
 from runner.core.runner_output import TokenLogprobs
-from runner.engine.tokenizer import make_decoder
+from runner.engine.tokenizer import Tokenizer, make_decoder
 from runner.outputs import Logprob, PromptLogprobs, SampleLogprobs
 
 
 class LogprobsState:
     """``num_logprobs`` None: the request asked for none (``logprobs`` and ``cumulative_logprob`` stay None)."""
 
-    def __init__(self, tokenizer: Any, num_logprobs: int | None) -> None:
+    def __init__(self, tokenizer: Tokenizer, num_logprobs: int | None) -> None:
         self._decode = None if tokenizer is None or num_logprobs is None else \
             make_decoder(tokenizer, skip_special_tokens=False)
         self.num_logprobs = num_logprobs
@@ -55,7 +55,7 @@ class PromptLogprobsState:
     joined from the prefill chunks' entries by position (a chunk recomputed after a preemption adds nothing).
     ``num_logprobs`` None: the request asked for none (``prompt_logprobs`` stays None)."""
 
-    def __init__(self, tokenizer: Any, num_logprobs: int | None, prompt_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, num_logprobs: int | None, prompt_len: int) -> None:
         self._decode = None if tokenizer is None or num_logprobs is None else \
             make_decoder(tokenizer, skip_special_tokens=False)
         self.num_logprobs = num_logprobs

@@ -97,8 +97,7 @@ class EngineSockets:
 
 @dataclass
 class _Rank:
-    # pyzmq's PUSH socket, sync or asyncio (third-party: a test's recorder stands in for it)
-    socket: Any
+    socket: Any  # third-party: pyzmq's PUSH socket, sync or asyncio (a test's recorder stands in for it)
     info: CoreInfo | None = None
     outstanding: int = 0  # this client's engine requests sent and not finished
     # other clients' requests on this rank (--api-server-count): the rank's reported load beyond this client's

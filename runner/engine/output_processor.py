@@ -28,6 +28,7 @@ from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.generation_config import GenerationConfig
 from runner.engine.logprobs import LogprobsState, PromptLogprobsState
 from runner.engine.parallel_sampling import ParentRequest, child_default_seed, child_params
+from runner.engine.tokenizer import Tokenizer
 from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams
 
@@ -87,7 +88,7 @@ class OutputProcessor:
     ``max_model_len`` resolves ``max_tokens=None`` (None: the caller resolves it before ``add_request``);
     ``generation_config`` adds the checkpoint's EOS ids."""
 
-    def __init__(self, tokenizer: Any, max_model_len: int | None,
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int | None,
                  generation_config: GenerationConfig | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
@@ -99,6 +100,7 @@ class OutputProcessor:
         self._children: dict[str, list[int]] = {}  # client request id -> its live engine request ids
 
     # ------------------------------------------------------------------ requests
+    # prompt_token_ids: as the caller gave them (a bad prompt stays as given, and the engine core refuses it)
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: Any, params: SamplingParams,
                     arrival_time: float | None = None, *, engine_request_ids: Sequence[int],
                     default_seed: int = 0) -> list[EngineCoreRequest]:

@@ -11,12 +11,13 @@ parallel sampling), so each sample is reproducible on its own.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.engine.generation_config import GenerationConfig
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.protocol import MetricsSink, OutputSink
+from runner.engine.tokenizer import Tokenizer
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
 
@@ -25,7 +26,7 @@ class RequestTracker:
     """``max_tokens`` must be resolved by the caller (the client knows ``max_model_len`` only once the ranks
     are up); ``generation_config`` adds the checkpoint's EOS ids to every request."""
 
-    def __init__(self, tokenizer: Any, generation_config: GenerationConfig | None = None) -> None:
+    def __init__(self, tokenizer: Tokenizer, generation_config: GenerationConfig | None = None) -> None:
         self.processor = OutputProcessor(tokenizer, None, generation_config)
         self._sinks: dict[str, OutputSink] = {}
         self._arrival: dict[str, float] = {}

@@ -18,6 +18,11 @@ from ubatch.log_once import log_once
 logger = logging.getLogger("ubatch.engine")
 
 # Any of these in a model directory means it ships a tokenizer (the built-in tiny models have none).
+# A checkpoint's tokenizer: transformers' tokenizer, a ``tokenizers.Tokenizer`` (the fallback), or a test stand-in
+# with their calls. Third-party and duck-typed (the calls used are ``encode``/``decode`` and the vocabulary's), so
+# typed as Any once, here.
+Tokenizer = Any
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -35,7 +40,7 @@ class TokenizersAdapter:
 
     chat_template = None
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Tokenizer) -> None:
         self.backend = tokenizer
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -98,12 +103,12 @@ def _transformers_base() -> type | None:
     return PreTrainedTokenizerBase
 
 
-def _is_transformers(tokenizer: Any) -> bool:
+def _is_transformers(tokenizer: Tokenizer) -> bool:
     base = _transformers_base()
     return base is not None and isinstance(tokenizer, base)
 
 
-def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[int]:
+def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """``text`` as token ids; with ``add_special_tokens`` the tokenizer's defaults apply (vLLM's encode)."""
     if add_special_tokens:
         ids = tokenizer.encode(text)
@@ -112,7 +117,7 @@ def encode(tokenizer: Any, text: str, add_special_tokens: bool = True) -> list[i
     return list(ids.ids) if hasattr(ids, "ids") else [int(t) for t in ids]
 
 
-def rust_backend(tokenizer: Any) -> Any | None:
+def rust_backend(tokenizer: Tokenizer) -> Any | None:
     """The ``tokenizers.Tokenizer`` behind a fast transformers tokenizer or a :class:`TokenizersAdapter`; None
     for any other (slow) tokenizer."""
     if _is_transformers(tokenizer):
@@ -120,7 +125,7 @@ def rust_backend(tokenizer: Any) -> Any | None:
     return tokenizer.backend if isinstance(tokenizer, TokenizersAdapter) else None
 
 
-def make_decoder(tokenizer: Any, *, skip_special_tokens: bool,
+def make_decoder(tokenizer: Tokenizer, *, skip_special_tokens: bool,
                  spaces_between_special_tokens: bool = True) -> Callable[[list[int]], str]:
     """A function from ids to text, with no clean-up of spaces (vLLM's detokenizer does none either: it would
     make incremental text differ from the whole). A fast tokenizer's Rust backend is called directly: that is
@@ -137,19 +142,19 @@ def make_decoder(tokenizer: Any, *, skip_special_tokens: bool,
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
-def decode(tokenizer: Any, ids: Sequence[int], *, skip_special_tokens: bool,
+def decode(tokenizer: Tokenizer, ids: Sequence[int], *, skip_special_tokens: bool,
            spaces_between_special_tokens: bool = True) -> str:
     """``ids`` as text (:func:`make_decoder`)."""
     return make_decoder(tokenizer, skip_special_tokens=skip_special_tokens,
                         spaces_between_special_tokens=spaces_between_special_tokens)(list(ids))
 
 
-def chat_template_of(tokenizer: Any) -> str | None:
+def chat_template_of(tokenizer: Tokenizer) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
     return template or None
 
 
-def apply_chat_template(tokenizer: Any, conversation: list[dict[str, Any]], *, model: str,
+def apply_chat_template(tokenizer: Tokenizer, conversation: list[dict[str, Any]], *, model: str,
                         chat_template: str | None = None, add_generation_prompt: bool = True,
                         continue_final_message: bool = False, tools: list[dict[str, Any]] | None = None,
                         chat_template_kwargs: dict[str, Any] | None = None) -> tuple[str, list[int]]:

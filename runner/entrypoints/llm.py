@@ -186,9 +186,9 @@ class LLM:
         engine cores run in processes this LLM started (set VLLM_ENABLE_V1_MULTIPROCESSING=0 for one rank in this
         process)."""
         if self._runner is None:
-            raise RuntimeError(f"this LLM runs its data_parallel_size={self.cfg.data_parallel_size} engine core(s) "
-                               "in their own processes: their model runners are not in this process (set "
-                               "VLLM_ENABLE_V1_MULTIPROCESSING=0 to run one rank in this process)")
+            raise RuntimeError(f"this LLM runs data_parallel_size={self.cfg.data_parallel_size} ranks in their own "
+                               "processes: their model runners are not in this process "
+                               "(VLLM_ENABLE_V1_MULTIPROCESSING=0 keeps one rank in this process)")
         return self._runner
 
     @property
