@@ -208,7 +208,7 @@ def test_an_xdist_worker_leaves_the_outcomes_to_the_controller(tmp_path: Path, m
 def test_serve_command_uses_the_flags_its_help_lists(tmp_path: Path) -> None:
     import argparse
 
-    from runner.entrypoints.benchserve.main import add_bench_serve_args
+    from runner.entrypoints.benchserve.cli_args import add_bench_serve_args
 
     parser = argparse.ArgumentParser(prog="python -m runner bench-serve")
     add_bench_serve_args(parser)

@@ -10,6 +10,7 @@ at once. The rank supervisor's verdict and a rank's own failure report reach the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import TYPE_CHECKING, cast
 
@@ -148,10 +149,9 @@ class AsyncMPClient(MPClient):
             await asyncio.get_running_loop().run_in_executor(None, procs.stop_ranks, 5.0)
         if self._reader is not None:
             self._reader.cancel()
-            try:
+            # closing: the reader's error, if any, was already reported
+            with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._reader
-            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - closing: its error was already reported
-                pass
             self._reader = None
         for rank in self._ranks:
             rank.added = []  # requests taken in this last turn: the ranks are gone

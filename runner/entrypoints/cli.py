@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--bench-repeats", type=int, default=3, metavar="N",
                        help="timed runs of the workload per variant after the warm-up; tok/s is their median and "
                        "the run-to-run spread (max - min) / median is reported (default 3)")
-    from runner.entrypoints.benchserve.main import add_bench_serve_args
+    from runner.entrypoints.benchserve.cli_args import add_bench_serve_args
     from runner.entrypoints.serve import add_serve_args
 
     serve = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the DP ranks (vLLM's `vllm serve`)")

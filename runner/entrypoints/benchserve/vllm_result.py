@@ -13,11 +13,12 @@ import math
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 
-from runner.entrypoints.benchserve.http_client import RequestResult
+if TYPE_CHECKING:  # the HTTP client (aiohttp) is imported only where requests are sent
+    from runner.entrypoints.benchserve.http_client import RequestResult
 
 PERCENTILE_METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILE_METRICS = "ttft,tpot,itl"  # vLLM's default for generative models

@@ -42,8 +42,9 @@ from runner.entrypoints.openai.cli_args import (
 from runner.entrypoints.openai.errors import OpenAIError, redact
 from runner.entrypoints.openai.gate import ServerGate
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
-from runner.entrypoints.openai.limits import ClientLeft, RequestSlots, ServerLimits, with_header_timeout
+from runner.entrypoints.openai.limits import ClientLeft, RequestSlots, with_header_timeout
 from runner.entrypoints.openai.metrics import ServerMetrics
+from runner.entrypoints.openai.server_limits import ServerLimits
 from runner.entrypoints.openai.serving_chat import OpenAIServingChat
 from runner.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from runner.entrypoints.openai.serving_models import ServingModels

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from runner.entrypoints.openai.limits import ServerLimits
+from runner.entrypoints.openai.server_limits import ServerLimits
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 # --max-n's default per engine slot (--max-num-seqs x --data-parallel-size).

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
 
@@ -32,25 +31,10 @@ except ImportError:  # pragma: no cover - httptools is in the serve extra
     _FastestProtocol = H11Protocol  # type: ignore[assignment,misc]
 
 from runner.entrypoints.openai.errors import OpenAIError
+from runner.entrypoints.openai.server_limits import ServerLimits
 
 # After an early response, how long the rest of a request's body is read and dropped before the connection closes.
 LINGER_S = 30.0
-
-
-@dataclass(frozen=True)
-class ServerLimits:
-    """The server's limits per client (flags of ``cli_args.add_server_args``)."""
-
-    max_request_bytes: int = 8 << 20
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 5.0
-    body_total_timeout_s: float = 60.0
-    timeout_keep_alive_s: float = 5.0
-    limit_concurrency: int | None = 4096
-    max_n: int = 1024
-    max_logprobs: int = 20
-    trust_request_chat_template: bool = False
-    chat_template_timeout_s: float = 5.0
 
 
 def too_large(limit: int) -> OpenAIError:
