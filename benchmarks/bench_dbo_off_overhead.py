@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import functools
+import os
 import random
 import statistics
 import sys
@@ -35,6 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_host_overhead import MODEL
 from common import RESULTS_DIR, write_csv
+
+# this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 ENGINES = ("default", "enable_dbo")  # default flags; enable_dbo=True
 MAX_LOOKS = 3  # ubatched steps in a call where DBO stayed off: the cost model's looks at it

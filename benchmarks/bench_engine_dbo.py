@@ -10,6 +10,7 @@ layer's share. Usage: ``python benchmarks/bench_engine_dbo.py [--modes single dp
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -22,6 +23,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, write_csv
 from runner.models.loader import TINY_MODELS
+
+# this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 MODEL = "bench-qwen3-moe-120m"
 MODEL_CONFIG = TINY_MODELS[MODEL]  # a built-in benchmark model (runner.models.loader.BENCH_MODELS)

@@ -10,6 +10,7 @@ two loops are compared token for token. Usage: ``python benchmarks/bench_host_ov
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -27,6 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, write_csv
 from runner.models.loader import TINY_MODELS
+
+# this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 MODEL = "bench-host-qwen3-moe"
 MODEL_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "hidden_size": 16, "intermediate_size": 32,

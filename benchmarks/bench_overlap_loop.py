@@ -9,6 +9,7 @@ Usage: ``python benchmarks/bench_overlap_loop.py [--repeats 5] [--max-tokens 64]
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -26,6 +27,9 @@ from common import RESULTS_DIR, write_csv
 from runner.entrypoints.llm import LLM
 from runner.models.loader import TINY_MODELS
 from runner.sampling_params import SamplingParams
+
+# this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 WIDE = "bench-wide-qwen3-moe"
 WIDE_CONFIG = {**TINY_MODELS["tiny-qwen3-moe"], "hidden_size": 256, "intermediate_size": 512,

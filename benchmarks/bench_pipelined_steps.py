@@ -10,6 +10,7 @@ benchmarks/bench_pipelined_steps.py [--requests 256] [--device-ms 1.5 3 6] [--re
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import sys
@@ -24,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_host_overhead import MODEL, PROMPT_LEN
 from common import RESULTS_DIR, write_csv
+
+# this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 LOOPS = ("sync", "pipelined")
 EDGE = 2  # EngineCore.step calls left out at each end of a wave

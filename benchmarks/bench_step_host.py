@@ -32,6 +32,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+# this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 EDGE = 2  # launches left out at each end of a wave

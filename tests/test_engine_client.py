@@ -74,7 +74,7 @@ def test_streamed_tokens_equal_offline_over_waves_and_idle_uses_no_cpu(dp: int) 
                 *[collect(client, f"r{i}", p, sp, d) for i, (p, sp, d) in enumerate(zip(prompts, delta, delays))]),
                 TIMEOUT_S)
             await asyncio.sleep(1.5)  # let the last wave end everywhere
-            pids = client._group.pids
+            pids = client.pids
             before = cpu_seconds(pids)
             await asyncio.sleep(3.0)
             idle_cpu = cpu_seconds(pids) - before
@@ -129,7 +129,7 @@ def test_a_killed_rank_fails_requests_in_flight_naming_it() -> None:
             stream = client.generate("a", None, [1, 2, 3], SamplingParams(
                 temperature=0.0, max_tokens=100, ignore_eos=True, output_kind=RequestOutputKind.DELTA))
             await stream.__anext__()
-            os.kill(client._group.pids[1], signal.SIGKILL)
+            os.kill(client.pids[1], signal.SIGKILL)
             t0 = time.monotonic()
             with pytest.raises(EngineDeadError) as e:
                 async for _ in stream:

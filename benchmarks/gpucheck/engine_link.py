@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,9 @@ from common import calibrated_link, write_json
 from gpucheck.engine_run import profiled_events, run_figures
 from ubatch.modular_moe.prepare_finalize import device_wait
 from ubatch.trace_metrics import intersect, length
+
+# this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 FREE_LINK = "latency_us=0,gbps=1000000"  # no cost worth measuring: the calibration counts bytes through it
 SEED = 0  # the engine's default seed: the prompts ``python -m runner generate`` makes

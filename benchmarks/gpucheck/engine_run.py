@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -28,6 +29,9 @@ import torch
 
 from common import write_json
 from ubatch.trace_metrics import length
+
+# this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the torch profiler's GPU activity in a Chrome trace
 

@@ -152,10 +152,11 @@ def calibrate(model: str, server_args: str, input_len: int, num_seqs: int, ratio
     import random
     import tempfile
 
-    from runner.config import config_fields
+    from runner.config import config_fields, make_config
     from runner.entrypoints.engine_args import add_engine_args
     from runner.entrypoints.llm import LLM
     from runner.sampling_params import SamplingParams
+    from runner.worker.model_runner import ModelRunner
     from ubatch.modular_moe.prepare_finalize.emulated_link import LinkSpec
 
     engine_parser = argparse.ArgumentParser(prog="bench-serve --server-args", add_help=False)
@@ -164,7 +165,8 @@ def calibrate(model: str, server_args: str, input_len: int, num_seqs: int, ratio
     engine = {k: v for k, v in vars(ns).items() if k in config_fields() and v is not None}
     engine.update(model=model, data_parallel_size=1, enable_expert_parallel=False, all2all_backend=None,
                   enable_dbo=False, emulate_link="latency_us=0,gbps=1000")
-    llm = LLM(**engine)
+    cfg = make_config(**engine)
+    llm = LLM(cfg, runner=ModelRunner(cfg))  # in this process: the link's counters are read here
     try:
         link = llm.model_runner.model.moe_runtime.link()
         assert link is not None  # emulate_link is set above
