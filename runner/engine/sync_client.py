@@ -70,9 +70,13 @@ class SyncMPClient(MPClient):
         return None  # the ranks step in their own processes
 
     def prepare(self, cfg: RunnerConfig) -> None:
-        """The ranks fixed their settings when they loaded: a changed ``cfg`` needs a new client."""
-        if cfg != self.cfg:
-            changed = sorted(k for k in vars(cfg) if getattr(cfg, k) != getattr(self.cfg, k))
+        """The ranks fixed their settings when they loaded: a changed ``cfg`` needs a new client, but for
+        ``trace_file``, which this process writes."""
+        import dataclasses
+
+        changed = [f.name for f in dataclasses.fields(cfg)
+                   if f.name != "trace_file" and getattr(cfg, f.name) != getattr(self.cfg, f.name)]
+        if changed:
             raise ValueError(f"the engine-core processes were started with other settings ({', '.join(changed)}); "
                              "build a new LLM to change them")
 
