@@ -161,7 +161,7 @@ class Job:
     disable_tqdm: bool
     repeats: int = 1  # bench: timed runs per variant
     tokenizer: str | None = None  # --tokenizer: a directory to load the tokenizer from instead of the model's
-    rank_processes: bool = False  # a plain process (not torchrun): the engine client is started here
+    rank_processes: bool = False  # engine-core processes are started here (engine_processes)
     debug: bool = False  # --debug: the rank processes print their tracebacks
 
 
@@ -268,14 +268,23 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         prompts = random_prompts(args.num_prompts, args.random_prompt_len, args.random_range_ratio,
                                  info.vocab_size, cfg.seed)
     return Job(args.command, cfg, prompts, sampling, args.disable_tqdm, getattr(args, "bench_repeats", 1),
-               tokenizer, rank_processes=not torchrun_env_present(),
+               tokenizer, rank_processes=engine_processes(cfg),
                debug=_debug(args))
+
+
+def engine_processes(cfg: RunnerConfig) -> bool:
+    """Whether this process starts engine-core processes for the job: in a plain process (not one of torchrun's
+    ranks) with DP > 1, or by default (``VLLM_ENABLE_V1_MULTIPROCESSING``) with one rank."""
+    from runner.distributed.launch import torchrun_env_present
+    from runner.engine.core_client import multiprocessing_enabled
+
+    return not torchrun_env_present() and (cfg.data_parallel_size > 1 or multiprocessing_enabled())
 
 
 # ---------------------------------------------------------------------------------------------- the run
 def open_llm(job: Job, cfg: RunnerConfig) -> LLM:
-    """The engine of one run: in a plain process (``job.rank_processes``) the client ``make_client`` picks (over
-    engine-core processes, their tracebacks on stderr only with ``--debug``), else this rank of torchrun's world."""
+    """The engine of one run: over engine-core processes started here when ``job.rank_processes`` (their
+    tracebacks on stderr only with ``--debug``), else in this process (the only rank, or one of torchrun's)."""
     from runner.engine.core_client import make_client
     from runner.entrypoints.llm import LLM
 
