@@ -10,7 +10,7 @@ Each callable runs the same decode a layer runs (``AttentionBackend.decode``) ov
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

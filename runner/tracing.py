@@ -12,8 +12,9 @@ import contextlib
 import dataclasses
 import json
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 

@@ -11,8 +11,8 @@ scope), names what changed, and is put back so the tests after it run as they wo
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 import pytest
 import torch

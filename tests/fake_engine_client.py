@@ -18,8 +18,9 @@ from __future__ import annotations
 import asyncio
 import functools
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from runner.engine.protocol import (
     EngineClient,

@@ -12,8 +12,8 @@ every token, so a settings row or penalty slot that is not written, reset or fed
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
-from typing import Any, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

@@ -16,7 +16,7 @@ same entry (a placeholder resolved without a fresh store), raises instead of ret
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -7,7 +7,8 @@ import asyncio
 import json
 import socket
 import threading
-from typing import Any, Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 import httpx
 import openai

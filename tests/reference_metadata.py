@@ -6,7 +6,7 @@ these loops on any batch.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

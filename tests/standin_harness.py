@@ -9,7 +9,8 @@ element (2 ulps of bf16 at that magnitude).
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 

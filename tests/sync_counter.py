@@ -24,7 +24,8 @@ import contextlib
 import threading
 import traceback
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

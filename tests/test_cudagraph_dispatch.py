@@ -9,9 +9,10 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import pytest

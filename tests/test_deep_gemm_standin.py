@@ -8,7 +8,7 @@ powers of two. Last, the whole path on CPU: DeepEP low-latency (stand-in) + Deep
 """
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch

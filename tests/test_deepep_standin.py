@@ -8,7 +8,8 @@ handle reused across ubatches, an unawaited ``async_finish`` event.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

@@ -11,7 +11,8 @@ resolves to V2 only where V2 is there, and misuse of the V2 API fails as DeepEP'
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

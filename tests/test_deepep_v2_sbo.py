@@ -14,7 +14,9 @@ each is reported; the two joins that carry no data for V2 are not. ``combine_dow
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager as ContextManager
+from typing import Any
 
 import pytest
 import torch

@@ -9,7 +9,8 @@ import asyncio
 import json
 import socket
 import time
-from typing import Any, Awaitable
+from collections.abc import Awaitable
+from typing import Any
 
 import pytest
 from starlette.types import Send

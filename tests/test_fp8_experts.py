@@ -2,7 +2,8 @@
 the DeepGEMM experts on a checkpoint's own FP8 weights and scales (over the CPU stand-in, ``tests/standins``)."""
 from __future__ import annotations
 
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -12,7 +12,8 @@ from __future__ import annotations
 import gc
 import logging
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

@@ -11,7 +11,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import Counter
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch

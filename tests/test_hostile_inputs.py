@@ -17,8 +17,9 @@ import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import httpx
 import openai

@@ -10,7 +10,8 @@ really running at once -- is in the ``@pytest.mark.cuda`` tests at the end, whic
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

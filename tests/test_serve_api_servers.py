@@ -14,7 +14,7 @@ import os
 import re
 import signal
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 import httpx
 import openai

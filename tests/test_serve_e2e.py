@@ -19,7 +19,8 @@ import random
 import re
 import signal
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import openai

@@ -7,9 +7,9 @@ The checkpoints are ``standard_families.py``'s, with the trained tokenizer of ``
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import openai
 import pytest

@@ -13,8 +13,9 @@ import contextlib
 import inspect
 import re
 import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch

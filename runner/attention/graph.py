@@ -16,7 +16,7 @@ own attention is named in a warning.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 

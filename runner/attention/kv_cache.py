@@ -9,8 +9,8 @@ p % block_size``; slot ``-1`` marks a padding token whose KV is never written.
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch

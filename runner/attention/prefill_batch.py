@@ -9,8 +9,9 @@ first layer that asks. Design: docs/design_notes.md, "Attention backends".
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch

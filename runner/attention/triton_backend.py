@@ -9,7 +9,7 @@ constructor argument so tests can run the plumbing against a stand-in. Design: d
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

@@ -15,8 +15,9 @@ then blocks on its socket, using no CPU). With one rank a wave ends as soon as t
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, cast
+from typing import cast
 
 from runner.config import RunnerConfig
 from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop, use_overlap_loop

@@ -5,7 +5,7 @@ The cache tensors themselves, and the step metadata that reads them, are the mod
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class OutOfKVBlocksError(RuntimeError):

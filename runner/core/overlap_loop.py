@@ -13,10 +13,11 @@ import functools
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import Callable, TypeVar, Union
+from typing import TypeVar, Union
 
 import torch
 

@@ -3,7 +3,8 @@ the offline ``LLM``'s and the CLI's, which raise or refuse a ``--prompts-file`` 
 from __future__ import annotations
 
 import numbers
-from typing import Sequence, TypeGuard
+from collections.abc import Sequence
+from typing import TypeGuard
 
 from runner.sampling_params import SamplingParams
 

@@ -5,8 +5,8 @@ reached the end of its known tokens, and, for requests that asked for them, log-
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 
 @dataclass

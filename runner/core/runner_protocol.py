@@ -8,7 +8,8 @@ its output later; the synchronous loop calls :meth:`ModelRunnerProtocol.step`.
 """
 from __future__ import annotations
 
-from typing import AbstractSet, Protocol
+from collections.abc import Set as AbstractSet
+from typing import Protocol
 
 import torch
 

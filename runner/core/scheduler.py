@@ -10,8 +10,9 @@ in flight nothing is preempted (``wants_sync``). Design: docs/design_notes.md, "
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Sequence, cast
+from typing import cast
 
 import numpy as np
 

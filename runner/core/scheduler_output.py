@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 

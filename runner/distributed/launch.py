@@ -19,9 +19,10 @@ import threading
 import time
 import traceback
 import types
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any
 
 from runner.distributed.device import backend_for, resolve_device_type
 from runner.distributed.liveness import (

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from runner.config import RunnerConfig
 from runner.core.messages import CoreStats

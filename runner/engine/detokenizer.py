@@ -12,7 +12,7 @@ sent cannot be taken back. Design: docs/design_notes.md, "Engine client".
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from runner.engine.byte_level import ByteLevelTable
 from runner.engine.tokenizer import Tokenizer, make_decoder

@@ -9,8 +9,9 @@ only turns outputs into ``RequestOutput`` s, while the cores step when they run 
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from runner.config import RunnerConfig
 from runner.core.messages import CoreInfo

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 from runner.sampling_params import SamplingParams, SamplingParamsError
 

@@ -7,7 +7,7 @@ byte-level piece of a multi-byte character shows as U+FFFD there, while the outp
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from runner.core.runner_output import TokenLogprobs
 from runner.engine.tokenizer import Tokenizer, make_decoder

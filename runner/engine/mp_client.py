@@ -24,8 +24,9 @@ import pickle
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from runner.config import RunnerConfig
 from runner.core.messages import (

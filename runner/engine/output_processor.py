@@ -19,8 +19,9 @@ Pure Python, no blocking, no global state: a server can call it from an asyncio 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.engine.byte_level import byte_level_table

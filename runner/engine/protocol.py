@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Protocol
+from typing import Any, Protocol
 
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams

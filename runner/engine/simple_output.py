@@ -11,7 +11,7 @@ parallel sampling), so each sample is reproducible on its own.
 from __future__ import annotations
 
 import time
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.engine.generation_config import GenerationConfig

@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from ubatch.log_once import log_once
 

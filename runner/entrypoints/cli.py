@@ -26,9 +26,10 @@ import os
 import random
 import sys
 import traceback
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from runner.config import RunnerConfig
 from runner.core.prompt_checks import prompt_problem

@@ -25,8 +25,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from runner import tracing
 from runner.config import ConfigError, RunnerConfig, make_config

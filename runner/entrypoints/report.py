@@ -16,9 +16,10 @@ import csv
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from runner.outputs import CompletionOutput, RequestOutput
 

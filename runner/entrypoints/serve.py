@@ -13,7 +13,8 @@ import functools
 import logging
 import os
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 logger = logging.getLogger("runner.entrypoints.openai.serve")
 

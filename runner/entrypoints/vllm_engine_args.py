@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from runner.config import ConfigError
 

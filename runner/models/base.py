@@ -5,7 +5,8 @@ what differs: its per-layer KV-cache shape (``kv_cache_specs``) and its checkpoi
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

@@ -23,8 +23,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open

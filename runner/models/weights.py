@@ -14,8 +14,8 @@ or the reverse, since a cast would silently drop or miss its scales.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Mapping
 
 import torch
 from torch import nn

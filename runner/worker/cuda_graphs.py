@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import enum
 import logging
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 from torch.distributed import ProcessGroup

@@ -9,7 +9,7 @@ runner's device-resident map (``runner/worker/device_future_map.py``).
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -21,8 +21,9 @@ With tracing on, the step's CPU phases (DP vote, input preparation, sampling) ar
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from types import NotImplementedType
-from typing import Sequence, TypeVar, cast
+from typing import TypeVar, cast
 
 import numpy as np
 import torch

@@ -20,7 +20,7 @@ use penalties (:meth:`PenaltyState.record`); a step in which none does costs the
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

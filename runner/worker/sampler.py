@@ -10,8 +10,8 @@ not depend on its batch, DP rank or DBO. Design: docs/design_notes.md, "Model ru
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 import numpy as np
 import torch

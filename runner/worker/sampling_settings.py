@@ -19,7 +19,7 @@ A table built for one call (a batch of rows given by hand: tests, benchmarks, ba
 """
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 

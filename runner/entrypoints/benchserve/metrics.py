@@ -2,8 +2,9 @@
 TPOT = (latency - TTFT) / (output tokens - 1) per request; ITL = every gap between streamed chunks."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 

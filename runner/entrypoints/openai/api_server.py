@@ -19,10 +19,11 @@ import math
 import signal
 import socket
 import threading
+from collections.abc import Callable, Coroutine, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 from types import FrameType
-from typing import Any, Callable, Coroutine, Iterator
+from typing import Any
 
 import uvicorn
 import uvloop

@@ -11,8 +11,9 @@ when the template is built.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # C-accelerated; ensure_ascii=False
-from typing import Callable, Literal, Union
+from typing import Literal, Union
 
 SlotKind = Literal["str", "int", "json"]
 Value = Union[str, int, None]

@@ -13,7 +13,8 @@ prefill, and a client scoring prompts reads one response.
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi.responses import JSONResponse, Response
 

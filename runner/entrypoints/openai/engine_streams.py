@@ -19,9 +19,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
 from types import GeneratorType
-from typing import Any, Awaitable, Callable, MutableMapping
+from typing import Any
 
 from runner.engine.protocol import CloseStream, EngineClient
 from runner.outputs import RequestOutput

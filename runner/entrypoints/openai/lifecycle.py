@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Coroutine
 from http import HTTPStatus
-from typing import Any, Coroutine
+from typing import Any
 
 from runner.engine.protocol import EngineClient
 from runner.entrypoints.openai.engine_streams import EngineStreams, Receive

@@ -12,7 +12,8 @@ a token that holds part of a UTF-8 character, whose text is U+FFFD, the bytes of
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from runner.engine.byte_level import byte_level_table
 from runner.entrypoints.openai.protocol import (

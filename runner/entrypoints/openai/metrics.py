@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter as Tally
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, multiprocess
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric

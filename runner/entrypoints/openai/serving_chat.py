@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 import time
-from typing import Any, AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response

@@ -4,7 +4,8 @@ a usage chunk when ``stream_options.include_usage``, then ``[DONE]``), or answer
 from __future__ import annotations
 
 import time
-from typing import Any, AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response

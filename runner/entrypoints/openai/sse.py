@@ -6,8 +6,9 @@ the disconnect itself is noticed by ``EngineStreams`` on the ASGI receive channe
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # C-accelerated; ensure_ascii=False
-from typing import Any, AsyncGenerator, Awaitable, Callable
+from typing import Any
 
 from pydantic import BaseModel
 from starlette.responses import Response

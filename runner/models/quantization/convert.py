@@ -15,8 +15,8 @@ adds the scale tensors to the model's weight spec, so loading checks them like a
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 from torch import nn

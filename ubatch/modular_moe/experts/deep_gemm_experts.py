@@ -17,7 +17,8 @@ power-of-two scales and cached, since rounding the scales alone would change the
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
