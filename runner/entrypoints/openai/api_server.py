@@ -43,7 +43,7 @@ from runner.entrypoints.openai.cli_args import (
 from runner.entrypoints.openai.errors import OpenAIError, redact
 from runner.entrypoints.openai.gate import ServerGate
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
-from runner.entrypoints.openai.limits import ClientLeft, RequestSlots, with_header_timeout
+from runner.entrypoints.openai.limits import ClientLeft, RequestSlots
 from runner.entrypoints.openai.metrics import ServerMetrics
 from runner.entrypoints.openai.server_limits import ServerLimits
 from runner.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -51,6 +51,7 @@ from runner.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from runner.entrypoints.openai.serving_models import ServingModels
 from runner.entrypoints.openai.sse import RawSend
 from runner.entrypoints.openai.tokenization import OpenAIServingTokenization
+from runner.entrypoints.openai.uvicorn_internals import header_timeout_protocol
 
 logger = logging.getLogger(__name__)
 
@@ -239,9 +240,9 @@ async def serve_app(app: FastAPI, sock: socket.socket, *, engine_dead: asyncio.E
     engine_client: EngineClient = app.state.engine_client
     limits: ServerLimits = app.state.limits
     host, port = sock.getsockname()[:2]
+    protocol = header_timeout_protocol(limits.header_timeout_s, limits.body_timeout_s)  # checks uvicorn first
     config = uvicorn.Config(RawSend(app), log_level=log_level, lifespan="off", timeout_graceful_shutdown=10,
-                            access_log=access_log, http=with_header_timeout(limits.header_timeout_s,
-                                                                            limits.body_timeout_s),
+                            access_log=access_log, http=protocol,
                             timeout_keep_alive=int(math.ceil(limits.timeout_keep_alive_s)),
                             limit_concurrency=None)  # the gate limits generation requests (limits.RequestSlots)
     server = DrainingServer(config, lifecycle, handle_signals)

@@ -1,27 +1,19 @@
-"""Write a streamed response's body chunks to the connection itself when uvicorn's httptools protocol serves it.
+"""Write a streamed response's body chunks through uvicorn's public ``send``, from any task, without waiting.
 
-uvicorn's ``send`` of a body chunk (``httptools_impl.RequestResponseCycle.send``) checks the ASGI message, frames
-the chunk for chunked transfer encoding and writes it to the transport. A stream sends one chunk per token, and
-those checks, the message dict and the coroutine cost more user-space CPU than the framing and the write call
-themselves (docs/benchmarks.md, ``benchmarks/bench_chunk_write.py``). :func:`chunk_writer` gives a response whose
-headers are out a writer that frames and writes the chunk as uvicorn does, and hands the chunk to uvicorn's ``send``
-whenever that would do anything else: the client's socket is full (it waits for the drain), the client is gone (it
-drops the chunk), the response is not chunked or is complete. Any other ``send`` (h11, a wrapped one) gets each
-chunk as a body message, run through :func:`send_now`.
+:func:`chunk_writer` gives a response whose headers are out a writer that hands each chunk to ``send`` as an ASGI
+body message, run through :func:`send_now`: the write happens at once unless the client's socket is full, and
+then the writer returns what finishes it. The handler's task and the engine's output reader
+(``EngineStreams.set_direct_write``) both write with it. Writing to uvicorn's transport directly, past ``send``,
+saved 6 % of the API server's CPU per streamed token (docs/benchmarks.md, "The API server's CPU per streamed
+token"), less than the 10 % that reaching into uvicorn's private internals on the hot path would have to earn.
 """
 from __future__ import annotations
 
-import types
 from collections.abc import Awaitable, Callable
 
 from starlette.types import Send
 
 from runner.entrypoints.openai.send_now import send_now
-
-try:  # uvicorn[standard]'s parser, the one the server runs (limits.with_header_timeout)
-    from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
-except ImportError:  # pragma: no cover - httptools is in the serve extra
-    RequestResponseCycle = None  # type: ignore[assignment,misc]
 
 # Write a chunk of body now: None when written, else what finishes the write (the client's socket is full).
 ChunkWrite = Callable[[bytes], Awaitable[None] | None]
@@ -29,27 +21,5 @@ ChunkWrite = Callable[[bytes], Awaitable[None] | None]
 
 def chunk_writer(send: Send) -> ChunkWrite:
     """A writer of body chunks (never the body's end) for the response that ``send`` serves, once its headers
-    went out through it."""
-    through_send = _through(send)
-    if (RequestResponseCycle is not None and isinstance(send, types.MethodType)
-            and type(send.__self__) is RequestResponseCycle and send.__func__ is RequestResponseCycle.send):
-        return _direct(send.__self__, through_send)
-    return through_send
-
-
-def _through(send: Send) -> ChunkWrite:
-    """Each chunk as an ASGI body message to ``send``, run up to its first wait."""
+    went out through it: each chunk as an ASGI body message to ``send``, run up to its first wait."""
     return lambda body: send_now(send({"type": "http.response.body", "body": body, "more_body": True}))
-
-
-def _direct(cycle: RequestResponseCycle, through_send: ChunkWrite) -> ChunkWrite:
-    write, flow = cycle.transport.write, cycle.flow
-
-    def write_chunk(body: bytes) -> Awaitable[None] | None:
-        if flow.write_paused or cycle.disconnected or not cycle.chunked_encoding or cycle.response_complete \
-                or not body:
-            return through_send(body)
-        write(b"%x\r\n%b\r\n" % (len(body), body))
-        return None
-
-    return write_chunk
