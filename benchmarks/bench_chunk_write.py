@@ -1,6 +1,7 @@
-"""The server's CPU per streamed body chunk: ``chunk_writer`` (frame and write to uvicorn's transport) against
-uvicorn's own ``send`` of an ``http.response.body`` message run up to its first wait (``send_now``, how the
-output reader wrote a step's chunks before), side by side, on asyncio's event loop and on uvloop's (the API
+"""The server's CPU per streamed body chunk: a chunk framed and written to uvicorn's transport past its ``send``
+(``transport_writer``, private internals: the fast path the server does not take, kept here so that the decision
+can be measured again) against uvicorn's own ``send`` of an ``http.response.body`` message run up to its first
+wait (``chunk_writer``, the server's way), side by side, on asyncio's event loop and on uvloop's (the API
 server's: ``api_server.run_loop``).
 
 A uvicorn server (httptools, as ``serve`` runs it) in this process holds ``--streams`` streamed responses open
@@ -22,6 +23,7 @@ import resource
 import socket
 import statistics
 import sys
+from collections.abc import Awaitable
 from pathlib import Path
 
 import uvicorn
@@ -34,11 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from common import RESULTS_DIR, write_csv  # noqa: E402
 from runner.entrypoints.openai.chunk_writer import ChunkWrite, chunk_writer  # noqa: E402
-from runner.entrypoints.openai.send_now import send_now  # noqa: E402
 
 EVENT = (b'data: {"id":"cmpl-0123456789abcdef0123456789abcdef","object":"text_completion","created":1700000000,'
          b'"model":"m","choices":[{"index":0,"text":" token","logprobs":null,"finish_reason":null}]}\n\n')
-WAYS = ("uvicorn send", "chunk_writer")
+WAYS = ("uvicorn send", "transport write")
 LOOPS = {"asyncio": asyncio.run, "uvloop": uvloop.run}
 CORES = sorted(os.sched_getaffinity(0))  # the server on the first, the client on the last (where there are two)
 # The client: N streams' GETs, then every stream read to its connection's end (the server closes them).
@@ -60,6 +61,24 @@ while open_:
 """
 
 
+def transport_writer(send: Send) -> ChunkWrite:
+    """Frame a chunk and write it to the connection's transport as uvicorn's httptools ``send`` does, whenever that
+    ``send`` would do nothing else (the socket is not full, the client is there, the response is chunked and not
+    complete); otherwise hand it to ``send``."""
+    through_send = chunk_writer(send)
+    cycle = send.__self__  # type: ignore[attr-defined]  # uvicorn's httptools RequestResponseCycle
+    write, flow = cycle.transport.write, cycle.flow
+
+    def write_chunk(body: bytes) -> Awaitable[None] | None:
+        if flow.write_paused or cycle.disconnected or not cycle.chunked_encoding or cycle.response_complete \
+                or not body:
+            return through_send(body)
+        write(b"%x\r\n%b\r\n" % (len(body), body))
+        return None
+
+    return write_chunk
+
+
 def thread_cpu() -> tuple[float, float]:
     """This thread's user-space and kernel CPU seconds so far."""
     usage = resource.getrusage(resource.RUSAGE_THREAD)
@@ -74,8 +93,7 @@ async def serve_once(way: str, streams: int, steps: int) -> tuple[float, float]:
 
     async def app(scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/event-stream")]})
-        writers.append(chunk_writer(send) if way == "chunk_writer" else
-                       lambda body: send_now(send({"type": "http.response.body", "body": body, "more_body": True})))
+        writers.append(transport_writer(send) if way == "transport write" else chunk_writer(send))
         if len(writers) == streams:
             all_open.set()
         await written.wait()
