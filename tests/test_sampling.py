@@ -227,7 +227,7 @@ def test_request_seed() -> None:
 
 @pytest.mark.parametrize("kwargs,msg", [
     ({"max_tokens": 0}, r"max_tokens must be an integer >= 1 \(or None\), got 0"),
-    ({"temperature": -1}, r"temperature must be a number in \[0, 2\], got -1"),
+    ({"temperature": -1}, r"temperature must be a finite number >= 0 \(vLLM.s range\), got -1"),
     ({"temperature": float("nan")}, "temperature must be"),
     ({"top_p": 0.0}, r"top_p must be a number in \(0, 1\], got 0.0"),
     ({"top_p": 1.5}, "top_p must be a number in"),

@@ -72,9 +72,15 @@ def check_moe_experts() -> None:
     w13, w2 = triton_experts._load_kernels()
     ids = dict(sorted_ids_ptr="*i32", expert_ids_ptr="*i32", num_post_pad_ptr="*i32")
     blocks = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
-    compile_kernel(w13, dict(a_ptr="*bf16", w_ptr="*bf16", out_ptr="*fp32", **ids), dict(K=256, **blocks))
-    compile_kernel(w2, dict(a_ptr="*fp32", w_ptr="*bf16", out_ptr="*bf16", weights_ptr="*fp32", **ids),
-                   dict(K=512, MUL_ROUTED_WEIGHT=True, **blocks))
+    # bf16 weights (the scale pointer is a placeholder the kernel never reads), and block-FP8 weights with
+    # 128 x 128 scales in fp32, as the launcher specialises them (triton_experts._NO_FP8 / _scale_consts)
+    for weight, scales in (("*bf16", dict(FP8_W=False, SCALE_BN=1, SCALE_BK=1)),
+                           ("*fp8e4nv", dict(FP8_W=True, SCALE_BN=128, SCALE_BK=128))):
+        s_ptr = "*fp32" if scales["FP8_W"] else weight
+        compile_kernel(w13, dict(a_ptr="*bf16", w_ptr=weight, out_ptr="*fp32", s_ptr=s_ptr, **ids),
+                       dict(K=256, **blocks, **scales))
+        compile_kernel(w2, dict(a_ptr="*fp32", w_ptr=weight, out_ptr="*bf16", weights_ptr="*fp32", s_ptr=s_ptr, **ids),
+                       dict(K=512, MUL_ROUTED_WEIGHT=True, **blocks, **scales))
 
 
 def check_paged_decode() -> None:
