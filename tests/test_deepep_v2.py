@@ -158,9 +158,8 @@ def test_a_cached_handle_with_other_routing_fails_the_step() -> None:
         model.layers[0].kernel.prepare_finalize.static_routing = True
         with set_forward_context():
             model(first[rank])
-        with pytest.raises(RuntimeError, match="routing differs from the cached handle"):
-            with set_forward_context():
-                model(second[rank])
+        with pytest.raises(RuntimeError, match="routing differs from the cached handle"), set_forward_context():
+            model(second[rank])
 
     run_thread_ranks(2, rank_main, num_groups=2, timeout_s=60)
 
@@ -193,10 +192,9 @@ def _stale_previous_event(model: StandinStack) -> None:
 @pytest.mark.parametrize("dbo", [False, True], ids=["dbo_off", "dbo_on"])
 def test_each_removed_wait_is_reported(removed: str, dbo: bool) -> None:
     prepare = _stale_previous_event if removed == "previous_event" else _drop_wait(removed)
-    with stream_sanitizer.sanitizing() as races:
-        # a sanitizer that raises also reports; the races list is the check
-        with contextlib.suppress(Exception):
-            run_v2(bf16_inputs(2), dbo, prefill=False, prepare=prepare)
+    # a sanitizer that raises also reports; the races list is the check
+    with stream_sanitizer.sanitizing() as races, contextlib.suppress(Exception):
+        run_v2(bf16_inputs(2), dbo, prefill=False, prepare=prepare)
     assert races, f"removing the {removed} wait went unreported"
     assert all("deep_ep-v2-comm" in str(e) for e in races), str(races[0])
 

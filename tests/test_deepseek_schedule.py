@@ -242,9 +242,12 @@ def test_the_pipeline_needs_exactly_two_ubatches(cache_dir: Path) -> None:
     meta = build_attention_metadata([0, 0, 0], [1, 1, 1], _blocks(3, 1), BLOCK)
     wrapper = UBatchWrapper(model, UBatchConfig(num_ubatches=3, handoff_timeout_s=30))
     try:
-        with torch.no_grad(), set_forward_context(meta, ubatch_slices=padded_ubatch_slices([1, 1, 1], 3, 3)):
-            with pytest.raises(ValueError, match="pipelines exactly 2 micro-batches, got 3 ubatches"):
-                wrapper(input_ids=torch.tensor([1, 2, 3]), positions=meta.positions)
+        with (
+            torch.no_grad(),
+            set_forward_context(meta, ubatch_slices=padded_ubatch_slices([1, 1, 1], 3, 3)),
+            pytest.raises(ValueError, match="pipelines exactly 2 micro-batches, got 3 ubatches"),
+        ):
+            wrapper(input_ids=torch.tensor([1, 2, 3]), positions=meta.positions)
     finally:
         wrapper.close()
 

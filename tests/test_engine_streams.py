@@ -147,12 +147,11 @@ def test_stream_body_chunks_skip_the_middlewares() -> None:
     seen: list[Message] = []
     server = ServerThread()
     server.app.add_middleware(CountBodies, seen=seen)
-    with server as running:
-        with running.http() as http:
-            body = {"model": MODEL, "prompt": "hello", "max_tokens": 6, "stream": True}
-            with http.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+    with server as running, running.http() as http:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 6, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            events = [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
     assert events[-1] == "[DONE]"
     assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) != ""
     assert [m["type"] for m in seen] == ["http.response.start", "http.response.body"]

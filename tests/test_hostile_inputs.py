@@ -253,13 +253,15 @@ def test_aborted_requests_are_counted_under_abort(server: ServerProcess,
             "temperature": 0, "stream": True}
 
     async def drop_after_two_chunks() -> None:
-        async with httpx.AsyncClient(timeout=120) as h:
-            async with h.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=AUTH) as resp:
-                chunks = 0
-                async for line in resp.aiter_lines():
-                    chunks += line.startswith("data: {")
-                    if chunks >= 2:
-                        return
+        async with (
+            httpx.AsyncClient(timeout=120) as h,
+            h.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=AUTH) as resp,
+        ):
+            chunks = 0
+            async for line in resp.aiter_lines():
+                chunks += line.startswith("data: {")
+                if chunks >= 2:
+                    return
 
     async def run() -> None:
         await asyncio.gather(*[drop_after_two_chunks() for _ in range(5)])

@@ -179,6 +179,8 @@ def test_torch_ll_step_capacity() -> None:
     for bound, expected in [(1, 1), (3, 3), (20, 20), (64, 64), (100, 64)]:
         with set_forward_context(dp_metadata=DPMetadata((bound, 0), step_token_bound=bound)):
             assert pf.step_capacity(1) == expected
-    with set_forward_context(dp_metadata=DPMetadata((4, 1), step_token_bound=4)):
-        with pytest.raises(ValueError, match="5 tokens exceed the step's agreed token bound 4"):
-            pf.step_capacity(5)
+    with (
+        set_forward_context(dp_metadata=DPMetadata((4, 1), step_token_bound=4)),
+        pytest.raises(ValueError, match="5 tokens exceed the step's agreed token bound 4"),
+    ):
+        pf.step_capacity(5)

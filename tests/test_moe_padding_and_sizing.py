@@ -151,9 +151,11 @@ def test_padded_slices_and_padding_only_attention_metadata() -> None:
 def test_padding_mask_must_match_the_rows() -> None:
     weights = StackWeights.random(layers=1)
     model = MoEStack(weights, MoEParallelConfig())
-    with set_forward_context(real_token_mask=torch.ones(3, dtype=torch.bool)):
-        with pytest.raises(ValueError, match=r"real_token_mask has shape \(3,\) but this MoE call routes 4 rows"):
-            model(torch.randn(4, 16))
+    with (
+        set_forward_context(real_token_mask=torch.ones(3, dtype=torch.bool)),
+        pytest.raises(ValueError, match=r"real_token_mask has shape \(3,\) but this MoE call routes 4 rows"),
+    ):
+        model(torch.randn(4, 16))
 
 
 # ---- torch_ll: each ubatch sized by its own bound ----------------------------------------------------------

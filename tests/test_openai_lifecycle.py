@@ -54,11 +54,13 @@ class Background:
 def test_disconnect_mid_stream_aborts_the_engine_request(path: str, body: dict) -> None:
     engine = FakeEngineClient(token_delay_s=0.02)
     with ServerThread(engine) as srv:
-        with httpx.Client(base_url=srv.url, timeout=30) as http:
-            with http.stream("POST", path, json={**body, "stream": True}) as response:
-                lines = response.iter_lines()
-                got = [line for _, line in zip(range(6), lines)]
-                assert any(line.startswith("data: ") for line in got)
+        with (
+            httpx.Client(base_url=srv.url, timeout=30) as http,
+            http.stream("POST", path, json={**body, "stream": True}) as response,
+        ):
+            lines = response.iter_lines()
+            got = [line for _, line in zip(range(6), lines)]
+            assert any(line.startswith("data: ") for line in got)
         # the client closed the connection: the server must end the engine request, not run it to 200 tokens;
         # the handler leaves the in-flight count after the abort, when its task next runs
         lifecycle = srv.app.state.lifecycle
@@ -73,9 +75,11 @@ def test_disconnect_while_waiting_for_a_full_response_aborts() -> None:
     engine = FakeEngineClient(token_delay_s=0.02)
     with ServerThread(engine) as srv:
         # a client that gives up: its read times out and it closes the connection
-        with pytest.raises(httpx.ReadTimeout):
-            with httpx.Client(base_url=srv.url, timeout=httpx.Timeout(30, read=0.5)) as http:
-                http.post("/v1/completions", json=LONG)
+        with (
+            pytest.raises(httpx.ReadTimeout),
+            httpx.Client(base_url=srv.url, timeout=httpx.Timeout(30, read=0.5)) as http,
+        ):
+            http.post("/v1/completions", json=LONG)
         wait_until(lambda: engine.aborted and not engine.running, "the engine request to be aborted")
         assert engine.aborted == [engine.submitted[0][0]] and engine.finished == []
 
@@ -107,16 +111,15 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish() -> None:
 
 def test_shutdown_timeout_aborts_what_is_still_running() -> None:
     engine = FakeEngineClient(token_delay_s=0.02)
-    with ServerThread(engine, shutdown_timeout_s=0.3) as srv:
-        with srv.http() as http:
-            stream = Background(lambda: sse_events(http.post("/v1/completions", json={**LONG, "stream": True, "n": 2,
-                                                                                        "stream_options": {
-                                                                                            "include_usage": True}})))
-            full = Background(lambda: srv.client().chat.completions.create(**CHAT))
-            wait_until(lambda: len(engine.running) == 2, "both requests to run")
-            srv.call_soon(srv.app.state.lifecycle.begin_drain, "SIGTERM")
-            assert srv.wait_stopped() == 0
-            events = stream.result()
+    with ServerThread(engine, shutdown_timeout_s=0.3) as srv, srv.http() as http:
+        stream = Background(lambda: sse_events(http.post("/v1/completions", json={**LONG, "stream": True, "n": 2,
+                                                                                    "stream_options": {
+                                                                                        "include_usage": True}})))
+        full = Background(lambda: srv.client().chat.completions.create(**CHAT))
+        wait_until(lambda: len(engine.running) == 2, "both requests to run")
+        srv.call_soon(srv.app.state.lifecycle.begin_drain, "SIGTERM")
+        assert srv.wait_stopped() == 0
+        events = stream.result()
     assert events[-1] == "[DONE]" and events[-2]["usage"]["completion_tokens"] > 0
     finish = {}
     for e in events[:-2]:
@@ -146,18 +149,17 @@ def test_a_second_signal_aborts_at_once() -> None:
 
 def test_engine_death_fails_running_requests_and_stops_the_server() -> None:
     engine = FakeEngineClient(token_delay_s=0.02)
-    with ServerThread(engine) as srv:
-        with srv.http() as http:
-            stream = Background(lambda: sse_events(http.post("/v1/completions", json={**LONG, "stream": True})))
-            full = Background(lambda: srv.client().completions.create(**LONG))
-            wait_until(lambda: len(engine.running) == 2, "both requests to run")
+    with ServerThread(engine) as srv, srv.http() as http:
+        stream = Background(lambda: sse_events(http.post("/v1/completions", json={**LONG, "stream": True})))
+        full = Background(lambda: srv.client().completions.create(**LONG))
+        wait_until(lambda: len(engine.running) == 2, "both requests to run")
 
-            async def kill() -> None:
-                engine.kill("DP rank 1 (pid 4242) exited with status -9")
+        async def kill() -> None:
+            engine.kill("DP rank 1 (pid 4242) exited with status -9")
 
-            srv.on_loop(kill)
-            assert srv.wait_stopped() == 1
-            events = stream.result()
+        srv.on_loop(kill)
+        assert srv.wait_stopped() == 1
+        events = stream.result()
     assert events[-1] == "[DONE]"
     err = events[-2]["error"]
     assert err["code"] == 500 and "DP rank 1" in err["message"]

@@ -59,14 +59,13 @@ def test_metrics_after_requests() -> None:
 
 def test_running_requests_show_in_the_gauges() -> None:
     engine = FakeEngineClient(token_delay_s=0.02, num_ranks=2)
-    with ServerThread(engine, shutdown_timeout_s=0.1) as srv:
-        with srv.http() as http:
-            background = [Background(lambda: srv.client().completions.create(model=MODEL, prompt="x", max_tokens=200))
-                          for _ in range(3)]
-            wait_until(lambda: len(engine.running) == 3, "three requests to run")
-            got = samples(http.get("/metrics").text)
-            assert [value(got, "ubatch:num_requests_running", engine=r) for r in ("0", "1")] == [2, 1]
-            assert value(got, "ubatch:kv_cache_usage_perc", engine="0") > 0
+    with ServerThread(engine, shutdown_timeout_s=0.1) as srv, srv.http() as http:
+        background = [Background(lambda: srv.client().completions.create(model=MODEL, prompt="x", max_tokens=200))
+                      for _ in range(3)]
+        wait_until(lambda: len(engine.running) == 3, "three requests to run")
+        got = samples(http.get("/metrics").text)
+        assert [value(got, "ubatch:num_requests_running", engine=r) for r in ("0", "1")] == [2, 1]
+        assert value(got, "ubatch:kv_cache_usage_perc", engine="0") > 0
     for b in background:
         assert b.result().choices[0].finish_reason == "abort"
 

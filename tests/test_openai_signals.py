@@ -80,12 +80,14 @@ def wait_streaming(url: str) -> tuple[Background, threading.Event]:
 
     def run() -> list:
         events = []
-        with httpx.Client(base_url=url, timeout=60) as http:
-            with http.stream("POST", "/v1/completions", json=stream_body(200)) as r:
-                for line in r.iter_lines():
-                    if line:
-                        events.append(line)
-                        first.set()
+        with (
+            httpx.Client(base_url=url, timeout=60) as http,
+            http.stream("POST", "/v1/completions", json=stream_body(200)) as r,
+        ):
+            for line in r.iter_lines():
+                if line:
+                    events.append(line)
+                    first.set()
         return events
 
     return Background(run), first

@@ -115,7 +115,7 @@ class CheckingRunner(FakeRunner):
             before = {rid: r.num_computed_tokens for rid, r in sched.requests.items()}
             out = schedule()
             reqs = [sched.requests[rid] for rid in out.req_ids.tolist()]
-            ctx = [before[r.req_id] if r.req_id in before else 0 for r in reqs]
+            ctx = [before.get(r.req_id, 0) for r in reqs]
             if reqs:
                 self.expected[out.step_id] = (ctx, [r.num_computed_tokens - c for r, c in zip(reqs, ctx)],
                                               [list(r.block_ids) for r in reqs])

@@ -153,17 +153,19 @@ def test_sigterm_drains_both_and_exits_0_with_no_process_left(tiny_chat_checkpoi
         streaming: list[int] = []
 
         async def one(i: int) -> None:
-            async with httpx.AsyncClient(timeout=120) as h:
-                async with h.stream("POST", f"{srv.base_url}/v1/completions", json={
+            async with (
+                httpx.AsyncClient(timeout=120) as h,
+                h.stream("POST", f"{srv.base_url}/v1/completions", json={
                         "model": model, "prompt": e2e.PROMPTS[i % 3], "max_tokens": 480, "temperature": 0,
-                        "ignore_eos": True, "stream": True}) as resp:
-                    last = ""
-                    async for line in resp.aiter_lines():
-                        if line.startswith("data: {"):
-                            if not last:
-                                streaming.append(i)
-                            last = line
-                    results.append(last)
+                        "ignore_eos": True, "stream": True}) as resp,
+            ):
+                last = ""
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        if not last:
+                            streaming.append(i)
+                        last = line
+                results.append(last)
 
         async def run() -> list[int]:
             tasks = [asyncio.create_task(one(i)) for i in range(8)]

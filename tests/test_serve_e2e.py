@@ -167,14 +167,16 @@ def test_disconnects_leave_the_others_alone_and_the_server_idle(servers: dict[st
 
     async def stream(i: int, drop_after: int | None) -> int:
         chunks = 0
-        async with httpx.AsyncClient(timeout=120) as h:
-            async with h.stream("POST", f"{srv.base_url}/v1/completions",
-                                json={**body, "max_tokens": 400 if drop_after else 40}) as resp:
-                async for line in resp.aiter_lines():
-                    if line.startswith("data: {"):
-                        chunks += 1
-                        if drop_after is not None and chunks >= drop_after:
-                            return chunks  # leaving the block closes the connection mid-stream
+        async with (
+            httpx.AsyncClient(timeout=120) as h,
+            h.stream("POST", f"{srv.base_url}/v1/completions",
+                     json={**body, "max_tokens": 400 if drop_after else 40}) as resp,
+        ):
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    chunks += 1
+                    if drop_after is not None and chunks >= drop_after:
+                        return chunks  # leaving the block closes the connection mid-stream
         return chunks
 
     async def run() -> list[int]:
@@ -239,15 +241,17 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpo
         results: list[str] = []
 
         async def one(i: int) -> None:
-            async with httpx.AsyncClient(timeout=120) as h:
-                async with h.stream("POST", f"{srv.base_url}/v1/completions", json={
+            async with (
+                httpx.AsyncClient(timeout=120) as h,
+                h.stream("POST", f"{srv.base_url}/v1/completions", json={
                         "model": model, "prompt": PROMPTS[i % 3], "max_tokens": 480, "temperature": 0,
-                        "ignore_eos": True, "stream": True}) as resp:
-                    last = ""
-                    async for line in resp.aiter_lines():
-                        if line.startswith("data: {"):
-                            last = line
-                    results.append(last)
+                        "ignore_eos": True, "stream": True}) as resp,
+            ):
+                last = ""
+                async for line in resp.aiter_lines():
+                    if line.startswith("data: {"):
+                        last = line
+                results.append(last)
 
         async def run() -> tuple[int, float]:
             tasks = [asyncio.create_task(one(i)) for i in range(8)]

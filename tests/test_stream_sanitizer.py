@@ -200,9 +200,8 @@ def test_raises_at_the_access_outside_collecting() -> None:
         x, a, b = fork(torch.zeros(8))
         with streams.stream(a):
             x.add_(1)
-        with pytest.raises(StreamOrderError, match="read by sum on stream 'B'"):
-            with streams.stream(b):
-                x.sum()
+        with pytest.raises(StreamOrderError, match="read by sum on stream 'B'"), streams.stream(b):
+            x.sum()
     finally:
         san.raise_errors = previous
         if not was_on:

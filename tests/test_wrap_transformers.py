@@ -291,12 +291,16 @@ def test_batch_split_slices_dim_0_by_sequence_and_merges_in_order() -> None:
             out, none = w(x, scale=2.0)
         assert seen == [(3, 3), (2, 3)] and torch.equal(out, 2 * x) and none is None
         mask = torch.ones(15, dtype=torch.bool)
-        with set_forward_context(ubatch_slices=batch_ubatch_slices(5), real_token_mask=mask):
-            with pytest.raises(ValueError, match="split_dim='batch' cannot slice real_token_mask"):
-                w(x, scale=1.0)
-        with set_forward_context(attn_metadata=object(), ubatch_slices=batch_ubatch_slices(5)):
-            with pytest.raises(ValueError, match="split_dim='batch' takes no attention metadata"):
-                w(x, scale=1.0)
+        with (
+            set_forward_context(ubatch_slices=batch_ubatch_slices(5), real_token_mask=mask),
+            pytest.raises(ValueError, match="split_dim='batch' cannot slice real_token_mask"),
+        ):
+            w(x, scale=1.0)
+        with (
+            set_forward_context(attn_metadata=object(), ubatch_slices=batch_ubatch_slices(5)),
+            pytest.raises(ValueError, match="split_dim='batch' takes no attention metadata"),
+        ):
+            w(x, scale=1.0)
     finally:
         w.close()
 

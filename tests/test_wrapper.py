@@ -128,9 +128,11 @@ def test_merge_outputs_rejects_unmergeable_types() -> None:
 
 def test_slice_count_must_match_config() -> None:
     w = UBatchWrapper(lambda x: x)
-    with set_forward_context(ubatch_slices=slices([0, 1, 2, 3])):
-        with pytest.raises(ValueError, match="3 ubatch slices but the wrapper runs 2"):
-            w(torch.zeros(3))
+    with (
+        set_forward_context(ubatch_slices=slices([0, 1, 2, 3])),
+        pytest.raises(ValueError, match="3 ubatch slices but the wrapper runs 2"),
+    ):
+        w(torch.zeros(3))
     w.close()
 
 

@@ -28,10 +28,7 @@ def write_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tens
     num_tokens = key.shape[0]
     slots = slot_mapping[:num_tokens]
     flat = kv_cache.view(-1, *kv_cache.shape[2:])
-    if value is None:
-        entry = key
-    else:
-        entry = torch.stack((key, value), dim=1)
+    entry = key if value is None else torch.stack((key, value), dim=1)
     valid = slots >= 0
     if not bool(valid.all()):
         slots, entry = slots[valid], entry[valid]

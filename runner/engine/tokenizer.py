@@ -111,10 +111,7 @@ def _is_transformers(tokenizer: Tokenizer) -> bool:
 
 def encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
     """``text`` as token ids; with ``add_special_tokens`` the tokenizer's defaults apply (vLLM's encode)."""
-    if add_special_tokens:
-        ids = tokenizer.encode(text)
-    else:
-        ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text) if add_special_tokens else tokenizer.encode(text, add_special_tokens=False)
     return list(ids.ids) if hasattr(ids, "ids") else [int(t) for t in ids]
 
 

@@ -48,10 +48,7 @@ class RopeConfig:
     @classmethod
     def from_hf(cls, d: dict[str, Any], max_position_embeddings: int) -> RopeConfig:
         params = d.get("rope_parameters")
-        if params is None:
-            params = dict(d.get("rope_scaling") or {})
-        else:
-            params = dict(params)
+        params = dict(d.get("rope_scaling") or {}) if params is None else dict(params)
         if "rope_theta" not in params or params["rope_theta"] is None:
             params["rope_theta"] = d.get("rope_theta", 10000.0)
         rope_type = params.get("rope_type") or params.get("type") or "default"

@@ -294,7 +294,7 @@ def iter_checkpoint(path: Path, model: MoECausalLM) -> Iterator[tuple[str, torch
     spec = model.weight_spec()
     for file in checkpoint_files(path):
         with open_checkpoint_file(file) as fh:
-            for key in fh.keys():
+            for key in fh.keys():  # noqa: SIM118  (safe_open handles are not iterable)
                 if FUSED_RE.match(canonical_name(spec, key)):
                     sl = fh.get_slice(key)
                     yield from expand_fused(spec, canonical_name(spec, key), tuple(sl.get_shape()),
