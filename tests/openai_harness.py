@@ -20,6 +20,7 @@ from tests.fake_engine_client import FakeEngineClient
 
 MODEL = "fake-model"
 TIMEOUT_S = 30.0
+DEFAULT_LIMITS = ServerLimits()  # frozen, so one shared default is safe
 
 _T = TypeVar("_T")
 
@@ -27,7 +28,7 @@ _T = TypeVar("_T")
 class ServerThread:
     def __init__(self, engine: FakeEngineClient | None = None, *, names: tuple[str, ...] = (MODEL,),
                  api_key: str | None = None, shutdown_timeout_s: float = 5.0, with_dead_event: bool = True,
-                 limits: ServerLimits = ServerLimits()) -> None:
+                 limits: ServerLimits = DEFAULT_LIMITS) -> None:
         self.engine = engine if engine is not None else FakeEngineClient()
         self.metrics = ServerMetrics(names[0], self.engine.max_model_len)
         self.engine.metrics = self.metrics

@@ -13,8 +13,6 @@
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
 #: Units of the dtype's epsilon two reduction orders of one float32 step may differ by (relative and absolute);
@@ -40,5 +38,8 @@ def assert_steps_close(actual: torch.Tensor, expected: torch.Tensor, what: str =
                        tol: float | None = None) -> None:
     """Different kernels or shapes: within :func:`step_tolerance` of the outputs' dtype, or ``tol`` if given."""
     tol = step_tolerance(expected.dtype) if tol is None else tol
-    msg: Callable[[str], str] = lambda m: f"{what}: {m}" if what else m
+
+    def msg(m: str) -> str:
+        return f"{what}: {m}" if what else m
+
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=msg)

@@ -27,7 +27,7 @@ from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.modular_moe.types import ExpertTokens
 from ubatch.testing import stream_sanitizer
 
-E, H, I = 4, 256, 256
+E, H, I = 4, 256, 256  # noqa: E741  (I: the experts' intermediate size, the kernels' notation)
 # Two fp8 GEMMs with both operands rounded to e4m3 (3 mantissa bits: up to 2^-4 relative each): measured
 # 0.06-0.07 of the largest output on these shapes; a wrong scaling rule is an order of magnitude worse.
 FP8_REL = 1e-1
@@ -105,7 +105,10 @@ def gemm(arch: int, a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor,
 def test_sm100_keeps_only_each_scales_exponent() -> None:
     """Blackwell reads fp32 scales as UE8M0 (the exponent: each scale rounded down to a power of two)."""
     (qa, sfa), (qb, sfb), masked_m = operands()
-    floor2 = lambda sf: torch.exp2(torch.floor(torch.log2(sf)))
+
+    def floor2(sf: torch.Tensor) -> torch.Tensor:
+        return torch.exp2(torch.floor(torch.log2(sf)))
+
     blackwell = gemm(10, (qa, sfa), (qb, sfb), masked_m)
     assert torch.equal(blackwell, gemm(9, (qa, floor2(sfa)), (qb, floor2(sfb)), masked_m))
     assert not torch.equal(blackwell, gemm(9, (qa, sfa), (qb, sfb), masked_m))

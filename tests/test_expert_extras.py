@@ -16,7 +16,7 @@ from ubatch.modular_moe.types import ClampedSwiGLU, ExpertMLPExtras, ExpertToken
 
 transformers = pytest.importorskip("transformers")
 
-T, H, I, E, K = 12, 32, 16, 4, 2
+T, H, I, E, K = 12, 32, 16, 4, 2  # noqa: E741  (I: the experts' intermediate size, the kernels' notation)
 LIMIT = 0.8  # low enough that both clamps bite
 
 
@@ -100,4 +100,4 @@ def test_backends_without_extras_refuse_by_name() -> None:
     layer = FusedMoE(E, K, H, I, expert_bias=True, activation=ClampedSwiGLU(),
                      parallel=MoEParallelConfig(experts_backend="triton"))
     with pytest.raises(ValueError, match="use --experts-backend torch or grouped_mm"):
-        layer.kernel
+        _ = layer.kernel

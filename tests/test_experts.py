@@ -27,7 +27,7 @@ from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.modular_moe.router import select_experts
 from ubatch.modular_moe.types import ExpertTokens
 
-T, H, I, E, K = 16, 32, 64, 4, 2
+T, H, I, E, K = 16, 32, 64, 4, 2  # noqa: E741  (I: the experts' intermediate size, the kernels' notation)
 CAPACITY = 12  # deliberately not a multiple of BLOCK_M
 TRITON_BLOCKS = dict(block_m=16, block_n=64, block_k=32)
 # Per-dtype (rtol, atol) for triton vs torch. Both round an fp32 result once; bf16 allows 2 ulp because the

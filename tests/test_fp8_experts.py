@@ -14,7 +14,7 @@ from ubatch.modular_moe.experts.deep_gemm_experts import DeepGemmExperts
 from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.modular_moe.types import ExpertTokens
 
-E, H, I = 4, 256, 256
+E, H, I = 4, 256, 256  # noqa: E741  (I: the experts' intermediate size, the kernels' notation)
 FP8_REL = 1e-1  # as tests/test_deep_gemm_standin.py: two GEMMs with e4m3 activations
 
 

@@ -228,7 +228,8 @@ def test_is_out_of_memory_walks_the_exception_chain() -> None:
         try:
             raise oom()
         except torch.cuda.OutOfMemoryError:
-            raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+            capture_error = "CUDA error: operation failed due to a previous error during capture"
+            raise RuntimeError(capture_error)  # noqa: B904  (the implicit chain is what this test walks)
     except RuntimeError as chained:
         assert is_out_of_memory(chained)
     assert not is_out_of_memory(RuntimeError("operation not permitted when stream is capturing"))

@@ -29,7 +29,7 @@ from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens
 
-T, H, I, E, K = 24, 32, 64, 6, 3
+T, H, I, E, K = 24, 32, 64, 6, 3  # noqa: E741  (I: the experts' intermediate size, the kernels' notation)
 CAPACITY = 10
 # (rtol, atol) against the fp32-intermediate torch reference. fp32: summation order only. bf16/fp16: the
 # grouped GEMM rounds its gate/up output to the input dtype before SiLU (the reference keeps it in fp32), so

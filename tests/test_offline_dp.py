@@ -180,7 +180,7 @@ def test_dp2_over_rank_processes_equals_one_rank_in_process(tmp_path: Path, tiny
         assert two.last_trace is not None and len(two.last_trace.metrics) == 2  # one timeline per rank
         assert len({e["pid"] for e in json.loads(trace.read_text())["traceEvents"]}) == 2
         with pytest.raises(RuntimeError, match="data_parallel_size=2 ranks in their own processes"):
-            two.runner
+            _ = two.runner
         info = two.engine_client.core_info  # what the CLI's bench report reads of the ranks' model
         assert (info.dtype, info.experts_backend) == ("float32", experts_backend)
     except BaseException:

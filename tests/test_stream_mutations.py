@@ -123,7 +123,10 @@ def dbo_program(there: str, back: str) -> Callable[[], None]:
     return lambda: run_thread_ranks(1, lambda rank, groups: run(), num_groups=0)
 
 
-def moe_program(backend: str, sbo: SboFlags = SboFlags()) -> Callable[[], None]:
+NO_SBO = SboFlags()  # frozen: the default for moe_program
+
+
+def moe_program(backend: str, sbo: SboFlags = NO_SBO) -> Callable[[], None]:
     if backend.startswith("deepep"):
         return lambda: run_standin_ep(bf16_weights(), bf16_inputs(2), backend, dbo=True, sbo=sbo, shared=sbo.enabled)
     weights = StackWeights.random(seed=0)
