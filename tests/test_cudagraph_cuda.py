@@ -178,7 +178,7 @@ def test_torch_ll_over_nccl_is_capturable_with_and_without_dbo() -> None:
             graph.replay()
             with set_forward_context():
                 ref = layer(x, logits)
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4, msg=lambda m: f"{fn.__name__}: {m}")
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4, msg=lambda m, fn=fn: f"{fn.__name__}: {m}")
         wrapper.close()
     finally:
         dist.destroy_process_group()

@@ -476,7 +476,8 @@ def check_both_kinds_replay(runner, batches: DecodeBatches, gr, sizes: Sequence[
             assert len(counter.replayed) == replays + 1, f"{n} tokens, ubatch={ubatch}: ran eager"
             key = key_of[id(counter.replayed[-1])]
             assert (key.num_tokens, key.ubatched) == (padded, ubatch), (n, ubatch, key)
-            torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=lambda m: f"{n} tokens, {ubatch}: {m}")
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol,
+                                       msg=lambda m, n=n, ubatch=ubatch: f"{n} tokens, {ubatch}: {m}")
     assert set(gr.stats) == {Why.REPLAY}, dict(gr.stats)
 
 

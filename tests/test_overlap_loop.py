@@ -302,38 +302,43 @@ def test_known_last_token_is_not_over_scheduled() -> None:
     assert_clean(sched)
 
 
+def _check_lookahead(flag: bool) -> None:
+    """One run of the lookahead test below, with or without serialised consecutive prefills."""
+    runner = FakeRunner(vocab_size=VOCAB, num_kv_blocks=128)
+    sched = make_sched(runner, max_num_seqs=4, max_num_batched_tokens=8)
+    updated: list[int] = []
+    update = sched.update
+    sched.update = lambda out, s: (updated.append(out.step_id), update(out, s))[1]  # type: ignore
+    step = runner.step
+    violations: list[str] = []
+    launched: list[int] = []
+
+    def checked_step(out: SchedulerOutput) -> Any:  # runs on the executor thread
+        if out.chunks:
+            launched.append(out.step_id)
+            if len(launched) >= 3 and launched[-3] not in updated:
+                violations.append(f"step {out.step_id} launched before step {launched[-3]} was processed")
+        prev = runner.steps[-1] if runner.steps else None
+        if flag and prev is not None and prev.has_prefill and out.has_prefill and prev.step_id not in updated:
+            violations.append(f"prefill step {out.step_id} overlapped prefill step {prev.step_id}")
+        return step(out)
+
+    runner.step = checked_step  # type: ignore[method-assign]
+    for i in range(12):
+        sched.add_request([i + 1] * (3 + i), SamplingParams(max_tokens=4, ignore_eos=True), req_id=i)
+    executor = ForwardExecutor()
+    stats = run_steps(sched, runner, executor=executor, consecutive_prefill_overlap=not flag)
+    executor.close()
+    assert violations == []
+    assert (stats.sync_reasons["consecutive_prefill"] > 0) is flag
+    assert_clean(sched)
+
+
 def test_lookahead_is_one_step_and_consecutive_prefills_can_be_serialised() -> None:
     """Before step k is launched, step k-2's results are applied; with the flag, also step k-1's when both
     are prefill steps (their first tokens are out before the next prefill runs)."""
     for flag in (False, True):
-        runner = FakeRunner(vocab_size=VOCAB, num_kv_blocks=128)
-        sched = make_sched(runner, max_num_seqs=4, max_num_batched_tokens=8)
-        updated: list[int] = []
-        update = sched.update
-        sched.update = lambda out, s: (updated.append(out.step_id), update(out, s))[1]  # type: ignore
-        step = runner.step
-        violations: list[str] = []
-        launched: list[int] = []
-
-        def checked_step(out: SchedulerOutput) -> Any:  # runs on the executor thread
-            if out.chunks:
-                launched.append(out.step_id)
-                if len(launched) >= 3 and launched[-3] not in updated:
-                    violations.append(f"step {out.step_id} launched before step {launched[-3]} was processed")
-            prev = runner.steps[-1] if runner.steps else None
-            if flag and prev is not None and prev.has_prefill and out.has_prefill and prev.step_id not in updated:
-                violations.append(f"prefill step {out.step_id} overlapped prefill step {prev.step_id}")
-            return step(out)
-
-        runner.step = checked_step  # type: ignore[method-assign]
-        for i in range(12):
-            sched.add_request([i + 1] * (3 + i), SamplingParams(max_tokens=4, ignore_eos=True), req_id=i)
-        executor = ForwardExecutor()
-        stats = run_steps(sched, runner, executor=executor, consecutive_prefill_overlap=not flag)
-        executor.close()
-        assert violations == []
-        assert (stats.sync_reasons["consecutive_prefill"] > 0) is flag
-        assert_clean(sched)
+        _check_lookahead(flag)
 
 
 def test_stress_thousands_of_short_requests_no_lost_tokens_no_leaks() -> None:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from runner.attention.kv_cache import BlockRows, BlockTable, attention_arrays, build_attention_metadata
-from runner.worker.step_inputs import StepInputs, StepInputSizes
+from runner.worker.step_inputs import StagedFields, StepInputs, StepInputSizes
 
 BS = 4
 
@@ -42,7 +42,7 @@ def test_staged_metadata_equals_fresh_metadata_on_dirty_buffers() -> None:
         for field in (host.positions, host.slot_mapping, host.query_start_loc, host.seq_lens, host.block_table):
             field[:] = rng.randrange(-9, 9)  # whatever a previous step left there
 
-        def buffers(r: int, width: int, t: int) -> tuple[np.ndarray, ...]:
+        def buffers(r: int, width: int, t: int, host: StagedFields = host) -> tuple[np.ndarray, ...]:
             return (host.query_start_loc[:r + 1], host.seq_lens[:r], host.block_table[:r * width].reshape(r, width),
                     host.slot_mapping[:t], host.positions[:t])
 

@@ -13,6 +13,7 @@ or the reverse, since a cast would silently drop or miss its scales.
 """
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -133,6 +134,11 @@ def _fused_shape(spec: WeightSpec, kind: str, bias: bool) -> tuple[int, ...]:
     return (e, 2 * i, h) if kind == "gate_up_proj" else (e, h, i)
 
 
+def _rows(tensor: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of an in-memory tensor (``expand_fused``'s ``read_rows``)."""
+    return tensor[start:stop]
+
+
 def expand_fused(spec: WeightSpec, name: str, shape: tuple[int, ...],
                  read_rows: Callable[[int, int], torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
     """Turn a fused expert tensor into per-expert (name, tensor) pairs, reading only local experts' rows."""
@@ -203,7 +209,7 @@ def load_hf_weights(model: nn.Module, spec: WeightSpec, weights: Iterable[tuple[
     for name, tensor in weights:
         name = canonical_name(spec, name)
         if FUSED_RE.match(name):
-            for sub_name, sub in expand_fused(spec, name, tuple(tensor.shape), lambda a, b: tensor[a:b]):
+            for sub_name, sub in expand_fused(spec, name, tuple(tensor.shape), functools.partial(_rows, tensor)):
                 load_one(sub_name, sub)
         else:
             load_one(name, tensor)
