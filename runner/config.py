@@ -69,7 +69,8 @@ def _check_generation_config(value: Any) -> None:
     if value in ("auto", "vllm"):
         return
     if not isinstance(value, str) or not value:
-        raise ConfigError("generation_config", f"generation_config must be 'auto', 'vllm' or a directory, got {value!r}")
+        raise ConfigError("generation_config",
+                          f"generation_config must be 'auto', 'vllm' or a directory, got {value!r}")
     if not (Path(value) / "generation_config.json").is_file():
         raise ConfigError("generation_config", f"generation_config {value!r} is neither 'auto', 'vllm' nor a "
                                                "directory holding a generation_config.json")

@@ -151,8 +151,9 @@ class SamplingParams:
             raise SamplingParamsError("logprobs", f"logprobs must be an integer >= 0 (how many top alternatives "
                                                   f"to return) or None, got {self.logprobs!r}")
         if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs) or self.prompt_logprobs < 0):
-            raise SamplingParamsError("prompt_logprobs", f"prompt_logprobs must be an integer >= 0 (how many top "
-                                                         f"alternatives to return) or None, got {self.prompt_logprobs!r}")
+            raise SamplingParamsError("prompt_logprobs",
+                                      f"prompt_logprobs must be an integer >= 0 (how many top alternatives to "
+                                      f"return) or None, got {self.prompt_logprobs!r}")
         self.logit_bias = self._logit_bias(self.logit_bias)
         if not isinstance(self.output_kind, RequestOutputKind):
             raise SamplingParamsError("output_kind", f"output_kind must be a RequestOutputKind, "

@@ -94,7 +94,8 @@ class TraceResult:
             lines.append(format_metrics(m))
             cpu = self.cpu[m.pid] if m.pid < len(self.cpu) else None
             if cpu is not None and m.wall_us > 0:
-                lines.append(f"  real-transfer CPU    {cpu.other_s * 1e3:9.3f} ms  {100 * cpu.other_s / cpu.total_s:5.1f}% "
+                lines.append(f"  real-transfer CPU    {cpu.other_s * 1e3:9.3f} ms  "
+                             f"{100 * cpu.other_s / cpu.total_s:5.1f}% "
                              f"of the rank's CPU (gloo's own threads, not on the timeline; the Python threads used "
                              f"{cpu.python_s * 1e3:.1f} ms)" if cpu.total_s > 0 else "  real-transfer CPU    n/a")
         return "\n".join(lines)

@@ -11,8 +11,8 @@ has no ``query``/``synchronize``. Our null classes give every call the same surf
 
 Null streams and events still have identities, and every record / wait / synchronize is reported to an
 observer when one is installed: the tests' stream-order sanitizer (:mod:`ubatch.testing.stream_sanitizer`)
-turns them into happens-before edges, so a missing wait that CPU execution hides is still caught. Without an observer they cost one global read and
-do nothing.
+turns them into happens-before edges, so a missing wait that CPU execution hides is still caught. Without an
+observer they cost one global read and do nothing.
 """
 from __future__ import annotations
 

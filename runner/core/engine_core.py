@@ -69,7 +69,8 @@ class EngineCore:
     """``EngineCore(cfg, runner)``: ``cfg`` is the ``RunnerConfig`` (loop settings, step timeout), ``runner``
     the rank's model runner (or a test stand-in with its ``step`` and cache geometry)."""
 
-    def __init__(self, cfg: RunnerConfig, runner: ModelRunnerProtocol, *, before_launch: Callable[[int], None] | None = None) -> None:
+    def __init__(self, cfg: RunnerConfig, runner: ModelRunnerProtocol, *,
+                 before_launch: Callable[[int], None] | None = None) -> None:
         self.cfg = cfg
         self.runner = runner
         self.before_launch = before_launch

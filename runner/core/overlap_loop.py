@@ -39,7 +39,8 @@ class ForwardExecutor:
     CPU time in them (``time.thread_time``: without the waits for the GIL that ``busy_s`` also counts).
     """
 
-    def __init__(self, num_threads: int | None = None, device: torch.device | None = None, name: str = "ubatch-forward") -> None:
+    def __init__(self, num_threads: int | None = None, device: torch.device | None = None,
+                 name: str = "ubatch-forward") -> None:
         self.num_threads = num_threads if num_threads is not None else torch.get_num_threads()
         self.device = device
         self.name = name
@@ -222,7 +223,8 @@ class SyncStepLoop:
 @dataclass
 class _Launched:
     out: SchedulerOutput
-    launched: Future[PendingStep | None] | None = None  # set by the executor once the step is launched (its PendingStep)
+    # set by the executor once the step is launched (its PendingStep)
+    launched: Future[PendingStep | None] | None = None
     launch_started: float = 0.0  # perf_counter when the executor began launching it
     pending: PendingStep | None = None  # once launched: its results, read by the CPU thread
 
@@ -234,9 +236,9 @@ class StepTimeoutError(TimeoutError):
 class OverlapStepLoop:
     """Schedule N+1 and launch it, then process N while N+1 runs (module docstring)."""
 
-    def __init__(self, sched: Scheduler, runner: ModelRunnerProtocol, executor: ForwardExecutor, consecutive_prefill_overlap: bool,
-                 before_launch: Callable[[int], None] | None, on_results: OnResults | None,
-                 step_timeout_s: float | None = None) -> None:
+    def __init__(self, sched: Scheduler, runner: ModelRunnerProtocol, executor: ForwardExecutor,
+                 consecutive_prefill_overlap: bool, before_launch: Callable[[int], None] | None,
+                 on_results: OnResults | None, step_timeout_s: float | None = None) -> None:
         self.sched, self.runner, self.executor = sched, runner, executor
         self.step_timeout_s = step_timeout_s
         self.consecutive_prefill_overlap = consecutive_prefill_overlap

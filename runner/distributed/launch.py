@@ -124,7 +124,8 @@ def init_distributed(timeout_s: float = 120.0, backend: str | None = None, devic
         missing = [k for k in TORCHRUN_ENV if k not in os.environ]
         if missing:
             raise RuntimeError(f"cannot join a torch.distributed world: {', '.join(missing)} not set; launch with "
-                               "torchrun, or use the built-in spawner (--data-parallel-size N / runner.distributed.launch.launch)")
+                               "torchrun, or use the built-in spawner "
+                               "(--data-parallel-size N / runner.distributed.launch.launch)")
         backend = backend or default_backend(device)
         if backend == "nccl":
             check_gpus(backend, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))

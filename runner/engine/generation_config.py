@@ -56,7 +56,8 @@ class GenerationConfig:
     def apply(self, params: SamplingParams) -> SamplingParams:
         """``params`` with the EOS ids applied (a copy when anything changes; ``params`` is never modified)."""
         all_stop = set(params.all_stop_token_ids) | self.model_eos_token_ids | set(self.extra_eos_token_ids)
-        extra = [] if params.ignore_eos else [t for t in self.extra_eos_token_ids if t not in (params.stop_token_ids or ())]
+        stop_ids = params.stop_token_ids or ()
+        extra = [] if params.ignore_eos else [t for t in self.extra_eos_token_ids if t not in stop_ids]
         if not extra and all_stop == params.all_stop_token_ids:
             return params
         out = copy.copy(params)

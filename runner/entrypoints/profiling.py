@@ -61,8 +61,8 @@ class ProfileRecorder:
 
 
 def add_profile_routes(app: FastAPI, root: str) -> None:
-    """Routes over ``app.state.engine_client`` (an ``MPEngineClient``, ``runner/engine/async_llm.py``), writing under ``root``
-    (``--profile-dir``); ``app.state.profiles`` is the recorder."""
+    """Routes over ``app.state.engine_client`` (an ``MPEngineClient``, ``runner/engine/async_llm.py``), writing
+    under ``root`` (``--profile-dir``); ``app.state.profiles`` is the recorder."""
     recorder = app.state.profiles = ProfileRecorder(root)
 
     @app.post("/start_profile")

@@ -99,7 +99,8 @@ class DeepseekV2Attention(nn.Module):
         if self.kv_cache is None:
             raise RuntimeError("no KV cache bound; call bind_kv_caches() first")
         meta = current_attn_metadata()
-        w = linear_weight(self.kv_b_proj, q_nope.dtype).view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        w = linear_weight(self.kv_b_proj, q_nope.dtype).view(
+            self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
         w_uk, w_uv = w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim:]
         out = mla_attention(q_nope, q_rope, cache_entry, self.kv_cache, meta, self.scaling, w_uk, w_uv, positions)
         return self.o_proj(out.reshape(q_nope.shape[0], -1))

@@ -59,7 +59,8 @@ class Glm4MoeForCausalLM(MoECausalLM):
             shapes.update(gqa_layer_shapes(p, layer))
             add_mlp_spec(layer, i, shapes, rename, moe_layers)
         return WeightSpec(shapes=shapes, num_hidden_layers=c.num_hidden_layers, num_experts=e,
-                          moe_intermediate_size=c.moe_intermediate_size, hidden_size=c.hidden_size, moe_layers=moe_layers,
+                          moe_intermediate_size=c.moe_intermediate_size, hidden_size=c.hidden_size,
+                          moe_layers=moe_layers,
                           local_experts=self.parallel.local_expert_range(e),
                           num_extra_layers=c.num_nextn_predict_layers, tied_lm_head=c.tie_word_embeddings,
                           rename=rename)

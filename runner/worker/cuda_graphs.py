@@ -129,7 +129,8 @@ def planned_keys(model_runner: CapturingRunner, sizes: Sequence[int] | str | Non
 
 def make_graph_runner(model_runner: CapturingRunner, *, sizes: Sequence[int] | str | None = None,
                       backend: GraphBackend | None = None, num_warmups: int = 2, progress: bool | None = None,
-                      wrapper: UBatchWrapper | None | _Default = _RUNNERS_WRAPPER, keys: Sequence[GraphKey] | None = None) -> GraphRunner:
+                      wrapper: UBatchWrapper | None | _Default = _RUNNERS_WRAPPER,
+                      keys: Sequence[GraphKey] | None = None) -> GraphRunner:
     """A :class:`GraphRunner` over ``model_runner``'s model and persistent input buffers (not yet captured).
 
     ``wrapper`` defaults to the runner's own UBatchWrapper (``None`` plans no DBO graphs); ``keys``

@@ -117,7 +117,8 @@ class ModelRunner:
         except ValueError as e:
             raise ConfigError("max_model_len", str(e)) from None
         self.block_size = cfg.block_size
-        # On a GPU without --num-kv-blocks a minimal cache, re-sized from free memory below (runner/worker/memory_budget.py)
+        # On a GPU without --num-kv-blocks a minimal cache, re-sized from free memory below
+        # (runner/worker/memory_budget.py)
         self.num_kv_blocks = initial_num_kv_blocks(cfg, self.max_model_len, self.block_size, self.device)
         dtype = next(self.model.parameters()).dtype
         # One block more than the scheduler hands out: the null block that padded graph slots write to.

@@ -119,7 +119,8 @@ COMPARE_ROWS = (("Output token throughput (tok/s)", lambda m: m.output_throughpu
                 ("Median TTFT (ms)", lambda m: m.ttft_ms["median"]), ("P99 TTFT (ms)", lambda m: m.ttft_ms["p99"]),
                 ("Median TPOT (ms)", lambda m: m.tpot_ms["median"]), ("P99 ITL (ms)", lambda m: m.itl_ms["p99"]),
                 ("Median ITL (ms)", lambda m: m.itl_ms["median"]), ("Median E2E (ms)", lambda m: m.e2el_ms["median"]),
-                ("Steps ubatched", lambda m: m.ubatched_steps or 0.0), ("Engine steps", lambda m: m.engine_steps or 0.0))
+                ("Steps ubatched", lambda m: m.ubatched_steps or 0.0),
+                ("Engine steps", lambda m: m.engine_steps or 0.0))
 
 
 def median_metrics(runs: list[BenchmarkMetrics]) -> dict[str, float]:
@@ -224,8 +225,9 @@ async def _bench(args: argparse.Namespace, servers: list[tuple[str, str]], model
         for rep in range(args.repeats):
             for label, url in servers:
                 profile = ProfileWindow(*args.profile) if args.profile and rep == 0 else None
-                res: RunResult = await run_once(url, model_name, requests, offsets, max_concurrency=args.max_concurrency,
-                                                api_key=args.api_key, profile=profile, ignore_eos=args.ignore_eos)
+                res: RunResult = await run_once(url, model_name, requests, offsets,
+                                                max_concurrency=args.max_concurrency, api_key=args.api_key,
+                                                profile=profile, ignore_eos=args.ignore_eos)
                 settings = RunSettings(args.backend, _run_label(args, label, rep, len(servers)), model, model,
                                        args.num_prompts, rate, args.burstiness, args.max_concurrency)
                 result = vllm_result(settings, res.results, res.duration_s, args.percentile_metrics,
