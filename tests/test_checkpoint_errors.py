@@ -136,8 +136,8 @@ def test_missing_tensor_over_two_ranks_is_one_summary(model_dir: Path) -> None:
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     env.pop("UBATCH_DEBUG", None)
     proc = subprocess.run([sys.executable, "-m", "runner", "generate", "--model", str(model_dir), "-dp", "2",
-                           "--enable-expert-parallel", "--num-prompts", "2", *device_args(2)], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=180)
+                           "--enable-expert-parallel", "--num-prompts", "2", *device_args(2)],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 1
     errors = [ln for ln in proc.stderr.splitlines() if "error" in ln.lower()]
     assert errors == [f"error: rank 0 and rank 1 exited with code 1: CheckpointError: {model_dir}: missing weights: "

@@ -79,8 +79,9 @@ def usage_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     (["-dp", "2", "--distributed-executor-backend", "external_launcher"],
      "argument --distributed-executor-backend: external_launcher runs this command as one rank of a world launched "
      "outside it: `torchrun --nproc-per-node N -m runner ...`"),
-    (["--generation-config", "/nonexistent"], "argument --generation-config: generation_config '/nonexistent' is "
-                                              "neither 'auto', 'vllm' nor a directory holding a generation_config.json"),
+    (["--generation-config", "/nonexistent"],
+     "argument --generation-config: generation_config '/nonexistent' is "
+     "neither 'auto', 'vllm' nor a directory holding a generation_config.json"),
 ])
 def test_bad_arguments_exit_2_naming_the_flag(argv: list[str], expected: str, capsys: pytest.CaptureFixture) -> None:
     err = usage_error(["generate", *argv], capsys)
@@ -295,7 +296,8 @@ def test_unwritable_trace_file_keeps_the_summary_and_the_other_files(tmp_path: P
             "--output-json", str(out)]
     assert main(argv) == 1
     captured = capsys.readouterr()
-    assert "requests: 2 (0 errors)" in captured.out and "trace NOT written (could not write the trace to" in captured.out
+    assert "requests: 2 (0 errors)" in captured.out
+    assert "trace NOT written (could not write the trace to" in captured.out
     assert "DBO overlap, rank 0" in captured.out  # the metrics survived
     assert f"error: --trace-file: could not write the trace to {gone}: No such file or directory; only that file " \
            "is lost" in captured.err

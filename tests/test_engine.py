@@ -92,7 +92,8 @@ def test_prompt_forms() -> None:
     assert outs[0].prompt_token_ids == ToyTokenizer().encode("hi")
     assert (outs[0].prompt, outs[1].prompt, outs[2].prompt, outs[3].prompt) == ("hi", "yo", None, None)
     assert outs[2].outputs[0].token_ids == outs[3].outputs[0].token_ids
-    assert len(llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=1))) == 1  # a single string is one prompt
+    # a single string is one prompt
+    assert len(llm.generate("hello", SamplingParams(temperature=0.0, max_tokens=1))) == 1
     with pytest.raises(TypeError, match=r"flat list of ints; pass a list of prompts, e.g. \[\[1, 2, 3\]\]"):
         llm.generate([1, 2, 3])
     with pytest.raises(ValueError, match="got 1 sampling params for 2 prompts"):
@@ -174,7 +175,8 @@ def test_numpy_and_torch_integer_token_ids_are_accepted() -> None:
     want = [o.outputs[0].token_ids for o in llm.generate([[1, 2, 3], [4, 5]], sp)]
     forms = [[np.int64(1), np.int32(2), np.uint8(3)], np.array([4, 5])]
     assert [o.outputs[0].token_ids for o in llm.generate(forms, sp)] == want
-    assert [o.outputs[0].token_ids for o in llm.generate(np.array([[1, 2, 3]]), sp)] == want[:1]  # a 2-D array: one row each
+    # a 2-D array: one row each
+    assert [o.outputs[0].token_ids for o in llm.generate(np.array([[1, 2, 3]]), sp)] == want[:1]
     assert [o.outputs[0].token_ids for o in llm.generate([torch.tensor([4, 5])], sp)] == want[1:]
     with pytest.raises(ValueError, match=r"^prompt 0: the token at position 0 is np.float64\(1.0\), not an integer"):
         llm.generate([[np.float64(1.0)], [2]], sp)  # still not token ids

@@ -114,7 +114,8 @@ def test_no_chat_template_names_the_model(tok_dir: Path, tmp_path: Path) -> None
     with pytest.raises(NoChatTemplateError, match=r"model '/x/y' has no chat template \(no 'chat_template' in "
                                                   r"tokenizer_config.json and no chat_template.jinja\)"):
         apply_chat_template(loaded, [{"role": "user", "content": "hi"}], model="/x/y")
-    text, _ = apply_chat_template(loaded, [{"role": "user", "content": "hi"}], model="/x/y", chat_template=CHAT_TEMPLATE)
+    text, _ = apply_chat_template(loaded, [{"role": "user", "content": "hi"}], model="/x/y",
+                                  chat_template=CHAT_TEMPLATE)
     assert text.endswith("<|im_start|>assistant\n")
 
 

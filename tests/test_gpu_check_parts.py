@@ -230,11 +230,12 @@ def test_serve_part_records_not_available_when_the_subcommand_is_missing(tmp_pat
     fake.chmod(0o755)
     ctx = context(tmp_path)
     ctx.python = str(fake)
-    assert serve_part(ctx) == {"status": "not available", "error": "python -m runner bench-serve --help: "
-                                                                   "python -m runner: error: invalid choice: 'bench-serve'"}
+    assert serve_part(ctx) == {"status": "not available",
+                               "error": "python -m runner bench-serve --help: "
+                                        "python -m runner: error: invalid choice: 'bench-serve'"}
 
 
-# ---- model, bench and engine parts on the tiny model ------------------------------------------------------------------
+# ---- model, bench and engine parts on the tiny model -----------------------------------------------------------------
 def test_model_prep_on_cpu_writes_what_the_engine_writes(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
@@ -277,7 +278,8 @@ def test_parts_on_cpu_give_results_the_goals_and_report_read(tmp_path: Path) -> 
     assert verdicts["graph_memory"] == (MISS, "CUDA graphs were off (the engine ran eager)")
     assert verdicts["host_time"] == (MISS, "not measured: the engine run has no profiled GPU time or no "
                                            "step-loop counters")
-    assert verdicts["throughput"][0] == MISS and " output tok/s (a second call; the first, with one-time costs: " in verdicts["throughput"][1]
+    assert verdicts["throughput"][0] == MISS
+    assert " output tok/s (a second call; the first, with one-time costs: " in verdicts["throughput"][1]
     report = (tmp_path / "report.md").read_text()
     assert report == render(results) and "| output tok/s |" in report and "| output tok/s, first call |" in report
     if not gpu:
@@ -332,6 +334,7 @@ def test_wheel_set_checks(tmp_path: Path) -> None:
     for name in ("greenlet-3.5.6-cp312-cp312-x.whl", "greenlet-3.5.5-cp312-cp312-x.whl", "torch-2.13.0-cp312-x.whl"):
         (tmp_path / name).write_bytes(b"x")
         files.append(tmp_path / name)
-    assert wheels.check(files) == ["greenlet twice: greenlet-3.5.6-cp312-cp312-x.whl and greenlet-3.5.5-cp312-cp312-x.whl",
+    assert wheels.check(files) == ["greenlet twice: greenlet-3.5.6-cp312-cp312-x.whl and "
+                                   "greenlet-3.5.5-cp312-cp312-x.whl",
                                    "torch-2.13.0-cp312-x.whl would shadow the GPU image's own torch"]
     assert wheels.check(files[:1]) == []

@@ -85,8 +85,8 @@ HOSTILE: list[tuple[str, str, Any, int, str | None]] = [
     ("a chat template in /tokenize's chat_template_kwargs", "/tokenize",
      {"messages": CHAT_MESSAGES, "chat_template_kwargs": {"chat_template": HUGE_TEMPLATE}}, 400,
      "chat_template_kwargs.chat_template"),
-    ("a top-level chat template on /tokenize", "/tokenize", {"messages": CHAT_MESSAGES, "chat_template": PLAIN_TEMPLATE},
-     400, "chat_template"),
+    ("a top-level chat template on /tokenize", "/tokenize",
+     {"messages": CHAT_MESSAGES, "chat_template": PLAIN_TEMPLATE}, 400, "chat_template"),
     # n and prompts x n
     ("n far beyond --max-n", "/v1/completions", {"prompt": "hi", "n": 200_000, "temperature": 1.0}, 400, "n"),
     ("n on a chat beyond --max-n", "/v1/chat/completions",

@@ -50,8 +50,8 @@ def test_too_little_memory_names_every_figure() -> None:
         plan_kv_cache(figures(in_use_gib=60, peak_gib=8, graph_gib=3.8), utilization=0.9,
                       bytes_per_block=2 * MIB, max_useful_blocks=4096, min_blocks=128)
     message = str(info.value)
-    for part in ("80.00 GiB", "60.00 GiB in use", "8.00 GiB activation peak", "3.80 GiB CUDA graphs", "room for 101 blocks",
-                 "--gpu-memory-utilization", "--enforce-eager"):
+    for part in ("80.00 GiB", "60.00 GiB in use", "8.00 GiB activation peak", "3.80 GiB CUDA graphs",
+                 "room for 101 blocks", "--gpu-memory-utilization", "--enforce-eager"):
         assert part in message, part
 
 
@@ -78,7 +78,8 @@ def test_config_validates_gpu_memory_utilization(bad: object) -> None:
     with pytest.raises(ConfigError, match=r"gpu_memory_utilization must lie in \(0, 1\]") as info:
         RunnerConfig(gpu_memory_utilization=bad)  # type: ignore[arg-type]
     assert info.value.flag == "--gpu-memory-utilization" and repr(bad) in str(info.value)
-    assert RunnerConfig().gpu_memory_utilization == 0.9 and RunnerConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
+    assert RunnerConfig().gpu_memory_utilization == 0.9
+    assert RunnerConfig(gpu_memory_utilization=1).gpu_memory_utilization == 1
 
 
 def test_cli_flag_reaches_the_config() -> None:

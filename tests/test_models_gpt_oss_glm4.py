@@ -5,8 +5,8 @@ expert parallelism, and through the server with the ``openai`` client.
 
 - gpt-oss: attention sinks and attention, router and expert biases drawn at scale 0.5 (transformers
   initialises biases to zero), a sliding window of 4 on the even layers with every prompt longer than that, the
-  clamped SwiGLU with its limit lowered to 1 so that the clamps bite at this weight scale, the fused ``gate_up_proj [E, H, 2I]`` with alternating
-  columns as transformers writes it, yarn RoPE (its default);
+  clamped SwiGLU with its limit lowered to 1 so that the clamps bite at this weight scale, the fused
+  ``gate_up_proj [E, H, 2I]`` with alternating columns as transformers writes it, yarn RoPE (its default);
 - GLM4-MoE: q/k/v biases (scale 0.5) and q/k RMSNorm, RoPE on half of each head, sigmoid routing over 4 groups (2 kept)
   with a non-zero ``e_score_correction_bias`` and ``routed_scaling_factor`` 2.5, a shared expert, one leading
   dense layer.

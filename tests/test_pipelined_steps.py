@@ -39,10 +39,12 @@ def test_spec_parses_and_bad_values_are_named() -> None:
     assert DeviceSpec.parse(" step_us=10 ") == DeviceSpec(10, 0)
     assert DeviceSpec.parse(DeviceSpec(7, 0.5).to_text()) == DeviceSpec(7, 0.5)
     assert DeviceSpec(1000, 2).seconds(500) == pytest.approx(2e-3)
-    for text, message in (("", "empty --emulate-device spec ''"), ("step_ms=3", "bad --emulate-device item 'step_ms=3'"),
+    for text, message in (("", "empty --emulate-device spec ''"),
+                          ("step_ms=3", "bad --emulate-device item 'step_ms=3'"),
                           ("step_us=fast", "bad --emulate-device value 'fast' for step_us"),
                           ("step_us=-1", "step_us must lie in \\[0, 1e\\+06\\] microseconds, got -1.0"),
-                          ("us_per_token=nan", "us_per_token must lie"), ("step_us=1,step_us=2", "names step_us twice")):
+                          ("us_per_token=nan", "us_per_token must lie"),
+                          ("step_us=1,step_us=2", "names step_us twice")):
         with pytest.raises(ValueError, match=message):
             DeviceSpec.parse(text)
     with pytest.raises(ConfigError, match="emulate_device 'step_us=x': bad --emulate-device value 'x'"):

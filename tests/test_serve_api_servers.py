@@ -3,8 +3,9 @@ ranks (real processes on loopback, the official ``openai`` client, the checkpoin
 
 What must hold (issue 36): greedy completions, chat and streams equal the offline ``LLM`` (DP=2 with EP and
 DBO: both front ends' requests share the ranks' waves); requests land on both API servers and ``/metrics`` on
-either counts the requests of both; a profile window's timelines go to the API server that stopped it; SIGTERM drains both and exits 0 with no process left; a killed rank fails
-the requests in flight on every front end with a 500 naming it, and the server exits non-zero.
+either counts the requests of both; a profile window's timelines go to the API server that stopped it; SIGTERM
+drains both and exits 0 with no process left; a killed rank fails the requests in flight on every front end with
+a 500 naming it, and the server exits non-zero.
 """
 from __future__ import annotations
 

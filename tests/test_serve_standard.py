@@ -1,7 +1,8 @@
 """``python -m runner serve`` on every standard-decoder family, through the official ``openai`` client: Mixtral
 over DP=2 with expert parallelism and DBO, Qwen2-MoE and OLMoE with DBO, and the dense Llama, Qwen2 and Qwen3
-with ``--enable-dbo``, which the server runs without DBO and says so in its log. Greedy completions equal transformers' greedy continuation of the same token
-ids. The servers start concurrently (start-up is most of this module's time).
+with ``--enable-dbo``, which the server runs without DBO and says so in its log. Greedy completions equal
+transformers' greedy continuation of the same token ids. The servers start concurrently (start-up is most of this
+module's time).
 
 The checkpoints are ``standard_families.py``'s, with the trained tokenizer of ``tiny_checkpoint.py``.
 """

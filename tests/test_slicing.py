@@ -340,7 +340,8 @@ def test_split_num_tokens_non_padded(split_tok: int, n: int, expected: tuple[int
 
 
 def test_capture_count_falls_back_to_physical_rows() -> None:
-    """8 physical decode rows, split seq 2 -> children (2, 6) (SGLang ``test_capture_count_falls_back_to_physical_rows``)."""
+    """8 physical decode rows, split seq 2 -> children (2, 6)
+    (SGLang ``test_capture_count_falls_back_to_physical_rows``)."""
     tok = compute_split_token_index(2, "decode", None, 1)
     assert split_num_tokens_non_padded(tok, 8) == (2, 6)
 

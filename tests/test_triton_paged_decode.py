@@ -311,12 +311,14 @@ def _bad_inputs(device: torch.device) -> tuple[list[tuple[str, dict[str, Any], t
         ("q_2d", dict(q=c.q[0]), ValueError, r"q must be \[R, Hq, Dk\], got shape \(4, 16\)"),
         ("q_int", dict(q=c.q.to(torch.int32)), TypeError, "q dtype torch.int32"),
         ("k_f64", dict(k_cache=c.k_cache.double()), TypeError, "k_cache dtype torch.float64"),
-        ("q_last_stride", dict(q=c.q.transpose(1, 2).contiguous().transpose(1, 2)), ValueError, "q needs a unit-stride"),
+        ("q_last_stride", dict(q=c.q.transpose(1, 2).contiguous().transpose(1, 2)), ValueError,
+         "q needs a unit-stride"),
         ("heads", dict(q=torch.randn(2, 3, 16, device=device)), ValueError,
          "3 query heads are not a multiple of 2 KV heads"),
         ("dk", dict(q=torch.randn(2, 4, 8, device=device)), ValueError, "k_cache head dim 16 != q head dim 8"),
         ("v_shape", dict(v_cache=c.v_cache[:, :4]), ValueError, r"v_cache shape \(\d+, 4, 2, 16\) does not match"),
-        ("table_dtype", dict(block_table=c.block_table.long()), TypeError, "block_table must be int32, got torch.int64"),
+        ("table_dtype", dict(block_table=c.block_table.long()), TypeError,
+         "block_table must be int32, got torch.int64"),
         ("seq_dtype", dict(seq_lens=c.seq_lens.long()), TypeError, "seq_lens must be int32"),
         ("table_rows", dict(block_table=c.block_table[:1]), ValueError, r"block_table shape \(1, 3\) must be \[2,"),
         ("seq_rows", dict(seq_lens=c.seq_lens[:1]), ValueError, r"seq_lens shape \(1,\) must be \[2\]"),
@@ -353,7 +355,8 @@ def test_missing_triton_gives_install_hint(monkeypatch: pytest.MonkeyPatch) -> N
     c = make_case([3], 2, 1, dk=16, dv=16)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setitem(sys.modules, "triton", None)  # makes `import triton` raise ImportError
-    with pytest.raises(ImportError, match=r"paged_decode_attention needs the Triton package: pip install ubatch\[triton\]"):
+    with pytest.raises(ImportError,
+                       match=r"paged_decode_attention needs the Triton package: pip install ubatch\[triton\]"):
         paged_decode_attention(*c.args())
 
 

@@ -1,5 +1,5 @@
-"""The engine-core outputs on the rank -> client link (``runner.core.requests.EngineCoreOutput``, array-like): what a client
-decodes equals what the rank's engine core made, field for field, whatever fields are set."""
+"""The engine-core outputs on the rank -> client link (``runner.core.requests.EngineCoreOutput``, array-like): what
+a client decodes equals what the rank's engine core made, field for field, whatever fields are set."""
 from __future__ import annotations
 
 import pytest

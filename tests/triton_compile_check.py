@@ -34,7 +34,8 @@ H100 = GPUTarget("cuda", 90, 32)
 
 def compile_kernel(fn: Any, types: dict[str, str], constexprs: dict[str, Any], num_warps: int = 4,
                    divisible: tuple[str, ...] = ()) -> Any:
-    """Arguments not named in ``types`` or ``constexprs`` are int32 scalars; those in ``divisible`` are multiples of 16."""
+    """Arguments not named in ``types`` or ``constexprs`` are int32 scalars; those in ``divisible`` are
+    multiples of 16."""
     signature = {name: "constexpr" if name in constexprs else types.get(name, "i32") for name in fn.arg_names}
     attrs = {(fn.arg_names.index(name),): [["tt.divisibility", 16]] for name in divisible}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), target=H100,
