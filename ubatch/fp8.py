@@ -92,7 +92,7 @@ class Fp8Tensor:
             return dequantize_blocks(self.data, self.scale, self.block, dtype)
         data = self.data.chunk(self.row_shards, dim=-2)
         scale = self.scale.chunk(self.row_shards, dim=-2)
-        return torch.cat([dequantize_blocks(d, s, self.block, dtype) for d, s in zip(data, scale)], dim=-2)
+        return torch.cat([dequantize_blocks(d, s, self.block, dtype) for d, s in zip(data, scale, strict=True)], dim=-2)
 
     def uniform_grid(self) -> bool:
         """Whether ``scale`` is one plain block grid over all rows (each row shard a whole number of blocks),

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -154,11 +155,11 @@ class SchedulerOutput:
             else:
                 tokens = self.token_ids.tolist()
                 starts = np.concatenate(([0], np.cumsum(self.query_lens))).tolist()
-                token_lists = [tokens[a:b] for a, b in zip(starts, starts[1:])]
+                token_lists = [tokens[a:b] for a, b in itertools.pairwise(starts)]
             width = int(held.max()) if n else 0
             block_lists = self.blocks.table.table[self.blocks.rows, :width].tolist()  # one gather for all
             if n and int(held.min()) < width:
-                block_lists = [row[:h] for row, h in zip(block_lists, held.tolist())]
+                block_lists = [row[:h] for row, h in zip(block_lists, held.tolist(), strict=True)]
             self._chunks = [
                 ScheduledChunk(rid, toks, nc, blocks, s, r.sampling, r.seed, slot, len(r.prompt_token_ids))
                 for rid, toks, nc, blocks, s, r, slot in zip(

@@ -63,12 +63,12 @@ def _decide(rows: list[list[int]], rank: int, num_ubatches: int, rule: str) -> D
                                                                                     num_ubatches)
     else:
         largest = max(range(len(orig)), key=lambda r: (orig[r], -r))  # ties: the lowest rank
-        should = any_work and any(v for v, w in zip(votes, work) if w) and bool(pays[largest])
+        should = any_work and any(v for v, w in zip(votes, work, strict=True) if w) and bool(pays[largest])
     should = should and max_padded // num_ubatches > 0
     bounds = _ubatch_bounds(max_padded, splits, num_ubatches) if should else None
     return DPDecision(should_ubatch=should, num_tokens_padded=max_padded if should else orig[rank],
                       num_tokens_across_dp=tuple(int(x) for x in orig), any_work=any_work,
-                      any_prefill=any(p for p, w in zip(prefill, work) if w), ubatch_token_bounds=bounds,
+                      any_prefill=any(p for p, w in zip(prefill, work, strict=True) if w), ubatch_token_bounds=bounds,
                       max_tokens_padded=max_padded)
 
 

@@ -38,7 +38,7 @@ class LogprobsState:
                 return f"the engine core's log-probabilities are for token {entry.token_id}, not the sampled {token}"
             position = {token: Logprob(entry.logprob, entry.rank, self._text(token))}
             for rank, (tid, lp) in enumerate(zip(entry.top_token_ids[:self.num_logprobs],
-                                                 entry.top_logprobs[:self.num_logprobs]), start=1):
+                                                 entry.top_logprobs[:self.num_logprobs], strict=True), start=1):
                 position.setdefault(tid, Logprob(lp, rank, self._text(tid)))
             self.logprobs.append(position)
             assert self.cumulative_logprob is not None  # set with logprobs
@@ -74,7 +74,7 @@ class PromptLogprobsState:
         for entry in entries[have - start:]:
             position = {entry.token_id: Logprob(entry.logprob, entry.rank, self._text(entry.token_id))}
             for rank, (tid, lp) in enumerate(zip(entry.top_token_ids[:self.num_logprobs],
-                                                 entry.top_logprobs[:self.num_logprobs]), start=1):
+                                                 entry.top_logprobs[:self.num_logprobs], strict=True), start=1):
                 position.setdefault(tid, Logprob(lp, rank, self._text(tid)))
             self.prompt_logprobs.append(position)
         return None

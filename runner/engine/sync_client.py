@@ -117,10 +117,11 @@ class SyncMPClient(MPClient):
             raise RuntimeError("KV blocks leaked: " + ", ".join(f"rank {r} still holds {u:.1%} of its KV cache"
                                                                 for r, u in leaked)
                                + " after every request finished")
+        pairs = list(zip(ranks, before, strict=True))
         return RunReport(
-            num_steps=max(r.stats.num_steps - b.num_steps for r, b in zip(ranks, before)),
-            num_ubatched_steps=max(r.stats.num_ubatched_steps - b.num_ubatched_steps for r, b in zip(ranks, before)),
-            num_preemptions=sum(r.stats.num_preemptions - b.num_preemptions for r, b in zip(ranks, before)),
+            num_steps=max(r.stats.num_steps - b.num_steps for r, b in pairs),
+            num_ubatched_steps=max(r.stats.num_ubatched_steps - b.num_ubatched_steps for r, b in pairs),
+            num_preemptions=sum(r.stats.num_preemptions - b.num_preemptions for r, b in pairs),
             dbo_decisions=[[describe_bucket(b.bucket, b.dbo_on, b.speedup) for b in r.stats.dbo_buckets]
                            for r in ranks],
             traces=traces)

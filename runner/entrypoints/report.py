@@ -141,13 +141,15 @@ def compare_outputs(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> str | N
     """None when token outputs are identical, else where they first differ."""
     if len(a) != len(b):
         return f"{len(a)} vs {len(b)} results"
-    diffs = [(x["index"], _token_ids(x), _token_ids(y)) for x, y in zip(a, b) if _token_ids(x) != _token_ids(y)]
+    diffs = [(x["index"], _token_ids(x), _token_ids(y)) for x, y in zip(a, b, strict=True)
+             if _token_ids(x) != _token_ids(y)]
     if not diffs:
         return None
     idx, xs, ys = diffs[0]
-    sample = next((k for k, (x, y) in enumerate(zip(xs, ys)) if x != y), min(len(xs), len(ys)))
+    # strict=False: the first difference within the common prefix, else the shorter length
+    sample = next((k for k, (x, y) in enumerate(zip(xs, ys, strict=False)) if x != y), min(len(xs), len(ys)))
     x, y = (xs[sample] if sample < len(xs) else []), (ys[sample] if sample < len(ys) else [])
-    pos = next((i for i, (p, q) in enumerate(zip(x, y)) if p != q), min(len(x), len(y)))
+    pos = next((i for i, (p, q) in enumerate(zip(x, y, strict=False)) if p != q), min(len(x), len(y)))
     where = f"request {idx}" + (f" sample {sample}" if max(len(xs), len(ys)) > 1 else "")
     return f"{len(diffs)} of {len(a)} requests differ (first: {where} at output token {pos})"
 
