@@ -149,7 +149,7 @@ def pack_arrays(arrays: Sequence[np.ndarray], pin: bool = False) -> tuple[torch.
         total += -(-a.nbytes // PACK_ALIGN) * PACK_ALIGN
     staging = torch.empty(max(total, PACK_ALIGN), dtype=torch.uint8, pin_memory=pin)
     buf = staging.numpy()
-    for a, off in zip(arrays, offsets):
+    for a, off in zip(arrays, offsets, strict=True):
         buf[off:off + a.nbytes] = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
     return staging, offsets
 
@@ -158,7 +158,7 @@ def unpack_arrays(packed: torch.Tensor, offsets: Sequence[int], arrays: Sequence
     """Views of ``packed`` (from :func:`pack_arrays`, wherever it now is) with the dtypes and shapes of
     ``arrays``."""
     return [packed[off:off + a.nbytes].view(torch.from_numpy(a[:0].reshape(-1)).dtype).view(a.shape)
-            for a, off in zip(arrays, offsets)]
+            for a, off in zip(arrays, offsets, strict=True)]
 
 
 def arrays_to_device(arrays: Sequence[np.ndarray], device: torch.device | str) -> list[torch.Tensor]:

@@ -129,7 +129,8 @@ def build_paged_metadata(backend: AttentionBackendLike, common: CommonAttentionM
             i = int(short[0])
             raise ValueError(f"request {i} has {int(q[i])} query tokens but seq_len {int(seq[i])}")
         prefills = tuple(PrefillRequest(i, s, e, n) for i, s, e, n in
-                         zip(multi.tolist(), qsl[multi].tolist(), qsl[multi + 1].tolist(), seq[multi].tolist()))
+                         zip(multi.tolist(), qsl[multi].tolist(), qsl[multi + 1].tolist(), seq[multi].tolist(),
+                             strict=True))
         groups = build_prefill_groups(multi.astype(np.int64), qsl[multi].astype(np.int64),
                                       q[multi].astype(np.int64), seq[multi].astype(np.int64),
                                       common.block_table.device)

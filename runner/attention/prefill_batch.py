@@ -86,7 +86,7 @@ def group_prefills(query_lens: np.ndarray, seq_lens: np.ndarray, pad_factor: flo
     order = np.lexsort((-query_lens, -seq_lens))  # by seq_len, then query_len, descending
     groups: list[np.ndarray] = []
     start, n, lmax, smax, real = 0, 0, 0, 0, 0
-    for k, (ql, sl) in enumerate(zip(query_lens[order].tolist(), seq_lens[order].tolist())):
+    for k, (ql, sl) in enumerate(zip(query_lens[order].tolist(), seq_lens[order].tolist(), strict=True)):
         if n:
             lm, sm, rl = max(lmax, ql), max(smax, sl), real + ql * sl
             padded = (n + 1) * lm * sm

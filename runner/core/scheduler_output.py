@@ -164,7 +164,7 @@ class SchedulerOutput:
                 ScheduledChunk(rid, toks, nc, blocks, s, r.sampling, r.seed, slot, len(r.prompt_token_ids))
                 for rid, toks, nc, blocks, s, r, slot in zip(
                     self.req_ids.tolist(), token_lists, self.num_computed.tolist(), block_lists,
-                    self.sample.tolist(), self.requests, self.slots.tolist())]
+                    self.sample.tolist(), self.requests, self.slots.tolist(), strict=True)]
         return self._chunks
 
     def with_token_ids(self, token_ids: np.ndarray) -> SchedulerOutput:

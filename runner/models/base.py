@@ -37,7 +37,7 @@ def check_and_bind(layers: list[nn.Module], caches: list[torch.Tensor], specs: l
     """Attach one cache tensor per layer after checking its per-token shape against the layer's spec."""
     if len(caches) != len(layers):
         raise ValueError(f"got {len(caches)} KV caches for {len(layers)} layers")
-    for i, (layer, cache, spec) in enumerate(zip(layers, caches, specs)):
+    for i, (layer, cache, spec) in enumerate(zip(layers, caches, specs, strict=True)):
         if tuple(cache.shape[2:]) != spec.per_token_shape:
             raise ValueError(f"KV cache {i} has per-token shape {tuple(cache.shape[2:])}, "
                              f"expected {spec.per_token_shape}")

@@ -26,7 +26,7 @@ def _targets(sched: SchedulerOutput) -> list[tuple[int, int, int, list[int], int
     out = []
     row = 0
     for i, (req, computed, length) in enumerate(zip(sched.requests, sched.num_computed.tolist(),
-                                                    sched.query_lens.tolist())):
+                                                    sched.query_lens.tolist(), strict=True)):
         top_n = req.sampling.prompt_logprobs
         if top_n is not None:
             prompt = req.prompt_token_ids
@@ -55,5 +55,5 @@ def prompt_logprobs(sched: SchedulerOutput, hidden: torch.Tensor,
         top_ids = top.indices.tolist() if top is not None else [[] for _ in ids]
         top_lps = top.values.tolist() if top is not None else [[] for _ in ids]
         out[i] = PromptLogprobs(start, [TokenLogprobs(t, v, int(r), ti, tl) for t, v, r, ti, tl in
-                                        zip(ids, values, ranks, top_ids, top_lps)])
+                                        zip(ids, values, ranks, top_ids, top_lps, strict=True)])
     return out

@@ -318,7 +318,7 @@ def unpack(meta: SamplingMetadata, values: list[float]) -> SamplerOutput:
     logprob, rank = values[n:n + num], values[n + num:n + 2 * num]
     top_ids, top_lps = values[n + 2 * num:n + 2 * num + num * k], values[n + 2 * num + num * k:]
     out: list[TokenLogprobs | None] = [None] * n
-    for j, (row, count) in enumerate(zip(meta.logprob_row_ids, meta.num_logprobs)):
+    for j, (row, count) in enumerate(zip(meta.logprob_row_ids, meta.num_logprobs, strict=True)):
         out[row] = TokenLogprobs(token_id=ids[row], logprob=logprob[j], rank=int(rank[j]),
                                  top_token_ids=[int(t) for t in top_ids[j * k:j * k + count]],
                                  top_logprobs=top_lps[j * k:j * k + count])

@@ -274,7 +274,7 @@ def _plot(path: str, summary: list[dict[str, Any]], labels: list[str]) -> None:
         xs = [s[label]["P99 ITL (ms)"] for s in summary]
         ys = [s[label]["Output token throughput (tok/s)"] for s in summary]
         ax.plot(xs, ys, marker="o", label=label)
-        for s, x, y in zip(summary, xs, ys):
+        for s, x, y in zip(summary, xs, ys, strict=True):
             ax.annotate(f"{s['request_rate']:g} rps", (x, y), fontsize=7)
     ax.set_xlabel("p99 inter-token latency (ms)")
     ax.set_ylabel("output tokens/s")

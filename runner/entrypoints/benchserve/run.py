@@ -73,7 +73,7 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
                 return await send_completion(client, url, model, req, api_key, ignore_eos=ignore_eos)
 
         profiler = asyncio.create_task(_profile(client, base_url, profile, headers)) if profile else None
-        results = list(await asyncio.gather(*[one(r, t) for r, t in zip(requests, offsets)]))
+        results = list(await asyncio.gather(*[one(r, t) for r, t in zip(requests, offsets, strict=True)]))
         duration = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
         profiled = await profiler if profiler is not None else None
