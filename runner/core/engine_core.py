@@ -193,7 +193,7 @@ class EngineCore:
             self._add_prompt_logprobs(out, output.prompt_logprobs, finished)
         # a sampling row's token is an int (Scheduler.update checked it); only those rows are read below
         sampled = cast("list[int]", output.sampled_token_ids)
-        rows = zip(out.req_ids.tolist(), out.requests, out.sample.tolist(), sampled)
+        rows = zip(out.req_ids.tolist(), out.requests, out.sample.tolist(), sampled, strict=True)
         if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
             for rid, snap, sample, token in rows:
                 if sample and _reports_token(live.get(rid), finished):

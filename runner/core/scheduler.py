@@ -363,7 +363,7 @@ class Scheduler:
         invalid = self._invalid_samples(reqs, samples, sampled)
         self._inflight_steps.popleft()
         done: list[Request] = []
-        for i_req, (req, token, sample) in enumerate(zip(reqs, sampled, samples)):
+        for i_req, (req, token, sample) in enumerate(zip(reqs, sampled, samples, strict=True)):
             req.inflight -= 1
             if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
                 self._release_if_idle(req)
@@ -392,12 +392,12 @@ class Scheduler:
         ``INVALID_TOKEN`` for non-finite logits): those requests end with an error, the others go on. One pass
         of C over the batch when every token is valid. A token that is not an ``int`` is a bug of the model
         runner, not of a request: it raises."""
-        picked = sampled if all(samples) else [t for t, s in zip(sampled, samples) if s]
+        picked = sampled if all(samples) else [t for t, s in zip(sampled, samples, strict=True) if s]
         if not picked or (set(map(type, picked)) == {int} and min(cast("list[int]", picked)) >= 0
                           and max(cast("list[int]", picked)) < self.vocab_size):
             return set()
         invalid = set()
-        for i, (req, token, sample) in enumerate(zip(reqs, sampled, samples)):
+        for i, (req, token, sample) in enumerate(zip(reqs, sampled, samples, strict=True)):
             if not sample or req.status is FINISHED:
                 continue
             if type(token) is not int:
