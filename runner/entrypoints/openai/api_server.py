@@ -45,7 +45,7 @@ from runner.entrypoints.openai.gate import ServerGate
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
 from runner.entrypoints.openai.limits import ClientLeft, RequestSlots
 from runner.entrypoints.openai.metrics import ServerMetrics
-from runner.entrypoints.openai.server_limits import ServerLimits
+from runner.entrypoints.openai.server_limits import DEFAULT_LIMITS, ServerLimits
 from runner.entrypoints.openai.serving_chat import OpenAIServingChat
 from runner.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from runner.entrypoints.openai.serving_models import ServingModels
@@ -60,7 +60,7 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def build_app(engine_client: EngineClient, served_model_names: list[str], api_key: str | None = None, *,
               shutdown_timeout_s: float = 30.0, log_requests: bool = False, metrics: ServerMetrics | None = None,
-              model_root: str | None = None, limits: ServerLimits = ServerLimits()) -> FastAPI:
+              model_root: str | None = None, limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
     """The server's routes over ``engine_client``. ``metrics``: the sink the engine client reports to (made here
     if not given; ``app.state.metrics``). ``app.state.lifecycle`` drains and stops it."""
     lifecycle = ServerLifecycle(engine_client, shutdown_timeout_s)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from json.encoder import encode_basestring  # type: ignore[attr-defined]  # C-accelerated; ensure_ascii=False
-from typing import Literal, Union
+from typing import Literal
 
 SlotKind = Literal["str", "int", "json"]
-Value = Union[str, int, None]
+Value = str | int | None
 _INT_MARK_BASE = 7_071_067_811_865_475_000
 
 

@@ -64,7 +64,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                                              f"(default {ServerLimits.max_request_bytes})")
     group.add_argument("--header-timeout", type=_positive_seconds, default=ServerLimits.header_timeout_s,
                        metavar="SECONDS", help="a connection that has not sent a whole request head this long "
-                                               f"after connecting is closed (default {ServerLimits.header_timeout_s:g})")
+                       f"after connecting is closed (default {ServerLimits.header_timeout_s:g})")
     group.add_argument("--body-timeout", type=_positive_seconds, default=ServerLimits.body_timeout_s,
                        metavar="SECONDS", help="a request whose body sends nothing for this long gets 408 and its "
                                                "connection is closed (nginx's client_body_timeout; default "

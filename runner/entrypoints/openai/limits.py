@@ -25,7 +25,7 @@ from http import HTTPStatus
 from starlette.types import Message, Receive
 
 from runner.entrypoints.openai.errors import OpenAIError
-from runner.entrypoints.openai.server_limits import ServerLimits
+from runner.entrypoints.openai.server_limits import DEFAULT_LIMITS, ServerLimits
 
 
 def too_large(limit: int) -> OpenAIError:
@@ -44,7 +44,7 @@ class BodyTimeout(OpenAIError):
         super().__init__(HTTPStatus.REQUEST_TIMEOUT, message, headers={"Connection": "close"})
 
 
-async def read_body(receive: Receive, limit: int, limits: ServerLimits = ServerLimits()) -> bytes:
+async def read_body(receive: Receive, limit: int, limits: ServerLimits = DEFAULT_LIMITS) -> bytes:
     """The request body from ``receive``: 413 once it passes ``limit`` bytes (a chunked body has no length), 408
     when a piece takes longer than ``limits.body_timeout_s`` or the whole longer than
     ``limits.body_total_timeout_s``; ``ClientLeft`` when the client disconnects first."""

@@ -19,3 +19,6 @@ class ServerLimits:
     max_logprobs: int = 20
     trust_request_chat_template: bool = False
     chat_template_timeout_s: float = 5.0
+
+
+DEFAULT_LIMITS = ServerLimits()

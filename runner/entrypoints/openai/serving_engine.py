@@ -36,7 +36,7 @@ from runner.entrypoints.openai.chunk_templates import ChunkTemplate, SlotKind
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.errors import OpenAIError, bad_request, parse_request, redact
 from runner.entrypoints.openai.lifecycle import ServerLifecycle
-from runner.entrypoints.openai.limits import ClientLeft, ServerLimits, read_body
+from runner.entrypoints.openai.limits import ClientLeft, read_body
 from runner.entrypoints.openai.prompt_bounds import (
     LARGE_TEXT_CHARS,
     check_prompt_chars,
@@ -44,6 +44,7 @@ from runner.entrypoints.openai.prompt_bounds import (
     release_memory_after,
 )
 from runner.entrypoints.openai.protocol import UsageInfo
+from runner.entrypoints.openai.server_limits import DEFAULT_LIMITS, ServerLimits
 from runner.entrypoints.openai.serving_models import ServingModels
 from runner.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
 from runner.outputs import CompletionOutput, Logprob, RequestOutput
@@ -122,7 +123,7 @@ async def _disconnected(raw: Request) -> None:
 
 class OpenAIServing:
     def __init__(self, engine: EngineClient, models: ServingModels, lifecycle: ServerLifecycle,
-                 log_requests: bool = False, *, limits: ServerLimits = ServerLimits(),
+                 log_requests: bool = False, *, limits: ServerLimits = DEFAULT_LIMITS,
                  tokenizer_thread: ThreadPoolExecutor | None = None) -> None:
         self.engine = engine
         self.models = models
@@ -364,6 +365,6 @@ class OpenAIServing:
             return OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, str(exc))
         if isinstance(exc, Exception):
             logger.error("Request failed", exc_info=exc)
-            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR,
-                               f"Internal error: {type(exc).__name__}: {redact(str(exc))} (details in the server's log)")
+            message = f"Internal error: {type(exc).__name__}: {redact(str(exc))} (details in the server's log)"
+            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, message)
         raise exc  # CancelledError, KeyboardInterrupt: not ours to answer

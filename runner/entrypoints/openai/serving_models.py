@@ -26,7 +26,8 @@ class ServingModels:
             return self.names[0]
         if requested not in self.names:
             public = [n for n in self.names if n != self.path]
-            serves = f"This server serves: {', '.join(public)}" if public else "The served models are listed at `/v1/models`"
+            serves = (f"This server serves: {', '.join(public)}" if public
+                      else "The served models are listed at `/v1/models`")
             raise OpenAIError(HTTPStatus.NOT_FOUND, f"The model `{requested}` does not exist. {serves}", "model")
         return requested
 
