@@ -25,6 +25,7 @@ import shutil
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -37,6 +38,7 @@ from runner.config import ConfigError
 from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
 from runner.models.quantization.convert import Fp8Plan, apply_fp8, plan_from_checkpoint, plan_online, quantize_online
+from runner.models.quantization.dense_fp8_gemm import select_dense_fp8_gemm
 from runner.models.quantization.scheme import FP8_METHOD, Fp8Scheme, check_quantization_arg
 from runner.models.registry import architecture_of, get_model_class, parse_config, supported_architectures
 from runner.models.weights import FUSED_RE, canonical_name, expand_fused
@@ -341,12 +343,14 @@ def fp8_scheme(config: BaseMoEConfig, quantization: str | None, path: Path) -> F
 
 def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: torch.dtype | None = None,
                cache_dir: str | os.PathLike | None = None, device: torch.device | str = "cpu",
-               quantization: str | None = None) -> tuple[MoECausalLM, BaseMoEConfig]:
+               quantization: str | None = None, deep_gemm_module: ModuleType | None = None
+               ) -> tuple[MoECausalLM, BaseMoEConfig]:
     """Build the model for ``config.json``'s architecture and load this rank's weights.
 
     ``dtype`` defaults to :func:`auto_dtype` of the config's ``torch_dtype``/``dtype`` on ``device``; it is the
     compute dtype, and that of every weight an FP8 checkpoint does not quantise. ``quantization``: ``None`` or
-    ``'fp8'`` (:func:`fp8_scheme`).
+    ``'fp8'`` (:func:`fp8_scheme`). ``deep_gemm_module``: a module with DeepGEMM's API for the dense FP8 linears
+    instead of the real package (the tests' CPU stand-in; :func:`select_dense_fp8_gemm`).
     """
     path = resolve_model_path(model, cache_dir)
     config = load_config(path)
@@ -360,7 +364,7 @@ def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: tor
         if scheme is not None:
             plan = plan_online(net, scheme) if scheme.online else plan_from_checkpoint(
                 net, scheme, checkpoint_tensor_names(path))
-            apply_fp8(net, plan)
+            apply_fp8(net, plan, select_dense_fp8_gemm(torch.device(device), deep_gemm_module))
         check_spec_covers_parameters(net)
         net.to_empty(device=device)
         weights = iter_checkpoint(path, net)

@@ -12,6 +12,10 @@ for the UE8M0 packing):
   ``128 x 128`` for B; SM100 takes fp32 scales and converts them to UE8M0 (``sf.view(int32) >> 23``: the
   exponent alone, i.e. each scale rounded *down* to a power of two) unless they are already packed ints.
   So scales that are not powers of two give wrong results on SM100, as on hardware.
+- ``fp8_fp4_gemm_nt`` (alias ``fp8_gemm_nt``), the dense GEMM: ``a = (fp8 [M, K], sfa)``, ``b = (fp8 [N, K],
+  sfb)``, ``d [M, N]`` row-major, optional ``c`` to accumulate. On SM90 with fp32 ``128 x 128`` B scales
+  (the 1D2D kernel, ``sm90_fp8_gemm_1d2d``) ``c`` must be absent and ``d`` bf16; SFB contiguous (or its
+  transpose); SFA any fp32 ``[M, cdiv(K, 128)]`` (the library makes it MN-major and TMA-aligned itself).
 - Products are formed from the dequantised operands and accumulated in fp32, then rounded to bf16.
 
 The architecture the real library reads from the device is a module setting here (:func:`set_arch_major`).
@@ -113,6 +117,15 @@ def _effective_scales(sf: torch.Tensor, mn: int, k: int, gran_mn: int, gran_k: i
     return scale.repeat_interleave(gran_k, dim=-1)[..., :k]
 
 
+def _granularities(recipe: tuple[int, int, int] | None, recipe_a: tuple[int, int] | None,
+                   recipe_b: tuple[int, int] | None) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((gran_mn_a, gran_k_a), (gran_mn_b, gran_k_b))`` from ``recipe`` or the ``recipe_a`` / ``recipe_b`` pair."""
+    if recipe is not None:
+        return (recipe[0], recipe[2]), (recipe[1], recipe[2])
+    assert recipe_a is not None and recipe_b is not None
+    return recipe_a, recipe_b
+
+
 def m_grouped_fp8_gemm_nt_masked(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor],
                                  d: torch.Tensor, masked_m: torch.Tensor, expected_m: int,
                                  recipe: tuple[int, int, int] | None = None,
@@ -136,7 +149,7 @@ def m_grouped_fp8_gemm_nt_masked(a: tuple[torch.Tensor, torch.Tensor], b: tuple[
         recipe = _default_recipe(sfa, sfb)
     _require((recipe_a is None) == (recipe_b is None), "recipe_a.has_value() == recipe_b.has_value()")
     _require((recipe_a is None) != (recipe is None), "recipe_a.has_value() != recipe.has_value()")
-    (mn_a, k_a), (mn_b, k_b) = ((recipe[0], recipe[2]), (recipe[1], recipe[2])) if recipe else (recipe_a, recipe_b)
+    (mn_a, k_a), (mn_b, k_b) = _granularities(recipe, recipe_a, recipe_b)
     _check_sf(sfa, m, k, mn_a, k_a, g, "sfa")
     _check_sf(sfb, n, k, mn_b, k_b, g, "sfb")
     counts = masked_m.tolist()
@@ -190,7 +203,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
         recipe = _default_recipe(sfa, sfb)
     _require((recipe_a is None) == (recipe_b is None), "recipe_a.has_value() == recipe_b.has_value()")
     _require((recipe_a is None) != (recipe is None), "recipe_a.has_value() != recipe.has_value()")
-    (mn_a, k_a), (mn_b, k_b) = ((recipe[0], recipe[2]), (recipe[1], recipe[2])) if recipe else (recipe_a, recipe_b)
+    (mn_a, k_a), (mn_b, k_b) = _granularities(recipe, recipe_a, recipe_b)
     _check_sf(sfa.unsqueeze(0), m, k, mn_a, k_a, 1, "sfa")
     _check_sf(sfb, n, k, mn_b, k_b, g, "sfb")
     groups = grouped_layout.tolist()
@@ -205,3 +218,44 @@ def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
 
 
 m_grouped_fp8_fp4_gemm_nt_contiguous = m_grouped_fp8_gemm_nt_contiguous
+
+
+def fp8_fp4_gemm_nt(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], d: torch.Tensor,
+                    c: torch.Tensor | None = None, recipe: tuple[int, int, int] | None = None,
+                    recipe_a: tuple[int, int] | None = None, recipe_b: tuple[int, int] | None = None,
+                    compiled_dims: str = "nk", disable_ue8m0_cast: bool = False) -> None:
+    """``d = a @ b.T`` (``+ c``) with fp8 operands and their scales (``csrc/apis/gemm.hpp``: ``fp8_fp4_gemm_nt``)."""
+    (qa, sfa), (qb, sfb) = a, b
+    for t, name in ((qa, "a"), (qb, "b"), (d, "d")):
+        _require(t.dim() == 2, f"{name} is 2-D [mn, k] (get_shape<2>), got {tuple(t.shape)}")
+        _require(t.stride(-2) == 1 or t.stride(-1) == 1, f"{name}: t.stride(-2) == 1 or t.stride(-1) == 1")
+    if _state["arch_major"] == 9:  # fp8_requires_k_major
+        _require(qa.stride(-1) == 1 and qb.stride(-1) == 1, "major_a == Major::K and major_b == Major::K")
+    _require(d.stride(-1) == 1, "d is row-major (stride(-1) == 1)")
+    _require(qa.dtype == FP8 and qb.dtype == FP8, f"a and b are torch::kFloat8_e4m3fn, got {qa.dtype}, {qb.dtype}")
+    m, k = qa.shape
+    n, k_ = qb.shape
+    _require(m == d.shape[0] and n == d.shape[1] and k == k_, "m == m_ and n == n_ and k == k_")
+    _require(d.dtype in (torch.bfloat16, torch.float32), f"d is torch::kBFloat16 or torch::kFloat, got {d.dtype}")
+    if c is not None:
+        _require(c.dtype == d.dtype and c.stride(-1) == 1, "c is row-major with d's dtype")
+    if m == 0 or n == 0:  # early_return
+        return
+    if recipe_a is None and recipe is None:
+        recipe = _default_recipe(sfa, sfb)
+    _require((recipe_a is None) == (recipe_b is None), "recipe_a.has_value() == recipe_b.has_value()")
+    _require((recipe_a is None) != (recipe is None), "recipe_a.has_value() != recipe.has_value()")
+    (mn_a, k_a), (mn_b, k_b) = _granularities(recipe, recipe_a, recipe_b)
+    _check_sf(sfa.unsqueeze(0), m, k, mn_a, k_a, 1, "sfa")
+    _check_sf(sfb.unsqueeze(0), n, k, mn_b, k_b, 1, "sfb")
+    if _state["arch_major"] == 9 and sfa.dtype == torch.float32 and mn_b != 1:  # sm90_fp8_gemm_1d2d
+        _require(c is None and d.dtype == torch.bfloat16, "not c.has_value() and d.scalar_type() == torch::kBFloat16")
+    scale_a = _effective_scales(sfa.unsqueeze(0), m, k, mn_a, k_a, disable_ue8m0_cast, False)[0]
+    scale_b = _effective_scales(sfb.unsqueeze(0), n, k, mn_b, k_b, disable_ue8m0_cast, True)[0]
+    acc = (qa.float() * scale_a) @ (qb.float() * scale_b).t()
+    if c is not None:
+        acc = acc + c.float()
+    d.copy_(acc.to(d.dtype))
+
+
+fp8_gemm_nt = fp8_fp4_gemm_nt

@@ -15,6 +15,7 @@ adds the scale tensors to the model's weight spec, so loading checks them like a
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ import torch
 from torch import nn
 
 from runner.models.base import MoECausalLM
+from runner.models.quantization.dense_fp8_gemm import DEQUANTIZED, DenseFp8Gemm
 from runner.models.quantization.fp8_linear import Fp8Linear
 from runner.models.quantization.scheme import Fp8Scheme
 from runner.models.weights import EXPERT_RE, canonical_name, wants_weight
@@ -29,6 +31,7 @@ from ubatch.fp8 import quantize_blocks, scale_shape
 
 #: linear layers whose weight the routers read directly: they stay in the model's dtype
 ROUTER_SUFFIXES = (".mlp.gate", ".shared_expert_gate", ".mlp.router")
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,9 +96,9 @@ def plan_online(net: MoECausalLM, scheme: Fp8Scheme) -> Fp8Plan:
     return Fp8Plan(scheme, linears, set(spec.moe_layers))
 
 
-def apply_fp8(net: MoECausalLM, plan: Fp8Plan) -> None:
-    """Swap the plan's linear layers for FP8 ones, make its MoE layers' experts FP8, and list the scales in the
-    model's weight spec."""
+def apply_fp8(net: MoECausalLM, plan: Fp8Plan, gemm: DenseFp8Gemm = DEQUANTIZED) -> None:
+    """Swap the plan's linear layers for FP8 ones running ``gemm``, make its MoE layers' experts FP8, and list
+    the scales in the model's weight spec; logs which GEMM the linear layers run and why."""
     spec = net.weight_spec()
     scheme = plan.scheme
     replaced: dict[int, Fp8Linear] = {}
@@ -103,6 +106,7 @@ def apply_fp8(net: MoECausalLM, plan: Fp8Plan) -> None:
         if name in plan.linears:
             replaced[id(linear)] = Fp8Linear.replacing(linear, scheme.block)
             fp8 = replaced[id(linear)]
+            fp8.gemm = gemm
             scale = f"{name}.{scheme.scale_name}"
             spec.shapes[scale] = scale_shape(fp8.out_features, fp8.in_features, fp8.block)
             if scale != f"{name}.weight_scale_inv":
@@ -111,11 +115,26 @@ def apply_fp8(net: MoECausalLM, plan: Fp8Plan) -> None:
         for child_name, child in list(parent.named_children()):
             if id(child) in replaced:
                 setattr(parent, child_name, replaced[id(child)])
+    _log_dense_gemm(gemm, list(replaced.values()))
     for layer in plan.moe_layers:
         moe = spec.moe_layers[layer]
         moe.use_fp8_weights(scheme.block)
         spec.expert_scale = scheme.scale_name
         spec.expert_scale_blocks = moe.fp8_blocks
+
+
+def _log_dense_gemm(gemm: DenseFp8Gemm, layers: list[Fp8Linear]) -> None:
+    if not layers:
+        return
+    fast = sum(layer.uses_fp8_gemm() for layer in layers)
+    if fast == len(layers) or gemm.kernel == DEQUANTIZED.kernel:
+        logger.info("dense FP8 linears: all %d run %s (%s)", len(layers), gemm.kernel, gemm.reason)
+        return
+    others = sorted({(layer.out_features, layer.in_features, layer.block) for layer in layers
+                     if not layer.uses_fp8_gemm()})
+    logger.info("dense FP8 linears: %d of %d run %s (%s); %d dequantise, their [out, in] shapes and blocks %s are "
+                "not ones it takes (128 x 128 blocks, in a multiple of 128, out of 64)", fast, len(layers),
+                gemm.kernel, gemm.reason, len(layers) - fast, others)
 
 
 def quantize_online(weights: Iterable[tuple[str, torch.Tensor]], net: MoECausalLM,

@@ -2,15 +2,16 @@
 
 Parameter names are the checkpoint's: ``weight`` (float8_e4m3fn, ``[out, in]``) and ``weight_scale_inv`` (fp32,
 one per block; a per-tensor checkpoint's ``weight_scale`` is loaded into it as a 1 x 1 grid). Memory holds the
-FP8 bytes; each forward dequantises the weight to the activations' dtype and runs a plain GEMM (W8A16, the CPU
-path: a transient full-precision copy of one weight at a time).
+FP8 bytes. The forward runs the layer's :class:`~runner.models.quantization.dense_fp8_gemm.DenseFp8Gemm`: an
+FP8 GEMM on FP8-quantised activations (DeepGEMM on Hopper), or by default the weight dequantised to the
+activations' dtype and a plain GEMM (W8A16, the CPU path: a transient full-precision copy of one weight at a time).
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from runner.models.quantization.dense_fp8_gemm import DEQUANTIZED, DenseFp8Gemm
 from ubatch.fp8 import FP8_DTYPE, Fp8Tensor, scale_shape
 
 
@@ -29,6 +30,7 @@ class Fp8Linear(nn.Module):
             requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=bias_dtype, device=device),
                                  requires_grad=False) if bias else None
+        self.gemm: DenseFp8Gemm = DEQUANTIZED  # set by the loader (convert.apply_fp8)
 
     @classmethod
     def replacing(cls, linear: nn.Linear, block: tuple[int, int] | None) -> Fp8Linear:
@@ -44,11 +46,15 @@ class Fp8Linear(nn.Module):
         return self.fp8().dequantize(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.dequantized_weight(x.dtype), self.bias)
+        return self.gemm.linear(x, self.fp8(), self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"block={self.block}")
+                f"block={self.block}, gemm={self.gemm.kernel if self.uses_fp8_gemm() else 'dequantize'}")
+
+    def uses_fp8_gemm(self) -> bool:
+        """Whether the forward runs an FP8 GEMM (its kernel takes this layer's shape and blocks)."""
+        return self.gemm.takes(self.block, self.in_features, self.out_features)
 
 
 def linear_weight(linear: nn.Module, dtype: torch.dtype) -> torch.Tensor:
