@@ -3,8 +3,16 @@
 Follows DeepEP's Python API (``deep_ep/buffers/legacy.py``, ``deep_ep/utils/event.py``) and the host-side
 checks and stream rules of its C++ runtime: dtypes and shapes are checked where DeepEP's ``EP_HOST_ASSERT``s
 check them (raising ``RuntimeError`` as DeepEP does), kernels run on the buffer's comm stream under the stream
-layer so the sanitizer sees their ordering, and what it cannot model (FP8, LogFMT, internode) raises
-``NotImplementedError``.
+layer so the sanitizer sees their ordering, and what it cannot model (FP8 high-throughput dispatch, LogFMT,
+internode) raises ``NotImplementedError``.
+
+The low-latency dispatch with ``use_fp8=True`` follows ``deep_ep/buffers/legacy.py``'s docstring and the kernel
+(``csrc/kernels/legacy/internode_ll.cu``, ``utils.cuh``'s ``calculate_fp8_scales``): each token is cast per 128
+columns with ``amax = max(1e-4, max |x|)``, scale ``amax / 448`` (``round_scale``: rounded up to a power of two),
+values ``x / scale`` saturated to e4m3; the receiver gets ``(fp8 [E_local, capacity, H], fp32 scales
+[E_local, capacity, H / 128])``, the scales column-major in their last two dims (allocated ``[E, H / 128,
+capacity]`` and transposed, as ``csrc/legacy/buffer.hpp`` does), or with ``use_ue8m0`` (needs ``round_scale``)
+the exponent bytes packed four to an int32, ``[E_local, capacity, H / 512]``; ``hidden % 512 == 0`` is asserted.
 """
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ NUM_MAX_LOCAL_EXPERTS = 1024
 NUM_BUFFER_ALIGNMENT_BYTES = 128
 LL_HIDDEN_SIZES = (2048, 2560, 3072, 4096, 5120, 6144, 7168, 8192)  # SWITCH_HIDDEN in launch.cuh
 LL_MAX_TOPK = 11  # kNumMaxTopK in internode_ll.cu
+FP8_MARGIN, FP8_MAX = 1e-4, 448.0  # kFP8Margin, kFinfoAmaxE4M3 (csrc/kernels/legacy/utils.cuh)
 HT_RANKS = (2, 4, 8)  # SWITCH_RANKS in launch.cuh
 
 
@@ -131,6 +140,31 @@ def ll_layout_bytes(num_max_dispatch_tokens_per_rank: int, hidden: int, num_rank
                num_experts * num_max_dispatch_tokens_per_rank * per_combine_msg)
     signal = -(-num_experts * 4 // 128) * 128
     return 2 * send + 2 * recv + 2 * signal
+
+
+def _fp8_message(x: torch.Tensor, round_scale: bool) -> torch.Tensor:
+    """Each bf16 token as the FP8 kernel sends it, ``[T, H + 4 * H / 128]`` bytes: e4m3 values, then fp32 scales."""
+    t, h = x.shape
+    groups = x.float().view(t, h // 128, 128)
+    amax = groups.abs().amax(dim=-1).clamp(min=FP8_MARGIN)
+    if round_scale:  # fast_log2_ceil / fast_pow2: the scale rounded up to a power of two
+        scale_inv = torch.exp2(torch.ceil(torch.log2(amax / FP8_MAX)))
+        values = groups * (1.0 / scale_inv).unsqueeze(-1)
+    else:
+        scale_inv = amax * (1.0 / FP8_MAX)
+        values = groups * (FP8_MAX / amax).unsqueeze(-1)
+    q = values.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(t, h)  # __NV_SATFINITE
+    return torch.cat([q.view(torch.uint8), scale_inv.contiguous().view(torch.uint8)], dim=1)
+
+
+def _fp8_unpack(msg: torch.Tensor, hidden: int, use_ue8m0: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """A received FP8 message -> (values, scales in the receive layout: fp32, or four exponent bytes per int32)."""
+    values = msg[:, :hidden].contiguous().view(torch.float8_e4m3fn)
+    scales = msg[:, hidden:].contiguous().view(torch.float32)
+    if not use_ue8m0:
+        return values, scales
+    exponents = (scales.view(torch.int32) >> 23).to(torch.uint8)  # extract_required_scale_format<true>
+    return values, exponents.contiguous().view(torch.int32)
 
 
 class _LLSlot:
@@ -514,14 +548,21 @@ class Buffer:
                  "layout.total_bytes <= num_rdma_bytes")
         _require(not (async_finish and return_recv_hook), "not (async and return_recv_hook)")
         if use_fp8:
-            raise NotImplementedError("DeepEP stand-in: FP8 low-latency dispatch is not modelled; pass use_fp8=False")
+            _require(hidden % 512 == 0, f"hidden % 512 == 0 (FP8 dispatch), got {hidden}")
+        if use_ue8m0:
+            _require(round_scale, "round_scale (UE8M0 SF requires `round_scale=True`)")
         call, slot = self._ll_begin("low_latency_dispatch")
         compute = streams.current_stream("cpu")
         launch_stream = compute if return_recv_hook else self._comm
         if not return_recv_hook:
             launch_stream.wait_stream(compute)
         capacity = r * num_max_dispatch_tokens_per_rank
-        recv_x = slot.view((e_loc, capacity, hidden))
+        recv_x = slot.view((e_loc, capacity, hidden)) if not use_fp8 else \
+            torch.empty((e_loc, capacity, hidden), dtype=torch.float8_e4m3fn)
+        recv_scales = None
+        if use_fp8:  # column-major scales: allocated [E, groups, capacity], handed over transposed
+            groups, dtype = (hidden // 512, torch.int32) if use_ue8m0 else (hidden // 128, torch.float32)
+            recv_scales = torch.empty((e_loc, groups, capacity), dtype=dtype).transpose(1, 2)
         recv_count = torch.empty(e_loc, dtype=torch.int32)
         src_info = torch.empty(e_loc, capacity, dtype=torch.int32)
         layout_range = torch.empty(e_loc, r, dtype=torch.int64)
@@ -530,7 +571,8 @@ class Buffer:
             expert_ids = topk_idx[token_of, expert_of]
             dest = expert_ids // e_loc
             picks = [(dest == d).nonzero().squeeze(1) for d in range(r)]
-            rows = all_to_all_rows(self.group, [x.index_select(0, token_of.index_select(0, p)) for p in picks])
+            sent = x if not use_fp8 else _fp8_message(x, round_scale)  # bf16 rows, or fp8 bytes + fp32 scales
+            rows = all_to_all_rows(self.group, [sent.index_select(0, token_of.index_select(0, p)) for p in picks])
             pairs = [torch.stack([token_of.index_select(0, p), expert_ids.index_select(0, p)], 1) for p in picks]
             meta = all_to_all_rows(self.group, pairs, [t.shape[0] for t in rows])
 
@@ -541,7 +583,13 @@ class Buffer:
                 for e in range(e_loc):
                     sel = (local == e).nonzero().squeeze(1)
                     n, begin = sel.numel(), int(recv_count[e])
-                    recv_x[e, begin:begin + n] = part.index_select(0, sel)
+                    got = part.index_select(0, sel)
+                    if recv_scales is None:
+                        recv_x[e, begin:begin + n] = got
+                    else:
+                        values, scales = _fp8_unpack(got, hidden, use_ue8m0)
+                        recv_x[e, begin:begin + n] = values
+                        recv_scales[e, begin:begin + n] = scales
                     src_info[e, begin:begin + n] = m.index_select(0, sel)[:, 0].to(torch.int32)
                     layout_range[e, s] = n | (begin << 32)  # pack2<int, int64_t>(num_recv_tokens, begin)
                     recv_count[e] += n
@@ -549,8 +597,10 @@ class Buffer:
         event, hook = self._ll_finish(call, slot, receive, async_finish, return_recv_hook, launch_stream)
         handle = Handle((src_info, layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts),
                         "low_latency", call, topk_idx=topk_idx.clone())
-        tensors = (x, topk_idx, recv_x, None, recv_count, src_info, layout_range, cumulative_local_expert_recv_stats)
-        return recv_x, recv_count, handle, EventOverlap(event, tensors if async_finish else None), hook
+        tensors = (x, topk_idx, recv_x, recv_scales, recv_count, src_info, layout_range,
+                   cumulative_local_expert_recv_stats)
+        out = (recv_x, recv_scales) if recv_scales is not None else recv_x
+        return out, recv_count, handle, EventOverlap(event, tensors if async_finish else None), hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor, handle: tuple,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,

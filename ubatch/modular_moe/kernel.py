@@ -14,6 +14,7 @@ no tokens (the experts step simply has nothing to do), or a GPU capture deadlock
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -27,11 +28,14 @@ from ubatch.context import (
     dbo_register_recv_hook,
     dbo_yield,
 )
+from ubatch.log_once import log_once
 from ubatch.modular_moe.experts.base import ExpertWeight, MoEExperts
 from ubatch.modular_moe.prepare_finalize.base import Hook, PrepareFinalize
 from ubatch.modular_moe.two_stream import TwoStreamCombine
 from ubatch.modular_moe.types import ExpertMLPExtras
 from ubatch.sbo import SBO_OFF, SboFlags, check_sbo_modes
+
+_logger = logging.getLogger(__name__)
 
 
 def _complete(hook: Hook | None) -> None:
@@ -68,7 +72,11 @@ class FusedMoEModularKernel:
 
         dbo_maybe_run_recv_hook()  # the other ubatch's pending receive goes ahead of our send
         with trace.region("dispatch_send", "a2a"):
-            hook, receive_tokens = pf.prepare_async(hidden, topk_weights, topk_ids)
+            if self._fp8_dispatch(hidden.shape[-1]):
+                round_scale = self.experts.wants_power_of_two_scales(hidden.device)
+                hook, receive_tokens = pf.prepare_fp8_async(hidden, topk_weights, topk_ids, round_scale)
+            else:
+                hook, receive_tokens = pf.prepare_async(hidden, topk_weights, topk_ids)
         shared = None
         if self.shared_experts is not None and sbo.dispatch_shared_experts:
             shared = self._shared(hidden, rec, "dispatch", None)  # our dispatch is in flight, unreceived
@@ -101,6 +109,21 @@ class FusedMoEModularKernel:
         if rec is not None:
             rec.instant("moe_done", "moe", dbo_current_ubatch_id(), since=t0)
         return out if shared is None else out + shared
+
+    def _fp8_dispatch(self, hidden_size: int) -> bool:
+        """Whether the dispatch quantises to FP8: the experts take FP8 activations and the all-to-all can send
+        them (DeepEP low-latency into DeepGEMM); the choice and its reason are logged once per pairing."""
+        if not self.experts.accepts_fp8_activations:
+            return False
+        pf = self.prepare_finalize
+        reason = pf.fp8_dispatch_for(hidden_size)
+        if reason is None:
+            log_once(_logger, logging.INFO, f"{pf.name} -> {self.experts.name} experts: FP8 dispatch (tokens "
+                                            "quantised per 128 columns on the way, handed to the GEMM as they are)")
+            return True
+        log_once(_logger, logging.INFO, f"{pf.name} -> {self.experts.name} experts: bf16 dispatch, the experts "
+                                        f"quantise the tokens ({reason})")
+        return False
 
     def _shared(self, hidden: torch.Tensor, rec: trace.TraceRecorder | None, overlaps: str,
                 two: TwoStreamCombine | None) -> torch.Tensor:

@@ -7,6 +7,11 @@ Two layouts exist because the two DeepEP modes deliver tokens differently:
 - ``masked`` (low-latency shape): a fixed-capacity buffer ``[E_local, capacity, H]`` plus
   ``expert_num_tokens[E_local]``; experts return the unweighted output per slot, same shape. Rows at or
   beyond ``expert_num_tokens[e]`` are padding and must come back as zeros.
+
+A masked buffer may arrive already in FP8 (DeepEP's low-latency dispatch with ``use_fp8=True``, for experts that
+take FP8 activations): ``hidden`` float8_e4m3fn and ``hidden_scales [E_local, capacity, H / 128]`` fp32, one
+scale per token per 128 columns (``hidden * scale`` is the token), the layout DeepGEMM's masked GEMM reads.
+The experts' output is bf16 then.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from typing import Literal
 import torch
 
 Layout = Literal["contiguous", "masked"]
+FP8_GROUP = 128  # columns per activation scale of an FP8 masked buffer (DeepEP's and DeepGEMM's 1 x 128)
 
 
 @dataclass
@@ -25,6 +31,16 @@ class ExpertTokens:
     topk_ids: torch.Tensor | None = None
     topk_weights: torch.Tensor | None = None
     expert_num_tokens: torch.Tensor | None = None
+    hidden_scales: torch.Tensor | None = None  # FP8 masked buffers only: fp32 [E_local, capacity, H / 128]
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.hidden_scales is not None
+
+    @property
+    def output_dtype(self) -> torch.dtype:
+        """What the experts return: the activations' dtype, bf16 for an FP8 buffer (DeepEP combines bf16)."""
+        return torch.bfloat16 if self.is_fp8 else self.hidden.dtype
 
     def __post_init__(self) -> None:
         if self.layout == "contiguous":
@@ -35,6 +51,18 @@ class ExpertTokens:
                 raise ValueError("masked ExpertTokens need a 3-D hidden [E_local, capacity, H] and expert_num_tokens")
         else:
             raise ValueError(f"unknown layout {self.layout!r}; expected 'contiguous' or 'masked'")
+        fp8 = self.hidden.dtype == torch.float8_e4m3fn
+        if fp8 != (self.hidden_scales is not None):
+            given = "given" if self.hidden_scales is not None else "None"
+            raise ValueError(f"hidden_scales go with (and only with) float8_e4m3fn hidden; got hidden "
+                             f"{self.hidden.dtype} and hidden_scales {given}")
+        if self.hidden_scales is not None:
+            want = (*self.hidden.shape[:-1], -(-self.hidden.shape[-1] // FP8_GROUP))
+            if self.layout != "masked" or self.hidden_scales.dtype != torch.float32 \
+                    or tuple(self.hidden_scales.shape) != want:
+                raise ValueError(f"FP8 ExpertTokens are masked with fp32 hidden_scales {want}; got layout "
+                                 f"{self.layout!r}, hidden_scales {self.hidden_scales.dtype} "
+                                 f"{tuple(self.hidden_scales.shape)}")
 
 
 @dataclass(frozen=True)

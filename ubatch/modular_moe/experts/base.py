@@ -26,12 +26,23 @@ class MoEExperts(ABC):
     supports_extras: bool = False
     #: computes with FP8 weights and their block scales itself (:meth:`apply_fp8`)
     supports_fp8_weights: bool = False
+    #: takes a masked buffer already in FP8 (``ExpertTokens.hidden_scales``), so the dispatch may quantise
+    accepts_fp8_activations: bool = False
+
+    def wants_power_of_two_scales(self, device: torch.device) -> bool:
+        """Whether FP8 activations handed over must have power-of-two scales (DeepGEMM on SM100 keeps only
+        each scale's exponent); only asked of backends that :attr:`accepts_fp8_activations`."""
+        return False
 
     def run(self, tokens: ExpertTokens, w13: ExpertWeight, w2: ExpertWeight,
             extras: ExpertMLPExtras | None = None) -> torch.Tensor:
         """:meth:`apply` on plain weights; on FP8 ones :meth:`apply_fp8` where the backend has it, else
         :meth:`apply` on the weights dequantised to the activations' dtype (W8A16: a full copy of this layer's
-        experts each call, what the CPU and GPUs without an FP8 kernel run)."""
+        experts each call, what the CPU and GPUs without an FP8 kernel run). FP8 tokens only for backends that
+        :attr:`accepts_fp8_activations` (``TypeError`` otherwise)."""
+        if tokens.is_fp8 and not self.accepts_fp8_activations:
+            raise TypeError(f"experts backend {self.name!r} does not take FP8 activations; dispatch bf16 tokens "
+                            "to it")
         if isinstance(w13, Fp8Tensor) and isinstance(w2, Fp8Tensor):
             if self.supports_fp8_weights:
                 return self.apply_fp8(tokens, w13, w2, extras)

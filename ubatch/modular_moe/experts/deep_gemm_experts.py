@@ -10,6 +10,9 @@ without a GPU; ``deep_gemm`` itself is imported only when a ``DeepGemmExperts`` 
 explicit ``deep_gemm_module`` (the tests pass their CPU stand-in, ``tests/standins/deep_gemm.py``, which
 follows DeepGEMM's signatures, layouts and scaling rules); only the real package is checked for CUDA.
 
+DeepEP's FP8 low-latency dispatch hands the masked buffer over already quantised, values and per-token 1 x 128
+scales (``ExpertTokens.hidden_scales``); the first GEMM takes them as they are (:attr:`accepts_fp8_activations`).
+
 A checkpoint's own FP8 experts (:meth:`DeepGemmExperts.apply_fp8`, 128 x 128 blocks) go to the GEMMs as they
 are, values and scales; where DeepGEMM keeps only scale exponents (UE8M0, SM100) they are requantised once with
 power-of-two scales and cached, since rounding the scales alone would change the weights.
@@ -151,6 +154,10 @@ class DeepGemmExperts(MoEExperts):
     name = "deep_gemm"
     supported_layouts: tuple[Layout, ...] = ("masked", "contiguous")
     supports_fp8_weights = True
+    accepts_fp8_activations = True
+
+    def wants_power_of_two_scales(self, device: torch.device) -> bool:
+        return self._ue8m0(device)
 
     def __init__(self, expected_m: int | None = None, use_ue8m0: bool | None = None,
                  deep_gemm_module: Any = None) -> None:
@@ -253,13 +260,13 @@ class DeepGemmExperts(MoEExperts):
         inter = two_i // 2
         capacity = hidden.shape[1]
         # Grouped masked GEMMs want the per-group row count to be a whole number of M blocks.
-        a = _pad_dim(hidden, 1, QUANT_BLOCK) if capacity % QUANT_BLOCK else hidden
-        max_m = a.shape[1]
+        a_q = self._masked_operand(tokens, use_ue8m0)
+        max_m = a_q[0].shape[1]
         masked_m = tokens.expert_num_tokens.to(device=hidden.device, dtype=torch.int32)
         expected_m = self.expected_m if self.expected_m is not None else capacity
 
         gate_up = torch.empty((num_experts, max_m, 2 * inter), dtype=torch.bfloat16, device=hidden.device)
-        self._masked_gemm(per_token_cast_to_fp8(a, use_ue8m0), w13_q, gate_up, masked_m, expected_m)
+        self._masked_gemm(a_q, w13_q, gate_up, masked_m, expected_m)
         gate_up_f = gate_up.float()
         act = F.silu(gate_up_f[..., :inter]) * gate_up_f[..., inter:]
         out = torch.empty((num_experts, max_m, hidden_size), dtype=torch.bfloat16, device=hidden.device)
@@ -269,7 +276,25 @@ class DeepGemmExperts(MoEExperts):
         valid = torch.arange(max_m, device=hidden.device).unsqueeze(0) < masked_m.unsqueeze(1)
         out = out.masked_fill(~valid.unsqueeze(-1), 0)
         # Contiguous, even when the capacity was padded: DeepEP's low-latency combine asserts it of its input.
-        return out[:, :capacity].to(hidden.dtype).contiguous()
+        return out[:, :capacity].to(tokens.output_dtype).contiguous()
+
+    @staticmethod
+    def _masked_operand(tokens: ExpertTokens, use_ue8m0: bool) -> _Fp8Pair:
+        """The first GEMM's A: the dispatched FP8 values and scales as they are, or the activations quantised
+        per token per 128 columns; rows padded to a whole number of M blocks either way."""
+        capacity = tokens.hidden.shape[1]
+        extra = -capacity % QUANT_BLOCK
+        if tokens.hidden_scales is None:
+            return per_token_cast_to_fp8(_pad_dim(tokens.hidden, 1, QUANT_BLOCK) if extra else tokens.hidden,
+                                         use_ue8m0)
+        # On SM100 (use_ue8m0) the dispatch rounded the scales to powers of two: the kernel asked it to, from
+        # wants_power_of_two_scales. Checking it here would cost a host sync per call.
+        q, sf = tokens.hidden, tokens.hidden_scales
+        if extra:  # F.pad has no float8 kernel: copy into a zeroed buffer of the padded size
+            padded = torch.zeros((q.shape[0], capacity + extra, q.shape[2]), dtype=q.dtype, device=q.device)
+            padded[:, :capacity] = q
+            q, sf = padded, _pad_dim(sf, 1, QUANT_BLOCK)
+        return q, sf
 
     def _checkpoint_pair(self, w: Fp8Tensor, use_ue8m0: bool) -> _Fp8Pair:
         """A checkpoint's FP8 weight as DeepGEMM's operand: as is, or requantised once to UE8M0 scales."""

@@ -75,6 +75,17 @@ class PrepareFinalize(ABC):
                       topk_ids: torch.Tensor) -> tuple[Hook | None, PrepareReceiver]:
         """Start dispatch of ``hidden [T,H]`` routed by global ``topk_ids [T,K]``."""
 
+    def fp8_dispatch_for(self, hidden_size: int) -> str | None:
+        """``None`` when :meth:`prepare_fp8_async` can deliver tokens of ``hidden_size`` in FP8, else why not
+        (the kernel then dispatches bf16 and says so once)."""
+        return f"{self.name} dispatches the activations' own dtype only"
+
+    def prepare_fp8_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          round_scale: bool) -> tuple[Hook | None, PrepareReceiver]:
+        """:meth:`prepare_async`, the tokens quantised to FP8 on the way (masked ``ExpertTokens`` with
+        ``hidden_scales``, one per token per 128 columns; powers of two when ``round_scale``)."""
+        raise NotImplementedError(f"all2all backend {self.name!r} has no FP8 dispatch")
+
     @abstractmethod
     def finalize_async(self, expert_output: torch.Tensor, state: Any) -> tuple[Hook | None, FinalizeReceiver]:
         """Start combine of the experts' output; the receiver returns ``[T,H]`` (weights applied)."""

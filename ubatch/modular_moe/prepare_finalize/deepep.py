@@ -9,6 +9,11 @@ stand-in, ``tests/standins/deep_ep.py``); only the default, the real package, is
 adapters check what DeepEP's kernels require of their inputs (bf16 activations, the LL token count being
 a multiple of 4 across ranks) up front, so a misconfigured model fails with the setting to change rather
 than with an ``EP_HOST_ASSERT`` from inside DeepEP.
+
+For experts that take FP8 activations (DeepGEMM's) the low-latency dispatch runs with ``use_fp8=True``: DeepEP
+casts each token per 128 columns on the send side (half the bytes on the wire) and the masked buffer arrives as
+values plus fp32 scales, which the experts hand to DeepGEMM's masked GEMM as they are (the kernel chooses,
+``FusedMoEModularKernel._fp8_dispatch``). The combine stays bf16.
 """
 from __future__ import annotations
 
@@ -35,6 +40,8 @@ from ubatch.modular_moe.prepare_finalize.base import (
     device_start,
 )
 from ubatch.modular_moe.types import ExpertTokens
+
+FP8_DISPATCH_HIDDEN_MULTIPLE = 512  # DeepEP's low_latency_dispatch: EP_HOST_ASSERT(hidden % 512 == 0) with use_fp8
 
 
 def import_deep_ep() -> Any:
@@ -79,8 +86,28 @@ class DeepEPLowLatency(PrepareFinalize):
                                      num_qps_per_rank=self.num_local_experts)
         self.handles: list[Any] = [None, None]
 
+    def fp8_dispatch_for(self, hidden_size: int) -> str | None:
+        if hidden_size % FP8_DISPATCH_HIDDEN_MULTIPLE:
+            return (f"DeepEP's FP8 low-latency dispatch needs the hidden size to be a multiple of "
+                    f"{FP8_DISPATCH_HIDDEN_MULTIPLE}, got {hidden_size}")
+        return None
+
     def prepare_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                       topk_ids: torch.Tensor) -> tuple[Hook | None, PrepareReceiver]:
+        return self._dispatch(hidden, topk_weights, topk_ids, use_fp8=False, round_scale=False)
+
+    def prepare_fp8_async(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                          round_scale: bool) -> tuple[Hook | None, PrepareReceiver]:
+        """DeepEP quantises each token per 128 columns as it sends (fp32 scales, rounded up to powers of two with
+        ``round_scale``) and the receive hands over ``(fp8 [E_local, capacity, H], scales [E_local, capacity,
+        H / 128])``, the scales column-major for TMA, as DeepGEMM's masked GEMM reads them."""
+        reason = self.fp8_dispatch_for(hidden.shape[-1])
+        if reason is not None:
+            raise ValueError(f"{self.name}: {reason}")
+        return self._dispatch(hidden, topk_weights, topk_ids, use_fp8=True, round_scale=round_scale)
+
+    def _dispatch(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor, use_fp8: bool,
+                  round_scale: bool) -> tuple[Hook | None, PrepareReceiver]:
         if dbo_num_ubatches() > 2:
             raise ValueError("DeepEP low-latency mode holds at most two ubatches in flight (two RDMA buffer slots)")
         if hidden.shape[0] > self.capacity:
@@ -89,11 +116,15 @@ class DeepEPLowLatency(PrepareFinalize):
         _check_bf16(hidden, self.name)
         start = device_start()  # cuda trace clock: send kernel to the receive hook's kernel is the comm span
         recv_x, recv_count, handle, _event, hook = self.buffer.low_latency_dispatch(
-            hidden, topk_ids, self.capacity, self.num_experts, use_fp8=False, async_finish=False,
-            return_recv_hook=True)
+            hidden, topk_ids, self.capacity, self.num_experts, use_fp8=use_fp8, round_scale=round_scale,
+            async_finish=False, return_recv_hook=True)
         hook = self.traced_hook(start, hook, f"dispatch{dbo_current_ubatch_id()}")
         self.handles[dbo_current_ubatch_id()] = handle
         state = (topk_ids, topk_weights, dbo_current_ubatch_id())
+        if use_fp8:
+            values, scales = recv_x
+            return hook, lambda: (ExpertTokens("masked", values, expert_num_tokens=recv_count,
+                                               hidden_scales=scales), state)
         return hook, lambda: (ExpertTokens("masked", recv_x, expert_num_tokens=recv_count), state)
 
     def finalize_async(self, expert_output: torch.Tensor, state: Any) -> tuple[Hook | None, FinalizeReceiver]:
