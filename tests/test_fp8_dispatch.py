@@ -9,7 +9,7 @@ give the same output, and it is within the FP8 tolerance of the dense bf16 refer
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -132,8 +132,8 @@ def test_experts_that_take_no_fp8_activations_refuse_them() -> None:
 class RecordingDeepGemm(DeepGemmExperts):
     """The DeepGEMM experts (stand-in module, SM90 rules), noting the dtype of every buffer they are handed."""
 
-    def __init__(self, seen: list[torch.dtype]) -> None:
-        super().__init__(deep_gemm_module=dg, use_ue8m0=False)
+    def __init__(self, seen: list[torch.dtype], use_ue8m0: bool = False) -> None:
+        super().__init__(deep_gemm_module=dg, use_ue8m0=use_ue8m0)
         self.seen = seen
 
     def run(self, tokens: ExpertTokens, w13: ExpertWeight, w2: ExpertWeight,
@@ -142,22 +142,34 @@ class RecordingDeepGemm(DeepGemmExperts):
         return super().run(tokens, w13, w2, extras)
 
 
-def run_fp8_path(dbo: bool) -> tuple[list[dict[str, Any]], list[torch.dtype]]:
+def run_fp8_path(dbo: bool, use_ue8m0: bool = False) -> tuple[list[dict[str, Any]], list[torch.dtype]]:
     weights, inputs = bf16_weights(layers=1), bf16_inputs(2)
     seen: list[torch.dtype] = []
     with stream_sanitizer.sanitizing() as races:
-        results = run_standin_ep(weights, inputs, "deepep_low_latency", dbo, experts=lambda: RecordingDeepGemm(seen))
+        results = run_standin_ep(weights, inputs, "deepep_low_latency", dbo,
+                                 experts=lambda: RecordingDeepGemm(seen, use_ue8m0))
     assert races == [], str(races[0])
     return results, seen
 
 
-def test_fp8_dispatch_into_deep_gemm_is_the_same_with_and_without_dbo_and_within_fp8_of_dense() -> None:
+@pytest.fixture
+def gpu_generation() -> Iterator[Callable[[int], None]]:
+    """Set the DeepGEMM stand-in's GPU generation for one test (module state), back to SM90 after it."""
+    yield dg.set_arch_major
+    dg.set_arch_major(9)
+
+
+@pytest.mark.parametrize("arch", [9, 10], ids=["hopper", "blackwell"])
+def test_fp8_dispatch_into_deep_gemm_is_the_same_with_and_without_dbo_and_within_fp8_of_dense(
+        arch: int, gpu_generation: Callable[[int], None]) -> None:
     """Per-token quantisation and per-row GEMMs make each token's result independent of how the batch is cut,
     so DBO changes nothing; against the dense bf16 reference the FP8 rounding of activations and weights (one
-    layer: a second would route by the first's output, where an FP8-sized change can flip a near-tie)."""
+    layer: a second would route by the first's output, where an FP8-sized change can flip a near-tie). On
+    Blackwell the experts ask the dispatch for power-of-two scales, which the GEMM's UE8M0 reading keeps exactly."""
+    gpu_generation(arch)
     weights, inputs = bf16_weights(layers=1), bf16_inputs(2)
-    plain, seen_plain = run_fp8_path(dbo=False)
-    ubatched, seen_dbo = run_fp8_path(dbo=True)
+    plain, seen_plain = run_fp8_path(dbo=False, use_ue8m0=arch == 10)
+    ubatched, seen_dbo = run_fp8_path(dbo=True, use_ue8m0=arch == 10)
     assert seen_plain and set(seen_plain) == set(seen_dbo) == {torch.float8_e4m3fn}  # FP8 came over the wire
     assert len(seen_dbo) == 2 * len(seen_plain)  # two ubatches
     for rank in range(2):
@@ -166,3 +178,11 @@ def test_fp8_dispatch_into_deep_gemm_is_the_same_with_and_without_dbo_and_within
         moe = (ref.float() - inputs[rank].float()).abs().max().item()
         err = (plain[rank]["out"].float() - ref.float()).abs().max().item()
         assert err <= FP8_REL * moe, f"rank {rank}: max err {err:.4g} vs the layer's contribution {moe:.4g}"
+
+
+def test_blackwell_gets_power_of_two_scales_from_the_dispatch(gpu_generation: Callable[[int], None]) -> None:
+    """Without ``round_scale`` the SM100 GEMM would truncate each scale to its exponent: the kernel must ask."""
+    experts = RecordingDeepGemm([], use_ue8m0=True)
+    assert experts.wants_power_of_two_scales(torch.device("cpu"))
+    assert not RecordingDeepGemm([]).wants_power_of_two_scales(torch.device("cpu"))
+    assert not TorchExperts().wants_power_of_two_scales(torch.device("cpu"))
