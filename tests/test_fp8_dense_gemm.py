@@ -174,6 +174,24 @@ def test_by_default_an_fp8_linear_dequantises() -> None:
     assert lin.gemm is DEQUANTIZED and not lin.uses_fp8_gemm()
 
 
+def test_real_deep_gemm_on_hopper_is_within_the_same_bound() -> None:
+    """On an sm_90 GPU with DeepGEMM: the loader's choice is deep_gemm, and the real kernel meets the bound the
+    stand-in does (its fp32 accumulation order differs, far below the activation rounding)."""
+    pytest.importorskip("deep_gemm")
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("needs a Hopper (sm_90) GPU")
+    gemm = select_dense_fp8_gemm(torch.device("cuda"))
+    assert gemm.kernel == "deep_gemm", gemm.reason
+    lin = layer(576, 512, gemm, bias=True, dtype=torch.bfloat16).cuda()
+    x = torch.randn(33, 512, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
+    out = lin(x).float().cpu()
+    lin_cpu = lin.cpu()
+    ref = torch.nn.functional.linear(x.cpu().float(), lin_cpu.dequantized_weight(torch.float32),
+                                     lin_cpu.bias.float() if lin_cpu.bias is not None else None)
+    bound = activation_error_bound(x.cpu(), lin_cpu, ref) + BF16_REL * ref.abs()
+    assert bool(((out - ref).abs() <= bound).all())
+
+
 # ------------------------------------------------------------------------------------------ selection
 def test_the_cpu_dequantises_and_says_so() -> None:
     gemm = select_dense_fp8_gemm(torch.device("cpu"))
