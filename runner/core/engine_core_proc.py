@@ -28,7 +28,7 @@ import contextlib
 import logging
 import pickle
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from runner.config import RunnerConfig
 from runner.core.engine_core import EngineCore
@@ -55,7 +55,10 @@ from runner.core.messages import (
 )
 from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 
-if TYPE_CHECKING:  # the model code is imported in the rank, once it runs
+if TYPE_CHECKING:  # the model code is imported in the rank, once it runs; pyzmq where the loop starts
+    import zmq
+
+    from runner.tracing import Recording
     from runner.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("ubatch.engine_core")
@@ -116,7 +119,7 @@ def rank_info(runner: ModelRunner) -> CoreInfo:
                     sorted(runner.eos_token_ids), dtype, runner.experts_backend)
 
 
-def send_all(outs: list[Any], msg: OutputMessage) -> None:
+def send_all(outs: list[zmq.Socket[bytes]], msg: OutputMessage) -> None:
     """One message to every client (encoded once)."""
     data = ENCODER.encode(msg)
     for out in outs:
@@ -126,7 +129,8 @@ def send_all(outs: list[Any], msg: OutputMessage) -> None:
 class CoreLoop:
     """Receive between steps, step while the wave runs, send what each step produced (module docstring)."""
 
-    def __init__(self, core: EngineCore, inp: Any, outs: list[Any], rank: int, world: int) -> None:
+    def __init__(self, core: EngineCore, inp: zmq.Socket[bytes], outs: list[zmq.Socket[bytes]], rank: int,
+                 world: int) -> None:
         import zmq
 
         self.core, self.inp, self.outs, self.rank, self.world = core, inp, outs, rank, world
@@ -139,7 +143,7 @@ class CoreLoop:
         self.stopping = False
         self._last_stats = [0.0] * len(outs)  # per client
         self._profile: contextlib.ExitStack | None = None  # open while a /start_profile window records
-        self._recording: Any = None
+        self._recording: Recording | None = None
         self._profiled_steps = 0  # steps run since the window opened
         self._stop_profile_after = False  # a stop came before MIN_PROFILE_STEPS steps: stop once they ran
         self._profile_client = 0  # the client that asked for that stop
