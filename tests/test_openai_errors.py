@@ -5,9 +5,9 @@ from __future__ import annotations
 import openai
 import pytest
 
+from fake_engine_client import FakeEngineClient, make_tokenizer
+from openai_harness import MODEL, ServerThread
 from runner.engine.protocol import RequestError
-from tests.fake_engine_client import FakeEngineClient, make_tokenizer
-from tests.openai_harness import MODEL, ServerThread
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 COMPLETION = {"model": MODEL, "prompt": "hello"}

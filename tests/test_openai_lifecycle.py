@@ -12,8 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.fake_engine_client import FakeEngineClient, expected_text, make_tokenizer
-from tests.openai_harness import MODEL, ServerThread, sse_events
+from fake_engine_client import FakeEngineClient, expected_text, make_tokenizer
+from openai_harness import MODEL, ServerThread, sse_events
 
 LONG = {"model": MODEL, "prompt": "long", "max_tokens": 200}  # 200 steps of token_delay_s: far past any wait here
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from fake_engine_client import FakeEngineClient, make_tokenizer
+from openai_harness import MODEL, ServerThread
 from runner.engine.async_llm import _rank_stats
 from runner.engine.protocol import EngineStats, RankStats
 from runner.entrypoints.openai.metrics import ServerMetrics
 from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from tests.fake_engine_client import FakeEngineClient, make_tokenizer
-from tests.openai_harness import MODEL, ServerThread
-from tests.test_openai_lifecycle import Background, wait_until
+from test_openai_lifecycle import Background, wait_until
 
 
 def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

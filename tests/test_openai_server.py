@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import pytest
 
-from runner.sampling_params import RequestOutputKind
-from tests.fake_engine_client import (
+from fake_engine_client import (
     FakeEngineClient,
     expected_logprob,
     expected_text,
     make_tokenizer,
     sampled_rank,
 )
-from tests.openai_harness import MODEL, ServerThread, sse_events
+from openai_harness import MODEL, ServerThread, sse_events
+from runner.sampling_params import RequestOutputKind
 
 TOK = make_tokenizer()
 CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]

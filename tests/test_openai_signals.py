@@ -16,9 +16,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fake_engine_client import expected_text, make_tokenizer
-from tests.openai_harness import sse_events
-from tests.test_openai_lifecycle import Background, wait_until
+from fake_engine_client import expected_text, make_tokenizer
+from openai_harness import sse_events
+from test_openai_lifecycle import Background, wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
 MAIN = ROOT / "tests" / "openai_server_main.py"

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from discard_sink import DiscardSink
 from runner.config import RunnerConfig
 from runner.core.messages import INPUT_DECODER, AddRequest, AddRequests, CoreInfo, CoreStats, Outputs
 from runner.core.requests import EngineCoreOutput
@@ -16,7 +17,6 @@ from runner.engine.async_llm import MPEngineClient
 from runner.engine.mp_client import EngineSockets, _Rank
 from runner.engine.protocol import EngineOverloadedError
 from runner.sampling_params import SamplingParams
-from tests.discard_sink import DiscardSink
 
 
 class RecordingSocket:
