@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from devices import device_for
+from openai_extra import extra_fields
 from runner.attention.kv_cache import blocks_needed
 from runner.distributed.launch import launch
 from runner.models.loader import load_model
@@ -35,8 +36,11 @@ from runner.sampling_params import SamplingParams
 from test_models_parity import BLOCK, assert_rel_close, fresh_cache, greedy_generate, run_step
 from tiny_checkpoint import SENTENCES, build_tokenizer
 from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.modular_moe.layer import FusedMoE
 
 transformers = pytest.importorskip("transformers")
+
+from transformers import GenerationMixin, PreTrainedModel  # noqa: E402
 
 WINDOW = 4
 FAMILIES: dict[str, tuple[str, str, dict[str, Any]]] = {
@@ -58,7 +62,7 @@ DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_thre
 ENGINE = dict(dtype="float32", max_num_seqs=8, dist_timeout_s=60.0)
 
 
-def build_hf(family: str, vocab_size: int) -> torch.nn.Module:
+def build_hf(family: str, vocab_size: int) -> PreTrainedModel:
     cfg_name, model_name, kwargs = FAMILIES[family]
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_name)(vocab_size=vocab_size, eos_token_id=None, bos_token_id=None,
@@ -74,7 +78,7 @@ def build_hf(family: str, vocab_size: int) -> torch.nn.Module:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Any, Path]]:
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[PreTrainedModel, Any, Path]]:
     """family -> (transformers model, tokenizer, checkpoint directory), written once per module."""
     tok = build_tokenizer()
     out = {}
@@ -87,7 +91,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[tor
     return out
 
 
-def hf_greedy(hf: torch.nn.Module, ids: list[int], n: int = MAX_TOKENS) -> list[int]:
+def hf_greedy(hf: PreTrainedModel, ids: list[int], n: int = MAX_TOKENS) -> list[int]:
+    assert isinstance(hf, GenerationMixin)  # a ...ForCausalLM
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
                           pad_token_id=0)
@@ -183,7 +188,8 @@ def test_expert_parallel_ranks_hold_their_experts(checkpoints, family: str) -> N
     layer = 1  # an MoE layer in both
     for rank in range(2):
         model, _ = load_model(str(path), parallel=MoEParallelConfig(ep_rank=rank, ep_size=2))
-        experts = model.model.layers[layer].mlp.experts
+        experts = model.get_submodule(f"model.layers.{layer}.mlp.experts")
+        assert isinstance(experts, FusedMoE)
         assert experts.local_expert_range == range(4 * rank, 4 * rank + 4)
         ref = hf.model.layers[layer].mlp.experts
         local = slice(4 * rank, 4 * rank + 4)
@@ -245,7 +251,7 @@ def test_server_dp2_ep_dbo_with_the_openai_client_equals_transformers(checkpoint
         client = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
         full = client.completions.create(model=str(path), prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
                                          extra_body={"return_token_ids": True, "ignore_eos": True})
-        got = [ch.model_extra["token_ids"] for ch in sorted(full.choices, key=lambda ch: ch.index)]
+        got = [extra_fields(ch)["token_ids"] for ch in sorted(full.choices, key=lambda ch: ch.index)]
         assert got == want[family]
         assert scrape(srv.base_url, ("ubatch:dbo_ubatched_steps_total",))["ubatch:dbo_ubatched_steps_total"] > 0
 

@@ -4,20 +4,26 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 from safetensors.torch import save_file
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 transformers = pytest.importorskip("transformers")
 
 from runner.attention.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata  # noqa: E402
 from runner.core.kv_blocks import BlockAllocator  # noqa: E402
 from runner.engine.tokenizer import encode, load_tokenizer  # noqa: E402
+from runner.models.base import MoECausalLM  # noqa: E402
 from runner.models.loader import iter_checkpoint, load_model, resolve_model_path  # noqa: E402
 from runner.models.registry import get_model_class, parse_config  # noqa: E402
 from ubatch.forward_context import set_forward_context  # noqa: E402
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
+from ubatch.modular_moe.layer import FusedMoE  # noqa: E402
 
 BLOCK = 4
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15], [200, 1, 33]]
@@ -32,7 +38,7 @@ DSV3 = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermedia
             initializer_range=0.1, eos_token_id=None)
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
-VARIANTS = {
+VARIANTS: dict[str, tuple[str, str, dict[str, Any]]] = {  # transformers config class, model class, kwargs
     "qwen3": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", QWEN),
     "dsv3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", DSV3),
     "dsv3-noqlora-neox": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {**DSV3, "q_lora_rank": None,
@@ -47,7 +53,7 @@ VARIANTS = {
 }
 
 
-def make_hf(variant: str, seed: int = 0) -> torch.nn.Module:
+def make_hf(variant: str, seed: int = 0) -> PreTrainedModel:
     cfg_name, model_name, kwargs = VARIANTS[variant]
     torch.manual_seed(seed)
     cfg = getattr(transformers, cfg_name)(**kwargs, attn_implementation="eager")
@@ -62,9 +68,9 @@ def make_hf(variant: str, seed: int = 0) -> torch.nn.Module:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory):
     """``saved(variant) -> (hf_model, checkpoint_dir)``, each variant built and saved once per module."""
-    cache: dict[str, tuple[torch.nn.Module, Path]] = {}
+    cache: dict[str, tuple[PreTrainedModel, Path]] = {}
 
-    def get(variant: str) -> tuple[torch.nn.Module, Path]:
+    def get(variant: str) -> tuple[PreTrainedModel, Path]:
         if variant not in cache:
             hf = make_hf(variant)
             path = tmp_path_factory.mktemp(variant)
@@ -74,14 +80,14 @@ def saved(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def run_step(model: torch.nn.Module, ids: list[int], ctx: list[int], qlen: list[int],
+def run_step(model: MoECausalLM, ids: list[int], ctx: list[int], qlen: list[int],
              blocks: list[list[int]]) -> torch.Tensor:
     meta = build_attention_metadata(ctx, qlen, blocks, BLOCK)
     with torch.no_grad(), set_forward_context(meta):
         return model.compute_logits(model(torch.tensor(ids), meta.positions))
 
 
-def fresh_cache(model: torch.nn.Module, num_blocks: int = 64) -> BlockAllocator:
+def fresh_cache(model: MoECausalLM, num_blocks: int = 64) -> BlockAllocator:
     model.bind_kv_caches(allocate_kv_caches(model.kv_cache_specs(), num_blocks, BLOCK, torch.float32))
     return BlockAllocator(num_blocks)
 
@@ -118,7 +124,7 @@ def test_prefill_split_into_two_microbatches_matches_whole(saved) -> None:
     torch.testing.assert_close(torch.cat([part0, part1]), whole, atol=1e-5, rtol=1e-5)
 
 
-def greedy_generate(model: torch.nn.Module, prompts: list[list[int]], max_new: int,
+def greedy_generate(model: MoECausalLM, prompts: list[list[int]], max_new: int,
                     chunked: dict[int, int]) -> list[list[int]]:
     """Continuous batching: all requests every step; request r's prompt goes in chunks of ``chunked[r]``."""
     alloc = fresh_cache(model)
@@ -133,7 +139,10 @@ def greedy_generate(model: torch.nn.Module, prompts: list[list[int]], max_new: i
                 continue
             n = min(len(t) - done[r], chunked.get(r, len(t)))
             blocks[r] += alloc.allocate(blocks_needed(done[r] + n, BLOCK) - len(blocks[r]))
-            reqs.append(r), ctx.append(done[r]), qlen.append(n), ids.extend(t[done[r]: done[r] + n])
+            reqs.append(r)
+            ctx.append(done[r])
+            qlen.append(n)
+            ids.extend(t[done[r]: done[r] + n])
         logits = run_step(model, ids, ctx, qlen, [blocks[r] for r in reqs])
         ends = torch.tensor(qlen).cumsum(0) - 1
         for r, n, end in zip(reqs, qlen, ends.tolist()):
@@ -180,7 +189,8 @@ def test_fused_expert_format_and_ep_sharding(saved, tmp_path: Path) -> None:
     for src in (path, fused_dir):
         for rank in range(2):
             model, _ = load_model(str(src), parallel=MoEParallelConfig(ep_rank=rank, ep_size=2))
-            experts = model.model.layers[0].mlp.experts
+            experts = model.get_submodule("model.layers.0.mlp.experts")
+            assert isinstance(experts, FusedMoE)
             assert experts.local_expert_range == range(4 * rank, 4 * rank + 4)
             assert experts.w13_weight.shape[0] == 4
             ref_gate_up = state["model.layers.0.mlp.experts.gate_up_proj"][4 * rank: 4 * rank + 4]
@@ -289,10 +299,13 @@ def test_dbo_two_ubatch_threads_match_plain_forward(saved, variant: str) -> None
         for step, (ids, ctx, qlen) in enumerate(steps):
             meta = build_attention_metadata(ctx, qlen, blocks, BLOCK)
             slices, _ = maybe_create_ubatch_slices(True, qlen, sum(qlen), len(qlen))
+            assert slices is not None  # should_ubatch=True
             if step == 0:
                 assert slices[0].request_slice.stop > slices[1].request_slice.start  # request 1 straddles
                 for layer in model.model.layers:  # ubatch 1 must find ubatch 0's KV, not the plain run's
-                    layer.self_attn.kv_cache.zero_()
+                    kv_cache = layer.get_submodule("self_attn").kv_cache
+                    assert isinstance(kv_cache, torch.Tensor)
+                    kv_cache.zero_()
             with torch.no_grad(), set_forward_context(meta, ubatch_slices=slices):
                 logits = model.compute_logits(wrapper(torch.tensor(ids), meta.positions))
             with torch.no_grad(), set_forward_context(meta):

@@ -18,6 +18,8 @@ from safetensors.torch import save_file
 
 transformers = pytest.importorskip("transformers")
 
+from transformers import GenerationMixin, PreTrainedModel  # noqa: E402
+
 from devices import device_for  # noqa: E402
 from runner.attention.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata  # noqa: E402
 from runner.core.kv_blocks import BlockAllocator  # noqa: E402
@@ -25,27 +27,29 @@ from runner.distributed.launch import launch  # noqa: E402
 from runner.models.loader import iter_checkpoint, load_model  # noqa: E402
 from runner.models.registry import parse_config  # noqa: E402
 from runner.models.standard import StandardSparseMoeBlock  # noqa: E402
+from runner.models.standard_configs import StandardConfig  # noqa: E402
 from runner.sampling_params import SamplingParams  # noqa: E402
 from standard_families import DENSE_FAMILIES, FAMILIES, MOE_FAMILIES, MOE_LAYERS, make_hf  # noqa: E402
 from ubatch.forward_context import set_forward_context  # noqa: E402
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
+from ubatch.modular_moe.layer import FusedMoE  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15], [200, 1, 33], [64, 65, 66, 67]]
 MAX_TOKENS = 8
 # DBO on every step: two ubatches from 2 tokens on, no cost model (4 requests decode together: every step has >= 4)
 DBO_EVERY_STEP = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2,
                       dbo_cost_model="off")
-ENGINE = dict(dtype="float32", max_num_seqs=8, max_model_len=128, dist_timeout_s=60.0)
+ENGINE: dict[str, Any] = dict(dtype="float32", max_num_seqs=8, max_model_len=128, dist_timeout_s=60.0)
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory):
     """``saved(family) -> (hf_model, checkpoint_dir)``, each family built and saved once per module."""
-    cache: dict[str, tuple[torch.nn.Module, Path]] = {}
+    cache: dict[str, tuple[PreTrainedModel, Path]] = {}
 
-    def get(family: str) -> tuple[torch.nn.Module, Path]:
+    def get(family: str) -> tuple[PreTrainedModel, Path]:
         if family not in cache:
-            hf = make_hf(family)
+            hf = hf_model(family)
             path = tmp_path_factory.mktemp(family)
             hf.save_pretrained(path)
             cache[family] = (hf, path)
@@ -53,7 +57,15 @@ def saved(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def hf_greedy(hf: torch.nn.Module, prompts: list[list[int]], max_new: int = MAX_TOKENS) -> list[list[int]]:
+def hf_model(family: str, **overrides: Any) -> PreTrainedModel:
+    """``make_hf``'s transformers model, typed as one."""
+    hf = make_hf(family, **overrides)
+    assert isinstance(hf, PreTrainedModel)
+    return hf
+
+
+def hf_greedy(hf: PreTrainedModel, prompts: list[list[int]], max_new: int = MAX_TOKENS) -> list[list[int]]:
+    assert isinstance(hf, GenerationMixin)  # a ...ForCausalLM
     out = []
     for p in prompts:
         with torch.no_grad():
@@ -155,7 +167,8 @@ def test_mixtral_loads_the_hub_layout_and_the_fused_one_and_shards_experts(saved
     for src in (path, fused):
         for rank in range(2):
             model, _ = load_model(str(src), parallel=MoEParallelConfig(ep_rank=rank, ep_size=2))
-            experts = model.model.layers[1].mlp.experts
+            experts = model.get_submodule("model.layers.1.mlp.experts")
+            assert isinstance(experts, FusedMoE)
             want = state["model.layers.1.mlp.experts.gate_up_proj"][4 * rank: 4 * rank + 4]
             assert torch.equal(experts.w13_weight, want)
             read = {n for n, _ in iter_checkpoint(src, model) if ".experts." in n}
@@ -196,9 +209,12 @@ def test_mixtral_sliding_window_as_long_as_the_context_changes_nothing(saved, tm
 
 # ---------------------------------------------------------------------------------------------- configs
 def test_qwen2_moe_sparse_step_picks_the_layers_transformers_does() -> None:
-    hf = make_hf("qwen2_moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
+    hf = hf_model("qwen2_moe", num_hidden_layers=6, decoder_sparse_step=2, mlp_only_layers=[3])
     config = parse_config({**json.loads(hf.config.to_json_string()), "architectures": ["Qwen2MoeForCausalLM"]})
-    want = [type(layer.mlp).__name__ == "Qwen2MoeSparseMoeBlock" for layer in hf.model.layers]
+    assert isinstance(config, StandardConfig)
+    layers = hf.get_submodule("model.layers")
+    assert isinstance(layers, torch.nn.ModuleList)
+    want = [type(layer.mlp).__name__ == "Qwen2MoeSparseMoeBlock" for layer in layers]
     assert want == [False, True, False, False, False, True]
     assert [config.is_moe_layer(i) for i in range(6)] == want
 

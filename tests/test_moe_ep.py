@@ -87,6 +87,7 @@ def test_uneven_routing_with_ranks_receiving_nothing(backend: str, dbo: bool) ->
     results = run_ep(weights, inputs, backend, dbo=dbo)
     check(weights, inputs, results)
     received = [res["received"] for res in results]
+    assert weights.routes is not None
     assert received == expected_receives(weights.routes, sizes, 8, dbo)
     # the intended zeros, spelled out: (rank, layer, ubatch) that receive nothing
     zeros = {(r, 0, u) for r in (1, 2, 3) for u in range(2 if dbo else 1)}

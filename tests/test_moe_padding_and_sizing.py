@@ -16,11 +16,20 @@ from ubatch import UBatchConfig, UBatchSlice, UBatchWrapper, set_forward_context
 from ubatch.forward_context import DPMetadata
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts.torch_experts import TorchExperts
+from ubatch.modular_moe.layer import FusedMoE
+from ubatch.modular_moe.prepare_finalize.base import WireCounter
 from ubatch.slicing import padded_ubatch_slices
 from ubatch.testing.thread_ranks import run_thread_ranks
 from ubatch.trace_metrics import spans_from_chrome
 
 REL_TOL = 1e-5
+
+
+def first_layer_wire(model: MoEStack) -> WireCounter:
+    """The bytes the first MoE layer's all-to-all put on the wire, by direction and ubatch."""
+    layer = model.layers[0]
+    assert isinstance(layer, FusedMoE)
+    return layer.kernel.prepare_finalize.wire
 
 
 def _inputs(sizes: list[int], hidden: int = 16, seed: int = 5) -> list[torch.Tensor]:
@@ -79,10 +88,10 @@ def _run(weights: StackWeights, rows: list[torch.Tensor], real: list[int], backe
         finally:
             if dbo:
                 runner.close()
-        pf = model.layers[0].kernel.prepare_finalize
+        wire = first_layer_wire(model)
         link_obj = model.runtime.link()
         return {"out": out, "link_bytes": link_obj.total_bytes if link_obj else 0,
-                "wire": pf.wire.total("dispatch"), "yields": runner.last_yield_counts if dbo else []}
+                "wire": wire.total("dispatch"), "yields": runner.last_yield_counts if dbo else []}
 
     return run_thread_ranks(world, rank_main, num_groups=2, timeout_s=60)
 
@@ -170,12 +179,12 @@ def test_each_ubatch_buffer_is_sized_by_its_own_bound() -> None:
         model = MoEStack(weights, parallel)
         x = _inputs(sizes)[rank]
         pad = torch.cat([x, torch.zeros(12 - x.shape[0], x.shape[1])])
-        pf = model.layers[0].kernel.prepare_finalize
+        wire = first_layer_wire(model)
         mask = torch.arange(12) < x.shape[0]
         with set_forward_context(dp_metadata=DPMetadata(tuple(sizes), step_token_bound=12)):
             model(x)
-        whole = dict(pf.wire.bytes)
-        pf.wire.reset()
+        whole = dict(wire.bytes)
+        wire.reset()
         wrapper = UBatchWrapper(model)
         try:
             dp = DPMetadata(tuple(sizes), step_token_bound=12, ubatch_token_bounds=(6, 6), num_real_tokens=x.shape[0])
@@ -183,7 +192,7 @@ def test_each_ubatch_buffer_is_sized_by_its_own_bound() -> None:
                 out = wrapper(pad)
         finally:
             wrapper.close()
-        return {"whole": whole, "dbo": dict(pf.wire.bytes), "out": out[: x.shape[0]], "x": x}
+        return {"whole": whole, "dbo": dict(wire.bytes), "out": out[: x.shape[0]], "x": x}
 
     counts_bytes = e * 8  # the int64 per-expert counts that travel with every dispatch
     for res in run_thread_ranks(2, rank_main, num_groups=2):
@@ -240,6 +249,7 @@ def test_ht_dispatch_is_in_flight_during_the_other_ubatchs_compute() -> None:
         assert len(dispatches) == 4  # 2 layers x 2 ubatches
         for d in dispatches:
             own = trace.ubatch_of_track(d.track)
+            assert own is not None, d.track
             own_next = min((t for t in compute_starts[own] if t >= d.start), default=float("inf"))
             between = [t for t in compute_starts[1 - own] if d.start <= t < own_next]
             assert between, f"{d.name} on rank {pid}: ubatch {1 - own} did not compute while it was in flight"

@@ -26,13 +26,15 @@ from typing import Any
 import pytest
 
 from runner.engine.core_client import MULTIPROCESSING_ENV, multiprocessing_enabled
+from runner.engine.sync_client import SyncMPClient
 from runner.entrypoints.llm import LLM
 from runner.sampling_params import SamplingParams
 from tiny_checkpoint import TinyCheckpoint
 
 ROOT = Path(__file__).resolve().parents[1]
-ENGINE = dict(device="cpu", max_num_seqs=6, emulate_device="step_us=300", enable_dbo=True,
-              dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4, dbo_cost_model="off", dist_timeout_s=60.0)
+ENGINE: dict[str, Any] = dict(  # LLM's keyword arguments
+    device="cpu", max_num_seqs=6, emulate_device="step_us=300", enable_dbo=True, dbo_decode_token_threshold=2,
+    dbo_prefill_token_threshold=4, dbo_cost_model="off", dist_timeout_s=60.0)
 TEXTS = ["The quick brown fox", "Hello world! How are", "Dual batch overlap hides", "One, two, three:",
          "Caf\u00e9 cr\u00e8me", "the lazy dog jumps over the quick brown fox again and again"]
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, prompt_logprobs=2),
@@ -77,7 +79,8 @@ def in_process(tiny_chat_checkpoint: TinyCheckpoint) -> dict[str, list[Any]]:
     synchronous one."""
     got = {}
     with multiprocessing(False):
-        for name, loop in (("default", {}), ("sync", dict(disable_overlap_schedule=True))):
+        loops: dict[str, dict[str, Any]] = {"default": {}, "sync": dict(disable_overlap_schedule=True)}
+        for name, loop in loops.items():
             llm = LLM(model=str(tiny_chat_checkpoint.path), **ENGINE, **loop)
             try:
                 got[name] = workload(llm)
@@ -105,8 +108,10 @@ def test_engine_process_tokens_equal_in_process_and_synchronous_loop(
     with multiprocessing(True):
         llm = LLM(model=str(tiny_chat_checkpoint.path), **ENGINE)
     try:
-        pids = llm.engine_client.pids
-        assert len(pids) == 1 and llm.engine_client.forward_thread_id is None  # the core steps elsewhere
+        client = llm.engine_client
+        assert isinstance(client, SyncMPClient)  # the engine core runs in a process of its own
+        pids = client.pids
+        assert len(pids) == 1 and client.forward_thread_id is None  # the core steps elsewhere
         got = workload(llm)
         again = workload(llm)  # a second call on the same engine process
         stats = llm.last_stats

@@ -4,6 +4,7 @@ checkpoint's two EOS ids against transformers' own ``generate`` (DBO off and on,
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from tiny_checkpoint import PROMPT, SAMPLING_DEFAULTS, TinyCheckpoint
 transformers = pytest.importorskip("transformers")
 
 PROMPTS = [PROMPT, "Hello world!", "One, two, three:", "Dual batch overlap"]
-GREEDY = dict(temperature=0.0, max_tokens=16)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16)  # copied per request (replace): the engine may fill fields in
 # tiny thresholds and no cost model, so these 4-prompt batches really run as two ubatches
 DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4, dbo_cost_model="off")
 ENGINE = dict(dtype="float32", max_num_seqs=8, dist_timeout_s=60.0)
@@ -55,8 +56,8 @@ def hf_greedy(hf: tuple[Any, Any], prompt: str, **overrides: Any) -> list[int]:
 
 # ---------------------------------------------------------------------------------------------- text and chat
 def test_text_prompts_are_encoded_as_transformers_does(llm, hf) -> None:
-    outs = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
-    for prompt, o in zip(PROMPTS, outs):
+    outs = llm.generate(PROMPTS, replace(GREEDY), use_tqdm=False)
+    for prompt, o in zip(PROMPTS, outs, strict=True):
         assert o.prompt == prompt and o.prompt_token_ids == hf[1].encode(prompt)  # BOS first: add_bos_token
         assert o.prompt_token_ids[0] == hf[1].bos_token_id and o.finished and o.error is None
 
@@ -92,7 +93,7 @@ def test_chat_without_a_template_is_an_error_naming_the_model(ck: TinyCheckpoint
 
 
 def test_stop_strings_cut_the_text_also_across_tokens(llm, hf) -> None:
-    ref = llm.generate([PROMPT], SamplingParams(**GREEDY, ignore_eos=True), use_tqdm=False)[0].outputs[0]
+    ref = llm.generate([PROMPT], replace(GREEDY, ignore_eos=True), use_tqdm=False)[0].outputs[0]
     tok = hf[1]
     assert ref.text == tok.decode(ref.token_ids, skip_special_tokens=True).rstrip("\ufffd")
     # per-token text ends, then a two-character stop string across the first boundary that can take one
@@ -104,7 +105,7 @@ def test_stop_strings_cut_the_text_also_across_tokens(llm, hf) -> None:
                    and "\ufffd" not in ref.text[ends[k] - 1:ends[k] + 1])
     cut = ends[k] - 1
     for include, text in ((False, ref.text[:cut]), (True, ref.text[:cut + 2])):
-        (o,) = llm.generate([PROMPT], SamplingParams(**GREEDY, ignore_eos=True, stop=[stop],
+        (o,) = llm.generate([PROMPT], replace(GREEDY, ignore_eos=True, stop=[stop],
                                                      include_stop_str_in_output=include), use_tqdm=False)
         c = o.outputs[0]
         assert (c.text, c.finish_reason, c.stop_reason) == (text, "stop", stop)
@@ -126,8 +127,8 @@ def test_default_sampling_params_come_from_generation_config(llm, ck: TinyCheckp
 
 
 def test_two_eos_ids_stop_where_transformers_stops(llm, hf, ck: TinyCheckpoint) -> None:
-    outs = llm.generate(PROMPTS, SamplingParams(**GREEDY), use_tqdm=False)
-    for prompt, o in zip(PROMPTS, outs):
+    outs = llm.generate(PROMPTS, replace(GREEDY), use_tqdm=False)
+    for prompt, o in zip(PROMPTS, outs, strict=True):
         assert o.outputs[0].token_ids == hf_greedy(hf, prompt), prompt
     first = outs[0].outputs[0]
     assert first.token_ids[-1] == ck.second_eos_token_id and len(first.token_ids) < 16  # the file's EOS ended it
@@ -140,7 +141,7 @@ def test_generation_config_vllm_ignores_the_file(ck: TinyCheckpoint, hf) -> None
 
     engine = LLM(model=str(ck.path), generation_config="vllm", device=device_for(1), **ENGINE)
     try:
-        (o,) = engine.generate([PROMPT], SamplingParams(**GREEDY), use_tqdm=False)
+        (o,) = engine.generate([PROMPT], replace(GREEDY), use_tqdm=False)
     finally:
         engine.close()
     assert o.outputs[0].token_ids == hf_greedy(hf, PROMPT, eos_token_id=ck.eos_token_id)
@@ -156,7 +157,7 @@ def _dbo_off_and_on(path: str, prompts: list[str], device: str, dp: int) -> dict
     for name, dbo in (("off", {}), ("on", DBO)):
         engine = LLM(model=path, device=device, **ENGINE, **extra, **dbo)
         try:
-            outs = engine.generate(prompts, SamplingParams(**GREEDY), use_tqdm=False)
+            outs = engine.generate(prompts, replace(GREEDY), use_tqdm=False)
             result[name] = ([o.outputs[0].token_ids for o in outs], [o.outputs[0].stop_reason for o in outs],
                             engine.last_stats.num_ubatched_steps)
         finally:

@@ -11,11 +11,16 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from runner.core.requests import EngineCoreOutput
+from runner.engine.engine_core_client import OnOutputs, RunReport
 from runner.engine.protocol import EngineDeadError
+from runner.engine.sync_client import SyncMPClient
 from runner.entrypoints.llm import LLM
 from runner.sampling_params import SamplingParams
 from tiny_checkpoint import PROMPT
@@ -60,6 +65,13 @@ def _gone(pid: int) -> bool:
         return True
 
 
+def rank_pids(llm: LLM) -> list[int]:
+    """The ids of ``llm``'s rank processes (DP > 1: its client runs them)."""
+    client = llm.engine_client
+    assert isinstance(client, SyncMPClient)
+    return client.pids
+
+
 def _all_gone(pids: list[int], timeout_s: float = 15.0) -> bool:
     """Whether every one of ``pids`` has exited, waiting up to ``timeout_s`` for those on their way out (a
     process whose parent died ends once it notices)."""
@@ -98,6 +110,7 @@ def test_a_killed_rank_is_named_and_its_peer_stopped(when: str) -> None:
     llm = LLM("tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, device="cpu",
               dist_timeout_s=60.0)
     client = llm.engine_client
+    assert isinstance(client, SyncMPClient)  # two DP ranks: their processes' client
     pids = client.pids
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     assert [len(o.outputs[0].token_ids) for o in llm.generate([[1, 2], [3, 4]], params, use_tqdm=False)] == [2, 2]
@@ -106,12 +119,12 @@ def test_a_killed_rank_is_named_and_its_peer_stopped(when: str) -> None:
     else:  # at the first outputs of a run: both ranks are stepping, rank 0 then waits on its dead peer
         run = client.run
 
-        def run_and_kill(on_outputs, **kwargs):  # type: ignore[no-untyped-def]
-            def first_outputs_kill(outputs):  # type: ignore[no-untyped-def]
+        def run_and_kill(on_outputs: OnOutputs, *, trace: bool = False) -> RunReport:
+            def first_outputs_kill(outputs: Sequence[EngineCoreOutput]) -> None:
                 if not _gone(pids[1]):
                     os.kill(pids[1], signal.SIGKILL)
                 on_outputs(outputs)
-            return run(first_outputs_kill, **kwargs)
+            return run(first_outputs_kill, trace=trace)
 
         client.run = run_and_kill  # type: ignore[method-assign]
     deadline = time.monotonic() + 30
@@ -161,8 +174,9 @@ def _values(features: list) -> list[float]:
 def test_dp2_over_rank_processes_equals_one_rank_in_process(tmp_path: Path, tiny_chat_checkpoint) -> None:
     """Every offline feature gives the same outputs over two rank processes as in-process on one rank (seeds go
     by prompt index in both), the statistics and the trace cover both ranks, and ``del`` ends the ranks."""
-    settings = dict(model=str(tiny_chat_checkpoint.path), device="cpu", enable_dbo=True, dist_timeout_s=60.0,
-                    dbo_decode_token_threshold=1, dbo_prefill_token_threshold=2)
+    settings: dict[str, Any] = dict(  # LLM's keyword arguments
+        model=str(tiny_chat_checkpoint.path), device="cpu", enable_dbo=True, dist_timeout_s=60.0,
+        dbo_decode_token_threshold=1, dbo_prefill_token_threshold=2)
     one = LLM(**settings)
     expected = _features(one)
     experts_backend = one.model_runner.experts_backend
@@ -186,6 +200,6 @@ def test_dp2_over_rank_processes_equals_one_rank_in_process(tmp_path: Path, tiny
     except BaseException:
         two.close()
         raise
-    pids = two.engine_client.pids
+    pids = rank_pids(two)  # no reference to the client kept past ``del``
     del two  # ends the ranks, as close() does
     assert len(pids) == 2 and _all_gone(pids)

@@ -2,6 +2,8 @@
 nothing reached the engine (the double records every request it was given)."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import openai
 import pytest
 
@@ -15,7 +17,7 @@ MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def server():  # type: ignore[no-untyped-def]
+def server() -> Iterator[ServerThread]:
     with ServerThread(FakeEngineClient(max_model_len=MAX_MODEL_LEN)) as srv:
         yield srv
 
@@ -110,7 +112,8 @@ def test_prompt_plus_max_tokens_over_the_context(server: ServerThread) -> None:
                 "messages", f"{MAX_MODEL_LEN} tokens")
     with pytest.raises(openai.BadRequestError) as info:  # the openai client sees the same
         server.client().completions.create(model=MODEL, prompt="hello", max_tokens=over)
-    assert info.value.body["param"] == "max_tokens"
+    body = info.value.body
+    assert isinstance(body, dict) and body["param"] == "max_tokens"
 
 
 def test_token_ids_outside_the_vocabulary(server: ServerThread) -> None:
@@ -131,7 +134,9 @@ def test_text_prompt_without_a_tokenizer() -> None:
         check_error(srv, "/v1/completions", COMPLETION, 400, "prompt", "token ids")
         check_error(srv, "/v1/chat/completions", CHAT, 400, "model", "no chat template")
         r = srv.client().completions.create(model=MODEL, prompt=[1, 2, 3], max_tokens=2, logprobs=1)
-        assert r.choices[0].logprobs.tokens[0].startswith("token_id:")
+        lp = r.choices[0].logprobs
+        assert lp is not None and lp.tokens is not None
+        assert lp.tokens[0].startswith("token_id:")
 
 
 def test_overloaded_and_shutting_down_engine_is_503() -> None:

@@ -11,15 +11,20 @@ from typing import Any
 
 import httpx
 import pytest
+from openai.types import completion_create_params
+from openai.types.chat import completion_create_params as chat_create_params
 
 from fake_engine_client import FakeEngineClient, expected_text, make_tokenizer
 from openai_harness import MODEL, ServerThread, sse_events
 
-LONG = {"model": MODEL, "prompt": "long", "max_tokens": 200}  # 200 steps of token_delay_s: far past any wait here
-CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
+# 200 steps of token_delay_s: far past any wait here
+LONG: completion_create_params.CompletionCreateParamsBase = {"model": MODEL, "prompt": "long", "max_tokens": 200}
+CHAT: chat_create_params.CompletionCreateParamsBase = {
+    "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 200}
 
 
-def wait_until(cond: Callable[[], bool], what: str, timeout_s: float = 20.0) -> None:
+def wait_until(cond: Callable[[], object], what: str, timeout_s: float = 20.0) -> None:
+    """Poll until ``cond()`` is truthy; fails naming ``what`` after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not cond():
         assert time.monotonic() < deadline, f"timed out after {timeout_s} s waiting for {what}"
@@ -89,8 +94,10 @@ def test_drain_refuses_new_requests_and_lets_running_ones_finish() -> None:
     with ServerThread(engine, shutdown_timeout_s=60) as srv:
         prompt_ids = make_tokenizer()("long")["input_ids"]
         # 100 tokens at 20 ms: the requests outlive the checks below by seconds
-        stream = Background(lambda: list(srv.client().completions.create(**{**LONG, "max_tokens": 100}, stream=True)))
-        full = Background(lambda: srv.client().chat.completions.create(**{**CHAT, "max_tokens": 100}))
+        streamed: completion_create_params.CompletionCreateParamsStreaming = {**LONG, "max_tokens": 100, "stream": True}
+        chat: chat_create_params.CompletionCreateParamsNonStreaming = {**CHAT, "max_tokens": 100}
+        stream = Background(lambda: list(srv.client().completions.create(**streamed)))
+        full = Background(lambda: srv.client().chat.completions.create(**chat))
         wait_until(lambda: len(engine.running) == 2, "both requests to run")
         srv.call_soon(srv.app.state.lifecycle.begin_drain, "SIGTERM")
         wait_until(lambda: srv.app.state.lifecycle.draining, "the drain to start")
@@ -167,7 +174,9 @@ def test_engine_death_fails_running_requests_and_stops_the_server() -> None:
 
     with pytest.raises(openai.InternalServerError) as info:
         full.result()
-    assert info.value.status_code == 500 and "DP rank 1" in info.value.body["message"]
+    body = info.value.body
+    assert isinstance(body, dict)
+    assert info.value.status_code == 500 and "DP rank 1" in body["message"]
 
 
 def test_health_turns_503_when_the_engine_is_dead_and_the_server_stops() -> None:

@@ -3,8 +3,10 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import TypeVar
 
 import pytest
+from pydantic import BaseModel
 
 from runner.entrypoints.openai.cli_args import add_server_args, served_model_names
 from runner.entrypoints.openai.errors import OpenAIError, param_path, parse_request
@@ -19,12 +21,14 @@ from runner.entrypoints.openai.sampling import build_sampling_params, resolve_ma
 from runner.outputs import Logprob
 from runner.sampling_params import RequestOutputKind
 
+_M = TypeVar("_M", bound=BaseModel)
 
-def parse(model, body):  # type: ignore[no-untyped-def]
+
+def parse(model: type[_M], body: object) -> _M:
     return parse_request(json.dumps(body).encode(), model)
 
 
-def refused(model, body) -> OpenAIError:  # type: ignore[no-untyped-def]
+def refused(model: type[BaseModel], body: object) -> OpenAIError:
     with pytest.raises(OpenAIError) as info:
         parse_request(body if isinstance(body, bytes) else json.dumps(body).encode(), model)
     assert info.value.status == 400
@@ -116,7 +120,8 @@ def test_sampling_precedence_request_then_checkpoint_then_vllm() -> None:
 
 
 def test_sampling_errors_name_the_request_field() -> None:
-    def field_of(model, body, vocab=100):  # type: ignore[no-untyped-def]
+    def field_of(model: type[CompletionRequest | ChatCompletionRequest], body: dict[str, object],
+                 vocab: int = 100) -> str | None:
         with pytest.raises(OpenAIError) as info:
             build_sampling_params(parse(model, body), 8, {}, vocab)
         assert info.value.status == 400

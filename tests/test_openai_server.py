@@ -4,7 +4,14 @@
 Expected texts come from the double's formula (``expected_text``), not from the server."""
 from __future__ import annotations
 
+from collections.abc import Iterator
+from typing import Any, TypedDict
+
 import pytest
+from openai.types import CompletionUsage, completion_create_params
+from openai.types.chat import ChatCompletionMessageParam, ChatCompletionTokenLogprob
+from openai.types.chat import completion_create_params as chat_create_params
+from openai.types.completion import Completion
 
 from fake_engine_client import (
     FakeEngineClient,
@@ -13,23 +20,25 @@ from fake_engine_client import (
     make_tokenizer,
     sampled_rank,
 )
+from openai_extra import extra_fields
 from openai_harness import MODEL, ServerThread, sse_events
 from runner.sampling_params import RequestOutputKind
 
 TOK = make_tokenizer()
-CHAT = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+CHAT: list[ChatCompletionMessageParam] = [{"role": "system", "content": "be brief"},
+                                          {"role": "user", "content": "hello there"}]
 
 
 def ids(text: str) -> list[int]:
     return TOK(text)["input_ids"]
 
 
-def chat_ids(messages: list[dict]) -> list[int]:
+def chat_ids(messages: list[ChatCompletionMessageParam]) -> list[int]:
     return TOK.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
 
 
 @pytest.fixture(scope="module")
-def server():  # type: ignore[no-untyped-def]
+def server() -> Iterator[ServerThread]:
     with ServerThread(FakeEngineClient(max_model_len=128)) as srv:
         yield srv
 
@@ -40,6 +49,7 @@ def test_completion_text_usage_and_engine_request(server: ServerThread) -> None:
     assert r.object == "text_completion" and r.model == MODEL and r.id.startswith("cmpl-")
     assert [(c.index, c.text, c.finish_reason) for c in r.choices] == [(0, expected_text(ids("Hello"), 0, 3, 5),
                                                                         "length")]
+    assert r.usage is not None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens, r.usage.total_tokens) == (5, 5, 10)
     rid, prompt, prompt_ids, params = server.engine.submitted[n_before]
     assert rid == f"{r.id}-0" and prompt == "Hello" and prompt_ids == ids("Hello")
@@ -52,11 +62,13 @@ def test_prompt_list_and_n_give_choices_in_order(server: ServerThread) -> None:
     r = server.client().completions.create(model=MODEL, prompt=prompts, max_tokens=4, n=2, seed=1)
     assert [c.index for c in r.choices] == list(range(6))
     assert [c.text for c in r.choices] == [expected_text(ids(p), k, 1, 4) for p in prompts for k in range(2)]
+    assert r.usage is not None
     assert r.usage.prompt_tokens == sum(len(ids(p)) for p in prompts)
     assert r.usage.completion_tokens == 6 * 4
     token_prompts = [[5, 6, 7], [100, 101]]
     r = server.client().completions.create(model=MODEL, prompt=token_prompts, max_tokens=3)
     assert [c.text for c in r.choices] == [expected_text(p, 0, None, 3) for p in token_prompts]
+    assert r.usage is not None
     assert r.usage.prompt_tokens == 5
 
 
@@ -67,10 +79,11 @@ def test_request_ids_are_unique(server: ServerThread) -> None:
     assert len(got) == 10 and sum(i.startswith("chatcmpl-") for i in got) == 5
 
 
-def _join_completion_stream(chunks: list, num_choices: int) -> tuple[list[dict], object]:
-    joined = [{"text": "", "finish_reason": None, "tokens": [], "token_logprobs": [], "top_logprobs": [],
-               "text_offset": []} for _ in range(num_choices)]
-    usage = None
+def _join_completion_stream(chunks: list[Completion], num_choices: int
+                            ) -> tuple[list[dict[str, Any]], CompletionUsage | None]:
+    joined: list[dict[str, Any]] = [{"text": "", "finish_reason": None, "tokens": [], "token_logprobs": [],
+                                     "top_logprobs": [], "text_offset": []} for _ in range(num_choices)]
+    usage: CompletionUsage | None = None
     for chunk in chunks:
         if chunk.usage is not None:
             assert chunk.choices == [] and usage is None  # one usage chunk, after every choice chunk
@@ -90,18 +103,22 @@ def _join_completion_stream(chunks: list, num_choices: int) -> tuple[list[dict],
 
 @pytest.mark.parametrize("stop", [None, ["rz", "q"]])
 def test_completion_stream_joins_to_the_response(server: ServerThread, stop: list[str] | None) -> None:
-    kwargs = dict(model=MODEL, prompt=["ab", "stream me"], max_tokens=12, n=2, seed=7, logprobs=2, stop=stop)
+    kwargs: completion_create_params.CompletionCreateParamsBase = {
+        "model": MODEL, "prompt": ["ab", "stream me"], "max_tokens": 12, "n": 2, "seed": 7, "logprobs": 2, "stop": stop}
     full = server.client().completions.create(**kwargs)
-    chunks = list(server.client().completions.create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    streaming: completion_create_params.CompletionCreateParamsStreaming = {
+        **kwargs, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = list(server.client().completions.create(**streaming))
     joined, usage = _join_completion_stream(chunks, 4)
     assert len({chunk.id for chunk in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
     for j, c in zip(joined, full.choices):
         assert (j["text"], j["finish_reason"]) == (c.text, c.finish_reason)
+        assert c.logprobs is not None
         assert j["tokens"] == c.logprobs.tokens and j["token_logprobs"] == c.logprobs.token_logprobs
         assert j["top_logprobs"] == c.logprobs.top_logprobs and j["text_offset"] == c.logprobs.text_offset
     assert usage == full.usage
     if stop:  # the double's texts were chosen so that some choices stop on a string and some do not
-        reasons = {(c.finish_reason, c.model_extra["stop_reason"]) for c in full.choices}
+        reasons = {(c.finish_reason, extra_fields(c)["stop_reason"]) for c in full.choices}
         assert ("stop", "q") in reasons and ("length", None) in reasons
         for c in full.choices:
             assert all(s not in c.text for s in stop)
@@ -127,35 +144,42 @@ def test_chat_completion(server: ServerThread) -> None:
     assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
     assert [(c.index, c.message.role, c.message.content, c.finish_reason) for c in r.choices] == \
         [(k, "assistant", expected_text(prompt, k, 2, 6), "length") for k in range(2)]
+    assert r.usage is not None
     assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(prompt), 12)
     _, text, prompt_ids, _ = server.engine.submitted[n_before]
     assert prompt_ids == prompt and text == TOK.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
 
 
 def test_chat_stream_joins_to_the_response(server: ServerThread) -> None:
-    kwargs = dict(model=MODEL, messages=CHAT, max_tokens=9, n=2, seed=5, logprobs=True, top_logprobs=3,
-                  stop=["x", "j"])
+    kwargs: chat_create_params.CompletionCreateParamsBase = {
+        "model": MODEL, "messages": CHAT, "max_tokens": 9, "n": 2, "seed": 5, "logprobs": True, "top_logprobs": 3,
+        "stop": ["x", "j"]}
     full = server.client().chat.completions.create(**kwargs)
-    chunks = list(server.client().chat.completions.create(**kwargs, stream=True,
-                                                          stream_options={"include_usage": True}))
+    streaming: chat_create_params.CompletionCreateParamsStreaming = {
+        **kwargs, "stream": True, "stream_options": {"include_usage": True}}
+    chunks = list(server.client().chat.completions.create(**streaming))
     first = [c.choices[0] for c in chunks[:2]]
     assert [(c.index, c.delta.role, c.delta.content) for c in first] == [(0, "assistant", ""), (1, "assistant", "")]
-    text, reasons, logprobs = ["", ""], [None, None], [[], []]
+    text: list[str] = ["", ""]
+    reasons: list[str | None] = [None, None]
+    logprobs: list[list[ChatCompletionTokenLogprob]] = [[], []]
     for chunk in chunks[2:-1]:
         (c,) = chunk.choices
         assert c.delta.role is None and reasons[c.index] is None
+        assert c.delta.content is not None and c.logprobs is not None and c.logprobs.content is not None
         text[c.index] += c.delta.content
         reasons[c.index] = c.finish_reason
         logprobs[c.index] += c.logprobs.content
     assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
     assert text == [c.message.content for c in full.choices]
     assert reasons == [c.finish_reason for c in full.choices]
-    assert logprobs == [c.logprobs.content for c in full.choices]
+    assert logprobs == [c.logprobs.content if c.logprobs is not None else None for c in full.choices]
 
 
 def test_completion_logprobs_shape(server: ServerThread) -> None:
     r = server.client().completions.create(model=MODEL, prompt="lp", max_tokens=4, logprobs=2)
     lp = r.choices[0].logprobs
+    assert lp is not None and lp.top_logprobs is not None
     text = expected_text(ids("lp"), 0, None, 4)
     assert lp.tokens == list(text) and lp.text_offset == [0, 1, 2, 3]
     assert lp.token_logprobs == [expected_logprob(k, sampled_rank(k)) for k in range(4)]
@@ -169,7 +193,9 @@ def test_completion_logprobs_shape(server: ServerThread) -> None:
 def test_chat_logprobs_shape(server: ServerThread) -> None:
     r = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, logprobs=True,
                                                 top_logprobs=2)
-    content = r.choices[0].logprobs.content
+    lp = r.choices[0].logprobs
+    assert lp is not None and lp.content is not None
+    content = lp.content
     text = expected_text(chat_ids(CHAT), 0, None, 4)
     assert [c.token for c in content] == list(text)
     assert [c.bytes for c in content] == [[ord(ch)] for ch in text]
@@ -180,7 +206,9 @@ def test_chat_logprobs_shape(server: ServerThread) -> None:
     plain = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2)
     assert plain.choices[0].logprobs is None
     only_sampled = server.client().chat.completions.create(model=MODEL, messages=CHAT, max_tokens=2, logprobs=True)
-    assert [c.top_logprobs for c in only_sampled.choices[0].logprobs.content] == [[], []]
+    only_lp = only_sampled.choices[0].logprobs
+    assert only_lp is not None and only_lp.content is not None
+    assert [c.top_logprobs for c in only_lp.content] == [[], []]
 
 
 def test_checkpoint_defaults_fill_unset_fields() -> None:
@@ -191,14 +219,15 @@ def test_checkpoint_defaults_fill_unset_fields() -> None:
         srv.client().completions.create(model=MODEL, prompt="x")
     (_, _, _, p1), (_, _, _, p2), (_, _, _, p3) = engine.submitted
     assert (p1.temperature, p1.top_k, p1.max_tokens, p1.repetition_penalty, p1.top_p) == (0.7, 5, 7, 1.1, 1.0)
-    assert len(r.choices[0].message.content) == 7
+    content = r.choices[0].message.content
+    assert content is not None and len(content) == 7
     assert (p2.temperature, p2.top_k, p2.max_tokens) == (0.2, 5, 3)
     assert p3.max_tokens == 16  # completions: OpenAI's default max_tokens
 
 
 def test_models_version_health(server: ServerThread) -> None:
     models = server.client().models.list()
-    assert [(m.id, m.object, m.owned_by, m.model_extra["max_model_len"]) for m in models.data] == \
+    assert [(m.id, m.object, m.owned_by, extra_fields(m)["max_model_len"]) for m in models.data] == \
         [(MODEL, "model", "ubatch", 128)]
     with server.http() as http:
         import ubatch
@@ -223,7 +252,9 @@ def test_api_key() -> None:
         for key in ("wrong", "sekret-but-longer"):
             with pytest.raises(openai.AuthenticationError) as info:
                 srv.client(api_key=key).completions.create(model=MODEL, prompt="x", max_tokens=1)
-            assert info.value.status_code == 401 and info.value.body["type"] == "AuthenticationError"
+            body = info.value.body
+            assert isinstance(body, dict)
+            assert info.value.status_code == 401 and body["type"] == "AuthenticationError"
         with srv.http() as http:
             for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                                  ("GET", "/v1/models")):
@@ -273,7 +304,11 @@ def test_request_log_only_when_enabled(caplog: pytest.LogCaptureFixture) -> None
         [], ["--disable-uvicorn-access-log"], ["--disable-log-requests"], ["--uvicorn-log-level", "warning"],
         ["--uvicorn-log-level", "debug"])] == [True, False, False, False, True]
     body = {"model": MODEL, "prompt": [5, 6, 7], "max_tokens": 2}
-    for kwargs, logged in (({}, False), ({"log_requests": True}, True)):
+    class LogFlag(TypedDict, total=False):
+        log_requests: bool
+
+    cases: tuple[tuple[LogFlag, bool], ...] = (({}, False), ({"log_requests": True}, True))
+    for kwargs, logged in cases:
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="runner.entrypoints.openai"):
             r = TestClient(build_app(FakeEngineClient(), [MODEL], **kwargs)).post("/v1/completions", json=body)

@@ -36,7 +36,7 @@ class ServerProcess:
         self._reader.start()
         wait_until(lambda: self.port is not None or self.proc.poll() is not None, "the server to listen", 60)
         assert self.port is not None, "".join(self.log)
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url: str = f"http://127.0.0.1:{self.port}"
 
     def _read(self) -> None:
         assert self.proc.stderr is not None

@@ -9,6 +9,7 @@ import random
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +21,8 @@ from fake_runner import FakeRunner, forward_step, reference_generate, run_steps
 from future_token_map import FutureTokenMap
 from runner.config import RunnerConfig
 from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError
-from runner.core.scheduler import Scheduler
+from runner.core.runner_output import ModelRunnerOutput
+from runner.core.scheduler import Request, Scheduler
 from runner.core.scheduler_output import SchedulerOutput
 from runner.core.slots import SlotPool, placeholder
 from runner.entrypoints.cli import build_parser, job_from_args
@@ -57,9 +59,9 @@ class InFlightGuard:
                 self.unprocessed[out.step_id] = out
             return out
 
-        def guarded_update(out: SchedulerOutput, sampled: Any) -> Any:
-            self.unprocessed.pop(out.step_id, None)
-            return update(out, sampled)
+        def guarded_update(sched: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
+            self.unprocessed.pop(sched.step_id, None)
+            return update(sched, sampled)
 
         def guarded_allocate(n: int) -> list[int]:
             blocks = allocate(n)
@@ -75,7 +77,7 @@ class InFlightGuard:
             return slot
 
         sched.schedule, sched.update = guarded_schedule, guarded_update  # type: ignore[method-assign]
-        sched.allocator.allocate, sched.slots.alloc = guarded_allocate, guarded_alloc_slot  # type: ignore
+        sched.allocator.allocate, sched.slots.alloc = guarded_allocate, guarded_alloc_slot  # type: ignore[method-assign]
 
 
 def drive(runner: Any, arrivals: Arrivals, overlap: bool, guard: bool = False, **sched_kw: Any
@@ -123,7 +125,14 @@ def expected(arrivals: Arrivals, runner: FakeRunner) -> dict[int, tuple[list[int
             for items in arrivals.values() for p, s, rid in items}
 
 
-def outputs(sched: Scheduler) -> dict[int, tuple[list[int], str]]:
+def sampled(runner: FakeRunner, fmap: FutureTokenMap, out: SchedulerOutput) -> list[int | None]:
+    """What the forward side of ``out``'s step sampled (a step with chunks always has an output)."""
+    result = forward_step(runner, fmap, out)
+    assert result is not None
+    return result.sampled_token_ids
+
+
+def outputs(sched: Scheduler) -> dict[int, tuple[list[int], str | None]]:
     return {rid: (r.output_token_ids, r.finish_reason) for rid, r in sched.requests.items()}
 
 
@@ -188,7 +197,7 @@ class GatedRunner(FakeRunner):
         self.sampled: list[list[int | None]] = []
         self.active = 0
 
-    def step(self, sched: SchedulerOutput) -> list[int | None] | None:
+    def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         self.active += 1
         assert self.active == 1, "two steps ran at once"
         if sched.chunks:
@@ -233,7 +242,8 @@ def test_placeholder_is_resolved_after_its_producer_finished() -> None:
                 assert c_sent.token_ids == [placeholder(c_sent.slot)]
                 position = c_sent.num_computed_tokens - len(req.prompt_token_ids)  # which output it feeds
                 assert c_got.token_ids == [req.output_token_ids[position]]
-                prev_tokens = {c.req_id: t for c, t in zip(runner.received[k - 1].chunks, runner.sampled[k - 1])}
+                prev_tokens = {c.req_id: t for c, t in zip(runner.received[k - 1].chunks, runner.sampled[k - 1],
+                                                           strict=True)}
                 assert c_got.token_ids == [prev_tokens[c_sent.req_id]]  # produced by the step just before
                 checked += 1
     assert checked == 4 + 2 and stats.num_placeholders_resolved == checked
@@ -275,7 +285,7 @@ def test_stop_token_in_flight_discards_next_step_and_defers_freeing() -> None:
     assert req.output_token_ids == [placeholder(req.slot)] * 3 and req.num_pending == 3
     free_before, slot = sched.num_free_blocks, req.slot
     fmap = FutureTokenMap(sched.slots.capacity)
-    r1, r2, r3 = (forward_step(runner, fmap, s).sampled_token_ids for s in (s1, s2, s3))  # forward side runs ahead
+    r1, r2, r3 = (sampled(runner, fmap, s) for s in (s1, s2, s3))  # forward side runs ahead
     sched.update(s1, r1)
     assert sched.update(s2, r2) == [req] and req.finish_reason == "stop"
     assert req.output_token_ids == ref[:2]  # the speculative placeholder is dropped at once
@@ -296,7 +306,7 @@ def test_known_last_token_is_not_over_scheduled() -> None:
     assert not sched.schedule().chunks  # both last tokens are in flight: nothing more to schedule
     fmap = FutureTokenMap(sched.slots.capacity)
     for s in [s1, s2]:
-        sched.update(s, forward_step(runner, fmap, s).sampled_token_ids)
+        sched.update(s, sampled(runner, fmap, s))
     assert len(a.output_token_ids) == 2 and len(b.output_token_ids) == 2
     assert (a.finish_reason, b.finish_reason) == ("length", "length")
     assert_clean(sched)
@@ -308,20 +318,25 @@ def _check_lookahead(flag: bool) -> None:
     sched = make_sched(runner, max_num_seqs=4, max_num_batched_tokens=8)
     updated: list[int] = []
     update = sched.update
-    sched.update = lambda out, s: (updated.append(out.step_id), update(out, s))[1]  # type: ignore
+
+    def recording_update(sched: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
+        updated.append(sched.step_id)
+        return update(sched, sampled)
+
+    sched.update = recording_update  # type: ignore[method-assign]
     step = runner.step
     violations: list[str] = []
     launched: list[int] = []
 
-    def checked_step(out: SchedulerOutput) -> Any:  # runs on the executor thread
-        if out.chunks:
-            launched.append(out.step_id)
+    def checked_step(sched: SchedulerOutput) -> ModelRunnerOutput | None:  # runs on the executor thread
+        if sched.chunks:
+            launched.append(sched.step_id)
             if len(launched) >= 3 and launched[-3] not in updated:
-                violations.append(f"step {out.step_id} launched before step {launched[-3]} was processed")
+                violations.append(f"step {sched.step_id} launched before step {launched[-3]} was processed")
         prev = runner.steps[-1] if runner.steps else None
-        if flag and prev is not None and prev.has_prefill and out.has_prefill and prev.step_id not in updated:
-            violations.append(f"prefill step {out.step_id} overlapped prefill step {prev.step_id}")
-        return step(out)
+        if flag and prev is not None and prev.has_prefill and sched.has_prefill and prev.step_id not in updated:
+            violations.append(f"prefill step {sched.step_id} overlapped prefill step {prev.step_id}")
+        return step(sched)
 
     runner.step = checked_step  # type: ignore[method-assign]
     for i in range(12):
@@ -457,7 +472,8 @@ def test_trace_shows_next_steps_host_work_inside_the_running_step(tmp_path: Path
     trace_file = tmp_path / "trace.json"
     llm = LLM(model="tiny-qwen3-moe", cache_dir=str(tmp_path / "cache"), device="cpu", max_num_seqs=32,
               disable_overlap_schedule=not overlap, trace_file=str(trace_file))
-    forwards, timed_out = [0], []
+    forwards: list[int] = [0]
+    timed_out: list[int] = []
 
     def gate(*_: Any) -> None:
         k, forwards[0] = forwards[0], forwards[0] + 1
@@ -468,7 +484,7 @@ def test_trace_shows_next_steps_host_work_inside_the_running_step(tmp_path: Path
             timed_out.append(k)
 
     if overlap:
-        llm.runner.model.register_forward_pre_hook(gate)
+        llm.model_runner.model.register_forward_pre_hook(gate)
     try:
         prompts = [[(7 * i + j) % 500 for j in range(8)] for i in range(32)]
         llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True), use_tqdm=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from functools import partial
 
 import torch
 
@@ -79,10 +80,13 @@ def workload(seed: int, n: int) -> list[tuple[int, list[int], SamplingParams, in
     rng = random.Random(seed)
     out = []
     for rid in range(n):
-        kind = rng.choice([dict(repetition_penalty=1.8), dict(frequency_penalty=1.5), dict(presence_penalty=2.0),
-                           dict(repetition_penalty=0.6, presence_penalty=-1.0), {}])
-        params = SamplingParams(max_tokens=rng.randint(3, 14), temperature=rng.choice([0.0, 0.9]),
-                                min_tokens=rng.choice([0, 3]), **kind)
+        kind = rng.choice([partial(SamplingParams, repetition_penalty=1.8),
+                           partial(SamplingParams, frequency_penalty=1.5),
+                           partial(SamplingParams, presence_penalty=2.0),
+                           partial(SamplingParams, repetition_penalty=0.6, presence_penalty=-1.0),
+                           partial(SamplingParams)])
+        params = kind(max_tokens=rng.randint(3, 14), temperature=rng.choice([0.0, 0.9]),
+                      min_tokens=rng.choice([0, 3]))
         prompt = [rng.randrange(V // 4) for _ in range(rng.randint(1, 30))]  # small alphabet: repeats
         out.append((rng.randrange(20), prompt, params, rid))
     return out

@@ -29,8 +29,8 @@ from runner.worker.device_future_map import DeviceFutureMap
 from runner.worker.emulated_device import DeviceSpec, DeviceWaitTimeout, EmulatedDevice
 from tiny_checkpoint import tiny_chat_checkpoint  # noqa: F401 - a fixture
 
-PIPELINED = dict(disable_overlap_schedule=False)
-SYNC = dict(disable_overlap_schedule=True)
+PIPELINED: dict[str, Any] = dict(disable_overlap_schedule=False)  # LLM keyword arguments
+SYNC: dict[str, Any] = dict(disable_overlap_schedule=True)
 
 
 # ------------------------------------------------------------------------------------------- emulated device
@@ -105,7 +105,7 @@ def test_in_steady_decode_no_launch_waits_for_the_previous_results(tmp_path: Pat
                   emulate_device="step_us=250000", **loop)
         try:
             tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-            stats, dev = llm.last_loop_stats, llm.runner.emulated_device
+            stats, dev = llm.last_loop_stats, llm.model_runner.emulated_device
             assert stats is not None and dev is not None
             counters[name] = (stats.num_steps, stats.launches_after_read, dict(stats.sync_reasons),
                               dev.num_launches, dev.idle_launches, stats.num_placeholders_resolved)
@@ -138,19 +138,19 @@ def run_workloads(path: str, rank: int = 0, **engine: Any) -> dict[str, Any]:
               SamplingParams(temperature=0.7, min_p=0.05, max_tokens=22, stop_token_ids=[5, 9], ignore_eos=True)]
     try:
         outs = llm.generate(texts, params[:len(texts)], use_tqdm=False)
-        stats = llm.last_loop_stats
-        assert stats is not None
+        stats, gen_stats = llm.last_loop_stats, llm.last_stats
+        assert stats is not None and gen_stats is not None
         return {"outputs": [[(c.token_ids, c.finish_reason, c.text,
                               [sorted(lp) for lp in c.logprobs] if c.logprobs else None) for c in o.outputs]
                             for o in outs],
                 "overlap": stats.overlap, "sync_reasons": dict(stats.sync_reasons),
-                "placeholders": stats.num_placeholders_resolved, "ubatched": llm.last_stats.num_ubatched_steps,
-                "dummy": llm.runner.num_dummy_steps}
+                "placeholders": stats.num_placeholders_resolved, "ubatched": gen_stats.num_ubatched_steps,
+                "dummy": llm.model_runner.num_dummy_steps}
     finally:
         llm.close()
 
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     # few KV blocks (preemption, which the pipelined loop syncs for) and a small token budget (chunked prefill)
     "preempt-chunked": dict(num_kv_blocks=8, block_size=8, max_num_batched_tokens=8),
@@ -200,7 +200,7 @@ def test_metadata_arrays_travel_as_one_packed_copy() -> None:
     from runner.attention.kv_cache import PACK_ALIGN, arrays_to_device, pack_arrays, unpack_arrays
 
     rng = np.random.default_rng(0)
-    arrays = [rng.integers(-9, 9, 5).astype(np.int32), rng.integers(-9, 9, (3, 7)).astype(np.int64),
+    arrays: list[np.ndarray] = [rng.integers(-9, 9, 5).astype(np.int32), rng.integers(-9, 9, (3, 7)).astype(np.int64),
               np.zeros((0, 4), np.int32), rng.integers(-9, 9, (4, 3)).astype(np.int32), np.array([-1], np.int64)]
     staging, offsets = pack_arrays(arrays)
     assert all(off % PACK_ALIGN == 0 for off in offsets) and staging.dtype == torch.uint8
@@ -230,6 +230,7 @@ def test_pipelined_tokens_equal_the_synchronous_loops_under_the_deepseek_schedul
                   dbo_prefill_token_threshold=4, dbo_cost_model="off", emulate_device="step_us=300", **loop)
         try:
             tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert llm.last_stats is not None
             results[name] = (tokens, llm.last_stats.num_ubatched_steps)
         finally:
             llm.close()

@@ -44,7 +44,9 @@ def backend_for(name: str) -> AttentionBackend:
     def no_decode(*args, **kwargs):  # these tests compare prefill rows only
         raise AssertionError("no decode expected here")
 
-    return TritonAttentionBackend(decode_fn=no_decode) if name == "triton" else None
+    if name != "triton":
+        raise ValueError(f"unknown attention backend {name!r}: torch or triton")
+    return TritonAttentionBackend(decode_fn=no_decode)
 
 
 class Step:

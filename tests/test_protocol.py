@@ -1,6 +1,7 @@
 """The ping-pong protocol through the public wrapper: ordering, hooks, aborts, timeouts, thread hygiene."""
 from __future__ import annotations
 
+import functools
 import threading
 import time
 
@@ -33,7 +34,8 @@ def even_slices(num_tokens: int, n: int) -> list[UBatchSlice]:
     return [UBatchSlice(slice(bounds[i], bounds[i + 1]), slice(bounds[i], bounds[i + 1])) for i in range(n)]
 
 
-def run(wrapper: UBatchWrapper, x: torch.Tensor, **kwargs: object) -> object:
+def run(wrapper: UBatchWrapper, x: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    """One step of ``wrapper`` over ``x`` split evenly; every model here returns one tensor."""
     with set_forward_context(ubatch_slices=even_slices(x.shape[0], wrapper.config.num_ubatches)):
         return wrapper(x, **kwargs)
 
@@ -86,7 +88,7 @@ def test_recv_hook_runs_in_next_ubatch_before_its_send(executor: str) -> None:
         for layer in range(2):
             dbo_maybe_run_recv_hook()
             events.append(("send", me, layer))
-            dbo_register_recv_hook(lambda me=me, layer=layer: events.append(("recv", me, layer)))
+            dbo_register_recv_hook(functools.partial(events.append, ("recv", me, layer)))
             dbo_yield()
             events.append(("use", me, layer))
         return x

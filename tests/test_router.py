@@ -5,6 +5,8 @@ instantiated directly from ``transformers`` with small random configs and compar
 """
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -131,7 +133,7 @@ def test_groups_restrict_choice() -> None:
     ],
 )
 def test_bad_arguments_raise(kwargs: dict, match: str) -> None:
-    args = dict(top_k=2, renormalize=True, scoring_func="sigmoid")
+    args: dict[str, Any] = dict(top_k=2, renormalize=True, scoring_func="sigmoid")  # and bad values: any type
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         select_experts(torch.randn(3, 8), **args)

@@ -3,6 +3,7 @@ batch, logprobs, stages skipped when unused, no host sync on the device side, pa
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
@@ -33,9 +34,11 @@ def seeded_draws(position: int, batch_size: int, num_draws: int = 60) -> list[in
     on row subsets that change with the layout, and every row's logits change at every draw: any leak between
     rows or from the batch shape shows."""
     target = SamplingParams(temperature=1.5, top_p=0.9, seed=7)
-    kinds = [dict(temperature=0.0, logit_bias={3: 5.0}), dict(temperature=0.8, top_k=5, logprobs=2),
-             dict(temperature=1.2, min_p=0.1, min_tokens=3, stop_token_ids=[1]), dict(temperature=0.5, top_p=0.5)]
-    others = [SamplingParams(**kinds[i % len(kinds)], seed=100 + i) for i in range(batch_size)]
+    kinds = [partial(SamplingParams, temperature=0.0, logit_bias={3: 5.0}),
+             partial(SamplingParams, temperature=0.8, top_k=5, logprobs=2),
+             partial(SamplingParams, temperature=1.2, min_p=0.1, min_tokens=3, stop_token_ids=[1]),
+             partial(SamplingParams, temperature=0.5, top_p=0.5)]
+    others = [kinds[i % len(kinds)](seed=100 + i) for i in range(batch_size)]
     params = others[:position] + [target] + others[position + 1:]
     table = torch.randn(num_draws, V, generator=torch.Generator().manual_seed(0))  # the target's logits per draw
     noise = torch.Generator().manual_seed(1000 + batch_size * 10 + position)  # the other rows' logits
@@ -160,10 +163,12 @@ def test_logprobs_are_raw_log_softmax_with_rank_and_top_n() -> None:
         assert lp.logprob == pytest.approx(raw[i, lp.token_id].item(), abs=1e-6)
         assert lp.rank == int((raw[i] >= raw[i, lp.token_id]).sum())
         n = params[i].logprobs
+        assert n is not None
         top = raw[i].topk(n)
         assert lp.top_token_ids == top.indices.tolist()
         assert lp.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-6)
-    assert out.token_ids[0] == 0 and out.logprobs[0].rank > 1  # the bias won; the raw rank says it was not top
+    lp0 = out.logprobs[0]
+    assert out.token_ids[0] == 0 and lp0 is not None and lp0.rank > 1  # the bias won; the raw rank says it was not top
     assert Sampler(V, "cpu").sample(logits.clone(), [RowSpec(params[1])] * 4).logprobs is None
 
 
@@ -177,8 +182,10 @@ def test_rows_with_everything_off_skip_every_stage() -> None:
                              RowSpec(SamplingParams(top_p=0.5)), RowSpec(SamplingParams()),
                              RowSpec(SamplingParams(top_k=V + 5, top_p=0.75))])  # top_k past the vocab: off
     assert meta.random_rows is None and meta.temperature is not None  # every row draws: no gather
+    assert meta.min_p_rows is not None and meta.top_k_rows is not None and meta.top_k is not None
     assert meta.min_p_rows.tolist() == [0] and meta.top_k_rows.tolist() == [0] and meta.top_k.tolist() == [3]
     assert meta.top_k_p_floor is None  # the top-k row has no top-p
+    assert meta.top_p_rows is not None and meta.top_p_floor is not None
     assert meta.top_p_rows.tolist() == [1, 3] and meta.top_p_floor.tolist() == [0.5, 0.25]
 
 
@@ -204,9 +211,9 @@ def test_device_side_makes_no_host_sync_with_every_option_on(monkeypatch: pytest
     monkeypatch.setattr(sampling_ops, "greedy_tokens", sampling_ops.greedy_tokens_torch)
 
     sampler = Sampler(V, "cpu", eos_token_ids=[1])
-    everything = dict(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, top_k=5, top_p=0.9,
-                      min_p=0.05, min_tokens=4, logit_bias={2: 1.0}, logprobs=3, stop_token_ids=[3])
-    params = [SamplingParams(temperature=0.8, seed=i, **everything) if i % 3 else SamplingParams(temperature=0.0)
+    everything = partial(SamplingParams, presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2, top_k=5,
+                         top_p=0.9, min_p=0.05, min_tokens=4, logit_bias={2: 1.0}, logprobs=3, stop_token_ids=[3])
+    params = [everything(temperature=0.8, seed=i) if i % 3 else SamplingParams(temperature=0.0)
               for i in range(6)]
     chunks = [ScheduledChunk(i, [4, 5, 6, 7], 0, [], True, p, seed=i, slot=i, prompt_len=2)
               for i, p in enumerate(params)]
@@ -255,10 +262,12 @@ def test_clone_equals_and_shares_nothing_mutable() -> None:
     import copy
 
     params = SamplingParams(n=2, temperature=0.7, seed=5, stop=["x", "yz"], stop_token_ids=[3, 4],
-                            logit_bias={"7": 1.5}, max_tokens=9)
+                            logit_bias={"7": 1.5},  # type: ignore[dict-item]  # a JSON key: made an int
+                            max_tokens=9)
     params.all_stop_token_ids |= {11}
     clone = params.clone()
     assert clone == params == copy.deepcopy(params) and type(clone) is SamplingParams
+    assert isinstance(clone.stop, list) and clone.stop_token_ids is not None and clone.logit_bias is not None
     clone.stop.append("w")
     clone.stop_token_ids.append(5)
     clone.logit_bias[8] = 1.0

@@ -26,9 +26,8 @@ PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13], [200, 1, 33], [64, 64,
            [90, 91, 92, 93, 94, 95, 96, 97, 98]]
 MAX_NEW = 12
 MIN_TOKENS = 6
-ENGINE = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, dbo_decode_token_threshold=2,
-              dbo_prefill_token_threshold=4, dbo_cost_model="off", dist_timeout_s=60.0)
-SEEDED = dict(temperature=1.0, top_p=0.95, seed=1234, max_tokens=MAX_NEW, ignore_eos=True)
+ENGINE: dict[str, Any] = dict(max_num_seqs=8, max_num_batched_tokens=64, block_size=4, dbo_decode_token_threshold=2,
+                               dbo_prefill_token_threshold=4, dbo_cost_model="off", dist_timeout_s=60.0)
 
 
 def hf_generate(hf: Any, prompt: list[int], **kwargs: Any) -> list[int]:
@@ -78,11 +77,16 @@ def run_workloads(path: str, **engine: Any) -> dict[str, Any]:
     from runner.sampling_params import SamplingParams
 
     llm = LLM(model=path, **ENGINE, **engine)
+
+    def seeded() -> SamplingParams:
+        return SamplingParams(temperature=1.0, top_p=0.95, seed=1234, max_tokens=MAX_NEW, ignore_eos=True)
+
     results: dict[str, Any] = {}
     try:
         def gen(name: str, prompts: list[list[int]], params: Any) -> None:
             outs = llm.generate(prompts, params, use_tqdm=False)
             results[name] = [list(o.outputs[0].token_ids) for o in outs]
+            assert llm.last_stats is not None
             results[name + "/ubatched"] = llm.last_stats.num_ubatched_steps
 
         gen("greedy", PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW, ignore_eos=True))
@@ -92,11 +96,11 @@ def run_workloads(path: str, **engine: Any) -> dict[str, Any]:
         gen("eos", PROMPTS, SamplingParams(temperature=0.0, max_tokens=MAX_NEW))
         gen("top_k_1", PROMPTS, SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_NEW, ignore_eos=True))
         # the seeded request alone, then at position 3 of a batch whose other requests use other options
-        gen("seeded_alone", PROMPTS[3:4], SamplingParams(**SEEDED))
+        gen("seeded_alone", PROMPTS[3:4], seeded())
         others = [SamplingParams(temperature=0.7, top_k=20, max_tokens=MAX_NEW, ignore_eos=True),
                   SamplingParams(temperature=0.0, max_tokens=5, repetition_penalty=1.2, ignore_eos=True),
                   SamplingParams(temperature=1.3, min_p=0.1, presence_penalty=0.5, max_tokens=9, ignore_eos=True),
-                  SamplingParams(**SEEDED),
+                  seeded(),
                   SamplingParams(temperature=0.9, frequency_penalty=0.3, logit_bias={7: 3.0}, max_tokens=MAX_NEW,
                                  ignore_eos=True),
                   SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)]
@@ -209,12 +213,13 @@ def test_logprobs_equal_log_softmax_of_transformers_logits(checkpoint: tuple[Any
         with torch.no_grad():
             logits = hf(torch.tensor([PROMPTS[i] + tokens[i]])).logits[0, len(PROMPTS[i]) - 1:-1]
         ref = torch.log_softmax(logits.float(), dim=-1)
-        for step, entry in enumerate(logprobs[i]):
-            assert entry.logprob == pytest.approx(ref[step, entry.token_id].item(), abs=1e-4), (i, step)
-            assert entry.rank == int((ref[step] >= ref[step, entry.token_id] - 1e-6).sum()), (i, step)
+        for k, entry in enumerate(logprobs[i]):
+            assert entry.logprob == pytest.approx(ref[k, entry.token_id].item(), abs=1e-4), (i, k)
+            assert entry.rank == int((ref[k] >= ref[k, entry.token_id] - 1e-6).sum()), (i, k)
             n = params[i].logprobs
-            top = ref[step].topk(n)
-            assert entry.top_token_ids == top.indices.tolist(), (i, step)
-            assert entry.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4), (i, step)
+            assert n is not None
+            top = ref[k].topk(n)
+            assert entry.top_token_ids == top.indices.tolist(), (i, k)
+            assert entry.top_logprobs == pytest.approx(top.values.tolist(), abs=1e-4), (i, k)
     assert {e.rank for e in logprobs[0]} == {1}  # greedy: the sampled token is the most likely
     assert max(e.rank for e in logprobs[1]) > 1  # sampled (and penalised): not always the top token

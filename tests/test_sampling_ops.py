@@ -115,8 +115,9 @@ def test_top_p_after_top_k_equals_transformers(top_p: float) -> None:
     got = ops.apply_top_k_(logits.clone(), ks, int(ks.max()), floor)
     for i in range(4):
         ref = hf(TopKLogitsWarper(int(ks[i])), logits[i])
-        if ps[i] is not None:
-            ref = hf(TopPLogitsWarper(ps[i]), ref)
+        p = ps[i]
+        if p is not None:
+            ref = hf(TopPLogitsWarper(p), ref)
         assert torch.equal(got[i], ref), i
 
 
@@ -144,7 +145,8 @@ def chunk_with_history(req: int, params: SamplingParams, prompt: list[int], outp
     return ScheduledChunk(req, tokens, 0, [], True, params, seed=req, slot=req, prompt_len=len(prompt))
 
 
-PROCESSOR_ROWS = [  # min_tokens, bias, repetition, frequency, presence, greedy
+# SamplingParams keyword arguments: min_tokens, bias, repetition, frequency, presence, greedy
+PROCESSOR_ROWS: list[dict[str, Any]] = [
     dict(min_tokens=5), dict(min_tokens=2), dict(logit_bias={3: 2.5, 9: -7.0, 60: 100.0}),
     dict(repetition_penalty=1.5), dict(repetition_penalty=0.7), dict(frequency_penalty=0.6),
     dict(presence_penalty=-1.2), dict(frequency_penalty=1.1, presence_penalty=0.4, repetition_penalty=1.3),

@@ -29,7 +29,7 @@ from reference_sampling_metadata import reference_sampling_metadata
 from runner.core.scheduler import Scheduler
 from runner.core.scheduler_output import RequestSnapshot, ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
-from runner.worker.sampler import Sampler, StepRows, request_seed
+from runner.worker.sampler import Sampler, SamplerOutput, StepRows, request_seed
 from runner.worker.sampling_metadata import RowSpec, SamplingMetadata, build_sampling_metadata, settings_of_rows
 from runner.worker.sampling_settings import SamplingSettings
 
@@ -64,15 +64,15 @@ class TwinRunner(FakeRunner):
         real_sample_step, real_set = self.sampler.sample_step, self.sampler.settings.set
         self._sched: SchedulerOutput | None = None
 
-        def sample_step(logits: torch.Tensor, rows: StepRows) -> Any:
+        def sample_step(logits: torch.Tensor, step: StepRows) -> SamplerOutput:
             assert self._sched is not None
             chunks = self._sched.chunks
-            picks = rows.picks.tolist() if rows.picks is not None else list(range(len(chunks)))
+            picks = step.picks.tolist() if step.picks is not None else list(range(len(chunks)))
             picked = [chunks[i] for i in picks]
-            assert_same_metadata(build_sampling_metadata(rows.settings, rows.rows, rows.slots, rows.output_index,
+            assert_same_metadata(build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index,
                                                          "cpu"), self.twin.metadata(picked))
             want = self.twin.sample(logits.clone(), picked)
-            got = real_sample_step(logits, rows)
+            got = real_sample_step(logits, step)
             assert got == want
             self.num_compared += len(picks)
             return got
@@ -247,7 +247,8 @@ def test_settings_table_grows_and_keeps_rows() -> None:
     table.ensure_rows(200)
     assert table.num_rows >= 200 and len(table.stop_tokens) == len(table.bias) == table.num_rows
     assert {name: getattr(table, name)[2].item() for name in SamplingSettings._ARRAYS} == before
-    assert table.stop_tokens[2].tolist() == [EOS] and table.bias[2][0].tolist() == [4]
+    bias = table.bias[2]
+    assert table.stop_tokens[2].tolist() == [EOS] and bias is not None and bias[0].tolist() == [4]
     assert table.owner[150] == -1 and table.flags[150] == 0 and table.temperature[150] == 1.0
     assert table.num_penalty_rows == 0
     table.set(150, SamplingParams(presence_penalty=0.5), seed=1)
@@ -285,7 +286,8 @@ def test_the_engine_never_builds_chunk_objects(monkeypatch: pytest.MonkeyPatch, 
             llm.close()
         outputs[overlap] = [list(o.outputs[0].token_ids) for o in outs]
         lps = [o.outputs[0].logprobs for o in outs]
-        assert all(len(lp) == len(t) for lp, t in zip(lps[2::5], outputs[overlap][2::5]))
+        assert all(lp is not None and len(lp) == len(t)
+                   for lp, t in zip(lps[2::5], outputs[overlap][2::5], strict=True))
     assert outputs[False] == outputs[True]
     assert all(len(t) >= 3 for t in outputs[False])
 
@@ -346,7 +348,7 @@ def test_cuda_steps_sample_on_the_device_as_on_the_cpu() -> None:
                 assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)
         for h, t in zip(history, cpu.token_ids):
             h.append(t)
-    assert samplers["cuda"].penalties.counts is not None
+    assert samplers["cuda"].penalties.counts is not None and samplers["cpu"].penalties.counts is not None
     assert torch.equal(samplers["cuda"].penalties.counts.cpu(), samplers["cpu"].penalties.counts)
 
 

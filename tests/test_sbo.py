@@ -11,7 +11,7 @@ really running at once -- is in the ``@pytest.mark.cuda`` tests at the end, whic
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import pytest
 import torch
@@ -32,6 +32,7 @@ from ubatch.context import dbo_current_ubatch_id
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.layer import FusedMoE
+from ubatch.modular_moe.prepare_finalize.base import PrepareFinalize
 from ubatch.modular_moe.two_stream import CombineOverlapArgs, DownGemmOverlapArgs, alt_stream
 from ubatch.sbo import (
     ENV_COMM_SMS,
@@ -257,7 +258,8 @@ def probe_streams(model: torch.nn.Module, device: torch.device | str,
     for layer in model.modules():
         if isinstance(layer, FusedMoE):
             kernel = layer.kernel
-            kernel.prepare_finalize = ProbedPF(kernel.prepare_finalize, device, calls, log)
+            # a stand-in: ProbedPF forwards every attribute it does not probe to the backend it wraps
+            kernel.prepare_finalize = cast(PrepareFinalize, ProbedPF(kernel.prepare_finalize, device, calls, log))
     return calls
 
 
@@ -278,7 +280,7 @@ def run_variants(weights: StackWeights, shared: SharedWeights, inputs: list[torc
             model = SharedMoEStack(weights, shared, parallel).to(device)
             kernels = [m.kernel for m in model.modules() if isinstance(m, FusedMoE)]
             assert len(kernels) == len(weights.gates) and all(k.sbo == flags for k in kernels)
-            received = count_receives(model.layers)
+            received = count_receives([layer for layer in model.layers if isinstance(layer, FusedMoE)])
             calls = probe_streams(model, device)
             x = inputs[rank].to(device)
             res: dict[str, Any] = {"received": received, "streams": calls,

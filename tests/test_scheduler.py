@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 
@@ -19,6 +20,13 @@ def make_sched(runner: FakeRunner, max_num_seqs: int = 8, max_num_batched_tokens
                      block_size=runner.block_size, num_kv_blocks=runner.num_kv_blocks,
                      max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
                      eos_token_ids=runner.eos_token_ids)
+
+
+def sampled_by(runner: FakeRunner, out: SchedulerOutput) -> list[int | None]:
+    """What ``runner`` sampled for ``out`` (a step with chunks always has an output)."""
+    result = runner.step(out)
+    assert result is not None
+    return result.sampled_token_ids
 
 
 def run(sched: Scheduler, runner: FakeRunner, arrivals: dict[int, list] | None = None) -> None:
@@ -52,12 +60,12 @@ def test_chunked_prefill_positions_and_blocks() -> None:
         out = sched.schedule()
         (c,) = out.chunks
         seen.append((c.num_computed_tokens, c.token_ids, len(c.block_ids), c.sample))
-        sched.update(out, runner.step(out).sampled_token_ids)
+        sched.update(out, sampled_by(runner, out))
     assert seen == [(0, prompt[:6], 2, False), (6, prompt[6:12], 3, False), (12, prompt[12:], 4, True)]
     out = sched.schedule()  # now a decode of the sampled token at position 14, still inside block 4
     (c,) = out.chunks
     assert (c.num_computed_tokens, len(c.block_ids), out.is_uniform_decode) == (14, 4, True)
-    sched.update(out, runner.step(out).sampled_token_ids)
+    sched.update(out, sampled_by(runner, out))
     assert not sched.has_unfinished_requests() and sched.num_free_blocks == runner.num_kv_blocks
 
 
@@ -68,7 +76,7 @@ def test_decodes_first_then_continuing_prefill_then_new() -> None:
     sched.add_request(list(range(1, 13)), SamplingParams(max_tokens=5), req_id=1)  # 12 tokens: chunked
     out = sched.schedule()
     assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [(0, 2), (1, 6)]
-    sched.update(out, runner.step(out).sampled_token_ids)
+    sched.update(out, sampled_by(runner, out))
     sched.add_request([3, 4, 5], SamplingParams(max_tokens=5), req_id=2)
     out = sched.schedule()
     assert [(c.req_id, len(c.token_ids)) for c in out.chunks] == [(0, 1), (1, 6), (2, 1)]
@@ -112,16 +120,19 @@ def test_no_leaked_blocks_with_arrivals_and_preemption() -> None:
 def test_bad_prompts_are_errors_and_others_complete() -> None:
     runner = FakeRunner(max_model_len=16)
     sched = make_sched(runner)
-    bad = {0: ([], "prompt is empty"), 1: ([1, 64, 2], "token id 64 at position 1 is outside the vocabulary [0, 64)"),
-           2: ([-1], "token id -1 at position 0"), 3: (list(range(16)), "prompt has 16 tokens but max_model_len is 16"),
-           4: ([1, "a"], "position 1 is 'a'"), 5: ("hello", "must be a list of token ids")}
+    # prompts of any type: rejecting the bad ones is the test
+    bad: dict[int, tuple[Any, str]] = {
+        0: ([], "prompt is empty"), 1: ([1, 64, 2], "token id 64 at position 1 is outside the vocabulary [0, 64)"),
+        2: ([-1], "token id -1 at position 0"), 3: (list(range(16)), "prompt has 16 tokens but max_model_len is 16"),
+        4: ([1, "a"], "position 1 is 'a'"), 5: ("hello", "must be a list of token ids")}
     for rid, (prompt, _) in bad.items():
         req = sched.add_request(prompt, SamplingParams(max_tokens=3), req_id=rid)
         assert req.is_finished and req.finish_reason == "error"
     good = sched.add_request(list(range(15)), SamplingParams(max_tokens=3), req_id=9)  # 15 + 1 == max_model_len
     run(sched, runner)
     for rid, (_, msg) in bad.items():
-        assert msg in sched.requests[rid].error
+        error = sched.requests[rid].error
+        assert error is not None and msg in error
     assert good.finish_reason == "length" and len(good.output_token_ids) == 1  # capped by max_model_len
     assert sched.num_free_blocks == runner.num_kv_blocks
 
@@ -130,7 +141,7 @@ def test_request_larger_than_cache_is_rejected_up_front() -> None:
     runner = FakeRunner(block_size=4, num_kv_blocks=3)
     sched = make_sched(runner)
     req = sched.add_request([1] * 10, SamplingParams(max_tokens=8))
-    assert req.finish_reason == "error" and "--num-kv-blocks" in req.error
+    assert req.finish_reason == "error" and req.error is not None and "--num-kv-blocks" in req.error
     ok = sched.add_request([1] * 10, SamplingParams(max_tokens=3))  # 12 tokens: 11 KV positions, 3 blocks
     run(sched, runner)
     assert ok.finish_reason == "length" and len(ok.output_token_ids) == 3
@@ -141,10 +152,10 @@ def test_stop_conditions() -> None:
     ref, _ = reference_generate(prompt, SamplingParams(temperature=0.0, max_tokens=8), VOCAB, 0)
     k = next(i for i in range(1, 8) if ref[i] not in ref[:i])  # first position whose token is new
     cases = {
-        "eos": (SamplingParams(temperature=0.0, max_tokens=8), {ref[k]}, k + 1, "stop"),
-        "ignore_eos": (SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), {ref[k]}, 8, "length"),
-        "stop_token": (SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[ref[k]]), set(), k + 1, "stop"),
-        "max_tokens": (SamplingParams(temperature=0.0, max_tokens=2), set(), 2, "length"),
+        "eos": (SamplingParams(temperature=0.0, max_tokens=8), [ref[k]], k + 1, "stop"),
+        "ignore_eos": (SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), [ref[k]], 8, "length"),
+        "stop_token": (SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[ref[k]]), [], k + 1, "stop"),
+        "max_tokens": (SamplingParams(temperature=0.0, max_tokens=2), [], 2, "length"),
     }
     for name, (params, eos, n, reason) in cases.items():
         runner = FakeRunner(eos_token_ids=eos)
@@ -167,7 +178,7 @@ def test_update_rejects_mismatched_results() -> None:
     with pytest.raises(ValueError, match="returned 0 results for 1 chunks"):
         sched.update(out, [])
     with pytest.raises(RuntimeError, match="sampled 1.5"):  # not a token id at all: a model runner bug
-        sched.update(out, [1.5])
+        sched.update(out, [1.5])  # type: ignore[list-item]  # a float where a token id belongs: the bug tested
 
 
 def test_a_token_outside_the_vocabulary_ends_only_its_request() -> None:

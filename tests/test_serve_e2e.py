@@ -25,7 +25,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from openai.types import CompletionUsage
+from openai.types.chat import ChatCompletionMessageParam
 
+from openai_extra import extra_fields
 from proc_sockets import cpu_seconds, descendants
 from runner import LLM, SamplingParams
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
@@ -36,7 +39,7 @@ ENGINE = "--device cpu --max-num-seqs 16 --dist-timeout-s 30 --dbo-decode-token-
          "--dbo-prefill-token-threshold 4 --dbo-cost-model off"
 DP2 = "-dp 2 --enable-expert-parallel --enable-dbo"
 PROMPTS = ["The quick brown fox", "Hello world! How are", "Caf\u00e9 cr\u00e8me and"]
-MESSAGES = [{"role": "user", "content": "Hello! How are you today?"}]
+MESSAGES: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Hello! How are you today?"}]
 RANK_PIDS = re.compile(r"rank (\d+) pid (\d+)")
 
 
@@ -78,28 +81,32 @@ def test_completions_and_chat_equal_offline_and_streams_join(servers: dict[str, 
     want = offline.generate(PROMPTS, greedy, use_tqdm=False)
     extra = {"return_token_ids": True}
     full = c.completions.create(model=model, prompt=PROMPTS, max_tokens=12, temperature=0, extra_body=extra)
-    got = [ch.model_extra["token_ids"] for ch in sorted(full.choices, key=lambda ch: ch.index)]
+    got = [extra_fields(ch)["token_ids"] for ch in sorted(full.choices, key=lambda ch: ch.index)]
     assert got == [list(o.outputs[0].token_ids) for o in want]
     assert [ch.text for ch in sorted(full.choices, key=lambda ch: ch.index)] == [o.outputs[0].text for o in want]
+    assert full.usage is not None
     assert full.usage.prompt_tokens == sum(len(o.prompt_token_ids) for o in want)
     assert full.usage.completion_tokens == sum(len(t) for t in got)
     # streamed: the chunks of each choice join to the full response, and the usage chunk counts the same
-    texts, ids, usage = ["", "", ""], [[], [], []], None
+    texts: list[str] = ["", "", ""]
+    ids: list[list[int]] = [[], [], []]
+    usage: CompletionUsage | None = None
     for chunk in c.completions.create(model=model, prompt=PROMPTS, max_tokens=12, temperature=0, stream=True,
                                       stream_options={"include_usage": True}, extra_body=extra):
         if chunk.usage is not None:
             usage = chunk.usage
         for ch in chunk.choices:
             texts[ch.index] += ch.text
-            ids[ch.index] += ch.model_extra.get("token_ids") or []
+            ids[ch.index] += extra_fields(ch).get("token_ids") or []
     assert ids == got and texts == [ch.text for ch in sorted(full.choices, key=lambda ch: ch.index)]
     assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
     # chat: the checkpoint's template, the same tokens as LLM.chat
     want_chat = offline.chat(MESSAGES, greedy, use_tqdm=False)[0]
     chat = c.chat.completions.create(model=model, messages=MESSAGES, max_tokens=12, temperature=0,
                                      extra_body=extra)
-    assert chat.choices[0].model_extra["token_ids"] == list(want_chat.outputs[0].token_ids)
+    assert extra_fields(chat.choices[0])["token_ids"] == list(want_chat.outputs[0].token_ids)
     assert chat.choices[0].message.content == want_chat.outputs[0].text
+    assert chat.usage is not None
     assert chat.usage.prompt_tokens == len(want_chat.prompt_token_ids)
     streamed = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
         model=model, messages=MESSAGES, max_tokens=12, temperature=0, stream=True) if ch.choices)
@@ -135,7 +142,7 @@ async def _stream_tokens(c: openai.AsyncOpenAI, model: str, body: dict[str, Any]
                                         extra_body={**body, "return_token_ids": True}, **fields)
     async for chunk in stream:
         for ch in chunk.choices:
-            out[ch.index] += ch.model_extra.get("token_ids") or []
+            out[ch.index] += extra_fields(ch).get("token_ids") or []
     return out
 
 
@@ -216,6 +223,7 @@ def test_bad_requests_reach_no_rank_and_an_idle_server_uses_no_cpu(servers: dict
             assert err["param"] is not None and param in err["param"], err
     after = scrape(srv.base_url, ("ubatch:engine_steps_total",))
     assert after == before  # no step ran for any of them
+    assert srv.proc is not None  # started by the fixture
     pids = [srv.proc.pid, *descendants(srv.proc.pid)]
     used = cpu_seconds(pids)
     time.sleep(5.0)
@@ -238,6 +246,8 @@ def dp2_server(model: str, extra: str) -> Iterator[tuple[ServerProcess, dict[int
 def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpoint) -> None:
     model = str(tiny_chat_checkpoint.path)
     with dp2_server(model, "--shutdown-timeout 3") as (srv, ranks):
+        proc = srv.proc
+        assert proc is not None  # started by dp2_server
         results: list[str] = []
 
         async def one(i: int) -> None:
@@ -256,19 +266,19 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpo
         async def run() -> tuple[int, float]:
             tasks = [asyncio.create_task(one(i)) for i in range(8)]
             await asyncio.sleep(2.0)
-            srv.proc.send_signal(signal.SIGTERM)
+            proc.send_signal(signal.SIGTERM)
             t0 = time.monotonic()
             await asyncio.sleep(0.3)
             async with httpx.AsyncClient(timeout=30) as h:
                 refused = (await h.post(f"{srv.base_url}/v1/completions",
                                         json={"model": model, "prompt": "hi"})).status_code
             await asyncio.gather(*tasks)
-            await asyncio.to_thread(srv.proc.wait, 60)
+            await asyncio.to_thread(proc.wait, 60)
             return refused, time.monotonic() - t0
 
         refused, seconds = asyncio.run(run())
         assert refused == 503
-        assert srv.proc.returncode == 0
+        assert proc.returncode == 0
         assert seconds < 3 + 15  # the shutdown timeout, plus stopping the ranks
         assert len(results) == 8 and all('"finish_reason":"abort"' in r or '"finish_reason":"length"' in r
                                          for r in results)
@@ -278,6 +288,8 @@ def test_sigterm_under_load_drains_and_exits_0(tiny_chat_checkpoint: TinyCheckpo
 def test_a_killed_rank_fails_requests_with_500_naming_it(tiny_chat_checkpoint: TinyCheckpoint) -> None:
     model = str(tiny_chat_checkpoint.path)
     with dp2_server(model, "--dist-timeout-s 10") as (srv, ranks):
+        proc = srv.proc
+        assert proc is not None  # started by dp2_server
         c = client(srv)
         stream = c.completions.create(model=model, prompt=PROMPTS[0], max_tokens=480, temperature=0,
                                       stream=True, extra_body={"ignore_eos": True})
@@ -292,8 +304,8 @@ def test_a_killed_rank_fails_requests_with_500_naming_it(tiny_chat_checkpoint: T
             assert resp.status_code in (500, 503), resp.text
         except httpx.TransportError:
             pass  # it already exited, as it must
-        srv.proc.wait(10 + 10)
-        assert srv.proc.returncode not in (0, None) and time.monotonic() - t0 < 10 + 10
+        proc.wait(10 + 10)
+        assert proc.returncode not in (0, None) and time.monotonic() - t0 < 10 + 10
         assert "rank 1 exited with signal SIGKILL" in srv.log_tail(50)
         assert all(not os.path.exists(f"/proc/{pid}") for pid in ranks.values())
 

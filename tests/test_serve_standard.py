@@ -16,12 +16,15 @@ import openai
 import pytest
 import torch
 
+from openai_extra import extra_fields
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
 from standard_families import make_hf
 from tiny_checkpoint import build_tokenizer
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")
+
+from transformers import GenerationMixin, PreTrainedModel  # noqa: E402
 
 ENGINE = "--device cpu --dtype float32 --max-num-seqs 8 --max-model-len 128 --dist-timeout-s 30 " \
          "--enable-dbo --dbo-decode-token-threshold 2 --dbo-prefill-token-threshold 2 --dbo-cost-model off"
@@ -33,12 +36,13 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[torch.nn.Module, Path]]:
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[PreTrainedModel, Path]]:
     tok = build_tokenizer()
     out = {}
     for family in SERVED:
         path = tmp_path_factory.mktemp(f"serve-{family}")
         hf = make_hf(family, vocab_size=len(tok))
+        assert isinstance(hf, PreTrainedModel)
         hf.save_pretrained(path)
         tok.save_pretrained(path)
         out[family] = (hf, path)
@@ -46,7 +50,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[tor
 
 
 @pytest.fixture(scope="module")
-def servers(checkpoints: dict[str, tuple[torch.nn.Module, Path]]) -> Iterator[dict[str, ServerProcess]]:
+def servers(checkpoints: dict[str, tuple[PreTrainedModel, Path]]) -> Iterator[dict[str, ServerProcess]]:
     started = {family: ServerProcess(str(checkpoints[family][1]), f"{ENGINE} {extra}", startup_timeout_s=300,
                                      name=family) for family, extra in SERVED.items()}
     try:
@@ -61,9 +65,10 @@ def servers(checkpoints: dict[str, tuple[torch.nn.Module, Path]]) -> Iterator[di
 
 @pytest.mark.parametrize("family", list(SERVED))
 def test_greedy_completions_equal_transformers(servers: dict[str, ServerProcess],
-                                               checkpoints: dict[str, tuple[torch.nn.Module, Path]],
+                                               checkpoints: dict[str, tuple[PreTrainedModel, Path]],
                                                family: str) -> None:
     hf, path = checkpoints[family]
+    assert isinstance(hf, GenerationMixin)  # a ...ForCausalLM
     tok = transformers.AutoTokenizer.from_pretrained(path)
     want = []
     for prompt in PROMPTS:
@@ -77,7 +82,7 @@ def test_greedy_completions_equal_transformers(servers: dict[str, ServerProcess]
     got = client.completions.create(model=str(path), prompt=PROMPTS, max_tokens=MAX_TOKENS, temperature=0,
                                     extra_body={"return_token_ids": True, "ignore_eos": True})
     choices = sorted(got.choices, key=lambda ch: ch.index)
-    assert [ch.model_extra["token_ids"] for ch in choices] == want
+    assert [extra_fields(ch)["token_ids"] for ch in choices] == want
     steps = scrape(srv.base_url, ("ubatch:dbo_ubatched_steps_total",))["ubatch:dbo_ubatched_steps_total"]
     if family in DENSE:
         assert steps == 0

@@ -89,6 +89,7 @@ SLICE_VECTORS = [
 @pytest.mark.parametrize("lens,padded,reqs_padded,n,split,expected,expected_padded_last", SLICE_VECTORS)
 def test_maybe_create_ubatch_slices(lens, padded, reqs_padded, n, split, expected, expected_padded_last) -> None:
     unpadded, padded_slices = maybe_create_ubatch_slices(True, np.array(lens), padded, reqs_padded, n, split)
+    assert unpadded is not None and padded_slices is not None  # should_ubatch=True
     assert unpadded == [_us(r, t) for r, t in expected]
     assert padded_slices[:-1] == unpadded[:-1]
     assert padded_slices[-1] == _us(*expected_padded_last)
@@ -147,7 +148,7 @@ def test_from_lens_builds_consistent_batch() -> None:
     common = CommonAttentionMetadata.from_lens([2, 3], [5, 3], block_size=4, num_reqs_padded=3, num_tokens_padded=7)
     assert common.query_start_loc.tolist() == [0, 2, 5, 5] and common.seq_lens.tolist() == [5, 3, 0]
     assert common.block_table.tolist() == [[0, 1], [2, 3], [4, 5]]
-    assert common.positions.tolist() == [3, 4, 0, 1, 2, 0, 0]
+    assert common.positions is not None and common.positions.tolist() == [3, 4, 0, 1, 2, 0, 0]
     assert common.slot_mapping.tolist() == [3, 4, 8, 9, 10, -1, -1]
     assert (common.num_reqs, common.num_actual_tokens, common.max_query_len, common.max_seq_len) == (3, 7, 3, 5)
 
@@ -168,6 +169,7 @@ def test_make_metadata_with_slice_mixed_batch() -> None:
     assert meta.seq_lens.tolist() == [40, 48]
     assert torch.equal(meta.block_table, common.block_table[1:3])
     assert torch.equal(meta.slot_mapping, common.slot_mapping[1:7])
+    assert meta.positions is not None and common.positions is not None
     assert torch.equal(meta.positions, common.positions[1:7])
 
 
@@ -175,6 +177,7 @@ def test_split_attn_metadata_decode_batch() -> None:
     n = 64
     common = CommonAttentionMetadata.from_lens([1] * n, [100 + i for i in range(n)])
     slices, _ = maybe_create_ubatch_slices(True, np.ones(n, dtype=np.int32), n, n)
+    assert slices is not None  # should_ubatch=True
     first, second = split_attn_metadata(slices, common)
     assert (first.num_reqs, first.num_actual_tokens, second.num_reqs, second.num_actual_tokens) == (32, 32, 32, 32)
     assert first.seq_lens.tolist() == list(range(100, 132))
@@ -195,6 +198,7 @@ def test_prefill_split_across_ubatches(seq_lens, query_lens, split_point, expect
     num_tokens = common.num_actual_tokens
     slices, _ = maybe_create_ubatch_slices(True, np.array(query_lens), num_tokens, len(query_lens),
                                            split_point=split_point)
+    assert slices is not None  # should_ubatch=True
     first, second = split_attn_metadata(slices, common)
     assert (first.num_actual_tokens, second.num_actual_tokens) == (split_point, num_tokens - split_point)
     assert (first.num_reqs, second.num_reqs) == (expected_first_reqs, expected_second_reqs)
@@ -208,6 +212,7 @@ def test_prefill_split_across_ubatches(seq_lens, query_lens, split_point, expect
     assert first.seq_lens[:-1].tolist() == seq_lens[:split_req]
     assert int(second.seq_lens[0]) == seq_lens[split_req]
     assert second.seq_lens.tolist() == seq_lens[split_req:]
+    assert first.positions is not None and second.positions is not None
     assert torch.equal(first.positions[-1:] + 1, second.positions[:1])
     for t, b in zip((common.query_start_loc, common.seq_lens, common.seq_lens_cpu), before):
         assert torch.equal(t, b)  # inputs never mutated
@@ -217,6 +222,7 @@ def test_split_attn_metadata_padded_uniform_decode() -> None:
     """Padded last ubatch: zero-length padded requests, slot_mapping covers the padding."""
     common = CommonAttentionMetadata.from_lens([1] * 6, [10] * 6, num_reqs_padded=8, num_tokens_padded=8)
     _, padded = maybe_create_ubatch_slices(True, np.ones(6, dtype=np.int32), 8, 8)
+    assert padded is not None  # should_ubatch=True
     first, second = split_attn_metadata(padded, common)
     assert (first.num_reqs, first.num_actual_tokens, second.num_reqs, second.num_actual_tokens) == (4, 4, 4, 4)
     assert _qlens(second) == [1, 1, 0, 0] and second.seq_lens.tolist() == [10, 10, 0, 0]
@@ -226,6 +232,7 @@ def test_split_attn_metadata_padded_uniform_decode() -> None:
 def test_metadata_request_spanning_three_ubatches() -> None:
     common = CommonAttentionMetadata.from_lens([12], [20])
     slices, _ = maybe_create_ubatch_slices(True, np.array([12]), 12, 1, num_ubatches=3)
+    assert slices is not None  # should_ubatch=True
     metas = split_attn_metadata(slices, common)
     assert [_qlens(m) for m in metas] == [[4], [4], [4]]
     assert [m.seq_lens.tolist() for m in metas] == [[12], [16], [20]]
@@ -307,6 +314,7 @@ def test_balanced_split_children(lens, at_048, at_0, a_lens, b_lens, b_prefix) -
     context = 7
     common = CommonAttentionMetadata.from_lens(lens, [n + context for n in lens])
     slices, _ = maybe_create_ubatch_slices(True, np.array(lens), sum(lens), len(lens), split_point=points)
+    assert slices is not None  # should_ubatch=True
     a, b = split_attn_metadata(slices, common)
     assert (_qlens(a), _qlens(b)) == (a_lens, b_lens)
     assert int(b.seq_lens[0]) - _qlens(b)[0] == context + b_prefix

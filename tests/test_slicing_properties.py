@@ -65,6 +65,7 @@ def test_slices_partition_tokens_and_requests(lens: list[int], n: int, pad: int,
             maybe_create_ubatch_slices(True, np.array(lens), padded, len(lens) + req_pad, n)
         return
     unpadded, padded_slices = maybe_create_ubatch_slices(True, np.array(lens), padded, len(lens) + req_pad, n)
+    assert unpadded is not None and padded_slices is not None  # should_ubatch=True
     assert len(unpadded) == len(padded_slices) == n
     for slices, end, reqs_end in ((unpadded, total, len(lens)), (padded_slices, padded, len(lens) + req_pad)):
         assert slices[0].token_slice.start == 0 and slices[-1].token_slice.stop == end
@@ -97,6 +98,7 @@ def test_split_metadata_consistent(lens: list[int], ctx: list[int], n: int, pad:
                                   common.seq_lens_cpu, common.slot_mapping)]
     slices, _ = maybe_create_ubatch_slices(True, np.array(lens), padded, len(lens), n)
     metas = split_attn_metadata(slices, common)
+    assert slices is not None  # should_ubatch=True
     assert sum(m.num_actual_tokens for m in metas) == total
     assert torch.cat([m.slot_mapping for m in metas]).tolist() == common.slot_mapping.tolist()
     seen: dict[int, int] = {}  # request -> tokens already computed by earlier ubatches
@@ -138,5 +140,6 @@ def test_balanced_split_feeds_slicer(lens: list[int], th: float) -> None:
         return
     slices, _ = maybe_create_ubatch_slices(True, np.array(lens), total, len(lens), split_point=points)
     a, b = slices
+    assert slices is not None  # should_ubatch=True
     assert a.num_tokens == tok and a.num_tokens + b.num_tokens == total
     assert a.request_slice.stop == seq + (1 if cut_inside else 0) and b.request_slice.start == seq

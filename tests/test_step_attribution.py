@@ -61,7 +61,7 @@ def _ubatch_track() -> str:
     return f"ubatch{fc.ubatch_id}" if fc is not None and fc.ubatch_id is not None else "step"
 
 
-def _subclasses(cls: type) -> Iterator[type]:
+def _subclasses(cls: type[Any]) -> Iterator[type[Any]]:
     yield cls
     for sub in cls.__subclasses__():
         yield from _subclasses(sub)
@@ -168,7 +168,13 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     raw: list[Any] = []
     with pytest.MonkeyPatch.context() as mp:
         original = tracing.local_spans
-        mp.setattr(tracing, "local_spans", lambda rec: raw.append(original(rec)) or raw[-1])
+
+        def recording_local_spans(rec: tracing.Recording | None) -> tracing.RankTrace | None:
+            spans = original(rec)
+            raw.append(spans)
+            return spans
+
+        mp.setattr(tracing, "local_spans", recording_local_spans)
         llm = LLM(model=MODEL, cache_dir=str(tmp / "cache"), enable_dbo=True, dbo_cost_model="off",
                   disable_overlap_schedule=False,  # the overlap loop's phases (resolve) are probed too
                   dbo_decode_token_threshold=4, dbo_prefill_token_threshold=16, max_num_seqs=64,
@@ -179,7 +185,8 @@ def traced_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             rng = random.Random(0)
             prompts = [[rng.randrange(TINY_MODELS[MODEL]["vocab_size"]) for _ in range(24)] for _ in range(48)]
             llm.generate(prompts, SamplingParams(max_tokens=12, ignore_eos=True), use_tqdm=False)
-            assert llm.last_stats.num_ubatched_steps == llm.last_stats.num_steps > 10
+            stats = llm.last_stats
+            assert stats is not None and stats.num_ubatched_steps == stats.num_steps > 10
         finally:
             probes.remove()
             llm.close()

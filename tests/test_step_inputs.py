@@ -42,7 +42,8 @@ def test_staged_metadata_equals_fresh_metadata_on_dirty_buffers() -> None:
         for field in (host.positions, host.slot_mapping, host.query_start_loc, host.seq_lens, host.block_table):
             field[:] = rng.randrange(-9, 9)  # whatever a previous step left there
 
-        def buffers(r: int, width: int, t: int, host: StagedFields = host) -> tuple[np.ndarray, ...]:
+        def buffers(r: int, width: int, t: int, host: StagedFields = host
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
             return (host.query_start_loc[:r + 1], host.seq_lens[:r], host.block_table[:r * width].reshape(r, width),
                     host.slot_mapping[:t], host.positions[:t])
 
@@ -52,7 +53,7 @@ def test_staged_metadata_equals_fresh_metadata_on_dirty_buffers() -> None:
         assert np.array_equal(got.seq_lens, want.seq_lens_cpu.numpy()), k
         assert np.array_equal(got.block_table, want.block_table.numpy()), k
         assert np.array_equal(got.slot_mapping, want.slot_mapping.numpy()), k
-        assert np.array_equal(got.positions, want.positions.numpy()), k
+        assert want.positions is not None and np.array_equal(got.positions, want.positions.numpy()), k
         assert (got.num_actual_tokens, got.max_query_len, got.max_seq_len) == (
             want.num_actual_tokens, want.max_query_len, want.max_seq_len), k
 

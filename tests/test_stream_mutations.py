@@ -15,6 +15,7 @@ import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -44,7 +45,7 @@ def without_waits_in(*functions: Callable[..., Any], skipped: list[str] | None =
     skipped = [] if skipped is None else skipped
 
     def caller() -> Any:
-        f = sys._getframe(2)
+        f: FrameType | None = sys._getframe(2)
         while f is not None and f.f_code.co_filename == streams.__file__:
             f = f.f_back
         return f.f_code if f is not None else None
@@ -98,12 +99,12 @@ def without_compute_to_dispatch_edges() -> Iterator[list[str]]:
 
 
 # ---- programs ------------------------------------------------------------------------------------------
-def dbo_program(there: str, back: str) -> Callable[[], None]:
+def dbo_program(there: str, back: str) -> Callable[[], object]:
     """Two greenlet ubatches, each: write on compute, ``there`` (to comm), read it on comm into a new
     tensor, ``back`` (to compute), read that on compute. Every cross-stream read needs the primitive's wait."""
     def run() -> None:
         compute, comm = streams.current_stream("cpu"), streams.new_stream("cpu", name="comm")
-        comm.wait_stream(compute)
+        streams.wait_stream(comm, compute)
         ctxs = make_ubatch_contexts(2, compute, comm, [ForwardContext(ubatch_id=i) for i in range(2)],
                                     executor="greenlet")
 
@@ -126,7 +127,7 @@ def dbo_program(there: str, back: str) -> Callable[[], None]:
 NO_SBO = SboFlags()  # frozen: the default for moe_program
 
 
-def moe_program(backend: str, sbo: SboFlags = NO_SBO) -> Callable[[], None]:
+def moe_program(backend: str, sbo: SboFlags = NO_SBO) -> Callable[[], object]:
     if backend.startswith("deepep"):
         return lambda: run_standin_ep(bf16_weights(), bf16_inputs(2), backend, dbo=True, sbo=sbo, shared=sbo.enabled)
     weights = StackWeights.random(seed=0)
@@ -138,7 +139,7 @@ def moe_program(backend: str, sbo: SboFlags = NO_SBO) -> Callable[[], None]:
 class Mutation:
     edge: str
     remove: Callable[[], Any]  # a context manager factory yielding the list of what it skipped
-    program: Callable[[], None]
+    program: Callable[[], object]  # its result is not used
 
 
 C = UBatchContext
@@ -191,7 +192,7 @@ def run_mutation(m: Mutation) -> tuple[list[Any], list[str]]:
                                      moe_program("deepep_high_throughput"), moe_program("deepep_low_latency", CS),
                                      moe_program("torch_ll"), moe_program("torch_ht")],
                          ids=["dbo_sync", "dbo_yield", "deepep_ht", "deepep_ll_sbo", "torch_ll", "torch_ht"])
-def test_the_programs_are_race_free_as_written(program: Callable[[], None]) -> None:
+def test_the_programs_are_race_free_as_written(program: Callable[[], object]) -> None:
     with stream_sanitizer.sanitizing() as races:
         program()
     assert races == [], str(races[0])

@@ -19,7 +19,7 @@ from stream_sanitizer_plugin import sanitize_child_processes
 from ubatch import streams
 from ubatch.context import make_ubatch_contexts, run_greenlet_step
 from ubatch.forward_context import ForwardContext
-from ubatch.modular_moe.comm import AllToAll
+from ubatch.modular_moe.comm import AllToAll, WorkHandle
 from ubatch.testing import stream_sanitizer
 from ubatch.testing.stream_sanitizer import StreamOrderError
 from ubatch.testing.thread_ranks import run_thread_ranks
@@ -30,6 +30,7 @@ def fork(x: torch.Tensor) -> tuple[torch.Tensor, streams.NullStream, streams.Nul
     stream is not ordered after work already enqueued elsewhere: the fork is what orders it)."""
     a, b = streams.new_stream("cpu", name="A"), streams.new_stream("cpu", name="B")
     here = streams.current_stream("cpu")
+    assert isinstance(a, streams.NullStream) and isinstance(b, streams.NullStream)  # "cpu": CPU streams
     a.wait_stream(here)
     b.wait_stream(here)
     return x, a, b
@@ -149,6 +150,7 @@ def test_collective_output_is_ordered_by_the_work_wait_only() -> None:
         def rank_main(rank: int, groups: list[Any]) -> None:
             out, inp = torch.empty(4), torch.full((4,), float(rank))
             handle = AllToAll(groups[0]).all_to_all(out, inp)
+            assert isinstance(handle, WorkHandle)  # gloo: a collective's work
             handle.work.wait()  # the CPU has the data either way
             if wait:
                 handle.wait()
@@ -168,7 +170,7 @@ def test_ubatches_on_one_greenlet_thread_are_told_apart() -> None:
 
     def body() -> None:
         compute, comm = streams.current_stream("cpu"), streams.new_stream("cpu", name="comm")
-        comm.wait_stream(compute)
+        streams.wait_stream(comm, compute)
         ctxs = make_ubatch_contexts(2, compute, comm, [ForwardContext(ubatch_id=i) for i in range(2)],
                                     executor="greenlet")
 
@@ -245,8 +247,13 @@ def test_eager_graph_stand_in_captures_on_the_capture_stream_and_syncs_like_cuda
 
     backend = EagerReplayBackend()
     capture_stream = streams.new_stream("cpu", name="graph-capture")
-    seen = []
-    backend.capture(lambda: seen.append(streams.current_stream("cpu")) or torch.zeros(1), None, capture_stream)
+    seen: list[streams.Stream] = []
+
+    def capture_body() -> torch.Tensor:
+        seen.append(streams.current_stream("cpu"))
+        return torch.zeros(1)
+
+    backend.capture(capture_body, None, capture_stream)
     assert seen == [capture_stream] and streams.current_stream("cpu") is not capture_stream
 
     def body() -> None:

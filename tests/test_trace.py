@@ -90,6 +90,13 @@ def dbo_trace(request: pytest.FixtureRequest) -> dict[str, Any]:
     return trace.to_chrome_trace(traced_dbo_step(request.param))
 
 
+def ubatch_of(track: str) -> int:
+    """The ubatch a compute or comm track belongs to (every such track has one)."""
+    u = trace.ubatch_of_track(track)
+    assert u is not None, track
+    return u
+
+
 def by_key(spans: list[TimedSpan]) -> dict[tuple[str, int, int], TimedSpan]:
     """(phase letter, ubatch, layer) -> the one span; asserts each appears exactly once."""
     out: dict[tuple[str, int, int], TimedSpan] = {}
@@ -99,7 +106,7 @@ def by_key(spans: list[TimedSpan]) -> dict[tuple[str, int, int], TimedSpan]:
         phase = s.args.get("phase") or {"dispatch": "D", "combine": "C"}[s.name.rstrip("0123456789")]
         if phase not in SCHEDULE_PHASES:  # route, pack, unpack: CPU work inside the MoE, checked elsewhere
             continue
-        key = (phase, trace.ubatch_of_track(s.track), s.args["layer"])
+        key = (phase, ubatch_of(s.track), s.args["layer"])
         assert key not in out, f"{key} recorded twice"
         out[key] = s
     return out
@@ -127,9 +134,8 @@ def test_dbo_step_follows_the_ping_pong_schedule(dbo_trace: dict[str, Any], pid:
     waits = {u: [(s.start, s.end) for s in spans if s.cat == "wait" and s.track == f"ubatch{u}"] for u in (0, 1)}
     alive = {u: (min(s.start for s in spans if s.track == f"ubatch{u}"),
                  max(s.end for s in spans if s.track == f"ubatch{u}")) for u in (0, 1)}
-    for s in (s for s in compute if alive[1 - trace.ubatch_of_track(s.track)][0] <= s.start
-              < alive[1 - trace.ubatch_of_track(s.track)][1]):
-        other = 1 - trace.ubatch_of_track(s.track)
+    for s in (s for s in compute if alive[1 - ubatch_of(s.track)][0] <= s.start < alive[1 - ubatch_of(s.track)][1]):
+        other = 1 - ubatch_of(s.track)
         assert any(a <= s.start and s.end <= b for a, b in waits[other]), f"{s} ran while ubatch {other} was not parked"
 
     for L in range(LAYERS):
@@ -170,7 +176,10 @@ def test_length_counts_overlaps_once() -> None:
     assert length([(0, 4), (2, 6), (10, 11)]) == 7
 
 
-def chrome(*spans: tuple[str, str, float, float, dict[str, Any]]) -> dict[str, Any]:
+Span = tuple[str, str, float, float, dict[str, Any]]  # track, cat, start_us, end_us, args
+
+
+def chrome(*spans: Span) -> dict[str, Any]:
     """A hand-written trace: (track, cat, start_us, end_us, args) per span."""
     tracks = sorted({s[0] for s in spans})
     events = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": i + 1, "args": {"name": t}}
@@ -180,7 +189,7 @@ def chrome(*spans: tuple[str, str, float, float, dict[str, Any]]) -> dict[str, A
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-METRIC_CASES = {
+METRIC_CASES: dict[str, tuple[list[Span], float, float, float, float, float, float]] = {
     # name: (spans, wall, compute, comm, hidden, bubble, recv_wait)
     "fully hidden": ([("ubatch0", "compute", 0, 100, {}), ("comm1", "comm", 10, 60, {})], 100, 100, 50, 50, 0, 0),
     "partly hidden": ([("ubatch0", "compute", 0, 100, {}), ("ubatch1", "compute", 150, 200, {}),

@@ -308,10 +308,11 @@ def test_engine_on_cuda_traces_comm_and_hides_some_of_it(tmp_path: Path) -> None
               dbo_decode_token_threshold=2, dbo_prefill_token_threshold=2,
               emulate_link="latency_us=300,gbps=1", trace_file=str(out))
     try:
-        assert llm.runner.device.type == "cuda"
+        device = llm.runner.device
+        assert device is not None and device.type == "cuda"
         prompts = [[(7 * i + j) % 100 for j in range(16)] for i in range(8)]
         llm.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-        assert llm.last_stats.num_ubatched_steps > 0
+        assert llm.last_stats is not None and llm.last_stats.num_ubatched_steps > 0
         m = llm.last_trace.metrics[0]
     finally:
         llm.close()

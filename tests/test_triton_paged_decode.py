@@ -148,7 +148,7 @@ def expected_launches(case: Case, splits: int) -> list[tuple[str, tuple[int, ...
     num_req, num_q_heads, _ = case.q.shape
     num_kv_heads = case.k_cache.shape[2]
     head_blocks = math.ceil(num_q_heads // num_kv_heads / 16)
-    grids = [("split", (num_req, num_kv_heads * head_blocks, splits))]
+    grids: list[tuple[str, tuple[int, ...]]] = [("split", (num_req, num_kv_heads * head_blocks, splits))]
     if splits > 1:
         grids.append(("merge", (num_req, num_q_heads)))
     return grids
@@ -336,8 +336,8 @@ def test_bad_input_raises_naming_the_value() -> None:
     ones after the device check (``num_splits``) included."""
     cases, c = _bad_inputs(launch_device())
     for name, change, exc, pattern in cases:
-        kwargs = dict(q=c.q, k_cache=c.k_cache, v_cache=c.v_cache, block_table=c.block_table,
-                      seq_lens=c.seq_lens, scale=c.scale)
+        kwargs: dict[str, Any] = dict(q=c.q, k_cache=c.k_cache, v_cache=c.v_cache, block_table=c.block_table,
+                                      seq_lens=c.seq_lens, scale=c.scale)  # and bad values: any type
         kwargs.update(change)
         with pytest.raises(exc, match=pattern):
             paged_decode_attention(**kwargs)

@@ -2,6 +2,8 @@
 no-op values and refused otherwise, naming the argument and what to use instead (``LLM(...)`` and the CLI)."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from fake_runner import FakeRunner
@@ -18,7 +20,7 @@ VLLM_SCRIPT_ARGS = dict(trust_remote_code=True, tensor_parallel_size=1, pipeline
                         distributed_executor_backend="mp", seed=3)
 
 
-def fake_llm(**kwargs: object) -> LLM:
+def fake_llm(**kwargs: Any) -> LLM:
     return LLM("tiny-qwen3-moe", runner=FakeRunner(vocab_size=64, num_kv_blocks=64, max_model_len=128), **kwargs)
 
 
@@ -78,7 +80,7 @@ def test_the_cli_refuses_an_unhonourable_vllm_flag_with_exit_2(flags: list[str],
 
 def test_a_stop_on_the_models_own_eos_shows_no_stop_reason() -> None:
     """README: the stop token id or stop string in parentheses; an EOS stop (stop_reason None, vLLM's) shows none."""
-    request = {"index": 0, "error": None, "outputs": [
+    request: dict[str, Any] = {"index": 0, "error": None, "outputs": [
         {"index": 0, "finish_reason": "stop", "stop_reason": None, "token_ids": [5, 6], "text": "ab"}]}
     assert show_request(request) == ["[0] stop, 2 tokens: 'ab'"]
     request["outputs"][0]["stop_reason"] = 7

@@ -26,15 +26,17 @@ from ubatch.integrations.transformers import (  # noqa: E402
     make_dbo_capable,
 )
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
+from ubatch.modular_moe.layer import FusedMoE  # noqa: E402
 from ubatch.modular_moe.router import select_experts  # noqa: E402
 from ubatch.modular_moe.runtime import MoERuntime  # noqa: E402
 from ubatch.testing.thread_ranks import run_thread_ranks  # noqa: E402
 from ubatch.wrapper import batch_ubatch_slices, merge_ubatch_outputs  # noqa: E402
 
 BATCH, SEQ = 4, 9
-CONFIG = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-              norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.1, attn_implementation="eager")
+CONFIG: dict[str, Any] = dict(  # transformers config kwargs
+    vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.1, attn_implementation="eager")
 MOE_LAYERS = 2  # layer 1 is dense (mlp_only_layers)
 SMALL = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
              num_experts_per_tok=2, initializer_range=0.1, attn_implementation="eager")
@@ -58,6 +60,19 @@ def hf_model(family: str) -> nn.Module:
         torch.manual_seed(0)
         _built[family] = getattr(transformers, model_name)(getattr(transformers, cfg_name)(**config)).eval()
     return _built[family]
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    layers = model.get_submodule("model.layers")
+    assert isinstance(layers, nn.ModuleList)
+    return layers
+
+
+def first_layer_experts(model: nn.Module) -> FusedMoE:
+    """The patched model's first MoE layer's experts (layer 0 is sparse in every family here)."""
+    experts = model.get_submodule("model.layers.0.mlp.experts")
+    assert isinstance(experts, FusedMoE)
+    return experts
 
 
 @pytest.fixture(scope="module")
@@ -92,19 +107,20 @@ def test_every_sparse_block_becomes_a_fused_moe_with_the_same_weights(family: st
     reference = hf_model(family)
     model = make_dbo_capable(copy.deepcopy(reference))
     patched = 0
-    for mine, theirs in zip(model.model.layers, reference.model.layers):
+    for mine, theirs in zip(decoder_layers(model), decoder_layers(reference), strict=True):
         if not type(theirs.mlp).__name__.endswith("SparseMoeBlock"):
             assert type(mine.mlp) is type(theirs.mlp)  # dense layers untouched
             continue
         patched += 1
         assert isinstance(mine.mlp, DBOSparseMoeBlock)
-        assert torch.equal(mine.mlp.gate.weight, theirs.mlp.gate.weight)
-        assert torch.equal(mine.mlp.experts.w13_weight, theirs.mlp.experts.gate_up_proj)
-        assert torch.equal(mine.mlp.experts.w2_weight, theirs.mlp.experts.down_proj)
+        assert torch.equal(mine.mlp.gate.weight, theirs.get_parameter("mlp.gate.weight"))
+        assert torch.equal(mine.mlp.experts.w13_weight, theirs.get_parameter("mlp.experts.gate_up_proj"))
+        assert torch.equal(mine.mlp.experts.w2_weight, theirs.get_parameter("mlp.experts.down_proj"))
         if family == "qwen2_moe":  # the shared expert and its gate kept, with transformers' names
-            assert torch.equal(mine.mlp.shared_expert_gate.weight, theirs.mlp.shared_expert_gate.weight)
-            assert torch.equal(mine.mlp.shared_expert.up_proj.weight, theirs.mlp.shared_expert.up_proj.weight)
-            assert mine.mlp.experts.shared_experts.gate is mine.mlp.shared_expert_gate
+            for name in ("shared_expert_gate.weight", "shared_expert.up_proj.weight"):
+                assert torch.equal(mine.mlp.get_parameter(name), theirs.get_parameter(f"mlp.{name}"))
+            shared = mine.mlp.experts.shared_experts
+            assert shared is not None and shared.gate is mine.mlp.shared_expert_gate
         assert mine.mlp.experts.renormalize == (family in ("qwen3_moe", "mixtral"))
     assert patched == MODELS[family][3]
     assert all(m.runtime is model.moe_runtime for m in model.modules() if hasattr(m, "local_expert_range"))
@@ -119,20 +135,21 @@ def test_a_patched_or_non_moe_model_is_refused(reference: nn.Module) -> None:
 
 
 def test_routing_is_bit_compatible_with_the_transformers_router(reference: nn.Module) -> None:
-    router = reference.model.layers[0].mlp.gate
+    router = reference.get_submodule("model.layers.0.mlp.gate")
     h = torch.randn(64, CONFIG["hidden_size"], generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         _, hf_weights, hf_ids = router(h)
-        weights, ids = select_experts(F.linear(h, router.weight), CONFIG["num_experts_per_tok"], True)
+        logits = F.linear(h, reference.get_parameter("model.layers.0.mlp.gate.weight"))
+        weights, ids = select_experts(logits, CONFIG["num_experts_per_tok"], True)
     assert torch.equal(ids, hf_ids) and torch.equal(weights, hf_weights)
 
 
 def test_an_ep_rank_keeps_only_its_experts(reference: nn.Module) -> None:
     parallel = MoEParallelConfig(ep_rank=1, ep_size=2, all2all_backend="torch_ll", ep_groups=[object(), object()])
     model = make_dbo_capable(copy.deepcopy(reference), parallel)
-    experts = model.model.layers[0].mlp.experts
+    experts = first_layer_experts(model)
     assert experts.local_expert_range == range(4, 8)
-    assert torch.equal(experts.w13_weight, reference.model.layers[0].mlp.experts.gate_up_proj[4:])
+    assert torch.equal(experts.w13_weight, reference.get_parameter("model.layers.0.mlp.experts.gate_up_proj")[4:])
 
 
 class Expert4x(nn.Module):
@@ -156,7 +173,7 @@ class SparseBlock4x(nn.Module):
     def __init__(self, num_experts: int, top_k: int, hidden: int, inter: int, names: tuple[str, str, str]) -> None:
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.gate: nn.Module = nn.Linear(hidden, num_experts, bias=False)  # the layout test swaps in another
         self.experts = nn.ModuleList(Expert4x(hidden, inter, names) for _ in range(num_experts))
 
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -248,7 +265,7 @@ def test_two_ep_ranks_logits_equal_the_unpatched_model(family: str, backend: str
         off = plain(model, batch(rank)).logits
         on, yields = ubatched(model, batch(rank), use_cache=False)
         return {"off": off, "on": on.logits, "yields": yields,
-                "local": model.model.layers[0].mlp.experts.local_expert_range}
+                "local": first_layer_experts(model).local_expert_range}
 
     results = run_thread_ranks(2, rank_main, num_groups=2, timeout_s=120)
     for rank, res in enumerate(results):

@@ -33,6 +33,7 @@ class TwoHeads(nn.Module):
                 table: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         h = self.proj(torch.nn.functional.one_hot(input_ids, 4).float()) * scale
         dbo_yield()
+        assert table is not None
         return h + positions[:, None], table.sum().expand(input_ids.shape[0])
 
 
@@ -58,8 +59,13 @@ def test_ubatched_equals_plain_call_and_passes_other_args_unchanged() -> None:
 
 
 def test_without_slices_the_runnable_is_called_directly() -> None:
-    seen = []
-    w = UBatchWrapper(lambda x: seen.append(dbo_enabled()) or x)
+    seen: list[bool] = []
+
+    def record_dbo(x: torch.Tensor) -> torch.Tensor:
+        seen.append(dbo_enabled())
+        return x
+
+    w = UBatchWrapper(record_dbo)
     x = torch.zeros(3)
     assert w(x) is x
     with set_forward_context(attn_metadata=None):
@@ -102,6 +108,7 @@ def test_stream_switching_is_tracked_on_cpu() -> None:
 
     def model(x: torch.Tensor) -> torch.Tensor:
         ctx = current_ubatch_context()
+        assert ctx is not None
         assert streams.current_stream("cpu") is ctx.compute_stream
         dbo_yield_and_switch_from_compute_to_comm()
         log.append(streams.current_stream("cpu") is w.comm_stream)
