@@ -31,7 +31,7 @@ YIELDS_PER_LAYER = 2
 def check(weights: StackWeights, inputs: list[torch.Tensor], results: list[dict[str, Any]]) -> None:
     """Each rank's output equals the dense reference, and a DBO run really ran as two ubatches that yielded
     at every layer (an equality between "DBO" and dense proves nothing if DBO never switched)."""
-    for rank, (x, res) in enumerate(zip(inputs, results)):
+    for rank, (x, res) in enumerate(zip(inputs, results, strict=True)):
         ref = dense_reference(weights, x, rank)
         assert res["out"].shape == ref.shape
         if ref.numel():
@@ -117,7 +117,7 @@ def test_emulated_link_keeps_results_exact() -> None:
     results = run_ep(weights, inputs, "torch_ll", dbo=True, emulate_link="latency_us=200,gbps=1")
     check(weights, inputs, results)
     layers = len(weights.gates)
-    for n, res in zip(sizes, results):  # the link carried both directions of every layer and ubatch
+    for n, res in zip(sizes, results, strict=True):  # the link carried both directions of every layer and ubatch
         assert res["link"] == (2 * layers * 2, link_bytes(n, weights.top_k, 16, layers))
 
 

@@ -104,7 +104,7 @@ def test_padding_rows_send_nothing_and_change_nothing(backend: str, dbo: bool,
     real = [5, 9]
     xs = _inputs(real)
     padding = _inputs([6, 2], seed=99)  # what DP padding to 11 rows adds (any values: they must not matter)
-    padded = [torch.cat([x, p]) for x, p in zip(xs, padding)]
+    padded = [torch.cat([x, p]) for x, p in zip(xs, padding, strict=True)]
 
     load = ExpertLoad(monkeypatch)
     plain = _run(weights, xs, real, backend, dbo)

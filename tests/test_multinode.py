@@ -46,7 +46,7 @@ def test_two_torchrun_nodes_match_one_dp2_launch(tmp_path: Path) -> None:
     nodes = [subprocess.Popen([*cmd, "--output-json", str(tmp_path / f"node{n}.json")], cwd=ROOT, env=_env(),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for n in range(2)]
     outs = [n.communicate(timeout=240) for n in nodes]
-    for node, (_out, err) in zip(nodes, outs):
+    for node, (_out, err) in zip(nodes, outs, strict=True):
         assert node.returncode == 0, err[-3000:]
     written = sorted(tmp_path.glob("node*.json"))
     assert len(written) == 1, written  # one global rank 0 across the two invocations reports

@@ -68,7 +68,7 @@ def test_chat_builds_the_ids_of_apply_chat_template(llm, hf) -> None:
                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Caf\u00e9?"},
                       {"role": "assistant", "content": "Yes."}, {"role": "user", "content": "Two."}]]
     outs = llm.chat(conversations, SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
-    for conversation, o in zip(conversations, outs):
+    for conversation, o in zip(conversations, outs, strict=True):
         want = tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=True, return_dict=False)
         assert o.prompt_token_ids == want
         assert o.prompt == tok.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)

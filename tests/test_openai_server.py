@@ -111,7 +111,7 @@ def test_completion_stream_joins_to_the_response(server: ServerThread, stop: lis
     chunks = list(server.client().completions.create(**streaming))
     joined, usage = _join_completion_stream(chunks, 4)
     assert len({chunk.id for chunk in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
-    for j, c in zip(joined, full.choices):
+    for j, c in zip(joined, full.choices, strict=True):
         assert (j["text"], j["finish_reason"]) == (c.text, c.finish_reason)
         assert c.logprobs is not None
         assert j["tokens"] == c.logprobs.tokens and j["token_logprobs"] == c.logprobs.token_logprobs

@@ -235,7 +235,7 @@ def test_placeholder_is_resolved_after_its_producer_finished() -> None:
     checked = 0
     for k, got in enumerate(runner.received):
         sent = by_step[got.step_id]
-        for c_sent, c_got in zip(sent.chunks, got.chunks):
+        for c_sent, c_got in zip(sent.chunks, got.chunks, strict=True):
             assert min(c_got.token_ids) >= 0
             if c_sent.is_decode:
                 req = sched.requests[c_sent.req_id]

@@ -54,7 +54,7 @@ def batches(draw: Any) -> tuple[list[int], list[int], list[list[int]], int, int 
     n = draw(st.integers(0, 12))
     ctx = draw(st.lists(st.integers(0, 40), min_size=n, max_size=n))
     qlen = draw(st.lists(st.integers(0, 20), min_size=n, max_size=n))
-    counts = [blocks_needed(c + q, block) + draw(st.integers(0, 2)) for c, q in zip(ctx, qlen)]
+    counts = [blocks_needed(c + q, block) + draw(st.integers(0, 2)) for c, q in zip(ctx, qlen, strict=True)]
     ids = iter(draw(st.randoms(use_true_random=False)).sample(range(5000), sum(counts)))
     blocks = [[next(ids) for _ in range(k)] for k in counts]
     pad = draw(st.none() | st.integers(0, 8))
@@ -77,7 +77,7 @@ def test_metadata_equals_the_per_request_builder(batch: Any) -> None:
 @given(batches())
 def test_paged_grouping_equals_the_per_request_loop(batch: Any) -> None:
     ctx, qlen, blocks, block, padded, _ = batch
-    if any(q > c + q for c, q in zip(ctx, qlen)):
+    if any(q > c + q for c, q in zip(ctx, qlen, strict=True)):
         return
     common = build_attention_metadata(ctx, qlen, blocks, block, num_padded_tokens=padded)
     meta = build_paged_metadata(TorchAttentionBackend(), common)
@@ -117,7 +117,7 @@ class CheckingRunner(FakeRunner):
             reqs = [sched.requests[rid] for rid in out.req_ids.tolist()]
             ctx = [before.get(r.req_id, 0) for r in reqs]
             if reqs:
-                self.expected[out.step_id] = (ctx, [r.num_computed_tokens - c for r, c in zip(reqs, ctx)],
+                self.expected[out.step_id] = (ctx, [r.num_computed_tokens - c for r, c in zip(reqs, ctx, strict=True)],
                                               [list(r.block_ids) for r in reqs])
             return out
 

@@ -73,7 +73,7 @@ def test_stream_runs_steps_in_launch_order_and_counts_drains() -> None:
 def _step(req_ids: list[int], slots: list[int], tokens: list[int]) -> SchedulerOutput:
     """One decode token per request."""
     return SchedulerOutput([ScheduledChunk(r, [t], 4, [0], True, SamplingParams(), slot=s)
-                            for r, s, t in zip(req_ids, slots, tokens)])
+                            for r, s, t in zip(req_ids, slots, tokens, strict=True)])
 
 
 def test_device_map_resolves_on_the_device_and_rejects_stale_or_foreign_reads() -> None:
@@ -206,11 +206,11 @@ def test_metadata_arrays_travel_as_one_packed_copy() -> None:
     assert all(off % PACK_ALIGN == 0 for off in offsets) and staging.dtype == torch.uint8
     moved = unpack_arrays(staging.clone(), offsets, arrays)  # a copy, as the device's would be
     assert [(t.dtype, tuple(t.shape)) for t in moved] == [(torch.from_numpy(a).dtype, a.shape) for a in arrays]
-    assert all(np.array_equal(t.numpy(), a) for t, a in zip(moved, arrays))
-    assert all(np.array_equal(t.numpy(), a) for t, a in zip(arrays_to_device(arrays, "cpu"), arrays))
+    assert all(np.array_equal(t.numpy(), a) for t, a in zip(moved, arrays, strict=True))
+    assert all(np.array_equal(t.numpy(), a) for t, a in zip(arrays_to_device(arrays, "cpu"), arrays, strict=True))
     if torch.cuda.is_available():
         on_gpu = arrays_to_device(arrays, "cuda")
-        assert all(np.array_equal(t.cpu().numpy(), a) for t, a in zip(on_gpu, arrays))
+        assert all(np.array_equal(t.cpu().numpy(), a) for t, a in zip(on_gpu, arrays, strict=True))
 
 
 def test_pipelined_tokens_equal_the_synchronous_loops_under_the_deepseek_schedule(tmp_path: Path) -> None:

@@ -56,7 +56,7 @@ class Step:
     def __init__(self, ctx: list[int], qlen: list[int], bs: int, hq: int, hkv: int, dv: int = D,
                  seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
-        need = [-(-(c + q) // bs) for c, q in zip(ctx, qlen)]
+        need = [-(-(c + q) // bs) for c, q in zip(ctx, qlen, strict=True)]
         num_blocks = sum(need) + 3
         ids = torch.randperm(num_blocks, generator=g).tolist()  # requests' blocks interleave
         self.blocks, at = [], 0
@@ -68,7 +68,7 @@ class Step:
         self.k_cache = torch.full((num_blocks, bs, hkv, D), float("nan"))
         self.v_cache = torch.full((num_blocks, bs, hkv, dv), float("nan"))
         kf, vf = self.k_cache.view(-1, hkv, D), self.v_cache.view(-1, hkv, dv)
-        for b, n in zip(self.blocks, (c + q for c, q in zip(ctx, qlen))):
+        for b, n in zip(self.blocks, (c + q for c, q in zip(ctx, qlen, strict=True)), strict=True):
             slots = [b[p // bs] * bs + p % bs for p in range(n)]
             kf[slots] = torch.randn(n, hkv, D, generator=g)
             vf[slots] = torch.randn(n, hkv, dv, generator=g)
@@ -79,7 +79,7 @@ def check_equal(name: str, step: Step, metas: list[PagedAttentionMetadata], row_
     """Every prefill query row of the batched path equals the per-request path; returns how many were compared."""
     backend = backend_for(name)
     compared = 0
-    for meta, rows in zip(metas, row_slices):
+    for meta, rows in zip(metas, row_slices, strict=True):
         q = step.q[rows]
         want = per_request_prefill(name, q, step.k_cache, step.v_cache, meta, 0.3)
         got = backend.attend(q, step.k_cache, step.v_cache, meta, 0.3) if meta.decode is None else None
@@ -263,5 +263,5 @@ def test_groups_cover_every_request_once_and_keep_the_padding_rule(q: list[int],
         assert all(joins(qa, sa, g[:k], g[k]) for k in range(1, len(g)))
         padded, real = len(g) * int(qa[g].max()) * int(sa[g].max()), int((qa[g] * sa[g]).sum())
         assert padded <= PAD_FACTOR * real + PAD_SLACK
-    for a, b in zip(groups, groups[1:]):  # a group is closed only when the next request may not join it
+    for a, b in zip(groups, groups[1:], strict=False):  # a group is closed only when the next request may not join it
         assert not joins(qa, sa, a, b[0])

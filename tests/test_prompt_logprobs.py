@@ -43,7 +43,7 @@ def test_prompt_logprobs_equal_transformers(tiny_chat_checkpoint: TinyCheckpoint
         plain = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)
     finally:
         llm.close()
-    for o, p in zip(outs, plain):
+    for o, p in zip(outs, plain, strict=True):
         ids = o.prompt_token_ids
         assert o.outputs[0].token_ids == p.outputs[0].token_ids and p.prompt_logprobs is None
         assert len(o.prompt_logprobs) == len(ids) and o.prompt_logprobs[0] is None

@@ -42,7 +42,7 @@ def assert_same_metadata(a: SamplingMetadata, b: SamplingMetadata) -> None:
         y = getattr(b, name)
         if isinstance(x, tuple):
             assert isinstance(y, tuple) and len(x) == len(y), name
-            pairs = list(zip(x, y))
+            pairs = list(zip(x, y, strict=True))
         else:
             pairs = [(x, y)]
         for u, w in pairs:
@@ -340,13 +340,13 @@ def test_cuda_steps_sample_on_the_device_as_on_the_cpu() -> None:
         cpu, gpu = results["cpu"], results["cuda"]
         assert gpu.token_ids == cpu.token_ids
         assert (gpu.logprobs is None) == (cpu.logprobs is None)
-        for a, b in zip(gpu.logprobs or [], cpu.logprobs or []):
+        for a, b in zip(gpu.logprobs or [], cpu.logprobs or [], strict=True):
             assert (a is None) == (b is None)
             if a is not None and b is not None:
                 assert (a.token_id, a.rank) == (b.token_id, b.rank)
                 assert a.logprob == pytest.approx(b.logprob, abs=1e-4)
                 assert a.top_logprobs == pytest.approx(b.top_logprobs, abs=1e-4)
-        for h, t in zip(history, cpu.token_ids):
+        for h, t in zip(history, cpu.token_ids, strict=True):
             h.append(t)
     assert samplers["cuda"].penalties.counts is not None and samplers["cpu"].penalties.counts is not None
     assert torch.equal(samplers["cuda"].penalties.counts.cpu(), samplers["cpu"].penalties.counts)

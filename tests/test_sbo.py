@@ -338,9 +338,9 @@ def check_variants(weights: StackWeights, shared: SharedWeights, inputs: list[to
     sizes = [x.shape[0] for x in inputs]
     expected_rx = None if weights.routes is None else expected_receives(weights.routes, sizes,
                                                                         weights.gates[0].shape[0], dbo)
-    for rank, (x, per_variant) in enumerate(zip(inputs, results)):
+    for rank, (x, per_variant) in enumerate(zip(inputs, results, strict=True)):
         ref = dense_with_shared(weights, shared, x, rank)
-        for flags, res in zip(variants, per_variant):
+        for flags, res in zip(variants, per_variant, strict=True):
             what = f"rank {rank}, SBO {flags.describe()}"
             err = (res["out"] - ref).abs().max().item() if ref.numel() else 0.0
             assert err <= rel_tol * ref.abs().max().item(), f"{what}: max error {err} vs the dense reference"

@@ -91,8 +91,8 @@ def test_token_budget_max_num_seqs_and_outputs_match_reference() -> None:
     prompts = [[rng.randrange(VOCAB) for _ in range(rng.randint(1, 25))] for _ in range(10)]
     params = [SamplingParams(max_tokens=rng.randint(1, 6), temperature=rng.choice([0.0, 0.9]), top_p=0.9)
               for _ in prompts]
-    run(sched, runner, {0: [(p, s, i) for i, (p, s) in enumerate(zip(prompts, params))]})
-    for i, (p, s) in enumerate(zip(prompts, params)):
+    run(sched, runner, {0: [(p, s, i) for i, (p, s) in enumerate(zip(prompts, params, strict=True))]})
+    for i, (p, s) in enumerate(zip(prompts, params, strict=True)):
         req = sched.requests[i]
         assert (req.output_token_ids, req.finish_reason) == reference_generate(p, s, VOCAB, i)
     assert max(len(s.chunks) for s in runner.steps) == 3

@@ -207,14 +207,14 @@ def test_prefill_split_across_ubatches(seq_lens, query_lens, split_point, expect
     first_chunk = split_point - int(qsl[split_req])
     assert _qlens(first)[-1] == first_chunk
     assert _qlens(first)[-1] + _qlens(second)[0] == query_lens[split_req]
-    context = [s - q for s, q in zip(seq_lens, query_lens)]
+    context = [s - q for s, q in zip(seq_lens, query_lens, strict=True)]
     assert int(first.seq_lens[-1]) == int(first.seq_lens_cpu[-1]) == context[split_req] + first_chunk
     assert first.seq_lens[:-1].tolist() == seq_lens[:split_req]
     assert int(second.seq_lens[0]) == seq_lens[split_req]
     assert second.seq_lens.tolist() == seq_lens[split_req:]
     assert first.positions is not None and second.positions is not None
     assert torch.equal(first.positions[-1:] + 1, second.positions[:1])
-    for t, b in zip((common.query_start_loc, common.seq_lens, common.seq_lens_cpu), before):
+    for t, b in zip((common.query_start_loc, common.seq_lens, common.seq_lens_cpu), before, strict=True):
         assert torch.equal(t, b)  # inputs never mutated
 
 

@@ -69,7 +69,8 @@ def test_slices_partition_tokens_and_requests(lens: list[int], n: int, pad: int,
     assert len(unpadded) == len(padded_slices) == n
     for slices, end, reqs_end in ((unpadded, total, len(lens)), (padded_slices, padded, len(lens) + req_pad)):
         assert slices[0].token_slice.start == 0 and slices[-1].token_slice.stop == end
-        assert all(a.token_slice.stop == b.token_slice.start for a, b in zip(slices, slices[1:]))
+        # neighbouring pairs
+        assert all(a.token_slice.stop == b.token_slice.start for a, b in zip(slices, slices[1:], strict=False))
         assert not any(s.is_empty() for s in slices)
         assert slices[0].request_slice.start == 0 and slices[-1].request_slice.stop == reqs_end
         starts = [s.request_slice.start for s in slices]
@@ -92,17 +93,17 @@ def test_split_metadata_consistent(lens: list[int], ctx: list[int], n: int, pad:
     total, padded = sum(lens), sum(lens) + pad
     if _expect_empty_ubatch(total, padded, n):
         return
-    seq_lens = [q + c for q, c in zip(lens, ctx)]
+    seq_lens = [q + c for q, c in zip(lens, ctx, strict=False)]  # ctx: 40, one per possible request
     common = CommonAttentionMetadata.from_lens(lens, seq_lens)
     before = [t.clone() for t in (common.query_start_loc, common.query_start_loc_cpu, common.seq_lens,
                                   common.seq_lens_cpu, common.slot_mapping)]
     slices, _ = maybe_create_ubatch_slices(True, np.array(lens), padded, len(lens), n)
-    metas = split_attn_metadata(slices, common)
     assert slices is not None  # should_ubatch=True
+    metas = split_attn_metadata(slices, common)
     assert sum(m.num_actual_tokens for m in metas) == total
     assert torch.cat([m.slot_mapping for m in metas]).tolist() == common.slot_mapping.tolist()
     seen: dict[int, int] = {}  # request -> tokens already computed by earlier ubatches
-    for m, s in zip(metas, slices):
+    for m, s in zip(metas, slices, strict=True):
         qsl = m.query_start_loc_cpu
         assert qsl[0] == 0 and bool((qsl[1:] >= qsl[:-1]).all()) and int(qsl[-1]) == m.num_actual_tokens
         assert torch.equal(m.query_start_loc, qsl) and torch.equal(m.seq_lens, m.seq_lens_cpu)
@@ -115,7 +116,7 @@ def test_split_metadata_consistent(lens: list[int], ctx: list[int], n: int, pad:
     assert seen == dict(enumerate(lens))
     after = (common.query_start_loc, common.query_start_loc_cpu, common.seq_lens, common.seq_lens_cpu,
              common.slot_mapping)
-    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
 
 
 @SETTINGS
@@ -139,7 +140,7 @@ def test_balanced_split_feeds_slicer(lens: list[int], th: float) -> None:
         assert tok in (0, total)
         return
     slices, _ = maybe_create_ubatch_slices(True, np.array(lens), total, len(lens), split_point=points)
-    a, b = slices
     assert slices is not None  # should_ubatch=True
+    a, b = slices
     assert a.num_tokens == tok and a.num_tokens + b.num_tokens == total
     assert a.request_slice.stop == seq + (1 if cut_inside else 0) and b.request_slice.start == seq

@@ -201,7 +201,7 @@ def test_every_named_phase_is_on_the_timeline(traced_run: dict[str, Any]) -> Non
 def test_every_ubatched_step_has_each_phase_as_often_as_it_runs(traced_run: dict[str, Any]) -> None:
     _, spans = spans_from_chrome(traced_run["chrome"], 0)
     starts = sorted(s.start for s in spans if s.name == "dp_vote")
-    windows = list(zip(starts, starts[1:] + [float("inf")]))
+    windows = list(zip(starts, starts[1:] + [float("inf")], strict=True))
     checked = 0
     for a, b in windows:
         inside = Counter((s.track, s.name) for s in spans if a <= s.start < b and s.track != "scheduler")

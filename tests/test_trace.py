@@ -46,14 +46,14 @@ class AttnMoE(nn.Module):
         self.gates = weights.gates
         self.layers = nn.ModuleList()
         runtime = MoERuntime(parallel)  # one link for every layer, as in a model
-        for w13, w2 in zip(weights.w13, weights.w2):
+        for w13, w2 in zip(weights.w13, weights.w2, strict=True):
             shared = nn.Linear(hidden, hidden, bias=False)
             layer = FusedMoE(experts, weights.top_k, hidden, inter, runtime=runtime, shared_experts=shared)
             layer.load_fused_experts(w13, w2)
             self.layers.append(layer)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i, (attn, gate, moe) in enumerate(zip(self.attn, self.gates, self.layers)):
+        for i, (attn, gate, moe) in enumerate(zip(self.attn, self.gates, self.layers, strict=True)):
             with trace.compute_span("attention", "A", layer=i):
                 x = x + x @ attn
             x = x + moe(x, x @ gate.t())
@@ -125,7 +125,7 @@ def test_dbo_step_follows_the_ping_pong_schedule(dbo_trace: dict[str, Any], pid:
     per_layer = [("A", 0), ("A", 1), ("E", 0), ("S", 0), ("E", 1), ("S", 1)]
     expected = [(p, u, L) for L in range(LAYERS) for p, u in per_layer]
     assert order == expected
-    assert all(a.end <= b.start for a, b in zip(compute, compute[1:]))
+    assert all(a.end <= b.start for a, b in zip(compute, compute[1:], strict=False))  # neighbouring pairs
     per_ubatch = [[(s.start, s.end) for s in compute if s.track == f"ubatch{u}"] for u in (0, 1)]
     assert intersect(*per_ubatch) == []
 

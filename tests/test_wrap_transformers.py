@@ -158,7 +158,7 @@ class Expert4x(nn.Module):
     def __init__(self, hidden: int, inter: int, names: tuple[str, str, str]) -> None:
         super().__init__()
         self.names = names
-        for name, (n_in, n_out) in zip(names, ((hidden, inter), (hidden, inter), (inter, hidden))):
+        for name, (n_in, n_out) in zip(names, ((hidden, inter), (hidden, inter), (inter, hidden)), strict=True):
             self.add_module(name, nn.Linear(n_in, n_out, bias=False))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -242,7 +242,7 @@ def test_hidden_states_merge_along_the_batch(reference: nn.Module) -> None:
     out, _ = ubatched(model, inputs, use_cache=False, output_hidden_states=True)
     want = plain(reference, inputs, output_hidden_states=True).hidden_states
     assert len(out.hidden_states) == len(want)
-    for got, ref in zip(out.hidden_states, want):
+    for got, ref in zip(out.hidden_states, want, strict=True):
         torch.testing.assert_close(got, ref, rtol=0, atol=1e-5)
 
 

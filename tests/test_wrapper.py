@@ -38,7 +38,7 @@ class TwoHeads(nn.Module):
 
 
 def slices(bounds: list[int]) -> list[UBatchSlice]:
-    return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in zip(bounds, bounds[1:], strict=False)]  # neighbours
 
 
 def test_ubatched_equals_plain_call_and_passes_other_args_unchanged() -> None:
