@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from runner.batch_defaults import UsageContext
 from runner.config import RunnerConfig
 from runner.core.prompt_checks import prompt_problem
 from runner.engine.generation_config import GenerationConfig
@@ -41,6 +42,7 @@ from runner.entrypoints.engine_args import (
     config_from_args,
     model_info_or_exit,
     resolve_model_arg,
+    with_batch_defaults_from_args,
 )
 from runner.entrypoints.output_paths import output_path_error
 from runner.entrypoints.report import (
@@ -242,6 +244,7 @@ def job_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if problem:
             parser.error(f"argument {flag}: {problem}")
     info = model_info_or_exit(cfg, parser)
+    cfg = with_batch_defaults_from_args(cfg, args, info.max_model_len, UsageContext.LLM_CLASS)
     tokenizer = tokenizer_dir_or_exit(args, parser)
     has_tokenizer = tokenizer is not None or info.has_tokenizer
     sampling = _sampling(args, info.generation_config, parser)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from cudagraph.sizes import parse_cuda_graph_sizes
+from runner.batch_defaults import BATCH_FIELDS, UsageContext, with_batch_defaults
 from runner.config import (
     ATTENTION_BACKENDS,
     DBO_COST_MODELS,
@@ -85,9 +86,12 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     add("--enable-dbo", action="store_true", default=None,
         help="dual-batch overlap: run steps as two ubatches (default: off)")
     add("--dbo-decode-token-threshold", type=int, metavar="N",
-        help="a decode step ubatches only with at least this many tokens on the largest DP rank")
+        help="a decode step ubatches only with at least this many tokens on the largest DP rank (default: "
+             f"{RunnerConfig().dbo_decode_token_threshold}, vLLM's: at most every default --max-num-seqs)")
     add("--dbo-prefill-token-threshold", type=int, metavar="N",
-        help="a step with prefill ubatches only with at least this many tokens on the largest DP rank")
+        help="a step with prefill ubatches only with at least this many tokens on the largest DP rank (default: "
+             f"{RunnerConfig().dbo_prefill_token_threshold}, vLLM's: at most every default "
+             "--max-num-batched-tokens)")
     add("--ubatch-split", choices=UBATCH_SPLITS,
         help="where a step is cut in two: tokens (vLLM: at half the padded tokens) or balanced (SGLang TBO: "
              "balance the ubatches' attention work)")
@@ -119,8 +123,15 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
         help="give every step an asynchronous device time of step_us + us_per_token x tokens, e.g. "
              "step_us=3000,us_per_token=0, for machines without a GPU (default: none; the overlap loop is the "
              "default with it)")
-    add("--max-num-seqs", type=int, metavar="N", help="most requests in one step")
-    add("--max-num-batched-tokens", type=int, metavar="N", help="most tokens in one step (per DP rank)")
+    add("--max-num-seqs", type=int, metavar="N",
+        help="most requests in one step; default (vLLM's rule): on a GPU of >= 70 GiB other than an A100 1024, "
+             "on another GPU 256; on the CPU, or with experts over DP ranks and no --max-dispatch-tokens-per-rank, "
+             "64; then at most --max-num-batched-tokens")
+    add("--max-num-batched-tokens", type=int, metavar="N",
+        help="most tokens in one step (per DP rank); default (vLLM's rule): on a GPU of >= 70 GiB other than an "
+             "A100 16384 for generate and bench, 8192 for serve; on another GPU 8192 for generate and bench, "
+             "2048 for serve; on the CPU, or with experts over DP ranks and no --max-dispatch-tokens-per-rank "
+             "(whose all-to-all buffers it sizes), 512; then at most --max-num-seqs x --max-model-len")
     add("--max-model-len", type=int, metavar="N",
         help=f"default: the model's max_position_embeddings, capped at {_default_max_model_len()}; a value above "
              "max_position_embeddings is rejected")
@@ -219,6 +230,14 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     except ConfigError as e:
         parser.error(f"argument {e.flag}: {e}")
     return cfg
+
+
+def with_batch_defaults_from_args(cfg: RunnerConfig, args: argparse.Namespace, max_model_len: int,
+                                  context: UsageContext) -> RunnerConfig:
+    """``cfg`` with ``--max-num-seqs`` / ``--max-num-batched-tokens``, where not given, set to vLLM's defaults for
+    this device and ``context`` (``runner/batch_defaults.py``); ``max_model_len``: the engine's (``ModelInfo``)."""
+    given = [f for f in BATCH_FIELDS if getattr(args, f, None) is not None]
+    return with_batch_defaults(cfg, given, max_model_len, context)
 
 
 DEEP_EP_BACKENDS = ("deepep_low_latency", "deepep_high_throughput", "deepep_v2", "auto_deepep_v1")

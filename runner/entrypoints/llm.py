@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from runner import tracing
+from runner.batch_defaults import BATCH_FIELDS, UsageContext, with_batch_defaults
 from runner.config import ConfigError, RunnerConfig, make_config
 from runner.core.overlap_loop import LoopStats
 from runner.core.prompt_checks import prompt_problem
@@ -114,6 +115,17 @@ def launched_world(cfg: RunnerConfig, executor_backend: str | None = None) -> tu
     return rank, world
 
 
+def engine_max_model_len(cfg: RunnerConfig) -> int:
+    """The ``max_model_len`` the engine will run with: the configured one, else the model's
+    ``max_position_embeddings`` capped at ``DEFAULT_MAX_MODEL_LEN`` (the model runner's rule)."""
+    if cfg.max_model_len is not None:
+        return cfg.max_model_len
+    from runner.models.loader import model_config
+    from runner.worker.model_runner import DEFAULT_MAX_MODEL_LEN
+
+    return min(model_config(cfg.model, cfg.cache_dir).max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+
+
 def _is_int(value: Any) -> bool:
     """An integer token id: ``int``, a numpy or other ``numbers.Integral`` integer, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -145,7 +157,14 @@ class LLM:
         executor_backend = kwargs.get("distributed_executor_backend")
         pop_vllm_engine_args(kwargs)  # trust_remote_code=True, tensor_parallel_size=1, ...: accepted or refused
         if cfg is None or kwargs:
+            # max_num_seqs / max_num_batched_tokens absent or None: vLLM's defaults for this device and the LLM
+            # class (runner/batch_defaults.py), unless a config or an engine already fixed them
+            given = [f for f in BATCH_FIELDS if kwargs.get(f) is not None]
+            kwargs = {k: v for k, v in kwargs.items() if not (k in BATCH_FIELDS and v is None)}
+            defaulted = cfg is None and runner is None and engine_client is None
             cfg = make_config(cfg, **kwargs)
+            if defaulted:
+                cfg = with_batch_defaults(cfg, given, engine_max_model_len(cfg), UsageContext.LLM_CLASS)
         self.cfg = cfg
         if cfg.trace_file is not None:  # the CLI checked it before any rank started; the Python API checks here
             problem = output_path_error(cfg.trace_file)

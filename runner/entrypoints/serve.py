@@ -34,8 +34,14 @@ def add_serve_args(p: argparse.ArgumentParser, engine_args: Callable[[argparse.A
 
 
 def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from runner.batch_defaults import UsageContext
     from runner.distributed.launch import torchrun_env_present
-    from runner.entrypoints.engine_args import config_from_args, model_info_or_exit, resolve_model_arg
+    from runner.entrypoints.engine_args import (
+        config_from_args,
+        model_info_or_exit,
+        resolve_model_arg,
+        with_batch_defaults_from_args,
+    )
 
     resolve_model_arg(args, parser, required=True)
     if torchrun_env_present() and int(os.environ.get("WORLD_SIZE", "1")) > 1:
@@ -45,6 +51,7 @@ def serve_main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         parser.error("argument --trace-file: the server records a window with POST /start_profile and "
                      "/stop_profile instead")
     info = model_info_or_exit(cfg, parser)
+    cfg = with_batch_defaults_from_args(cfg, args, info.max_model_len, UsageContext.OPENAI_API_SERVER)
     from runner.engine.tokenizer import load_tokenizer, load_tokenizer_from_dir
     from runner.entrypoints.openai.cli_args import default_max_n
     from runner.entrypoints.server_setup import log_to_stderr
