@@ -54,6 +54,7 @@ class RequestState:
     final_only: bool = field(init=False)  # output_kind is FINAL_ONLY
     wants_logprobs: bool = field(init=False)  # the request asked for sample log-probabilities
     plain: bool = field(init=False)  # one DELTA sample, no log-probabilities of either kind: the common case
+    quiet: bool = field(init=False)  # FINAL_ONLY without sample log-probabilities: nothing to do until it ends
     output_prompt_ids: list[int] = field(init=False)  # RequestOutput.prompt_token_ids ([] for a bad prompt)
 
     def __post_init__(self) -> None:
@@ -62,6 +63,7 @@ class RequestState:
         self.wants_logprobs = self.logprobs.logprobs is not None
         self.plain = self.delta and self.parent is None and not self.wants_logprobs \
             and self.prompt_logprobs.prompt_logprobs is None
+        self.quiet = self.final_only and not self.wants_logprobs
         self.output_prompt_ids = self.prompt_token_ids if isinstance(self.prompt_token_ids, list) else []
 
     def completion(self, new_token_ids: list[int], finish_reason: str | None,
@@ -200,6 +202,8 @@ class OutputProcessor:
                 stop_string = state.detokenizer.update(new_ids, finish_reason == "stop")
                 if stop_string is not None:
                     finish_reason, stop_reason = "stop", stop_string
+            if finish_reason is None and state.quiet and not out.new_prompt_logprobs:
+                continue  # the offline LLM's running requests: _request_output would return None, nothing else
             if finish_reason is None and state.plain and not out.new_prompt_logprobs:
                 # what _request_output builds for a running plain request, inline (most outputs): its new text
                 # and ids; no error (that finishes a request), no log-probabilities

@@ -478,13 +478,12 @@ class LLM:
             results, to_abort = processor.process_outputs(outputs)
             if to_abort:
                 client.abort_requests(to_abort, "stopped by a stop string")
-            out_tokens += sum(len(o.new_token_ids) for o in outputs)
             for result in results:
                 if result.finished:
                     finished[result.request_id] = result
-                    if bar is not None:
-                        bar.update(1)
-            if bar is not None:
+            if bar is not None:  # the tokens are counted for the bar only: a pass over every output per step
+                out_tokens += sum(len(o.new_token_ids) for o in outputs)
+                bar.update(sum(r.finished for r in results))
                 bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s", refresh=False)
 
         try:
