@@ -14,13 +14,13 @@ short enough for the whole wave to prefill in one step, so every decode step car
 serves running decodes first, admits the wave over many steps and the decode steps are 1.7 per token, most of
 them part-full). The synchronous loop pays host + device per step, so its host time is its wall less the device
 time; the default loop should take max(host, device). The host time at 256 and 1024 requests is split into a
-fixed part and a per-request part (a line through the two points). Every engine's tokens must equal the
-in-process synchronous loop's.
+fixed part and a per-request part (a line through the two points). ``same_tokens``: every engine's tokens
+equal the in-process synchronous loop's.
 
 ``--profile`` adds, at each request count on the zero-time device (where the host sets the pace), the default
-engine in its own process with a cProfile of this (the front) process and the engine's trace of its host phases
-in the engine process, and a cProfile of the in-process default engine; long call less short call, medians of
-``--repeats``.
+engine in its own process with a cProfile of this (the front) process, the engine process's CPU per thread and
+its trace of the host phases, and a cProfile of the in-process default engine; long call less short call,
+medians of ``--repeats``.
 
 Usage: ``python benchmarks/bench_llm_generate.py [--requests 256 1024] [--device-ms 0 3 10] [--repeats 3]
 [--decode-tokens 32] [--max-num-batched-tokens 1024] [--prompt-len 1] [--profile] [--output CSV]``.
@@ -73,15 +73,18 @@ def open_engine(placement: str, loop: str, model_dir: str, requests: int, budget
             os.environ[MP_ENV] = before
 
 
-def engine_cpu_s(llm: Any) -> float:
-    """CPU seconds used so far by the engine-core processes of ``llm`` (every thread, from the kernel's
-    nanosecond ``schedstat``); 0 with the core in this process, whose CPU ``time.process_time`` counts."""
+def engine_thread_cpu_s(llm: Any) -> dict[tuple[int, int], float]:
+    """CPU seconds used so far by each thread (process id, thread id) of the engine-core processes of ``llm``,
+    from the kernel's nanosecond ``schedstat``; none with the core in this process."""
     pids = getattr(llm.engine_client, "pids", [])
-    total = 0
-    for pid in pids:
-        for task in Path(f"/proc/{pid}/task").iterdir():
-            total += int((task / "schedstat").read_text().split()[0])
-    return total * 1e-9
+    return {(pid, int(task.name)): int((task / "schedstat").read_text().split()[0]) * 1e-9
+            for pid in pids for task in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def engine_cpu_s(llm: Any) -> float:
+    """CPU seconds used so far by the engine-core processes of ``llm``, every thread; 0 with the core in this
+    process, whose CPU ``time.process_time`` counts."""
+    return sum(engine_thread_cpu_s(llm).values())
 
 
 @dataclass(frozen=True)
@@ -291,6 +294,34 @@ def median_entries(runs: list[dict[tuple[str, int, str], Entry]]) -> dict[tuple[
                 statistics.median(r.get(k, zero)[2] for r in runs)) for k in keys}
 
 
+ENGINE_THREADS_SHOWN = 3
+
+
+def engine_thread_rows(llm: Any, prompts: list[list[int]], decode_tokens: int, repeats: int
+                       ) -> list[dict[str, Any]]:
+    """CPU µs per decode step of each of the engine process's busiest threads (long call less short call, median
+    of ``repeats``): its main thread runs the step loop (schedule, results, outputs sent), the others are the
+    forward thread (inputs, model, sampler) and library threads."""
+    per: dict[tuple[int, int], list[float]] = {}
+    for _ in range(repeats):
+        s0 = engine_thread_cpu_s(llm)
+        timed(llm, prompts, 1)
+        s1 = engine_thread_cpu_s(llm)
+        timed(llm, prompts, decode_tokens + 1)
+        s2 = engine_thread_cpu_s(llm)
+        for key in s2:
+            short = s1.get(key, 0.0) - s0.get(key, 0.0)
+            per.setdefault(key, []).append(s2[key] - s1.get(key, 0.0) - short)
+    medians = {key: statistics.median(v) for key, v in per.items()}
+    rows = []
+    for (pid, tid), cpu in sorted(medians.items(), key=lambda kv: kv[1], reverse=True)[:ENGINE_THREADS_SHOWN]:
+        what = "main thread (step loop)" if tid == pid else f"thread {tid}"
+        rows.append({"requests": len(prompts), "placement": "mp", "process": "engine core (thread CPU)",
+                     "function": what, "calls_per_step": "", "own_us_per_step": round(1e6 * cpu / decode_tokens, 1),
+                     "cum_us_per_step": ""})
+    return rows
+
+
 def profile(requests: list[int], decode_tokens: int, budget: int, prompt_len: int, repeats: int, model_dir: str,
             trace_dir: str) -> list[dict[str, Any]]:
     """Where the host time goes on the zero-time device (the host sets the pace), per decode step: the long
@@ -311,6 +342,7 @@ def profile(requests: list[int], decode_tokens: int, budget: int, prompt_len: in
                 process = "front" if placement == "mp" else "front + engine core"
                 rows.extend(function_rows(median_entries(diffs), decode_tokens, n, placement, process))
                 if placement == "mp":
+                    rows.extend(engine_thread_rows(llm, prompts, decode_tokens, repeats))
                     llm.cfg = llm.cfg.replace(trace_file=os.path.join(trace_dir, f"trace-{n}.json"))
                     phases: dict[str, list[float]] = {p: [] for p in ("traced wall", *HOST_PHASES)}
                     for _ in range(repeats):
