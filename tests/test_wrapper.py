@@ -162,6 +162,28 @@ def test_caller_autograd_mode_reaches_the_ubatches(mode: str) -> None:
     w.close()
 
 
+@pytest.mark.parametrize("executor", ["greenlet", "threads"])
+@pytest.mark.parametrize("mode", ["inference", "no_grad", "grad"])
+def test_the_autograd_mode_holds_after_the_last_yield_when_the_other_ubatch_has_finished(mode: str,
+                                                                                        executor: str) -> None:
+    """Ubatch 1 runs its part after the last yield once ubatch 0 has returned: on the greenlet executor both
+    share a thread, whose autograd mode is thread-local, so ubatch 0 leaving its mode must not end ubatch 1's."""
+    seen: list[tuple[int | None, bool, bool]] = []
+
+    def model(x: torch.Tensor) -> torch.Tensor:
+        dbo_yield()
+        seen.append((dbo_current_ubatch_id(), torch.is_inference_mode_enabled(), torch.is_grad_enabled()))
+        return x * 2
+
+    w = UBatchWrapper(model, UBatchConfig(2, executor=executor))
+    ctx = {"inference": torch.inference_mode(), "no_grad": torch.no_grad(), "grad": torch.enable_grad()}[mode]
+    with ctx, set_forward_context(ubatch_slices=slices([0, 2, 4])):
+        w(torch.ones(4, 4))
+    expected = {"inference": (True, False), "no_grad": (False, False), "grad": (False, True)}[mode]
+    assert seen == [(0, *expected), (1, *expected)]
+    w.close()
+
+
 # ---- issue: slices that do not match the input, use after close, stuck workers ----------------------------
 def _identity(x: torch.Tensor) -> torch.Tensor:
     dbo_yield()

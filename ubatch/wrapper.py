@@ -370,10 +370,15 @@ class UBatchWrapper:
         step = contexts[0].step
         if self.config.executor == "greenlet":
             worker = self._pool.workers[0]
+            # The greenlets share the worker thread and its thread-local autograd mode: each body enters the
+            # caller's mode, and one that returns first restores what it found, so the thread holds the same mode
+            # around them all and a ubatch still running after another has returned keeps it.
+            inference, grad = torch.is_inference_mode_enabled(), torch.is_grad_enabled()
 
             def drive() -> None:
                 try:
-                    run_greenlet_step(contexts, bodies)
+                    with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+                        run_greenlet_step(contexts, bodies)
                 finally:
                     worker.busy = False  # before the step reports done: the caller may submit right after
                     step.mark_all_done()
