@@ -89,7 +89,7 @@ def bench_doc(*, eager_syncs: int = 0, hidden: float = 90.0, graph_dbo_ms: float
 def engine_doc(*, graph_bytes: int = 3 * 10**9, dropped: tuple[int, ...] = (), tok_s: float = 31000.0,
                enabled: bool = True) -> dict[str, Any]:
     """An engine_run.py JSON: 130 steps, 10 ms wall / step, CPU thread 2 ms, forward thread 9 ms, GPU 7 ms."""
-    graphs = {"enabled": enabled}
+    graphs: dict[str, Any] = {"enabled": enabled}
     if enabled:
         graphs.update(graph_bytes=graph_bytes, sizes=[1, 2, 4, 256], dbo_sizes=[], dropped=list(dropped))
     return {"cli_equivalent": "python -m runner generate ...", "init_s": 20.0,
@@ -111,8 +111,39 @@ def engine_link_doc(default_tok_s: float = 15000.0, dbo_tok_s: float = 21000.0,
                                     "link_hidden_pct": hidden}}
 
 
+def engine_fp8_doc(*, fp8_tok_s: float = 40000.0, device: str = "NVIDIA H200", prefix: float = 95.0,
+                   triton_graph_x: float | str = 1.2) -> dict[str, Any]:
+    """An engine_fp8.py JSON: 2 GiB of bf16 weights against 1.0625 GiB FP8, 31,000 against ``fp8_tok_s`` output
+    tok/s; experts: deep_gemm does not import, triton's FP8 kernel at ``triton_graph_x`` (graph), the engine's
+    default grouped_mm dequantising at 3x."""
+    def engine(weight_bytes: int, tok_s: float, fp8_gemm: int) -> dict[str, Any]:
+        run = {"num_requests": 256, "num_errors": 0, "num_steps": 130, "num_ubatched_steps": 0,
+               "output_tokens_per_s": tok_s}
+        return {"init_s": 20.0, "dtype": "bfloat16", "weight_bytes": weight_bytes, "engine": {
+            "experts_backend": "grouped_mm"}, "dense_fp8_linears": {"fp8_gemm": fp8_gemm, "dequantised": 0},
+            "measured": run, "measured_runs": [{**run, "output_tokens_per_s": 9000.0}, run]}
+
+    triton: dict[str, Any] = {"backend": "triton", "fp8_kernel": True, "engine_default": False, "limit_ms": 0.15,
+                              "eager_ms": 0.2, "eager_x_limit": 1.33}
+    if isinstance(triton_graph_x, float):
+        triton.update(graph_ms=round(0.15 * triton_graph_x, 4), graph_x_limit=triton_graph_x)
+    else:
+        triton.update(eager_ms=triton_graph_x, eager_x_limit=None)
+    rows = [{"backend": "deep_gemm", "limit_ms": 0.15, "engine_default": False,
+             "eager_ms": "ImportError: No module named 'deep_gemm'"}, triton,
+            {"backend": "grouped_mm", "fp8_kernel": False, "engine_default": True, "limit_ms": 0.15, "eager_ms": 0.5,
+             "eager_x_limit": 3.33, "graph_ms": 0.45, "graph_x_limit": 3.0}]
+    return {"device": device, "workload": {"num_prompts": 256, "prompt_len": 16, "max_tokens": 128,
+                                           "agree_prompts": 64, "agree_tokens": 16},
+            "base": engine(2**31, 31000.0, 0), "fp8": engine(2**30 + 2**26, fp8_tok_s, 16),
+            "agreement": {"prompts": 64, "tokens": 16, "prefix_pct": prefix, "token_pct": 96.0, "identical": 50,
+                          "first_divergence": [16] * 50 + [3] * 14},
+            "experts": {"tokens": 256, "touched_experts": 64, "num_experts": 64, "read_bytes": 150 * 2**20,
+                        "copy_tb_s": 4.1, "rows": rows}}
+
+
 def suite_doc(mode: str = "gpu", failed: int = 0) -> dict[str, Any]:
-    run = {"name": "gpu tests", "returncode": 1 if failed else 0, "timed_out": False, "passed": 400,
+    run: dict[str, Any] = {"name": "gpu tests", "returncode": 1 if failed else 0, "timed_out": False, "passed": 400,
            "failed": failed, "errors": 0, "skipped": 3, "failures": []}
     return {"mode": mode, "files": ["tests/test_a.py"], "runs": [run],
             "total": {k: run[k] for k in ("passed", "failed", "errors", "skipped")}}
@@ -129,13 +160,14 @@ def verdicts(p: dict[str, Any]) -> dict[str, tuple[str, str]]:
 
 def test_every_goal_is_decided_on_recorded_figures() -> None:
     v = verdicts(parts(bench=bench_doc(), engine=engine_doc(), engine_dbo=engine_doc(tok_s=30690.0),
-                       engine_link=engine_link_doc(), tests=suite_doc()))
+                       engine_link=engine_link_doc(), engine_fp8=engine_fp8_doc(), tests=suite_doc()))
     assert [k for k in v] == [g.key for g in GOALS]
     assert {k: verdict for k, (verdict, _) in v.items()} == {
         "experts_512": PASS, "experts_2048": MISS, "attention_512x512": PASS, "attention_256x4096": MISS,
         "graph_step": PASS, "graph_dbo": PASS, "eager": PASS, "graph_memory": PASS, "throughput": PASS,
         "host_time": PASS, "engine_dbo": PASS, "engine_dbo_link": PASS, "gpu_idle": MISS, "step_thread": MISS,
-        "pipelined_throughput": MISS, "gpu_tests": PASS, "make_test": MISS}
+        "pipelined_throughput": MISS, "fp8_weights": PASS, "fp8_throughput": PASS, "fp8_experts": PASS,
+        "fp8_agreement": PASS, "gpu_tests": PASS, "make_test": MISS}
     assert v["engine_dbo"][1] == "0.99x default flags (30,690 vs 31,000 output tok/s; 0/130 steps ubatched)"
     assert v["engine_dbo_link"][1] == ("1.40x default flags, 90 % of the link hidden (link latency_us=20,gbps=51.2: "
                                        "comm/compute 1 of 2.50 ms per step; 128/138 steps ubatched)")
@@ -151,6 +183,13 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
     assert v["gpu_idle"][1] == "GPU idle 30 % (wall 10.00 ms, GPU 7.00 ms per step)"
     assert v["step_thread"][1] == "2.00 ms per step"
     assert v["pipelined_throughput"][1] == "not measured: the env part did not run"
+    assert v["fp8_weights"][1] == "0.531x (1.06 GiB FP8 vs 2.00 GiB bfloat16)"
+    assert v["fp8_throughput"][1] == "1.29x (40,000 vs 31,000 output tok/s; experts backend grouped_mm)"
+    assert v["fp8_experts"][1] == ("triton (graph) 1.20x the limit (0.18 ms vs 0.15 ms: 64/64 experts' FP8 weights "
+                                   "and scales at 256 tokens); the engine's default, grouped_mm (dequantising), "
+                                   "3.00x (graph)")
+    assert v["fp8_agreement"][1] == ("95.0 % of 64 x 16 positions up to the first divergence (50/64 prompts "
+                                     "identical; 96.0 % of positions equal)")
 
 
 def test_pipelining_goals_pass_on_a_busy_gpu_and_compare_with_the_same_kind_of_gpu() -> None:
@@ -184,10 +223,18 @@ def test_pipelining_goals_pass_on_a_busy_gpu_and_compare_with_the_same_kind_of_g
     (dict(engine_link=engine_link_doc(hidden=70.0)), "engine_dbo_link", "1.40x default flags, 70 % of the link"),
     (dict(engine_link=engine_link_doc(hidden=None)), "engine_dbo_link", "not measured: the --enable-dbo run with "
                                                                          "the link has no link-hidden figure"),
+    (dict(engine_fp8=engine_fp8_doc(fp8_tok_s=25000.0)), "fp8_throughput", "0.81x (25,000 vs 31,000 output tok/s"),
+    (dict(engine_fp8=engine_fp8_doc(device="NVIDIA A100")), "fp8_throughput",
+     "not measured: the goal is set for H100 and H200; this run was on 'NVIDIA A100' (1.29x)"),
+    (dict(engine_fp8=engine_fp8_doc(prefix=80.0)), "fp8_agreement", "80.0 % of 64 x 16 positions"),
+    (dict(engine_fp8=engine_fp8_doc(triton_graph_x=1.5)), "fp8_experts", "triton (graph) 1.50x the limit"),
+    (dict(engine_fp8=engine_fp8_doc(triton_graph_x="RuntimeError: out of resources")), "fp8_experts",
+     "not measured: no FP8 experts kernel ran: deep_gemm: ImportError: No module named 'deep_gemm'; "
+     "triton: RuntimeError: out of resources"),
 ])
 def test_a_goal_missed_is_a_miss_naming_the_figure(change: dict[str, Any], key: str, measured: str) -> None:
     docs = {"bench": bench_doc(), "engine": engine_doc(), "engine_dbo": engine_doc(), "engine_link": engine_link_doc(),
-            "tests": suite_doc(), **change}
+            "engine_fp8": engine_fp8_doc(), "tests": suite_doc(), **change}
     verdict, text = verdicts(parts(**docs))[key]
     assert verdict == MISS and measured in text
 
@@ -214,6 +261,13 @@ def test_goals_without_figures_are_misses_saying_why() -> None:
     del stopped["dbo"]
     assert verdicts(parts(engine_link=stopped))["engine_dbo_link"] == (
         MISS, "not measured: the engine_link run stopped before its dbo figures")
+    fp8_stopped = engine_fp8_doc()
+    del fp8_stopped["fp8"], fp8_stopped["agreement"], fp8_stopped["experts"]
+    v = verdicts(parts(engine_fp8=fp8_stopped))
+    assert v["fp8_weights"] == (MISS, "not measured: the engine_fp8 run stopped before its fp8 figures")
+    assert v["fp8_experts"] == (MISS, "not measured: the engine_fp8 run stopped before timing the experts")
+    on_cpu = {**engine_fp8_doc(), "experts": {"error": "not timed: not on a CUDA GPU"}}
+    assert verdicts(parts(engine_fp8=on_cpu))["fp8_experts"] == (MISS, "not measured: not timed: not on a CUDA GPU")
     no_default = bench_doc()
     no_default["default_backends"]["experts"] = "deep_gemm"
     assert verdicts(parts(bench=no_default))["experts_512"][1] == (
@@ -318,13 +372,15 @@ def test_results_on_disk_hold_every_finished_part_before_the_next_starts(tmp_pat
 
 
 def test_report_has_one_pass_or_miss_line_per_goal_and_every_part() -> None:
-    results = {"started": "2026-01-01 00:00 UTC", "commit": "abc1234", "time_limit_s": 420, "elapsed_s": 300.0,
-               "command": "gpu_check.py", "parts": parts(bench=bench_doc(), engine=engine_doc(), tests=suite_doc()),
-               "goals": []}
+    results: dict[str, Any] = {
+        "started": "2026-01-01 00:00 UTC", "commit": "abc1234", "time_limit_s": 420, "elapsed_s": 300.0,
+        "command": "gpu_check.py", "parts": parts(bench=bench_doc(), engine=engine_doc(), tests=suite_doc()),
+        "goals": []}
     results["parts"]["engine_dbo"] = {"status": "ok", "data": engine_doc(tok_s=20000.0)}
     results["parts"]["engine_dbo"]["data"]["measured"]["dbo_decisions"] = ["decode 256-511 tok replayed: DBO off "
                                                                            "(0.57x)"]
     results["parts"]["engine_link"] = {"status": "ok", "data": engine_link_doc()}
+    results["parts"]["engine_fp8"] = {"status": "ok", "data": engine_fp8_doc()}
     results["parts"]["serve"] = {"status": "not available", "error": "python -m runner bench-serve --help: no"}
     results["goals"] = evaluate(results["parts"])
     text = render(results)
@@ -338,9 +394,32 @@ def test_report_has_one_pass_or_miss_line_per_goal_and_every_part() -> None:
     assert "| output tok/s | 15,000 | 21,000 |" in text and "| link hidden % |  | 90 |" in text
     assert "Not available: python -m runner bench-serve --help: no" in text
     assert "| experts | 2048 tokens | triton | 0.25 | 2 | 8 | 0.5 | 2 |  |" in text
+    assert "| weight GiB | 2 | 1.06 |" in text and "| output tok/s | 31,000 | 40,000 |" in text
+    assert "| FP8 linear layers | none | 16 FP8 GEMM, 0 dequantised |" in text
+    assert "FP8 / unquantised: weight_ratio 0.531, tokens_ratio 1.290." in text
+    assert "| triton | True | False | 0.15 | 0.2 | 1.33 | 0.18 | 1.2 |  |" in text
+    assert "| deep_gemm |  | False | 0.15 | ImportError: No module named 'deep_gemm' |" in text
     assert render({}).startswith("# GPU check: GPU unknown")  # nothing measured still renders
 
 
 def test_goal_table_reads_the_default_backends_bench_gpu_records() -> None:
     assert bench_gpu.default_backends("cpu") == {"experts": "torch", "attention": "torch"}
     assert goals_mod.GRAPH_MEMORY_LIMIT_BYTES == 4 * 10**9
+
+
+# ---- FP8 figures ------------------------------------------------------------------------------------------------
+def test_greedy_agreement_counts_positions_up_to_each_first_divergence() -> None:
+    from gpucheck.fp8_figures import first_divergence, greedy_agreement
+
+    base = [[1, 2, 3, 4], [1, 2, 3, 4], [5, 6, 7, 8, 99]]
+    other = [[1, 2, 3, 4], [1, 9, 3, 4], [0, 6, 7, 8, 42]]  # the 5th tokens are past the compared 4
+    assert greedy_agreement(base, other, 4) == {
+        "prompts": 3, "tokens": 4, "prefix_pct": 100 * 5 / 12, "token_pct": 100 * 10 / 12, "identical": 1,
+        "first_divergence": [4, 1, 0]}
+    assert first_divergence([1, 2], [1, 2, 3]) == 2 and first_divergence([], [1]) == 0
+    with pytest.raises(ValueError, match="the two runs have 3 and 2 outputs"):
+        greedy_agreement(base, other[:2], 4)
+    with pytest.raises(ValueError, match=r"prompts \[1\] have fewer than 4 generated tokens"):
+        greedy_agreement(base, [[1, 2, 3, 4], [1, 2], [5, 6, 7, 8]], 4)
+    with pytest.raises(ValueError, match="tokens must be >= 1, got 0"):
+        greedy_agreement(base, other, 0)

@@ -33,6 +33,7 @@ from gpucheck.parts import (  # noqa: E402
     all_parts,
     bench_part,
     child_env,
+    engine_fp8_part,
     engine_link_part,
     engine_part,
     env_part,
@@ -289,11 +290,47 @@ def test_parts_on_cpu_give_results_the_goals_and_report_read(tmp_path: Path) -> 
     assert "===== engine --enable-dbo:" in (tmp_path / "log.txt").read_text()
 
 
+def test_the_fp8_part_on_cpu_compares_the_engine_quantised_while_loading_with_it_unquantised(tmp_path: Path) -> None:
+    """``engine_fp8`` run for real on the tiny model (fp32 on the CPU): both engines' weights, their measured
+    calls and the greedy agreement; the experts are not timed off a GPU, which the goal says."""
+    from runner.models.loader import load_model
+
+    ctx = context(tmp_path, engine_args=TINY_ENGINE, fp8_args=["--agree-prompts", "5", "--agree-tokens", "4"])
+    out = engine_fp8_part(ctx)
+    assert out["status"] == "ok", out
+    data = out["data"]
+    sizes = {}
+    for name, quantization in (("base", None), ("fp8", "fp8")):
+        model, _ = load_model("tiny-qwen3-moe", cache_dir=tmp_path / "cache", quantization=quantization)
+        sizes[name] = sum(p.numel() * p.element_size() for p in model.parameters())
+        run = data[name]
+        assert (run["dtype"], run["weight_bytes"]) == ("float32", sizes[name])
+        assert (run["measured"]["num_requests"], run["measured"]["num_output_tokens"]) == (4, 12)
+        assert len(run["measured_runs"]) == 2 and run["flags"].get("quantization") == quantization
+    assert data["fp8"]["dense_fp8_linears"]["dequantised"] > 0 and data["base"]["dense_fp8_linears"] == {
+        "fp8_gemm": 0, "dequantised": 0}
+    agreement = data["agreement"]
+    assert (agreement["prompts"], agreement["tokens"], len(agreement["first_divergence"])) == (5, 4, 5)
+    assert agreement["prefix_pct"] == 100 * sum(agreement["first_divergence"]) / 20
+    assert data["device"] == "cpu" and data["experts"]["error"].startswith("not timed: the experts are timed with "
+                                                                           "CUDA events")
+    verdicts = {g["key"]: (g["verdict"], g["measured"]) for g in evaluate({"engine_fp8": out})}
+    ratio = sizes["fp8"] / sizes["base"]
+    assert verdicts["fp8_weights"][1].startswith(f"{ratio:.3f}x (") and verdicts["fp8_weights"][0] == (
+        "PASS" if ratio <= 0.55 else MISS)
+    assert verdicts["fp8_throughput"][1].startswith("not measured: the goal is set for H100 and H200; this run was "
+                                                    "on 'cpu'")
+    assert verdicts["fp8_experts"] == (MISS, f"not measured: {data['experts']['error']}")
+    assert verdicts["fp8_agreement"][1].startswith(f"{agreement['prefix_pct']:.1f} % of 5 x 4 positions")
+    report = render({"parts": {"engine_fp8": out}, "goals": evaluate({"engine_fp8": out})})
+    assert "| compute dtype | float32 | float32 |" in report and f"Experts: {data['experts']['error']}" in report
+
+
 def test_children_import_the_repo_and_benchmarks_first(tmp_path: Path) -> None:
     env = child_env(context(tmp_path))
     assert env["PYTHONPATH"].split(":")[:2] == [str(REPO), str(REPO / "benchmarks")]
-    assert [p.name for p in all_parts()] == ["env", "tests", "model", "bench", "engine", "engine_dbo", "engine_link",
-                                             "serve"]
+    assert [p.name for p in all_parts()] == ["env", "tests", "model", "bench", "engine", "engine_dbo", "engine_fp8",
+                                             "engine_link", "serve"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the part really runs (minutes, the 1.2B model)")

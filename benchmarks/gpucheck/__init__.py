@@ -10,6 +10,7 @@ Modules, one job each: ``main`` (arguments, the no-GPU exit), ``schedule`` (part
 own time budget and the check's deadline; results saved after each), ``parts`` (what each part runs and
 reads back), ``subproc`` (a subprocess with a timeout that kills its whole process group), ``goals`` (the
 goal table and the PASS/MISS decisions), ``report`` (report.md), ``engine_figures`` (per-step figures from
-the engine's own counters); scripts run as subprocesses: ``env_info``, ``model_prep``, ``engine_run``;
+the engine's own counters), ``fp8_figures`` (FP8 against bf16, and greedy agreement); scripts run as
+subprocesses: ``env_info``, ``model_prep``, ``engine_run``, ``engine_link``, ``engine_fp8``;
 ``select_tests`` is a pytest plugin; ``wheels`` downloads what the GPU machine lacks.
 """

@@ -10,7 +10,7 @@ auto`` / ``--attention-backend auto``, as ``bench_gpu.py`` records them), timed 
 be captured (decode steps replay graphs), else eagerly; the report also names the fastest backend. Step
 figures come from ``bench_gpu.py``'s decode step (512 tokens at context 512), engine figures from the engine
 run with default flags and with ``--enable-dbo`` (``engine_figures``), and with an emulated link calibrated to
-comm = compute (``engine_link``).
+comm = compute (``engine_link``); FP8 figures from ``engine_fp8`` (``fp8_figures``).
 """
 from __future__ import annotations
 
@@ -29,6 +29,14 @@ TOKENS_PER_S_BEFORE_PIPELINING = {"H200": 38_331, "H100": 41_330}
 PIPELINED_SPEEDUP = 1.8
 PIPELINED_GPU_IDLE_PCT = 15.0
 STEP_THREAD_HOST_MS = 1.0
+# --quantization fp8 against the same checkpoint unquantised (engine_fp8): weight memory, output tok/s on the
+# GPUs with FP8 tensor cores the goal is set for, one layer's FP8 experts against their weight-read limit, and
+# greedy agreement up to the first divergence (fp8_figures)
+FP8_WEIGHT_RATIO = 0.55
+FP8_TOKENS_RATIO = 1.2
+FP8_TOKENS_GPUS = ("H100", "H200")
+FP8_EXPERTS_X = 1.3
+FP8_AGREEMENT_PCT = 90.0
 
 
 class NotMeasured(Exception):
@@ -229,6 +237,76 @@ def pipelined_throughput(parts: dict[str, Any]) -> tuple[bool, str]:
         f"{tok_s:,.0f} output tok/s, {tok_s / before:.2f}x the {kind}'s {before:,} before pipelining")
 
 
+def _fp8(parts: dict[str, Any], needs: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``engine_fp8``'s data and its figures (``fp8_figures``), which must hold ``needs``."""
+    from gpucheck.fp8_figures import fp8_figures
+
+    data = part_data(parts, "engine_fp8")
+    fig = fp8_figures(data)
+    if needs not in fig:
+        phase = next((p for p in ("base", "fp8", "agreement") if not data.get(p)), "measured")
+        raise NotMeasured(f"the engine_fp8 run stopped before its {phase} figures")
+    return data, fig
+
+
+def fp8_weights(parts: dict[str, Any]) -> tuple[bool, str]:
+    data, fig = _fp8(parts, "weight_ratio")
+    base, fp8 = data["base"], data["fp8"]
+    return fig["weight_ratio"] <= FP8_WEIGHT_RATIO, (
+        f"{fig['weight_ratio']:.3f}x ({fp8['weight_bytes'] / 2**30:.2f} GiB FP8 vs {base['weight_bytes'] / 2**30:.2f} "
+        f"GiB {base.get('dtype')})")
+
+
+def fp8_throughput(parts: dict[str, Any]) -> tuple[bool, str]:
+    data, fig = _fp8(parts, "tokens_ratio")
+    device = data.get("device") or ""
+    if not any(kind in device for kind in FP8_TOKENS_GPUS):
+        raise NotMeasured(f"the goal is set for {' and '.join(FP8_TOKENS_GPUS)}; this run was on {device!r} "
+                          f"({fig['tokens_ratio']:.2f}x)")
+    base, fp8 = data["base"], data["fp8"]
+    experts = (fp8.get("engine") or {}).get("experts_backend")
+    text = (f"{fig['tokens_ratio']:.2f}x ({fp8['measured']['output_tokens_per_s']:,.0f} vs "
+            f"{base['measured']['output_tokens_per_s']:,.0f} output tok/s; experts backend {experts})")
+    if fig["num_errors"]:
+        text += f" ({fig['num_errors']} requests failed)"
+    return fig["tokens_ratio"] >= FP8_TOKENS_RATIO and not fig["num_errors"], text
+
+
+def fp8_experts(parts: dict[str, Any]) -> tuple[bool, str]:
+    """The fastest FP8 kernel (graph time where it captured) over the FP8 weight-read limit; the engine's
+    default backend is named beside it when it is another one."""
+    experts = part_data(parts, "engine_fp8").get("experts")
+    if not experts:
+        raise NotMeasured("the engine_fp8 run stopped before timing the experts")
+    if "error" in experts:
+        raise NotMeasured(experts["error"])
+    rows = experts.get("rows") or []
+    timed = [(got, r) for r in rows if (got := kernel_x(r)) is not None]
+    fp8 = [(got, r) for got, r in timed if r.get("fp8_kernel")]
+    if not fp8:
+        tried = [r for r in rows if r.get("fp8_kernel") is not False]
+        raise NotMeasured("no FP8 experts kernel ran: " + "; ".join(f"{r['backend']}: {r.get('eager_ms')}"
+                                                                      for r in tried))
+    (x, mode), best = min(fp8, key=lambda t: t[0][0])
+    text = (f"{best['backend']} ({mode}) {x:.2f}x the limit ({best[f'{mode}_ms']} ms vs {best['limit_ms']} ms: "
+            f"{experts['touched_experts']}/{experts['num_experts']} experts' FP8 weights and scales at "
+            f"{experts['tokens']} tokens)")
+    default = next(((got, r) for got, r in timed if r.get("engine_default") and r is not best), None)
+    if default is not None:
+        (dx, dmode), row = default
+        text += f"; the engine's default, {row['backend']} ({'FP8' if row.get('fp8_kernel') else 'dequantising'}), "
+        text += f"{dx:.2f}x ({dmode})"
+    return x <= FP8_EXPERTS_X, text
+
+
+def fp8_agreement(parts: dict[str, Any]) -> tuple[bool, str]:
+    data, fig = _fp8(parts, "agreement_pct")
+    a = data["agreement"]
+    return fig["agreement_pct"] >= FP8_AGREEMENT_PCT, (
+        f"{fig['agreement_pct']:.1f} % of {a['prompts']} x {a['tokens']} positions up to the first divergence "
+        f"({a['identical']}/{a['prompts']} prompts identical; {a['token_pct']:.1f} % of positions equal)")
+
+
 def _tests(parts: dict[str, Any], full: bool) -> tuple[bool, str]:
     data = part_data(parts, "tests")
     if full and data.get("mode") != "full":
@@ -267,6 +345,13 @@ GOALS: tuple[Goal, ...] = (
                         "ms per step", step_thread),
     Goal("pipelined_throughput", f"Default flags, 256 x 128 tokens: >= {PIPELINED_SPEEDUP:g}x the output tok/s "
                                  "before pipelining (H200 >= 69k, H100 >= 74k)", pipelined_throughput),
+    Goal("fp8_weights", f"--quantization fp8: weight memory <= {FP8_WEIGHT_RATIO:g}x bf16 (1.2B model)", fp8_weights),
+    Goal("fp8_throughput", f"--quantization fp8, default flags, 256 x 128 tokens: >= {FP8_TOKENS_RATIO:g}x bf16's "
+                           f"output tok/s ({' / '.join(FP8_TOKENS_GPUS)})", fp8_throughput),
+    Goal("fp8_experts", f"FP8 experts of one layer at 256 tokens <= {FP8_EXPERTS_X:g}x the time to read their FP8 "
+                        "weights and scales once (fastest FP8 kernel)", fp8_experts),
+    Goal("fp8_agreement", f"--quantization fp8 greedy tokens equal bf16's on >= {FP8_AGREEMENT_PCT:g} % of the first "
+                          "16 positions of 64 prompts (up to the first divergence)", fp8_agreement),
     Goal("gpu_tests", "GPU tests pass (pytest -m cuda and the GPU-sensitive files) on the GPU",
          lambda parts: _tests(parts, full=False)),
     Goal("make_test", "make test on the one-GPU machine passes", lambda parts: _tests(parts, full=True)),

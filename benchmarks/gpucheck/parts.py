@@ -3,8 +3,9 @@
 Every part runs its work in a subprocess (``subproc.run_logged``) that writes JSON, so a crash, a hang or a
 CUDA error in one part cannot take the check down, and a part killed at its timeout still leaves what it had
 written. Budgets are caps for an H100; the check's own deadline (7 minutes by default) bounds their sum.
-``Context.options``: ``tests`` (gpu|full), ``serve_seconds``, and ``model_args``/``engine_args`` (extra
-arguments for ``model_prep``/``engine_run``: the CPU tests run these parts on the tiny model this way).
+``Context.options``: ``tests`` (gpu|full), ``serve_seconds``, and extra arguments: ``model_args`` for
+``model_prep``, ``engine_args`` for ``engine_run``, ``engine_link`` and ``engine_fp8``, ``fp8_args`` for
+``engine_fp8`` alone (the CPU tests run these parts on the tiny model this way).
 """
 from __future__ import annotations
 
@@ -197,6 +198,15 @@ def engine_link_part(ctx: Context) -> dict[str, Any]:
     return _run(ctx, "engine with a link", args + list(ctx.options.get("engine_args", ())), path)
 
 
+def engine_fp8_part(ctx: Context) -> dict[str, Any]:
+    """The engine on the model quantised to FP8 while loading against it unquantised, and one layer's FP8
+    experts against their weight-read limit (``gpucheck.engine_fp8``)."""
+    path = ctx.work_dir / "engine_fp8.json"
+    args = ["-m", "gpucheck.engine_fp8", "--cache-dir", str(ctx.cache_dir), "--out", str(path)]
+    args += list(ctx.options.get("engine_args", ())) + list(ctx.options.get("fp8_args", ()))
+    return _run(ctx, "engine fp8 vs bf16", args, path)
+
+
 def has_flag(help_text: str, flag: str) -> bool:
     return re.search(rf"(^|[\s,\[]){re.escape(flag)}\b", help_text) is not None
 
@@ -251,6 +261,8 @@ def all_parts() -> list[Part]:
         Part("bench", "kernels and the decode step against their limits (bench_gpu.py --quick)", 120, bench_part),
         Part("engine", "the engine with default flags, 256 x 128 tokens", 90, lambda c: engine_part(c, False)),
         Part("engine_dbo", "the same with --enable-dbo", 90, lambda c: engine_part(c, True)),
+        Part("engine_fp8", "--quantization fp8 vs bf16: weights, tok/s, greedy agreement, FP8 experts", 150,
+             engine_fp8_part),
         Part("engine_link", "default flags vs --enable-dbo, emulated link at comm = compute", 240, engine_link_part),
         Part("serve", "bench-serve --compare dbo", 150, serve_part),
     ]

@@ -147,6 +147,63 @@ def engine_link_section(data: dict[str, Any]) -> list[str]:
     return lines
 
 
+def engine_fp8_section(data: dict[str, Any]) -> list[str]:
+    """``engine_fp8``: both engines side by side, the greedy agreement, and one layer's experts."""
+    from gpucheck.fp8_figures import fp8_figures
+
+    if not data.get("base"):
+        return ["No results."]
+    runs = {"unquantised": data.get("base") or {}, "--quantization fp8": data.get("fp8") or {}}
+
+    def col(fn: Any) -> list[Any]:
+        return [fn(r) if r else None for r in runs.values()]
+
+    def measured(key: str) -> Any:
+        return lambda r: (r.get("measured") or {}).get(key)
+
+    def dense(r: dict[str, Any]) -> str:
+        d = r.get("dense_fp8_linears") or {}
+        return f"{d.get('fp8_gemm')} FP8 GEMM, {d.get('dequantised')} dequantised" if any(d.values()) else "none"
+
+    w = data.get("workload") or {}
+    lines = [f"On {data.get('device')}, one engine after the other, default flags but --max-num-seqs: "
+             f"{w.get('num_prompts')} prompts of {w.get('prompt_len')} tokens x {w.get('max_tokens')} new tokens "
+             "(a warm-up call, then measured calls; the figures are the last call's)", ""]
+    lines += table(["", *runs], [
+        ("compute dtype", *col(lambda r: r.get("dtype"))),
+        ("weight GiB", *col(lambda r: r["weight_bytes"] / 2**30)),
+        ("output tok/s", *col(measured("output_tokens_per_s"))),
+        ("output tok/s, first call", *col(lambda r: (r.get("measured_runs") or [{}])[0].get("output_tokens_per_s"))),
+        ("failed requests", *col(measured("num_errors"))),
+        ("experts backend", *col(lambda r: (r.get("engine") or {}).get("experts_backend"))),
+        ("FP8 linear layers", *col(dense)),
+        ("start-up s (load, quantise, KV sizing, capture)", *col(lambda r: r.get("init_s")))])
+    fig = fp8_figures(data)
+    ratios = ", ".join(f"{k} {fig[k]:.3f}" for k in ("weight_ratio", "tokens_ratio") if k in fig)
+    if ratios:
+        lines += ["", f"FP8 / unquantised: {ratios}."]
+    agreement = data.get("agreement")
+    if agreement:
+        lines += ["", f"Greedy agreement, {agreement['prompts']} prompts x {agreement['tokens']} new tokens: "
+                      f"{agreement['prefix_pct']:.1f} % of positions before each prompt's first divergence, "
+                      f"{agreement['token_pct']:.1f} % of positions equal, {agreement['identical']} prompts "
+                      f"identical; first divergence per prompt: {agreement['first_divergence']}"]
+    experts = data.get("experts")
+    if experts and "error" in experts:
+        lines += ["", f"Experts: {experts['error']}"]
+    elif experts:
+        lines += ["", f"Experts of the first MoE layer as loaded, {experts['tokens']} tokens routed "
+                      f"({experts['touched_experts']}/{experts['num_experts']} experts touched): limit = "
+                      f"{experts['read_bytes'] / 2**20:.1f} MiB of FP8 weights and scales read once at half the "
+                      f"measured copy rate ({experts['copy_tb_s']} TB/s read + write)", ""]
+        lines += table(["backend", "FP8 kernel", "engine default", "limit ms", "eager ms", "x limit", "graph ms",
+                        "x limit", "max rel err"],
+                       [(r.get("backend"), r.get("fp8_kernel"), r.get("engine_default"), r.get("limit_ms"),
+                         r.get("eager_ms"), r.get("eager_x_limit"), r.get("graph_ms"), r.get("graph_x_limit"),
+                         r.get("max_rel_err")) for r in experts.get("rows", [])])
+    return lines
+
+
 def serve_section(part: dict[str, Any]) -> list[str]:
     if not part:
         return ["Not run."]
@@ -183,6 +240,8 @@ def render(results: dict[str, Any]) -> str:
     lines += ["", "## The engine as a user runs it (1.2B model, 256 prompts x 128 new tokens, --max-num-seqs 256)", "",
               *engine_section({"default flags": _data(results, "engine"),
                                "--enable-dbo": _data(results, "engine_dbo")})]
+    lines += ["", "## FP8 against bf16 (`gpucheck.engine_fp8`: the same checkpoint, `--quantization fp8`)", "",
+              *engine_fp8_section(_data(results, "engine_fp8"))]
     lines += ["", "## The engine with an emulated link at comm = compute (`gpucheck.engine_link`)", "",
               *engine_link_section(_data(results, "engine_link"))]
     lines += ["", "## Server (`bench-serve --compare dbo`)", "", *serve_section(parts.get("serve") or {})]
