@@ -135,7 +135,10 @@ def engine_fp8_doc(*, fp8_tok_s: float = 40000.0, device: str = "NVIDIA H200", p
              "eager_x_limit": 3.33, "graph_ms": 0.45, "graph_x_limit": 3.0}]
     return {"device": device, "workload": {"num_prompts": 256, "prompt_len": 16, "max_tokens": 128,
                                            "agree_prompts": 64, "agree_tokens": 16},
-            "base": engine(2**31, 31000.0, 0), "fp8": engine(2**30 + 2**26, fp8_tok_s, 16),
+            "base": {**engine(2**31, 31000.0, 0), "self_agreement": {
+                "prompts": 64, "tokens": 16, "prefix_pct": 97.5, "token_pct": 98.0, "identical": 60,
+                "first_divergence": [16] * 60 + [6] * 4}},
+            "fp8": engine(2**30 + 2**26, fp8_tok_s, 16),
             "agreement": {"prompts": 64, "tokens": 16, "prefix_pct": prefix, "token_pct": 96.0, "identical": 50,
                           "first_divergence": [16] * 50 + [3] * 14},
             "experts": {"tokens": 256, "touched_experts": 64, "num_experts": 64, "read_bytes": 150 * 2**20,
@@ -189,7 +192,8 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
                                    "and scales at 256 tokens); the engine's default, grouped_mm (dequantising), "
                                    "3.00x (graph)")
     assert v["fp8_agreement"][1] == ("95.0 % of 64 x 16 positions up to the first divergence (50/64 prompts "
-                                     "identical; 96.0 % of positions equal)")
+                                     "identical; 96.0 % of positions equal); bf16 against itself in half batches: "
+                                     "97.5 %")
 
 
 def test_pipelining_goals_pass_on_a_busy_gpu_and_compare_with_the_same_kind_of_gpu() -> None:
@@ -399,6 +403,8 @@ def test_report_has_one_pass_or_miss_line_per_goal_and_every_part() -> None:
     assert "FP8 / unquantised: weight_ratio 0.531, tokens_ratio 1.290." in text
     assert "| triton | True | False | 0.15 | 0.2 | 1.33 | 0.18 | 1.2 |  |" in text
     assert "| deep_gemm |  | False | 0.15 | ImportError: No module named 'deep_gemm' |" in text
+    assert ("For scale, the unquantised engine against itself on the same prompts in two half batches: 97.5 % "
+            "before the first divergence, 60 prompts identical") in text
     assert render({}).startswith("# GPU check: GPU unknown")  # nothing measured still renders
 
 

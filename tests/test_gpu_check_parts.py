@@ -312,6 +312,9 @@ def test_the_fp8_part_on_cpu_compares_the_engine_quantised_while_loading_with_it
     agreement = data["agreement"]
     assert (agreement["prompts"], agreement["tokens"], len(agreement["first_divergence"])) == (5, 4, 5)
     assert agreement["prefix_pct"] == 100 * sum(agreement["first_divergence"]) / 20
+    own = data["base"]["self_agreement"]  # the unquantised engine against itself in batches of 2 and 3 prompts
+    assert (own["prompts"], own["tokens"], len(own["first_divergence"])) == (5, 4, 5) and "self_agreement" not in \
+        data["fp8"]
     assert data["device"] == "cpu" and data["experts"]["error"].startswith("not timed: the experts are timed with "
                                                                            "CUDA events")
     verdicts = {g["key"]: (g["verdict"], g["measured"]) for g in evaluate({"engine_fp8": out})}

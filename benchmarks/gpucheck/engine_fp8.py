@@ -9,7 +9,9 @@ workload), one after the other on the one GPU:
    warm-up call, ``--repeats`` measured calls of the workload (the last one is the figure), and one greedy call
    of ``--agree-prompts`` prompts x ``--agree-tokens`` new tokens for the agreement;
 2. ``agreement``: the two runs' greedy tokens compared (``fp8_figures.greedy_agreement``: positions up to each
-   prompt's first divergence);
+   prompt's first divergence). For scale, ``base.self_agreement`` compares the unquantised engine with itself on
+   the same prompts run as two half batches: other batch sizes pick other kernels and graphs, whose rounding
+   alone flips near-ties of a model with random weights, whose top two logits are often close;
 3. ``experts`` (CUDA only): the FP8 experts of the model's first MoE layer, as loaded, on ``--expert-tokens``
    tokens (the decode batch) through each FP8-capable backend (``deep_gemm`` where it imports, ``triton``) and
    the engine's default backend (which may dequantise, W8A16), eager and in a CUDA graph, against the time to
@@ -26,7 +28,7 @@ import gc
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +37,9 @@ from gpucheck.engine_run import engine_info, run_figures
 from gpucheck.fp8_figures import greedy_agreement
 from runner.models.base import MoECausalLM
 from ubatch.fp8 import Fp8Tensor
+
+if TYPE_CHECKING:
+    from runner import LLM
 
 # this benchmark reads the in-process engine (its model and statistics): the engine core stays here
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -58,13 +63,22 @@ def dense_fp8_linears(model: torch.nn.Module) -> dict[str, int]:
     return {"fp8_gemm": fast, "dequantised": len(layers) - fast}
 
 
+def greedy_ids(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    """Each prompt's ``tokens`` greedy new tokens (EOS ignored), in one ``generate`` call."""
+    from runner import SamplingParams
+
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens), use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
 def run_engine(flags: dict[str, Any], prompts: list[list[int]], agree_prompts: list[list[int]],
-               args: argparse.Namespace, keep_experts: bool) -> tuple[dict[str, Any], list[list[int]], Experts | None]:
-    """One engine's figures, its greedy tokens for the agreement prompts and, with ``keep_experts``, a copy of
-    its first MoE layer's FP8 experts (taken before the engine closes)."""
+               args: argparse.Namespace, *, fp8: bool) -> tuple[dict[str, Any], list[list[int]], Experts | None]:
+    """One engine's figures and its greedy tokens for the agreement prompts; the FP8 engine's also a copy of its
+    first MoE layer's FP8 experts (taken before it closes), the unquantised one's its agreement with itself."""
     from runner import LLM, SamplingParams
 
     t0 = time.perf_counter()
+    flags = {**flags, "quantization": "fp8"} if fp8 else flags
     llm = LLM(**flags)
     try:
         model = llm.model_runner.model
@@ -80,9 +94,13 @@ def run_engine(flags: dict[str, Any], prompts: list[list[int]], agree_prompts: l
                                                             use_tqdm=False))
             out["measured_runs"].append(out["measured"])
             print(llm.last_stats.summary(), flush=True)
-        agree = llm.generate(agree_prompts, greedy(max_tokens=args.agree_tokens), use_tqdm=False)
-        agree_tokens = [list(o.outputs[0].token_ids) for o in agree]
-        experts = first_layer_experts(model) if keep_experts else None
+        agree_tokens = greedy_ids(llm, agree_prompts, args.agree_tokens)
+        if not fp8:  # the unquantised engine: the same prompts in two half batches (module docstring)
+            half = len(agree_prompts) // 2
+            halves = [*greedy_ids(llm, agree_prompts[:half], args.agree_tokens),
+                      *greedy_ids(llm, agree_prompts[half:], args.agree_tokens)]
+            out["self_agreement"] = greedy_agreement(agree_tokens, halves, args.agree_tokens)
+        experts = first_layer_experts(model) if fp8 else None
     finally:
         llm.close()
         del llm
@@ -201,10 +219,9 @@ def main() -> int:
         "num_prompts": args.num_prompts, "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
         "agree_prompts": args.agree_prompts, "agree_tokens": args.agree_tokens}}
     write_json(doc, args.out)
-    doc["base"], base_tokens, _ = run_engine(flags, prompts, agree_prompts, args, keep_experts=False)
+    doc["base"], base_tokens, _ = run_engine(flags, prompts, agree_prompts, args, fp8=False)
     write_json(doc, args.out)
-    doc["fp8"], fp8_tokens, experts = run_engine({**flags, "quantization": "fp8"}, prompts, agree_prompts, args,
-                                                 keep_experts=True)
+    doc["fp8"], fp8_tokens, experts = run_engine(flags, prompts, agree_prompts, args, fp8=True)
     doc["agreement"] = greedy_agreement(base_tokens, fp8_tokens, args.agree_tokens)
     write_json(doc, args.out)
     print(f"agreement: {({k: v for k, v in doc['agreement'].items() if k != 'first_divergence'})}", flush=True)

@@ -302,9 +302,12 @@ def fp8_experts(parts: dict[str, Any]) -> tuple[bool, str]:
 def fp8_agreement(parts: dict[str, Any]) -> tuple[bool, str]:
     data, fig = _fp8(parts, "agreement_pct")
     a = data["agreement"]
-    return fig["agreement_pct"] >= FP8_AGREEMENT_PCT, (
-        f"{fig['agreement_pct']:.1f} % of {a['prompts']} x {a['tokens']} positions up to the first divergence "
-        f"({a['identical']}/{a['prompts']} prompts identical; {a['token_pct']:.1f} % of positions equal)")
+    text = (f"{fig['agreement_pct']:.1f} % of {a['prompts']} x {a['tokens']} positions up to the first divergence "
+            f"({a['identical']}/{a['prompts']} prompts identical; {a['token_pct']:.1f} % of positions equal)")
+    floor = data["base"].get("self_agreement")
+    if floor:
+        text += f"; bf16 against itself in half batches: {floor['prefix_pct']:.1f} %"
+    return fig["agreement_pct"] >= FP8_AGREEMENT_PCT, text
 
 
 def _tests(parts: dict[str, Any], full: bool) -> tuple[bool, str]:

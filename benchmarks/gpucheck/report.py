@@ -188,6 +188,11 @@ def engine_fp8_section(data: dict[str, Any]) -> list[str]:
                       f"{agreement['prefix_pct']:.1f} % of positions before each prompt's first divergence, "
                       f"{agreement['token_pct']:.1f} % of positions equal, {agreement['identical']} prompts "
                       f"identical; first divergence per prompt: {agreement['first_divergence']}"]
+    self_agreement = (data.get("base") or {}).get("self_agreement")
+    if self_agreement:
+        lines += ["", f"For scale, the unquantised engine against itself on the same prompts in two half batches: "
+                      f"{self_agreement['prefix_pct']:.1f} % before the first divergence, "
+                      f"{self_agreement['identical']} prompts identical"]
     experts = data.get("experts")
     if experts and "error" in experts:
         lines += ["", f"Experts: {experts['error']}"]
