@@ -29,7 +29,7 @@ def check_device_choice(choice: object) -> str:
     """``choice`` itself when it is one of :data:`DEVICE_CHOICES`, else ``ValueError`` naming it."""
     if choice not in DEVICE_CHOICES:
         raise ValueError(f"device must be one of {', '.join(DEVICE_CHOICES)}; got {choice!r}")
-    return choice  # type: ignore[return-value]
+    return choice
 
 
 def cuda_available() -> bool:

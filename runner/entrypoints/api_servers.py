@@ -148,8 +148,7 @@ class _ApiServers:
 
     def start(self, spec: ApiServerSpec, sock: socket.socket) -> None:
         parent_conn, child_conn = self.ctx.Pipe()
-        # typeshed types get_context(str) as BaseContext; every concrete context has Process
-        p = self.ctx.Process(target=api_server_main, name=f"ubatch-api-server-{spec.index}",  # type: ignore[attr-defined]
+        p = self.ctx.Process(target=api_server_main, name=f"ubatch-api-server-{spec.index}",
                              args=(spec, sock, child_conn))
         try:
             p.start()

@@ -188,9 +188,9 @@ def build_sampling_metadata(settings: SamplingSettings, rows: np.ndarray, slots:
     if used & LOGIT_BIAS:
         j = np.flatnonzero(flags & LOGIT_BIAS)
         entries = [settings.bias[t] for t in rows[j].tolist()]
-        bias = _ragged(pack, "bias", j, [e[0] for e in entries])  # type: ignore[index]
+        bias = _ragged(pack, "bias", j, [e[0] for e in entries])
         if bias:
-            pack.floats("bias_vals", np.concatenate([e[1] for e in entries]))  # type: ignore[index]
+            pack.floats("bias_vals", np.concatenate([e[1] for e in entries]))
     if used & PENALTIES:
         j = np.flatnonzero(flags & PENALTIES)
         pen_slots = slots[j]

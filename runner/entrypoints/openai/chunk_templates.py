@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from json.encoder import encode_basestring  # type: ignore[attr-defined]  # C-accelerated; ensure_ascii=False
+from json.encoder import encode_basestring  # C-accelerated; ensure_ascii=False
 from typing import Literal
 
 SlotKind = Literal["str", "int", "json"]

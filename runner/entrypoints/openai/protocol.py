@@ -211,7 +211,7 @@ class CompletionRequest(_SamplingFields):
         """The prompts, one per choice group."""
         p = self.prompt
         if isinstance(p, str) or (p and isinstance(p[0], int)):
-            return [p]  # type: ignore[list-item]
+            return [p]
         return list(p)  # type: ignore[arg-type]
 
 

@@ -47,7 +47,7 @@ FP8_DISPATCH_HIDDEN_MULTIPLE = 512  # DeepEP's low_latency_dispatch: EP_HOST_ASS
 def import_deep_ep() -> Any:
     """The real ``deep_ep`` package, on a CUDA machine; a clear error otherwise."""
     try:
-        import deep_ep  # type: ignore[import-not-found]
+        import deep_ep
     except ImportError as exc:
         raise ImportError(
             "the DeepEP all2all backends need the 'deep_ep' package (CUDA GPUs; pip install sgl-deep-ep for "

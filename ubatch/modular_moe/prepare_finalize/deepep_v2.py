@@ -52,7 +52,7 @@ def deep_ep_v2_status() -> tuple[bool, str]:
     every step, and a failed import is not cached by Python).
     """
     try:
-        import deep_ep  # type: ignore[import-not-found]
+        import deep_ep
     except ImportError as exc:
         return False, f"deep_ep is not importable ({exc})"
     if not hasattr(deep_ep, "ElasticBuffer"):
