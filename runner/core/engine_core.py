@@ -217,7 +217,7 @@ class EngineCore:
         """The prompt log-probabilities a prefill chunk computed, on its request's output (made for a chunk that
         sampled nothing); the client joins them by position (``prompt_logprobs_start``)."""
         live = self.scheduler.requests
-        for rid, snap, chunk in zip(out.req_ids.tolist(), out.requests, entries):
+        for rid, snap, chunk in zip(out.req_ids.tolist(), out.requests, entries, strict=True):  # one per request
             req = live.get(rid)
             if chunk is None or req is None or (req.status is FINISHED and req not in finished):
                 continue

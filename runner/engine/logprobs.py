@@ -32,7 +32,7 @@ class LogprobsState:
             got = 0 if entries is None else sum(e is not None for e in entries)
             return (f"logprobs={self.num_logprobs} was asked for, but the engine core returned log-probabilities "
                     f"for {got} of {len(token_ids)} new tokens (the model runner does not compute them)")
-        for token, entry in zip(token_ids, entries):
+        for token, entry in zip(token_ids, entries, strict=True):  # lengths checked above
             assert entry is not None  # checked above
             if entry.token_id != token:
                 return f"the engine core's log-probabilities are for token {entry.token_id}, not the sampled {token}"

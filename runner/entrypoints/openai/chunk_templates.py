@@ -72,7 +72,7 @@ class ChunkTemplate:
     def bind(self, **values: Value) -> ChunkTemplate:
         """This template with these fields filled."""
         pieces, slots = [self._pieces[0]], []
-        for slot, piece in zip(self._slots, self._pieces[1:]):
+        for slot, piece in zip(self._slots, self._pieces[1:], strict=True):
             if slot in values:
                 pieces[-1] += _encode(self._kinds[slot], values[slot]) + piece
             else:
@@ -85,7 +85,7 @@ class ChunkTemplate:
         if set(values) != set(self._slots):
             raise ValueError(f"the chunk template has fields {self._slots}, got {sorted(values)}")
         out = [self._pieces[0]]
-        for slot, piece in zip(self._slots, self._pieces[1:]):
+        for slot, piece in zip(self._slots, self._pieces[1:], strict=True):
             out.append(_encode(self._kinds[slot], values[slot]))
             out.append(piece)
         return "".join(out)

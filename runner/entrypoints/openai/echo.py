@@ -66,7 +66,7 @@ def _prompt_part(prompt_ids: list[int], steps: PromptLogprobs, num_top: int,
                  text: Callable[[int, Logprob], str]) -> CompletionLogProbs:
     out = CompletionLogProbs()
     offset = 0
-    for token_id, step in zip(prompt_ids, steps):
+    for token_id, step in zip(prompt_ids, steps, strict=True):  # the caller checked one step per prompt token
         if step is None:  # the first prompt token: nothing before it to predict it
             token = text(token_id, Logprob(0.0, None, None))
             out.tokens.append(token)

@@ -255,7 +255,8 @@ class EngineStreams:
         if self.aborted_by_server or self._closed:
             return
         self.aborted_by_server = True
-        for rid, finished in zip(self.request_ids[:len(self._closers)], self.finished):
+        # strict=False: only the requests opened so far (``finished`` has a flag for every request)
+        for rid, finished in zip(self.request_ids[:len(self._closers)], self.finished, strict=False):
             if not finished:
                 task = asyncio.create_task(self._abort(rid), name=f"abort {rid}")
                 self._abort_tasks.add(task)
@@ -287,7 +288,8 @@ class EngineStreams:
                     await close()
                 except Exception:  # the engine may be gone; the request is ended on this side either way
                     logger.exception("Closing the engine stream of %s failed", self.request_ids[0])
-            for rid, finished in zip(self.request_ids[:len(self._closers)], self.finished):
+            # strict=False: only the requests opened so far (``finished`` has a flag for every request)
+            for rid, finished in zip(self.request_ids[:len(self._closers)], self.finished, strict=False):
                 if not finished:
                     await self._abort(rid)
         finally:

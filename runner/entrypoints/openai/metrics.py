@@ -51,7 +51,7 @@ def observe_repeated(histogram: Histogram, value: float, count: int) -> None:
     its ``_sum``, ``_buckets`` and ``_upper_bounds``, which ``observe`` uses (``tests/test_openai_metrics.py``
     checks that both render the same text)."""
     histogram._sum.inc(value * count)
-    for bound, bucket in zip(histogram._upper_bounds, histogram._buckets):
+    for bound, bucket in zip(histogram._upper_bounds, histogram._buckets, strict=True):
         if value <= bound:
             bucket.inc(count)
             return

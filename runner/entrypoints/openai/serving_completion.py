@@ -49,11 +49,12 @@ class OpenAIServingCompletion(OpenAIServing):
         names = ["prompt"] if len(raw_prompts) == 1 else [f"prompt[{i}]" for i in range(len(raw_prompts))]
         prompts = [await self.tokenized(raw, p, self.off_loop(self._prompt, p, name, request, model))
                    if isinstance(p, str)
-                   else self._prompt(p, name, request, model) for p, name in zip(raw_prompts, names)]
+                   else self._prompt(p, name, request, model) for p, name in zip(raw_prompts, names, strict=True)]
         defaults = self.engine.default_sampling_params()
         params = [build_sampling_params(request, resolve_max_tokens(request, len(p.token_ids),
                                                                     self.engine.max_model_len, defaults, name),
-                                        defaults, self.engine.vocab_size) for p, name in zip(prompts, names)]
+                                        defaults, self.engine.vocab_size)
+                  for p, name in zip(prompts, names, strict=True)]
         params = [with_prompt_logprobs(p, request) for p in params]
         request_id = random_id("cmpl")
         streams = await self.start(raw, [f"{request_id}-{i}" for i in range(len(prompts))], prompts, params)

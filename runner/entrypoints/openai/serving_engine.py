@@ -256,11 +256,11 @@ class OpenAIServing:
         answered with its status); the returned streams must be closed."""
         self.lifecycle.check_admission()
         if self.log_requests:
-            for rid, prompt, sp in zip(request_ids, prompts, params):
+            for rid, prompt, sp in zip(request_ids, prompts, params, strict=True):
                 logger.info("Request %s: %d prompt tokens, %s", rid, len(prompt.token_ids), sp)
         streams = self.lifecycle.open_streams(request_ids, raw.receive)
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp in zip(prompts, params, strict=True):
                 streams.open(prompt.text, prompt.token_ids, sp)
             await streams.prime()
         except BaseException as exc:  # the engine refused one: leave (and abort) the ones it took
