@@ -33,7 +33,8 @@ class ProcessState:
 
     def changes_since(self, before: ProcessState) -> list[str]:
         """One ``what: before -> now`` line per difference."""
-        changes = [f"{name}={old!r} -> {new!r}" for (name, old), (_, new) in zip(before.env, self.env) if old != new]
+        changes = [f"{name}={old!r} -> {new!r}"
+                   for (name, old), (_, new) in zip(before.env, self.env, strict=True) if old != new]
         if self.default_dtype != before.default_dtype:
             changes.append(f"torch default dtype {before.default_dtype} -> {self.default_dtype}")
         return changes

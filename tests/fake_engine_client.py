@@ -239,6 +239,8 @@ class FakeEngineClient(EngineClient):
 
     def _step(self, req: _Request, s: _Sample, k: int) -> None:
         params = req.params
+        # SamplingParams made ``stop`` and ``stop_token_ids`` lists; the server resolved ``max_tokens``
+        assert isinstance(params.stop, list) and params.stop_token_ids is not None and params.max_tokens is not None
         ch = letter(req.prompt_ids, s.index, params.seed, k)
         token = self.vocab_id(ch)
         s.token_ids.append(token)
@@ -262,7 +264,7 @@ class FakeEngineClient(EngineClient):
                                else None)}
         others = [self.vocab_id(c) for c in LETTERS if self.vocab_id(c) != token]
         ranks = [r for r in range(1, num_top + 1) if r != rank]
-        for r, t in zip(ranks, others[k % 5:]):
+        for r, t in zip(ranks, others[k % 5:], strict=False):  # one letter per rank; the letters may run out
             step[t] = Logprob(expected_logprob(k, r), r, None)  # decoded by the server's tokenizer
         return step
 

@@ -12,7 +12,7 @@ every token, so a settings row or penalty slot that is not written, reset or fed
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import torch
@@ -46,10 +46,11 @@ def set_penalty_counts(sampler: Sampler, slot: int, prompt: Sequence[int], outpu
 
 
 def reference_generate(prompt: list[int], params: SamplingParams, vocab_size: int, seed: int,
-                       eos: set[int] = frozenset(), max_model_len: int = 10**9) -> tuple[list[int], str]:
+                       eos: Collection[int] = frozenset(), max_model_len: int = 10**9) -> tuple[list[int], str]:
     """One request alone, token by token, its penalty counts rebuilt from its history before every draw."""
+    assert params.max_tokens is not None, "the reference needs max_tokens set"
     sampler = Sampler(vocab_size, "cpu", eos)
-    history, out = list(prompt), []
+    history, out = list(prompt), list[int]()
     while True:
         if params.uses_penalties:
             set_penalty_counts(sampler, 0, prompt, out)
@@ -129,7 +130,7 @@ class FakeRunner:
         if picks:
             assert (rows.picks.tolist() if rows.picks is not None else list(range(len(sched.chunks)))) == picks
             out = self.sampler.sample_step(torch.stack(logits), rows)
-            for i, tok in zip(picks, out.token_ids):
+            for i, tok in zip(picks, out.token_ids, strict=True):
                 results[i] = tok
         return ModelRunnerOutput(results)
 

@@ -16,12 +16,15 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import save_file
 
 from ubatch.fp8 import dequantize_blocks, quantize_blocks
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 FUSED = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)$")
 NEVER_QUANTISED = re.compile(r"(norm|embed_tokens|\.mlp\.gate|shared_expert_gate)\.weight$|^lm_head\.weight$")
@@ -82,7 +85,7 @@ class Fp8Pair:
     reference_state: dict[str, torch.Tensor]  # the reference's tensors (per-expert names)
 
 
-def write_fp8_pair(hf_model: torch.nn.Module, root: Path, block: tuple[int, int] | None = (128, 128),
+def write_fp8_pair(hf_model: PreTrainedModel, root: Path, block: tuple[int, int] | None = (128, 128),
                    not_convert: list[str] | None = None, shards: int = 1, scalar_scales: bool = True) -> Fp8Pair:
     """``hf_model`` written as an FP8 checkpoint under ``root/fp8`` and dequantised under ``root/reference``.
 
@@ -98,7 +101,11 @@ def write_fp8_pair(hf_model: torch.nn.Module, root: Path, block: tuple[int, int]
     reference: dict[str, torch.Tensor] = dict(state)
     for n in names:
         w = state[n]
-        b = block if block is not None else tuple(w.shape)
+        if block is not None:
+            b = block
+        else:  # per tensor: one block over the whole 2-D weight
+            rows, cols = w.shape
+            b = (rows, cols)
         q, scale = quantize_blocks(w, b)
         fp8[n] = q
         if block is not None:
@@ -106,7 +113,8 @@ def write_fp8_pair(hf_model: torch.nn.Module, root: Path, block: tuple[int, int]
         else:
             fp8[n.replace(".weight", ".weight_scale")] = scale.reshape(()) if scalar_scales else scale.reshape(1)
         reference[n] = dequantize_blocks(q, scale, b)
-    quant = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+    quant: dict[str, str | list[int] | list[str]] = {"quant_method": "fp8", "fmt": "e4m3",
+                                                     "activation_scheme": "dynamic"}
     if block is not None:
         quant["weight_block_size"] = list(block)
     if not_convert:

@@ -8,7 +8,7 @@ the traffic it forced really happened.
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +87,7 @@ def current_row_start() -> int:
 def dense_reference(weights: StackWeights, x: torch.Tensor, rank: int = 0) -> torch.Tensor:
     """Token by token, expert by expert: no permutation tricks to share bugs with. ``rank`` picks the
     forced routes of that rank's tokens (when the weights force routing)."""
-    for i, (w13, w2) in enumerate(zip(weights.w13, weights.w2)):
+    for i, (w13, w2) in enumerate(zip(weights.w13, weights.w2, strict=True)):
         logits = weights.router_logits(i, x, rank)
         topk_w, topk_ids = select_experts(logits, weights.top_k, True)
         out = torch.zeros_like(x, dtype=torch.float32)
@@ -116,10 +116,15 @@ class MoEStack(torch.nn.Module):
         self.layers = torch.nn.ModuleList()
         self.runtime = MoERuntime(parallel)  # the layers share one backend and one link, as in a model
         shared = list(shared_experts) if shared_experts is not None else [None] * len(weights.w13)
-        for w13, w2, shared_i in zip(weights.w13, weights.w2, shared):
+        for w13, w2, shared_i in zip(weights.w13, weights.w2, shared, strict=True):
             layer = FusedMoE(experts, weights.top_k, hidden, inter, runtime=self.runtime, shared_experts=shared_i)
             layer.load_fused_experts(w13, w2)
             self.layers.append(layer)
+
+    @property
+    def moe_layers(self) -> list[FusedMoE]:
+        """``layers`` as their type (a ``ModuleList`` indexes as ``Module``)."""
+        return fused_layers(self.layers)
 
     @property
     def gates(self) -> list[torch.Tensor]:
@@ -142,6 +147,23 @@ def received_routes(tokens: ExpertTokens) -> int:
     return int((tokens.topk_ids >= 0).sum())
 
 
+def shadow_method(obj: object, name: str, replacement: Callable[..., Any]) -> None:
+    """Replace ``obj``'s method ``name`` on this instance only: a test's probe or injected fault
+    (``del obj.<name>`` restores the class's)."""
+    if not callable(getattr(obj, name, None)):
+        raise AttributeError(f"{type(obj).__name__} has no method {name!r} to replace")
+    setattr(obj, name, replacement)
+
+
+def fused_layers(layers: torch.nn.ModuleList) -> list[FusedMoE]:
+    """The modules of ``layers``, each checked to be a :class:`FusedMoE`."""
+    out = []
+    for layer in layers:
+        assert isinstance(layer, FusedMoE), f"a {type(layer).__name__} among the MoE layers"
+        out.append(layer)
+    return out
+
+
 def count_receives(layers: Sequence[FusedMoE]) -> dict[tuple[int, int], int]:
     """Wrap each layer's experts so every call records ``(layer, ubatch) -> received routes``.
 
@@ -160,7 +182,7 @@ def count_receives(layers: Sequence[FusedMoE]) -> dict[tuple[int, int], int]:
             log[key] = received_routes(tokens)
             return apply(tokens, w13, w2, extras)
 
-        experts.apply = counting
+        shadow_method(experts, "apply", counting)
     return log
 
 
@@ -212,11 +234,11 @@ def run_ep(weights: StackWeights, inputs: list[torch.Tensor], backend: str, expe
                                      ep_groups=groups, max_dispatch_tokens_per_rank=capacity,
                                      emulate_link=emulate_link)
         model = MoEStack(weights, parallel)
-        received = count_receives(model.layers)
+        received = count_receives(model.moe_layers)
         x = inputs[rank]
         dp = None if dp_bound is None else DPMetadata((dp_bound,), step_token_bound=dp_bound)
         res: dict[str, Any] = {"dbo": dbo, "received": received,
-                               "per_layer": model.layers[0].kernel.prepare_finalize.dbo_yields_per_layer}
+                               "per_layer": model.moe_layers[0].kernel.prepare_finalize.dbo_yields_per_layer}
         if not dbo:
             with set_forward_context(dp_metadata=dp):
                 res.update(out=model(x), yields=[])

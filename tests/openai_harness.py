@@ -7,16 +7,16 @@ import asyncio
 import json
 import socket
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 import httpx
 import openai
 
+from fake_engine_client import FakeEngineClient
 from runner.entrypoints.openai.api_server import bind_socket, build_app, serve_app
 from runner.entrypoints.openai.limits import ServerLimits
 from runner.entrypoints.openai.metrics import ServerMetrics
-from tests.fake_engine_client import FakeEngineClient
 
 MODEL = "fake-model"
 TIMEOUT_S = 30.0
@@ -75,7 +75,7 @@ class ServerThread:
         assert self.error is None, self.error
         return self
 
-    def on_loop(self, fn: Callable[[], Awaitable[_T]]) -> _T:
+    def on_loop(self, fn: Callable[[], Coroutine[Any, Any, _T]]) -> _T:
         """Run a coroutine function on the server's event loop and return its result."""
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(fn(), self._loop).result(TIMEOUT_S)

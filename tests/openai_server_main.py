@@ -10,10 +10,10 @@ import sys
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from fake_engine_client import FakeEngineClient
 from runner.entrypoints.openai.api_server import run_server
 from runner.entrypoints.openai.cli_args import add_server_args
 from runner.entrypoints.openai.metrics import ServerMetrics
-from tests.fake_engine_client import FakeEngineClient
 
 
 def add_echo_route(app: FastAPI) -> None:

@@ -37,7 +37,7 @@ def listening_inodes() -> dict[int, tuple[str, int]]:
 
 
 def socket_inodes(pid: int) -> set[int]:
-    inodes = set()
+    inodes: set[int] = set()
     try:
         fds = os.listdir(f"/proc/{pid}/fd")
     except OSError:  # the process is gone

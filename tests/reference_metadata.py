@@ -61,8 +61,8 @@ def reference_attention_metadata(context_lens: Sequence[int], query_lens: Sequen
     """
     if not (len(context_lens) == len(query_lens) == len(block_lists)):
         raise ValueError("context_lens, query_lens and block_lists must have one entry per request")
-    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    for i, (s, blocks) in enumerate(zip(seq_lens, block_lists)):
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens, strict=True)]
+    for i, (s, blocks) in enumerate(zip(seq_lens, block_lists, strict=True)):
         if blocks_needed(s, block_size) > len(blocks):
             raise ValueError(f"request {i} needs {blocks_needed(s, block_size)} blocks for {s} tokens, "
                              f"has {len(blocks)}")
@@ -76,7 +76,7 @@ def reference_attention_metadata(context_lens: Sequence[int], query_lens: Sequen
     positions = torch.zeros(num_tokens, dtype=torch.int64)
     if num_actual:
         positions[:num_actual] = torch.cat(
-            [torch.arange(c, c + q, dtype=torch.int64) for c, q in zip(context_lens, query_lens)])
+            [torch.arange(c, c + q, dtype=torch.int64) for c, q in zip(context_lens, query_lens, strict=True)])
     qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
     seq_cpu = torch.tensor(seq_lens, dtype=torch.int32)
     block_table = make_block_table(block_lists, max_blocks)

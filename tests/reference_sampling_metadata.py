@@ -95,6 +95,7 @@ def reference_sampling_metadata(rows: Sequence[SamplingRow], vocab_size: int, de
                 p_idx.append(j)
                 p_floor.append(floor)
         if p.min_tokens and r.output_index < p.min_tokens:
+            assert p.stop_token_ids is not None  # SamplingParams made it a list
             stops = sorted(t for t in eos | p.all_stop_token_ids | set(p.stop_token_ids) if t < vocab_size)
             stop_rows += [i] * len(stops)
             stop_toks += stops

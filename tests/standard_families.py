@@ -7,9 +7,12 @@ bias or a norm that our model dropped or misplaced changes the logits.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 COMMON = dict(vocab_size=256, hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
               initializer_range=0.1, max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=None,
@@ -44,7 +47,7 @@ DENSE_FAMILIES = ("llama", "llama-rope3", "qwen2", "qwen3")
 MOE_LAYERS = {"mixtral": 3, "qwen2_moe": 2, "olmoe": 3}
 
 
-def make_hf(family: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+def make_hf(family: str, seed: int = 0, **overrides: Any) -> PreTrainedModel:
     import transformers
 
     cfg_name, model_name, kwargs = FAMILIES[family]

@@ -9,17 +9,20 @@ element (2 ulps of bf16 at that magnitude).
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
-from moe_harness import StackWeights, current_row_start, halves
+from moe_harness import StackWeights, current_row_start, fused_layers, halves
 from standins import deep_ep as standin_deep_ep
 from ubatch import UBatchConfig, UBatchWrapper, set_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.layer import FusedMoE
+from ubatch.modular_moe.prepare_finalize.deepep import DeepEPHighThroughput, DeepEPLowLatency
+from ubatch.modular_moe.prepare_finalize.deepep_v2 import DeepEPV2
 from ubatch.modular_moe.runtime import MoERuntime
 from ubatch.sbo import SBO_OFF, SboFlags
 from ubatch.testing.thread_ranks import run_thread_ranks
@@ -66,7 +69,7 @@ class StandinStack(torch.nn.Module):
         self.weights, self.rank = weights, parallel.ep_rank
         self.runtime = MoERuntime(parallel, deep_ep_module=standin_deep_ep)
         self.layers = torch.nn.ModuleList()
-        for i, (w13, w2) in enumerate(zip(weights.w13, weights.w2)):
+        for i, (w13, w2) in enumerate(zip(weights.w13, weights.w2, strict=True)):
             layer = FusedMoE(EXPERTS, weights.top_k, HIDDEN, INTER, runtime=self.runtime, params_dtype=torch.bfloat16,
                              shared_experts=LinearShared(100 + i) if shared else None)
             layer.load_fused_experts(w13, w2)
@@ -80,9 +83,26 @@ class StandinStack(torch.nn.Module):
             x = x + layer(x, self.weights.router_logits(i, x, self.rank, start))
         return x
 
+    @property
+    def moe_layers(self) -> list[FusedMoE]:
+        """``layers`` as their type (a ``ModuleList`` indexes as ``Module``)."""
+        return fused_layers(self.layers)
+
+    def deepep(self) -> DeepEPLowLatency | DeepEPHighThroughput | DeepEPV2:
+        """The DeepEP adapter the layers share (one backend instance per shape)."""
+        pf = self.moe_layers[0].kernel.prepare_finalize
+        assert isinstance(pf, (DeepEPLowLatency, DeepEPHighThroughput, DeepEPV2)), f"not DeepEP: {type(pf).__name__}"
+        return pf
+
+    def deepep_v2(self) -> DeepEPV2:
+        """The DeepEP V2 adapter the layers share (``all2all_backend="deepep_v2"``)."""
+        pf = self.deepep()
+        assert isinstance(pf, DeepEPV2), f"not DeepEP V2: {type(pf).__name__}"
+        return pf
+
     def buffer(self) -> Any:
         """The stand-in ``deep_ep.Buffer`` the layers share (one backend instance per shape)."""
-        return self.layers[0].kernel.prepare_finalize.buffer
+        return self.deepep().buffer
 
 
 def run_standin_ep(weights: StackWeights, inputs: Sequence[torch.Tensor], backend: str, dbo: bool,
@@ -101,7 +121,7 @@ def run_standin_ep(weights: StackWeights, inputs: Sequence[torch.Tensor], backen
         if prepare is not None:
             prepare(model)
         x = inputs[rank]
-        res: dict[str, Any] = {"per_layer": model.layers[0].kernel.prepare_finalize.dbo_yields_per_layer}
+        res: dict[str, Any] = {"per_layer": model.moe_layers[0].kernel.prepare_finalize.dbo_yields_per_layer}
         if not dbo:
             with set_forward_context():
                 res.update(out=model(x), yields=[])
@@ -125,7 +145,7 @@ def _slices(num_tokens: int, n: int) -> list[Any]:
     from ubatch import UBatchSlice
 
     bounds = [num_tokens * i // n for i in range(n + 1)]
-    return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in zip(bounds, bounds[1:])]
+    return [UBatchSlice(slice(a, b), slice(a, b)) for a, b in itertools.pairwise(bounds)]
 
 
 def assert_bf16_close(out: torch.Tensor, ref: torch.Tensor, what: str) -> None:

@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 #: Units of the dtype's epsilon two reduction orders of one float32 step may differ by (relative and absolute);
@@ -43,3 +45,8 @@ def assert_steps_close(actual: torch.Tensor, expected: torch.Tensor, what: str =
         return f"{what}: {m}" if what else m
 
     torch.testing.assert_close(actual, expected, rtol=tol, atol=tol, msg=msg)
+
+
+def prefixed(where: str) -> Callable[[str], str]:
+    """``torch.testing.assert_close``'s ``msg``: its own message, prefixed with ``where`` the comparison ran."""
+    return lambda message: f"{where}: {message}"

@@ -129,7 +129,7 @@ class SyncCounter:
         saved = {name: torch.Tensor.__dict__.get(name) for name in _HOST_METHODS}
         originals = {name: getattr(torch.Tensor, name) for name in _HOST_METHODS}
         own_forward = model.__dict__.get("forward")
-        model.forward = forward  # type: ignore[method-assign]
+        model.forward = forward
         for name in _HOST_METHODS:
             setattr(torch.Tensor, name, host_method(name, originals[name]))
         try:
@@ -138,7 +138,7 @@ class SyncCounter:
             if own_forward is None:
                 del model.forward
             else:
-                model.forward = own_forward  # type: ignore[method-assign]
+                model.forward = own_forward
             for name, value in saved.items():
                 if value is None:
                     delattr(torch.Tensor, name)

@@ -71,7 +71,9 @@ def build_model(vocab_size: int, eos: int, bos: int, pad: int) -> Any:
     import transformers
 
     torch.manual_seed(SEED)
-    cfg = transformers.Qwen3MoeConfig(
+    # transformers types the config's __init__ without head_dim and the rope_theta / attn_implementation keywords
+    # it still takes (and stores)
+    cfg = transformers.Qwen3MoeConfig(  # type: ignore[call-arg]
         vocab_size=vocab_size, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
         norm_topk_prob=True, initializer_range=0.1, rope_theta=10000.0, max_position_embeddings=512,

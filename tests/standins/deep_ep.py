@@ -50,6 +50,17 @@ def _check_topk_idx(topk_idx: torch.Tensor, where: str) -> None:
              f"{where}: topk_idx.scalar_type() == topk_idx_t (torch.int64), got {topk_idx.dtype}")
 
 
+def cpu_stream(s: streams.Stream) -> streams.NullStream:
+    """``s`` as the CPU stream it is: the stand-ins run on CPU tensors, whose streams are ``NullStream``."""
+    assert isinstance(s, streams.NullStream), f"the DeepEP stand-ins run on CPU streams, not {s!r}"
+    return s
+
+
+def current_cpu_stream() -> streams.NullStream:
+    """This thread's current CPU stream."""
+    return cpu_stream(streams.current_stream("cpu"))
+
+
 class Config:
     """``deep_ep.Config``: SMs and chunk sizes of the high-throughput kernels."""
 
@@ -72,7 +83,7 @@ class EventHandle:
 
     def __init__(self, stream: streams.Stream | None = None) -> None:
         self.event = streams.new_event("cpu")
-        streams.record(self.event, stream if stream is not None else streams.current_stream("cpu"))
+        streams.record(self.event, stream if stream is not None else current_cpu_stream())
 
     def current_stream_wait(self) -> None:
         streams.wait(self.event)
@@ -109,6 +120,7 @@ class Handle(tuple):
     kind: str
     ubatch: int
     call: int
+    topk_idx: torch.Tensor  # low-latency dispatch handles only (passed as ``extra``)
 
     def __new__(cls, items: Sequence[Any], kind: str, call: int, **extra: Any) -> Handle:
         obj = super().__new__(cls, items)
@@ -208,7 +220,7 @@ class Buffer:
             assert num_qps_per_rank > 0
             self.nvshmem_qp_depth = int(os.environ.get("NVSHMEM_QP_DEPTH", "1024"))
         self.num_qps_per_rank = num_qps_per_rank
-        self._comm = streams.new_stream("cpu", name=f"deep_ep-comm(rank {self.rank})")
+        self._comm = cpu_stream(streams.new_stream("cpu", name=f"deep_ep-comm(rank {self.rank})"))
         self._calls = 0
         self._ll_idx = 0
         self._ll_slots = (_LLSlot(), _LLSlot())
@@ -255,7 +267,7 @@ class Buffer:
         either an event is recorded on it (``async_finish``) or the current stream waits for it."""
         if allocate_on_comm_stream:
             _require(previous_event is not None and async_finish, "previous_event.has_value() and async")
-        compute = streams.current_stream("cpu")
+        compute = current_cpu_stream()
         handle = getattr(previous_event, "event", None)
         if handle is not None:
             streams.wait(handle.event, self._comm)
@@ -311,7 +323,7 @@ class Buffer:
         r, me = self.group_size, self.rank
         _require(config.num_sms % 2 == 0, "config.num_sms % 2 == 0")
         cached = handle is not None
-        if cached:
+        if handle is not None:
             assert topk_idx is None and topk_weights is None
             _check_same_ubatch(handle, "dispatch")
             (rank_prefix_matrix, channel_prefix_matrix, recv_channel_prefix_matrix, recv_src_idx, is_token_in_rank,
@@ -502,7 +514,7 @@ class Buffer:
             recv_phase()
             if async_finish:
                 return EventHandle(launch_stream), None
-            streams.current_stream("cpu").wait_stream(launch_stream)
+            current_cpu_stream().wait_stream(launch_stream)
             return None, None
         self._ll_pending = call
 
@@ -552,7 +564,7 @@ class Buffer:
         if use_ue8m0:
             _require(round_scale, "round_scale (UE8M0 SF requires `round_scale=True`)")
         call, slot = self._ll_begin("low_latency_dispatch")
-        compute = streams.current_stream("cpu")
+        compute = current_cpu_stream()
         launch_stream = compute if return_recv_hook else self._comm
         if not return_recv_hook:
             launch_stream.wait_stream(compute)
@@ -645,7 +657,7 @@ class Buffer:
             _require(out.dim() == 2 and out.is_contiguous() and tuple(out.shape) == (num_tokens, x.shape[2])
                      and out.dtype == x.dtype, "out is contiguous [num_combined_tokens, hidden] of x's dtype")
         call, slot = self._ll_begin("low_latency_combine")
-        compute = streams.current_stream("cpu")
+        compute = current_cpu_stream()
         launch_stream = compute if return_recv_hook else self._comm
         if not return_recv_hook:
             launch_stream.wait_stream(compute)

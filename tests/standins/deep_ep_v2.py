@@ -37,14 +37,14 @@ class EventOverlap(v1.EventOverlap):
         self.hook_after_wait = hook_after_wait
 
 
-_COMM_STREAMS: dict[tuple[int, int], streams.Stream] = {}
+_COMM_STREAMS: dict[tuple[int, int], streams.NullStream] = {}
 
 
-def _global_comm_stream(rank: int, world: int) -> streams.Stream:
+def _global_comm_stream(rank: int, world: int) -> streams.NullStream:
     """One comm stream per rank, shared by all of its buffers, as DeepEP's static ``get_global_comm_stream``."""
     key = (rank, world)
     if key not in _COMM_STREAMS:
-        _COMM_STREAMS[key] = streams.new_stream("cpu", name=f"deep_ep-v2-comm(rank {rank})")
+        _COMM_STREAMS[key] = v1.cpu_stream(streams.new_stream("cpu", name=f"deep_ep-v2-comm(rank {rank})"))
     return _COMM_STREAMS[key]
 
 
@@ -160,11 +160,11 @@ class ElasticBuffer:
         return min(num_qps, self.num_allocated_qps)
 
     # ---- stream rules (``stream_control_prologue`` / ``stream_control_epilogue``) -----------------------
-    def _prologue(self, previous_event: EventHandle | None, allocate_on_comm_stream: bool) -> streams.Stream:
+    def _prologue(self, previous_event: EventHandle | None, allocate_on_comm_stream: bool) -> streams.NullStream:
         if previous_event is not None and not isinstance(previous_event, EventHandle):
             raise TypeError(f"previous_event must be a deep_ep EventHandle (ElasticBuffer.capture()), got "
                             f"{type(previous_event).__name__}: V2 takes the bare event, not an EventOverlap")
-        compute = streams.current_stream("cpu")
+        compute = v1.current_cpu_stream()
         if previous_event is not None:
             _require(allocate_on_comm_stream, "allocate_on_comm_stream (previous_event.has_value())")
             streams.wait(previous_event.event, self._comm)
@@ -173,7 +173,7 @@ class ElasticBuffer:
             self._comm.wait_stream(compute)
         return compute
 
-    def _epilogue(self, compute: streams.Stream, async_with_compute_stream: bool,
+    def _epilogue(self, compute: streams.NullStream, async_with_compute_stream: bool,
                   tensors: tuple) -> EventOverlap:
         if async_with_compute_stream:
             return EventOverlap(EventHandle(self._comm), tensors)
