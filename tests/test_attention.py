@@ -46,10 +46,11 @@ class PagedSeqs:
         """Write this step's KV, attend, return per-request outputs (and check padding rows are zero)."""
         meta = build_attention_metadata(ctx, qlen, [self.blocks[r] for r in reqs], BLOCK,
                                         num_padded_tokens=sum(qlen) + pad)
-        sl = [slice(c, c + n) for c, n in zip(ctx, qlen)]
-        q = torch.cat([self.q[r][s] for r, s in zip(reqs, sl)] + [torch.zeros(pad, *self.q[0].shape[1:])])
-        k = torch.cat([self.k[r][s] for r, s in zip(reqs, sl)] + [torch.full((pad, *self.k[0].shape[1:]), 9.0)])
-        v = torch.cat([self.v[r][s] for r, s in zip(reqs, sl)] + [torch.full((pad, *self.v[0].shape[1:]), 9.0)])
+        sl = [slice(c, c + n) for c, n in zip(ctx, qlen, strict=True)]
+        parts = list(zip(reqs, sl, strict=True))
+        q = torch.cat([self.q[r][s] for r, s in parts] + [torch.zeros(pad, *self.q[0].shape[1:])])
+        k = torch.cat([self.k[r][s] for r, s in parts] + [torch.full((pad, *self.k[0].shape[1:]), 9.0)])
+        v = torch.cat([self.v[r][s] for r, s in parts] + [torch.full((pad, *self.v[0].shape[1:]), 9.0)])
         write_kv(self.cache, meta.slot_mapping, k, v)
         out = paged_attention(q, self.cache, meta, self.scale)
         if pad:
@@ -69,7 +70,7 @@ def test_mixed_prefill_decode_chunked(hq: int, hkv: int) -> None:
     s.step([1, 2, 3, 4], [0, 0, 0, 0], [12, 3, 3, 8])
     # Step 2 mixes: 0 full prefill, 1 decode, 2 chunked continuation, 3 and 4 decodes, plus padding.
     outs = s.step([0, 1, 2, 3, 4], [0, 12, 3, 3, 8], [7, 1, 8, 1, 1], pad=3)
-    for r, (c, n), out in zip([0, 1, 2, 3, 4], [(0, 7), (12, 1), (3, 8), (3, 1), (8, 1)], outs):
+    for r, (c, n), out in zip([0, 1, 2, 3, 4], [(0, 7), (12, 1), (3, 8), (3, 1), (8, 1)], outs, strict=True):
         torch.testing.assert_close(out, s.reference(r, c, c + n), atol=2e-5, rtol=1e-5)
 
 
@@ -113,8 +114,8 @@ def test_mla_absorbed_matches_expanded_attention() -> None:
         return torch.cat([torch.cat((latent[i][s], k_rope[i][s]), -1) for i, s in enumerate(sl)])
 
     write_kv(cache, pre.slot_mapping, entries([slice(0, c) for c in ctx]))
-    meta = build_attention_metadata(ctx, [n - c for n, c in zip(lens, ctx)], blocks, BLOCK)
-    sl = [slice(c, n) for c, n in zip(ctx, lens)]
+    meta = build_attention_metadata(ctx, [n - c for n, c in zip(lens, ctx, strict=True)], blocks, BLOCK)
+    sl = [slice(c, n) for c, n in zip(ctx, lens, strict=True)]
     write_kv(cache, meta.slot_mapping, entries(sl))
     w = w_kv_b.view(h, dn + dv, lat)
     scale = (dn + dr) ** -0.5

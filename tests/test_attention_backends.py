@@ -81,7 +81,7 @@ class Batch:
         self.ref_cache = torch.randn(NUM_BLOCKS + 1, BS, *shape, generator=g)
         self.cache = torch.full_like(self.ref_cache, float("nan"))
         flat_ref, flat = self.ref_cache.view(-1, *shape), self.cache.view(-1, *shape)
-        for b, c in zip(self.blocks, self.ctx):  # the context the earlier steps wrote
+        for b, c in zip(self.blocks, self.ctx, strict=True):  # the context the earlier steps wrote
             for pos in range(c):
                 slot = b[pos // BS] * BS + pos % BS
                 flat[slot] = flat_ref[slot]
@@ -154,7 +154,7 @@ def test_backend_over_ubatches_with_a_cut_request(name: str, mla: bool) -> None:
     assert slices[0].request_slice.stop - 1 == slices[1].request_slice.start == 1  # request 1 is in both
     metas = [backend.build_metadata(m) for m in split_attn_metadata(slices, batch.common)]
     assert metas[0].decode is not None and metas[0].decode.token_index is not None  # the cut part: 1 token
-    outs = [batch.run(m, s.token_slice, batch.cache) for m, s in zip(metas, slices)]
+    outs = [batch.run(m, s.token_slice, batch.cache) for m, s in zip(metas, slices, strict=True)]
     check(batch, torch.cat(outs), ref)
 
 
@@ -199,7 +199,8 @@ def test_query_rows_must_match_the_metadata() -> None:
     batch = Batch([3, 4], [1, 1], 2, mla=False)
     meta = TorchAttentionBackend().build_metadata(batch.common)
     with pytest.raises(ValueError, match="3 query rows for metadata of 2 tokens"):
-        TorchAttentionBackend().attend(torch.zeros(3, 4, 8), *batch.cache.unbind(2), meta, 0.3)
+        k_cache, v_cache = batch.cache.unbind(2)
+        TorchAttentionBackend().attend(torch.zeros(3, 4, 8), k_cache, v_cache, meta, 0.3)
 
 
 def test_reference_module_is_still_importable_from_the_package() -> None:
@@ -263,11 +264,11 @@ def test_engine_tokens_equal_with_torch_and_triton_attention() -> None:
                   dbo_prefill_token_threshold=4, dbo_cost_model="off", max_num_batched_tokens=8, max_num_seqs=3,
                   block_size=4, max_model_len=32, experts_backend="grouped_mm", device="cpu")
         try:
-            assert llm.runner.attention_backend.name == name
+            assert llm.model_runner.attention_backend.name == name
             greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
             outs = llm.generate(prompts, greedy, use_tqdm=False)
             tokens[name] = [o.outputs[0].token_ids for o in outs]
-            assert llm.last_stats.num_ubatched_steps > 0
+            assert llm.last_stats is not None and llm.last_stats.num_ubatched_steps > 0
         finally:
             llm.close()
     assert tokens["torch"] == tokens["triton"] and all(len(t) == 4 for t in tokens["torch"])

@@ -92,7 +92,7 @@ def test_reference_equals_the_definition(options: str) -> None:
     out = batch.reference()
     flat = batch.ref_cache.view(-1, 2, 2, 8)  # written by the reference run: context and this step's keys
     start = 0
-    for blocks, c, n in zip(batch.blocks, ctx, qlen):
+    for blocks, c, n in zip(batch.blocks, ctx, qlen, strict=True):
         pos = torch.arange(c + n)
         kv = flat[torch.tensor(blocks)[pos // BS] * BS + pos % BS]
         want = dense(batch.q[start:start + n], kv[:, 0], kv[:, 1], list(range(c, c + n)), batch.options)
@@ -121,7 +121,7 @@ def test_backend_over_ubatches_with_a_cut_request(name: str) -> None:
     backend = BACKENDS[name]()
     slices = padded_ubatch_slices(qlen, padded, 2)
     metas = [backend.build_metadata(m) for m in split_attn_metadata(slices, batch.common)]
-    check(batch, torch.cat([batch.run(m, s.token_slice, batch.cache) for m, s in zip(metas, slices)]), ref)
+    check(batch, torch.cat([batch.run(m, s.token_slice, batch.cache) for m, s in zip(metas, slices, strict=True)]), ref)
 
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)

@@ -11,7 +11,9 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from safetensors.torch import load_file, save_file
@@ -43,7 +45,10 @@ def cli_error(argv: list[str], capsys: pytest.CaptureFixture) -> str:
     return line.removesuffix(f" (see: {args.subparser.prog} --help)")  # the pointer every CLI error ends with
 
 
-def edit_config(model_dir: Path, edit) -> None:  # type: ignore[no-untyped-def]
+ConfigEdit = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def edit_config(model_dir: Path, edit: ConfigEdit) -> None:
     config = json.loads((model_dir / "config.json").read_text())
     (model_dir / "config.json").write_text(json.dumps(edit(config)))
 
@@ -60,7 +65,7 @@ def edit_config(model_dir: Path, edit) -> None:  # type: ignore[no-untyped-def]
     (lambda c: {**c, "vocab_size": "512"}, "'vocab_size' must be a positive integer, got '512'"),
     (lambda c: {**c, "architectures": "Qwen3MoeForCausalLM"}, "'architectures' must be a list of model class names"),
 ], ids=["unknown-architecture", "list", "no-vocab-size", "vocab-size-string", "architectures-string"])
-def test_bad_config_names_the_file(model_dir: Path, edit, problem: str,  # type: ignore[no-untyped-def]
+def test_bad_config_names_the_file(model_dir: Path, edit: ConfigEdit, problem: str,
                                    capsys: pytest.CaptureFixture) -> None:
     edit_config(model_dir, edit)
     where = f"{model_dir / 'config.json'}: "
@@ -105,7 +110,7 @@ def test_corrupt_cached_builtin_model_says_which_entry_to_delete(tmp_path: Path,
     assert cli_error(["generate", "--cache-dir", str(cache)], capsys).endswith(hint)
     shutil.rmtree(entry)  # what the hint says to do: the entry is written again, identical
     again, _ = load_model("tiny-qwen3-moe", cache_dir=cache)
-    assert all((a == b).all() for a, b in zip(good.state_dict().values(), again.state_dict().values()))
+    assert all((a == b).all() for a, b in zip(good.state_dict().values(), again.state_dict().values(), strict=True))
 
 
 def test_missing_tensor_names_the_checkpoint(model_dir: Path, monkeypatch: pytest.MonkeyPatch,

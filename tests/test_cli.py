@@ -1,6 +1,7 @@
 """CLI: flag parsing and validation (exit 2 naming the flag), prompt files, one real single-process run."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -269,8 +270,9 @@ def test_help_states_the_real_max_model_len_default(capsys: pytest.CaptureFixtur
 
 def test_every_flag_has_help_showing_its_default() -> None:
     parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for sub in ("generate", "bench"):
-        sp = parser._subparsers._group_actions[0].choices[sub]
+        sp = subparsers.choices[sub]
         for action in sp._actions:
             if action.dest in ("help", "subparser"):
                 continue

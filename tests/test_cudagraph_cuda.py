@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import gc
 import os
+from typing import Any
 
 import pytest
 import torch
 
 import runner.worker.cuda_graphs as manager
 from cudagraph import GraphKey, Why, token_split
+from step_numerics import prefixed
 from test_cudagraph_dispatch import (
     REPLAY_SIZES,
     DecodeBatches,
@@ -35,8 +37,8 @@ pytestmark = [pytest.mark.cuda, pytest.mark.triton_compiled,  # Triton compiled 
                                  reason="torch's CUDA sanitizer models captured launches as executed (module doc)")]
 
 LINK = "latency_us=20,gbps=100"
-GPU = dict(experts_backend="triton", dtype="float32", max_num_seqs=16, dbo_decode_token_threshold=4, max_model_len=128,
-           block_size=16, num_kv_blocks=16 * 8)
+GPU: dict[str, Any] = dict(experts_backend="triton", dtype="float32", max_num_seqs=16, dbo_decode_token_threshold=4,
+                           max_model_len=128, block_size=16, num_kv_blocks=16 * 8)
 
 
 def captured(link: str | None, dbo: bool = True, executor: str = "greenlet", cost_model: str = "off"):
@@ -178,7 +180,7 @@ def test_torch_ll_over_nccl_is_capturable_with_and_without_dbo() -> None:
             graph.replay()
             with set_forward_context():
                 ref = layer(x, logits)
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4, msg=lambda m, fn=fn: f"{fn.__name__}: {m}")
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-4, msg=prefixed(fn.__name__))
         wrapper.close()
     finally:
         dist.destroy_process_group()

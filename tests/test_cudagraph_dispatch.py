@@ -37,12 +37,13 @@ from cudagraph import (
     token_split,
 )
 from cudagraph.backends import EagerReplayBackend, GraphBackend, deepep_ll_counter
+from moe_harness import shadow_method
 from runner import attention as eager_attention
 from runner.attention import graph as ga
 from runner.attention.kv_cache import build_attention_metadata
 from runner.config import RunnerConfig
 from runner.distributed.dp import local_decision
-from step_numerics import assert_bit_equal, assert_steps_close
+from step_numerics import assert_bit_equal, assert_steps_close, prefixed
 from ubatch.context import UBatchContext
 from ubatch.forward_context import set_forward_context
 from ubatch.log_once import forget_logged
@@ -111,6 +112,7 @@ def test_token_split_matches_the_runner_slicing(n: int, u: int, split: tuple[int
     assert token_split(n, u) == split
     real = max(1, n - 1)
     _, padded = maybe_create_ubatch_slices(True, [1] * real, n, real, u)
+    assert padded is not None
     assert tuple(s.num_tokens for s in padded) == split
 
 
@@ -206,9 +208,13 @@ def test_deepep_ll_counter_counts_and_restores() -> None:
         def low_latency_combine(self, x: int) -> int:
             return x - 1
 
+    class Layer(torch.nn.Module):  # what the counter looks for: a module whose kernel has a prepare_finalize
+        def __init__(self) -> None:
+            super().__init__()
+            self.kernel = SimpleNamespace(prepare_finalize=pf)
+
     pf = SimpleNamespace(name="deepep_low_latency", buffer=Buffer(), handles=[None, None])
-    layer = torch.nn.Module()
-    layer.kernel = SimpleNamespace(prepare_finalize=pf)
+    layer = Layer()
     model = torch.nn.Sequential(layer, torch.nn.Linear(2, 2))
     with deepep_ll_counter(model) as ll:
         assert pf.buffer.low_latency_dispatch(1) == 2 and pf.buffer.low_latency_combine(1) == 0
@@ -237,8 +243,8 @@ def test_graph_attention_equals_eager_on_real_rows_and_is_finite_on_padding() ->
     out = ga.graph_paged_attention(q, cache, buffers.views(8)[0], 0.3)
     torch.testing.assert_close(out[:5], ref[:5], rtol=1e-5, atol=1e-6)
     assert torch.isfinite(out).all()
-    halves = [ga.graph_paged_attention(q[a:b], cache, m, 0.3) for (a, b), m in zip([(0, 4), (4, 8)],
-                                                                                   buffers.views(8, (4, 4)))]
+    halves = [ga.graph_paged_attention(q[a:b], cache, m, 0.3)
+              for (a, b), m in zip([(0, 4), (4, 8)], buffers.views(8, (4, 4)), strict=True)]
     torch.testing.assert_close(torch.cat(halves), out, rtol=0, atol=0)
 
 
@@ -299,7 +305,7 @@ def make_runner(executor: str = "greenlet", **overrides):
     from runner.worker.model_runner import ModelRunner
 
     # the thresholds alone by default (one graph per size); tests of the cost model's plan pass "measured"
-    cfg = dict(dtype="float32", experts_backend="torch", enable_dbo=True, dbo_decode_token_threshold=4,
+    cfg: dict[str, Any] = dict(dtype="float32", experts_backend="torch", enable_dbo=True, dbo_decode_token_threshold=4,
                max_num_seqs=16, max_model_len=64, max_num_batched_tokens=64, block_size=4, num_kv_blocks=16 * 16,
                dbo_cost_model="off")
     cfg.update(overrides)
@@ -366,6 +372,7 @@ def test_replay_plumbing_matches_eager_with_and_without_dbo(qwen_runner, caplog)
     gr = manager.make_graph_runner(runner, sizes=[1, 2, 4, 8, 12], backend=EagerReplayBackend(), num_warmups=1,
                                    progress=False)
     calls = {"graph": 0}
+    assert isinstance(gr.buffers, ga.DecodeMetadataBuffers)
     backend = gr.buffers.backend
     original = backend.attend
 
@@ -373,7 +380,7 @@ def test_replay_plumbing_matches_eager_with_and_without_dbo(qwen_runner, caplog)
         calls["graph"] += isinstance(meta, ga.GraphDecodeMetadata)
         return original(q, k_cache, v_cache, meta, scale, options)
 
-    backend.attend = counting
+    shadow_method(backend, "attend", counting)
     try:
         with caplog.at_level(logging.INFO, logger="ubatch.cudagraph"):
             report = gr.capture()
@@ -476,8 +483,7 @@ def check_both_kinds_replay(runner, batches: DecodeBatches, gr, sizes: Sequence[
             assert len(counter.replayed) == replays + 1, f"{n} tokens, ubatch={ubatch}: ran eager"
             key = key_of[id(counter.replayed[-1])]
             assert (key.num_tokens, key.ubatched) == (padded, ubatch), (n, ubatch, key)
-            torch.testing.assert_close(out, ref, rtol=tol, atol=tol,
-                                       msg=lambda m, n=n, ubatch=ubatch: f"{n} tokens, {ubatch}: {m}")
+            torch.testing.assert_close(out, ref, rtol=tol, atol=tol, msg=prefixed(f"{n} tokens, {ubatch}"))
     assert set(gr.stats) == {Why.REPLAY}, dict(gr.stats)
 
 
@@ -582,6 +588,7 @@ def test_eager_dbo_handoffs_are_countable(qwen_runner, monkeypatch: pytest.Monke
 def test_null_block_is_reserved_past_the_scheduler_range(qwen_runner) -> None:
     runner, _ = qwen_runner
     gr = manager.make_graph_runner(runner, sizes=[4], backend=EagerReplayBackend(), num_warmups=0, progress=False)
+    assert isinstance(gr.buffers, ga.DecodeMetadataBuffers)
     assert gr.buffers.null_block == runner.num_kv_blocks  # the block the runner allocates past the scheduler's
     assert all(m.kv_cache.shape[0] == runner.num_kv_blocks + 1
                for m in runner.model.modules() if isinstance(getattr(m, "kv_cache", None), torch.Tensor))

@@ -14,6 +14,7 @@ import pytest
 from cudagraph import GraphKey
 from cudagraph.backends import EagerReplayBackend
 from runner.config import RunnerConfig
+from runner.core.runner_output import ModelRunnerOutput
 from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker.cuda_graphs import make_graph_runner
@@ -79,16 +80,20 @@ def chunk(i: int, tokens: list[int], computed: int) -> ScheduledChunk:
                           SamplingParams(), 0, slot=i)
 
 
-def run_decodes(runner: ModelRunner, steps: int) -> list[list[int | None]]:
-    """A prefill of every request (eager: a mixed batch), then ``steps`` greedy decode steps of all of them."""
-    out = runner.step(SchedulerOutput([chunk(i, [3 + i] * PROMPT, 0) for i in range(NUM_REQS)]))
+def sampled(out: ModelRunnerOutput | None) -> list[int]:
+    """What every request of a step sampled (each of them samples in these steps)."""
     assert out is not None
-    last = out.sampled_token_ids
+    ids = [t for t in out.sampled_token_ids if t is not None]
+    assert len(ids) == len(out.sampled_token_ids), f"a request sampled nothing: {out.sampled_token_ids}"
+    return ids
+
+
+def run_decodes(runner: ModelRunner, steps: int) -> list[list[int]]:
+    """A prefill of every request (eager: a mixed batch), then ``steps`` greedy decode steps of all of them."""
+    last = sampled(runner.step(SchedulerOutput([chunk(i, [3 + i] * PROMPT, 0) for i in range(NUM_REQS)])))
     tokens = [last]
     for s in range(steps):
-        out = runner.step(SchedulerOutput([chunk(i, [int(last[i])], PROMPT + s) for i in range(NUM_REQS)]))
-        assert out is not None
-        last = out.sampled_token_ids
+        last = sampled(runner.step(SchedulerOutput([chunk(i, [last[i]], PROMPT + s) for i in range(NUM_REQS)])))
         tokens.append(last)
     return tokens
 
@@ -119,6 +124,7 @@ def test_every_decode_step_replays_and_the_faster_graph_is_kept(dbo_replayed: fl
         prefill, *decodes = timer.steps
         assert prefill.execution is Execution.EAGER and prefill.is_prefill
         assert all(s.execution is Execution.REPLAYED for s in decodes)
+        assert runner.cost_model is not None
         [decision] = [d for d in runner.cost_model.decisions() if not d.is_prefill]
         assert decision.execution is Execution.REPLAYED and decision.dbo_on is (dbo_replayed < 2.5e-3)
         assert decision.ratio == pytest.approx(2.5e-3 / dbo_replayed)
@@ -152,7 +158,9 @@ def test_the_run_summary_says_what_the_cost_model_decided() -> None:
         llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
         stats = llm.last_stats
         assert stats is not None and stats.dbo_decisions
-        assert stats.dbo_decisions == [d.describe() for d in llm.runner.cost_model.decisions()]
+        cost_model = llm.model_runner.cost_model
+        assert cost_model is not None
+        assert stats.dbo_decisions == [d.describe() for d in cost_model.decisions()]
         assert "DBO cost model: decode 4-7 tok eager: DBO o" in stats.summary()
     finally:
         llm.close()
@@ -197,6 +205,7 @@ def test_once_dbo_is_decided_off_its_steps_are_not_timed() -> None:
     finally:
         runner.close()
     every, every_timer, _ = runner_with_graphs(h200_times(4.4e-3))
+    assert every.cost_model is not None
     every.cost_model.model.needs_time = lambda *_: True  # type: ignore[method-assign]
     try:
         assert run_decodes(every, 12) == tokens

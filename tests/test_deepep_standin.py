@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from moe_harness import dense_reference
+from moe_harness import dense_reference, shadow_method
 from standin_harness import (
     CAPACITY,
     EXPERTS,
@@ -147,6 +147,7 @@ def test_an_ll_call_while_a_receive_hook_is_pending_raises() -> None:
         buf = ll_buffer(group)
         x, topk = routing(rank)
         _, _, _, _, hook = buf.low_latency_dispatch(x, topk, CAPACITY, EXPERTS, use_fp8=False, return_recv_hook=True)
+        assert hook is not None
         with pytest.raises(RuntimeError, match="receive hook of LL call #1 has not run"):
             buf.low_latency_dispatch(x, topk, CAPACITY, EXPERTS, use_fp8=False, return_recv_hook=True)
         hook()
@@ -161,9 +162,9 @@ def test_a_handle_reused_across_ubatches_raises(backend: str) -> None:
     """A buggy adapter that combines ubatch 1 with ubatch 0's handle: the stand-in refuses (DeepEP would
     combine the wrong rows without a word)."""
     def reuse_ubatch0_handle(model: StandinStack) -> None:
-        pf = model.layers[0].kernel.prepare_finalize
+        pf = model.deepep()
         finalize = pf.finalize_async
-        pf.finalize_async = lambda out, state: finalize(out, (*state[:-1], 0))
+        shadow_method(pf, "finalize_async", lambda out, state: finalize(out, (*state[:-1], 0)))
 
     with pytest.raises(RuntimeError, match="made by DBO ubatch 0, in ubatch 1"):
         run_standin_ep(bf16_weights(), bf16_inputs(2), backend, dbo=True, prepare=reuse_ubatch0_handle)
@@ -250,6 +251,7 @@ def test_cached_dispatch_and_weighted_combine_follow_the_handle() -> None:
         combined, summed_w, _ = buf.combine(recv_x, handle, topk_weights=recv_w)
         copies = in_rank.sum(dim=1, keepdim=True).to(torch.float32)  # ranks each token went to
         assert torch.equal(combined, (x.float() * copies).to(torch.bfloat16))
+        assert summed_w is not None
         assert torch.allclose(summed_w, weights)  # each rank kept the weights of its own experts only
 
     on_two_ranks(body)

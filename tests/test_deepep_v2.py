@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import standin_harness
-from moe_harness import dense_reference
+from moe_harness import dense_reference, shadow_method
 from standin_harness import (
     CAPACITY,
     EXPERTS,
@@ -66,9 +66,9 @@ def run_v2(inputs: list[torch.Tensor], dbo: bool, prefill: bool, steps: int = 1,
         parallel = MoEParallelConfig(ep_rank=rank, ep_size=world, all2all_backend="deepep_v2", ep_groups=groups,
                                      max_dispatch_tokens_per_rank=CAPACITY)
         model = StandinStack(weights, parallel)
-        pf = model.layers[0].kernel.prepare_finalize
+        pf = model.deepep_v2()
         pf.static_routing = static_routing
-        for layer in model.layers:
+        for layer in model.moe_layers:
             check_expert_inputs(layer.kernel.experts, EXPERTS // world)
         if prepare is not None:
             prepare(model)
@@ -155,7 +155,7 @@ def test_a_cached_handle_with_other_routing_fails_the_step() -> None:
         parallel = MoEParallelConfig(ep_rank=rank, ep_size=2, all2all_backend="deepep_v2", ep_groups=groups,
                                      max_dispatch_tokens_per_rank=CAPACITY)
         model = StandinStack(weights, parallel)
-        model.layers[0].kernel.prepare_finalize.static_routing = True
+        model.deepep_v2().static_routing = True
         with set_forward_context():
             model(first[rank])
         with pytest.raises(RuntimeError, match="routing differs from the cached handle"), set_forward_context():
@@ -169,7 +169,7 @@ def _drop_wait(direction: str) -> Callable[[StandinStack], None]:
     """Make the adapter's ``direction`` hook a no-op: the kernel still yields, but nothing waits for DeepEP's
     comm stream before the received tensors are read."""
     def prepare(model: StandinStack) -> None:
-        pf = model.layers[0].kernel.prepare_finalize
+        pf = model.deepep_v2()
         method = "prepare_async" if direction == "dispatch" else "finalize_async"
         original = getattr(pf, method)
 
@@ -177,13 +177,13 @@ def _drop_wait(direction: str) -> Callable[[StandinStack], None]:
             _hook, receiver = original(*args)
             return (lambda: None), receiver
 
-        setattr(pf, method, without_wait)
+        shadow_method(pf, method, without_wait)
     return prepare
 
 
 def _stale_previous_event(model: StandinStack) -> None:
     """``previous_event`` recorded on an unrelated stream: the comm stream no longer waits for the inputs."""
-    pf = model.layers[0].kernel.prepare_finalize
+    pf = model.deepep_v2()
     elsewhere = streams.new_stream("cpu", name="unrelated")
     pf.buffer.capture = lambda: standin.EventHandle(elsewhere)
 
@@ -202,7 +202,7 @@ def test_each_removed_wait_is_reported(removed: str, dbo: bool) -> None:
 # ---- the adapter's rules -------------------------------------------------------------------------------
 def test_a_handle_used_by_another_ubatch_raises() -> None:
     def hand_ubatch0_state_to_all(model: StandinStack) -> None:
-        pf = model.layers[0].kernel.prepare_finalize
+        pf = model.deepep_v2()
         states: dict[int, Any] = {}
         finalize = pf.finalize_async
 
@@ -210,7 +210,7 @@ def test_a_handle_used_by_another_ubatch_raises() -> None:
             states.setdefault(state.ubatch, state)
             return finalize(out, states[0])
 
-        pf.finalize_async = finalize_with_ubatch0
+        shadow_method(pf, "finalize_async", finalize_with_ubatch0)
 
     with pytest.raises(RuntimeError, match="ubatch 1 combines with the dispatch state of ubatch 0"):
         run_v2(bf16_inputs(2), dbo=True, prefill=False, prepare=hand_ubatch0_state_to_all)
@@ -225,7 +225,7 @@ def test_a_capture_never_syncs_with_the_cpu(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(deepep_v2, "_capturing", lambda: False)
 
     def capture_on_second_step(model: StandinStack) -> None:
-        pf = model.layers[0].kernel.prepare_finalize
+        pf = model.deepep_v2()
         prepare = pf.prepare_async
         seen = {"n": 0}
 
@@ -234,7 +234,7 @@ def test_a_capture_never_syncs_with_the_cpu(monkeypatch: pytest.MonkeyPatch) -> 
             monkeypatch.setattr(deepep_v2, "_capturing", lambda: seen["n"] > LAYERS)
             return prepare(*args)
 
-        pf.prepare_async = maybe_capturing
+        shadow_method(pf, "prepare_async", maybe_capturing)
 
     with pytest.raises(RuntimeError, match="cached handle inside a CUDA-graph capture"):
         run_v2(bf16_inputs(2), dbo=False, prefill=False, steps=2, static_routing=True,
@@ -301,7 +301,8 @@ def test_host_asserts_of_dispatch_and_combine() -> None:
             buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=EXPERTS, previous_event=buf.capture())
         with pytest.raises(TypeError, match="not an EventOverlap"):
             buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=EXPERTS,
-                         previous_event=standin.EventOverlap(buf.capture()), allocate_on_comm_stream=True)
+                         previous_event=standin.EventOverlap(buf.capture()),  # type: ignore[arg-type]  # the refused type
+                         allocate_on_comm_stream=True)
         recv_x, _, _, handle, _ = buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=EXPERTS)
         with pytest.raises(AssertionError, match="Cannot do CPU sync with cached handle"):
             buf.dispatch(x, handle=handle, do_cpu_sync=True)
@@ -324,12 +325,13 @@ def test_without_cpu_sync_only_the_counted_rows_are_written() -> None:
         big_x, big_ids, big_w, handle, _ = buf.dispatch(x, topk_idx=topk, topk_weights=w, num_experts=EXPERTS,
                                                         do_cpu_sync=False)
         n = int(handle.psum_num_recv_tokens_per_scaleup_rank[-1])
+        assert exact_ids is not None and exact_w is not None and big_ids is not None and big_w is not None
         assert n == exact_x.shape[0] and big_x.shape[0] == CAPACITY * 2 and handle.num_recv_tokens_per_expert_list == []
         assert torch.equal(big_x[:n], exact_x) and torch.equal(big_ids[:n], exact_ids)
         assert torch.equal(big_w[:n], exact_w)
         assert bool(big_x[n:].float().isnan().all()) and bool((big_ids[n:] >= EXPERTS).all())
         again, again_ids, _, same, _ = buf.dispatch(x * 2, handle=handle)
-        assert same is handle and torch.equal(again[:n], exact_x * 2)
+        assert same is handle and torch.equal(again[:n], exact_x * 2) and again_ids is not None
         assert torch.equal(again_ids[:n], exact_ids)
 
     on_two_ranks(body)

@@ -100,7 +100,7 @@ def instrument(model: StandinStack, log: list[Entry], main: streams.Stream) -> N
     buf.capture = logged_capture
     buf.dispatch = logged_launch("dispatch", buf.dispatch)
     buf.combine = logged_launch("combine", buf.combine)
-    for layer in model.layers:
+    for layer in model.moe_layers:
         kernel = layer.kernel
         shared = kernel.shared_experts
         assert shared is not None
@@ -124,7 +124,7 @@ def run_sbo(weights: StackWeights, inputs: list[torch.Tensor], variants: list[Sb
             parallel = MoEParallelConfig(ep_rank=rank, ep_size=world, all2all_backend="deepep_v2", ep_groups=groups,
                                          max_dispatch_tokens_per_rank=standin_harness.CAPACITY, sbo=flags)
             model = StandinStack(weights, parallel, shared=True)
-            assert all(layer.kernel.sbo == flags for layer in model.layers)
+            assert all(layer.kernel.sbo == flags for layer in model.moe_layers)
             main = streams.current_stream("cpu")
             log: list[Entry] = []
             instrument(model, log, main)
@@ -144,7 +144,7 @@ def run_sbo(weights: StackWeights, inputs: list[torch.Tensor], variants: list[Sb
                     res["yields"] = wrapper.last_yield_counts
                 finally:
                     wrapper.close()
-            pf = model.layers[0].kernel.prepare_finalize
+            pf = model.deepep_v2()
             res.update(synced=pf.num_cpu_synced_dispatches, calls=model.buffer()._calls,
                        after=streams.current_stream("cpu") is main)
             results.append(res)
@@ -181,9 +181,9 @@ def expected_log(flags: SboFlags) -> list[tuple[str, str]]:
 def check_run(weights: StackWeights, inputs: list[torch.Tensor], results: list[list[dict[str, Any]]],
               variants: list[SboFlags], dbo: bool, prefill: bool) -> None:
     ubatches = 2 if dbo else 1
-    for rank, (x, per_variant) in enumerate(zip(inputs, results)):
+    for rank, (x, per_variant) in enumerate(zip(inputs, results, strict=True)):
         ref = dense_with_shared(weights, x, rank)
-        for flags, res in zip(variants, per_variant):
+        for flags, res in zip(variants, per_variant, strict=True):
             what = f"rank {rank}, SBO {flags.describe()}, DBO {'on' if dbo else 'off'}"
             assert_bf16_close(res["out"], ref, what)
             assert torch.equal(res["out"], per_variant[0]["out"]), f"{what}: differs from SBO off"
@@ -225,7 +225,7 @@ def _no_hook(method: str) -> Removal:
     """The adapter's ``method`` returns a no-op hook: nothing waits for the comm stream before the read."""
     def removal(removed: list[str]) -> tuple[ContextManager[Any], Prepare]:
         def prepare(model: StandinStack) -> None:
-            pf = model.layers[0].kernel.prepare_finalize
+            pf = model.deepep_v2()
             original = getattr(pf, method)
 
             def without_wait(*args: Any) -> Any:

@@ -73,7 +73,9 @@ class Call:
 
 def adapter_calls() -> list[Call]:
     """Calls on ``self.buffer`` / ``deep_ep.ElasticBuffer`` in the adapter, with how their result is unpacked."""
-    tree = ast.parse(Path(inspect.getsourcefile(deepep_v2)).read_text())
+    source = inspect.getsourcefile(deepep_v2)
+    assert source is not None
+    tree = ast.parse(Path(source).read_text())
     unpacked: dict[int, int] = {}
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and isinstance(node.targets[0], ast.Tuple):

@@ -7,6 +7,7 @@ outputs equal the ``moe`` schedule's and DBO off's; and the settings are validat
 from __future__ import annotations
 
 import contextlib
+import itertools
 import threading
 from pathlib import Path
 from typing import Any
@@ -134,7 +135,9 @@ def _stages(spans: list[TimedSpan]) -> tuple[list[TimedSpan], dict[tuple[str, in
     keyed: dict[tuple[str, int, int], TimedSpan] = {}
     for s in compute + [s for s in spans if s.cat == "comm"]:
         phase = s.args["phase"] if s.cat == "compute" else {"dispatch": "D", "combine": "C"}[s.name.rstrip("01")]
-        key = (phase, trace.ubatch_of_track(s.track), s.args["layer"])
+        ubatch = trace.ubatch_of_track(s.track)
+        assert ubatch is not None, f"{s.name} on {s.track}: not a ubatch's track"
+        key = (phase, ubatch, s.args["layer"])
         assert key not in keyed, f"{key} recorded twice"
         keyed[key] = s
     return compute, keyed
@@ -146,7 +149,7 @@ def test_staged_step_follows_deepseeks_published_decode_order(staged_trace: dict
     compute, seg = _stages(spans)
     order = [(s.args["phase"], trace.ubatch_of_track(s.track), s.args["layer"]) for s in compute]
     assert order == FULL_ORDER
-    assert all(a.end <= b.start for a, b in zip(compute, compute[1:]))  # one ubatch computes at a time
+    assert all(a.end <= b.start for a, b in itertools.pairwise(compute))  # one ubatch computes at a time
     moe_only = [o for o in order if o[2] in MOE_LAYERS]
     for layer in MOE_LAYERS:
         cycle = published_cycle(layer)
@@ -253,11 +256,13 @@ def test_the_pipeline_needs_exactly_two_ubatches(cache_dir: Path) -> None:
 
 
 # ---- the engine: DP=2 ranks (processes), the phase-aware all-to-all, --dbo-schedule -------------------
-ENGINE = dict(model=MODEL, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="auto",
-              dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4, max_num_batched_tokens=64,
-              max_num_seqs=4, dbo_cost_model="off", dist_timeout_s=60.0, device=device_for(2))
-ENGINE_VARIANTS = {"off": dict(enable_dbo=False), "moe": dict(enable_dbo=True, dbo_schedule="moe"),
-                   "deepseek": dict(enable_dbo=True, dbo_schedule="deepseek")}
+ENGINE: dict[str, Any] = dict(
+    model=MODEL, data_parallel_size=2, enable_expert_parallel=True, all2all_backend="auto",
+    dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4, max_num_batched_tokens=64, max_num_seqs=4,
+    dbo_cost_model="off", dist_timeout_s=60.0, device=device_for(2))
+ENGINE_VARIANTS: dict[str, dict[str, Any]] = {
+    "off": dict(enable_dbo=False), "moe": dict(enable_dbo=True, dbo_schedule="moe"),
+    "deepseek": dict(enable_dbo=True, dbo_schedule="deepseek")}
 
 
 def run_engine_variants(cache_dir: str) -> dict[str, Any]:
@@ -271,7 +276,8 @@ def run_engine_variants(cache_dir: str) -> dict[str, Any]:
         llm = LLM(**ENGINE, **settings, cache_dir=cache_dir)
         try:
             outs = llm.generate(prompts, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
-            wrapper = llm.runner.wrapper
+            wrapper = llm.model_runner.wrapper
+            assert llm.last_stats is not None
             out[name] = {"tokens": [o.outputs[0].token_ids for o in outs],
                          "ubatched": llm.last_stats.num_ubatched_steps,
                          "last_yields": None if wrapper is None else wrapper.last_yield_counts}

@@ -47,7 +47,7 @@ def random_tokens(tok, rng: random.Random, length: int) -> list[int]:
 
 
 def random_params(tok, rng: random.Random, tokens: list[int]) -> SamplingParams:
-    stop = None
+    stop: list[str] | None = None
     if rng.random() < 0.5:
         whole = make_decoder(tok, skip_special_tokens=True)(tokens)
         stop = []
@@ -81,7 +81,13 @@ def test_the_tiny_tokenizer_is_byte_level(tok) -> None:
     table = byte_level_table(tok)
     assert table is not None
     assert table.get(tok.convert_tokens_to_ids("<|im_end|>")) is None  # added tokens: the tokenizer decodes them
-    assert b"".join(table.get(t) for t in tok.encode("Caf\u00e9", add_special_tokens=False)) == "Caf\u00e9".encode()
+
+    def piece(token: int) -> bytes:
+        found = table.get(token)
+        assert found is not None, f"token {token} is not in the byte-level table"
+        return found
+
+    assert b"".join(piece(t) for t in tok.encode("Caf\u00e9", add_special_tokens=False)) == "Caf\u00e9".encode()
 
 
 @pytest.mark.parametrize("seed", range(6))

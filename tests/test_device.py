@@ -129,6 +129,7 @@ def _generate(**settings: Any) -> tuple[list[list[int]], Any]:
     llm = LLM(**settings)
     try:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+        assert llm.last_stats is not None
         assert llm.last_stats.num_ubatched_steps > 0  # the wrapper and its streams really ran
         return [o.outputs[0].token_ids for o in outs], llm.runner
     finally:

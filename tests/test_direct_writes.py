@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 from starlette.types import Send
 
+from fake_engine_client import FakeEngineClient
+from openai_harness import MODEL, ServerThread
 from runner.engine.protocol import EngineDeadError
 from runner.entrypoints.openai import chunk_writer, sse
 from runner.entrypoints.openai.chunk_writer import ChunkWrite
@@ -22,9 +24,7 @@ from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.entrypoints.openai.send_now import send_now
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
-from tests.fake_engine_client import FakeEngineClient
-from tests.openai_harness import MODEL, ServerThread
-from tests.test_engine_streams import SinkEngine, output, texts
+from test_engine_streams import SinkEngine, output, texts
 
 
 # ---- send_now ---------------------------------------------------------------------------------------------------
@@ -264,7 +264,7 @@ def read_http_chunks(sock: socket.socket, deadline_s: float) -> list[str]:
         data += piece
     head, body = data.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 200"), head
-    chunks = []
+    chunks: list[str] = []
     while True:
         size_line, body = body.split(b"\r\n", 1)
         size = int(size_line, 16)

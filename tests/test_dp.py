@@ -1,6 +1,9 @@
 """DP coordination: the two ubatch rules, padding to the max, per-ubatch bounds, idle ranks, loop termination."""
 from __future__ import annotations
 
+import functools
+import operator
+
 import pytest
 import torch
 
@@ -15,8 +18,9 @@ def table(orig: list[int], votes: list[int], prefill: list[int] | None = None,
     prefill = prefill or [0] * n
     splits = splits or [0] * n
     pays = pays or [1] * n
-    return sum(vote_table(o, bool(v), is_prefill=bool(p), split=s, pays=bool(c), rank=r, world=n)
-               for r, (o, v, p, s, c) in enumerate(zip(orig, votes, prefill, splits, pays)))
+    columns = [vote_table(o, bool(v), is_prefill=bool(p), split=s, pays=bool(c), rank=r, world=n)
+               for r, (o, v, p, s, c) in enumerate(zip(orig, votes, prefill, splits, pays, strict=True))]
+    return functools.reduce(operator.add, columns)
 
 
 # (orig tokens, votes, this rank) -> (should ubatch, padded) under each rule
@@ -110,7 +114,7 @@ def test_coordinate_over_thread_ranks() -> None:
     # vllm: ranks 1 and 2 veto; everybody keeps stepping unpadded.
     sglang = [(True, 48, True, (24, 24))] * 3
     vllm = [(False, 48, True, None), (False, 20, True, None), (False, 0, True, None)]
-    assert run_thread_ranks(3, rank_main, num_groups=1) == list(zip(sglang, vllm))
+    assert run_thread_ranks(3, rank_main, num_groups=1) == list(zip(sglang, vllm, strict=True))
 
 
 def test_bad_input_raises() -> None:

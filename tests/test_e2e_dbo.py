@@ -13,11 +13,14 @@ import pytest
 from devices import device_for
 from runner.distributed.launch import launch
 
-BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True,
-            dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=3,
-            dbo_cost_model="off", dist_timeout_s=60.0,  # DBO wherever the thresholds and the DP rule allow
-            device=device_for(2))
-VARIANTS = {
+# one rank's results: (variant, workload) -> tokens and step counts; (variant, "layouts") -> the layouts used
+Results = dict[tuple[str, str], Any]
+BASE: dict[str, Any] = dict(
+    model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True,
+    dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, max_num_batched_tokens=64, max_num_seqs=3,
+    dbo_cost_model="off", dist_timeout_s=60.0,  # DBO wherever the thresholds and the DP rule allow
+    device=device_for(2))
+VARIANTS: dict[str, dict[str, Any]] = {
     "ll-off": dict(all2all_backend="torch_ll", enable_dbo=False),
     "ht-off": dict(all2all_backend="torch_ht", enable_dbo=False),
     "auto-off": dict(all2all_backend="auto", enable_dbo=False),
@@ -48,23 +51,24 @@ WORKLOADS = {
 }
 
 
-def run_variants() -> dict[str, Any]:
+def run_variants() -> Results:
     """Rank body: every workload under every variant; tokens, ubatched steps and the layouts each used."""
     from runner.entrypoints.llm import LLM
     from runner.sampling_params import SamplingParams
     from ubatch.modular_moe.layer import FusedMoE
 
-    out: dict[str, Any] = {}
+    out: Results = {}
     for variant, settings in VARIANTS.items():
         llm = LLM(**BASE, **settings)
         try:
             for name, (prompts, max_tokens) in WORKLOADS.items():
                 outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True) for m in max_tokens],
                                     use_tqdm=False)
+                assert llm.last_stats is not None
                 out[(variant, name)] = {"tokens": [o.outputs[0].token_ids for o in outs],
                                         "ubatched": llm.last_stats.num_ubatched_steps,
                                         "steps": llm.last_stats.num_steps}
-            layers = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
+            layers = [m for m in llm.model_runner.model.modules() if isinstance(m, FusedMoE)]
             out[(variant, "layouts")] = sorted(set().union(*(m._kernels for m in layers)))
         finally:
             llm.close()
@@ -72,19 +76,19 @@ def run_variants() -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def results() -> list[dict[str, Any]]:
+def results() -> list[Results]:
     return launch(run_variants, 2, timeout_s=240, device=device_for(2))
 
 
 @pytest.mark.parametrize("workload", list(WORKLOADS))
-def test_every_variant_gives_the_dbo_off_tokens(results: list[dict[str, Any]], workload: str) -> None:
+def test_every_variant_gives_the_dbo_off_tokens(results: list[Results], workload: str) -> None:
     reference = results[0][("ll-off", workload)]["tokens"]
     assert len(reference) == len(WORKLOADS[workload][0]) and all(reference)
     for variant in VARIANTS:
         assert results[0][(variant, workload)]["tokens"] == reference, f"{variant} differs on {workload}"
 
 
-def test_the_phase_aware_backend_used_both_layouts(results: list[dict[str, Any]]) -> None:
+def test_the_phase_aware_backend_used_both_layouts(results: list[Results]) -> None:
     for rank in (0, 1):
         assert results[rank][("auto-dbo", "layouts")] == ["torch_ht", "torch_ll"]
         assert results[rank][("auto-off", "layouts")] == ["torch_ht", "torch_ll"]
@@ -92,7 +96,7 @@ def test_the_phase_aware_backend_used_both_layouts(results: list[dict[str, Any]]
         assert results[rank][("ht-dbo", "layouts")] == ["torch_ht"]
 
 
-def test_dbo_ran_where_each_rule_says(results: list[dict[str, Any]]) -> None:
+def test_dbo_ran_where_each_rule_says(results: list[Results]) -> None:
     r0 = results[0]
     for variant in ("ll-dbo", "ht-dbo", "auto-dbo", "auto-dbo-vllm"):
         assert r0[(variant, "prefill+decode")]["ubatched"] > 0

@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,13 +23,15 @@ from devices import device_args, device_for
 from runner.distributed.launch import launch
 
 ROOT = Path(__file__).resolve().parents[1]
-BASE = dict(model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ll",
-            dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_cost_model="off", dist_timeout_s=60.0,
-            device=device_for(2))
-VARIANTS = {"off": dict(enable_dbo=False, disable_overlap_schedule=False),
-            "tokens": dict(enable_dbo=True, ubatch_split="tokens", disable_overlap_schedule=False),
-            "balanced": dict(enable_dbo=True, ubatch_split="balanced", disable_overlap_schedule=False),
-            "sync": dict(enable_dbo=True, ubatch_split="tokens", disable_overlap_schedule=True)}
+BASE: dict[str, Any] = dict(
+    model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ll",
+    dbo_decode_token_threshold=2, dbo_prefill_token_threshold=8, dbo_cost_model="off", dist_timeout_s=60.0,
+    device=device_for(2))
+VARIANTS: dict[str, dict[str, Any]] = {
+    "off": dict(enable_dbo=False, disable_overlap_schedule=False),
+    "tokens": dict(enable_dbo=True, ubatch_split="tokens", disable_overlap_schedule=False),
+    "balanced": dict(enable_dbo=True, ubatch_split="balanced", disable_overlap_schedule=False),
+    "sync": dict(enable_dbo=True, ubatch_split="tokens", disable_overlap_schedule=True)}
 
 
 def _env(**extra: str) -> dict[str, str]:
@@ -41,7 +44,7 @@ def _prompts(lengths: list[int], salt: int) -> list[list[int]]:
 
 
 # name -> (engine settings, prompts, max_tokens per prompt)
-WORKLOADS = {
+WORKLOADS: dict[str, tuple[dict[str, Any], list[list[int]], list[int]]] = {
     # prefill step, then pure uniform-decode steps (4 decodes per rank >= threshold 2)
     "decode": (dict(max_num_batched_tokens=64), _prompts([2] * 8, 1), [8] * 8),
     # one token each: every step is a prefill (27 vs 45 tokens per rank: DP pads to 45, and the last ubatch of the
@@ -57,7 +60,7 @@ WORKLOADS = {
     # temperature + top-p with each request's own generator: batch composition must not matter either
     "sampled": (dict(max_num_batched_tokens=64), _prompts([4, 6, 5, 3, 7, 4], 6), [6] * 6),
 }
-SAMPLING = {"sampled": dict(temperature=0.8, top_p=0.9)}
+SAMPLING: dict[str, dict[str, Any]] = {"sampled": dict(temperature=0.8, top_p=0.9)}
 
 
 def run_workloads() -> dict:
@@ -76,11 +79,12 @@ def run_workloads() -> dict:
                 extra = SAMPLING.get(name, {})
                 outs = llm.generate(prompts, [SamplingParams(max_tokens=m, ignore_eos=True, **extra)
                                               for m in max_tokens])
-                st = llm.last_stats
+                st, loop = llm.last_stats, llm.last_loop_stats
+                assert st is not None and loop is not None
                 results[(variant, name)] = {"token_ids": [o.outputs[0].token_ids for o in outs],
                                             "reasons": [o.outputs[0].finish_reason for o in outs],
                                             "steps": st.num_steps, "ubatched": st.num_ubatched_steps,
-                                            "overlapped": llm.last_loop_stats.num_overlapped_steps}
+                                            "overlapped": loop.num_overlapped_steps}
             llm.close()
     return results
 

@@ -36,12 +36,14 @@ def test_outputs_in_input_order_match_reference_and_stats() -> None:
               SamplingParams(max_tokens=5, temperature=0.7, top_p=0.5, seed=3), SamplingParams(max_tokens=1)]
     outs = llm.generate(prompts, params, use_tqdm=False)
     assert [o.request_id for o in outs] == ["0", "1", "2", "3"]
-    for i, (o, p, s) in enumerate(zip(outs, prompts, params)):
+    for i, (o, p, s) in enumerate(zip(outs, prompts, params, strict=True)):
         assert o.prompt_token_ids == p and o.error is None and o.finished and o.prompt is None
         (c,) = o.outputs
         assert (c.token_ids, c.finish_reason) == reference_generate(p, s, VOCAB, 5 * 1_000_003 + i)
         assert c.text == ToyTokenizer().decode(c.token_ids) and c.index == 0
         m = o.metrics
+        assert m is not None and m.first_token_time is not None and m.last_token_time is not None
+        assert m.finished_time is not None
         assert m.arrival_time <= m.first_token_time <= m.last_token_time <= m.finished_time
     st = llm.last_stats
     assert isinstance(st, GenerationStats)
@@ -80,9 +82,9 @@ def test_dict_sampling_params_is_a_clear_error() -> None:
     llm = make_llm()
     with pytest.raises(TypeError, match=r"sampling_params is a dict \(\{'max_tokens': 2\}\); pass "
                                         r"SamplingParams\(\*\*that dict\)"):
-        llm.generate("Hi", {"max_tokens": 2})
+        llm.generate("Hi", {"max_tokens": 2})  # type: ignore[arg-type]  # the refused type
     with pytest.raises(TypeError, match=r"sampling_params\[1\] is dict, not SamplingParams; pass SamplingParams"):
-        llm.generate(["Hi", "yo"], [SamplingParams(), {"max_tokens": 2}])
+        llm.generate(["Hi", "yo"], [SamplingParams(), {"max_tokens": 2}])  # type: ignore[list-item]  # refused
 
 
 def test_prompt_forms() -> None:
@@ -192,6 +194,7 @@ def test_prompt_token_count_leaves_out_rejected_prompts() -> None:
     outs = llm.generate([[1, 2], list(range(40))], SamplingParams(max_tokens=2))  # the second never fits the cache
     assert [o.outputs[0].finish_reason for o in outs] == ["length", "error"]
     st = llm.last_stats
+    assert st is not None
     assert (st.num_requests, st.num_errors, st.num_prompt_tokens) == (2, 1, 2)
     assert "prompt tokens: 2 |" in st.summary()
 

@@ -12,6 +12,7 @@ import os
 import random
 import signal
 import time
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import pytest
@@ -71,7 +72,8 @@ def test_streamed_tokens_equal_offline_over_waves_and_idle_uses_no_cpu(dp: int) 
         await client.start()
         try:
             got = await asyncio.wait_for(asyncio.gather(
-                *[collect(client, f"r{i}", p, sp, d) for i, (p, sp, d) in enumerate(zip(prompts, delta, delays))]),
+                *[collect(client, f"r{i}", p, sp, d)
+                  for i, (p, sp, d) in enumerate(zip(prompts, delta, delays, strict=True))]),
                 TIMEOUT_S)
             await asyncio.sleep(1.5)  # let the last wave end everywhere
             pids = client.pids
@@ -106,6 +108,7 @@ def test_abort_frees_kv_and_bad_requests_are_refused_before_any_rank() -> None:
             await stream.__anext__()
             await stream.__anext__()
             assert client.stats().kv_cache_usage > 0 or client.stats().num_running >= 0
+            assert isinstance(stream, AsyncGenerator)
             await stream.aclose()  # the client went away: the request is aborted at the next step
             for _ in range(200):
                 s = client.stats()

@@ -6,12 +6,15 @@ the overlap loop, all 15 without it): they shared the runner's persistent input 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
 
 from fake_runner import FakeRunner
 from runner.config import RunnerConfig
+from runner.core.runner_output import ModelRunnerOutput
+from runner.core.scheduler_output import SchedulerOutput
 from runner.entrypoints.llm import LLM
 from runner.sampling_params import SamplingParams
 
@@ -23,7 +26,7 @@ def _prompts(t: int) -> list[list[int]]:
     return [[(t * 37 + i * 11 + j) % 500 for j in range(5 + i)] for i in range(PROMPTS)]
 
 
-def _run_threads(target, n: int) -> None:  # type: ignore[no-untyped-def]
+def _run_threads(target: Callable[[int], None], n: int) -> None:
     threads = [threading.Thread(target=target, args=(t,), name=f"generate-{t}") for t in range(n)]
     for th in threads:
         th.start()
@@ -65,7 +68,7 @@ class GatedRunner(FakeRunner):
         super().__init__(vocab_size=64)
         self.entered, self.gate = threading.Event(), threading.Event()
 
-    def step(self, sched):  # type: ignore[no-untyped-def]
+    def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
         self.entered.set()
         assert self.gate.wait(JOIN_TIMEOUT_S), "test never opened the gate"
         return super().step(sched)
@@ -101,7 +104,7 @@ def test_generate_from_inside_generate_raises_instead_of_waiting_for_itself(over
     llm: LLM
 
     class ReentrantRunner(FakeRunner):
-        def step(self, sched):  # type: ignore[no-untyped-def]
+        def step(self, sched: SchedulerOutput) -> ModelRunnerOutput | None:
             llm.generate([[1]], SamplingParams(max_tokens=1))
             return super().step(sched)
 

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from fake_engine_client import FakeEngineClient
+from openai_harness import MODEL, ServerThread
 from runner.engine.protocol import CloseStream, EngineDeadError, OutputSink
 from runner.entrypoints.openai.engine_streams import EngineStreams
 from runner.outputs import CompletionOutput, RequestOutput
 from runner.sampling_params import SamplingParams
-from tests.fake_engine_client import FakeEngineClient
-from tests.openai_harness import MODEL, ServerThread
 
 
 class SinkEngine(FakeEngineClient):

@@ -7,6 +7,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -181,7 +182,8 @@ def test_generation_config_defaults_and_eos(tmp_path: Path) -> None:
     assert params.stop_token_ids == [7]  # the caller's object is untouched
     ignoring = gen.apply(SamplingParams(ignore_eos=True))
     assert ignoring.stop_token_ids == [] and ignoring.all_stop_token_ids == {1, 154}  # min_tokens still holds both
-    assert "EOS token ids [1, 154]" in gen.describe() and "temperature=0.6" in gen.describe()
+    described = gen.describe()
+    assert described is not None and "EOS token ids [1, 154]" in described and "temperature=0.6" in described
     vllm = load_generation_config(tmp_path, "vllm", model_eos_token_ids=[1])
     assert vllm.extra_eos_token_ids == () and vllm.sampling_defaults == {} and vllm.describe() is None
     assert vllm.default_sampling_params() == SamplingParams()
@@ -261,7 +263,7 @@ def test_stop_string_aborts_the_engine_request_and_metrics(tok) -> None:
             assert (ros[0].outputs[0].finish_reason, ros[0].outputs[0].stop_reason) == ("stop", "stop")
             metrics = ros[0].metrics
             break
-    assert "".join(texts) == "One, two, three: " and abort_at is not None
+    assert "".join(texts) == "One, two, three: " and abort_at is not None and metrics is not None
     assert (metrics.arrival_time, metrics.first_token_time, metrics.last_token_time, metrics.finished_time) == \
         (10.0, 11.0, 11.0 + abort_at, 11.0 + abort_at)
     assert proc.process_outputs([out(3, [5], "length")]) == ([], [])  # the core's late outputs are ignored
@@ -323,7 +325,9 @@ def test_missing_logprobs_fail_that_request_only(tok) -> None:
     ros, aborts = proc.process_outputs([out(0, [5]), out(1, [6])])
     assert aborts == [0] and [r.request_id for r in ros] == ["with"]
     assert ros[0].outputs[0].finish_reason == "error"
-    assert "logprobs=1 was asked for, but the engine core returned log-probabilities for 0 of 1" in ros[0].error
+    error = ros[0].error
+    assert error is not None
+    assert "logprobs=1 was asked for, but the engine core returned log-probabilities for 0 of 1" in error
     assert proc.unfinished_engine_request_ids() == [1]
 
 
@@ -345,8 +349,8 @@ def test_max_tokens_none_is_up_to_max_model_len_and_eos_ids_are_added(tok) -> No
 def test_llm_takes_vllms_engine_argument_names() -> None:
     from runner.config import make_config
 
-    names = dict(model="tiny-qwen3-moe", dtype="bfloat16", seed=3, data_parallel_size=2, enable_expert_parallel=True,
-                 enable_dbo=True, max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.5,
-                 generation_config="vllm")
+    names: dict[str, Any] = dict(
+        model="tiny-qwen3-moe", dtype="bfloat16", seed=3, data_parallel_size=2, enable_expert_parallel=True,
+        enable_dbo=True, max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.5, generation_config="vllm")
     cfg = make_config(**names)
     assert {k: getattr(cfg, k) for k in names} == names

@@ -34,8 +34,10 @@ def test_trace_dbo_step_writes_outside_the_repository_by_default(tmp_path: Path)
     proc = run_example("trace_dbo_step.py", TMPDIR=str(tmp_path))  # the default: a new temporary directory
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [_digest(p) for p in tracked] == before  # docs/ untouched
-    trace = Path(re.search(r"rank-0 Chrome trace: (\S+)", proc.stdout).group(1))
-    png = Path(re.search(r"timeline: (\S+)", proc.stdout).group(1))
+    trace_line = re.search(r"rank-0 Chrome trace: (\S+)", proc.stdout)
+    png_line = re.search(r"timeline: (\S+)", proc.stdout)
+    assert trace_line is not None and png_line is not None, proc.stdout
+    trace, png = Path(trace_line.group(1)), Path(png_line.group(1))
     assert trace.parent == png.parent and trace.parent.parent == tmp_path, proc.stdout
     assert trace.stat().st_size > 0 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert re.search(r"layer\s+compute_ms\s+comm_ms\s+hidden_ms", proc.stdout), proc.stdout
@@ -76,7 +78,9 @@ def readme_python_api_block() -> str:
     """The first ```python block under README's "### Python API" heading."""
     text = (ROOT / "README.md").read_text()
     section = text[text.index("### Python API"):]
-    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block is not None, "README's Python API section has no python block"
+    return block.group(1)
 
 
 def test_readme_python_api_is_vllm_code_that_runs(tmp_path: Path, tiny_chat_checkpoint) -> None:
@@ -104,6 +108,7 @@ def test_readme_torchrun_example_ubatches() -> None:
     """README's single-node torchrun line, run as written (plus this host's test device): every step ubatched."""
     text = (ROOT / "README.md").read_text()
     m = re.search(r"^torchrun --nproc-per-node 2 (-m runner generate .*?)(?<!\\)$", text, re.S | re.M)
+    assert m is not None, "README has no single-node torchrun line"
     args = shlex.split(m.group(1).replace("\\\n", " "))
     assert "--enable-dbo" in args
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo",

@@ -6,6 +6,8 @@ result must equal transformers' module fed the same routing. Backends without th
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import pytest
 import torch
 
@@ -15,12 +17,14 @@ from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.types import ClampedSwiGLU, ExpertMLPExtras, ExpertTokens
 
 transformers = pytest.importorskip("transformers")
+if TYPE_CHECKING:
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
 T, H, I, E, K = 12, 32, 16, 4, 2  # noqa: E741  (I: the experts' intermediate size, the kernels' notation)
 LIMIT = 0.8  # low enough that both clamps bite
 
 
-def hf_experts() -> torch.nn.Module:
+def hf_experts() -> GptOssExperts:
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 
     cfg = transformers.GptOssConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, swiglu_limit=LIMIT)
@@ -32,7 +36,7 @@ def hf_experts() -> torch.nn.Module:
     return experts
 
 
-def ours_from(hf: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, ExpertMLPExtras]:
+def ours_from(hf: GptOssExperts) -> tuple[torch.Tensor, torch.Tensor, ExpertMLPExtras]:
     """``w13 [E, 2I, H]`` (gate rows, then up rows), ``w2 [E, H, I]`` and the extras from transformers' layout."""
     gu = hf.gate_up_proj.detach().transpose(1, 2)
     w13 = torch.cat((gu[:, 0::2], gu[:, 1::2]), dim=1)

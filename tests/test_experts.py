@@ -292,7 +292,7 @@ def test_triton_concurrent_threads(triton_experts: MoEExperts) -> None:
         except BaseException as exc:  # noqa: BLE001  (surfaced in the main thread below)
             errors.append(exc)
 
-    threads = [threading.Thread(target=worker, args=pair) for pair in zip(cases, expected)]
+    threads = [threading.Thread(target=worker, args=pair) for pair in zip(cases, expected, strict=True)]
     for t in threads:
         t.start()
     for t in threads:

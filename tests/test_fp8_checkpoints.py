@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -19,13 +20,18 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from fp8_checkpoint import Fp8Pair, write_fp8_pair  # noqa: E402
+from module_paths import experts_of, tensor_at  # noqa: E402
 from runner.attention.kv_cache import allocate_kv_caches, blocks_needed  # noqa: E402
 from runner.core.kv_blocks import BlockAllocator  # noqa: E402
+from runner.models.base import MoECausalLM  # noqa: E402
 from runner.models.loader import CheckpointError, load_config, load_model  # noqa: E402
 from runner.models.quantization.fp8_linear import Fp8Linear  # noqa: E402
 from test_models_parity import BLOCK, PROMPTS, fresh_cache, greedy_generate, run_step  # noqa: E402
 from ubatch.fp8 import FP8_DTYPE, dequantize_blocks, quantize_blocks  # noqa: E402
 from ubatch.modular_moe.config import MoEParallelConfig  # noqa: E402
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # hidden 192 = 1.5 blocks, experts' 96 rows = 0.75 of a block, the dense MLP's 320 = 2.5 blocks
 QWEN = dict(vocab_size=256, hidden_size=192, intermediate_size=320, moe_intermediate_size=96, num_hidden_layers=2,
@@ -46,7 +52,7 @@ GLM4 = dict(vocab_size=256, hidden_size=192, intermediate_size=320, moe_intermed
 NOT_CONVERT = ["model.layers.0.self_attn.o_proj", "model.layers.*.mlp.gate"]
 
 
-def make_hf(kind: str) -> torch.nn.Module:
+def make_hf(kind: str) -> PreTrainedModel:
     torch.manual_seed(0)
     if kind == "qwen3":
         cfg = transformers.Qwen3MoeConfig(**QWEN, attn_implementation="eager")
@@ -64,7 +70,7 @@ def make_hf(kind: str) -> torch.nn.Module:
     return model.eval()
 
 
-VARIANTS = {  # name -> (model, write_fp8_pair keyword arguments)
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {  # name -> (model, write_fp8_pair keyword arguments)
     "qwen3-block": ("qwen3", dict(not_convert=NOT_CONVERT)),
     "qwen3-block-sharded": ("qwen3", dict(shards=3)),
     "qwen3-per-tensor": ("qwen3", dict(block=None)),
@@ -77,10 +83,10 @@ VARIANTS = {  # name -> (model, write_fp8_pair keyword arguments)
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory):
     """``written(variant) -> (hf_model, Fp8Pair)``, each written once per module."""
-    models: dict[str, torch.nn.Module] = {}
+    models: dict[str, PreTrainedModel] = {}
     pairs: dict[str, Fp8Pair] = {}
 
-    def get(variant: str) -> tuple[torch.nn.Module, Fp8Pair]:
+    def get(variant: str) -> tuple[PreTrainedModel, Fp8Pair]:
         kind, kwargs = VARIANTS[variant]
         if kind not in models:
             models[kind] = make_hf(kind)
@@ -90,7 +96,7 @@ def written(tmp_path_factory: pytest.TempPathFactory):
     return get
 
 
-def prefill_logits(model: torch.nn.Module, kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def prefill_logits(model: MoECausalLM, kv_dtype: torch.dtype = torch.float32) -> torch.Tensor:
     if kv_dtype == torch.float32:
         alloc = fresh_cache(model)
     else:
@@ -123,7 +129,7 @@ def test_greedy_tokens_equal_transformers_on_the_dequantised_weights(written, va
     dequantised = type(hf).from_pretrained(pair.reference, attn_implementation="eager").eval()  # per-expert names
     fp8, _ = load_model(str(pair.fp8))
     ours = greedy_generate(fp8, PROMPTS, 8, chunked={1: 3})
-    for p, out in zip(PROMPTS, ours):
+    for p, out in zip(PROMPTS, ours, strict=True):
         ref = dequantised.generate(torch.tensor([p]), max_new_tokens=8, do_sample=False, eos_token_id=None,
                                    pad_token_id=0)
         assert out == ref[0, len(p):].tolist()
@@ -151,10 +157,10 @@ def test_quantised_weights_stay_fp8_in_memory(written, variant: str) -> None:
 def test_expert_parallel_ranks_keep_their_own_fp8_experts_and_scales(written) -> None:
     _, pair = written("qwen3-block")
     full, _ = load_model(str(pair.fp8))
-    whole = full.model.layers[0].mlp.experts
+    whole = experts_of(full, 0)
     for rank in range(2):
         model, _ = load_model(str(pair.fp8), parallel=MoEParallelConfig(ep_rank=rank, ep_size=2))
-        experts = model.model.layers[0].mlp.experts
+        experts = experts_of(model, 0)
         mine = slice(4 * rank, 4 * rank + 4)
         for name in ("w13_weight", "w2_weight", "w13_weight_scale_inv", "w2_weight_scale_inv"):
             ours, ref = getattr(experts, name), getattr(whole, name)[mine]
@@ -249,9 +255,9 @@ def test_online_fp8_equals_quantise_then_dequantise(written, tmp_path: Path,
         online, _ = load_model(str(pair.reference), quantization="fp8")
     assert "quantising the unquantised checkpoint online to FP8 e4m3 weights with one scale per 128x128 block" \
         in caplog.text
-    assert online.model.layers[0].mlp.down_proj.weight.dtype == FP8_DTYPE  # the dense first layer too
-    assert online.model.layers[1].mlp.experts.w13_weight.dtype == FP8_DTYPE
-    assert online.model.layers[1].mlp.gate.weight.dtype == torch.float32  # routers stay
+    assert tensor_at(online, "model.layers.0.mlp.down_proj.weight").dtype == FP8_DTYPE  # the dense first layer too
+    assert experts_of(online, 1).w13_weight.dtype == FP8_DTYPE
+    assert tensor_at(online, "model.layers.1.mlp.gate.weight").dtype == torch.float32  # routers stay
     again = tmp_path / "requantised"
     again.mkdir()
     (again / "config.json").write_text((pair.reference / "config.json").read_text())

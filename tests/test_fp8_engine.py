@@ -19,7 +19,7 @@ transformers = pytest.importorskip("transformers")
 from test_fp8_checkpoints import make_hf  # noqa: E402
 
 PROMPTS = [[5, 17, 99, 3, 42], [7, 8, 9, 10, 11, 12, 13, 14, 15], [200, 1, 33], [60, 61, 62, 63]]
-GREEDY = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
+GREEDY: dict[str, Any] = dict(temperature=0.0, max_tokens=8, ignore_eos=True)
 # tiny thresholds and no cost model: every step of these batches runs as two ubatches
 DBO = dict(enable_dbo=True, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4, dbo_cost_model="off")
 ENGINE = dict(dtype="float32", max_num_seqs=8, dist_timeout_s=60.0)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -37,11 +37,14 @@ from standins import deep_gemm as dg  # noqa: E402
 from test_fp8_checkpoints import QWEN, make_hf  # noqa: E402
 from ubatch.fp8 import FP8_DTYPE  # noqa: E402
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 NUM_REQS, PROMPT, BLOCKS_PER_REQ, DECODE_STEPS = 6, 5, 8, 5  # 6 decode tokens replay the padded (8, (4, 4)) graph
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def qwen3_hf() -> torch.nn.Module:
+def qwen3_hf() -> PreTrainedModel:
     """tests/test_fp8_checkpoints.py's Qwen3-MoE (a dense last layer, experts of 0.75 blocks) at hidden 256, so
     that DeepGEMM takes its attention projections and the dense MLP's gate and up (K a multiple of 128)."""
     torch.manual_seed(0)

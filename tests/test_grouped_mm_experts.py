@@ -117,7 +117,7 @@ def test_masked_equals_torch_and_padding_is_exact_zeros(dtype: torch.dtype, gemm
     tokens = _masked(dtype)
     out = make_experts("grouped_mm").apply(tokens, w13, w2)
     _close(out, TorchExperts().apply(tokens, w13, w2), dtype)
-    assert not out.isnan().any()
+    assert not out.isnan().any() and tokens.expert_num_tokens is not None
     for e, n in enumerate(tokens.expert_num_tokens.tolist()):
         assert torch.equal(out[e, n:], torch.zeros(CAPACITY - n, H, dtype=dtype)), f"expert {e} padding"
     assert gemm_calls == {"3d": 2}
@@ -141,6 +141,7 @@ def test_rows_past_the_last_offset_contribute_nothing_even_as_nan(monkeypatch: p
     w13, w2 = _weights(torch.float32)
     tokens = _contiguous(torch.float32)
     out = GroupedMMExperts().apply(tokens, w13, w2)
+    assert tokens.topk_ids is not None
     num_remote = int((tokens.topk_ids < 0).sum())
     assert poisoned == [num_remote, num_remote] and num_remote == 3 + K  # the NaN rows really existed
     _close(out, TorchExperts().apply(tokens, w13, w2), torch.float32)
@@ -308,9 +309,9 @@ def _engine_tokens(experts_backend: str) -> tuple[list[list[int]], str, set[str]
     try:
         prompts = [[(7 * i + 3 * j) % 500 + 1 for j in range(n)] for i, n in enumerate([5, 9, 3, 12])]
         outs = llm.generate(prompts, SamplingParams(max_tokens=6, ignore_eos=True), use_tqdm=False)
-        layers = [m for m in llm.runner.model.modules() if isinstance(m, FusedMoE)]
+        layers = [m for m in llm.model_runner.model.modules() if isinstance(m, FusedMoE)]
         used = {k.experts.name for m in layers for k in m._kernels.values()}
-        return [o.outputs[0].token_ids for o in outs], llm.runner.experts_backend, used
+        return [o.outputs[0].token_ids for o in outs], llm.model_runner.experts_backend, used
     finally:
         llm.close()
 

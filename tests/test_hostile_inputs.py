@@ -25,13 +25,14 @@ import httpx
 import openai
 import pytest
 
+from fake_engine_client import FakeEngineClient
+from openai_extra import extra_fields
+from openai_harness import MODEL, ServerThread
 from runner import LLM, SamplingParams
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
 from runner.entrypoints.openai.errors import redact
 from runner.entrypoints.openai.limits import ServerLimits
 from runner.entrypoints.openai.tokenization import add_tokenization_routes
-from tests.fake_engine_client import FakeEngineClient
-from tests.openai_harness import MODEL, ServerThread
 from tiny_checkpoint import TinyCheckpoint
 
 pytestmark = pytest.mark.slow
@@ -145,8 +146,8 @@ def assert_still_serving(srv: ServerProcess, offline: LLM, model: str) -> None:
     """``/health`` 200, and a greedy completion equal to the offline engine's."""
     assert httpx.get(f"{srv.base_url}/health", timeout=30).status_code == 200
     c = openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key=KEY, max_retries=0, timeout=120)
-    got = c.completions.create(model=model, prompt="The quick brown fox", max_tokens=6, temperature=0,
-                               extra_body={"return_token_ids": True}).choices[0].model_extra["token_ids"]
+    got = extra_fields(c.completions.create(model=model, prompt="The quick brown fox", max_tokens=6, temperature=0,
+                                            extra_body={"return_token_ids": True}).choices[0])["token_ids"]
     want = offline.generate(["The quick brown fox"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert got == list(want[0].outputs[0].token_ids)
 

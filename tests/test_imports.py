@@ -128,13 +128,17 @@ def _runner_layer(module: str) -> int | None:
     return RUNNER_LAYERS.index(parts[1])
 
 
+def _imports_upward(module: str, target: str) -> bool:
+    """Both are in runner layers, and ``target``'s is above ``module``'s."""
+    importer, imported = _runner_layer(module), _runner_layer(target)
+    return importer is not None and imported is not None and imported < importer
+
+
 def test_runner_layers_depend_one_way() -> None:
     graph = import_graph()
     assert {m.split(".")[1] for m in graph if _runner_layer(m) is not None} >= {"entrypoints", "core", "worker"}
     upward = sorted(f"{m} -> {t}" for m, targets in graph.items() for t in targets
-                    if _runner_layer(m) is not None and _runner_layer(t) is not None
-                    and _runner_layer(t) < _runner_layer(m)
-                    and not (m.startswith("runner.worker.") and t in STEP_CONTRACT))
+                    if _imports_upward(m, t) and not (m.startswith("runner.worker.") and t in STEP_CONTRACT))
     assert upward == []
 
 
@@ -143,7 +147,7 @@ def test_the_step_contract_imports_no_layer_above_models() -> None:
     assert graph.keys() >= STEP_CONTRACT
     models = RUNNER_LAYERS.index("models")
     above = sorted(f"{m} -> {t}" for m in STEP_CONTRACT for t in graph[m]
-                   if _runner_layer(t) is not None and _runner_layer(t) < models)
+                   if (layer := _runner_layer(t)) is not None and layer < models)
     assert above == []
 
 

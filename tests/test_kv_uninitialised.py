@@ -25,7 +25,7 @@ def _case(kv_shape: tuple[int, ...], ctx: list[int], padded: int, seed: int = 0)
     blocks = [list(range(i * 6, i * 6 + 6)) for i in range(len(ctx))]
     meta = build_attention_metadata(ctx, [1] * len(ctx), blocks, BS, num_padded_tokens=padded)
     written = torch.zeros(NUM_BLOCKS + 1, BS, dtype=torch.bool)
-    for b, n in zip(blocks, [c + 1 for c in ctx]):  # context plus this step's token
+    for b, n in zip(blocks, [c + 1 for c in ctx], strict=True):  # context plus this step's token
         for pos in range(n):
             written[b[pos // BS], pos % BS] = True
     written[NUM_BLOCKS, 0] = True  # the null block's first slot: what padded graph rows write and read

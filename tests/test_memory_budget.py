@@ -2,8 +2,6 @@
 cap, the error naming every figure, the validated setting and flag, and that CPU keeps its old default."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -94,11 +92,11 @@ def test_profile_step_spreads_the_token_budget_over_the_requests() -> None:
 
 
 def test_initial_cache_cpu_keeps_its_default_gpu_starts_minimal() -> None:
-    cfg = SimpleNamespace(num_kv_blocks=None, max_num_seqs=8, max_num_batched_tokens=64)
+    cfg = RunnerConfig(num_kv_blocks=None, max_num_seqs=8, max_num_batched_tokens=64)
     assert initial_num_kv_blocks(cfg, 4096, 16, torch.device("cpu")) == 8 * (1024 // 16)  # as before this change
     assert initial_num_kv_blocks(cfg, 100, 16, torch.device("cpu")) == 8 * 7
     assert initial_num_kv_blocks(cfg, 4096, 16, torch.device("cuda", 0)) == 8  # 8 requests of 8 tokens: 1 block each
-    given = SimpleNamespace(num_kv_blocks=33, max_num_seqs=8, max_num_batched_tokens=64)
+    given = RunnerConfig(num_kv_blocks=33, max_num_seqs=8, max_num_batched_tokens=64)
     assert initial_num_kv_blocks(given, 4096, 16, torch.device("cuda", 0)) == 33
 
 

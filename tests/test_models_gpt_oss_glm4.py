@@ -134,7 +134,7 @@ def test_logits_and_chunked_greedy_equal_transformers(checkpoints, family: str) 
     alloc = fresh_cache(model)
     blocks = [alloc.allocate(blocks_needed(len(p), BLOCK)) for p in prompts]
     logits = run_step(model, sum(prompts, []), [0] * len(prompts), [len(p) for p in prompts], blocks)
-    for p, ours in zip(prompts, logits.split([len(p) for p in prompts])):
+    for p, ours in zip(prompts, logits.split([len(p) for p in prompts]), strict=True):
         with torch.no_grad():
             assert_rel_close(ours, hf(torch.tensor([p])).logits[0].float())
     ours = greedy_generate(model, prompts, 12, chunked={1: 3})

@@ -104,7 +104,7 @@ def test_prefill_logits_match_hf(saved, variant: str) -> None:
     alloc = fresh_cache(model)
     blocks = [alloc.allocate(blocks_needed(len(p), BLOCK)) for p in PROMPTS]
     logits = run_step(model, sum(PROMPTS, []), [0] * len(PROMPTS), [len(p) for p in PROMPTS], blocks)
-    for p, ours in zip(PROMPTS, logits.split([len(p) for p in PROMPTS])):
+    for p, ours in zip(PROMPTS, logits.split([len(p) for p in PROMPTS]), strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0].float()
         assert_rel_close(ours, ref)
@@ -132,7 +132,7 @@ def greedy_generate(model: MoECausalLM, prompts: list[list[int]], max_new: int,
     tokens = [list(p) for p in prompts]
     done = [0] * len(prompts)
     blocks: list[list[int]] = [[] for _ in prompts]
-    while any(len(t) - len(p) < max_new for t, p in zip(tokens, prompts)):
+    while any(len(t) - len(p) < max_new for t, p in zip(tokens, prompts, strict=True)):
         reqs, ctx, qlen, ids = [], [], [], []
         for r, t in enumerate(tokens):
             if len(t) - len(prompts[r]) >= max_new:
@@ -145,14 +145,14 @@ def greedy_generate(model: MoECausalLM, prompts: list[list[int]], max_new: int,
             ids.extend(t[done[r]: done[r] + n])
         logits = run_step(model, ids, ctx, qlen, [blocks[r] for r in reqs])
         ends = torch.tensor(qlen).cumsum(0) - 1
-        for r, n, end in zip(reqs, qlen, ends.tolist()):
+        for r, n, end in zip(reqs, qlen, ends.tolist(), strict=True):
             done[r] += n
             if done[r] == len(tokens[r]):
                 tokens[r].append(int(logits[end].argmax()))
     for b in blocks:
         alloc.free(b)
     assert alloc.num_free_blocks == num_free
-    return [t[len(p):] for t, p in zip(tokens, prompts)]
+    return [t[len(p):] for t, p in zip(tokens, prompts, strict=True)]
 
 
 @pytest.mark.parametrize("variant", ["qwen3", "dsv3", "dsv2-grouped"])
@@ -160,7 +160,7 @@ def test_greedy_generation_matches_hf(saved, variant: str) -> None:
     hf, path = saved(variant)
     model, _ = load_model(str(path))
     ours = greedy_generate(model, PROMPTS, 16, chunked={1: 3})
-    for p, out in zip(PROMPTS, ours):
+    for p, out in zip(PROMPTS, ours, strict=True):
         ref = hf.generate(torch.tensor([p]), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
         assert out == ref[0, len(p):].tolist()
 
@@ -174,7 +174,7 @@ def test_fused_expert_format_and_ep_sharding(saved, tmp_path: Path) -> None:
     cfg = parse_config(json.loads((path / "config.json").read_text()))
     from_memory = get_model_class("Qwen3MoeForCausalLM")(cfg, None, torch.float32)
     from_memory.load_weights(state.items())
-    for (name, a), b in zip(full.state_dict().items(), from_memory.state_dict().values()):
+    for (name, a), b in zip(full.state_dict().items(), from_memory.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
     fused_dir = tmp_path / "fused"
@@ -261,7 +261,7 @@ def test_builtin_tiny_models_cache_and_run(tmp_path: Path, name: str) -> None:
     stamp = os.stat(path / "model.safetensors").st_mtime_ns
     m2, _ = load_model(name, cache_dir=tmp_path)
     assert os.stat(path / "model.safetensors").st_mtime_ns == stamp
-    for (n, a), b in zip(m1.state_dict().items(), m2.state_dict().values()):
+    for (n, a), b in zip(m1.state_dict().items(), m2.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
     assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".")]
     out = greedy_generate(m1, [[1, 2, 3], [4, 5]], 3, chunked={})

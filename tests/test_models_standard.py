@@ -101,7 +101,7 @@ def test_prefill_logits_equal_transformers(saved, family: str) -> None:
     meta = build_attention_metadata([0] * len(PROMPTS), lens, [alloc.allocate(blocks_needed(n, 4)) for n in lens], 4)
     with torch.no_grad(), set_forward_context(meta):
         logits = model.compute_logits(model(torch.tensor(sum(PROMPTS, [])), meta.positions))
-    for p, ours in zip(PROMPTS, logits.split(lens)):
+    for p, ours in zip(PROMPTS, logits.split(lens), strict=True):
         with torch.no_grad():
             ref = hf(torch.tensor([p])).logits[0]
         torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5 * ref.abs().max().item())
@@ -162,7 +162,7 @@ def test_mixtral_loads_the_hub_layout_and_the_fused_one_and_shards_experts(saved
     save_file({n: t.contiguous() for n, t in state.items()}, str(fused / "model.safetensors"))
     hub, _ = load_model(str(path))
     mine, _ = load_model(str(fused))
-    for (name, a), b in zip(hub.state_dict().items(), mine.state_dict().values()):
+    for (name, a), b in zip(hub.state_dict().items(), mine.state_dict().values(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
     for src in (path, fused):
         for rank in range(2):
