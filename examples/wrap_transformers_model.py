@@ -12,6 +12,7 @@ Checked against the unpatched model, on one rank and on two expert-parallel rank
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 import transformers
@@ -23,9 +24,10 @@ from ubatch.testing.thread_ranks import run_thread_ranks
 from ubatch.wrapper import batch_ubatch_slices
 
 BATCH, SEQ, WORLD = 4, 12, 2
-CONFIG = dict(vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-              num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
-              norm_topk_prob=True, attn_implementation="eager")
+CONFIG: dict[str, Any] = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+    norm_topk_prob=True, attn_implementation="eager")
 
 
 def inputs(rank: int) -> dict[str, torch.Tensor]:
@@ -81,11 +83,11 @@ def main() -> int:
 
     results = run_thread_ranks(WORLD, lambda rank, groups: rank_main(rank, groups, reference), num_groups=2)
     for rank, res in enumerate(results):
-        for dbo in ("off", "on"):
-            diff = (res[dbo] - want[rank]).abs().max().item()
+        for mode in ("off", "on"):
+            diff = (res[mode] - want[rank]).abs().max().item()
             ok &= diff <= 1e-5
-            print(f"EP rank {rank}/{WORLD}, DBO {dbo:<3}: max |logits - unpatched| = {diff:.1e}"
-                  + (f", yields per ubatch = {res['yields']}" if dbo == "on" else ""))
+            print(f"EP rank {rank}/{WORLD}, DBO {mode:<3}: max |logits - unpatched| = {diff:.1e}"
+                  + (f", yields per ubatch = {res['yields']}" if mode == "on" else ""))
     print("logits match the unpatched model" if ok else "LOGITS DIFFER")
     return 0 if ok else 1
 
