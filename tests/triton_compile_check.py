@@ -72,7 +72,7 @@ def check_moe_experts() -> None:
     triton_experts._import_triton()
     w13, w2 = triton_experts._load_kernels()
     ids = dict(sorted_ids_ptr="*i32", expert_ids_ptr="*i32", num_post_pad_ptr="*i32")
-    blocks = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32)
+    blocks = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8)
     # bf16 weights (the scale pointer is a placeholder the kernel never reads), and block-FP8 weights with
     # 128 x 128 scales in fp32, as the launcher specialises them (triton_experts._NO_FP8 / _scale_consts)
     for weight, scales in (("*bf16", dict(FP8_W=False, SCALE_BN=1, SCALE_BK=1)),

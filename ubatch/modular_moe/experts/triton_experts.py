@@ -22,9 +22,15 @@ FP8 weights with block scales (a checkpoint's, :class:`~ubatch.fp8.Fp8Tensor`) a
 the kernels (``FP8_W``): each loaded weight element is multiplied by the scale of its block, looked up per
 element, so partial blocks and gate/up grids that do not line up need nothing special. Activations stay in
 their dtype (weight-only W8A16, fp32 arithmetic as above).
+
+Tile sizes, the L2 grouping of row blocks (``GROUP_M``, over a 1-D grid), warps and stages come per launch from
+a tuned table or vLLM's untuned rule (:mod:`~ubatch.modular_moe.experts.triton_configs`).
 """
 from __future__ import annotations
 
+import logging
+import threading
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,10 +39,19 @@ from ubatch.fp8 import Fp8Tensor
 from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.experts.moe_align import moe_align_block_size
 from ubatch.modular_moe.experts.torch_experts import check_expert_weights
+from ubatch.modular_moe.experts.triton_configs import (
+    MoEConfigTable,
+    TritonMoEConfig,
+    config_dtype,
+    default_config,
+    find_table,
+)
 from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens
 from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard
 
 __all__ = ["TritonExperts"]
+
+logger = logging.getLogger("ubatch.experts")
 
 # Filled by _load_kernels(); module globals because the interpreter re-executes kernel source against the
 # defining function's __globals__ (closure variables are invisible to it).
@@ -60,15 +75,21 @@ def _load_kernels() -> tuple[Any, Any]:
     @triton.jit
     def _fused_w13_silu_mul_kernel(
         a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
-        num_valid, N, top_k,
+        num_valid, N, top_k, num_m_blocks,
         stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
         s_ptr, stride_se, stride_sn, stride_sk, up_scale_offset,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        FP8_W: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+        GROUP_M: tl.constexpr, FP8_W: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     ):
         # out[id, n] = silu(a[id // top_k] . w[e, n]) * (a[id // top_k] . w[e, N + n]) for the block's ids.
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # 1-D program id -> (row block, column block), GROUP_M row blocks at a time so that the programs
+        # running together share weight column tiles in L2 (the Triton matmul tutorial's ordering, as vLLM)
+        pid = tl.program_id(0)
+        num_pid_in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_pid_m = (pid // num_pid_in_group) * GROUP_M
+        group_size_m = tl.minimum(num_m_blocks - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+        pid_n = (pid % num_pid_in_group) // group_size_m
         if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
             return
         if tl.load(sorted_ids_ptr + pid_m * BLOCK_M) >= num_valid:
@@ -112,16 +133,20 @@ def _load_kernels() -> tuple[Any, Any]:
     @triton.jit
     def _w2_kernel(
         a_ptr, w_ptr, out_ptr, weights_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_pad_ptr,
-        num_valid, N,
+        num_valid, N, num_m_blocks,
         stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_om, stride_on,
         s_ptr, stride_se, stride_sn, stride_sk,
         MUL_ROUTED_WEIGHT: tl.constexpr,
         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        FP8_W: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+        GROUP_M: tl.constexpr, FP8_W: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
     ):
         # out[id, n] = (a[id] . w[e, n]) * weight[id]: rows are already per (token, k), so no // top_k.
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        pid = tl.program_id(0)  # grouped as in the first kernel
+        num_pid_in_group = GROUP_M * tl.cdiv(N, BLOCK_N)
+        first_pid_m = (pid // num_pid_in_group) * GROUP_M
+        group_size_m = tl.minimum(num_m_blocks - first_pid_m, GROUP_M)
+        pid_m = first_pid_m + (pid % num_pid_in_group) % group_size_m
+        pid_n = (pid % num_pid_in_group) // group_size_m
         if pid_m * BLOCK_M >= tl.load(num_post_pad_ptr):
             return
         if tl.load(sorted_ids_ptr + pid_m * BLOCK_M) >= num_valid:
@@ -180,9 +205,10 @@ def _cdiv(a: int, b: int) -> int:
 class TritonExperts(MoEExperts):
     """Fused-MoE Triton backend for both layouts.
 
-    Block sizes are plain constructor arguments rather than tuned per-GPU configs: on GPU the defaults are
-    vLLM's untuned fallback (64, 64, 32); under the interpreter every program costs ~10 ms, so the default
-    BLOCK_M drops to 16 (less padding on tiny batches) and tests pass large N/K blocks.
+    Launch configurations come from a tuned table (:mod:`~ubatch.modular_moe.experts.triton_configs`: by GPU,
+    shape, dtype and the nearest token count; ``config_dir`` or ``$UBATCH_MOE_CONFIG_DIR``), else from vLLM's
+    untuned rule; which one is logged once per shape. Passing ``config`` or any block size fixes one
+    configuration for every launch instead (tests, and ``benchmarks/tune_moe.py`` sweeping candidates).
     """
 
     name = "triton"
@@ -191,10 +217,14 @@ class TritonExperts(MoEExperts):
     def __init__(
         self,
         block_m: int | None = None,
-        block_n: int = 64,
-        block_k: int = 32,
-        num_warps: int = 4,
-        num_stages: int = 2,
+        block_n: int | None = None,
+        block_k: int | None = None,
+        num_warps: int | None = None,
+        num_stages: int | None = None,
+        group_m: int | None = None,
+        *,
+        config: TritonMoEConfig | None = None,
+        config_dir: Path | None = None,
     ) -> None:
         _import_triton()
         self.interpret = interpreter_enabled()
@@ -203,16 +233,36 @@ class TritonExperts(MoEExperts):
                 "The Triton experts backend needs a CUDA GPU, or TRITON_INTERPRET=1 in the environment "
                 "(set before construction) to run the kernels in Triton's CPU interpreter"
             )
-        block_m = block_m if block_m is not None else (16 if self.interpret else 64)
-        for label, size in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
-            if size < 16 or size & (size - 1):
-                raise ValueError(f"{label}={size} must be a power of two >= 16 (tl.dot's minimum tile)")
-        self.block_m = block_m
-        self.block_n = block_n
-        self.block_k = block_k
-        self.num_warps = num_warps
-        self.num_stages = num_stages
+        explicit = {name: value for name, value in (
+            ("block_m", block_m), ("block_n", block_n), ("block_k", block_k), ("num_warps", num_warps),
+            ("num_stages", num_stages), ("group_m", group_m)) if value is not None}
+        if explicit and config is not None:
+            raise ValueError(f"pass either config or block sizes, not both (got config and {sorted(explicit)})")
+        if (explicit or config is not None) and config_dir is not None:
+            raise ValueError("config_dir has no effect with a fixed configuration; pass one or the other")
+        self.fixed_config = TritonMoEConfig(**explicit) if explicit else config
+        self.config_dir = config_dir
+        self._tables: dict[tuple[Any, ...], MoEConfigTable | None] = {}
+        self._tables_lock = threading.Lock()
         self._w13_kernel, self._w2_kernel = _load_kernels()
+
+    def config_for(self, device: torch.device, num_experts: int, inter: int, hidden: int, dtype: torch.dtype,
+                   fp8_block: tuple[int, int] | None, num_tokens: int) -> TritonMoEConfig:
+        """The configuration a launch with ``num_tokens`` tokens (rows per expert in the masked layout) uses."""
+        if self.fixed_config is not None:
+            return self.fixed_config
+        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        table_dtype = config_dtype(str(dtype).removeprefix("torch."), fp8_block)
+        key = (device_name, num_experts, inter, hidden, table_dtype, fp8_block)
+        with self._tables_lock:
+            if key not in self._tables:
+                table, how = find_table(self.config_dir, num_experts, inter, hidden, device_name, table_dtype,
+                                        fp8_block)
+                logger.info("Triton experts (E=%d, N=%d, K=%d, %s, %s): %s", num_experts, inter, hidden,
+                            table_dtype or str(dtype).removeprefix("torch."), device_name, how)
+                self._tables[key] = table
+            table = self._tables[key]
+        return table.lookup(num_tokens) if table is not None else default_config(num_tokens, num_experts)
 
     def apply(self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor,
               extras: ExpertMLPExtras | None = None) -> torch.Tensor:
@@ -232,13 +282,17 @@ class TritonExperts(MoEExperts):
                 f"Triton kernels got tensors on {tokens.hidden.device}; "
                 "without TRITON_INTERPRET=1 they need CUDA tensors"
             )
+        # vLLM's M: the token count (contiguous), the rows per expert (masked: the batched experts' capacity)
+        num_tokens = tokens.hidden.shape[1] if tokens.layout == "masked" else tokens.hidden.shape[0]
+        config = self.config_for(tokens.hidden.device, w13.shape[0], inter, hidden_size, tokens.hidden.dtype,
+                                 fp8[0].block if fp8 is not None else None, num_tokens)
         if tokens.layout == "masked":
-            return self._apply_masked(tokens, w13, w2, hidden_size, inter, fp8)
-        return self._apply_contiguous(tokens, w13, w2, hidden_size, inter, fp8)
+            return self._apply_masked(tokens, w13, w2, hidden_size, inter, fp8, config)
+        return self._apply_contiguous(tokens, w13, w2, hidden_size, inter, fp8, config)
 
     def _apply_contiguous(
         self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor, hidden_size: int, inter: int,
-        fp8: tuple[Fp8Tensor, Fp8Tensor] | None,
+        fp8: tuple[Fp8Tensor, Fp8Tensor] | None, config: TritonMoEConfig,
     ) -> torch.Tensor:
         hidden = tokens.hidden
         assert tokens.topk_ids is not None and tokens.topk_weights is not None
@@ -246,16 +300,16 @@ class TritonExperts(MoEExperts):
         num_routes = num_rows * top_k
         if num_routes == 0:
             return torch.zeros_like(hidden)
-        sorted_ids, expert_ids, num_post_pad = moe_align_block_size(tokens.topk_ids, self.block_m, w13.shape[0])
+        sorted_ids, expert_ids, num_post_pad = moe_align_block_size(tokens.topk_ids, config.block_m, w13.shape[0])
         weights = tokens.topk_weights.reshape(-1).contiguous()
         per_route = torch.zeros((num_routes, hidden_size), dtype=torch.float32, device=hidden.device)
         self._run(hidden, top_k, w13, w2, weights, per_route, sorted_ids, expert_ids, num_post_pad, num_routes, inter,
-                  fp8)
+                  fp8, config)
         return per_route.view(num_rows, top_k, hidden_size).sum(dim=1).to(hidden.dtype)
 
     def _apply_masked(
         self, tokens: ExpertTokens, w13: torch.Tensor, w2: torch.Tensor, hidden_size: int, inter: int,
-        fp8: tuple[Fp8Tensor, Fp8Tensor] | None,
+        fp8: tuple[Fp8Tensor, Fp8Tensor] | None, config: TritonMoEConfig,
     ) -> torch.Tensor:
         """Each (expert, slot < expert_num_tokens[e]) is a route with weight 1; no align or host sync needed.
 
@@ -269,8 +323,8 @@ class TritonExperts(MoEExperts):
         if num_slots == 0:
             return torch.zeros_like(hidden)
         device = hidden.device
-        blocks_per_expert = _cdiv(capacity, self.block_m)
-        slot = torch.arange(blocks_per_expert * self.block_m, device=device)
+        blocks_per_expert = _cdiv(capacity, config.block_m)
+        slot = torch.arange(blocks_per_expert * config.block_m, device=device)
         counts = tokens.expert_num_tokens.to(device=device, dtype=torch.int64).clamp(max=capacity)
         flat_ids = torch.arange(num_experts, device=device).unsqueeze(1) * capacity + slot.unsqueeze(0)
         in_use = slot.unsqueeze(0) < counts.unsqueeze(1)
@@ -279,7 +333,7 @@ class TritonExperts(MoEExperts):
         num_post_pad = torch.full((1,), sorted_ids.numel(), dtype=torch.int32, device=device)  # no H2D copy
         out = torch.zeros((num_slots, hidden_size), dtype=hidden.dtype, device=device)
         self._run(hidden.reshape(num_slots, hidden_size), 1, w13, w2, None, out,
-                  sorted_ids, expert_ids, num_post_pad, num_slots, inter, fp8)
+                  sorted_ids, expert_ids, num_post_pad, num_slots, inter, fp8, config)
         return out.view(num_experts, capacity, hidden_size)
 
     def _run(
@@ -295,32 +349,34 @@ class TritonExperts(MoEExperts):
         num_post_pad: torch.Tensor,
         num_routes: int,
         inter: int,
-        fp8: tuple[Fp8Tensor, Fp8Tensor] | None = None,
+        fp8: tuple[Fp8Tensor, Fp8Tensor] | None,
+        config: TritonMoEConfig,
     ) -> None:
         """Launch both GEMMs; ``out`` must be zero-initialised (rows of non-local routes are never written)."""
         intermediate = torch.empty((num_routes, inter), dtype=torch.float32, device=a.device)
-        launch: dict[str, Any] = dict(BLOCK_M=self.block_m, BLOCK_N=self.block_n, BLOCK_K=self.block_k)
+        launch: dict[str, Any] = dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                                      GROUP_M=config.group_m)
         # without FP8 weights the scale arguments are placeholders the kernels never read (FP8_W is False)
         s13, s2 = (_scale_args(fp8[0]), _scale_args(fp8[1])) if fp8 is not None else ((w13, 0, 0, 0), (w2, 0, 0, 0))
         f13, f2 = (_scale_consts(fp8[0]), _scale_consts(fp8[1])) if fp8 is not None else (_NO_FP8, _NO_FP8)
         up_offset = (fp8[0].scale.shape[1] // 2) * fp8[0].scale.stride(1) if fp8 is not None else 0
         if not self.interpret:
-            launch.update(num_warps=self.num_warps, num_stages=self.num_stages)
+            launch.update(num_warps=config.num_warps, num_stages=config.num_stages)
         hidden_size = a.shape[1]
         num_m_blocks = expert_ids.numel()
         with launch_guard(self.interpret):
-            self._w13_kernel[(num_m_blocks, _cdiv(inter, self.block_n))](
+            self._w13_kernel[(num_m_blocks * _cdiv(inter, config.block_n),)](
                 a, w13, intermediate, sorted_ids, expert_ids, num_post_pad,
-                num_routes, inter, top_k,
+                num_routes, inter, top_k, num_m_blocks,
                 a.stride(0), a.stride(1), w13.stride(0), w13.stride(1), w13.stride(2),
                 intermediate.stride(0), intermediate.stride(1),
                 *s13, up_offset,
                 K=hidden_size, **launch, **f13,
             )
-            self._w2_kernel[(num_m_blocks, _cdiv(hidden_size, self.block_n))](
+            self._w2_kernel[(num_m_blocks * _cdiv(hidden_size, config.block_n),)](
                 intermediate, w2, out, weights if weights is not None else intermediate,
                 sorted_ids, expert_ids, num_post_pad,
-                num_routes, hidden_size,
+                num_routes, hidden_size, num_m_blocks,
                 intermediate.stride(0), intermediate.stride(1), w2.stride(0), w2.stride(1), w2.stride(2),
                 out.stride(0), out.stride(1),
                 *s2,

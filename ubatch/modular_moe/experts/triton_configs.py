@@ -1,0 +1,177 @@
+"""Tuned launch configurations for the Triton fused-MoE experts, read from JSON tables in vLLM's format.
+
+A table is one file per (experts ``E``, intermediate size ``N``, GPU, weight dtype): its name is
+``E={E},N={N},device_name={GPU}[,dtype={dtype}][,block_shape=[bn,bk]].json`` (vLLM's
+``get_config_file_name``; ``,K={hidden}`` after ``N`` where the table was tuned for one hidden size, which is
+how ``benchmarks/tune_moe.py`` writes it). Its keys are token counts, its values the launch parameters
+``BLOCK_SIZE_M/N/K``, ``GROUP_SIZE_M``, ``num_warps``, ``num_stages``; a launch with ``M`` tokens takes the
+entry of the nearest token count. So vLLM's published tables drop in unchanged.
+
+Tables are looked up in the directory named by ``UBATCH_MOE_CONFIG_DIR`` (or one passed explicitly), the
+``K``-qualified name first. Without a table, :func:`default_config` (vLLM's untuned rule) applies.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "CONFIG_DIR_ENV",
+    "MoEConfigTable",
+    "TritonMoEConfig",
+    "config_dtype",
+    "default_config",
+    "device_file_name",
+    "find_table",
+    "load_table",
+    "table_file_names",
+]
+
+CONFIG_DIR_ENV = "UBATCH_MOE_CONFIG_DIR"
+_FIELDS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
+_IGNORED_KEYS = ("triton_version",)  # metadata vLLM's newer tables carry next to the token counts
+_IGNORED_FIELDS = ("SPLIT_K",)  # vLLM's kernels take it (always 1); this kernel has no split-K
+
+
+@dataclass(frozen=True)
+class TritonMoEConfig:
+    """One launch configuration of both expert GEMMs (tile sizes, L2 grouping of row blocks, warps, stages)."""
+
+    block_m: int = 64
+    block_n: int = 64
+    block_k: int = 32
+    group_m: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self) -> None:
+        for label, size in (("block_m", self.block_m), ("block_n", self.block_n), ("block_k", self.block_k)):
+            if size < 16 or size & (size - 1):
+                raise ValueError(f"{label}={size} must be a power of two >= 16 (tl.dot's minimum tile)")
+        for label, value in (("group_m", self.group_m), ("num_warps", self.num_warps),
+                             ("num_stages", self.num_stages)):
+            if value < 1:
+                raise ValueError(f"{label}={value} must be >= 1")
+
+    def to_json(self) -> dict[str, int]:
+        """The entry as a table stores it (vLLM's field names)."""
+        return dict(zip(_FIELDS, (self.block_m, self.block_n, self.block_k, self.group_m, self.num_warps,
+                                  self.num_stages), strict=True))
+
+
+@dataclass(frozen=True)
+class MoEConfigTable:
+    """A loaded table: token count -> configuration, and the file it came from (for the log line)."""
+
+    path: Path
+    entries: dict[int, TritonMoEConfig]
+
+    def lookup(self, num_tokens: int) -> TritonMoEConfig:
+        """The entry of the token count nearest ``num_tokens`` (the smaller one on a tie, as vLLM's ``min``)."""
+        return self.entries[min(self.entries, key=lambda m: abs(m - num_tokens))]
+
+
+def default_config(num_tokens: int, num_experts: int) -> TritonMoEConfig:
+    """vLLM's untuned rule: small tiles while there are fewer tokens than experts (decode), else 64x64x32
+    with row blocks grouped by 8."""
+    if num_tokens <= num_experts:
+        return TritonMoEConfig(block_m=16, block_n=32, block_k=64, group_m=1)
+    return TritonMoEConfig(block_m=64, block_n=64, block_k=32, group_m=8)
+
+
+def device_file_name(device_name: str) -> str:
+    """A GPU name as file names spell it: spaces become underscores, every H200 variant is ``NVIDIA_H200``."""
+    name = device_name.replace(" ", "_")
+    return "NVIDIA_H200" if "H200" in name.split("_") else name
+
+
+def config_dtype(dtype_name: str, fp8_block: tuple[int, int] | None) -> str | None:
+    """The ``dtype=`` of a table name: none for 16-bit activations with 16-bit weights (vLLM's default
+    tables), ``float32``, or ``fp8_w8a16`` for block-FP8 weights (dequantised in the kernel, so vLLM's
+    ``fp8_w8a8`` tables, tuned for an FP8 tensor-core kernel, are not used for it)."""
+    if fp8_block is not None:
+        return "fp8_w8a16"
+    if dtype_name in ("bfloat16", "float16"):
+        return None
+    return dtype_name
+
+
+def table_file_names(num_experts: int, inter: int, hidden: int, device_name: str, dtype: str | None,
+                     block_shape: tuple[int, int] | None) -> tuple[str, str]:
+    """The two names looked up, in order: with ``K={hidden}`` (a table tuned for this hidden size), and
+    vLLM's name without it."""
+    suffix = f",device_name={device_file_name(device_name)}"
+    if dtype:
+        suffix += f",dtype={dtype}"
+    if block_shape is not None:
+        suffix += f",block_shape=[{block_shape[0]},{block_shape[1]}]"
+    return (f"E={num_experts},N={inter},K={hidden}{suffix}.json", f"E={num_experts},N={inter}{suffix}.json")
+
+
+def _entry(path: Path, key: str, value: object) -> TritonMoEConfig:
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: entry {key!r} is {type(value).__name__}, expected an object of {_FIELDS}")
+    unknown = sorted(set(value) - set(_FIELDS) - set(_IGNORED_FIELDS))
+    if unknown:
+        raise ValueError(f"{path}: entry {key!r} has unknown fields {unknown}; expected {_FIELDS}")
+    for field, v in value.items():
+        if not isinstance(v, int) or isinstance(v, bool):
+            raise ValueError(f"{path}: entry {key!r} field {field!r} is {v!r}, expected an integer")
+    if value.get("SPLIT_K", 1) != 1:
+        raise ValueError(f"{path}: entry {key!r} has SPLIT_K={value['SPLIT_K']}; this kernel has no split-K")
+    defaults = TritonMoEConfig()
+    try:
+        return TritonMoEConfig(
+            block_m=value.get("BLOCK_SIZE_M", defaults.block_m), block_n=value.get("BLOCK_SIZE_N", defaults.block_n),
+            block_k=value.get("BLOCK_SIZE_K", defaults.block_k), group_m=value.get("GROUP_SIZE_M", defaults.group_m),
+            num_warps=value.get("num_warps", defaults.num_warps),
+            num_stages=value.get("num_stages", defaults.num_stages),
+        )
+    except ValueError as exc:
+        raise ValueError(f"{path}: entry {key!r}: {exc}") from None
+
+
+def load_table(path: Path) -> MoEConfigTable:
+    """Read and check one table file; a malformed one raises ``ValueError`` naming the file and the key.
+
+    Fields an entry leaves out take :class:`TritonMoEConfig`'s defaults (vLLM's tables omit ``num_stages``
+    in places, as Triton has a default for it).
+    """
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected an object of token count -> configuration, got {type(raw).__name__}")
+    entries: dict[int, TritonMoEConfig] = {}
+    for key, value in raw.items():
+        if key in _IGNORED_KEYS:
+            continue
+        if not key.isdigit() or int(key) < 1:
+            raise ValueError(f"{path}: key {key!r} is not a positive token count")
+        entries[int(key)] = _entry(path, key, value)
+    if not entries:
+        raise ValueError(f"{path}: no token-count entries")
+    return MoEConfigTable(path, entries)
+
+
+def find_table(config_dir: Path | None, num_experts: int, inter: int, hidden: int, device_name: str,
+               dtype: str | None, block_shape: tuple[int, int] | None) -> tuple[MoEConfigTable | None, str]:
+    """The table for this shape and GPU in ``config_dir`` (``$UBATCH_MOE_CONFIG_DIR`` when None), and a
+    sentence saying which file was used, or which were looked for, for the log line."""
+    if config_dir is None:
+        env = os.environ.get(CONFIG_DIR_ENV)
+        if not env:
+            return None, f"{CONFIG_DIR_ENV} is not set; using the default configurations"
+        config_dir = Path(env)
+    if not config_dir.is_dir():
+        raise FileNotFoundError(f"MoE config directory {config_dir} does not exist (from {CONFIG_DIR_ENV} or "
+                                "the experts' config_dir)")
+    names = table_file_names(num_experts, inter, hidden, device_name, dtype, block_shape)
+    for name in names:
+        path = config_dir / name
+        if path.is_file():
+            return load_table(path), f"using the tuned table {path}"
+    return None, f"no table {' or '.join(names)} in {config_dir}; using the default configurations"
