@@ -3,9 +3,11 @@
 ``kernels``: every experts and attention backend on a Qwen3-30B-A3B-like layer (``bench-qwen3-moe-1b``), eager
 and replayed, against the larger of the memory and FLOP limits measured on the GPU. ``step``: a 512-token decode
 step eager / eager-DBO / graph / graph-DBO, without a link and with the link calibrated to comm/compute 0.5, 1, 2.
+``qwen3-30b`` (only when named): one layer of Qwen3-30B-A3B's experts (128 of intermediate 768, hidden 2048, top 8)
+at 256 and 2048 tokens for every experts backend against the same limit, and that time for its 48 layers.
 Writes CSVs under ``benchmarks/results/`` and, with ``--json``, JSON rewritten after each row (what ``make
 gpu-check`` reads; ``--quick`` is its short form). Without a GPU it exits 2. Usage: ``python
-benchmarks/bench_gpu.py [--sections kernels step] [--iters 20] [--ratios 0.5 1 2] [--quick] [--json PATH]``.
+benchmarks/bench_gpu.py [--sections kernels step qwen3-30b] [--iters 20] [--ratios 0.5 1 2] [--quick] [--json PATH]``.
 """
 from __future__ import annotations
 
@@ -44,6 +46,13 @@ QUICK_EXPERT_TOKENS = (512, 2048)  # the GPU-compute goals' shapes
 DECODE_SHAPES = ((512, 512), (256, 4096))  # (requests, context)
 STEP_TOKENS, STEP_CONTEXT = 512, 512
 QUICK_ITERS, QUICK_RATIOS = 5, (1.0,)
+# Qwen3-30B-A3B's published shape; the ``qwen3-30b`` section times one layer's experts (random bf16 weights made
+# on the device), the figure a decode step of the full model repeats once per layer
+QWEN3_30B_A3B = {"num_hidden_layers": 48, "num_experts": 128, "moe_intermediate_size": 768, "hidden_size": 2048,
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts_per_tok": 8}
+QWEN3_30B_KERNEL = "experts (Qwen3-30B-A3B layer)"
+QWEN3_30B_TOKENS = (256, 2048)
+SECTIONS = ("kernels", "step", "qwen3-30b")
 
 Row = dict[str, Any]
 Emit = Callable[[Row], None]  # called with each row as soon as it is measured
@@ -128,29 +137,37 @@ class Limits:
 
 
 # ---- kernels --------------------------------------------------------------------------------------------
+def experts_traffic(cfg: dict[str, Any], tokens: int, touched: int) -> tuple[int, int]:
+    """(bytes read, FLOPs) of one layer's bf16 experts on ``tokens`` tokens routed to ``touched`` experts: each
+    touched expert's gate/up/down weights and the tokens once; three GEMMs per (token, expert) route."""
+    h, i, k = cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
+    expert_bytes = (2 * i * h + h * i) * 2
+    return touched * expert_bytes + 2 * tokens * h * 2, 2 * tokens * k * 3 * h * i
+
+
 def experts_rows(limits: Limits, iters: int, expert_tokens: tuple[int, ...] = EXPERT_TOKENS,
-                 emit: Emit = print) -> list[Row]:
+                 emit: Emit = print, cfg: dict[str, Any] = MODEL_CONFIG, kernel: str = "experts") -> list[Row]:
+    """Every experts backend (but DeepGEMM's, which takes FP8 masked batches) on one layer of ``cfg``'s
+    experts, random bf16 weights made on the device, against the torch backend's output and the limit."""
     from ubatch.modular_moe.experts import EXPERTS_BACKENDS, make_experts
     from ubatch.modular_moe.types import ExpertTokens
 
-    cfg = MODEL_CONFIG
     e, h, i, k = cfg["num_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"], cfg["num_experts_per_tok"]
     torch.manual_seed(0)
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / h ** 0.5
     w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / i ** 0.5
-    expert_bytes = (2 * i * h + h * i) * 2
     rows = []
     for tokens in expert_tokens:
         x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
         weights, ids = torch.topk(torch.softmax(torch.randn(tokens, e, device="cuda"), -1), k)
         batch = ExpertTokens("contiguous", x, ids.to(torch.int32), (weights / weights.sum(-1, keepdim=True)).float())
         touched = int(torch.unique(ids).numel())
-        limit = limits.ms(touched * expert_bytes + 2 * tokens * h * 2, 2 * tokens * k * 3 * h * i)
+        limit = limits.ms(*experts_traffic(cfg, tokens, touched))
         reference = make_experts("torch").apply(batch, w13, w2).float()
         for name in EXPERTS_BACKENDS:
             if name == "deep_gemm":  # it takes fp8 masked batches, not this bf16 contiguous one
                 continue
-            row: Row = {"kernel": "experts", "backend": name, "shape": experts_shape(tokens),
+            row: Row = {"kernel": kernel, "backend": name, "shape": experts_shape(tokens),
                         "limit_ms": round(limit, 3)}
             try:
                 backend = make_experts(name)
@@ -378,7 +395,7 @@ class Results:
     def emitter(self, section: str) -> Emit:
         def emit(row: Row) -> None:
             print(row, flush=True)
-            self.doc[section].append(row)
+            self.doc.setdefault(section, []).append(row)  # qwen3-30b's list only where that section runs
             self.save()
         return emit
 
@@ -387,9 +404,29 @@ class Results:
         self.save()
 
 
+def qwen3_30b_section(args: argparse.Namespace, results: Results) -> None:
+    """Experts per layer of Qwen3-30B-A3B for each backend, and what its 48 layers cost a step at that rate."""
+    limits = Limits(args.iters)
+    layers = QWEN3_30B_A3B["num_hidden_layers"]
+    emit = results.emitter("qwen3-30b")
+
+    def emit_with_layers(row: Row) -> None:
+        best = row.get("graph_ms") if isinstance(row.get("graph_ms"), float) else row.get("eager_ms")
+        if isinstance(best, float):
+            row[f"x{layers}_layers_ms"] = round(best * layers, 2)
+        emit(row)
+
+    rows = experts_rows(limits, args.iters, QWEN3_30B_TOKENS, emit_with_layers, QWEN3_30B_A3B, QWEN3_30B_KERNEL)
+    print_table(f"{QWEN3_30B_KERNEL} (ms; x limit = time / max(memory limit, FLOP limit))", rows)
+    if not args.quick:
+        write_csv(rows, RESULTS_DIR / "gpu_qwen3_30b_experts.csv")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sections", nargs="+", default=["kernels", "step"], choices=["kernels", "step"])
+    p.add_argument("--sections", nargs="+", default=["kernels", "step"], choices=SECTIONS,
+                   help="qwen3-30b (not run by default): one Qwen3-30B-A3B layer's experts at "
+                        f"{' and '.join(map(str, QWEN3_30B_TOKENS))} tokens, each backend against the limit")
     p.add_argument("--iters", type=int, default=None, help=f"default 20 ({QUICK_ITERS} with --quick)")
     p.add_argument("--ratios", nargs="+", type=float, default=None,
                    help="comm/compute ratios of the step section (default 0.5 1 2; 1 with --quick)")
@@ -432,6 +469,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001 - recorded; the step section still runs
             traceback.print_exc()
             results.error("kernels", exc)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "qwen3-30b" in args.sections:
+        try:
+            qwen3_30b_section(args, results)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            results.error("qwen3-30b", exc)
         gc.collect()
         torch.cuda.empty_cache()
     if "step" in args.sections:

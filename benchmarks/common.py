@@ -10,12 +10,13 @@ RESULTS_DIR = Path(__file__).parent / "results"
 
 
 def write_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
-    """Write ``rows`` (dicts with the same keys) to ``path`` and say where they went."""
+    """Write ``rows`` to ``path`` and say where they went. The columns are every key of any row, in order of
+    first appearance (a failed measurement's row lacks the columns of a timed one); missing cells are empty."""
     if not rows:
         raise ValueError(f"no rows to write to {path}")
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w", newline="") as fh:
-        writer = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        writer = csv.DictWriter(fh, fieldnames=list(dict.fromkeys(key for row in rows for key in row)))
         writer.writeheader()
         writer.writerows(rows)
     print(f"wrote {path}")

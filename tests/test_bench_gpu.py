@@ -1,7 +1,9 @@
-"""benchmarks/bench_gpu.py: refuses to run without a GPU, and the overlap arithmetic its 'link hidden %' uses
-(``ubatch.trace_metrics``: the sleep kernels' time that overlaps compute kernels)."""
+"""benchmarks/bench_gpu.py: refuses to run without a GPU (every section), the experts' roofline inputs, and the
+overlap arithmetic its 'link hidden %' uses (``ubatch.trace_metrics``: the sleep kernels' time that overlaps
+compute kernels)."""
 from __future__ import annotations
 
+import csv
 import subprocess
 import sys
 from pathlib import Path
@@ -12,12 +14,17 @@ import torch
 from ubatch.trace_metrics import intersect, length
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(REPO / "benchmarks")]
+
+import bench_gpu  # noqa: E402
+from common import write_csv  # noqa: E402
 
 
-def test_exits_2_and_says_why_without_a_gpu() -> None:
+@pytest.mark.parametrize("args", [[], ["--sections", "qwen3-30b"]], ids=["default", "qwen3-30b"])
+def test_exits_2_and_says_why_without_a_gpu(args: list[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_gpu.py")], cwd=REPO,
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "bench_gpu.py"), *args], cwd=REPO,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "needs a CUDA GPU" in proc.stderr and "Traceback" not in proc.stderr
@@ -35,3 +42,30 @@ def test_overlap_is_the_time_both_sets_run() -> None:
     # [1,2] + [3,4] + [10,11] = 3
     assert length(intersect(sleeps, compute)) == 3.0
     assert length(intersect(sleeps, [])) == 0.0
+
+
+def test_qwen3_30b_section_is_named_not_default() -> None:
+    assert bench_gpu.parse_args([]).sections == ["kernels", "step"]
+    assert bench_gpu.parse_args(["--sections", "qwen3-30b"]).sections == ["qwen3-30b"]
+    cfg = bench_gpu.QWEN3_30B_A3B
+    assert (cfg["num_hidden_layers"], cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"],
+            cfg["num_attention_heads"], cfg["num_key_value_heads"]) == (48, 128, 768, 2048, 32, 4)
+    assert bench_gpu.QWEN3_30B_TOKENS == (256, 2048)
+
+
+def test_experts_traffic_of_a_qwen3_30b_layer() -> None:
+    """bf16 gate/up/down weights of each touched expert (3 * 768 * 2048 * 2 bytes) plus the tokens' rows;
+    2 * 3 * 2048 * 768 FLOPs per (token, expert) route, 8 routes a token."""
+    cfg = bench_gpu.QWEN3_30B_A3B
+    assert bench_gpu.experts_traffic(cfg, 256, 128) == (128 * 9_437_184 + 2_097_152, 19_327_352_832)
+    assert bench_gpu.experts_traffic(cfg, 2048, 100) == (100 * 9_437_184 + 16_777_216, 154_618_822_656)
+
+
+def test_csv_columns_are_every_rows_keys(tmp_path: Path) -> None:
+    """The torch backend's row (not capturable: no graph_x_limit) comes first; a timed row has more columns."""
+    rows: list[dict[str, object]] = [{"backend": "torch", "graph_ms": "not capturable: RuntimeError"},
+                                     {"backend": "triton", "graph_ms": 0.5, "graph_x_limit": 2.0}]
+    write_csv(rows, tmp_path / "k.csv")
+    with open(tmp_path / "k.csv", newline="") as fh:
+        assert list(csv.reader(fh)) == [["backend", "graph_ms", "graph_x_limit"],
+                                        ["torch", "not capturable: RuntimeError", ""], ["triton", "0.5", "2.0"]]
