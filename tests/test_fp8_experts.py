@@ -12,6 +12,7 @@ from standins import deep_gemm as dg
 from ubatch.fp8 import FP8_DTYPE, FP8_MAX, Fp8Tensor, dequantize_blocks, quantize_blocks, scale_shape
 from ubatch.modular_moe.experts.deep_gemm_experts import DeepGemmExperts
 from ubatch.modular_moe.experts.torch_experts import TorchExperts
+from ubatch.modular_moe.experts.triton_configs import TritonMoEConfig
 from ubatch.modular_moe.types import ExpertTokens
 
 E, H, I = 4, 256, 256  # noqa: E741  (I: the experts' intermediate size, the kernels' notation)
@@ -131,7 +132,7 @@ def test_deep_gemm_refuses_fp8_weights_off_its_block_grid(i: int, block: tuple[i
         DeepGemmExperts(deep_gemm_module=dg, use_ue8m0=False).run(masked_tokens(), w13, w2)
 
 
-TRITON_BLOCKS = dict(block_m=16, block_n=64, block_k=32)
+TRITON_CONFIG = TritonMoEConfig(block_m=16, block_n=64, block_k=32)
 
 
 @pytest.mark.triton_interpreter
@@ -155,7 +156,7 @@ def test_triton_experts_dequantise_fp8_blocks_in_the_kernel(layout: str, block: 
         ids = torch.randint(-1, e, (10, 2), generator=g)
         tokens = ExpertTokens("contiguous", torch.randn(10, h, generator=g), topk_ids=ids,
                               topk_weights=torch.rand(10, 2, generator=g))
-    out = TritonExperts(**TRITON_BLOCKS).run(tokens, w13, w2)
+    out = TritonExperts(config=TRITON_CONFIG).run(tokens, w13, w2)
     ref = TorchExperts().apply(tokens, w13.dequantize(torch.float32), w2.dequantize(torch.float32))
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
 
