@@ -30,12 +30,17 @@ so DBO can engage under any of them.
 from __future__ import annotations
 
 import enum
+import logging
+import os
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from runner.config import RunnerConfig
+
+logger = logging.getLogger("ubatch.config")
 
 GIB = 1 << 30
 #: a GPU with at least this much memory (and not an A100) gets the large defaults (vLLM's threshold)
@@ -80,16 +85,55 @@ DeviceProbe = Callable[[str], DeviceInfo]
 
 
 def probe_device(device: str) -> DeviceInfo:
-    """The device ``device`` (a ``--device`` choice) resolves to here; on a GPU, device 0's memory and name."""
+    """The device ``device`` (a ``--device`` choice) resolves to here; on a GPU, the first visible one's memory
+    and name, read through NVML (:func:`gpu_memory_and_name`)."""
     from runner.distributed.device import resolve_device_type
 
     device_type = resolve_device_type(device)
     if device_type == "cpu":
         return DeviceInfo("cpu")
-    import torch
+    memory, name = gpu_memory_and_name()
+    return DeviceInfo("cuda", memory, name)
 
-    props = torch.cuda.get_device_properties(0)
-    return DeviceInfo("cuda", int(props.total_memory), str(props.name))
+
+def gpu_memory_and_name() -> tuple[int, str]:
+    """The first visible GPU's memory in bytes and its name, from NVML (``nvidia-ml-py``, as vLLM reads them).
+
+    NVML rather than ``torch.cuda.get_device_properties``: that would create a CUDA context in this process,
+    the front end, which must leave the GPUs to the engine's ranks (and fork no CUDA state). Where NVML cannot
+    answer (no library or driver), ``(0, "")`` and a warning that names why: the defaults are then those of a
+    GPU under 70 GiB, the smaller ones."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = _first_visible_gpu(pynvml)
+            memory = int(pynvml.nvmlDeviceGetMemoryInfo(handle).total)
+            name = pynvml.nvmlDeviceGetName(handle)
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001 - ImportError or pynvml's NVMLError (an Exception); logged, not silent
+        return _unknown_gpu(exc)
+    return memory, name.decode() if isinstance(name, bytes) else str(name)
+
+
+def _first_visible_gpu(pynvml: ModuleType) -> object:
+    """NVML's handle of the GPU that CUDA numbers 0: the first entry of ``CUDA_VISIBLE_DEVICES`` (an index or a
+    UUID), else device 0."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    if first.isdigit():
+        return pynvml.nvmlDeviceGetHandleByIndex(int(first))
+    if first.startswith(("GPU-", "MIG-")):
+        return pynvml.nvmlDeviceGetHandleByUUID(first)
+    return pynvml.nvmlDeviceGetHandleByIndex(0)
+
+
+def _unknown_gpu(exc: BaseException) -> tuple[int, str]:
+    logger.warning("max_num_seqs / max_num_batched_tokens defaults: the GPU's memory could not be read through "
+                   "NVML (%s: %s), so the defaults of a GPU under 70 GiB apply; give --max-num-seqs and "
+                   "--max-num-batched-tokens to choose", type(exc).__name__, exc)
+    return 0, ""
 
 
 def batch_defaults(device: DeviceInfo, context: UsageContext, *, dispatch_follows_budget: bool = False

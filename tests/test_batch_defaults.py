@@ -2,6 +2,10 @@
 through the device probe."""
 from __future__ import annotations
 
+import logging
+import sys
+import types
+
 import pytest
 
 import runner.batch_defaults as bd
@@ -140,3 +144,61 @@ def test_serve_flags_get_the_server_defaults(monkeypatch: pytest.MonkeyPatch) ->
     args = argparse.Namespace(max_num_seqs=32, max_num_batched_tokens=None)
     out = with_batch_defaults_from_args(RunnerConfig(device="cpu", max_num_seqs=32), args, 4096, SERVER)
     assert (out.max_num_seqs, out.max_num_batched_tokens) == (32, 8192)
+
+
+class _FakeNvml:
+    """pynvml's calls that gpu_memory_and_name makes, over a table of (index, uuid, name, bytes)."""
+
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, gpus: list[tuple[int, str, str, int]], fail: bool = False) -> None:
+        self.gpus, self.fail, self.shut = gpus, fail, 0
+
+    def nvmlInit(self) -> None:
+        if self.fail:
+            raise self.NVMLError("NVML Shared Library Not Found")
+
+    def nvmlShutdown(self) -> None:
+        self.shut += 1
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> tuple[int, str, str, int]:
+        return self.gpus[i]
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> tuple[int, str, str, int]:
+        return next(g for g in self.gpus if g[1] == uuid)
+
+    def nvmlDeviceGetMemoryInfo(self, h: tuple[int, str, str, int]) -> types.SimpleNamespace:
+        return types.SimpleNamespace(total=h[3])
+
+    def nvmlDeviceGetName(self, h: tuple[int, str, str, int]) -> str:
+        return h[2]
+
+
+GPUS = [(0, "GPU-aaa", "NVIDIA L4", 24 * bd.GIB), (1, "GPU-bbb", "NVIDIA H200", 141 * bd.GIB)]
+
+
+@pytest.mark.parametrize(("visible", "expected"), [(None, (24 * bd.GIB, "NVIDIA L4")),
+                                                   ("1,0", (141 * bd.GIB, "NVIDIA H200")),
+                                                   ("GPU-bbb", (141 * bd.GIB, "NVIDIA H200"))])
+def test_the_gpu_is_read_through_nvml_as_cuda_numbers_it(monkeypatch: pytest.MonkeyPatch, visible: str | None,
+                                                          expected: tuple[int, str]) -> None:
+    nvml = _FakeNvml(GPUS)
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert bd.gpu_memory_and_name() == expected
+    assert nvml.shut == 1
+
+
+def test_nvml_failing_gives_the_smaller_gpu_defaults_and_says_why(monkeypatch: pytest.MonkeyPatch,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setitem(sys.modules, "pynvml", _FakeNvml(GPUS, fail=True))
+    with caplog.at_level(logging.WARNING, logger="ubatch.config"):
+        assert bd.gpu_memory_and_name() == (0, "")
+    assert "NVMLError: NVML Shared Library Not Found" in caplog.text
+    assert "GPU under 70 GiB" in caplog.text
+    info = bd.DeviceInfo("cuda", 0, "")
+    assert bd.batch_defaults(info, bd.UsageContext.LLM_CLASS) == bd.OTHER_GPU[bd.UsageContext.LLM_CLASS]

@@ -22,10 +22,10 @@ import tempfile
 from pathlib import Path
 
 TOP = ("greenlet==3.5.6", "fastapi==0.165.0", "uvicorn==0.54.0", "pyzmq==27.3.0", "msgspec==0.22.0",
-       "openai==3.57.0", "aiohttp==3.14.5", "httptools==0.9.0")
+       "openai==3.57.0", "aiohttp==3.14.5", "httptools==0.9.0", "nvidia-ml-py==13.615.71")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64", "manylinux_2_26_x86_64",
              "manylinux_2_27_x86_64", "manylinux_2_28_x86_64", "manylinux1_x86_64", "any")
-NEVER = re.compile(r"^(torch|triton|numpy|nvidia[-_].*|cuda[-_].*)$")  # the GPU image's own stack
+NEVER = re.compile(r"^(torch|triton|numpy|nvidia[-_](?!ml[-_]py$).*|cuda[-_].*)$")  # the GPU image's own stack
 MAX_BYTES = 32 * 2**20  # the device tool carries 64 MiB in all, the working tree included
 
 
