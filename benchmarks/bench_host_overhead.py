@@ -181,8 +181,8 @@ def instrument(llm: Any, core: Any) -> PhaseTimers:
 
     t = PhaseTimers()
     t.wrap(scheduler.Scheduler, "schedule", "schedule")
-    t.wrap(kv_blocks.BlockAllocator, "allocate", "kv_alloc")
-    t.wrap(kv_blocks.BlockAllocator, "free", "kv_alloc")
+    t.wrap(kv_blocks.BlockPool, "allocate", "kv_alloc")
+    t.wrap(kv_blocks.BlockPool, "free", "kv_alloc")
     t.wrap(model_runner.ModelRunner, "decide", "dp_vote")
     t.wrap(model_runner.ModelRunner, "launch", "inputs")
     t.wrap(model_runner.ModelRunner, "_launch_sampling", "sampling")

@@ -132,6 +132,7 @@ class RunnerConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: enough for max_num_seqs * max_model_len
     gpu_memory_utilization: float = 0.9  # GPU without num_kv_blocks: KV gets this share less weights/activations/graphs
+    enable_prefix_caching: bool = True  # reuse the KV of cached full blocks of a common prefix (vLLM V1's default)
     max_dispatch_tokens_per_rank: int | None = None  # None: derived from max_num_batched_tokens
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None  # None: a vLLM-like ladder up to --max-num-seqs
@@ -172,8 +173,7 @@ class RunnerConfig:
                 raise ConfigError("cuda_graph_sizes", f"cuda_graph_sizes must be a non-empty list of positive "
                                                       f"integers, got {sizes!r}")
         for name in ("enable_expert_parallel", "enable_dbo", "enforce_eager", "disable_overlap_schedule",
-                     "disable_consecutive_prefill_overlap",
-                     "enable_single_batch_overlap"):
+                     "disable_consecutive_prefill_overlap", "enable_single_batch_overlap", "enable_prefix_caching"):
             if not isinstance(getattr(self, name), bool) and not (name == "disable_overlap_schedule"
                                                                   and self.disable_overlap_schedule is None):
                 raise ConfigError(name, f"{name} must be True or False, got {getattr(self, name)!r}")

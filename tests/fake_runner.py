@@ -111,10 +111,17 @@ class FakeRunner:
             return None
         self.steps.append(sched)
         self.num_steps += 1
-        owners: dict[int, int] = {}
+        # Requests may share blocks of a cached prefix, which they only read; a block written in this step must be
+        # its writer's alone.
+        holders: dict[int, set[int]] = {}
         for c in sched.chunks:
             for b in c.block_ids:
-                assert owners.setdefault(b, c.req_id) == c.req_id, f"block {b} shared by {owners[b]} and {c.req_id}"
+                holders.setdefault(b, set()).add(c.req_id)
+        for c in sched.chunks:
+            first, last = c.num_computed_tokens // self.block_size, (c.num_computed_tokens + len(c.token_ids) - 1) \
+                // self.block_size
+            for b in c.block_ids[first:last + 1]:
+                assert holders[b] == {c.req_id}, f"block {b} written by {c.req_id} is shared with {holders[b]}"
         rows = self.sampler.prepare(sched)  # as the model runner: settings per slot, penalty inputs recorded
         picks, logits = [], []
         for i, c in enumerate(sched.chunks):

@@ -1,4 +1,4 @@
-"""Paged attention vs a dense causal reference; block allocator and block-table helpers."""
+"""Paged attention vs a dense causal reference; block-table helpers."""
 from __future__ import annotations
 
 import random
@@ -9,7 +9,6 @@ import torch
 from reference_metadata import compute_slot_mapping, make_block_table
 from runner.attention import paged_attention, paged_mla_attention, write_kv
 from runner.attention.kv_cache import KVCacheSpec, allocate_kv_caches, build_attention_metadata
-from runner.core.kv_blocks import BlockAllocator, OutOfKVBlocksError
 
 BLOCK = 4
 
@@ -129,21 +128,6 @@ def test_mla_absorbed_matches_expanded_attention() -> None:
         q = torch.cat((q_nope[i][s], q_rope[i][s]), -1)
         refs.append(dense_reference(q, k, kv[..., dn:], torch.arange(s.start, s.stop), scale))
     torch.testing.assert_close(out, torch.cat(refs), atol=3e-5, rtol=1e-5)
-
-
-def test_block_allocator() -> None:
-    a = BlockAllocator(5)
-    b1 = a.allocate(2)
-    b2 = a.allocate(3)
-    assert b1 == [0, 1] and sorted(b1 + b2) == list(range(5)) and a.num_free_blocks == 0
-    with pytest.raises(OutOfKVBlocksError, match="requested 1, free 0 of 5"):
-        a.allocate(1)
-    a.free(b1)
-    assert a.num_free_blocks == 2 and a.can_allocate(2) and not a.can_allocate(3)
-    with pytest.raises(ValueError, match="not allocated"):
-        a.free([b1[0]])
-    a.free(b2)
-    assert a.num_free_blocks == 5
 
 
 def test_block_table_and_slot_mapping() -> None:

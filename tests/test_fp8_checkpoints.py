@@ -22,7 +22,7 @@ transformers = pytest.importorskip("transformers")
 from fp8_checkpoint import Fp8Pair, write_fp8_pair  # noqa: E402
 from module_paths import experts_of, tensor_at  # noqa: E402
 from runner.attention.kv_cache import allocate_kv_caches, blocks_needed  # noqa: E402
-from runner.core.kv_blocks import BlockAllocator  # noqa: E402
+from runner.core.kv_blocks import BlockPool  # noqa: E402
 from runner.models.base import MoECausalLM  # noqa: E402
 from runner.models.loader import CheckpointError, load_config, load_model  # noqa: E402
 from runner.models.quantization.fp8_linear import Fp8Linear  # noqa: E402
@@ -101,7 +101,7 @@ def prefill_logits(model: MoECausalLM, kv_dtype: torch.dtype = torch.float32) ->
         alloc = fresh_cache(model)
     else:
         model.bind_kv_caches(allocate_kv_caches(model.kv_cache_specs(), 64, BLOCK, kv_dtype))
-        alloc = BlockAllocator(64)
+        alloc = BlockPool(64)
     blocks = [alloc.allocate(blocks_needed(len(p), BLOCK)) for p in PROMPTS]
     return run_step(model, sum(PROMPTS, []), [0] * len(PROMPTS), [len(p) for p in PROMPTS], blocks)
 

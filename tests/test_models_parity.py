@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 transformers = pytest.importorskip("transformers")
 
 from runner.attention.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata  # noqa: E402
-from runner.core.kv_blocks import BlockAllocator  # noqa: E402
+from runner.core.kv_blocks import BlockPool  # noqa: E402
 from runner.engine.tokenizer import encode, load_tokenizer  # noqa: E402
 from runner.models.base import MoECausalLM  # noqa: E402
 from runner.models.loader import iter_checkpoint, load_model, resolve_model_path  # noqa: E402
@@ -87,9 +87,9 @@ def run_step(model: MoECausalLM, ids: list[int], ctx: list[int], qlen: list[int]
         return model.compute_logits(model(torch.tensor(ids), meta.positions))
 
 
-def fresh_cache(model: MoECausalLM, num_blocks: int = 64) -> BlockAllocator:
+def fresh_cache(model: MoECausalLM, num_blocks: int = 64) -> BlockPool:
     model.bind_kv_caches(allocate_kv_caches(model.kv_cache_specs(), num_blocks, BLOCK, torch.float32))
-    return BlockAllocator(num_blocks)
+    return BlockPool(num_blocks)
 
 
 def assert_rel_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:

@@ -22,7 +22,7 @@ from transformers import GenerationMixin, PreTrainedModel  # noqa: E402
 
 from devices import device_for  # noqa: E402
 from runner.attention.kv_cache import allocate_kv_caches, blocks_needed, build_attention_metadata  # noqa: E402
-from runner.core.kv_blocks import BlockAllocator  # noqa: E402
+from runner.core.kv_blocks import BlockPool  # noqa: E402
 from runner.distributed.launch import launch  # noqa: E402
 from runner.models.loader import iter_checkpoint, load_model  # noqa: E402
 from runner.models.registry import parse_config  # noqa: E402
@@ -96,7 +96,7 @@ def test_prefill_logits_equal_transformers(saved, family: str) -> None:
     hf, path = saved(family)
     model, _ = load_model(str(path))
     model.bind_kv_caches(allocate_kv_caches(model.kv_cache_specs(), 32, 4, torch.float32))
-    alloc = BlockAllocator(32)
+    alloc = BlockPool(32)
     lens = [len(p) for p in PROMPTS]
     meta = build_attention_metadata([0] * len(PROMPTS), lens, [alloc.allocate(blocks_needed(n, 4)) for n in lens], 4)
     with torch.no_grad(), set_forward_context(meta):

@@ -137,13 +137,20 @@ class CheckingRunner(FakeRunner):
 
 
 def assert_table_matches(sched: Scheduler) -> None:
-    """Every admitted request's table row is its block list; every other row is empty and zero."""
+    """Every admitted request's table row is its block list; every other row is empty and zero. A block held by
+    several requests is a cached prefix block of each (no holder writes it any more)."""
     table = sched.block_table
-    owned: dict[int, int] = {}
+    owned: dict[int, list[int]] = {}
     rows = set()
     for r in sched.requests.values():
         for b in r.block_ids:
-            assert owned.setdefault(b, r.req_id) == r.req_id, f"block {b} held by {owned[b]} and {r.req_id}"
+            owned.setdefault(b, []).append(r.req_id)
+    for b, holders in owned.items():
+        if len(holders) > 1:
+            for rid in holders:
+                r = sched.requests[rid]
+                assert r.block_ids.index(b) < r.num_cached_blocks, f"block {b} held by {holders}, not cached in {rid}"
+    for r in sched.requests.values():
         if r.slot >= 0:
             rows.add(r.slot)
             assert table.row(r.slot) == r.block_ids
@@ -160,8 +167,9 @@ def engine_run(seed: int, overlap: bool, num_kv_blocks: int) -> tuple[dict[int, 
     rng = random.Random(seed)
     runner = CheckingRunner(vocab_size=VOCAB, block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=80,
                             eos_token_ids=[7])
+    # No prefix caching: the checker's context lengths start every admission at 0, and each block has one owner.
     sched = Scheduler(max_num_seqs=6, max_num_batched_tokens=16, block_size=4, num_kv_blocks=num_kv_blocks,
-                      max_model_len=80, vocab_size=VOCAB, eos_token_ids=[7])
+                      max_model_len=80, vocab_size=VOCAB, eos_token_ids=[7], enable_prefix_caching=False)
     runner.watch(sched)
     arrivals: dict[int, list[tuple[list[int], SamplingParams, int]]] = {
         0: [([1, 2, 3], SamplingParams(max_tokens=70, ignore_eos=True, temperature=0.0), 0)]}

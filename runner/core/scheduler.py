@@ -5,7 +5,15 @@ Each step takes running requests first (decodes, then chunked prefills), then ad
 admitted request not yet scheduled (recompute; its draws do not change); admission never preempts, so FCFS
 guarantees progress. ``schedule()`` advances requests as if their step had run (placeholders for sampled
 tokens) and ``update()`` fills in the real tokens, so step N+1 can be scheduled before N's results; with a step
-in flight nothing is preempted (``wants_sync``). Design: docs/design_notes.md, "Engine core".
+in flight nothing is preempted (``wants_sync``).
+
+Prefix caching (on by default, as vLLM V1): a request being admitted takes the longest run of cached full blocks
+of its known tokens (never its last token, which must be computed to sample), and a request's full blocks are
+registered in the :class:`~runner.core.kv_blocks.BlockPool` under their chained content hashes once their KV is
+scheduled: at the end of the ``schedule()`` that fills them, so the first step that may read them from another
+request is the next one (steps run in order on the device), and before its blocks are released. A request
+asking for prompt logprobs or using penalties computes its whole history (both are computed from the step's
+inputs, position 0 on). Design: docs/design_notes.md, "Engine core".
 """
 from __future__ import annotations
 
@@ -18,7 +26,8 @@ import numpy as np
 
 from runner.attention.kv_cache import BlockRows, BlockTable, blocks_needed
 from runner.config import RunnerConfig
-from runner.core.kv_blocks import BlockAllocator
+from runner.core.block_hash import extend_block_hashes
+from runner.core.kv_blocks import BlockPool
 from runner.core.prompt_checks import prompt_token_problem
 from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.core.scheduler_output import RequestSnapshot, SchedulerOutput
@@ -52,6 +61,9 @@ class Request:
     num_pending: int = 0  # trailing outputs that are still placeholders (their step is in flight)
     inflight: int = 0  # steps that scheduled it and are not yet updated
     stop_reason: int | None = None  # the stop token id when one of stop_token_ids ended it (vLLM's stop_reason)
+    block_hashes: list[bytes] = field(default_factory=list)  # content hashes of its first full blocks of known tokens
+    num_cached_blocks: int = 0  # leading blocks of block_ids found in, or registered with, the prefix cache
+    num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at its first scheduling (-1: not yet)
     forgotten: bool = False  # finished and reported: drop it from Scheduler.requests once no step uses it
     # Fixed at add_request, so the per-step checks are one set lookup and one comparison:
     stop_ids: frozenset[int] = frozenset()  # tokens that stop it: EOS (unless ignore_eos) and stop_token_ids
@@ -96,7 +108,8 @@ class Scheduler:
     """One rank's request queue, token budget and KV-block bookkeeping."""
 
     def __init__(self, *, max_num_seqs: int, max_num_batched_tokens: int, block_size: int, num_kv_blocks: int,
-                 max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int] = ()) -> None:
+                 max_model_len: int, vocab_size: int, eos_token_ids: Iterable[int] = (),
+                 enable_prefix_caching: bool = True) -> None:
         for name, v in (("max_num_seqs", max_num_seqs), ("max_num_batched_tokens", max_num_batched_tokens),
                         ("block_size", block_size), ("num_kv_blocks", num_kv_blocks),
                         ("max_model_len", max_model_len), ("vocab_size", vocab_size)):
@@ -110,7 +123,11 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.allocator = BlockAllocator(num_kv_blocks)
+        self.allocator = BlockPool(num_kv_blocks)
+        self.enable_prefix_caching = enable_prefix_caching
+        # vLLM's vllm:prefix_cache_queries / _hits: tokens of admitted requests looked up, and found (cumulative)
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
         # Slots: scheduled requests (<= max_num_seqs), requests whose last token is in flight (they already
         # gave up their seat, < max_num_seqs) and finished ones still in a step in flight (< max_num_seqs).
         self.slots = SlotPool(3 * max_num_seqs)
@@ -140,7 +157,7 @@ class Scheduler:
         return cls(max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                    block_size=runner.block_size, num_kv_blocks=runner.num_kv_blocks,
                    max_model_len=runner.max_model_len, vocab_size=runner.vocab_size,
-                   eos_token_ids=runner.eos_token_ids)
+                   eos_token_ids=runner.eos_token_ids, enable_prefix_caching=cfg.enable_prefix_caching)
 
     # ------------------------------------------------------------------ requests
     def add_request(self, prompt_token_ids: Sequence[int], sampling: SamplingParams | None = None,
@@ -210,6 +227,11 @@ class Scheduler:
     def num_free_blocks(self) -> int:
         return self.allocator.num_free_blocks
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``); False, changing nothing, while any request
+        holds blocks (one running, or finished with a step in flight)."""
+        return self.allocator.reset()
+
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> SchedulerOutput:
         """The next step: running decodes first, then running prefills' next chunks, then admissions.
@@ -272,17 +294,33 @@ class Scheduler:
             leaving = leaving if inflight else 0
             while self.waiting and budget > 0 and len(self.running) - leaving < self.max_num_seqs:
                 req = self.waiting[0]
-                n = min(req.num_tokens - req.num_computed_tokens, budget)
-                need = blocks_needed(req.num_computed_tokens + n, bs) - len(req.block_ids)
-                if not self.allocator.can_allocate(need):
+                hit_blocks = self._cached_prefix(req) if self.enable_prefix_caching else []
+                hit = len(hit_blocks) * bs
+                n = min(req.num_tokens - hit, budget)
+                need = blocks_needed(hit + n, bs) - len(hit_blocks)
+                if not self.allocator.can_allocate(need + self.allocator.num_evictable(hit_blocks)):
                     break
                 self.waiting.popleft()
                 req.slot = self.slots.alloc()
+                if self.enable_prefix_caching and not _reads_whole_history(req):
+                    self.prefix_cache_queries += req.num_tokens
+                    self.prefix_cache_hits += hit
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = hit
+                if hit_blocks:
+                    self.allocator.touch(hit_blocks)
+                    req.block_ids.extend(hit_blocks)
+                    self.block_table.append(req.slot, hit_blocks)
+                    req.num_cached_blocks = len(hit_blocks)
+                    req.num_computed_tokens = hit
                 self._give_blocks(req, need)
                 req.status = RUNNING
                 self.running.append(req)
                 self._take(req, n, batch)
                 budget -= n
+        if self.enable_prefix_caching:  # after every admission: no request reads a block this step fills
+            for req in reqs:
+                self._cache_full_blocks(req)
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         self._step_seq = step_id
         if reqs:
@@ -332,10 +370,46 @@ class Scheduler:
             req.block_ids.extend(blocks)
             self.block_table.append(req.slot, blocks)
 
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks a waiting request can start from: the longest run of its full blocks of known
+        tokens in the cache, leaving at least its last token to compute (none for a request that reads its
+        whole history: :func:`_reads_whole_history`)."""
+        if _reads_whole_history(req):
+            return []
+        most = (req.num_tokens - 1) // self.block_size
+        if most <= 0:
+            return []
+        if len(req.block_hashes) < most:
+            extend_block_hashes(req.block_hashes, req.token_slice(0, most * self.block_size), self.block_size, most)
+        return self.allocator.cached_prefix(req.block_hashes[:most])
+
+    def _cache_full_blocks(self, req: Request) -> None:
+        """Register ``req``'s full blocks of known tokens whose KV is scheduled (by steps scheduled before now, or
+        by the one being scheduled, whose readers come in later steps), past those already cached."""
+        bs = self.block_size
+        full = min(req.num_computed_tokens, req.num_tokens - req.num_pending) // bs
+        done = req.num_cached_blocks
+        if full <= done:
+            return
+        if len(req.block_hashes) < full:
+            extend_block_hashes(req.block_hashes, req.token_slice(0, full * bs), bs, full)
+        hashes, blocks, register = req.block_hashes, req.block_ids, self.allocator.register
+        for i in range(done, full):
+            register(blocks[i], hashes[i])
+        req.num_cached_blocks = full
+
+    def _free_blocks(self, req: Request) -> None:
+        """Give back ``req``'s blocks (no step in flight uses them), its full ones cached first; the last block is
+        freed first, so an evicted prefix loses its tail before its head."""
+        if self.enable_prefix_caching:
+            self._cache_full_blocks(req)
+        self.allocator.free(reversed(req.block_ids))
+        req.block_ids = []
+        req.num_cached_blocks = 0
+
     def _preempt(self, req: Request) -> None:
         assert not req.inflight, "preemption with a step in flight (the scheduler syncs first)"
-        self.allocator.free(req.block_ids)
-        req.block_ids = []
+        self._free_blocks(req)
         self.block_table.clear(req.slot)
         self.slots.free(req.slot)
         req.slot = -1
@@ -423,8 +497,7 @@ class Scheduler:
         if req.forgotten:
             self.requests.pop(req.req_id, None)
         if req.block_ids:
-            self.allocator.free(req.block_ids)
-            req.block_ids = []
+            self._free_blocks(req)
         if req.slot >= 0:
             self.block_table.clear(req.slot)
             self.slots.free(req.slot)
@@ -445,6 +518,12 @@ class Scheduler:
         self._release_if_idle(req)
         self._finished_since_schedule.append(req.req_id)
         self._finished_unreported.append(req)
+
+
+def _reads_whole_history(req: Request) -> bool:
+    """Whether ``req`` must compute every token from position 0 (no prefix-cache hit): the model runner computes
+    prompt logprobs, and penalty counts, from the step's inputs."""
+    return req.sampling.prompt_logprobs is not None or req.sampling.uses_penalties
 
 
 class _StepArrays:
