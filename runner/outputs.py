@@ -63,3 +63,6 @@ class RequestOutput:
     metrics: RequestMetrics | None = None
     error: str | None = None
     prompt_logprobs: PromptLogprobs | None = None  # with SamplingParams(prompt_logprobs=N), once the prompt ran
+    # vLLM's: prompt tokens whose KV came from the prefix cache when the request was first scheduled (0 with
+    # caching off; with n > 1, the sample reporting this output's); None until the engine scheduled it
+    num_cached_tokens: int | None = None

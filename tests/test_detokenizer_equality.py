@@ -166,4 +166,5 @@ def test_outputs_are_built_in_their_fields_order() -> None:
     assert [f.name for f in fields(CompletionOutput)] == ["index", "text", "token_ids", "cumulative_logprob",
                                                           "logprobs", "finish_reason", "stop_reason"]
     assert [f.name for f in fields(RequestOutput)] == ["request_id", "prompt", "prompt_token_ids", "outputs",
-                                                       "finished", "metrics", "error", "prompt_logprobs"]
+                                                       "finished", "metrics", "error", "prompt_logprobs",
+                                                       "num_cached_tokens"]

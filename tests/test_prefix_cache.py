@@ -113,7 +113,9 @@ def test_pool_evicts_least_recently_freed_first_and_only_when_needed() -> None:
         pool.register(b, h)
     pool.free(reversed(first))  # freed tail first: first[1] is the oldest
     pool.free(reversed(second))
+    assert pool.num_evictions == 0
     assert pool.allocate(1) == [first[1]]  # evicted: its hash is gone
+    assert pool.num_evictions == 1
     assert pool.cached_prefix([H[0], H[1]]) == [first[0]]
     pool.touch([first[0]])  # used again: now the most recently used
     pool.free([first[0]])

@@ -15,7 +15,7 @@ from runner.sampling_params import SamplingParams
 
 VLLM_SCRIPT_ARGS = dict(trust_remote_code=True, tensor_parallel_size=1, pipeline_parallel_size=1, swap_space=4,
                         kv_cache_dtype="auto", disable_log_stats=True, enable_chunked_prefill=True,
-                        enable_prefix_caching=False, revision=None, download_dir=None, quantization=None,
+                        revision=None, download_dir=None, quantization=None,
                         tokenizer_mode="auto", load_format="auto", disable_custom_all_reduce=False,
                         distributed_executor_backend="mp", seed=3)
 
@@ -37,7 +37,6 @@ def test_a_vllm_script_with_the_usual_engine_arguments_runs() -> None:
     ("pipeline_parallel_size", 2, "use data_parallel_size=N"),
     ("quantization", "awq", "use an FP8 or unquantized checkpoint"),
     ("kv_cache_dtype", "fp8", "dtype=... sets the model's and the KV cache's dtype together"),
-    ("enable_prefix_caching", True, "this engine has no prefix cache"),
     ("enable_chunked_prefill", False, "raise max_num_batched_tokens to max_model_len"),
     ("revision", "main", "check the revision out into a local directory"),
     ("trust_remote_code", "yes", "pass a bool"),
@@ -58,7 +57,7 @@ def test_the_cli_takes_vllm_flags_at_their_no_op_values() -> None:
     parser = build_parser()
     argv = ["generate", "--trust-remote-code", "-tp", "1", "--pipeline-parallel-size", "1", "--swap-space", "4",
             "--kv-cache-dtype", "auto", "--disable-log-stats", "--enable-chunked-prefill",
-            "--no-enable-prefix-caching", "--tokenizer-mode", "auto", "--load-format", "safetensors",
+            "--tokenizer-mode", "auto", "--load-format", "safetensors",
             "--disable-custom-all-reduce", "--distributed-executor-backend", "mp", "--num-prompts", "1"]
     args = parser.parse_args(argv)
     job = job_from_args(args, args.subparser)
@@ -69,13 +68,40 @@ def test_the_cli_takes_vllm_flags_at_their_no_op_values() -> None:
 @pytest.mark.parametrize("flags, message", [
     (["--tensor-parallel-size", "2"], "argument --tensor-parallel-size: tensor_parallel_size=2 is not supported"),
     (["-q", "awq"], "argument --quantization: quantization='awq' is not supported"),
-    (["--enable-prefix-caching"], "argument --enable-prefix-caching: enable_prefix_caching=True is not supported"),
 ])
 def test_the_cli_refuses_an_unhonourable_vllm_flag_with_exit_2(flags: list[str], message: str,
                                                                capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as info:
         main(["generate", *flags])
     assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_prefix_caching_and_num_gpu_blocks_override_are_vllms_settings() -> None:
+    """enable_prefix_caching (on by default, as vLLM V1) and num_gpu_blocks_override (this engine's num_kv_blocks)
+    set the engine, from LLM(...) and the CLI alike."""
+    assert fake_llm().cfg.enable_prefix_caching is True
+    assert fake_llm(enable_prefix_caching=False).cfg.enable_prefix_caching is False
+    assert fake_llm(num_gpu_blocks_override=24).cfg.num_kv_blocks == 24
+    assert fake_llm(num_gpu_blocks_override=24, num_kv_blocks=24).cfg.num_kv_blocks == 24
+    with pytest.raises(ConfigError, match="num_gpu_blocks_override=24 and num_kv_blocks=32 set the same thing"):
+        fake_llm(num_gpu_blocks_override=24, num_kv_blocks=32)
+    parser = build_parser()
+    for command in ("generate", "bench", "serve"):
+        model = ["tiny-qwen3-moe"] if command == "serve" else []
+        args = parser.parse_args([command, *model, "--no-enable-prefix-caching", "--num-gpu-blocks-override", "40"])
+        assert (args.enable_prefix_caching, args.num_gpu_blocks_override) == (False, 40)
+    args = parser.parse_args(["generate", "--no-enable-prefix-caching", "--num-gpu-blocks-override", "40",
+                              "--num-prompts", "1"])
+    cfg = job_from_args(args, args.subparser).cfg
+    assert (cfg.enable_prefix_caching, cfg.num_kv_blocks) == (False, 40)
+    args = parser.parse_args(["generate", "--enable-prefix-caching", "--num-prompts", "1"])
+    assert job_from_args(args, args.subparser).cfg.enable_prefix_caching is True
+
+
+def test_cli_refuses_num_gpu_blocks_override_against_num_kv_blocks(capsys: pytest.CaptureFixture) -> None:
+    err = cli_error(["generate", "--num-gpu-blocks-override", "40", "--num-kv-blocks", "30"], capsys)
+    assert "argument --num-gpu-blocks-override: num_gpu_blocks_override=40 and num_kv_blocks=30 set the same " \
+        "thing" in err
 
 
 def test_a_stop_on_the_models_own_eos_shows_no_stop_reason() -> None:

@@ -113,9 +113,13 @@ class EngineCore:
 
     @property
     def kv_cache_usage(self) -> float:
-        """Share of the KV blocks held by requests, in [0, 1]."""
+        """Share of the KV blocks held by requests, in [0, 1] (cached blocks no request holds count as free)."""
         a = self.scheduler.allocator
         return 1.0 - a.num_free_blocks / a.num_blocks
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block; False (nothing dropped) while any request holds KV blocks."""
+        return self.scheduler.reset_prefix_cache()
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> EngineCoreStep:
@@ -166,7 +170,8 @@ class EngineCore:
             self._live.discard(rid)
             out = by_id.get(rid)
             if out is None:
-                out = by_id[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(req.prompt_token_ids))
+                out = by_id[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(req.prompt_token_ids),
+                                                    num_cached_tokens=_take_num_cached_tokens(req))
             out.finish_reason = req.finish_reason or "error"
             out.stop_reason, out.error = req.stop_reason, req.error
         self._step_outputs = {}
@@ -196,17 +201,20 @@ class EngineCore:
         rows = zip(out.req_ids.tolist(), out.requests, out.sample.tolist(), sampled, strict=True)
         if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
             for rid, snap, sample, token in rows:
-                if sample and _reports_token(live.get(rid), finished):
-                    step_outputs[rid] = EngineCoreOutput(rid, [token], num_prompt_tokens=len(snap.prompt_token_ids))
+                if sample and (req := live.get(rid)) is not None and _reports_token(req, finished):
+                    step_outputs[rid] = EngineCoreOutput(rid, [token], num_prompt_tokens=len(snap.prompt_token_ids),
+                                                         num_cached_tokens=_take_num_cached_tokens(req))
             return
         for i, (rid, snap, sample, token) in enumerate(rows):
-            if not sample or not _reports_token(live.get(rid), finished):  # none, or discarded
+            req = live.get(rid)
+            if not sample or req is None or not _reports_token(req, finished):  # none, or discarded
                 continue
             entry = logprobs[i] if logprobs is not None else None
             prev = step_outputs.get(rid)
             if prev is None:
                 step_outputs[rid] = EngineCoreOutput(rid, [token], None if entry is None else [entry],
-                                                     num_prompt_tokens=len(snap.prompt_token_ids))
+                                                     num_prompt_tokens=len(snap.prompt_token_ids),
+                                                     num_cached_tokens=_take_num_cached_tokens(req))
             else:  # a second processed step in one call (a sync point): append
                 prev.new_token_ids.append(token)
                 if entry is not None:
@@ -225,7 +233,8 @@ class EngineCore:
             if prev is None:
                 self._step_outputs[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(snap.prompt_token_ids),
                                                            new_prompt_logprobs=list(chunk.entries),
-                                                           prompt_logprobs_start=chunk.start)
+                                                           prompt_logprobs_start=chunk.start,
+                                                           num_cached_tokens=_take_num_cached_tokens(req))
             elif prev.new_prompt_logprobs is None:
                 prev.new_prompt_logprobs, prev.prompt_logprobs_start = list(chunk.entries), chunk.start
             elif prev.prompt_logprobs_start + len(prev.new_prompt_logprobs) == chunk.start:
@@ -254,10 +263,17 @@ class EngineCore:
         self.runner.close()
 
 
-def _reports_token(req: Request | None, finished: set[Request]) -> bool:
+def _reports_token(req: Request, finished: set[Request]) -> bool:
     """Whether a request reports the token of the step just processed: yes while it runs, and if that step
     finished it (a stop token, its length) unless it ended in error (no valid token was sampled); no if it
-    had finished before (None: finished, reported and forgotten since)."""
-    if req is None:
-        return False
+    had finished before."""
     return req.status is not FINISHED or (req in finished and req.finish_reason != "error")
+
+
+def _take_num_cached_tokens(req: Request) -> int | None:
+    """The ``num_cached_tokens`` of a request's next output: its value on the first output made once the request
+    was scheduled (the client keeps it), None on every other (one byte on the wire)."""
+    if req.num_cached_tokens < 0 or req.num_cached_tokens_reported:
+        return None
+    req.num_cached_tokens_reported = True
+    return req.num_cached_tokens

@@ -44,8 +44,10 @@ from runner.core.messages import (
     DBOBucketStat,
     OutputMessage,
     Outputs,
+    PrefixCacheReset,
     Profile,
     Ready,
+    ResetPrefixCache,
     Shutdown,
     StartProfile,
     StopProfile,
@@ -188,6 +190,9 @@ class CoreLoop:
                     self.running = True
             elif isinstance(msg, Shutdown):
                 self.stopping = True
+            elif isinstance(msg, ResetPrefixCache):
+                reset = self.core.reset_prefix_cache()
+                self.outs[msg.client_index].send(ENCODER.encode(PrefixCacheReset(self.rank, reset)))
             elif isinstance(msg, StartProfile):
                 self._start_profile()
             elif isinstance(msg, StopProfile):
@@ -251,11 +256,13 @@ class CoreLoop:
 
     def _stats(self) -> CoreStats:
         core, runner = self.core, self.core.runner
+        sched = core.scheduler
         comm = runner.link_times()
         cost_model = runner.cost_model  # the measured DBO cost model (None without it)
         return CoreStats(num_running=core.num_running, num_waiting=core.num_waiting,
                          kv_cache_usage=core.kv_cache_usage, num_steps=runner.num_steps,
-                         num_ubatched_steps=runner.num_ubatched_steps, num_preemptions=core.scheduler.num_preemptions,
+                         num_ubatched_steps=runner.num_ubatched_steps, num_preemptions=sched.num_preemptions,
+                         prefix_cache_queries=sched.prefix_cache_queries, prefix_cache_hits=sched.prefix_cache_hits,
                          comm_s=comm[0] if comm else 0.0, comm_exposed_s=comm[1] if comm else 0.0,
                          dbo_buckets=[] if cost_model is None else [DBOBucketStat(d.label, d.dbo_on, d.ratio)
                                                                     for d in cost_model.decisions()])

@@ -38,6 +38,7 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._by_hash: dict[bytes, int] = {}
         self._hash_of: dict[int, bytes] = {}
+        self.num_evictions = 0  # cached blocks reused for new content (their hash dropped), cumulative
 
     @property
     def num_free_blocks(self) -> int:
@@ -66,6 +67,7 @@ class BlockPool:
             block, _ = self._evictable.popitem(last=False)
             del self._by_hash[self._hash_of.pop(block)]
             blocks.append(block)
+        self.num_evictions += n - k
         refs = self._refs
         for b in blocks:
             refs[b] = 1

@@ -3,9 +3,10 @@ msgpack (vLLM V1's choice: typed, fast, no pickle from the network side).
 
 Clients -> rank ``r`` (rank ``r`` binds one PULL socket; every client, one per API-server process, connects a
 PUSH to it): :class:`AddRequest` (or :class:`AddRequests`), :class:`AbortRequests`, :class:`Wake`,
-:class:`Shutdown`. Every rank ->
+:class:`Shutdown`, :class:`ResetPrefixCache`. Every rank ->
 client ``c`` (client ``c`` binds one PULL socket; every rank connects a PUSH to it): :class:`Ready` once
 loaded, :class:`Outputs` after steps (the outputs of the requests client ``c`` sent, with the rank's stats),
+:class:`PrefixCacheReset` answering that client's :class:`ResetPrefixCache`,
 :class:`WaveStarted` / :class:`WaveDone` (see ``runner/core/engine_core_proc.py`` for the wave protocol),
 :class:`CoreFailed` when the rank's loop raised. A request carries the index of the client that sent it, and
 the rank sends its outputs to that client only (vLLM's ``client_index``).
@@ -50,6 +51,8 @@ class CoreStats(msgspec.Struct):
     comm_exposed_s: float = 0.0  # of which a ubatch waited for it
     dbo_buckets: list[DBOBucketStat] = []  # the measured DBO cost model's buckets that ran both ways
     num_preemptions: int = 0  # requests preempted (recomputed) so far
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests looked up in the prefix cache, cumulative
+    prefix_cache_hits: int = 0  # of which found there (their KV reused), cumulative
 
 
 # ---- client -> rank ---------------------------------------------------------------------------------------
@@ -91,7 +94,15 @@ class StopProfile(msgspec.Struct, tag="stop_profile"):
     client_index: int = 0
 
 
-InputMessage = AddRequest | AddRequests | AbortRequests | Wake | Shutdown | StartProfile | StopProfile
+class ResetPrefixCache(msgspec.Struct, tag="reset_prefix_cache"):
+    """Drop every cached prefix block (vLLM's ``reset_prefix_cache``); answered to client ``client_index`` with
+    :class:`PrefixCacheReset`."""
+
+    client_index: int = 0
+
+
+InputMessage = AddRequest | AddRequests | AbortRequests | Wake | Shutdown | StartProfile | StopProfile | \
+    ResetPrefixCache
 
 
 # ---- rank -> client ---------------------------------------------------------------------------------------
@@ -132,7 +143,15 @@ class Profile(msgspec.Struct, tag="profile"):
     payload: bytes
 
 
-OutputMessage = Ready | Outputs | WaveStarted | WaveDone | CoreFailed | Profile
+class PrefixCacheReset(msgspec.Struct, tag="prefix_cache_reset"):
+    """Rank ``rank``'s answer to :class:`ResetPrefixCache`: ``reset`` is False when requests held KV blocks
+    (nothing was dropped)."""
+
+    rank: int
+    reset: bool
+
+
+OutputMessage = Ready | Outputs | WaveStarted | WaveDone | CoreFailed | Profile | PrefixCacheReset
 
 ENCODER = msgspec.msgpack.Encoder()
 INPUT_DECODER = msgspec.msgpack.Decoder(InputMessage)

@@ -48,6 +48,10 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     # vLLM's prompt_logprobs, as the prefill computes them: entries for prompt tokens prompt_logprobs_start ..
     new_prompt_logprobs: list[TokenLogprobs] | None = None
     prompt_logprobs_start: int = 0
+    # vLLM's num_cached_tokens: prompt tokens whose KV came from the prefix cache when the request was first
+    # scheduled (0 with caching off), on the first output made after that; None on the others, and for a request
+    # that never ran (refused when added)
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -64,6 +64,7 @@ class Request:
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of its first full blocks of known tokens
     num_cached_blocks: int = 0  # leading blocks of block_ids found in, or registered with, the prefix cache
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at its first scheduling (-1: not yet)
+    num_cached_tokens_reported: bool = False  # the engine core sent num_cached_tokens with an output
     forgotten: bool = False  # finished and reported: drop it from Scheduler.requests once no step uses it
     # Fixed at add_request, so the per-step checks are one set lookup and one comparison:
     stop_ids: frozenset[int] = frozenset()  # tokens that stop it: EOS (unless ignore_eos) and stop_token_ids

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, cast
 from runner.config import RunnerConfig
 from runner.core.messages import OUTPUT_DECODER, StartProfile, StopProfile
 from runner.core.requests import EngineCoreRequest
-from runner.engine.mp_client import ADD_BATCH, STARTUP_GRACE_S, EngineSockets, MPClient
+from runner.engine.mp_client import ADD_BATCH, RESET_PREFIX_CACHE_WAIT_S, STARTUP_GRACE_S, EngineSockets, MPClient
 from runner.engine.protocol import EngineDeadError
 
 if TYPE_CHECKING:
@@ -37,6 +37,8 @@ class AsyncMPClient(MPClient):
         self._send_scheduled = False  # _send_all_added runs at the end of this event-loop turn
         self._ready = asyncio.Event()
         self._profiles_done = asyncio.Event()
+        self._prefix_cache_answered = asyncio.Event()
+        self._prefix_cache_lock = asyncio.Lock()  # one reset at a time: the ranks' answers are not numbered
 
     async def start(self) -> None:
         """Spawn the ranks (unless attached) and wait until each has loaded the model (or one failed: the error
@@ -65,6 +67,9 @@ class AsyncMPClient(MPClient):
     def _on_profiles(self) -> None:
         self._profiles_done.set()
 
+    def _on_prefix_cache_reset(self) -> None:
+        self._prefix_cache_answered.set()
+
     def _rank_failed(self, message: str) -> None:
         loop = self._loop
         if loop is not None and not loop.is_closed():
@@ -75,6 +80,7 @@ class AsyncMPClient(MPClient):
 
     def _on_dead(self, message: str) -> None:
         self._ready.set()  # a start() still waiting learns of it
+        self._prefix_cache_answered.set()  # so does a reset_prefix_cache()
 
     # ------------------------------------------------------------------ requests
     def _submit_engine_request(self, request: EngineCoreRequest) -> None:
@@ -106,6 +112,27 @@ class AsyncMPClient(MPClient):
             raise
         except BaseException as exc:  # noqa: BLE001 - a broken output pipe kills the engine, never silently
             self._die(f"reading the ranks' outputs failed: {type(exc).__name__}: {exc}")
+
+    # ------------------------------------------------------------------ prefix cache
+    async def reset_prefix_cache(self, timeout_s: float = RESET_PREFIX_CACHE_WAIT_S) -> bool:
+        """Drop every rank's cached prefix blocks; True only if every rank did (a rank whose requests held KV
+        blocks answers False and drops nothing). :class:`EngineDeadError` if the engine is or dies meanwhile,
+        TimeoutError naming the ranks that did not answer within ``timeout_s``."""
+        async with self._prefix_cache_lock:
+            if self._dead_error is not None:
+                raise EngineDeadError(self._dead_error)
+            self._prefix_cache_answered = asyncio.Event()
+            for send in self._ask_prefix_cache_reset():
+                await send
+            try:
+                await asyncio.wait_for(self._prefix_cache_answered.wait(), timeout_s)
+            except TimeoutError:
+                missing = [r for r, rank in enumerate(self._ranks) if rank.prefix_cache_reset is None]
+                raise TimeoutError(f"rank {', '.join(map(str, missing))} did not answer a prefix-cache reset "
+                                   f"within {timeout_s:.0f} s") from None
+            if self._dead_error is not None:
+                raise EngineDeadError(self._dead_error)
+            return self._prefix_cache_reset()
 
     # ------------------------------------------------------------------ profiling
     async def start_profile(self) -> None:

@@ -226,4 +226,5 @@ class MPEngineClient(AsyncMPClient, EngineClient):
 
 def _rank_stats(s: CoreStats) -> RankStats:
     return RankStats(s.num_running, s.num_waiting, s.kv_cache_usage, s.num_steps, s.num_ubatched_steps, s.comm_s,
-                     s.comm_exposed_s, {b.bucket: (b.dbo_on, b.speedup) for b in s.dbo_buckets})
+                     s.comm_exposed_s, {b.bucket: (b.dbo_on, b.speedup) for b in s.dbo_buckets},
+                     prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits)

@@ -31,6 +31,8 @@ class RunReport:
     num_steps: int = 0
     num_ubatched_steps: int = 0
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens of admitted requests looked up in the prefix cache, this run
+    prefix_cache_hits: int = 0  # of which found there
     dbo_decisions: list[list[str]] = field(default_factory=list)
     traces: list[RankTrace | None] = field(default_factory=list)
     loop_stats: LoopStats | None = None  # the in-process engine core's step loop (None over processes)
@@ -67,6 +69,10 @@ class EngineCoreClient(Protocol):
     def abort_requests(self, request_ids: list[int], message: str) -> None:
         """Finish these requests in the engine (the caller already finished them: a stop string); callable from
         ``on_outputs`` while :meth:`run` runs."""
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every rank's cached prefix blocks (vLLM's ``reset_prefix_cache``), between runs; True only if
+        every rank did (False: a rank's requests still held KV blocks, and it dropped nothing)."""
 
     def run(self, on_outputs: OnOutputs, *, trace: bool = False) -> RunReport:
         """Run the engine until every request added has finished, handing each batch of outputs to

@@ -68,10 +68,14 @@ class InprocClient:
     def abort_requests(self, request_ids: list[int], message: str) -> None:
         self.core.abort_requests(request_ids, message)
 
+    def reset_prefix_cache(self) -> bool:
+        return self.core.reset_prefix_cache()
+
     def run(self, on_outputs: OnOutputs, *, trace: bool = False) -> RunReport:
         core, runner = self.core, self.runner
         steps0, ubatched0 = runner.num_steps, runner.num_ubatched_steps
-        preemptions0 = core.scheduler.num_preemptions
+        sched = core.scheduler
+        preemptions0, queries0, hits0 = sched.num_preemptions, sched.prefix_cache_queries, sched.prefix_cache_hits
         with tracing.record("trace" if trace else None, runner.device) as rec:  # clock: the runner's device
             core.run_wave(on_outputs)
         allocator = core.scheduler.allocator
@@ -80,7 +84,9 @@ class InprocClient:
                                "allocated after every request finished")
         cost_model = runner.cost_model
         return RunReport(num_steps=runner.num_steps - steps0, num_ubatched_steps=runner.num_ubatched_steps - ubatched0,
-                         num_preemptions=core.scheduler.num_preemptions - preemptions0,
+                         num_preemptions=sched.num_preemptions - preemptions0,
+                         prefix_cache_queries=sched.prefix_cache_queries - queries0,
+                         prefix_cache_hits=sched.prefix_cache_hits - hits0,
                          dbo_decisions=[[] if cost_model is None else [d.describe() for d in cost_model.decisions()]],
                          traces=[tracing.local_spans(rec)], loop_stats=core.last_loop_stats)
 

@@ -15,6 +15,8 @@ rank, behind ZeroMQ, and the driving logic that does not depend on how the clien
   failure reports (acted on after a grace period, so that the launcher can name the likely cause first).
 - **Subclasses differ in I/O only**: :class:`~runner.engine.sync_client.SyncMPClient` waits in the calling thread
   (the offline ``LLM``), :class:`~runner.engine.async_client.AsyncMPClient` in an asyncio task (the server).
+- **Prefix cache reset** (``reset_prefix_cache``): every rank is asked (``ResetPrefixCache``) and answers
+  (``PrefixCacheReset``); the reset succeeded only if every rank's did.
 """
 from __future__ import annotations
 
@@ -40,8 +42,10 @@ from runner.core.messages import (
     InputMessage,
     OutputMessage,
     Outputs,
+    PrefixCacheReset,
     Profile,
     Ready,
+    ResetPrefixCache,
     Shutdown,
     Wake,
     WaveDone,
@@ -65,6 +69,8 @@ CORE_FAILED_GRACE_S = 3.0
 ADD_BATCH = 16
 # How long idle ranks get to leave their loops after Shutdown before they are killed.
 SHUTDOWN_WAIT_S = 10.0
+# How long the ranks get to answer a prefix-cache reset (a busy rank answers between two steps).
+RESET_PREFIX_CACHE_WAIT_S = 60.0
 
 
 class RanksDeadError(EngineDeadError):
@@ -109,6 +115,7 @@ class _Rank:
     trace: RankTrace | None = None  # its timeline, once its Profile reply came (traced)
     traced: bool = False
     added: list[EngineCoreRequest] = field(default_factory=list)  # queued, sent in one message (_send_added)
+    prefix_cache_reset: bool | None = None  # its answer to the last ResetPrefixCache (None: not yet)
 
 
 def rank_threads(dp: int) -> int:
@@ -388,6 +395,10 @@ class MPClient:
             self._ranks[msg.info.rank].info = msg.info
             if all(r.info is not None for r in self._ranks):
                 self._on_ready()
+        elif isinstance(msg, PrefixCacheReset):
+            self._ranks[msg.rank].prefix_cache_reset = msg.reset
+            if all(r.prefix_cache_reset is not None for r in self._ranks):
+                self._on_prefix_cache_reset()
         elif isinstance(msg, Profile):
             rank = self._ranks[msg.rank]
             rank.trace, rank.traced = pickle.loads(msg.payload), True
@@ -428,6 +439,20 @@ class MPClient:
 
     def _on_profiles(self) -> None:
         """Every rank has sent its timeline."""
+
+    def _on_prefix_cache_reset(self) -> None:
+        """Every rank has answered the last :meth:`_ask_prefix_cache_reset`."""
+
+    def _ask_prefix_cache_reset(self) -> list[Any]:
+        """Send every rank ``ResetPrefixCache`` (their answers are collected by :meth:`_handle`); returns the
+        sockets' sends (awaitables on asyncio sockets)."""
+        for rank in self._ranks:
+            rank.prefix_cache_reset = None
+        return [self._send(rank, ResetPrefixCache(self.client_index)) for rank in self._ranks]
+
+    def _prefix_cache_reset(self) -> bool:
+        """Whether every rank reset its prefix cache (all have answered)."""
+        return all(r.prefix_cache_reset for r in self._ranks)
 
     # ------------------------------------------------------------------ failure
     def _failure_reported(self, grace_s: float) -> None:

@@ -50,6 +50,7 @@ class RequestState:
     metrics: RequestMetrics  # shared by the children of one request
     prompt_logprobs: PromptLogprobsState  # shared by the children; child 0 computes them
     error: str | None = None
+    num_cached_tokens: int | None = None  # as the engine core reported it (None: not scheduled yet)
     delta: bool = field(init=False)  # output_kind is DELTA (looked up once: it is read per token)
     final_only: bool = field(init=False)  # output_kind is FINAL_ONLY
     wants_logprobs: bool = field(init=False)  # the request asked for sample log-probabilities
@@ -192,6 +193,8 @@ class OutputProcessor:
             if state is None:
                 continue
             new_ids = out.new_token_ids  # read here, never kept: the detokenizer and the output copy it
+            if out.num_cached_tokens is not None:
+                state.num_cached_tokens = out.num_cached_tokens
             stop_reason: int | str | None
             finish_reason, stop_reason, error = out.finish_reason, out.stop_reason, out.error
             if new_ids:
@@ -211,7 +214,7 @@ class OutputProcessor:
                     state.request_id, state.prompt, state.output_prompt_ids,
                     [CompletionOutput(state.index, state.detokenizer.get_next_output_text(False, True),
                                       list(new_ids), None, None, None, None)],
-                    False, state.metrics, None, None))
+                    False, state.metrics, None, None, state.num_cached_tokens))
                 continue
             problem = None  # the two updates return None at once where nothing was asked nor sent: skipped
             if state.wants_logprobs:
@@ -249,9 +252,9 @@ class OutputProcessor:
             state.metrics.finished_time = now
         error = state.error if state.parent is None else state.parent.error
         # positional, in the field order: request_id, prompt, prompt_token_ids, outputs, finished, metrics,
-        # error, prompt_logprobs
+        # error, prompt_logprobs, num_cached_tokens
         return RequestOutput(state.request_id, state.prompt, state.output_prompt_ids, outputs, finished,
-                             state.metrics, error, state.prompt_logprobs.prompt_logprobs)
+                             state.metrics, error, state.prompt_logprobs.prompt_logprobs, state.num_cached_tokens)
 
     def _finish(self, state: RequestState) -> None:
         self.request_states.pop(state.engine_request_id, None)

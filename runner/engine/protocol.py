@@ -50,6 +50,10 @@ class RankStats:
     comm_exposed_s: float = 0.0  # of which a ubatch waited for it (not hidden behind compute)
     # the measured DBO cost model per bucket ("decode 256-511 tok replayed"): (DBO on, DBO's speed-up)
     dbo_buckets: dict[str, tuple[bool, float]] = field(default_factory=dict)
+    # vLLM's vllm:prefix_cache_queries / vllm:prefix_cache_hits: prompt tokens of admitted requests looked up in
+    # this rank's prefix cache, and found there (cumulative)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
 
 
 @dataclass

@@ -27,7 +27,7 @@ from runner.core.requests import EngineCoreOutput, EngineCoreRequest
 from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.distributed.launch import LaunchInterrupted
 from runner.engine.engine_core_client import OnOutputs, RunReport
-from runner.engine.mp_client import STARTUP_GRACE_S, MPClient, RanksDeadError
+from runner.engine.mp_client import RESET_PREFIX_CACHE_WAIT_S, STARTUP_GRACE_S, MPClient, RanksDeadError
 from runner.tracing import RankTrace
 from runner.worker.dbo_cost_model import describe_bucket
 
@@ -122,9 +122,30 @@ class SyncMPClient(MPClient):
             num_steps=max(r.stats.num_steps - b.num_steps for r, b in pairs),
             num_ubatched_steps=max(r.stats.num_ubatched_steps - b.num_ubatched_steps for r, b in pairs),
             num_preemptions=sum(r.stats.num_preemptions - b.num_preemptions for r, b in pairs),
+            prefix_cache_queries=sum(r.stats.prefix_cache_queries - b.prefix_cache_queries for r, b in pairs),
+            prefix_cache_hits=sum(r.stats.prefix_cache_hits - b.prefix_cache_hits for r, b in pairs),
             dbo_decisions=[[describe_bucket(b.bucket, b.dbo_on, b.speedup) for b in r.stats.dbo_buckets]
                            for r in ranks],
             traces=traces)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop every rank's cached prefix blocks (between runs); True only if every rank did (a rank whose
+        requests still held KV blocks answers False and drops nothing)."""
+        self._check_alive()
+        assert self._procs is not None and self._procs.out is not None
+        self._ask_prefix_cache_reset()
+        deadline = time.monotonic() + RESET_PREFIX_CACHE_WAIT_S
+        out = self._procs.out
+        while not all(rank.prefix_cache_reset is not None for rank in self._ranks):
+            self._check_alive()
+            if time.monotonic() > deadline:
+                missing = [r for r, rank in enumerate(self._ranks) if rank.prefix_cache_reset is None]
+                cause = (f"rank {', '.join(map(str, missing))} did not answer a prefix-cache reset within "
+                         f"{RESET_PREFIX_CACHE_WAIT_S:.0f} s")
+                raise RanksDeadError(cause, cause)
+            if out.poll(POLL_MS):
+                self._handle(OUTPUT_DECODER.decode(out.recv()))
+        return self._prefix_cache_reset()
 
     def _process(self, outputs: list[EngineCoreOutput]) -> None:
         if self._on_step is not None:

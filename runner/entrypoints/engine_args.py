@@ -31,7 +31,7 @@ from runner.config import (
 from runner.distributed.device import DEVICE_CHOICES
 from runner.engine.generation_config import GenerationConfig
 from runner.entrypoints.tokenizer_args import add_tokenizer_arg
-from runner.entrypoints.vllm_engine_args import add_vllm_engine_args, check_vllm_flags
+from runner.entrypoints.vllm_engine_args import add_vllm_engine_args, check_vllm_flags, rename_vllm_engine_args
 
 if TYPE_CHECKING:
     from runner.models.configs import BaseMoEConfig  # imports torch: not at module load
@@ -137,6 +137,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
              "max_position_embeddings is rejected")
     add("--block-size", type=int, metavar="N", help="tokens per KV-cache block")
     add("--num-kv-blocks", type=int, metavar="N", help="default: sized for --max-num-seqs requests")
+    add("--num-gpu-blocks-override", type=int, metavar="N", help="vLLM's name of --num-kv-blocks (default: none)")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
+        help="reuse the KV blocks of a prompt prefix computed before (full blocks, found by a hash of their "
+             "tokens); --no-enable-prefix-caching computes every prompt in full (default: on)")
     add("--gpu-memory-utilization", type=float, metavar="F",
         help="share of the GPU's memory for weights, activations, CUDA graphs and the KV cache when "
              "--num-kv-blocks is not given (default 0.9); ignored on CPU")
@@ -218,7 +222,12 @@ def config_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     from runner.distributed.launch import torchrun_env_present
 
     check_vllm_flags(args, parser)
-    engine = {k: v for k, v in vars(args).items() if k in config_fields() and v is not None}
+    values = dict(vars(args))
+    try:
+        rename_vllm_engine_args(values)
+    except ConfigError as e:
+        parser.error(f"argument {e.flag}: {e}")
+    engine = {k: v for k, v in values.items() if k in config_fields() and v is not None}
     if torchrun_env_present():  # under torchrun: one DP rank per process
         world = int(os.environ["WORLD_SIZE"])
         if engine.setdefault("data_parallel_size", world) != world:

@@ -66,6 +66,8 @@ class GenerationStats:
     num_ubatched_steps: int
     num_preemptions: int
     enable_dbo: bool = False
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache (every rank)
+    prefix_cache_hits: int = 0  # of which found there: their KV was reused, not computed
     # the measured DBO cost model's buckets as they stand at the end (per DP rank, "rank r: " with several)
     dbo_decisions: list[str] = field(default_factory=list)
 
@@ -82,6 +84,8 @@ class GenerationStats:
             parts.append(f"ubatched steps: {self.num_ubatched_steps}/{self.num_steps} (DBO)")
         if self.num_preemptions:
             parts.append(f"preemptions: {self.num_preemptions}")
+        if self.prefix_cache_hits:
+            parts.append(f"prefix cache: {self.prefix_cache_hits}/{self.prefix_cache_queries} prompt tokens")
         if self.dbo_decisions:
             parts.append("DBO cost model: " + "; ".join(self.dbo_decisions))
         return " | ".join(parts)
@@ -252,6 +256,17 @@ class LLM:
         ``generation_config.json`` where it sets them (unless ``generation_config="vllm"``)."""
         return self.generation_config.default_sampling_params()
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``LLM.reset_prefix_cache``: drop every DP rank's cached prefix blocks, so the next generate()
+        computes every prompt in full; True only if every rank did. Between generate() calls (one running in
+        another thread is waited for; in SPMD every rank must call it, as generate())."""
+        if self._busy_thread is not None and threading.get_ident() in (self._busy_thread,
+                                                                       self._client.forward_thread_id):
+            raise RuntimeError("LLM.reset_prefix_cache called from inside a generate() call")
+        with self._busy:
+            reset = self._client.reset_prefix_cache()
+        return all(self._all_gather(reset)) if self.world_size > 1 else reset
+
     def close(self) -> None:
         """Stop the engine (the forward thread and the runner, or the rank processes); not while a generate()
         runs in another thread."""
@@ -419,9 +434,11 @@ class LLM:
         elapsed = time.perf_counter() - start
         if self.world_size > 1:  # SPMD: this rank's share; the peers' come from the gather
             gathered = self._all_gather((mine, report.num_preemptions, elapsed, report.traces[0],
-                                         report.dbo_decisions[0]))
+                                         report.dbo_decisions[0], report.prefix_cache_queries,
+                                         report.prefix_cache_hits))
         else:  # every rank this client drives, already together
-            gathered = [(mine, report.num_preemptions, elapsed, None, [])]
+            gathered = [(mine, report.num_preemptions, elapsed, None, [], report.prefix_cache_queries,
+                         report.prefix_cache_hits)]
         traces = [g[3] for g in gathered] if self.world_size > 1 else report.traces
         decisions = [g[4] for g in gathered] if self.world_size > 1 else report.dbo_decisions
         if self.cfg.trace_file is not None:
@@ -436,6 +453,7 @@ class LLM:
             elapsed_s=max(time.perf_counter() - start, max(g[2] for g in gathered)),
             num_steps=report.num_steps, num_ubatched_steps=report.num_ubatched_steps,
             num_preemptions=sum(g[1] for g in gathered), enable_dbo=self.cfg.enable_dbo,
+            prefix_cache_queries=sum(g[5] for g in gathered), prefix_cache_hits=sum(g[6] for g in gathered),
             dbo_decisions=[(f"rank {r}: " if len(decisions) > 1 else "") + d
                            for r, lines in enumerate(decisions) for d in lines])
         return outputs

@@ -1,7 +1,8 @@
 """vLLM's engine arguments that this engine has no use for, accepted where their value asks for nothing it
-cannot do, and refused otherwise with what to use instead.
+cannot do, and refused otherwise with what to use instead; and those that name one of this engine's settings
+differently (``num_gpu_blocks_override`` is ``num_kv_blocks``).
 
-vLLM scripts pass ``trust_remote_code=True``, ``tensor_parallel_size=1``, ``enable_prefix_caching=False`` and
+vLLM scripts pass ``trust_remote_code=True``, ``tensor_parallel_size=1``, ``enable_chunked_prefill=True`` and
 the like routinely; ``LLM(...)`` and every CLI take them (``check_vllm_engine_args``) so such a script runs
 as written. A value the engine cannot honour (``tensor_parallel_size=2``, ``kv_cache_dtype="fp8"``) raises
 :class:`~runner.config.ConfigError` naming the argument, its value and the alternative, rather than being
@@ -61,8 +62,6 @@ VLLM_ENGINE_ARGS: tuple[VllmEngineArg, ...] = (
     VllmEngineArg("enable_chunked_prefill", _none_or(True), "True (prefills are always chunked at "
                   "max_num_batched_tokens)", "raise max_num_batched_tokens to max_model_len so every prompt "
                   "prefills in one step"),
-    VllmEngineArg("enable_prefix_caching", _none_or(False), "False (this engine has no prefix cache)",
-                  "leave it unset or False"),
     VllmEngineArg("revision", _none_or(), "None (checkpoints are local directories or built-in models)",
                   "check the revision out into a local directory and pass that as the model"),
     VllmEngineArg("download_dir", _none_or(), "None (nothing is downloaded: checkpoints are local directories)",
@@ -80,6 +79,21 @@ VLLM_ENGINE_ARGS: tuple[VllmEngineArg, ...] = (
                   "leave it unset; DP ranks run as processes (or under torchrun)"),
 )
 VLLM_ENGINE_ARG_NAMES = frozenset(a.name for a in VLLM_ENGINE_ARGS)
+# vLLM's names of this engine's settings: vLLM's engine argument -> the RunnerConfig field it sets
+VLLM_RENAMED_ARGS = {"num_gpu_blocks_override": "num_kv_blocks"}
+
+
+def rename_vllm_engine_args(values: dict[str, Any]) -> None:
+    """In place: each of vLLM's names in ``values`` (:data:`VLLM_RENAMED_ARGS`) becomes this engine's field; a
+    None value is "not given". Both names given with different values: ``ConfigError`` naming both."""
+    for vllm_name, name in VLLM_RENAMED_ARGS.items():
+        value = values.pop(vllm_name, None)
+        if value is None:
+            continue
+        if values.get(name) is not None and values[name] != value:
+            raise ConfigError(vllm_name, f"{vllm_name}={value!r} and {name}={values[name]!r} set the same thing "
+                                         "(vLLM's name and this engine's): give one")
+        values[name] = value
 
 
 def check_vllm_engine_args(values: dict[str, object]) -> None:
@@ -92,10 +106,12 @@ def check_vllm_engine_args(values: dict[str, object]) -> None:
 
 
 def pop_vllm_engine_args(kwargs: dict[str, Any]) -> None:
-    """Check and remove the vLLM-only arguments from ``LLM(**kwargs)`` (``check_vllm_engine_args``)."""
+    """Check and remove the vLLM-only arguments from ``LLM(**kwargs)`` (``check_vllm_engine_args``), and give
+    vLLM's names of this engine's settings their names here (``rename_vllm_engine_args``)."""
     check_vllm_engine_args({k: v for k, v in kwargs.items() if k in VLLM_ENGINE_ARG_NAMES})
     for name in VLLM_ENGINE_ARG_NAMES:
         kwargs.pop(name, None)
+    rename_vllm_engine_args(kwargs)
 
 
 def add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
@@ -114,8 +130,6 @@ def add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
         help="accepted: no periodic stats are logged (default: off)")
     add("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
         help="prefills are always chunked, --no-enable-chunked-prefill is refused (default: on)")
-    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-        help="there is no prefix cache, --enable-prefix-caching is refused (default: off)")
     add("--revision", metavar="REV", help="none only: checkpoints are local directories (default: none)")
     add("--download-dir", metavar="DIR", help="none only: nothing is downloaded (default: none)")
     add("--tokenizer-mode", metavar="MODE", help="auto only (default: auto)")
