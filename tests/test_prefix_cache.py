@@ -43,18 +43,19 @@ def test_block_hash_is_the_same_in_another_process() -> None:
     assert out.stdout.strip() == hash_block_tokens(ROOT_HASH, [7, 8, 9]).hex()
 
 
-def test_extend_block_hashes_chains_full_blocks_only() -> None:
-    tokens = list(range(10))
+def test_extend_block_hashes_continues_the_chain() -> None:
+    tokens = list(range(12))
     hashes: list[bytes] = []
-    extend_block_hashes(hashes, tokens, 4, 2)
+    extend_block_hashes(hashes, tokens[:8], 4)
     a = hash_block_tokens(ROOT_HASH, tokens[:4])
-    assert hashes == [a, hash_block_tokens(a, tokens[4:8])]
-    extend_block_hashes(hashes, tokens, 4, 1)  # already covered: unchanged
-    assert len(hashes) == 2
-    with pytest.raises(ValueError, match="3 full blocks of 4 tokens need 12 tokens, got 10"):
-        extend_block_hashes(hashes, tokens, 4, 3)
-    with pytest.raises(ValueError, match="placeholder"):
-        extend_block_hashes([], [1, 2, -3, 4], 4, 1)
+    b = hash_block_tokens(a, tokens[4:8])
+    assert hashes == [a, b]
+    extend_block_hashes(hashes, tokens[8:], 4)  # the next block, chained on the last
+    assert hashes == [a, b, hash_block_tokens(b, tokens[8:])]
+    with pytest.raises(ValueError, match="10 tokens are not a whole number of blocks of 4"):
+        extend_block_hashes(hashes, tokens[:10], 4)
+    with pytest.raises(ValueError, match="block 0 holds a placeholder token"):
+        extend_block_hashes([], [1, 2, -3, 4], 4)
 
 
 # ---------------------------------------------------------------------------------------------- block pool

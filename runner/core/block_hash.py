@@ -10,9 +10,8 @@ The first block's parent is :data:`ROOT_HASH`, a fixed constant.
 from __future__ import annotations
 
 import hashlib
+import struct
 from collections.abc import Sequence
-
-import numpy as np
 
 #: The parent of a request's first block: the digest of a fixed label (no random seed, so every process agrees).
 ROOT_HASH = hashlib.sha256(b"ubatch prefix cache: root block").digest()
@@ -22,22 +21,20 @@ def hash_block_tokens(parent: bytes, token_ids: Sequence[int], extra_keys: Seque
     """The 32-byte digest of one full block whose predecessor's digest is ``parent``."""
     if len(parent) != 32:
         raise ValueError(f"a parent block hash is 32 bytes (a SHA-256 digest), got {len(parent)}")
-    h = hashlib.sha256(parent)
-    h.update(np.asarray(token_ids, dtype="<i8").tobytes())
-    h.update(np.asarray([len(extra_keys), *extra_keys], dtype="<i8").tobytes())
-    return h.digest()
+    values = struct.pack(f"<{len(token_ids) + 1 + len(extra_keys)}q", *token_ids, len(extra_keys), *extra_keys)
+    return hashlib.sha256(parent + values).digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int, num_blocks: int) -> None:
-    """Append to ``hashes`` (the chain of the first ``len(hashes)`` blocks of ``token_ids``) until it covers
-    ``num_blocks`` full blocks; ``token_ids`` must hold at least ``num_blocks * block_size`` tokens."""
-    if num_blocks * block_size > len(token_ids):
-        raise ValueError(f"{num_blocks} full blocks of {block_size} tokens need {num_blocks * block_size} tokens, "
-                         f"got {len(token_ids)}")
+def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_size: int) -> None:
+    """Append to ``hashes`` (a request's chain so far) the digests of the full blocks in ``token_ids``: the tokens
+    of the blocks that follow, a whole number of blocks."""
+    if len(token_ids) % block_size:
+        raise ValueError(f"{len(token_ids)} tokens are not a whole number of blocks of {block_size}")
     parent = hashes[-1] if hashes else ROOT_HASH
-    for i in range(len(hashes), num_blocks):
-        block = token_ids[i * block_size:(i + 1) * block_size]
+    for start in range(0, len(token_ids), block_size):
+        block = token_ids[start:start + block_size]
         if min(block) < 0:
-            raise ValueError(f"block {i} holds a placeholder token ({min(block)}): only known tokens are hashed")
+            raise ValueError(f"block {len(hashes)} holds a placeholder token ({min(block)}): only known tokens are "
+                             "hashed")
         parent = hash_block_tokens(parent, block)
         hashes.append(parent)

@@ -10,8 +10,9 @@ in flight nothing is preempted (``wants_sync``).
 Prefix caching (on by default, as vLLM V1): a request being admitted takes the longest run of cached full blocks
 of its known tokens (never its last token, which must be computed to sample), and a request's full blocks are
 registered in the :class:`~runner.core.kv_blocks.BlockPool` under their chained content hashes once their KV is
-scheduled: at the end of the ``schedule()`` that fills them, so the first step that may read them from another
-request is the next one (steps run in order on the device), and before its blocks are released. A request
+scheduled: blocks a chunk fills (prompts, recomputes) at the end of the ``schedule()`` that takes it, so the
+first step that may read them from another request is the next one (steps run in order on the device), and
+blocks filled by decodes when the request's blocks are released (nothing to hash on a decode step). A request
 asking for prompt logprobs or using penalties computes its whole history (both are computed from the step's
 inputs, position 0 on). Design: docs/design_notes.md, "Engine core".
 """
@@ -320,7 +321,7 @@ class Scheduler:
                 self._take(req, n, batch)
                 budget -= n
         if self.enable_prefix_caching:  # after every admission: no request reads a block this step fills
-            for req in reqs:
+            for req in reqs[batch.num_decodes:]:  # chunks; decodes' blocks are cached when they are freed
                 self._cache_full_blocks(req)
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         self._step_seq = step_id
@@ -380,9 +381,15 @@ class Scheduler:
         most = (req.num_tokens - 1) // self.block_size
         if most <= 0:
             return []
-        if len(req.block_hashes) < most:
-            extend_block_hashes(req.block_hashes, req.token_slice(0, most * self.block_size), self.block_size, most)
+        self._hash_blocks(req, most)
         return self.allocator.cached_prefix(req.block_hashes[:most])
+
+    def _hash_blocks(self, req: Request, num_blocks: int) -> None:
+        """Extend ``req.block_hashes`` to its first ``num_blocks`` blocks (full, of known tokens)."""
+        done = len(req.block_hashes)
+        if done < num_blocks:
+            bs = self.block_size
+            extend_block_hashes(req.block_hashes, req.token_slice(done * bs, num_blocks * bs), bs)
 
     def _cache_full_blocks(self, req: Request) -> None:
         """Register ``req``'s full blocks of known tokens whose KV is scheduled (by steps scheduled before now, or
@@ -392,8 +399,7 @@ class Scheduler:
         done = req.num_cached_blocks
         if full <= done:
             return
-        if len(req.block_hashes) < full:
-            extend_block_hashes(req.block_hashes, req.token_slice(0, full * bs), bs, full)
+        self._hash_blocks(req, full)
         hashes, blocks, register = req.block_hashes, req.block_ids, self.allocator.register
         for i in range(done, full):
             register(blocks[i], hashes[i])
