@@ -239,3 +239,18 @@ def test_server_engine_client_reports_cached_tokens_and_resets_every_rank() -> N
             await client.shutdown(10)
 
     asyncio.run(run())
+
+
+def test_cli_bench_empties_the_cache_before_each_timed_run(tmp_path: Path) -> None:
+    """``bench`` runs the same prompts after a warm-up and again per repeat: each run computes them alike."""
+    from runner.config import make_config
+    from runner.entrypoints.cli import Job, run_job
+
+    cfg = make_config(model="tiny-qwen3-moe", cache_dir=str(tmp_path / "cache"), device="cpu", block_size=BLOCK,
+                      max_num_seqs=4, dbo_decode_token_threshold=2, dbo_prefill_token_threshold=4)
+    prompts = [[(3 * i + j) % 500 for j in range(10)] for i in range(2)]
+    result = run_job(Job("bench", cfg, prompts, SamplingParams(max_tokens=3, ignore_eos=True), True, repeats=2))
+    assert result is not None
+    repeats = [r for run in result["runs"] for r in run["repeats"]]
+    assert len(repeats) == 4
+    assert [(r["prefix_cache_queries"], r["prefix_cache_hits"]) for r in repeats] == [(20, 0)] * 4

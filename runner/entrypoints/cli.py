@@ -306,7 +306,8 @@ def run_job(job: Job) -> dict[str, Any] | None:
     """The job in this process (over its rank processes, or as one rank of a torchrun world). Rank 0 returns the
     results; other torchrun ranks None.
 
-    ``bench``: DBO off, then on, each warmed up and then run ``job.repeats`` times (every run's stats are kept).
+    ``bench``: DBO off, then on, each warmed up and then run ``job.repeats`` times (every run's stats are kept),
+    the prefix cache emptied before each run, so that every run computes the same prompts alike.
     When the model computes in a half-precision dtype and the two variants' tokens differ, both run once more
     in float32 with DBO on every step the thresholds allow (:func:`float32_check`): what a comparison in
     bfloat16 cannot tell apart, rounding or a wrong result, float32 does.
@@ -325,6 +326,9 @@ def run_job(job: Job) -> dict[str, Any] | None:
                 llm.generate(job.prompts[:2], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
             repeats = []
             for _ in range(job.repeats if job.command == "bench" else 1):
+                if job.command == "bench" and not llm.reset_prefix_cache():  # every timed run computes its prompts
+                    raise RuntimeError("the prefix cache could not be reset between bench runs (a request still "
+                                       "held KV blocks)")
                 outputs = llm.generate(job.prompts, job.sampling, use_tqdm=not job.disable_tqdm)
                 stats = llm.last_stats
                 assert stats is not None  # every generate() sets it
