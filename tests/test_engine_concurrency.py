@@ -78,7 +78,7 @@ def test_concurrent_generate_with_dp_raises_instead_of_mismatching_ranks() -> No
     runner = GatedRunner()
     llm = LLM(RunnerConfig(data_parallel_size=2), runner=runner)
     # the peer had nothing: no prompt problems (a list is gathered), then no results
-    llm._all_gather = lambda obj: [obj, [] if isinstance(obj, list) else ([], 0, 0.0, None, [])]  # type: ignore[method-assign]
+    llm._all_gather = lambda obj: [obj, [] if isinstance(obj, list) else ([], 0, 0.0, None, [], 0, 0)]  # type: ignore[method-assign]
     results: list = []
 
     def first_call() -> None:

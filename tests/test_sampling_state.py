@@ -116,8 +116,9 @@ def run(seed: int, overlap: bool, num_kv_blocks: int) -> tuple[TwinRunner, Sched
     rng = random.Random(seed)
     runner = TwinRunner(vocab_size=V, block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=64,
                         eos_token_ids=[EOS])
+    # No prefix caching: the settings writes are counted against chunks at position 0 (a hit starts past it).
     sched = Scheduler(max_num_seqs=5, max_num_batched_tokens=16, block_size=4, num_kv_blocks=num_kv_blocks,
-                      max_model_len=64, vocab_size=V, eos_token_ids=[EOS])
+                      max_model_len=64, vocab_size=V, eos_token_ids=[EOS], enable_prefix_caching=False)
     arrivals: dict[int, list[int]] = {}
     for rid in range(1, 51):
         arrivals.setdefault(rng.randrange(60), []).append(rid % 30 + 1)  # ids 1..30: twenty come back
