@@ -68,6 +68,9 @@ class ReplayClient:
     def abort_requests(self, request_ids: list[int], message: str) -> None:
         raise AssertionError(f"no request stops early here ({message}: {request_ids})")
 
+    def reset_prefix_cache(self) -> bool:
+        raise AssertionError("this benchmark never resets a prefix cache (there is no engine)")
+
     def run(self, on_outputs: Any, *, trace: bool = False) -> Any:
         from runner.core.requests import EngineCoreOutput
         from runner.engine.engine_core_client import RunReport
