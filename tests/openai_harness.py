@@ -28,12 +28,13 @@ _T = TypeVar("_T")
 class ServerThread:
     def __init__(self, engine: FakeEngineClient | None = None, *, names: tuple[str, ...] = (MODEL,),
                  api_key: str | None = None, shutdown_timeout_s: float = 5.0, with_dead_event: bool = True,
-                 limits: ServerLimits = DEFAULT_LIMITS) -> None:
+                 limits: ServerLimits = DEFAULT_LIMITS, enable_prompt_tokens_details: bool = False) -> None:
         self.engine = engine if engine is not None else FakeEngineClient()
         self.metrics = ServerMetrics(names[0], self.engine.max_model_len)
         self.engine.metrics = self.metrics
         self.app = build_app(self.engine, list(names), api_key, shutdown_timeout_s=shutdown_timeout_s,
-                             log_requests=False, metrics=self.metrics, limits=limits)
+                             log_requests=False, metrics=self.metrics, limits=limits,
+                             enable_prompt_tokens_details=enable_prompt_tokens_details)
         self.api_key = api_key
         self.sock: socket.socket = bind_socket("127.0.0.1", 0)
         self.port: int = self.sock.getsockname()[1]

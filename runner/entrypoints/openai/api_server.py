@@ -60,17 +60,21 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 def build_app(engine_client: EngineClient, served_model_names: list[str], api_key: str | None = None, *,
               shutdown_timeout_s: float = 30.0, log_requests: bool = False, metrics: ServerMetrics | None = None,
-              model_root: str | None = None, limits: ServerLimits = DEFAULT_LIMITS) -> FastAPI:
+              model_root: str | None = None, limits: ServerLimits = DEFAULT_LIMITS,
+              enable_prompt_tokens_details: bool = False) -> FastAPI:
     """The server's routes over ``engine_client``. ``metrics``: the sink the engine client reports to (made here
-    if not given; ``app.state.metrics``). ``app.state.lifecycle`` drains and stops it."""
+    if not given; ``app.state.metrics``). ``app.state.lifecycle`` drains and stops it.
+    ``enable_prompt_tokens_details``: ``usage.prompt_tokens_details.cached_tokens`` in the responses."""
     lifecycle = ServerLifecycle(engine_client, shutdown_timeout_s)
     models = ServingModels(served_model_names, engine_client.max_model_len, model_root)
     metrics = metrics if metrics is not None else ServerMetrics(models.names[0], engine_client.max_model_len)
     tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
     completion = OpenAIServingCompletion(engine_client, models, lifecycle, log_requests, limits=limits,
-                                         tokenizer_thread=tokenizer_thread)
+                                         tokenizer_thread=tokenizer_thread,
+                                         enable_prompt_tokens_details=enable_prompt_tokens_details)
     chat = OpenAIServingChat(engine_client, models, lifecycle, log_requests, limits=limits,
-                             tokenizer_thread=tokenizer_thread)
+                             tokenizer_thread=tokenizer_thread,
+                             enable_prompt_tokens_details=enable_prompt_tokens_details)
     tokenization = OpenAIServingTokenization(engine_client, models, lifecycle, limits=limits,
                                              tokenizer_thread=tokenizer_thread)
 
@@ -120,7 +124,28 @@ def build_app(engine_client: EngineClient, served_model_names: list[str], api_ke
         metrics.on_engine_stats(engine_client.stats())
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    add_reset_prefix_cache_route(app, engine_client, lifecycle)
     return app
+
+
+def add_reset_prefix_cache_route(app: FastAPI, engine_client: EngineClient, lifecycle: ServerLifecycle) -> None:
+    """vLLM's ``POST /reset_prefix_cache``: every DP rank drops the cached KV blocks no request holds, so that the
+    next requests compute their whole prompts (benchmarks measure cold caches this way). vLLM serves it only with
+    ``VLLM_SERVER_DEV_MODE=1`` and answers 200 whatever the engine did; here it is always served (behind the API
+    key when there is one: it changes no output, only how much prompt the next requests compute) and says when a
+    rank refused: 200 with an empty body once every rank reset, 409 while requests hold cached blocks (retry
+    when they have finished), 500 when the engine is dead."""
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> Response:
+        reason = lifecycle.dead_error()
+        if reason is not None:
+            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine is dead: {redact(reason)}").response()
+        logger.info("Resetting the prefix cache of every DP rank")
+        if not await engine_client.reset_prefix_cache():
+            return OpenAIError(HTTPStatus.CONFLICT, "The prefix cache was not reset: running requests hold its blocks "
+                               "on some DP rank; retry once they have finished").response()
+        return Response(status_code=HTTPStatus.OK)
 
 
 def add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
@@ -222,7 +247,8 @@ async def run_server(args: argparse.Namespace, engine_client: EngineClient, *,
     _log_to_stderr()
     app = build_app(engine_client, served_model_names(args), args.api_key, shutdown_timeout_s=args.shutdown_timeout,
                     log_requests=request_logging(args), metrics=metrics,
-                    model_root=str(args.model), limits=server_limits(args, max_logprobs))
+                    model_root=str(args.model), limits=server_limits(args, max_logprobs),
+                    enable_prompt_tokens_details=args.enable_prompt_tokens_details)
     if configure_app is not None:
         configure_app(app)
     sock = sock if sock is not None else bind_socket(args.host, args.port)

@@ -93,6 +93,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
                        default=ServerLimits.chat_template_timeout_s, metavar="SECONDS",
                        help="with --trust-request-chat-template, how long a request's template may render before "
                             f"the request gets 400 (default {ServerLimits.chat_template_timeout_s:g})")
+    group.add_argument("--enable-prompt-tokens-details", action="store_true",
+                       help="report usage.prompt_tokens_details.cached_tokens in completion and chat responses: the "
+                            "prompt tokens the prefix cache served (vLLM's flag; off: the field is absent)")
     group.add_argument("--profile-dir", default=None, metavar="DIR",
                        help="enable POST /start_profile and /stop_profile: the server records every rank's "
                             "timeline into a private directory (mode 0700) it creates inside DIR (default: off, "

@@ -99,6 +99,7 @@ async def echo_response(serving: OpenAIServing, streams: EngineStreams, choices:
     try:
         while (item := await serving.next_output(streams)) is not None:
             p, output = item
+            choices.saw(p, output)
             if output.prompt_logprobs is not None:
                 prompt_steps[p] = output.prompt_logprobs
             for out in output.outputs:
@@ -142,7 +143,8 @@ async def echo_response(serving: OpenAIServing, streams: EngineStreams, choices:
             **choices.token_ids(i, [] if echo_only else token_ids, request.return_token_ids, first=True)))
     usage = choices.usage()
     if echo_only:
-        usage = UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens)
+        usage = UsageInfo(prompt_tokens=usage.prompt_tokens, completion_tokens=0, total_tokens=usage.prompt_tokens,
+                          prompt_tokens_details=usage.prompt_tokens_details)
     return JSONResponse(CompletionResponse(id=request_id, model=model, usage=usage, choices=out_choices)
                         .model_dump(mode="json"))
 

@@ -6,7 +6,9 @@
 process (the tests start many). The engine-wide figures (requests running and waiting and KV-cache usage per
 DP rank, engine steps, ubatched steps, the share of all-to-all time hidden behind compute) are read from the
 latest :class:`~runner.engine.protocol.EngineStats` when scraped: ``on_engine_stats`` stores them (the
-``/metrics`` route passes the engine's current ones before ``render``).
+``/metrics`` route passes the engine's current ones before ``render``). vLLM's prefix-cache counters
+(``prefix_cache_queries``, ``prefix_cache_hits``: prompt tokens, per DP rank) are among them: each rank counts
+its own, so they come from the stats too, not from events.
 
 Every series carries ``model_name`` (the first served name); the per-rank gauges also carry ``engine`` (the DP
 rank), as vLLM's do, so ``sum(ubatch:num_requests_running)`` is the server's total.
@@ -169,11 +171,19 @@ class _EngineStatsCollector(Collector):
                                     labels=["model_name", "engine"])
         kv = GaugeMetricFamily(PREFIX + "kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
                                labels=["model_name", "engine"])
+        # vLLM's prefix-cache counters: prompt tokens looked up in the cache and, of those, found there (per rank,
+        # cumulative since the rank started; hits / queries is the hit rate over any window)
+        queries = CounterMetricFamily(PREFIX + "prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                      "queried tokens.", labels=["model_name", "engine"])
+        hits = CounterMetricFamily(PREFIX + "prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                   "tokens.", labels=["model_name", "engine"])
         for rank, r in enumerate(stats.ranks):
             running.add_metric([name, str(rank)], r.num_running)
             waiting.add_metric([name, str(rank)], r.num_waiting)
             kv.add_metric([name, str(rank)], r.kv_cache_usage)
-        yield from (running, waiting, kv)
+            queries.add_metric([name, str(rank)], r.prefix_cache_queries)
+            hits.add_metric([name, str(rank)], r.prefix_cache_hits)
+        yield from (running, waiting, kv, queries, hits)
         steps = CounterMetricFamily(PREFIX + "engine_steps", "Engine steps run with work on some DP rank (the ranks "
                                     "step together; dummy steps of idle ranks included).", labels=["model_name"])
         steps.add_metric([name], stats.num_steps)

@@ -281,10 +281,26 @@ def _short(value: Any, limit: int = 80) -> str:
 
 
 # ---- responses ------------------------------------------------------------------------------------------
+class PromptTokenUsageInfo(_Body):
+    """vLLM's and OpenAI's ``usage.prompt_tokens_details``: the prompt tokens served from the prefix cache."""
+
+    cached_tokens: int
+
+
 class UsageInfo(_Body):
+    """``prompt_tokens_details`` only with ``--enable-prompt-tokens-details`` (absent otherwise)."""
+
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokenUsageInfo | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_details(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if data.get("prompt_tokens_details") is None:
+            data.pop("prompt_tokens_details", None)
+        return data
 
 
 class ErrorInfo(_Body):

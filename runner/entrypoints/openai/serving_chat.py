@@ -58,7 +58,7 @@ class OpenAIServingChat(OpenAIServing):
         params = build_sampling_params(request, max_tokens, defaults, self.engine.vocab_size)
         request_id = random_id("chatcmpl")
         streams = await self.start(raw, [request_id], [prompt], [params])
-        choices = Choices([prompt], request.n)
+        choices = self.choices([prompt], request.n)
         text = token_text_fn(self.tokenizer())
 
         def body() -> ChatCompletionResponse:

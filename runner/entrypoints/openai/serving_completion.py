@@ -58,7 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [with_prompt_logprobs(p, request) for p in params]
         request_id = random_id("cmpl")
         streams = await self.start(raw, [f"{request_id}-{i}" for i in range(len(prompts))], prompts, params)
-        choices = Choices(prompts, request.n)
+        choices = self.choices(prompts, request.n)
         text = token_text_fn(self.tokenizer())
         if wants_prompt(request):
             return await echo_response(self, streams, choices, request, request_id, model, text, echo_only)

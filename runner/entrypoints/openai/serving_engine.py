@@ -43,7 +43,7 @@ from runner.entrypoints.openai.prompt_bounds import (
     max_prompt_chars,
     release_memory_after,
 )
-from runner.entrypoints.openai.protocol import UsageInfo
+from runner.entrypoints.openai.protocol import PromptTokenUsageInfo, UsageInfo
 from runner.entrypoints.openai.server_limits import DEFAULT_LIMITS, ServerLimits
 from runner.entrypoints.openai.serving_models import ServingModels
 from runner.entrypoints.openai.sse import DONE, EventStreamResponse, sse_event
@@ -84,12 +84,22 @@ class ChoiceState:
 
 
 class Choices:
-    """The choices of one response: sample k of prompt p is choice ``p * n + k`` (vLLM's order)."""
+    """The choices of one response: sample k of prompt p is choice ``p * n + k`` (vLLM's order).
+    ``cached_tokens_details``: ``usage`` says how many prompt tokens the prefix cache served
+    (``--enable-prompt-tokens-details``), from what the engine reported for each prompt (:meth:`saw`)."""
 
-    def __init__(self, prompts: list[EnginePrompt], n: int) -> None:
+    def __init__(self, prompts: list[EnginePrompt], n: int, *, cached_tokens_details: bool = False) -> None:
         self.prompts = prompts
         self.n = n
         self.states = [ChoiceState() for _ in range(len(prompts) * n)]
+        self.cached_tokens_details = cached_tokens_details
+        self.cached_tokens = [0] * len(prompts)
+
+    def saw(self, prompt: int, output: RequestOutput) -> None:
+        """Note what an output of prompt ``prompt``'s engine request says about its prompt (its cached tokens,
+        once the engine has scheduled it)."""
+        if output.num_cached_tokens is not None:
+            self.cached_tokens[prompt] = output.num_cached_tokens
 
     def index(self, prompt: int, out: CompletionOutput) -> int:
         if not 0 <= out.index < self.n:
@@ -112,7 +122,9 @@ class Choices:
     def usage(self) -> UsageInfo:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(len(s.token_ids) for s in self.states)
-        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        details = PromptTokenUsageInfo(cached_tokens=sum(self.cached_tokens)) if self.cached_tokens_details else None
+        return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                         prompt_tokens_details=details)
 
 
 async def _disconnected(raw: Request) -> None:
@@ -122,14 +134,19 @@ async def _disconnected(raw: Request) -> None:
 
 
 class OpenAIServing:
+    """``enable_prompt_tokens_details``: responses' ``usage`` carries ``prompt_tokens_details.cached_tokens``
+    (vLLM's ``--enable-prompt-tokens-details``)."""
+
     def __init__(self, engine: EngineClient, models: ServingModels, lifecycle: ServerLifecycle,
                  log_requests: bool = False, *, limits: ServerLimits = DEFAULT_LIMITS,
-                 tokenizer_thread: ThreadPoolExecutor | None = None) -> None:
+                 tokenizer_thread: ThreadPoolExecutor | None = None,
+                 enable_prompt_tokens_details: bool = False) -> None:
         self.engine = engine
         self.models = models
         self.lifecycle = lifecycle
         self.log_requests = log_requests
         self.limits = limits
+        self.enable_prompt_tokens_details = enable_prompt_tokens_details
         self.tokenizer_thread = tokenizer_thread or ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._max_prompt_chars: int | None = None
         self._chunk_templates: dict[tuple[str, ...], ChunkTemplate] = {}
@@ -231,6 +248,10 @@ class OpenAIServing:
         """Stop the tokenizer thread (what it runs now finishes; nothing queued starts)."""
         self.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
+    def choices(self, prompts: list[EnginePrompt], n: int) -> Choices:
+        """A response's choices, ``n`` per prompt."""
+        return Choices(prompts, n, cached_tokens_details=self.enable_prompt_tokens_details)
+
     def check_prompt(self, prompt: EnginePrompt, param: str) -> EnginePrompt:
         if not prompt.token_ids:
             raise bad_request(f"{param} is empty after tokenization", param)
@@ -300,6 +321,7 @@ class OpenAIServing:
         try:
             while (item := await self.next_output(streams)) is not None:
                 p, output = item
+                choices.saw(p, output)
                 for out in output.outputs:
                     choices.states[choices.index(p, out)].add(out)
             if streams.disconnected:  # no one will read it
@@ -322,6 +344,7 @@ class OpenAIServing:
         the client left): ``aborted(i)`` for each choice the engine did not finish (``end_unfinished``),
         ``usage()`` when the request asked for it, and ``[DONE]``. A stream's end is one write."""
         def events_of(p: int, output: RequestOutput) -> str:
+            choices.saw(p, output)
             outs = output.outputs
             return event(p, outs[0]) if len(outs) == 1 else "".join([event(p, out) for out in outs])
 
