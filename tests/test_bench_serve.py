@@ -11,7 +11,7 @@ import pytest
 
 from runner.entrypoints.benchserve.http_client import RequestResult
 from runner.entrypoints.benchserve.metrics import compute_metrics
-from runner.entrypoints.benchserve.workload import arrival_offsets, random_requests
+from runner.entrypoints.benchserve.workload import arrival_offsets, prefix_repetition_requests, random_requests
 
 pytestmark = pytest.mark.slow
 
@@ -103,6 +103,13 @@ def test_server_log_is_removed_or_kept_and_named(tmp_path: Path) -> None:
     (["--random-range-ratio", "1"], "argument --random-range-ratio: must lie in [0, 1), got 1.0"),
     (["--input-len", "0"], "argument --random-input-len: must be >= 1, got 0"),
     (["--compare", "dbo", "--result-filename", "r.json"], "argument --result-filename: this benchmark makes 2 runs"),
+    (["--compare", "prefix-cache"], "argument --compare: invalid choice: 'prefix-cache'"),
+    (["--dataset-name", "prefix_repetition", "--num-prompts", "10", "--prefix-repetition-num-prefixes", "3"],
+     "argument --num-prompts: must be a multiple of --prefix-repetition-num-prefixes (3) with --dataset-name "
+     "prefix_repetition, got 10"),
+    (["--prefix-repetition-num-prefixes", "0"], "argument --prefix-repetition-num-prefixes: must be >= 1, got 0"),
+    (["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "0", "--prefix-repetition-suffix-len",
+      "0"], "argument --prefix-repetition-suffix-len: prompts of no tokens"),
 ])
 def test_bad_bench_serve_flags_exit_2(argv: list[str], message: str, capsys: pytest.CaptureFixture) -> None:
     from runner.entrypoints.cli import main
@@ -126,6 +133,27 @@ def test_workload_and_metrics_definitions() -> None:
     m = compute_metrics(results, 2.0)
     assert (m.completed, m.failed, m.total_output_tokens, m.errors) == (1, 1, 5, ("HTTP 503: full",))
     assert m.output_throughput == 2.5 and round(m.tpot_ms["mean"], 6) == 20.0  # (0.18 - 0.1) / (5 - 1)
+
+
+def test_prefix_repetition_workload() -> None:
+    reqs = prefix_repetition_requests(6, 5, 3, 2, 4, vocab_size=50, seed=1)
+    assert reqs == prefix_repetition_requests(6, 5, 3, 2, 4, vocab_size=50, seed=1)  # the seed fixes it
+    assert all(len(r.prompt_token_ids) == 8 and r.output_len == 4 for r in reqs)
+    prefixes = [tuple(r.prompt_token_ids[:5]) for r in reqs]
+    assert sorted(prefixes.count(p) for p in set(prefixes)) == [3, 3]  # two prefixes, three prompts each
+    assert len({tuple(r.prompt_token_ids) for r in reqs}) == 6  # every suffix drawn afresh
+    assert prefixes != sorted(prefixes, key=prefixes.index)  # shuffled: one prefix's prompts do not all lead
+    with pytest.raises(ValueError, match=r"num_prompts \(7\) must be a multiple of num_prefixes \(2\)"):
+        prefix_repetition_requests(7, 5, 3, 2, 4, vocab_size=50)
+
+
+def test_prefix_cache_figures_of_a_run() -> None:
+    m = compute_metrics([RequestResult(True, 10, 5, 5, 0.1, [0.02] * 4, 0.18)], 1.0)
+    assert m.prefix_cache_hit_rate is None and m.prompt_tokens_computed is None  # no counters read
+    m.server_prompt_tokens, m.prefix_cache_queries, m.prefix_cache_hits = 1000.0, 1000.0, 750.0
+    assert m.prefix_cache_hit_rate == 0.75 and m.prompt_tokens_computed == 250.0
+    m.prefix_cache_queries, m.prefix_cache_hits = 0.0, 0.0  # caching off: nothing looked up
+    assert m.prefix_cache_hit_rate is None and m.prompt_tokens_computed == 1000.0
 
 
 def test_send_completion_reads_the_stream_and_names_failures() -> None:

@@ -22,13 +22,17 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     add("--server-args", default="", metavar="ARGS",
         help="flags for the `python -m runner serve` this starts, as one string (e.g. '-dp 2 "
              "--enable-expert-parallel --max-num-seqs 512'); default: none")
-    add("--compare", choices=["dbo"], help="dbo: run the workload against a server without and one with "
-                                           "--enable-dbo, alternating, and print both with their ratio")
+    add("--compare", choices=["dbo", "prefix-caching"],
+        help="dbo: run the workload against a server without and one with --enable-dbo, alternating, and print "
+             "both with their ratio; prefix-caching: the same with --no-enable-prefix-caching and "
+             "--enable-prefix-caching, each server's prefix cache reset (POST /reset_prefix_cache) before every "
+             "run so that each run starts cold")
     add("--repeats", type=int, default=1, metavar="N", help="runs per server and rate; medians are reported "
                                                             "(default 1)")
     add("--num-prompts", type=int, default=1000, metavar="N", help="requests per run (default 1000)")
-    add("--dataset-name", choices=["random"], default="random",
-        help="random: random token ids (vLLM's random dataset; the only one here) (default random)")
+    add("--dataset-name", choices=["random", "prefix_repetition"], default="random",
+        help="random: random token ids (vLLM's random dataset); prefix_repetition: a few random prefixes, each "
+             "followed by random suffixes (vLLM's; --prefix-repetition-*) (default random)")
     add("--random-input-len", type=int, default=1024, metavar="N", help="prompt tokens per request after the "
         "prefix (default 1024)")
     add("--random-output-len", type=int, default=128, metavar="N", help="tokens asked for per request; fewer when "
@@ -37,6 +41,14 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
         help="input and output lengths vary uniformly in [len*(1-R), len*(1+R)] (default 0)")
     add("--random-prefix-len", type=int, default=0, metavar="N",
         help="the same N random tokens first in every prompt (default 0)")
+    add("--prefix-repetition-prefix-len", type=int, default=256, metavar="N",
+        help="prefix_repetition: tokens of each shared prefix (default 256)")
+    add("--prefix-repetition-suffix-len", type=int, default=256, metavar="N",
+        help="prefix_repetition: random tokens after the prefix in each prompt (default 256)")
+    add("--prefix-repetition-num-prefixes", type=int, default=10, metavar="N",
+        help="prefix_repetition: distinct prefixes; --num-prompts must be a multiple of it (default 10)")
+    add("--prefix-repetition-output-len", type=int, default=128, metavar="N",
+        help="prefix_repetition: tokens asked for per request (default 128)")
     add("--input-len", type=int, metavar="N", help="sets --random-input-len (vLLM's general flag)")
     add("--output-len", type=int, metavar="N", help="sets --random-output-len (vLLM's general flag)")
     add("--ignore-eos", action="store_true", help="ask the server to ignore EOS, so every request generates its "

@@ -1,10 +1,12 @@
 """``python -m runner bench-serve``: arguments, servers, the runs, and what is printed and written.
 
 Without ``--base-url`` it starts ``python -m runner serve MODEL <--server-args>`` itself (two servers with
-``--compare dbo``: one without ``--enable-dbo`` and one with it, both up for the whole run so that their runs
-alternate, the idle one using no CPU meanwhile). ``--calibrate-link R`` first measures, offline, the model's
-compute and all-to-all bytes on a step of the benchmark's shape and gives both servers an ``--emulate-link``
-whose time is ``R`` x that compute (comm = compute at R = 1), the setting the DBO goals are stated for.
+``--compare dbo``: one without ``--enable-dbo`` and one with it; ``--compare prefix-caching``: one with
+``--no-enable-prefix-caching`` and one with ``--enable-prefix-caching``, each cache emptied before every run; both
+up for the whole run so that their runs alternate, the idle one using no CPU meanwhile). ``--calibrate-link R``
+first measures, offline, the model's compute and all-to-all bytes on a step of the benchmark's shape and gives
+both servers an ``--emulate-link`` whose time is ``R`` x that compute (comm = compute at R = 1), the setting the
+DBO goals are stated for.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runner.entrypoints.benchserve.metrics import BenchmarkMetrics
-from runner.entrypoints.benchserve.run import ProfileWindow, RunResult, run_once
+from runner.entrypoints.benchserve.run import ProfileWindow, RunResult, reset_prefix_cache, run_once
 from runner.entrypoints.benchserve.server_proc import ServerProcess
 from runner.entrypoints.benchserve.vllm_result import (
     DEFAULT_PERCENTILE_METRICS,
@@ -29,9 +31,17 @@ from runner.entrypoints.benchserve.vllm_result import (
     result_filename,
     vllm_result,
 )
-from runner.entrypoints.benchserve.workload import arrival_offsets, random_requests
+from runner.entrypoints.benchserve.workload import (
+    BenchRequest,
+    arrival_offsets,
+    prefix_repetition_requests,
+    random_requests,
+)
 
-LABELS = ("dbo off", "dbo on")
+# --compare: each side's label and the serve flags it adds
+COMPARED = {"dbo": (("dbo off", ""), ("dbo on", " --enable-dbo")),
+            "prefix-caching": (("caching off", " --no-enable-prefix-caching"),
+                               ("caching on", " --enable-prefix-caching"))}
 
 
 def _check_workload_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
@@ -43,9 +53,21 @@ def _check_workload_args(args: argparse.Namespace, parser: argparse.ArgumentPars
         args.random_output_len = args.output_len
     for flag, value, least in (("--num-prompts", args.num_prompts, 1), ("--random-input-len", args.random_input_len, 1),
                                ("--random-output-len", args.random_output_len, 1),
-                               ("--random-prefix-len", args.random_prefix_len, 0), ("--repeats", args.repeats, 1)):
+                               ("--random-prefix-len", args.random_prefix_len, 0), ("--repeats", args.repeats, 1),
+                               ("--prefix-repetition-prefix-len", args.prefix_repetition_prefix_len, 0),
+                               ("--prefix-repetition-suffix-len", args.prefix_repetition_suffix_len, 0),
+                               ("--prefix-repetition-num-prefixes", args.prefix_repetition_num_prefixes, 1),
+                               ("--prefix-repetition-output-len", args.prefix_repetition_output_len, 1)):
         if value < least:
             parser.error(f"argument {flag}: must be >= {least}, got {value}")
+    if args.dataset_name == "prefix_repetition":
+        if args.num_prompts % args.prefix_repetition_num_prefixes:
+            parser.error(f"argument --num-prompts: must be a multiple of --prefix-repetition-num-prefixes "
+                         f"({args.prefix_repetition_num_prefixes}) with --dataset-name prefix_repetition, got "
+                         f"{args.num_prompts}")
+        if args.prefix_repetition_prefix_len + args.prefix_repetition_suffix_len < 1:
+            parser.error("argument --prefix-repetition-suffix-len: prompts of no tokens (the prefix and the suffix "
+                         "are both 0 long)")
     if not 0.0 <= args.random_range_ratio < 1.0:
         parser.error(f"argument --random-range-ratio: must lie in [0, 1), got {args.random_range_ratio}")
     try:
@@ -96,6 +118,10 @@ def print_metrics(title: str, m: BenchmarkMetrics, result: dict[str, Any], metri
             ("Output token throughput (tok/s)", f"{m.output_throughput:.2f}")]
     if m.engine_steps:
         rows.append(("Steps ubatched (DBO)", f"{m.ubatched_steps:.0f}/{m.engine_steps:.0f}"))
+    if m.prompt_tokens_computed is not None:
+        rows.append(("Prompt tokens computed", f"{m.prompt_tokens_computed:.0f}"))
+    if m.prefix_cache_hit_rate is not None:
+        rows.append(("Prefix cache hit rate (%)", f"{100 * m.prefix_cache_hit_rate:.1f}"))
     if m.client_cpu_share is not None:
         rows.append(("Benchmark client CPU (% of a core)", f"{100 * m.client_cpu_share:.0f}"))
     for name in metrics:  # --percentile-metrics at --metric-percentiles, as vLLM prints them
@@ -120,16 +146,19 @@ COMPARE_ROWS = (("Output token throughput (tok/s)", lambda m: m.output_throughpu
                 ("Median TPOT (ms)", lambda m: m.tpot_ms["median"]), ("P99 ITL (ms)", lambda m: m.itl_ms["p99"]),
                 ("Median ITL (ms)", lambda m: m.itl_ms["median"]), ("Median E2E (ms)", lambda m: m.e2el_ms["median"]),
                 ("Steps ubatched", lambda m: m.ubatched_steps or 0.0),
-                ("Engine steps", lambda m: m.engine_steps or 0.0))
+                ("Engine steps", lambda m: m.engine_steps or 0.0),
+                ("Prompt tokens computed", lambda m: m.prompt_tokens_computed or 0.0),
+                ("Prefix cache hit rate (%)", lambda m: 100 * (m.prefix_cache_hit_rate or 0.0)))
 
 
 def median_metrics(runs: list[BenchmarkMetrics]) -> dict[str, float]:
     return {name: statistics.median(fn(m) for m in runs) for name, fn in COMPARE_ROWS}
 
 
-def print_comparison(rate: float, off: dict[str, float], on: dict[str, float], repeats: int) -> None:
-    print(f"\n{'=' * 12} DBO off vs on, request rate {rate:g}, medians of {repeats} {'=' * 12}")
-    print(f"{'':<36}{'dbo off':>12}{'dbo on':>12}{'on/off':>9}")
+def print_comparison(rate: float, labels: list[str], off: dict[str, float], on: dict[str, float],
+                     repeats: int) -> None:
+    print(f"\n{'=' * 12} {labels[0]} vs {labels[1]}, request rate {rate:g}, medians of {repeats} {'=' * 12}")
+    print(f"{'':<36}{labels[0]:>12}{labels[1]:>12}{'on/off':>9}")
     for name, _ in COMPARE_ROWS:
         ratio = on[name] / off[name] if off[name] else float("nan")
         print(f"{name:<36}{off[name]:>12.2f}{on[name]:>12.2f}{ratio:>9.3f}")
@@ -210,12 +239,22 @@ def _save_result(args: argparse.Namespace, settings: RunSettings, result: dict[s
     print(f"saved the result to {path}")
 
 
+def workload(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
+    """The requests of ``--dataset-name``."""
+    if args.dataset_name == "prefix_repetition":
+        return prefix_repetition_requests(args.num_prompts, args.prefix_repetition_prefix_len,
+                                          args.prefix_repetition_suffix_len, args.prefix_repetition_num_prefixes,
+                                          args.prefix_repetition_output_len, vocab, seed=args.seed)
+    return random_requests(args.num_prompts, args.random_input_len, args.random_output_len, vocab,
+                           range_ratio=args.random_range_ratio, seed=args.seed, prefix_len=args.random_prefix_len)
+
+
 async def _bench(args: argparse.Namespace, servers: list[tuple[str, str]], model: str, model_name: str,
                  vocab: int) -> list[dict[str, Any]]:
-    """Every (rate, repeat, server) run; servers alternate inside each repeat."""
+    """Every (rate, repeat, server) run; servers alternate inside each repeat. With ``--compare prefix-caching``
+    each run starts from an empty prefix cache (the same prompts run again would be all hits)."""
     rates = args.request_rates or [args.request_rate]
-    requests = random_requests(args.num_prompts, args.random_input_len, args.random_output_len, vocab,
-                               range_ratio=args.random_range_ratio, seed=args.seed, prefix_len=args.random_prefix_len)
+    requests = workload(args, vocab)
     warmup = random_requests(min(8, args.num_prompts), args.random_input_len, 4, vocab, seed=args.seed + 99)
     for _, url in servers:
         await run_once(url, model_name, warmup, [0.0] * len(warmup), api_key=args.api_key, ignore_eos=True)
@@ -225,6 +264,8 @@ async def _bench(args: argparse.Namespace, servers: list[tuple[str, str]], model
         for rep in range(args.repeats):
             for label, url in servers:
                 profile = ProfileWindow(*args.profile) if args.profile and rep == 0 else None
+                if args.compare == "prefix-caching":
+                    await asyncio.to_thread(reset_prefix_cache, url, args.api_key)
                 res: RunResult = await run_once(url, model_name, requests, offsets,
                                                 max_concurrency=args.max_concurrency, api_key=args.api_key,
                                                 profile=profile, ignore_eos=args.ignore_eos)
@@ -250,7 +291,7 @@ def _summarise(args: argparse.Namespace, records: list[dict[str, Any]], labels: 
                                       if r["server"] == label and r["request_rate"] == rate]) for label in labels}
         summary.append({"request_rate": rate, **{label: per[label] for label in labels}})
         if len(labels) == 2:
-            print_comparison(rate, per[labels[0]], per[labels[1]], args.repeats)
+            print_comparison(rate, labels, per[labels[0]], per[labels[1]], args.repeats)
             for label in labels:
                 prof = next((r["profile"] for r in records if r["server"] == label and r["request_rate"] == rate
                              and r["profile"]), None)
@@ -315,7 +356,7 @@ def main(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.base_url:
             servers = [("server", args.base_url.rstrip("/"))]
         else:
-            variants = [(LABELS[0], server_args), (LABELS[1], server_args + " --enable-dbo")] if args.compare \
+            variants = [(label, server_args + extra) for label, extra in COMPARED[args.compare]] if args.compare \
                 else [("server", server_args)]
             for label, extra in variants:
                 proc = ServerProcess(model, extra, startup_timeout_s=args.startup_timeout, name=label,

@@ -39,9 +39,26 @@ class BenchmarkMetrics:
     engine_steps: float | None = None
     server_prompt_tokens: float | None = None  # what the server counted (ubatch:prompt_tokens_total), over the run
     server_generation_tokens: float | None = None
+    # the server's prefix-cache counters over the run (ubatch:prefix_cache_queries / _hits, prompt tokens)
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
     client_cpu_share: float | None = None  # the load generator's CPU seconds per second of the run (1.0: a core)
     total_chunks: int = 0  # streamed chunks that carried text
     errors: tuple[str, ...] = ()
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Cached prompt tokens per prompt token looked up; None when the server looked none up (caching off)."""
+        if not self.prefix_cache_queries or self.prefix_cache_hits is None:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
+
+    @property
+    def prompt_tokens_computed(self) -> float | None:
+        """The prompt tokens the server computed: those it counted less those the prefix cache served."""
+        if self.server_prompt_tokens is None:
+            return None
+        return self.server_prompt_tokens - (self.prefix_cache_hits or 0.0)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+import httpx
 
 from runner.entrypoints.benchserve.http_client import RequestResult, request_timeout, send_completion
 from runner.entrypoints.benchserve.metrics import BenchmarkMetrics, compute_metrics
@@ -18,6 +19,8 @@ from runner.entrypoints.benchserve.workload import BenchRequest
 
 STEP_METRICS = ("ubatch:engine_steps_total", "ubatch:dbo_ubatched_steps_total")
 TOKEN_METRICS = ("ubatch:prompt_tokens_total", "ubatch:generation_tokens_total")
+PREFIX_CACHE_METRICS = ("ubatch:prefix_cache_queries_total", "ubatch:prefix_cache_hits_total")
+COUNTERS = STEP_METRICS + TOKEN_METRICS + PREFIX_CACHE_METRICS
 
 
 @dataclass
@@ -58,7 +61,7 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
     url = f"{base_url}/v1/completions"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-    before = await asyncio.to_thread(scrape, base_url, STEP_METRICS + TOKEN_METRICS)
+    before = await asyncio.to_thread(scrape, base_url, COUNTERS)
     connector = aiohttp.TCPConnector(limit=max_concurrency or len(requests) or 1)
     async with aiohttp.ClientSession(connector=connector, trust_env=True) as client:  # proxies as httpx read them
         start, cpu_start = time.perf_counter(), time.process_time()
@@ -77,10 +80,21 @@ async def run_once(base_url: str, model: str, requests: Sequence[BenchRequest], 
         duration = time.perf_counter() - start
         cpu = time.process_time() - cpu_start
         profiled = await profiler if profiler is not None else None
-    after = await asyncio.to_thread(scrape, base_url, STEP_METRICS + TOKEN_METRICS)
+    after = await asyncio.to_thread(scrape, base_url, COUNTERS)
     metrics = compute_metrics(results, duration)
     metrics.client_cpu_share = cpu / duration if duration > 0 else None
-    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in STEP_METRICS + TOKEN_METRICS}
+    delta = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in COUNTERS}
     metrics.engine_steps, metrics.ubatched_steps = delta[STEP_METRICS[0]], delta[STEP_METRICS[1]]
     metrics.server_prompt_tokens, metrics.server_generation_tokens = delta[TOKEN_METRICS[0]], delta[TOKEN_METRICS[1]]
+    metrics.prefix_cache_queries, metrics.prefix_cache_hits = (delta[PREFIX_CACHE_METRICS[0]],
+                                                               delta[PREFIX_CACHE_METRICS[1]])
     return RunResult(metrics, results, profiled, duration)
+
+
+def reset_prefix_cache(base_url: str, api_key: str | None = None, timeout_s: float = 60.0) -> None:
+    """``POST /reset_prefix_cache``: the server's next requests find nothing cached. Raises with the server's
+    answer when it refuses (requests still hold cached blocks)."""
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    resp = httpx.post(f"{base_url}/reset_prefix_cache", headers=headers, timeout=timeout_s)
+    if resp.status_code != 200:
+        raise RuntimeError(f"POST {base_url}/reset_prefix_cache answered {resp.status_code}: {resp.text[:300]}")

@@ -1,7 +1,8 @@
-"""The random-token workload of ``vllm bench serve --dataset-name random``: prompts of ``prefix_len`` shared
-token ids then ``input_len`` random ones (varied by ``range_ratio``), each asking for ``output_len`` tokens (with
-EOS honoured unless the run asks the server to ignore it, as vLLM's ``--ignore-eos``); and when each request is
-sent."""
+"""The random-token workloads of ``vllm bench serve``: ``--dataset-name random``, prompts of ``prefix_len`` shared
+token ids then ``input_len`` random ones (varied by ``range_ratio``), and ``--dataset-name prefix_repetition``,
+``num_prefixes`` random prefixes each followed by random suffixes (a prefix cache's workload); each request asks
+for ``output_len`` tokens (with EOS honoured unless the run asks the server to ignore it, as vLLM's
+``--ignore-eos``); and when each request is sent."""
 from __future__ import annotations
 
 import math
@@ -35,6 +36,32 @@ def random_requests(num_prompts: int, input_len: int, output_len: int, vocab_siz
 
     return [BenchRequest(prefix + [rng.randrange(vocab_size) for _ in range(length(input_len))], length(output_len))
             for _ in range(num_prompts)]
+
+
+def prefix_repetition_requests(num_prompts: int, prefix_len: int, suffix_len: int, num_prefixes: int,
+                               output_len: int, vocab_size: int, *, seed: int = 0) -> list[BenchRequest]:
+    """vLLM's ``prefix_repetition`` dataset over token ids: ``num_prefixes`` prefixes of ``prefix_len`` random ids,
+    each followed by ``num_prompts / num_prefixes`` suffixes of ``suffix_len`` random ids, in shuffled order (the
+    prompts of one prefix do not arrive together). ``num_prompts`` must be a multiple of ``num_prefixes`` (vLLM
+    drops the remainder; here it is refused, so a run sends the requests it was asked for)."""
+    for name, value, least in (("num_prompts", num_prompts, 1), ("prefix_len", prefix_len, 0),
+                               ("suffix_len", suffix_len, 0), ("num_prefixes", num_prefixes, 1),
+                               ("output_len", output_len, 1), ("vocab_size", vocab_size, 1)):
+        if value < least:
+            raise ValueError(f"{name} must be >= {least}, got {value}")
+    if prefix_len + suffix_len < 1:
+        raise ValueError("prefix_len + suffix_len must be >= 1 (a prompt of no tokens), got 0")
+    if num_prompts % num_prefixes:
+        raise ValueError(f"num_prompts ({num_prompts}) must be a multiple of num_prefixes ({num_prefixes}), so that "
+                         "every prefix has as many prompts")
+    rng = random.Random(seed)
+    requests = []
+    for _ in range(num_prefixes):
+        prefix = [rng.randrange(vocab_size) for _ in range(prefix_len)]
+        requests += [BenchRequest(prefix + [rng.randrange(vocab_size) for _ in range(suffix_len)], output_len)
+                     for _ in range(num_prompts // num_prefixes)]
+    rng.shuffle(requests)
+    return requests
 
 
 def arrival_offsets(num: int, request_rate: float, *, burstiness: float = 1.0, seed: int = 0) -> list[float]:
