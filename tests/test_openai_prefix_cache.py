@@ -196,3 +196,16 @@ def test_reset_on_a_dead_engine() -> None:
             r = reset(http)
         assert r.status_code == 500 and "DP rank 1" in r.json()["error"]["message"]
         assert srv.wait_stopped() == 1
+
+
+def test_a_prompt_of_several_samples_counts_the_tokens_no_sample_computed() -> None:
+    from runner.entrypoints.openai.serving_engine import Choices, EnginePrompt
+
+    choices = Choices([EnginePrompt("x", list(range(40))), EnginePrompt("y", list(range(20)))], 2,
+                      cached_tokens_details=True)
+    for prompt, cached in ((0, None), (0, 32), (0, 16), (0, 32), (1, 0)):  # sample 2 of prompt 0 found 32, sample 1 16
+        choices.saw(prompt, RequestOutput(f"r{prompt}", None, [], [], False, num_cached_tokens=cached))
+    usage = choices.usage()
+    assert usage.prompt_tokens == 60 and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == 16
+    assert Choices(choices.prompts, 2).usage().prompt_tokens_details is None  # not asked for

@@ -93,13 +93,15 @@ class Choices:
         self.n = n
         self.states = [ChoiceState() for _ in range(len(prompts) * n)]
         self.cached_tokens_details = cached_tokens_details
-        self.cached_tokens = [0] * len(prompts)
+        self.cached_tokens: list[int | None] = [None] * len(prompts)
 
     def saw(self, prompt: int, output: RequestOutput) -> None:
-        """Note what an output of prompt ``prompt``'s engine request says about its prompt (its cached tokens,
-        once the engine has scheduled it)."""
-        if output.num_cached_tokens is not None:
-            self.cached_tokens[prompt] = output.num_cached_tokens
+        """Note what an output of prompt ``prompt``'s engine request says about its prompt: its cached tokens,
+        once the engine has scheduled it. With ``n`` > 1 each sample reports its own (a later one may find the
+        blocks an earlier one computed); the prompt's are the fewest, the tokens no sample had to compute."""
+        cached, known = output.num_cached_tokens, self.cached_tokens[prompt]
+        if cached is not None:
+            self.cached_tokens[prompt] = cached if known is None else min(known, cached)
 
     def index(self, prompt: int, out: CompletionOutput) -> int:
         if not 0 <= out.index < self.n:
@@ -122,7 +124,8 @@ class Choices:
     def usage(self) -> UsageInfo:
         prompt = sum(len(p.token_ids) for p in self.prompts)
         completion = sum(len(s.token_ids) for s in self.states)
-        details = PromptTokenUsageInfo(cached_tokens=sum(self.cached_tokens)) if self.cached_tokens_details else None
+        details = PromptTokenUsageInfo(cached_tokens=sum(c or 0 for c in self.cached_tokens)) \
+            if self.cached_tokens_details else None
         return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                          prompt_tokens_details=details)
 
