@@ -185,6 +185,9 @@ class OneTokenEngine(EngineClient):
     def stats(self) -> EngineStats:
         return EngineStats()
 
+    async def reset_prefix_cache(self) -> bool:
+        return True  # it caches nothing
+
 
 async def bare_app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     """The driver's floor: reads the body and answers one event, as the served requests' shape."""

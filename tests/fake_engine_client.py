@@ -165,6 +165,10 @@ class FakeEngineClient(EngineClient):
             r.comm_exposed_s = 0.001 * self._steps
         return EngineStats(ranks=ranks)
 
+    async def reset_prefix_cache(self) -> bool:
+        """The double caches nothing; like a rank whose requests hold cached blocks, it refuses while one runs."""
+        return not self.running
+
     async def abort(self, request_id: str) -> None:
         req = self.running.get(request_id)
         if req is not None and not req.aborted:

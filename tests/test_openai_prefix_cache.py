@@ -12,7 +12,7 @@ import pytest
 from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletionMessageParam
 
-from runner.engine.protocol import EngineStats
+from runner.engine.protocol import EngineDeadError, EngineStats
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
 from tests.fake_engine_client import FakeEngineClient, make_tokenizer
@@ -209,3 +209,18 @@ def test_a_prompt_of_several_samples_counts_the_tokens_no_sample_computed() -> N
     assert usage.prompt_tokens == 60 and usage.prompt_tokens_details is not None
     assert usage.prompt_tokens_details.cached_tokens == 16
     assert Choices(choices.prompts, 2).usage().prompt_tokens_details is None  # not asked for
+
+
+class DyingEngine(CachingEngine):
+    """A rank dies while the reset waits for it."""
+
+    async def reset_prefix_cache(self) -> bool:
+        raise EngineDeadError("DP rank 0 exited with status -9")
+
+
+def test_reset_when_the_engine_dies_meanwhile() -> None:
+    with ServerThread(DyingEngine(), with_dead_event=False) as srv:
+        with srv.http() as http:
+            r = reset(http)
+        assert r.status_code == 500 and "DP rank 0 exited" in r.json()["error"]["message"]
+        assert srv.wait_stopped() == 1  # the server learnt the engine is dead, and stops

@@ -193,6 +193,12 @@ class EngineClient(ABC):
     def stats(self) -> EngineStats:
         ...
 
+    @abstractmethod
+    async def reset_prefix_cache(self) -> bool:
+        """Drop every DP rank's cached prefix blocks (vLLM's ``reset_prefix_cache``): True only if every rank did
+        (a rank whose running requests hold cached blocks drops nothing and answers False). Raises
+        :class:`EngineDeadError` when the engine is dead."""
+
 
 async def _pump(iterator: AsyncIterator[RequestOutput], sink: OutputSink) -> None:
     """:meth:`EngineClient.stream`'s task: ``iterator`` into ``sink``; leaving it closes the iterator (which

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runner.engine.protocol import EngineClient
+from runner.engine.protocol import EngineClient, EngineDeadError
 from runner.entrypoints.openai.cli_args import (
     request_logging,
     served_model_names,
@@ -134,7 +134,7 @@ def add_reset_prefix_cache_route(app: FastAPI, engine_client: EngineClient, life
     ``VLLM_SERVER_DEV_MODE=1`` and answers 200 whatever the engine did; here it is always served (behind the API
     key when there is one: it changes no output, only how much prompt the next requests compute) and says when a
     rank refused: 200 with an empty body once every rank reset, 409 while requests hold cached blocks (retry
-    when they have finished), 500 when the engine is dead."""
+    when they have finished), 500 when the engine is dead or a rank did not answer."""
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache() -> Response:
@@ -142,7 +142,15 @@ def add_reset_prefix_cache_route(app: FastAPI, engine_client: EngineClient, life
         if reason is not None:
             return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine is dead: {redact(reason)}").response()
         logger.info("Resetting the prefix cache of every DP rank")
-        if not await engine_client.reset_prefix_cache():
+        try:
+            reset = await engine_client.reset_prefix_cache()
+        except EngineDeadError as exc:
+            lifecycle.engine_died(str(exc))
+            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR, f"The engine is dead: {redact(str(exc))}").response()
+        except TimeoutError as exc:  # a rank did not answer in time (the message names it)
+            return OpenAIError(HTTPStatus.INTERNAL_SERVER_ERROR,
+                               f"The prefix cache reset did not complete: {redact(str(exc))}").response()
+        if not reset:
             return OpenAIError(HTTPStatus.CONFLICT, "The prefix cache was not reset: running requests hold its blocks "
                                "on some DP rank; retry once they have finished").response()
         return Response(status_code=HTTPStatus.OK)
