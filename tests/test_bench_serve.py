@@ -48,6 +48,32 @@ def test_bench_serve_counts_equal_what_the_server_sent(tmp_path: Path) -> None:
     assert f"server: log kept at {log}" in proc.stderr and log.stat().st_size > 0
 
 
+def test_compare_prefix_caching_counts_the_cached_tokens_of_each_cold_run(tmp_path: Path) -> None:
+    """vLLM's prefix_repetition dataset, one request at a time: in every run of the caching server, each prefix's
+    first request computes it and the others find its whole blocks (the cache emptied before each run); the
+    server without caching finds nothing."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "runner", "bench-serve", "tiny-qwen3-moe", "--server-args",
+           f"--device cpu --max-num-seqs 4 --cache-dir {tmp_path}", "--compare", "prefix-caching",
+           "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "64",
+           "--prefix-repetition-suffix-len", "16", "--prefix-repetition-num-prefixes", "2",
+           "--prefix-repetition-output-len", "4", "--num-prompts", "8", "--max-concurrency", "1", "--repeats", "2",
+           "--ignore-eos", "--output-json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "caching off vs caching on" in proc.stdout and "Prefix cache hit rate (%)" in proc.stdout
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted((r["server"], r["repeat"]) for r in runs) == [("caching off", 0), ("caching off", 1),
+                                                                ("caching on", 0), ("caching on", 1)]
+    for r in runs:
+        m = r["metrics"]
+        assert (m["completed"], m["server_prompt_tokens"]) == (8, 8 * 80)
+        if r["server"] == "caching on":  # 2 prefixes x 3 later requests x 4 whole blocks of 16
+            assert (m["prefix_cache_queries"], m["prefix_cache_hits"]) == (8 * 80, 2 * 3 * 64)
+        else:
+            assert m["prefix_cache_hits"] == 0
+
+
 VLLM_RESULT_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
                     "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
                     "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",
