@@ -135,6 +135,20 @@ def benches(quick: bool) -> list[Bench]:
               "went*: each server's timeline over a few steps of the first run (`/start_profile`, "
               "`/stop_profile`): per step, the union of compute spans, the modelled all-to-all and the part of it "
               "no compute hid, and the host's phases (schedule, DP vote, inputs, sampling, outputs)."),
+        Bench("prefix_cache", "Prefix caching: on vs off, offline and served",
+              ["benchmarks/bench_prefix_cache.py", "--repeats", "3"],
+              "Automatic prefix caching (`--enable-prefix-caching`, the default) against "
+              "`--no-enable-prefix-caching`, both engines up together and their runs alternating, each run from an "
+              "empty cache (`reset_prefix_cache`), medians of 3, on `tiny-qwen3-moe` (CPU, greedy, EOS ignored, "
+              "KV sized for every request of a load). Offline through `LLM.generate`; served through `python -m "
+              "runner serve`: the one-shot loads with `bench-serve --compare prefix-caching` (commands below), the "
+              "conversations with a streaming client of `/v1/completions`. *shared prefix*: 16 requests at once, a "
+              "1,024-token system prompt + 64 tokens of their own, 128 new tokens; *multi-turn*: 8 concurrent "
+              "conversations of 4 turns, each prompt the previous one + its 32-token answer + a 64-token user "
+              "message; *0 % hit*: 16 unique 1,088-token prompts, 128 new tokens. *computed*: prompt tokens not "
+              "served from the cache; *same tokens*: every run with caching generated the tokens of the run "
+              "without (not recorded through bench-serve).",
+              pngs=("prefix_cache.png",)),
         Bench("cudagraph", "CUDA graphs: eager DBO vs replayed DBO graph vs replayed plain graph",
               ["benchmarks/bench_cudagraph.py"], "Step time and CPU launch time per step.", needs_gpu=True),
         Bench("engine_dbo_gpu", "The engine's DBO on one GPU: default flags vs `--enable-dbo`, without and with a link",
