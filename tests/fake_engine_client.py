@@ -251,15 +251,16 @@ class FakeEngineClient(EngineClient):
         s.text += ch
         if params.logprobs is not None:
             s.logprobs.append(self._logprobs(token, k, params.logprobs))
-        if token in params.stop_token_ids:
+        if token in (params.stop_token_ids or ()):
             s.finish_reason, s.stop_reason = "stop", token
-        for stop in params.stop:
+        for stop in [params.stop] if isinstance(params.stop, str) else params.stop or []:
             at = s.text.find(stop)
             if at >= 0:
                 s.text = s.text[:at + len(stop)] if params.include_stop_str_in_output else s.text[:at]
                 s.finish_reason, s.stop_reason = "stop", stop
                 break
-        if s.finish_reason is None and len(s.token_ids) >= params.max_tokens:
+        limit = params.max_tokens if params.max_tokens is not None else self._max_model_len - len(req.prompt_ids)
+        if s.finish_reason is None and len(s.token_ids) >= limit:
             s.finish_reason = "length"
 
     def _logprobs(self, token: int, k: int, num_top: int) -> dict[int, Logprob]:
