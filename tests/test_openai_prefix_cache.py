@@ -12,12 +12,12 @@ import pytest
 from openai.types import CompletionUsage
 from openai.types.chat import ChatCompletionMessageParam
 
+from fake_engine_client import FakeEngineClient, make_tokenizer
+from openai_harness import MODEL, ServerThread, sse_events
 from runner.engine.protocol import EngineDeadError, EngineStats
 from runner.outputs import RequestOutput
 from runner.sampling_params import SamplingParams
-from tests.fake_engine_client import FakeEngineClient, make_tokenizer
-from tests.openai_harness import MODEL, ServerThread, sse_events
-from tests.test_openai_metrics import samples, value
+from test_openai_metrics import samples, value
 
 BLOCK = 4  # the double caches whole blocks of this many prompt tokens, as the engine does
 TOK = make_tokenizer()
