@@ -305,10 +305,10 @@ def test_profiles_go_to_a_private_directory_and_never_follow_a_link(server: Serv
     assert victim.read_text() == "keep me"  # the planted link was not followed
 
 
-def test_profile_routes_exist_only_with_profile_dir(tiny_chat_checkpoint: TinyCheckpoint) -> None:
-    with ServerProcess(str(tiny_chat_checkpoint.path), ENGINE, startup_timeout_s=300, name="noprof") as srv:
-        assert httpx.post(f"{srv.base_url}/start_profile", timeout=30).status_code == 404
-        assert httpx.post(f"{srv.base_url}/stop_profile", timeout=30).status_code == 404
+def test_profile_routes_exist_only_with_profile_dir(trusting: ServerProcess) -> None:
+    # the trusted-template server below was started without --profile-dir
+    assert httpx.post(f"{trusting.base_url}/start_profile", timeout=30).status_code == 404
+    assert httpx.post(f"{trusting.base_url}/stop_profile", timeout=30).status_code == 404
 
 
 def test_redact_drops_source_locations_and_paths() -> None:
