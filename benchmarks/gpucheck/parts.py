@@ -29,6 +29,7 @@ GPU_TEST_FILES = (
     "tests/test_graph_memory.py", "tests/test_memory_budget.py", "tests/test_cudagraph_cuda.py",  # graphs, memory
     "tests/test_trace.py", "tests/test_trace_cuda_events.py",  # traces (CUDA-event spans)
     "tests/test_no_host_sync.py", "tests/test_device.py",  # sync-free eager step, device choice
+    "tests/test_overlap_loop.py", "tests/test_wrapper.py",  # the forward thread, ubatch threads (one CPU stream)
 )
 SERVE_SECONDS = 60
 SERVE_PROMPTS = 512  # per server: two waves of 256 sequences, 128 steps each
