@@ -74,6 +74,21 @@ def test_compare_prefix_caching_counts_the_cached_tokens_of_each_cold_run(tmp_pa
             assert m["prefix_cache_hits"] == 0
 
 
+def test_every_run_of_a_started_server_starts_from_an_empty_prefix_cache(tmp_path: Path) -> None:
+    """The same 40-token prompts (two whole blocks of 16) in every repeat: with caching on (the default) each run
+    still computes them all, the cache emptied before it, so repeats measure cold prompts alike."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "runner", "bench-serve", "tiny-qwen3-moe", "--server-args",
+           f"--device cpu --max-num-seqs 4 --cache-dir {tmp_path}", "--dataset-name", "random", "--num-prompts", "4",
+           "--random-input-len", "40", "--random-output-len", "2", "--random-range-ratio", "0", "--ignore-eos",
+           "--max-concurrency", "1", "--repeats", "2", "--output-json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [(r["repeat"], r["metrics"]["completed"], r["metrics"]["prefix_cache_queries"],
+             r["metrics"]["prefix_cache_hits"]) for r in runs] == [(0, 4, 4 * 40, 0), (1, 4, 4 * 40, 0)]
+
+
 VLLM_RESULT_KEYS = ("date", "endpoint_type", "backend", "label", "model_id", "tokenizer_id", "num_prompts",
                     "request_rate", "burstiness", "max_concurrency", "duration", "completed", "failed",
                     "total_input_tokens", "total_output_tokens", "request_throughput", "request_goodput",

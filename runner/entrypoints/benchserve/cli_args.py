@@ -25,8 +25,8 @@ def add_bench_serve_args(p: argparse.ArgumentParser) -> None:
     add("--compare", choices=["dbo", "prefix-caching"],
         help="dbo: run the workload against a server without and one with --enable-dbo, alternating, and print "
              "both with their ratio; prefix-caching: the same with --no-enable-prefix-caching and "
-             "--enable-prefix-caching, each server's prefix cache reset (POST /reset_prefix_cache) before every "
-             "run so that each run starts cold")
+             "--enable-prefix-caching. Every server this starts has its prefix cache reset (POST "
+             "/reset_prefix_cache) before every run, so that each run starts cold")
     add("--repeats", type=int, default=1, metavar="N", help="runs per server and rate; medians are reported "
                                                             "(default 1)")
     add("--num-prompts", type=int, default=1000, metavar="N", help="requests per run (default 1000)")

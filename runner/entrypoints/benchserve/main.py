@@ -2,11 +2,11 @@
 
 Without ``--base-url`` it starts ``python -m runner serve MODEL <--server-args>`` itself (two servers with
 ``--compare dbo``: one without ``--enable-dbo`` and one with it; ``--compare prefix-caching``: one with
-``--no-enable-prefix-caching`` and one with ``--enable-prefix-caching``, each cache emptied before every run; both
-up for the whole run so that their runs alternate, the idle one using no CPU meanwhile). ``--calibrate-link R``
-first measures, offline, the model's compute and all-to-all bytes on a step of the benchmark's shape and gives
-both servers an ``--emulate-link`` whose time is ``R`` x that compute (comm = compute at R = 1), the setting the
-DBO goals are stated for.
+``--no-enable-prefix-caching`` and one with ``--enable-prefix-caching``; both up for the whole run so that their
+runs alternate, the idle one using no CPU meanwhile), each one's prefix cache emptied before every run.
+``--calibrate-link R`` first measures, offline, the model's compute and all-to-all bytes on a step of the
+benchmark's shape and gives both servers an ``--emulate-link`` whose time is ``R`` x that compute (comm = compute
+at R = 1), the setting the DBO goals are stated for.
 """
 from __future__ import annotations
 
@@ -207,6 +207,8 @@ def calibrate(model: str, server_args: str, input_len: int, num_seqs: int, ratio
         computes = []
         with tempfile.TemporaryDirectory() as tmp:
             for _ in range(3):
+                if not llm.reset_prefix_cache():  # every run computes its prompts (they ran before)
+                    raise RuntimeError("the prefix cache could not be reset between calibration runs")
                 nbytes, transfers = link.total_bytes, link.num_transfers
                 llm.cfg = llm.cfg.replace(trace_file=str(Path(tmp) / "calib.json"))
                 llm.generate(prompts, params, use_tqdm=False)
@@ -251,8 +253,9 @@ def workload(args: argparse.Namespace, vocab: int) -> list[BenchRequest]:
 
 async def _bench(args: argparse.Namespace, servers: list[tuple[str, str]], model: str, model_name: str,
                  vocab: int) -> list[dict[str, Any]]:
-    """Every (rate, repeat, server) run; servers alternate inside each repeat. With ``--compare prefix-caching``
-    each run starts from an empty prefix cache (the same prompts run again would be all hits)."""
+    """Every (rate, repeat, server) run; servers alternate inside each repeat. On the servers it started (no
+    ``--base-url``) each run starts from an empty prefix cache: every rate and repeat sends the same prompts, whose
+    whole blocks would otherwise be hits from the second run on."""
     rates = args.request_rates or [args.request_rate]
     requests = workload(args, vocab)
     warmup = random_requests(min(8, args.num_prompts), args.random_input_len, 4, vocab, seed=args.seed + 99)
@@ -264,7 +267,7 @@ async def _bench(args: argparse.Namespace, servers: list[tuple[str, str]], model
         for rep in range(args.repeats):
             for label, url in servers:
                 profile = ProfileWindow(*args.profile) if args.profile and rep == 0 else None
-                if args.compare == "prefix-caching":
+                if not args.base_url:
                     await asyncio.to_thread(reset_prefix_cache, url, args.api_key)
                 res: RunResult = await run_once(url, model_name, requests, offsets,
                                                 max_concurrency=args.max_concurrency, api_key=args.api_key,
