@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_host_overhead import MODEL
-from common import RESULTS_DIR, write_csv
+from common import RESULTS_DIR, empty_prefix_cache, write_csv
 
 # this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
@@ -76,8 +76,11 @@ def thread_cpu_s(thread_id: int | None) -> float:
 
 
 def one_call(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
-    """One ``generate`` of the workload: per-step figures, the ubatched steps it ran and its tokens."""
+    """One ``generate`` of the workload from an empty prefix cache (the same prompts run again would be cache
+    hits from ``--prompt-len`` 17 on): per-step figures, the ubatched steps it ran and its tokens."""
     from runner.sampling_params import SamplingParams
+
+    empty_prefix_cache(llm)
 
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ubatched_before = llm.runner.num_ubatched_steps

@@ -21,7 +21,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, write_csv
+from common import LINK_LATENCY_US, RESULTS_DIR, calibrated_link, empty_prefix_cache, write_csv
 from runner.models.loader import TINY_MODELS
 
 # this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
@@ -54,7 +54,9 @@ def set_dbo(llm: Any, on: bool) -> None:
 
 def timed(llm: Any, prompts: list[list[int]], params: Any, dbo: bool,
           trace_file: str | None = None) -> tuple[Any, list[list[int]]]:
-    """The run's stats and its output tokens per prompt."""
+    """The run's stats and its output tokens per prompt; the prefix cache is emptied first, so that every run
+    computes its prompts (the prefill workload's 256-token prompts run again would be cache hits)."""
+    empty_prefix_cache(llm)
     set_dbo(llm, dbo)
     llm.cfg = llm.cfg.replace(trace_file=trace_file)
     outs = llm.generate(prompts, params, use_tqdm=False)

@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_host_overhead import MODEL
-from common import RESULTS_DIR, write_csv
+from common import RESULTS_DIR, empty_prefix_cache, write_csv
 
 PLACEMENTS = ("mp", "inproc")  # the engine core in its own process (the default) | in this process
 LOOPS = ("default", "sync")  # the engine's default loop (pipelined on the emulated device) | one step at a time
@@ -96,10 +96,15 @@ class Call:
     tokens: list[list[int]]
 
 
-def timed(llm: Any, prompts: list[list[int]], tokens: int) -> Call:
+def timed(llm: Any, prompts: list[list[int]], tokens: int, *, cold: bool = True) -> Call:
     """One call: its wall and CPU seconds, the engine steps it took, and every request's tokens. CPU time is
-    what the host's work costs whatever else the machine runs; wall time is what a user waits."""
+    what the host's work costs whatever else the machine runs; wall time is what a user waits. ``cold``: the
+    prefix cache is emptied first, untimed, so that every call computes its prompts (the same prompts run again
+    would be cache hits from ``--prompt-len`` 17 on)."""
     from runner.sampling_params import SamplingParams
+
+    if cold:
+        empty_prefix_cache(llm)
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     e0, c0, t0 = engine_cpu_s(llm), time.process_time(), time.perf_counter()
@@ -232,8 +237,9 @@ def profiled(llm: Any, prompts: list[list[int]], tokens: int) -> dict[tuple[str,
     """One call under cProfile: (calls, own s, cumulative s) per function, on the calling thread's CPU clock, so
     that neither the other thread holding the GIL nor the other processes on the machine count as its time."""
     prof = cProfile.Profile(time.thread_time)
+    empty_prefix_cache(llm)  # outside the profile: every call computes its prompts
     prof.enable()
-    timed(llm, prompts, tokens)
+    timed(llm, prompts, tokens, cold=False)
     prof.disable()
     entries = pstats.Stats(prof).stats  # type: ignore[attr-defined]  # pstats keeps its table here, untyped
     return {key: (float(nc), tt, ct) for key, (_cc, nc, tt, ct, _callers) in entries.items()}

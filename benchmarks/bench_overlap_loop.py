@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, write_csv
+from common import RESULTS_DIR, empty_prefix_cache, write_csv
 from runner.entrypoints.llm import LLM
 from runner.models.loader import TINY_MODELS
 from runner.sampling_params import SamplingParams
@@ -47,6 +47,9 @@ CONFIGS = [Config("tiny-qwen3-moe", 16), Config("tiny-qwen3-moe", 128), Config(W
 
 
 def one_run(llm: LLM, prompts: list[list[int]], params: SamplingParams, overlap: bool) -> dict[str, Any]:
+    """One timed call from an empty prefix cache (the same prompts run again would be cache hits from
+    ``--prompt-len`` 17 on): its per-step figures and tokens."""
+    empty_prefix_cache(llm)
     llm.cfg = llm.cfg.replace(disable_overlap_schedule=not overlap)
     outs = llm.generate(prompts, params, use_tqdm=False)
     st, ls = llm.last_stats, llm.last_loop_stats

@@ -33,7 +33,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import RESULTS_DIR, write_csv
+from common import RESULTS_DIR, empty_prefix_cache, write_csv
 
 MODEL = "bench-qwen3-moe-120m"
 ENGINE = "--max-num-seqs 512 --max-num-batched-tokens 2048 --max-model-len 512 --device cpu"
@@ -115,6 +115,7 @@ def lone_request(repeats: int, input_len: int) -> list[dict[str, Any]]:
                 time.sleep(IDLE_S)  # each request arrives at an idle server
                 res = asyncio.run(run_once(srv.base_url, MODEL, [r], [0.0]))
                 ttfts.append(res.results[0].ttft_s)
+                empty_prefix_cache(llm)  # the warm-up ran the first prompt: its whole blocks would be hits
                 time.sleep(IDLE_S)
                 t0 = time.perf_counter()
                 llm.generate([r.prompt_token_ids], params, use_tqdm=False)

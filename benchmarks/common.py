@@ -45,3 +45,12 @@ def write_json(obj: Any, path: str | Path) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(json.dumps(obj, indent=1, default=str) + "\n")
     os.replace(tmp, path)
+
+
+def empty_prefix_cache(llm: Any) -> None:
+    """Drop ``llm``'s cached prefix blocks before a timed call, so that the call computes every prompt token
+    (prefix caching is on by default: the same prompts run again would be cache hits). Raises if a rank could not
+    (a request still held KV blocks)."""
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("the prefix cache could not be reset before a timed call (a request still held KV "
+                           "blocks)")

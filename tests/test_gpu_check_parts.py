@@ -48,7 +48,11 @@ from gpucheck.schedule import Context, Part, run_parts, write_outputs  # noqa: E
 from gpucheck.subproc import run_logged  # noqa: E402
 
 TINY = ["--model", "tiny-qwen3-moe", "--device", "cpu"]
-TINY_ENGINE = TINY + ["--num-prompts", "4", "--max-tokens", "3", "--max-num-seqs", "4"]
+# 40-token prompts: two whole KV blocks of 16 each, cache hits on every call after the first that ran them (the
+# warm-up runs two), unless the part empties the prefix cache before each measured call
+PROMPT_LEN = 40
+TINY_ENGINE = TINY + ["--num-prompts", "4", "--prompt-len", str(PROMPT_LEN), "--max-tokens", "3", "--max-num-seqs",
+                      "4"]
 
 
 def context(tmp_path: Path, **options: object) -> Context:
@@ -274,6 +278,8 @@ def test_parts_on_cpu_give_results_the_goals_and_report_read(tmp_path: Path) -> 
         assert p[name]["status"] == "ok", p[name]
         assert (data["measured"]["num_requests"], data["measured"]["num_output_tokens"]) == (4, 12)
         assert data["measured"]["enable_dbo"] is dbo and data["measured"]["loop"]["num_steps"] >= 3
+        assert [(r["prefix_cache_queries"], r["prefix_cache_hits"]) for r in data["measured_runs"]] == [
+            (4 * PROMPT_LEN, 0)] * 2  # every measured call computed its prompts
         assert data["engine"]["graphs"] == {"enabled": False} and "profiled" not in data
     verdicts = {g["key"]: (g["verdict"], g["measured"]) for g in results["goals"]}
     assert verdicts["graph_memory"] == (MISS, "CUDA graphs were off (the engine ran eager)")
@@ -307,6 +313,8 @@ def test_the_fp8_part_on_cpu_compares_the_engine_quantised_while_loading_with_it
         assert (run["dtype"], run["weight_bytes"]) == ("float32", sizes[name])
         assert (run["measured"]["num_requests"], run["measured"]["num_output_tokens"]) == (4, 12)
         assert len(run["measured_runs"]) == 2 and run["flags"].get("quantization") == quantization
+        assert [(r["prefix_cache_queries"], r["prefix_cache_hits"]) for r in run["measured_runs"]] == [
+            (4 * PROMPT_LEN, 0)] * 2  # every measured call computed its prompts
     assert data["fp8"]["dense_fp8_linears"]["dequantised"] > 0 and data["base"]["dense_fp8_linears"] == {
         "fp8_gemm": 0, "dequantised": 0}
     agreement = data["agreement"]

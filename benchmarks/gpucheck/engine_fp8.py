@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from common import write_json
+from common import empty_prefix_cache, write_json
 from gpucheck.engine_run import engine_info, run_figures
 from gpucheck.fp8_figures import greedy_agreement
 from runner.models.base import MoECausalLM
@@ -64,9 +64,11 @@ def dense_fp8_linears(model: torch.nn.Module) -> dict[str, int]:
 
 
 def greedy_ids(llm: LLM, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    """Each prompt's ``tokens`` greedy new tokens (EOS ignored), in one ``generate`` call."""
+    """Each prompt's ``tokens`` greedy new tokens (EOS ignored), in one ``generate`` call from an empty prefix
+    cache (the self-agreement runs the same prompts again: it compares batch shapes, not cached KV)."""
     from runner import SamplingParams
 
+    empty_prefix_cache(llm)
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=tokens), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
@@ -90,6 +92,7 @@ def run_engine(flags: dict[str, Any], prompts: list[list[int]], agree_prompts: l
         llm.generate(prompts[:2], greedy(max_tokens=2), use_tqdm=False)
         out["measured_runs"] = []
         for _ in range(max(1, args.repeats)):
+            empty_prefix_cache(llm)  # as `python -m runner bench`: every call computes its prompts
             out["measured"] = run_figures(llm, llm.generate(prompts, greedy(max_tokens=args.max_tokens),
                                                             use_tqdm=False))
             out["measured_runs"].append(out["measured"])

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from common import calibrated_link, write_json
+from common import calibrated_link, empty_prefix_cache, write_json
 from gpucheck.engine_run import profiled_events, run_figures
 from ubatch.modular_moe.prepare_finalize import device_wait
 from ubatch.trace_metrics import intersect, length
@@ -96,6 +96,7 @@ def measure(flags: dict[str, Any], prompts: list[Any], sampling: Any, profile_li
     llm = LLM(**flags)
     try:
         llm.generate(prompts[:2], warm_up_params(), use_tqdm=False)
+        empty_prefix_cache(llm)  # the warm-up's prompts would be cache hits
         outputs = llm.generate(prompts, sampling, use_tqdm=False)
         out = run_figures(llm, outputs)
         if profile_link:

@@ -3,7 +3,7 @@
 Default flags but ``--max-num-seqs``: ``LLM(model="bench-qwen3-moe-1b", cache_dir=..., max_num_seqs=256[,
 enable_dbo=True])`` (the check's cache directory holds the checkpoint ``model_prep`` wrote),
 random prompts as ``python -m runner generate`` makes them, greedy, a fixed number of new tokens each. One
-short warm-up call (as ``python -m runner bench`` does), then:
+short warm-up call (as ``python -m runner bench`` does), then, each call from an empty prefix cache (as there):
 
 - ``measured``: one ``generate`` of the whole workload; the engine's own counters (``LLM.last_stats``,
   ``LLM.last_loop_stats``);
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from common import write_json
+from common import empty_prefix_cache, write_json
 from ubatch.trace_metrics import length
 
 # this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
@@ -92,9 +92,11 @@ def gpu_busy(trace_events: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def profiled_events(llm: Any, prompts: list[Any], sampling: Any) -> list[dict[str, Any]]:
-    """The Chrome-trace events of one ``generate`` under the torch profiler (GPU activity only)."""
+    """The Chrome-trace events of one ``generate`` under the torch profiler (GPU activity only), from an empty
+    prefix cache (the prompts ran before: their whole blocks would be cache hits)."""
     from torch.profiler import ProfilerActivity, profile
 
+    empty_prefix_cache(llm)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate(prompts, sampling, use_tqdm=False)
@@ -170,6 +172,7 @@ def main() -> int:
                      use_tqdm=False)
         doc["measured_runs"] = []
         for _ in range(max(1, args.repeats)):
+            empty_prefix_cache(llm)  # as `python -m runner bench`: every call computes its prompts
             outputs = llm.generate(prompts, sampling, use_tqdm=False)
             doc["measured"] = run_figures(llm, outputs)
             doc["measured_runs"].append(doc["measured"])
