@@ -86,13 +86,14 @@ def one_call(llm: Any, prompts: list[list[int]], max_tokens: int) -> dict[str, A
     ubatched_before = llm.runner.num_ubatched_steps
     owners = (id(llm.runner), id(llm.runner.cost_model))
     decision_before = sum(decision_ns[o] for o in owners)
-    core = llm._core  # the engine core of the previous call: its forward thread lives as long as the LLM
-    step_cpu = None if core is None else thread_cpu_s(core.forward_thread_id)
+    client = llm.engine_client  # in process: its engine core's forward thread lives as long as the LLM
+    thread = client.forward_thread_id
+    step_cpu = None if thread is None else thread_cpu_s(thread)
     cpu = time.process_time()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     cpu = time.process_time() - cpu
     if step_cpu is not None:
-        step_cpu = thread_cpu_s(llm._core.forward_thread_id) - step_cpu
+        step_cpu = thread_cpu_s(client.forward_thread_id) - step_cpu
     loop = llm.last_loop_stats
     steps = loop.num_steps
     return {"step_cpu_ms": float("nan") if step_cpu is None else 1e3 * step_cpu / steps,
