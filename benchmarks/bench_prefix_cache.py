@@ -19,6 +19,11 @@ served: ``num_cached_tokens`` offline, ``usage.prompt_tokens_details.cached_toke
 throughput, and whether the generated tokens equal those without caching. Writes
 ``benchmarks/results/prefix_cache.csv`` (one row per path, load and side) and ``prefix_cache.png``.
 Usage: ``python benchmarks/bench_prefix_cache.py [--repeats 3] [--only offline|served]``.
+
+``--only miss-cpu`` measures instead what caching costs on the 0 % hit load in process CPU time, which other
+processes' load does not inflate (``benchmarks/prefix_cache_miss_cpu.py``): ``--repeats`` alternating
+``LLM.generate`` calls per side, both engines in this process, and one profiled call per side; it writes
+``benchmarks/results/prefix_cache_miss_cpu.csv``.
 """
 from __future__ import annotations
 
@@ -121,10 +126,7 @@ def offline_run(llm: Any, load: str, seed: int) -> RunFigures:
 
 
 def run_offline(repeats: int) -> dict[tuple[str, str], list[RunFigures]]:
-    from runner.entrypoints.llm import LLM
-
-    llms = {side: LLM(model=MODEL, device="cpu", max_num_seqs=NUM_REQUESTS, max_model_len=2048,
-                      num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=side == "on") for side in SIDES}
+    llms = {side: make_offline_llm(side == "on") for side in SIDES}
     runs: dict[tuple[str, str], list[RunFigures]] = {}
     try:
         for llm in llms.values():  # warm-up: first-call costs
@@ -331,15 +333,35 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
     print(f"wrote {path}")
 
 
+def make_offline_llm(enable_prefix_caching: bool) -> Any:
+    from runner.entrypoints.llm import LLM
+
+    return LLM(model=MODEL, device="cpu", max_num_seqs=NUM_REQUESTS, max_model_len=2048,
+               num_kv_blocks=NUM_KV_BLOCKS, enable_prefix_caching=enable_prefix_caching)
+
+
+def run_miss_cpu(repeats: int, output: str) -> int:
+    from prefix_cache_miss_cpu import measure, print_rows
+
+    rows = measure(make_offline_llm, lambda seed: one_shot_prompts("0 % hit", seed), OUTPUT_LEN, repeats, progress)
+    print_rows(rows)
+    write_csv(rows, output)
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", choices=["offline", "served"])
-    p.add_argument("--output", default=str(RESULTS_DIR / "prefix_cache.csv"))
+    p.add_argument("--only", choices=["offline", "served", "miss-cpu"])
+    p.add_argument("--output", help="CSV path (default: benchmarks/results/prefix_cache.csv, "
+                                    "prefix_cache_miss_cpu.csv with --only miss-cpu)")
     p.add_argument("--plot", default=str(RESULTS_DIR / "prefix_cache.png"))
     args = p.parse_args()
     if args.repeats < 1:
         p.error(f"argument --repeats: must be >= 1, got {args.repeats}")
+    if args.only == "miss-cpu":
+        return run_miss_cpu(args.repeats, args.output or str(RESULTS_DIR / "prefix_cache_miss_cpu.csv"))
+    args.output = args.output or str(RESULTS_DIR / "prefix_cache.csv")
     rows: list[dict[str, Any]] = []
     if args.only != "served":
         rows += rows_of("offline", run_offline(args.repeats))
