@@ -36,9 +36,16 @@ the measurements of both.
 
 ``--api-server-count N`` serves with N API-server processes (their CPU summed), placed as the API server is
 (``--spread`` and ``--unpinned`` are short for ``--placement spread`` and ``--placement unpinned``).
+``--direct-writes on off``: ``on`` (default) serves as the product does, the engine's output reader writing a
+streamed response's running chunks itself while its handler waits (``EngineStreams.set_direct_format``); ``off``
+serves from a server process that makes ``set_direct_format`` do nothing, so every output goes through the
+handler's queue and the handler is the only writer of its response (a direct write there is reported in the
+server's log and fails the run). Both: served in turn in every repeat, and the pairs where ``on`` cost less CPU
+per token counted. One API server only (the API-server processes of ``--api-server-count`` start unpatched).
 ``--checkout DIR`` serves from another checkout of the project (an earlier commit): before/after on one machine;
 ``--against DIR`` serves both in turn within each repeat, which a machine shared with other jobs needs.
-Writes ``benchmarks/results/api_server_<label>.csv``. Usage: ``python benchmarks/bench_api_server.py [--repeats 3]
+Writes ``benchmarks/results/api_server_<label>.csv`` (medians) and ``api_server_<label>__repeats.csv`` (every
+repeat's figures). Usage: ``python benchmarks/bench_api_server.py [--repeats 3]
 [--client aiohttp httpx] [--placement rank-alone api-alone]``.
 """
 from __future__ import annotations
@@ -182,7 +189,30 @@ def api_server_pids(srv: Any, count: int) -> list[int]:
     return pids
 
 
+#: a direct write in a server with ``--direct-writes off``: the log line that fails the run
+DIRECT_WRITE_MARK = "bench_api_server: a direct write in a handler-only server"
+
+# The engine's output reader never writes a chunk itself: no stream gets a direct format, so ``EngineStreams``
+# queues every output for its handler (``_direct_open`` stays False); a direct write all the same is reported.
+HANDLER_ONLY_PATCH = f"""
+import sys
+from runner.entrypoints.openai.engine_streams import EngineStreams
+def no_direct_format(self, format):
+    pass
+def reported_direct_write(self, i, output):
+    print({DIRECT_WRITE_MARK!r}, file=sys.stderr, flush=True)
+    self._push(i, output)
+EngineStreams.set_direct_format = no_direct_format
+EngineStreams._write_directly = reported_direct_write
+"""
+# ``python -m runner`` with that patch
+HANDLER_ONLY_SERVER = HANDLER_ONLY_PATCH + """
+from runner.entrypoints.cli import main
+sys.exit(main())
+"""
+
 PLACEMENTS = ("rank-alone", "api-alone", "spread", "unpinned")
+DIRECT_WRITES = ("on", "off")
 CLIENTS = ("aiohttp", "httpx")
 
 
@@ -201,7 +231,8 @@ def place(placement: str, server_pid: int, front: list[int], cores: list[int]) -
     return ["taskset", "-c", str(last if placement == "rank-alone" else first)]
 
 
-def served(model: str, checkout: Path, api_servers: int, placement: str, client: str) -> dict[str, Any]:
+def served(model: str, checkout: Path, api_servers: int, placement: str, client: str,
+           direct_writes: bool = True) -> dict[str, Any]:
     from runner.entrypoints.benchserve.server_proc import ServerProcess, free_port
 
     flags = f" --api-server-count {api_servers}" if api_servers > 1 else ""
@@ -210,6 +241,8 @@ def served(model: str, checkout: Path, api_servers: int, placement: str, client:
     srv.port = free_port()
     srv.base_url = f"http://127.0.0.1:{srv.port}"
     srv.cmd[srv.cmd.index("--port") + 1] = str(srv.port)
+    if not direct_writes:  # [python, -m, runner, serve, ...] -> [python, -c, HANDLER_ONLY_SERVER, serve, ...]
+        srv.cmd[1:3] = ["-c", HANDLER_ONLY_SERVER]
     old_env, old_cwd = dict(os.environ), os.getcwd()
     os.environ.update(env_for(checkout))
     os.chdir(checkout)
@@ -232,6 +265,8 @@ def served(model: str, checkout: Path, api_servers: int, placement: str, client:
         result = last_json(out.stdout)
         if result["chunks"] < result["tokens"]:
             raise RuntimeError(f"the server streamed {result['chunks']} chunks for {result['tokens']} tokens")
+        if not direct_writes and DIRECT_WRITE_MARK in Path(srv.log_path).read_text(errors="replace"):
+            raise RuntimeError(f"the engine's output reader wrote a chunk with --direct-writes off:\n{srv.log_tail()}")
         return result
     finally:
         srv.stop()
@@ -251,6 +286,18 @@ def medians(runs: list[tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, floa
     return med
 
 
+def direct_writes_pairs(on: list[tuple[dict[str, Any], dict[str, Any]]],
+                        off: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
+    """Direct writes against the handler alone, repeat by repeat: the medians' ratio of API-server CPU per token
+    and the pairs where direct writes cost less."""
+    on_us, off_us = ([s["api_us_per_token"] for _, s in runs] for runs in (on, off))
+    lower = sum(a < b for a, b in zip(on_us, off_us, strict=True))
+    equal = sum(a == b for a, b in zip(on_us, off_us, strict=True))
+    return (f"API server CPU per token, direct writes on / off: {statistics.median(on_us):.2f} / "
+            f"{statistics.median(off_us):.2f} us ({statistics.median(on_us) / statistics.median(off_us):.3f}x), "
+            f"on lower in {lower} of {len(on_us)} pairs ({equal} equal)")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeats", type=int, default=3)
@@ -263,6 +310,9 @@ def main() -> int:
     p.add_argument("--api-server-count", type=int, default=1, help="API-server processes (serve's flag)")
     p.add_argument("--client", nargs="+", choices=CLIENTS, default=["aiohttp"],
                    help="the load generator's HTTP client; several: served in turn in every repeat (default aiohttp)")
+    p.add_argument("--direct-writes", nargs="+", choices=DIRECT_WRITES, default=["on"],
+                   help="on: the engine's output reader writes a streamed response's running chunks (the product); "
+                        "off: the handler is the only writer; both: served in turn in every repeat (default on)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--placement", nargs="+", choices=PLACEMENTS, default=["rank-alone"],
                        help="where the processes run; several: served in turn in every repeat (default rank-alone)")
@@ -273,45 +323,59 @@ def main() -> int:
     args = p.parse_args()
     if args.repeats < 1 or args.api_server_count < 1:
         p.error(f"--repeats and --api-server-count must be >= 1, got {args.repeats} and {args.api_server_count}")
+    if "off" in args.direct_writes and args.api_server_count > 1:
+        p.error(f"--direct-writes off serves with one API server, got --api-server-count {args.api_server_count}")
     from tiny_checkpoint import write_checkpoint
 
     checkouts = [(args.label, args.checkout.resolve())]
     if args.against is not None:
         checkouts.insert(0, (args.against_label, args.against.resolve()))
-    settings = [(label, checkout, client, placement) for label, checkout in checkouts
-                for client in dict.fromkeys(args.client) for placement in dict.fromkeys(args.placement)]
-    runs: dict[tuple[str, str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {
-        (label, client, placement): [] for label, _, client, placement in settings}
+    settings = [(label, checkout, client, placement, direct) for label, checkout in checkouts
+                for client in dict.fromkeys(args.client) for placement in dict.fromkeys(args.placement)
+                for direct in dict.fromkeys(args.direct_writes)]
+    runs: dict[tuple[str, str, str, str], list[tuple[dict[str, Any], dict[str, Any]]]] = {
+        (label, client, placement, direct): [] for label, _, client, placement, direct in settings}
+    repeat_rows = []
     with tempfile.TemporaryDirectory(prefix="ubatch-api-bench-") as tmp:
         model = str(Path(tmp) / "chat-qwen3-moe")
         write_checkpoint(Path(model))
         for rep in range(args.repeats):  # offline and every setting in turn, so machine drift falls on all
             off = offline(model, args.checkout.resolve())
             first = rep % len(settings)  # each repeat starts with the next setting: none is always the first
-            for label, checkout, client, placement in settings[first:] + settings[:first]:
-                srv = served(model, checkout, args.api_server_count, placement, client)
-                runs[(label, client, placement)].append((off, srv))
-                print(f"repeat {rep} {label}, {client}, {placement}: offline {off['tok_s']:.0f} tok/s, served "
-                      f"{srv['tok_s']:.0f} tok/s ({srv['tok_s'] / off['tok_s']:.2f}x; the machine's load average "
-                      f"{os.getloadavg()[0]:.1f}), API server {srv['api_us_per_token']:.1f} us/token, load generator "
+            for label, checkout, client, placement, direct in settings[first:] + settings[:first]:
+                srv = served(model, checkout, args.api_server_count, placement, client, direct == "on")
+                runs[(label, client, placement, direct)].append((off, srv))
+                repeat_rows.append({"repeat": rep, "label": label, "client": client, "placement": placement,
+                                    "direct_writes": direct, "offline_tok_s": off["tok_s"],
+                                    **{name: srv[key] for name, key in FIGURES.items()}})
+                print(f"repeat {rep} {label}, {client}, {placement}, direct writes {direct}: offline "
+                      f"{off['tok_s']:.0f} tok/s, served {srv['tok_s']:.0f} tok/s ({srv['tok_s'] / off['tok_s']:.2f}x; "
+                      f"the machine's load average {os.getloadavg()[0]:.1f}), API server "
+                      f"{srv['api_us_per_token']:.1f} us/token, load generator "
                       f"{srv['client_us_per_token']:.1f} us/token ({srv['client_cpu_share']:.0%} of a core), ranks "
                       f"{srv['rank_cpu_share']:.0%} of a core")
     rows = []
-    print("| checkout | client | placement | offline tok/s | served tok/s | served / offline | API server CPU per "
-          "streamed token | load generator CPU per streamed token | load generator CPU | ranks' CPU |")
-    for (label, client, placement), pairs in runs.items():
+    print("| checkout | client | placement | direct writes | offline tok/s | served tok/s | served / offline | "
+          "API server CPU per streamed token | load generator CPU per streamed token | load generator CPU | "
+          "ranks' CPU |")
+    for (label, client, placement, direct), pairs in runs.items():
         med = medians(pairs)
-        print(f"| {label} | {client} | {placement} | {med['offline_tok_s']:.0f} | {med['served_tok_s']:.0f} | "
-              f"{med['served_over_offline']:.2f}x | {med['api_us_per_token']:.1f} µs | "
+        print(f"| {label} | {client} | {placement} | {direct} | {med['offline_tok_s']:.0f} | "
+              f"{med['served_tok_s']:.0f} | {med['served_over_offline']:.2f}x | {med['api_us_per_token']:.1f} µs | "
               f"{med['client_us_per_token']:.1f} µs | {med['client_cpu_share']:.0%} of a core | "
               f"{med['rank_cpu_share']:.0%} of a core |")
-        rows.append({"label": label, "client": client, "placement": placement,
+        rows.append({"label": label, "client": client, "placement": placement, "direct_writes": direct,
                      "api_server_count": args.api_server_count, "repeats": args.repeats, **med})
         if med["client_cpu_share"] > 0.8:
-            print(f"warning ({label}, {client}, {placement}): the load generator used more than 80% of a core: it "
-                  "may be what limits the served rate")
+            print(f"warning ({label}, {client}, {placement}, direct writes {direct}): the load generator used more "
+                  "than 80% of a core: it may be what limits the served rate")
     slug = "".join(c if c.isalnum() else "_" for c in args.label).strip("_")
+    for label, client, placement in dict.fromkeys((label, client, placement) for label, client, placement, _ in runs):
+        if (label, client, placement, "off") in runs and (label, client, placement, "on") in runs:
+            on_runs, off_runs = runs[(label, client, placement, "on")], runs[(label, client, placement, "off")]
+            print(f"{label}, {client}, {placement}: {direct_writes_pairs(on_runs, off_runs)}")
     write_csv(rows, RESULTS_DIR / f"api_server_{slug}.csv")
+    write_csv(repeat_rows, RESULTS_DIR / f"api_server_{slug}__repeats.csv")
     return 0
 
 
