@@ -75,8 +75,8 @@ def served_at(us: float) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def test_pairs_count_where_direct_writes_cost_less() -> None:
-    on = [served_at(us) for us in (10.0, 12.0, 9.0)]
-    off = [served_at(us) for us in (11.0, 12.0, 8.0)]
+    on = [served_at(us) for us in (10.0, 12.0, 9.0, 27.465820312499982)]
+    off = [served_at(us) for us in (11.0, 12.0, 8.0, 27.46582031250001)]  # the last: the same clock ticks
     assert bench_api_server.direct_writes_pairs(on, off) == (
-        "API server CPU per token, direct writes on / off: 10.00 / 11.00 us (0.909x), on lower in 1 of 3 pairs "
-        "(1 equal)")
+        "API server CPU per token, direct writes on / off: 11.00 / 11.50 us (0.957x), on lower in 1 of 4 pairs "
+        "(2 equal)")
