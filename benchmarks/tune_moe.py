@@ -21,7 +21,6 @@ import itertools
 import json
 import os
 import random
-import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -89,21 +88,6 @@ def make_problem(shape: tuple[int, int, int], num_tokens: int, top_k: int, dtype
     return tokens, fp8_w13, Fp8Tensor(*quantize_blocks(w2, FP8_BLOCK), FP8_BLOCK)
 
 
-def cuda_median_ms(fn: Callable[[], object], iters: int) -> float:
-    """Median of ``iters`` CUDA-event timings after two warm-up calls (the first compiles)."""
-    for _ in range(2):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def cpu_ms(fn: Callable[[], object], iters: int) -> float:
     """Wall time of one call in the interpreter (the dry run checks the path, not the numbers)."""
     start = time.perf_counter()
@@ -121,6 +105,8 @@ def tune_one(shape: tuple[int, int, int], num_tokens: int, top_k: int, dtype_nam
 
     tokens, w13, w2 = make_problem(shape, num_tokens, top_k, dtype_name, device)
     reference = TritonExperts(config=default_config(num_tokens, shape[0])).run(tokens, w13, w2).float()
+    from bench_gpu import cuda_median_ms  # the GPU benchmarks' CUDA-event timer
+
     timer = cuda_median_ms if device == "cuda" else cpu_ms
     tol = 1e-5 if DTYPES[dtype_name] == torch.float32 else 2 * 2.0**-7
     deadline = time.monotonic() + budget_s

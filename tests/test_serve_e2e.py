@@ -32,6 +32,7 @@ from openai_extra import extra_fields
 from proc_sockets import cpu_seconds, descendants
 from runner import LLM, SamplingParams
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
+from server_set import started_servers
 from tiny_checkpoint import TinyCheckpoint
 
 pytestmark = pytest.mark.slow
@@ -49,16 +50,8 @@ def rank_pids(server: ServerProcess) -> dict[int, int]:
 
 @pytest.fixture(scope="module")
 def servers(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[dict[str, ServerProcess]]:
-    model = str(tiny_chat_checkpoint.path)
-    started: dict[str, ServerProcess] = {}
-    try:
-        for name, extra in (("dp1", ""), ("dp2", DP2)):
-            started[name] = ServerProcess(model, f"{ENGINE} {extra}", startup_timeout_s=300, name=name)
-            started[name].start()
+    with started_servers(str(tiny_chat_checkpoint.path), ENGINE, (("dp1", ""), ("dp2", DP2))) as started:
         yield started
-    finally:
-        codes = {name: srv.stop() for name, srv in started.items()}
-    assert all(code == 0 for code in codes.values()), codes
 
 
 @pytest.fixture(scope="module")

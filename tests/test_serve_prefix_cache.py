@@ -22,6 +22,7 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from runner import LLM, SamplingParams
 from runner.entrypoints.benchserve.server_proc import ServerProcess, scrape
+from server_set import started_servers
 from tiny_checkpoint import TinyCheckpoint
 
 pytestmark = pytest.mark.slow
@@ -38,16 +39,9 @@ COUNTERS = ("ubatch:prefix_cache_queries_total", "ubatch:prefix_cache_hits_total
 
 @pytest.fixture(scope="module")
 def servers(tiny_chat_checkpoint: TinyCheckpoint) -> Iterator[dict[str, ServerProcess]]:
-    model = str(tiny_chat_checkpoint.path)
-    started: dict[str, ServerProcess] = {}
-    try:
-        for name, extra in (("details", "--enable-prompt-tokens-details"), ("plain", "")):
-            started[name] = ServerProcess(model, f"{ENGINE} {extra}", startup_timeout_s=300, name=name)
-            started[name].start()
+    variants = (("details", "--enable-prompt-tokens-details"), ("plain", ""))
+    with started_servers(str(tiny_chat_checkpoint.path), ENGINE, variants) as started:
         yield started
-    finally:
-        codes = {name: srv.stop() for name, srv in started.items()}
-    assert all(code == 0 for code in codes.values()), codes
 
 
 @pytest.fixture(scope="module")
