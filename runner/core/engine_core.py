@@ -201,9 +201,13 @@ class EngineCore:
         rows = zip(out.req_ids.tolist(), out.requests, out.sample.tolist(), sampled, strict=True)
         if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
             for rid, snap, sample, token in rows:
-                if sample and (req := live.get(rid)) is not None and _reports_token(req, finished):
-                    step_outputs[rid] = EngineCoreOutput(rid, [token], num_prompt_tokens=len(snap.prompt_token_ids),
-                                                         num_cached_tokens=_take_num_cached_tokens(req))
+                if not sample or (req := live.get(rid)) is None:
+                    continue
+                if req.status is FINISHED and (req not in finished or req.finish_reason == "error"):
+                    continue  # _reports_token, inlined: this loop runs once per request per step
+                step_outputs[rid] = EngineCoreOutput(
+                    rid, [token], num_prompt_tokens=len(snap.prompt_token_ids),
+                    num_cached_tokens=None if req.num_cached_tokens_reported else _take_num_cached_tokens(req))
             return
         for i, (rid, snap, sample, token) in enumerate(rows):
             req = live.get(rid)

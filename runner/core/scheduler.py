@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import cast
 
 import numpy as np
@@ -72,16 +73,20 @@ class Request:
     max_outputs: int = 0  # outputs after which it stops for length: max_tokens, or what max_model_len leaves
     # What the forward side reads of it (settings, seed, prompt), taken once: steps in flight hold it, never `self`.
     snapshot: RequestSnapshot = field(init=False)
+    # Kept so that schedule() recognises a steady decode in few operations:
+    prompt_len: int = field(init=False)  # len(prompt_token_ids), which never changes
+    kv_capacity: int = 0  # tokens its blocks hold: len(block_ids) * block_size (Scheduler._add_blocks keeps it)
 
     def __post_init__(self) -> None:
         self.snapshot = RequestSnapshot(self.sampling, self.seed, tuple(self.prompt_token_ids))
+        self.prompt_len = len(self.prompt_token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
+        return self.prompt_len + len(self.output_token_ids)
 
     def token_slice(self, start: int, stop: int) -> list[int]:
-        p = len(self.prompt_token_ids)
+        p = self.prompt_len
         if stop <= p:
             return self.prompt_token_ids[start:stop]
         return self.prompt_token_ids[start:] + self.output_token_ids[max(start - p, 0):stop - p]
@@ -252,27 +257,27 @@ class Scheduler:
         reqs, starts, tokens = batch.reqs, batch.starts, batch.tokens
         prefills: list[Request] = []
         leaving = 0  # running requests whose last token is in flight: they gave up their seat
+        reqs_append, starts_append, tokens_append = reqs.append, starts.append, tokens.append
         for req in list(self.running):
             if req.status is not RUNNING:  # preempted earlier in this loop
                 continue
             out_ids = req.output_token_ids
+            n_out = len(out_ids)
             start = req.num_computed_tokens
-            prompt = req.prompt_token_ids
-            if len(prompt) + len(out_ids) - start != 1:
+            if req.prompt_len + n_out != start + 1:
                 prefills.append(req)
                 continue
-            if req.num_pending and len(out_ids) >= req.max_outputs:  # its final token is in flight: it is done
+            if req.num_pending and n_out >= req.max_outputs:  # its final token is in flight: it is done
                 leaving += 1
                 continue
             if not budget:
                 continue
-            if start // bs >= len(req.block_ids) and not self._grow(req, start // bs + 1, batch):
+            if start >= req.kv_capacity and not self._grow(req, start // bs + 1, batch):
                 continue
             # A decode: one token (the last one, perhaps a placeholder), and it samples.
-            idx = start - len(prompt)
-            tokens.append(out_ids[idx] if idx >= 0 else prompt[start])
-            reqs.append(req)
-            starts.append(start)
+            tokens_append(out_ids[-1] if n_out else req.prompt_token_ids[-1])
+            reqs_append(req)
+            starts_append(start)
             req.num_computed_tokens = start + 1
             req.inflight += 1
             out_ids.append(-req.slot - 1)  # slots.placeholder(slot): the token this step samples
@@ -311,8 +316,7 @@ class Scheduler:
                     req.num_cached_tokens = hit
                 if hit_blocks:
                     self.allocator.touch(hit_blocks)
-                    req.block_ids.extend(hit_blocks)
-                    self.block_table.append(req.slot, hit_blocks)
+                    self._add_blocks(req, hit_blocks)
                     req.num_cached_blocks = len(hit_blocks)
                     req.num_computed_tokens = hit
                 self._give_blocks(req, need)
@@ -368,9 +372,13 @@ class Scheduler:
 
     def _give_blocks(self, req: Request, n: int) -> None:
         if n > 0:
-            blocks = self.allocator.allocate(n)
-            req.block_ids.extend(blocks)
-            self.block_table.append(req.slot, blocks)
+            self._add_blocks(req, self.allocator.allocate(n))
+
+    def _add_blocks(self, req: Request, blocks: list[int]) -> None:
+        """Append ``blocks`` to ``req``'s blocks and its block-table row."""
+        req.block_ids.extend(blocks)
+        req.kv_capacity = len(req.block_ids) * self.block_size
+        self.block_table.append(req.slot, blocks)
 
     def _cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks a waiting request can start from: the longest run of its full blocks of known
@@ -412,6 +420,7 @@ class Scheduler:
             self._cache_full_blocks(req)
         self.allocator.free(reversed(req.block_ids))
         req.block_ids = []
+        req.kv_capacity = 0
         req.num_cached_blocks = 0
 
     def _preempt(self, req: Request) -> None:
@@ -444,6 +453,11 @@ class Scheduler:
         invalid = self._invalid_samples(reqs, samples, sampled)
         self._inflight_steps.popleft()
         done: list[Request] = []
+        if not invalid and all(samples):  # the steady state (decodes): every row samples, every token valid
+            self._update_decodes(reqs, cast("Sequence[int]", sampled), done)
+            if done:
+                self.running = [r for r in self.running if r.status is RUNNING]
+            return done
         for i_req, (req, token, sample) in enumerate(zip(reqs, sampled, samples, strict=True)):
             req.inflight -= 1
             if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
@@ -456,16 +470,32 @@ class Scheduler:
                 done.append(req)
                 continue
             assert token is not None  # a sampling row's token (_invalid_samples found none missing)
+            pending = req.num_pending
             out = req.output_token_ids
-            i = len(out) - req.num_pending
-            out[i] = token
-            req.num_pending -= 1
-            if token in req.stop_ids or i + 1 >= req.max_outputs:
+            out[-pending] = token  # its oldest placeholder (pending >= 1: this step sampled it)
+            req.num_pending = pending - 1
+            if token in req.stop_ids or len(out) - pending >= req.max_outputs - 1:
                 self._finish(req, self._stop_reason(req, token), in_running=False)
                 done.append(req)
         if done:
             self.running = [r for r in self.running if r.status is RUNNING]
         return done
+
+    def _update_decodes(self, reqs: list[Request], sampled: Sequence[int], done: list[Request]) -> None:
+        """``update``'s loop for a step whose every row samples and whose every token is valid: the same checks,
+        without the per-row sample flag and validity lookup."""
+        for req, token in zip(reqs, sampled, strict=True):
+            req.inflight -= 1
+            if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
+                self._release_if_idle(req)
+                continue
+            pending = req.num_pending
+            out = req.output_token_ids
+            out[-pending] = token  # its oldest placeholder (pending >= 1: this step sampled it)
+            req.num_pending = pending - 1
+            if token in req.stop_ids or len(out) - pending >= req.max_outputs - 1:
+                self._finish(req, self._stop_reason(req, token), in_running=False)
+                done.append(req)
 
     def _invalid_samples(self, reqs: Sequence[Request], samples: list[bool], sampled: Sequence[int | None]
                          ) -> set[int]:
@@ -533,6 +563,9 @@ def _reads_whole_history(req: Request) -> bool:
     return req.sampling.prompt_logprobs is not None or req.sampling.uses_penalties
 
 
+_SLOT, _REQ_ID, _SNAPSHOT = attrgetter("slot"), attrgetter("req_id"), attrgetter("snapshot")
+
+
 class _StepArrays:
     """One step's requests as ``schedule()`` collects them: first the decodes (one token each, all sampling,
     only their start recorded), then chunks with their lengths and sample flags."""
@@ -556,10 +589,10 @@ class _StepArrays:
         if n > d:
             lens[d:] = self.lens
             sample[d:] = self.samples
-        slots = np.array([r.slot for r in reqs], dtype=np.int64)
+        slots = np.fromiter(map(_SLOT, reqs), dtype=np.int64, count=n)
         held = (starts + lens + (block_size - 1)) // block_size  # a request holds exactly what its tokens need
         return SchedulerOutput.from_arrays(
-            req_ids=np.array([r.req_id for r in reqs], dtype=np.int64), slots=slots, num_computed=starts,
+            req_ids=np.fromiter(map(_REQ_ID, reqs), dtype=np.int64, count=n), slots=slots, num_computed=starts,
             query_lens=lens, sample=sample, token_ids=np.array(self.tokens, dtype=np.int64),
-            blocks=BlockRows(table, slots, held), requests=[r.snapshot for r in reqs], finished_req_ids=finished,
+            blocks=BlockRows(table, slots, held), requests=tuple(map(_SNAPSHOT, reqs)), finished_req_ids=finished,
             step_id=step_id)
