@@ -10,10 +10,9 @@ import sys
 
 import pytest
 
-from fake_runner import FakeRunner, reference_generate, run_steps
+from fake_runner import FakeRunner, reference_generate, run_wave
 from runner.core.block_hash import ROOT_HASH, extend_block_hashes, hash_block_tokens
 from runner.core.kv_blocks import BlockPool, OutOfKVBlocksError
-from runner.core.overlap_loop import ForwardExecutor
 from runner.core.scheduler import Scheduler
 from runner.sampling_params import SamplingParams
 from runner.worker.sampler import request_seed
@@ -326,12 +325,7 @@ def test_outputs_equal_the_reference_with_shared_prefixes(overlap: bool, num_kv_
                 if at == k:
                     sched.add_request(prompt, params, request_seed(params, 1000 + rid), req_id=rid)
 
-        executor = ForwardExecutor() if overlap else None
-        try:
-            run_steps(sched, runner, executor=executor, before_launch=before_launch)
-        finally:
-            if executor is not None:
-                executor.close()
+        run_wave(sched, runner, overlap, before_launch)
         assert len(sched.requests) == len(work), "the run ended before every arrival"
         assert not sched.has_unfinished_requests() and sched.num_free_blocks == num_kv_blocks
         results[caching] = ({rid: (r.output_token_ids, r.finish_reason) for rid, r in sched.requests.items()},

@@ -117,9 +117,16 @@ def _effective_scales(sf: torch.Tensor, mn: int, k: int, gran_mn: int, gran_k: i
     return scale.repeat_interleave(gran_k, dim=-1)[..., :k]
 
 
-def _granularities(recipe: tuple[int, int, int] | None, recipe_a: tuple[int, int] | None,
-                   recipe_b: tuple[int, int] | None) -> tuple[tuple[int, int], tuple[int, int]]:
-    """``((gran_mn_a, gran_k_a), (gran_mn_b, gran_k_b))`` from ``recipe`` or the ``recipe_a`` / ``recipe_b`` pair."""
+def _granularities(sfa: torch.Tensor, sfb: torch.Tensor, recipe: tuple[int, int, int] | None,
+                   recipe_a: tuple[int, int] | None, recipe_b: tuple[int, int] | None
+                   ) -> tuple[tuple[int, int], tuple[int, int]]:
+    """``((gran_mn_a, gran_k_a), (gran_mn_b, gran_k_b))`` from ``recipe`` (the scales' default when neither it
+    nor the ``recipe_a`` / ``recipe_b`` pair is given) or that pair, with upstream's checks that exactly one of
+    the two forms is given."""
+    if recipe_a is None and recipe is None:
+        recipe = _default_recipe(sfa, sfb)
+    _require((recipe_a is None) == (recipe_b is None), "recipe_a.has_value() == recipe_b.has_value()")
+    _require((recipe_a is None) != (recipe is None), "recipe_a.has_value() != recipe.has_value()")
     if recipe is not None:
         return (recipe[0], recipe[2]), (recipe[1], recipe[2])
     assert recipe_a is not None and recipe_b is not None
@@ -145,11 +152,7 @@ def m_grouped_fp8_gemm_nt_masked(a: tuple[torch.Tensor, torch.Tensor], b: tuple[
     _require(d.dtype == torch.bfloat16, f"d.scalar_type() == torch::kBFloat16, got {d.dtype}")
     _require(masked_m.dtype == torch.int32, f"masked_m.scalar_type() == torch::kInt, got {masked_m.dtype}")
     _require(d.stride(-1) == 1, "d is row-major (stride(-1) == 1)")
-    if recipe_a is None and recipe is None:
-        recipe = _default_recipe(sfa, sfb)
-    _require((recipe_a is None) == (recipe_b is None), "recipe_a.has_value() == recipe_b.has_value()")
-    _require((recipe_a is None) != (recipe is None), "recipe_a.has_value() != recipe.has_value()")
-    (mn_a, k_a), (mn_b, k_b) = _granularities(recipe, recipe_a, recipe_b)
+    (mn_a, k_a), (mn_b, k_b) = _granularities(sfa, sfb, recipe, recipe_a, recipe_b)
     _check_sf(sfa, m, k, mn_a, k_a, g, "sfa")
     _check_sf(sfb, n, k, mn_b, k_b, g, "sfb")
     counts = masked_m.tolist()
@@ -199,11 +202,7 @@ def m_grouped_fp8_gemm_nt_contiguous(a: tuple[torch.Tensor, torch.Tensor], b: tu
     _require(d.stride(-1) == 1, "d is row-major (stride(-1) == 1)")
     if m == 0:
         return
-    if recipe_a is None and recipe is None:
-        recipe = _default_recipe(sfa, sfb)
-    _require((recipe_a is None) == (recipe_b is None), "recipe_a.has_value() == recipe_b.has_value()")
-    _require((recipe_a is None) != (recipe is None), "recipe_a.has_value() != recipe.has_value()")
-    (mn_a, k_a), (mn_b, k_b) = _granularities(recipe, recipe_a, recipe_b)
+    (mn_a, k_a), (mn_b, k_b) = _granularities(sfa, sfb, recipe, recipe_a, recipe_b)
     _check_sf(sfa.unsqueeze(0), m, k, mn_a, k_a, 1, "sfa")
     _check_sf(sfb, n, k, mn_b, k_b, g, "sfb")
     groups = grouped_layout.tolist()
@@ -241,11 +240,7 @@ def fp8_fp4_gemm_nt(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor,
         _require(c.dtype == d.dtype and c.stride(-1) == 1, "c is row-major with d's dtype")
     if m == 0 or n == 0:  # early_return
         return
-    if recipe_a is None and recipe is None:
-        recipe = _default_recipe(sfa, sfb)
-    _require((recipe_a is None) == (recipe_b is None), "recipe_a.has_value() == recipe_b.has_value()")
-    _require((recipe_a is None) != (recipe is None), "recipe_a.has_value() != recipe.has_value()")
-    (mn_a, k_a), (mn_b, k_b) = _granularities(recipe, recipe_a, recipe_b)
+    (mn_a, k_a), (mn_b, k_b) = _granularities(sfa, sfb, recipe, recipe_a, recipe_b)
     _check_sf(sfa.unsqueeze(0), m, k, mn_a, k_a, 1, "sfa")
     _check_sf(sfb.unsqueeze(0), n, k, mn_b, k_b, 1, "sfb")
     if _state["arch_major"] == 9 and sfa.dtype == torch.float32 and mn_b != 1:  # sm90_fp8_gemm_1d2d
