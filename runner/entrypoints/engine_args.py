@@ -199,12 +199,14 @@ def model_info(cfg: RunnerConfig) -> ModelInfo:
     from runner.models.loader import check_checkpoint_files, check_max_model_len, load_config, resolve_model_path
     from runner.models.registry import get_model_class
     from runner.models.schedules import check_schedule
+    from runner.worker.model_runner import engine_max_model_len
 
     path = resolve_model_path(cfg.model, cfg.cache_dir)
     config = load_config(path)
     check_checkpoint_files(path)
     # the engine's default too, so that a model refusing it (a short sliding window) fails before any rank starts
-    check_max_model_len(cfg.max_model_len or min(config.max_position_embeddings, _default_max_model_len()), config)
+    max_model_len = engine_max_model_len(cfg.max_model_len, config)
+    check_max_model_len(max_model_len, config)
     check_expert_parallel(cfg, config)
     model_class = get_model_class(config.architectures[0])
     check_schedule(cfg.dbo_schedule, model_class.supported_dbo_schedules, model_class.__name__)
@@ -212,8 +214,6 @@ def model_info(cfg: RunnerConfig) -> ModelInfo:
         generation = load_generation_config(path, cfg.generation_config, model_eos_token_ids(config))
     except ValueError as e:
         raise ConfigError("generation_config", str(e)) from None
-    default_len = _default_max_model_len()
-    max_model_len = cfg.max_model_len or min(getattr(config, "max_position_embeddings", default_len), default_len)
     return ModelInfo(config.vocab_size, has_tokenizer_files(path), generation, max_model_len)
 
 

@@ -119,17 +119,6 @@ def launched_world(cfg: RunnerConfig, executor_backend: str | None = None) -> tu
     return rank, world
 
 
-def engine_max_model_len(cfg: RunnerConfig) -> int:
-    """The ``max_model_len`` the engine will run with: the configured one, else the model's
-    ``max_position_embeddings`` capped at ``DEFAULT_MAX_MODEL_LEN`` (the model runner's rule)."""
-    if cfg.max_model_len is not None:
-        return cfg.max_model_len
-    from runner.models.loader import model_config
-    from runner.worker.model_runner import DEFAULT_MAX_MODEL_LEN
-
-    return min(model_config(cfg.model, cfg.cache_dir).max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-
-
 def _is_int(value: Any) -> bool:
     """An integer token id: ``int``, a numpy or other ``numbers.Integral`` integer, not a bool."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
@@ -168,7 +157,11 @@ class LLM:
             defaulted = cfg is None and runner is None and engine_client is None
             cfg = make_config(cfg, **kwargs)
             if defaulted:
-                cfg = with_batch_defaults(cfg, given, engine_max_model_len(cfg), UsageContext.LLM_CLASS)
+                from runner.models.loader import model_config
+                from runner.worker.model_runner import engine_max_model_len
+
+                max_model_len = engine_max_model_len(cfg.max_model_len, model_config(cfg.model, cfg.cache_dir))
+                cfg = with_batch_defaults(cfg, given, max_model_len, UsageContext.LLM_CLASS)
         self.cfg = cfg
         if cfg.trace_file is not None:  # the CLI checked it before any rank started; the Python API checks here
             problem = output_path_error(cfg.trace_file)

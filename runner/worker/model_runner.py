@@ -38,6 +38,7 @@ from runner.core.runner_output import ModelRunnerOutput, PendingStep, PromptLogp
 from runner.core.scheduler_output import SchedulerOutput
 from runner.distributed.device import torch_device
 from runner.distributed.dp import DPDecision, coordinate_batch_across_dp, local_decision
+from runner.models.configs import BaseMoEConfig
 from runner.models.loader import load_model
 from runner.worker.cuda_graphs import maybe_make_graph_runner
 from runner.worker.dbo_cost_model import DBOCostModel
@@ -70,6 +71,13 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 NUM_UBATCHES = 2
 DEFAULT_MAX_MODEL_LEN = 2048
 logger = logging.getLogger("ubatch.runner")
+
+
+def engine_max_model_len(max_model_len: int | None, model_config: BaseMoEConfig) -> int:
+    """The context length the engine runs with: ``max_model_len`` when given, else the model's
+    ``max_position_embeddings`` capped at :data:`DEFAULT_MAX_MODEL_LEN`. The front ends call it too, so that they
+    size and check what the engine will run before any rank starts."""
+    return max_model_len or min(model_config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
 
 
 def resolve_dtype(name: str) -> torch.dtype | None:
@@ -110,8 +118,7 @@ class ModelRunner:
         self.vocab_size = mc.vocab_size
         eos = getattr(mc, "eos_token_id", None)
         self.eos_token_ids: set[int] = set() if eos is None else set(eos if isinstance(eos, (list, tuple)) else [eos])
-        self.max_model_len = cfg.max_model_len or min(getattr(mc, "max_position_embeddings", DEFAULT_MAX_MODEL_LEN),
-                                                     DEFAULT_MAX_MODEL_LEN)
+        self.max_model_len = engine_max_model_len(cfg.max_model_len, mc)
         try:  # the default too (LLM and the CLI checked a given one): e.g. a sliding window shorter than it
             mc.check_context_length(self.max_model_len)
         except ValueError as e:
