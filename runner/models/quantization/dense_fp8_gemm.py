@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from ubatch.fp8 import Fp8Tensor
-from ubatch.modular_moe.experts.deep_gemm_experts import per_token_cast_to_fp8
+from ubatch.modular_moe.experts.deep_gemm_experts import deep_gemm_function, per_token_cast_to_fp8
 
 DEEP_GEMM, DEQUANTIZE = "deep_gemm", "dequantize"
 DEEP_GEMM_BLOCK = (128, 128)
@@ -57,20 +57,12 @@ class DenseFp8Gemm:
 DEQUANTIZED = DenseFp8Gemm(DEQUANTIZE, "the default: each weight dequantised to the activations' dtype")
 
 
-def _gemm_of(deep_gemm: ModuleType) -> Callable[..., None]:
-    for name in _GEMM_NAMES:
-        fn = getattr(deep_gemm, name, None)
-        if fn is not None:
-            return fn
-    raise ImportError(f"this deep_gemm build ({deep_gemm.__name__}) has none of {_GEMM_NAMES}; upgrade DeepGEMM")
-
-
 def select_dense_fp8_gemm(device: torch.device, deep_gemm_module: ModuleType | None = None) -> DenseFp8Gemm:
     """DeepGEMM on a Hopper GPU where ``deep_gemm`` imports (or through ``deep_gemm_module``, the tests' CPU
     stand-in, which behaves as SM90), else dequantise; the result names its reason."""
     if deep_gemm_module is not None:
         return DenseFp8Gemm(DEEP_GEMM, f"the deep_gemm module given ({deep_gemm_module.__name__})",
-                            _gemm_of(deep_gemm_module))
+                            deep_gemm_function(deep_gemm_module, _GEMM_NAMES))
     if device.type != "cuda":
         return DenseFp8Gemm(DEQUANTIZE, f"no FP8 GEMM on {device}: weights dequantised per call (W8A16)")
     major, minor = torch.cuda.get_device_capability(device)
@@ -82,4 +74,4 @@ def select_dense_fp8_gemm(device: torch.device, deep_gemm_module: ModuleType | N
     except ImportError:
         return DenseFp8Gemm(DEQUANTIZE, "sm_90 without deep_gemm (pip install sgl-deep-gemm for the FP8 GEMM): "
                                         "weights dequantised per call (W8A16)")
-    return DenseFp8Gemm(DEEP_GEMM, "sm_90 with deep_gemm importable", _gemm_of(deep_gemm))
+    return DenseFp8Gemm(DEEP_GEMM, "sm_90 with deep_gemm importable", deep_gemm_function(deep_gemm, _GEMM_NAMES))

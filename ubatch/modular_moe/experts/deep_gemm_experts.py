@@ -134,12 +134,19 @@ def _import_deep_gemm() -> Any:
     return deep_gemm
 
 
-def _resolve_masked_gemm(deep_gemm: Any) -> Callable[..., None]:
-    for name in _MASKED_GEMM_NAMES:
+def deep_gemm_function(deep_gemm: Any, names: tuple[str, ...]) -> Callable[..., None]:
+    """The first of ``names`` this ``deep_gemm`` build has (DeepGEMM renames its GEMMs between releases: the
+    current name first, then the older aliases); ImportError naming them all when it has none."""
+    for name in names:
         fn = getattr(deep_gemm, name, None)
         if fn is not None:
             return fn
-    raise ImportError(f"this deep_gemm build has none of {_MASKED_GEMM_NAMES}; upgrade DeepGEMM")
+    raise ImportError(f"this deep_gemm build ({getattr(deep_gemm, '__name__', deep_gemm)}) has none of {names}; "
+                      "upgrade DeepGEMM")
+
+
+def _resolve_masked_gemm(deep_gemm: Any) -> Callable[..., None]:
+    return deep_gemm_function(deep_gemm, _MASKED_GEMM_NAMES)
 
 
 class DeepGemmExperts(MoEExperts):
@@ -246,11 +253,7 @@ class DeepGemmExperts(MoEExperts):
         return out.to(hidden.dtype)
 
     def _contiguous_gemm(self) -> Callable[..., None]:
-        for name in _CONTIGUOUS_GEMM_NAMES:
-            fn = getattr(self._deep_gemm, name, None)
-            if fn is not None:
-                return fn
-        raise ImportError(f"this deep_gemm build has none of {_CONTIGUOUS_GEMM_NAMES}; upgrade DeepGEMM")
+        return deep_gemm_function(self._deep_gemm, _CONTIGUOUS_GEMM_NAMES)
 
     def _masked(self, tokens: ExpertTokens, w13_q: _Fp8Pair, w2_q: _Fp8Pair, use_ue8m0: bool) -> torch.Tensor:
         """Both grouped GEMMs over the masked buffer, SiLU-and-mul between them, padding rows zeroed."""
