@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from discard_sink import DiscardSink
@@ -31,7 +33,7 @@ from runner.config import RunnerConfig
 from runner.core.engine_core import tune_gc
 from runner.core.engine_core_proc import CoreLoop
 from runner.core.messages import OUTPUT_DECODER, CoreStats, Outputs
-from runner.core.requests import EngineCoreOutput
+from runner.core.requests import EngineCoreOutput, EngineCoreOutputs
 from runner.engine.async_llm import MPEngineClient
 from runner.engine.mp_client import _Rank
 from runner.engine.simple_output import RequestTracker
@@ -62,6 +64,14 @@ class RankSends:
         return CoreStats(NUM_REQUESTS, 0, 0.1 + self.step / STEPS, self.step, 0)
 
 
+def engine_step(tokens: list[int], last: bool) -> EngineCoreOutputs:
+    """One step's outputs as an engine core makes them: request ``i`` got ``tokens[i]``, as plain tokens, or as
+    structs that finish every request (``last``)."""
+    if last:
+        return EngineCoreOutputs([EngineCoreOutput(i, [t], finish_reason="length") for i, t in enumerate(tokens)])
+    return EngineCoreOutputs((), np.arange(len(tokens), dtype=np.int64), np.array(tokens, dtype=np.int64))
+
+
 def one_run(tokenizer, pool: list[int], seed: int, path: str) -> float:
     """CPU microseconds per token of one pass over ``STEPS`` steps of ``NUM_REQUESTS`` requests along ``path``."""
     client = None
@@ -80,8 +90,7 @@ def one_run(tokenizer, pool: list[int], seed: int, path: str) -> float:
         if client is not None:
             client._where[i] = 0
             client._ranks[0].outstanding += 1
-    steps = [[EngineCoreOutput(i, [rng.choice(pool)], finish_reason="length" if t == STEPS - 1 else None)
-              for i in range(NUM_REQUESTS)] for t in range(STEPS)]
+    steps = [engine_step([rng.choice(pool) for _ in range(NUM_REQUESTS)], last=t == STEPS - 1) for t in range(STEPS)]
     if client is None:
         gc.collect()
         start = time.process_time()

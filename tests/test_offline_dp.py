@@ -11,13 +11,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from runner.core.requests import EngineCoreOutput
+from runner.core.requests import EngineCoreOutputs
 from runner.engine.engine_core_client import OnOutputs, RunReport
 from runner.engine.protocol import EngineDeadError
 from runner.engine.sync_client import SyncMPClient
@@ -120,7 +119,7 @@ def test_a_killed_rank_is_named_and_its_peer_stopped(when: str) -> None:
         run = client.run
 
         def run_and_kill(on_outputs: OnOutputs, *, trace: bool = False) -> RunReport:
-            def first_outputs_kill(outputs: Sequence[EngineCoreOutput]) -> None:
+            def first_outputs_kill(outputs: EngineCoreOutputs) -> None:
                 if not _gone(pids[1]):
                     os.kill(pids[1], signal.SIGKILL)
                 on_outputs(outputs)

@@ -19,10 +19,12 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import cast
 
+import numpy as np
+
 from runner.config import RunnerConfig
 from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop, use_overlap_loop
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
-from runner.core.runner_output import ModelRunnerOutput, PromptLogprobs
+from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from runner.core.runner_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.core.scheduler import FINISHED, Request, Scheduler
 from runner.core.scheduler_output import SchedulerOutput
@@ -61,7 +63,7 @@ def tune_gc() -> tuple[int, ...]:
 class EngineCoreStep:
     """What one :meth:`EngineCore.step` produced; ``running`` is False when the wave ended with it."""
 
-    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    outputs: EngineCoreOutputs = field(default_factory=EngineCoreOutputs)
     running: bool = True
 
 
@@ -79,7 +81,11 @@ class EngineCore:
         self._executor: ForwardExecutor | None = None
         self._loop: StepLoop | None = None
         self._live: set[int] = set()  # requests added and neither aborted by the client nor reported finished
-        self._step_outputs: dict[int, EngineCoreOutput] = {}  # gathered while steps run, until take_outputs()
+        # gathered while steps run, until take_outputs(): plain tokens as arrays, per step; structs by request
+        self._plain_tokens: list[tuple[np.ndarray, np.ndarray]] = []
+        self._step_outputs: dict[int, EngineCoreOutput] = {}
+        self._first_output_due: set[int] = set()  # added, first output (with num_cached_tokens) not yet made
+        self._due_array: np.ndarray | None = None  # that set as an array (None: rebuild)
         self._gc_threshold = tune_gc()
 
     # ------------------------------------------------------------------ requests
@@ -90,6 +96,8 @@ class EngineCore:
         self.scheduler.add_request(request.prompt_token_ids, params, request_seed(params, request.default_seed),
                                    req_id=request.request_id)
         self._live.add(request.request_id)
+        self._first_output_due.add(request.request_id)
+        self._due_array = None
 
     def abort_requests(self, request_ids: Iterable[int], message: str = "aborted by the client") -> None:
         """Finish these requests with ``finish_reason`` "abort"; nothing more is reported for them (the caller
@@ -98,6 +106,7 @@ class EngineCore:
             if rid not in self._live:
                 continue
             self._live.discard(rid)
+            self._forget_first_output(rid)
             self.scheduler.abort_request(rid, message, reason="abort")
 
     def has_unfinished_requests(self) -> bool:
@@ -143,7 +152,7 @@ class EngineCore:
             self._end_wave()
         return EngineCoreStep(self.take_outputs(), running)
 
-    def run_wave(self, on_outputs: Callable[[list[EngineCoreOutput]], None]) -> None:
+    def run_wave(self, on_outputs: Callable[[EngineCoreOutputs], None]) -> None:
         """Step until the wave ends (no DP rank has work), handing what each step produced to ``on_outputs``
         (which may add or abort requests between steps: a stop string found by the client). A request still
         unfinished when the wave ends (a runner that stopped early) finishes with an error, never silently."""
@@ -158,7 +167,7 @@ class EngineCore:
                                               "no work while this request was still queued)")
         on_outputs(self.take_outputs())
 
-    def take_outputs(self) -> list[EngineCoreOutput]:
+    def take_outputs(self) -> EngineCoreOutputs:
         """Outputs gathered since the last call, in order: new tokens, then each request that finished, once
         (also requests refused at add time while no wave runs)."""
         by_id = self._step_outputs
@@ -171,11 +180,17 @@ class EngineCore:
             out = by_id.get(rid)
             if out is None:
                 out = by_id[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(req.prompt_token_ids),
-                                                    num_cached_tokens=_take_num_cached_tokens(req))
+                                                    num_cached_tokens=self._take_num_cached_tokens(req))
+            self._forget_first_output(rid)  # never scheduled (refused): it made none
             out.finish_reason = req.finish_reason or "error"
             out.stop_reason, out.error = req.stop_reason, req.error
         self._step_outputs = {}
-        return list(by_id.values())
+        parts, self._plain_tokens = self._plain_tokens, []
+        if not parts:
+            return EngineCoreOutputs(list(by_id.values()))
+        ids, tokens = parts[0] if len(parts) == 1 else (np.concatenate([p[0] for p in parts]),
+                                                        np.concatenate([p[1] for p in parts]))
+        return EngineCoreOutputs(list(by_id.values()), ids, tokens)
 
     def _end_wave(self) -> None:
         loop, self._loop = self._loop, None
@@ -186,40 +201,81 @@ class EngineCore:
         """The tokens one processed step added, per request (finished requests are added by take_outputs).
 
         ``update`` has just applied the step: a sampling request got its token unless it had finished before
-        (a stop found in an earlier step, an abort), and the requests it finished are ``done``. So the tokens
-        to report are the step's own, found in one pass without looking at each request's history. The step
-        names its requests by id (its snapshots are the forward side's); their state is the scheduler's.
+        (a stop found in an earlier step, an abort: ``Scheduler.last_discarded``), and the requests it finished
+        are ``done``. The step's sampling rows become plain tokens with numpy (no Python per request) except the
+        few that need a struct: a finished request (its last token goes with its finish), a discarded token, a
+        request's first output (it carries ``num_cached_tokens``), a request that already has a struct in this
+        take, and every row of a step with log-probabilities.
         """
-        logprobs = output.logprobs
-        step_outputs = self._step_outputs
-        live = self.scheduler.requests
         finished = set(done)
         if output.prompt_logprobs is not None:
             self._add_prompt_logprobs(out, output.prompt_logprobs, finished)
+        n = out.num_reqs
+        if not n:
+            return
         # a sampling row's token is an int (Scheduler.update checked it); only those rows are read below
         sampled = cast("list[int]", output.sampled_token_ids)
-        rows = zip(out.req_ids.tolist(), out.requests, out.sample.tolist(), sampled, strict=True)
-        if logprobs is None and not step_outputs:  # the common case: one processed step, no logprobs
-            for rid, snap, sample, token in rows:
-                if not sample or (req := live.get(rid)) is None:
-                    continue
-                if req.status is FINISHED and (req not in finished or req.finish_reason == "error"):
-                    continue  # _reports_token, inlined: this loop runs once per request per step
-                step_outputs[rid] = EngineCoreOutput(
-                    rid, [token], num_prompt_tokens=len(snap.prompt_token_ids),
-                    num_cached_tokens=None if req.num_cached_tokens_reported else _take_num_cached_tokens(req))
+        if output.logprobs is not None:
+            self._add_token_outputs(out, sampled, output.logprobs, finished, range(n))
             return
-        for i, (rid, snap, sample, token) in enumerate(rows):
+        if out.sample.all():
+            rows: np.ndarray | None = None
+            ids, tokens = out.req_ids, np.fromiter(sampled, np.int64, count=n)
+        else:
+            rows = np.flatnonzero(out.sample)
+            ids = out.req_ids[rows]
+            tokens = np.fromiter((sampled[i] for i in rows.tolist()), np.int64, count=len(rows))
+        special = self._special_rows(ids, done)
+        if special is not None:
+            where = np.flatnonzero(special)
+            self._add_token_outputs(out, sampled, None, finished,
+                                    (where if rows is None else rows[where]).tolist())
+            keep = ~special
+            ids, tokens = ids[keep], tokens[keep]
+        if len(ids):
+            self._plain_tokens.append((ids, tokens))
+
+    def _special_rows(self, ids: np.ndarray, done: list[Request]) -> np.ndarray | None:
+        """Which of a step's sampling requests ``ids`` need a struct rather than a plain token
+        (:meth:`_on_results`); None when none does (the steady decode)."""
+        special: set[int] = {r.req_id for r in done}
+        special.update(self.scheduler.last_discarded)
+        special.update(self._step_outputs)
+        mask = None
+        if special:
+            mask = np.isin(ids, np.fromiter(special, np.int64, count=len(special)))
+        if self._first_output_due:
+            due = self._first_output_due_ids()
+            mask = np.isin(ids, due) if mask is None else mask | np.isin(ids, due)
+        return mask if mask is not None and mask.any() else None
+
+    def _first_output_due_ids(self) -> np.ndarray:
+        """:attr:`_first_output_due` as an array, rebuilt only when the set changed."""
+        if self._due_array is None:
+            due = self._first_output_due
+            self._due_array = np.fromiter(due, np.int64, count=len(due))
+        return self._due_array
+
+    def _add_token_outputs(self, out: SchedulerOutput, sampled: list[int],
+                           logprobs: list[TokenLogprobs | None] | None, finished: set[Request],
+                           rows: Iterable[int]) -> None:
+        """Structs for the sampling ``rows`` of a processed step (the ones :meth:`_on_results` does not make
+        plain tokens), appended to a request's struct of this take if it has one."""
+        live, step_outputs = self.scheduler.requests, self._step_outputs
+        req_ids, sample = out.req_ids, out.sample
+        for i in rows:
+            rid = int(req_ids[i])
             req = live.get(rid)
-            if not sample or req is None or not _reports_token(req, finished):  # none, or discarded
+            if not sample[i] or req is None or not _reports_token(req, finished):  # none, or discarded
                 continue
+            token = sampled[i]
             entry = logprobs[i] if logprobs is not None else None
             prev = step_outputs.get(rid)
             if prev is None:
                 step_outputs[rid] = EngineCoreOutput(rid, [token], None if entry is None else [entry],
-                                                     num_prompt_tokens=len(snap.prompt_token_ids),
-                                                     num_cached_tokens=_take_num_cached_tokens(req))
-            else:  # a second processed step in one call (a sync point): append
+                                                     num_prompt_tokens=len(out.requests[i].prompt_token_ids),
+                                                     num_cached_tokens=self._take_num_cached_tokens(req))
+            else:  # a second processed step in one take (a sync point): append
                 prev.new_token_ids.append(token)
                 if entry is not None:
                     prev.new_logprobs = (prev.new_logprobs or []) + [entry]
@@ -238,11 +294,25 @@ class EngineCore:
                 self._step_outputs[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(snap.prompt_token_ids),
                                                            new_prompt_logprobs=list(chunk.entries),
                                                            prompt_logprobs_start=chunk.start,
-                                                           num_cached_tokens=_take_num_cached_tokens(req))
+                                                           num_cached_tokens=self._take_num_cached_tokens(req))
             elif prev.new_prompt_logprobs is None:
                 prev.new_prompt_logprobs, prev.prompt_logprobs_start = list(chunk.entries), chunk.start
             elif prev.prompt_logprobs_start + len(prev.new_prompt_logprobs) == chunk.start:
                 prev.new_prompt_logprobs.extend(chunk.entries)
+
+    def _take_num_cached_tokens(self, req: Request) -> int | None:
+        """The ``num_cached_tokens`` of a request's next output: its value on the first output made once the
+        request was scheduled (the client keeps it), None on every other (one byte on the wire)."""
+        if req.num_cached_tokens < 0 or req.num_cached_tokens_reported:
+            return None
+        req.num_cached_tokens_reported = True
+        self._forget_first_output(req.req_id)
+        return req.num_cached_tokens
+
+    def _forget_first_output(self, req_id: int) -> None:
+        if req_id in self._first_output_due:
+            self._first_output_due.discard(req_id)
+            self._due_array = None
 
     # ------------------------------------------------------------------ lifetime
     def _forward_executor(self) -> ForwardExecutor:
@@ -272,12 +342,3 @@ def _reports_token(req: Request, finished: set[Request]) -> bool:
     finished it (a stop token, its length) unless it ended in error (no valid token was sampled); no if it
     had finished before."""
     return req.status is not FINISHED or (req in finished and req.finish_reason != "error")
-
-
-def _take_num_cached_tokens(req: Request) -> int | None:
-    """The ``num_cached_tokens`` of a request's next output: its value on the first output made once the request
-    was scheduled (the client keeps it), None on every other (one byte on the wire)."""
-    if req.num_cached_tokens < 0 or req.num_cached_tokens_reported:
-        return None
-    req.num_cached_tokens_reported = True
-    return req.num_cached_tokens

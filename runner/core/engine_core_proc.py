@@ -30,6 +30,8 @@ import pickle
 import time
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from runner.config import RunnerConfig
 from runner.core.engine_core import EngineCore
 from runner.core.messages import (
@@ -55,7 +57,7 @@ from runner.core.messages import (
     WaveDone,
     WaveStarted,
 )
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 if TYPE_CHECKING:  # the model code is imported in the rank, once it runs; pyzmq where the loop starts
     import zmq
@@ -238,21 +240,32 @@ class CoreLoop:
         # with one rank too: a client's run ends once the wave it started is over, its final counters in
         send_all(self.outs, WaveStarted(self.rank, self.wave))
 
-    def _send_outputs(self, outputs: list[EngineCoreOutput], force_stats: bool = False) -> None:
+    def _send_outputs(self, outputs: EngineCoreOutputs, force_stats: bool = False) -> None:
         """Each client gets its requests' outputs; the stats go along, and alone to a client without outputs
-        when ``force_stats`` or its last ones are ``STATS_INTERVAL_S`` old."""
+        when ``force_stats`` or its last ones are ``STATS_INTERVAL_S`` old. With one client the plain tokens go
+        as they are (an aborted request makes none: the engine core drops its tokens); with several, each
+        client's are picked out by its requests' ids."""
         now = time.monotonic()
         per_client: list[list[EngineCoreOutput]] = [[] for _ in self.outs]
-        for out in outputs:
+        for out in outputs.outputs:
             client = self.client_of.pop(out.request_id, None) if out.finished else self.client_of.get(out.request_id)
             if client is not None:  # None: aborted by its client, which expects nothing more
                 per_client[client].append(out)
+        ids, tokens = outputs.request_ids, outputs.token_ids
+        if len(self.outs) == 1:
+            plain = [(ids, tokens)]
+        else:
+            client_of = self.client_of.get
+            owner = np.fromiter((client_of(r, -1) for r in ids.tolist()), np.int64, count=len(ids))
+            plain = [(ids[owner == c], tokens[owner == c]) for c in range(len(self.outs))]
         stats: CoreStats | None = None
         for client, mine in enumerate(per_client):
-            if mine or force_stats or now - self._last_stats[client] >= STATS_INTERVAL_S:
+            mine_ids, mine_tokens = plain[client]
+            if mine or len(mine_ids) or force_stats or now - self._last_stats[client] >= STATS_INTERVAL_S:
                 stats = stats if stats is not None else self._stats()
                 self._last_stats[client] = now
-                self.outs[client].send(ENCODER.encode(Outputs(self.rank, mine, stats)))
+                self.outs[client].send(ENCODER.encode(
+                    Outputs.of(self.rank, EngineCoreOutputs(mine, mine_ids, mine_tokens), stats)))
 
     def _stats(self) -> CoreStats:
         core, runner = self.core, self.core.runner

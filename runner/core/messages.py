@@ -14,8 +14,9 @@ the rank sends its outputs to that client only (vLLM's ``client_index``).
 from __future__ import annotations
 
 import msgspec
+import numpy as np
 
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 
 class CoreInfo(msgspec.Struct):
@@ -111,9 +112,32 @@ class Ready(msgspec.Struct, tag="ready"):
 
 
 class Outputs(msgspec.Struct, tag="outputs"):
+    """A rank's outputs for one client (``requests.EngineCoreOutputs``): the plain tokens as two arrays of
+    little-endian int64 in bytes (request ids, token ids; ``np.frombuffer`` reads them without a copy), then one
+    array-like struct per other output (values only, no field names)."""
+
     rank: int
-    outputs: list[EngineCoreOutput]  # array-like structs: values only, no field names
+    outputs: list[EngineCoreOutput]
     stats: CoreStats
+    token_request_ids: bytes = b""
+    token_ids: bytes = b""
+
+    @classmethod
+    def of(cls, rank: int, outputs: EngineCoreOutputs, stats: CoreStats) -> Outputs:
+        return cls(rank, outputs.outputs, stats, _int64_bytes(outputs.request_ids), _int64_bytes(outputs.token_ids))
+
+    def engine_core_outputs(self, outputs: list[EngineCoreOutput] | None = None) -> EngineCoreOutputs:
+        """The outputs as the engine core made them (``outputs``: these structs instead of the message's)."""
+        return EngineCoreOutputs(self.outputs if outputs is None else outputs,
+                                 np.frombuffer(self.token_request_ids, dtype=INT64),
+                                 np.frombuffer(self.token_ids, dtype=INT64))
+
+
+INT64 = np.dtype("<i8")
+
+
+def _int64_bytes(a: np.ndarray) -> bytes:
+    return a.astype(INT64, copy=False).tobytes()
 
 
 class WaveStarted(msgspec.Struct, tag="wave_started"):

@@ -7,9 +7,12 @@ engine client (``runner/engine/``), never to a rank's step loop. The same types 
 """
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import overload
 
 import msgspec
+import numpy as np
 
 from runner.core.runner_output import TokenLogprobs
 from runner.sampling_params import SamplingParams
@@ -56,6 +59,64 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, gc=False):
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+_NO_IDS = np.zeros(0, dtype=np.int64)
+
+
+class EngineCoreOutputs(Sequence[EngineCoreOutput]):
+    """What a rank's steps produced since the last take, in two parts: the *plain tokens* of running requests
+    as two int64 arrays, ``request_ids[i]`` got ``token_ids[i]`` (no log-probabilities, no finish, not the
+    request's first output: the steady decode's bulk), then :attr:`outputs`, one struct per request for
+    everything else (a request that finished, asked for log-probabilities or has its first output).
+
+    The engine core builds the arrays with numpy, so a step of N running requests costs no Python per request
+    on the rank side; they cross the process boundary as two byte strings (``messages.Outputs``) and the front
+    reads them in one loop. Order: a request's plain tokens come before its struct (the engine core appends a
+    later step's token to a request's struct once it has one), so the arrays are read first.
+
+    As a sequence it gives every output as a struct, the plain tokens first (one struct each, made on access):
+    for readers that want structs (tests, tools); the front's hot path reads the arrays."""
+
+    __slots__ = ("request_ids", "token_ids", "outputs")
+
+    def __init__(self, outputs: Sequence[EngineCoreOutput] = (), request_ids: np.ndarray = _NO_IDS,
+                 token_ids: np.ndarray = _NO_IDS) -> None:
+        if len(request_ids) != len(token_ids):
+            raise ValueError(f"{len(request_ids)} request ids for {len(token_ids)} plain tokens")
+        self.request_ids, self.token_ids = request_ids, token_ids
+        self.outputs = list(outputs)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """The new tokens of every output (the plain ones and those in structs)."""
+        return len(self.request_ids) + sum(len(out.new_token_ids) for out in self.outputs)
+
+    def __len__(self) -> int:
+        return len(self.request_ids) + len(self.outputs)
+
+    @overload
+    def __getitem__(self, index: int) -> EngineCoreOutput: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[EngineCoreOutput]: ...
+
+    def __getitem__(self, index: int | slice) -> EngineCoreOutput | list[EngineCoreOutput]:
+        if isinstance(index, slice):
+            return list(self)[index]
+        n = len(self.request_ids)
+        i = index + len(self) if index < 0 else index
+        if not 0 <= i < len(self):
+            raise IndexError(f"output {index} of {len(self)}")
+        return EngineCoreOutput(int(self.request_ids[i]), [int(self.token_ids[i])]) if i < n else self.outputs[i - n]
+
+    def __iter__(self) -> Iterator[EngineCoreOutput]:
+        for rid, token in zip(self.request_ids.tolist(), self.token_ids.tolist(), strict=True):
+            yield EngineCoreOutput(rid, [token])
+        yield from self.outputs
+
+    def __repr__(self) -> str:
+        return f"EngineCoreOutputs({len(self.request_ids)} plain tokens, {self.outputs!r})"
 
 
 def default_seed(seed: int, index: int) -> int:

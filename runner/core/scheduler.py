@@ -144,6 +144,8 @@ class Scheduler:
         # Scheduled, non-empty steps not yet updated: their ids and their (live) requests, in schedule order
         self._inflight_steps: deque[tuple[int, list[Request]]] = deque()
         self.wants_sync = False  # the last schedule() left a request out rather than preempt with a step in flight
+        # the requests whose token the last update() discarded (they had finished while its step ran)
+        self.last_discarded: list[int] = []
         self._step_seq = 0
         self.requests: dict[int, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -449,6 +451,7 @@ class Scheduler:
             raise RuntimeError(f"results of step {sched.step_id} arrive out of order (update() called twice?); the "
                                f"oldest step in flight is {oldest}")
         reqs = self._inflight_steps[0][1]
+        self.last_discarded = []
         samples = sched.sample.tolist()
         invalid = self._invalid_samples(reqs, samples, sampled)
         self._inflight_steps.popleft()
@@ -461,6 +464,7 @@ class Scheduler:
         for i_req, (req, token, sample) in enumerate(zip(reqs, sampled, samples, strict=True)):
             req.inflight -= 1
             if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
+                self.last_discarded.append(req.req_id)
                 self._release_if_idle(req)
                 continue
             if not sample:
@@ -487,6 +491,7 @@ class Scheduler:
         for req, token in zip(reqs, sampled, strict=True):
             req.inflight -= 1
             if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
+                self.last_discarded.append(req.req_id)
                 self._release_if_idle(req)
                 continue
             pending = req.num_pending

@@ -27,7 +27,7 @@ from typing import Any
 from runner.config import RunnerConfig
 from runner.core.messages import CoreStats
 from runner.core.prompt_checks import max_tokens_problem, prompt_token_problem
-from runner.core.requests import EngineCoreOutput, default_seed
+from runner.core.requests import EngineCoreOutputs, default_seed
 from runner.engine.async_client import AsyncMPClient
 from runner.engine.generation_config import GenerationConfig
 from runner.engine.mp_client import EngineSockets
@@ -218,7 +218,7 @@ class MPEngineClient(AsyncMPClient, EngineClient):
     def _abort(self, request_id: str, reason: str) -> None:
         self._abort_engine_requests(self.tracker.abort(request_id, reason, self.metrics))
 
-    def _process(self, outputs: list[EngineCoreOutput]) -> None:
+    def _process(self, outputs: EngineCoreOutputs) -> None:
         to_abort = self.tracker.process(outputs, self.metrics)
         if to_abort:
             self._abort_engine_requests(to_abort)

@@ -9,18 +9,18 @@ only turns outputs into ``RequestOutput`` s, while the cores step when they run 
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from runner.config import RunnerConfig
 from runner.core.messages import CoreInfo
 from runner.core.overlap_loop import LoopStats
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutputs, EngineCoreRequest
 from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.tracing import RankTrace
 
-OnOutputs = Callable[[Sequence[EngineCoreOutput]], None]
+OnOutputs = Callable[[EngineCoreOutputs], None]
 
 @dataclass
 class RunReport:

@@ -51,7 +51,7 @@ from runner.core.messages import (
     WaveDone,
     WaveStarted,
 )
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from runner.engine.protocol import EngineDeadError
 from runner.tracing import RankTrace
 
@@ -412,12 +412,13 @@ class MPClient:
 
     def _on_outputs(self, msg: Outputs) -> None:
         """A rank's step: its stats kept as they came; the outputs of requests this client still tracks (an
-        aborted request's may still come, sent before the abort arrived) go to :meth:`_process`."""
+        aborted request's may still come, sent before the abort arrived) go to :meth:`_process`. The plain
+        tokens go as they came: none finishes a request, and the processor skips a request it no longer has."""
         rank = self._ranks[msg.rank]
         rank.stats = msg.stats
+        mine: list[EngineCoreOutput] = []
         if msg.outputs:
             where, ranks = self._where, self._ranks
-            mine: list[EngineCoreOutput] = []
             for out in msg.outputs:
                 r = where.pop(out.request_id, None) if out.finish_reason is not None else \
                     where.get(out.request_id)
@@ -425,12 +426,12 @@ class MPClient:
                     if out.finish_reason is not None:
                         ranks[r].outstanding -= 1
                     mine.append(out)
-            if mine:
-                self._process(mine)
+        if mine or msg.token_ids:
+            self._process(msg.engine_core_outputs(mine))
         if self._num_clients > 1:  # the rank counts every client's requests; its outputs to us are processed
             rank.others = max(0, msg.stats.num_running + msg.stats.num_waiting - rank.outstanding)
 
-    def _process(self, outputs: list[EngineCoreOutput]) -> None:
+    def _process(self, outputs: EngineCoreOutputs) -> None:
         """The outputs of this client's requests, as a rank's step brought them."""
         raise NotImplementedError
 

@@ -23,7 +23,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from runner.engine.byte_level import byte_level_table
 from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.generation_config import GenerationConfig
@@ -179,16 +179,22 @@ class OutputProcessor:
         return list(self.request_states)
 
     # ------------------------------------------------------------------ outputs
-    def process_outputs(self, outputs: Iterable[EngineCoreOutput],
+    def process_outputs(self, outputs: EngineCoreOutputs | Iterable[EngineCoreOutput],
                         now: float | None = None) -> tuple[list[RequestOutput], list[int]]:
         """Turn one batch of engine-core outputs (from any DP rank, any order) into RequestOutputs; returns
         them and the engine request ids that stopped here (a stop string, or bad log-probabilities) and must
-        be aborted in the engine core. Outputs of unknown (aborted, finished) requests are ignored."""
+        be aborted in the engine core. Outputs of unknown (aborted, finished) requests are ignored. An engine
+        core's :class:`EngineCoreOutputs` are read as they came: its plain tokens from the arrays, then its
+        structs."""
         now = time.time() if now is None else now
         request_outputs: list[RequestOutput] = []
         to_abort: list[int] = []
+        structs: Iterable[EngineCoreOutput] = outputs
+        if isinstance(outputs, EngineCoreOutputs):
+            self._process_plain_tokens(outputs, now, request_outputs, to_abort)
+            structs = outputs.outputs
         states = self.request_states
-        for out in outputs:
+        for out in structs:
             state = states.get(out.request_id)
             if state is None:
                 continue
@@ -196,7 +202,7 @@ class OutputProcessor:
             if out.num_cached_tokens is not None:
                 state.num_cached_tokens = out.num_cached_tokens
             stop_reason: int | str | None
-            finish_reason, stop_reason, error = out.finish_reason, out.stop_reason, out.error
+            finish_reason, stop_reason = out.finish_reason, out.stop_reason
             if new_ids:
                 metrics = state.metrics
                 if metrics.first_token_time is None:
@@ -208,33 +214,69 @@ class OutputProcessor:
             if finish_reason is None and state.quiet and not out.new_prompt_logprobs:
                 continue  # the offline LLM's running requests: _request_output would return None, nothing else
             if finish_reason is None and state.plain and not out.new_prompt_logprobs:
-                # what _request_output builds for a running plain request, inline (most outputs): its new text
-                # and ids; no error (that finishes a request), no log-probabilities
-                request_outputs.append(RequestOutput(
-                    state.request_id, state.prompt, state.output_prompt_ids,
-                    [CompletionOutput(state.index, state.detokenizer.get_next_output_text(False, True),
-                                      list(new_ids), None, None, None, None)],
-                    False, state.metrics, None, None, state.num_cached_tokens))
+                request_outputs.append(self._plain_output(state, new_ids))
                 continue
-            problem = None  # the two updates return None at once where nothing was asked nor sent: skipped
-            if state.wants_logprobs:
-                problem = state.logprobs.update(new_ids, out.new_logprobs)
-            if problem is None and out.new_prompt_logprobs:
-                problem = state.prompt_logprobs.update(out.prompt_logprobs_start, out.new_prompt_logprobs)
-            if problem is not None:
-                finish_reason, stop_reason, error = "error", None, f"request {state.request_id!r}: {problem}"
-            if finish_reason is not None and error is not None:
-                state.error = error
-                if state.parent is not None and state.parent.error is None:
-                    state.parent.error = error
-            result = self._request_output(state, new_ids, finish_reason, stop_reason, now)
-            if result is not None:
-                request_outputs.append(result)
-            if finish_reason is not None:
-                self._finish(state)
-                if not out.finished:  # stopped here: the engine core still runs it
-                    to_abort.append(state.engine_request_id)
+            self._emit(state, out, finish_reason, stop_reason, now, request_outputs, to_abort)
         return request_outputs, to_abort
+
+    def _process_plain_tokens(self, outputs: EngineCoreOutputs, now: float, request_outputs: list[RequestOutput],
+                              to_abort: list[int]) -> None:
+        """:meth:`process_outputs` for the plain tokens (one new token of a running request each, nothing
+        else): the same steps, read from the arrays."""
+        states = self.request_states
+        for engine_id, token in zip(outputs.request_ids.tolist(), outputs.token_ids.tolist(), strict=True):
+            state = states.get(engine_id)
+            if state is None:
+                continue
+            metrics = state.metrics
+            if metrics.first_token_time is None:
+                metrics.first_token_time = now
+            metrics.last_token_time = now
+            new_ids = [token]
+            stop_string = state.detokenizer.update(new_ids, False)
+            if stop_string is None:
+                if state.quiet:
+                    continue
+                if state.plain:
+                    request_outputs.append(self._plain_output(state, new_ids))
+                    continue
+            self._emit(state, EngineCoreOutput(engine_id, new_ids), None if stop_string is None else "stop",
+                       stop_string, now, request_outputs, to_abort)
+
+    @staticmethod
+    def _plain_output(state: RequestState, new_ids: list[int]) -> RequestOutput:
+        """What :meth:`_request_output` builds for a running plain request, inline (most outputs): its new text
+        and ids; no error (that finishes a request), no log-probabilities."""
+        return RequestOutput(
+            state.request_id, state.prompt, state.output_prompt_ids,
+            [CompletionOutput(state.index, state.detokenizer.get_next_output_text(False, True),
+                              list(new_ids), None, None, None, None)],
+            False, state.metrics, None, None, state.num_cached_tokens)
+
+    def _emit(self, state: RequestState, out: EngineCoreOutput, finish_reason: str | None,
+              stop_reason: int | str | None, now: float, request_outputs: list[RequestOutput],
+              to_abort: list[int]) -> None:
+        """The rest of :meth:`process_outputs` for one output once its text is updated (``finish_reason`` and
+        ``stop_reason`` include a stop string found here): log-probabilities, the RequestOutput, the finish."""
+        new_ids, error = out.new_token_ids, out.error
+        problem = None  # the two updates return None at once where nothing was asked nor sent: skipped
+        if state.wants_logprobs:
+            problem = state.logprobs.update(new_ids, out.new_logprobs)
+        if problem is None and out.new_prompt_logprobs:
+            problem = state.prompt_logprobs.update(out.prompt_logprobs_start, out.new_prompt_logprobs)
+        if problem is not None:
+            finish_reason, stop_reason, error = "error", None, f"request {state.request_id!r}: {problem}"
+        if finish_reason is not None and error is not None:
+            state.error = error
+            if state.parent is not None and state.parent.error is None:
+                state.parent.error = error
+        result = self._request_output(state, new_ids, finish_reason, stop_reason, now)
+        if result is not None:
+            request_outputs.append(result)
+        if finish_reason is not None:
+            self._finish(state)
+            if not out.finished:  # stopped here: the engine core still runs it
+                to_abort.append(state.engine_request_id)
 
     def _request_output(self, state: RequestState, new_ids: list[int], finish_reason: str | None,
                         stop_reason: int | str | None, now: float) -> RequestOutput | None:

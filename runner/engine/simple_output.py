@@ -10,10 +10,11 @@ parallel sampling), so each sample is reproducible on its own.
 """
 from __future__ import annotations
 
+import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutputs, EngineCoreRequest
 from runner.engine.generation_config import GenerationConfig
 from runner.engine.output_processor import OutputProcessor
 from runner.engine.protocol import MetricsSink, OutputSink
@@ -70,22 +71,23 @@ class RequestTracker:
                 self._last_token.pop(eid, None)
             self._forget(request_id)
 
-    def process(self, outputs: Sequence[EngineCoreOutput], metrics: MetricsSink | None) -> list[int]:
+    def process(self, outputs: EngineCoreOutputs, metrics: MetricsSink | None) -> list[int]:
         """Hand the ranks' outputs to their requests; returns the engine requests to abort (stopped here).
         The step's tokens and gaps go to ``metrics`` in one report (a request's first token in one of its own,
         with its time to first token)."""
         now = time.time()
         states, last_token, generated = self.processor.request_states, self._last_token, self._generated
         num_tokens, gaps = 0, []
-        for out in outputs:
-            num_new = len(out.new_token_ids)
+        counts = itertools.chain(zip(outputs.request_ids.tolist(), itertools.repeat(1)),
+                                 ((out.request_id, len(out.new_token_ids)) for out in outputs.outputs))
+        for engine_id, num_new in counts:
             if not num_new:
                 continue
-            state = states.get(out.request_id)
+            state = states.get(engine_id)
             if state is None:
                 continue
-            last = last_token.get(out.request_id)
-            last_token[out.request_id] = now
+            last = last_token.get(engine_id)
+            last_token[engine_id] = now
             generated[state.request_id] += num_new
             num_tokens += num_new
             if last is not None:
@@ -95,7 +97,7 @@ class RequestTracker:
         if metrics is not None and num_tokens:
             metrics.on_tokens(num_tokens, None, gaps)
         request_outputs, to_abort = self.processor.process_outputs(outputs, now)
-        for out in outputs:
+        for out in outputs.outputs:  # a plain token never finishes a request
             if out.finish_reason is not None:
                 last_token.pop(out.request_id, None)
         for engine_id in to_abort:

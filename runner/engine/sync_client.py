@@ -23,7 +23,7 @@ import time
 
 from runner.config import RunnerConfig
 from runner.core.messages import OUTPUT_DECODER, OutputMessage, StartProfile, StopProfile
-from runner.core.requests import EngineCoreOutput, EngineCoreRequest
+from runner.core.requests import EngineCoreOutputs, EngineCoreRequest
 from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.distributed.launch import LaunchInterrupted
 from runner.engine.engine_core_client import OnOutputs, RunReport
@@ -147,7 +147,7 @@ class SyncMPClient(MPClient):
                 self._handle(OUTPUT_DECODER.decode(out.recv()))
         return self._prefix_cache_reset()
 
-    def _process(self, outputs: list[EngineCoreOutput]) -> None:
+    def _process(self, outputs: EngineCoreOutputs) -> None:
         if self._on_step is not None:
             self._on_step(outputs)
 

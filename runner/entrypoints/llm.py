@@ -34,7 +34,7 @@ from runner.batch_defaults import BATCH_FIELDS, UsageContext, with_batch_default
 from runner.config import ConfigError, RunnerConfig, make_config
 from runner.core.overlap_loop import LoopStats
 from runner.core.prompt_checks import prompt_problem
-from runner.core.requests import EngineCoreOutput, default_seed
+from runner.core.requests import EngineCoreOutputs, default_seed
 from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.engine.core_client import make_client
 from runner.engine.engine_core_client import EngineCoreClient, RunReport
@@ -484,7 +484,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         client = self._client
 
-        def collect(outputs: Sequence[EngineCoreOutput]) -> None:
+        def collect(outputs: EngineCoreOutputs) -> None:
             nonlocal out_tokens
             results, to_abort = processor.process_outputs(outputs)
             if to_abort:
@@ -493,7 +493,7 @@ class LLM:
                 if result.finished:
                     finished[result.request_id] = result
             if bar is not None:  # the tokens are counted for the bar only: a pass over every output per step
-                out_tokens += sum(len(o.new_token_ids) for o in outputs)
+                out_tokens += outputs.num_new_tokens
                 bar.update(sum(r.finished for r in results))
                 bar.set_postfix_str(f"{out_tokens / max(time.perf_counter() - t0, 1e-9):.1f} tok/s", refresh=False)
 
