@@ -221,6 +221,16 @@ class BlockTable:
             self.table[row, n:n + k] = blocks
             self.num_blocks[row] = n + k
 
+    def append_one_each(self, rows: np.ndarray, blocks: Sequence[int]) -> None:
+        """Give each row of ``rows`` (distinct) one more block, ``blocks[i]`` to ``rows[i]``."""
+        n = self.num_blocks[rows]
+        if len(n) and int(n.max()) >= self.table.shape[1]:
+            row = int(rows[int(np.argmax(n))])
+            raise ValueError(f"block table row {row} would hold {int(n.max()) + 1} blocks, more than its "
+                             f"{self.table.shape[1]} (max_model_len / block_size)")
+        self.table[rows, n] = blocks
+        self.num_blocks[rows] = n + 1
+
     def clear(self, row: int) -> None:
         """Row ``row`` holds nothing (its request gave its blocks back); zeroed, so padding reads stay zeros."""
         self.table[row, :self.num_blocks[row]] = 0

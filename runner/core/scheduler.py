@@ -29,6 +29,7 @@ import numpy as np
 from runner.attention.kv_cache import BlockRows, BlockTable, blocks_needed
 from runner.config import RunnerConfig
 from runner.core.block_hash import extend_block_hashes
+from runner.core.decode_run import DecodeRun
 from runner.core.kv_blocks import BlockPool
 from runner.core.prompt_checks import prompt_token_problem
 from runner.core.runner_protocol import ModelRunnerProtocol
@@ -52,16 +53,16 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     seed: int = 0  # the seed of its draws (runner.worker.sampler.request_seed)
-    output_token_ids: list[int] = field(default_factory=list)
-    num_computed_tokens: int = 0
+    outputs: list[int] = field(default_factory=list)  # output_token_ids' storage (see the properties below)
+    computed: int = 0  # num_computed_tokens' storage
     block_ids: list[int] = field(default_factory=list)
     status: str = WAITING
     finish_reason: str | None = None
     error: str | None = None
     num_preemptions: int = 0
     slot: int = -1  # future-token-map slot (and block-table row) while admitted
-    num_pending: int = 0  # trailing outputs that are still placeholders (their step is in flight)
-    inflight: int = 0  # steps that scheduled it and are not yet updated
+    pending: int = 0  # num_pending's storage: trailing outputs that are still placeholders (step in flight)
+    steps_inflight: int = 0  # inflight's storage: steps that scheduled it and are not yet updated
     stop_reason: int | None = None  # the stop token id when one of stop_token_ids ended it (vLLM's stop_reason)
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of its first full blocks of known tokens
     num_cached_blocks: int = 0  # leading blocks of block_ids found in, or registered with, the prefix cache
@@ -76,20 +77,42 @@ class Request:
     # Kept so that schedule() recognises a steady decode in few operations:
     prompt_len: int = field(init=False)  # len(prompt_token_ids), which never changes
     kv_capacity: int = 0  # tokens its blocks hold: len(block_ids) * block_size (Scheduler._add_blocks keeps it)
+    # While in the scheduler's decode run, its computed, steps_inflight and pending fields and the tail of its
+    # outputs are the run's (runner/core/decode_run.py); the properties below read them from there.
+    run: DecodeRun[Request] | None = None
 
     def __post_init__(self) -> None:
         self.snapshot = RequestSnapshot(self.sampling, self.seed, tuple(self.prompt_token_ids))
         self.prompt_len = len(self.prompt_token_ids)
 
     @property
+    def output_token_ids(self) -> list[int]:
+        """Its outputs so far, a placeholder for each token still in flight last (a copy while in the run)."""
+        return self.outputs if self.run is None else self.run.current_outputs(self)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        return self.computed if self.run is None else self.run.field_of(self, "computed")
+
+    @property
+    def num_pending(self) -> int:
+        """Trailing outputs that are still placeholders (their step is in flight)."""
+        return self.pending if self.run is None else self.run.field_of(self, "pending")
+
+    @property
+    def inflight(self) -> int:
+        """Steps that scheduled it and are not yet updated."""
+        return self.steps_inflight if self.run is None else self.run.field_of(self, "inflight")
+
+    @property
     def num_tokens(self) -> int:
-        return self.prompt_len + len(self.output_token_ids)
+        return self.prompt_len + (len(self.outputs) if self.run is None else self.run.field_of(self, "num_out"))
 
     def token_slice(self, start: int, stop: int) -> list[int]:
         p = self.prompt_len
         if stop <= p:
             return self.prompt_token_ids[start:stop]
-        return self.prompt_token_ids[start:] + self.output_token_ids[max(start - p, 0):stop - p]
+        return self.prompt_token_ids[start:] + self.outputs[max(start - p, 0):stop - p]
 
     @property
     def is_finished(self) -> bool:
@@ -143,6 +166,8 @@ class Scheduler:
         self.block_table = BlockTable(self.slots.capacity, blocks_needed(max_model_len, block_size))
         # Scheduled, non-empty steps not yet updated: their ids and their (live) requests, in schedule order
         self._inflight_steps: deque[tuple[int, list[Request]]] = deque()
+        # Running requests in steady decode, as arrays (runner/core/decode_run.py)
+        self._run: DecodeRun[Request] = DecodeRun(self.slots.capacity)
         self.wants_sync = False  # the last schedule() left a request out rather than preempt with a step in flight
         # the requests whose token the last update() discarded (they had finished while its step ran)
         self.last_discarded: list[int] = []
@@ -154,6 +179,11 @@ class Scheduler:
         self._finished_since_schedule: list[int] = []
         self._finished_unreported: list[Request] = []  # for take_finished(), whatever finished them
         self._next_id = 0
+
+    @property
+    def num_decode_run_rows(self) -> int:
+        """Running requests whose decode state is in the arrays of the decode run now."""
+        return len(self._run)
 
     @property
     def num_inflight_steps(self) -> int:
@@ -226,7 +256,7 @@ class Scheduler:
         if not req.is_finished:
             raise ValueError(f"request {req_id} is still {req.status}: only finished requests can be forgotten")
         req.forgotten = True
-        if not req.inflight:
+        if not req.steps_inflight:
             del self.requests[req_id]
 
     def has_unfinished_requests(self) -> bool:
@@ -256,20 +286,21 @@ class Scheduler:
         preemptions_before = self.num_preemptions
         self.wants_sync = False
         batch = _StepArrays()
+        run_rows, budget, leaving = self._schedule_run(budget)
+        batch.run = run_rows
         reqs, starts, tokens = batch.reqs, batch.starts, batch.tokens
         prefills: list[Request] = []
-        leaving = 0  # running requests whose last token is in flight: they gave up their seat
         reqs_append, starts_append, tokens_append = reqs.append, starts.append, tokens.append
-        for req in list(self.running):
-            if req.status is not RUNNING:  # preempted earlier in this loop
+        for req in list(self.running) if len(self._run) < len(self.running) else ():
+            if req.run is not None or req.status is not RUNNING:  # the run's (scheduled above), or preempted here
                 continue
-            out_ids = req.output_token_ids
+            out_ids = req.outputs
             n_out = len(out_ids)
-            start = req.num_computed_tokens
+            start = req.computed
             if req.prompt_len + n_out != start + 1:
                 prefills.append(req)
                 continue
-            if req.num_pending and n_out >= req.max_outputs:  # its final token is in flight: it is done
+            if req.pending and n_out >= req.max_outputs:  # its final token is in flight: it is done
                 leaving += 1
                 continue
             if not budget:
@@ -280,10 +311,10 @@ class Scheduler:
             tokens_append(out_ids[-1] if n_out else req.prompt_token_ids[-1])
             reqs_append(req)
             starts_append(start)
-            req.num_computed_tokens = start + 1
-            req.inflight += 1
+            req.computed = start + 1
+            req.steps_inflight += 1
             out_ids.append(-req.slot - 1)  # slots.placeholder(slot): the token this step samples
-            req.num_pending += 1
+            req.pending += 1
             budget -= 1
         batch.num_decodes = len(reqs)
         for req in prefills:
@@ -291,8 +322,8 @@ class Scheduler:
                 break
             if req.status is not RUNNING:
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
-            need = blocks_needed(req.num_computed_tokens + n, bs)
+            n = min(req.num_tokens - req.computed, budget)
+            need = blocks_needed(req.computed + n, bs)
             if need > len(req.block_ids) and not self._grow(req, need, batch):
                 continue
             self._take(req, n, batch)
@@ -320,7 +351,7 @@ class Scheduler:
                     self.allocator.touch(hit_blocks)
                     self._add_blocks(req, hit_blocks)
                     req.num_cached_blocks = len(hit_blocks)
-                    req.num_computed_tokens = hit
+                    req.computed = hit
                 self._give_blocks(req, need)
                 req.status = RUNNING
                 self.running.append(req)
@@ -329,15 +360,80 @@ class Scheduler:
         if self.enable_prefix_caching:  # after every admission: no request reads a block this step fills
             for req in reqs[batch.num_decodes:]:  # chunks; decodes' blocks are cached when they are freed
                 self._cache_full_blocks(req)
+        # this step's plain decodes outside the run join it (their fields include this step)
+        eos = self.eos_token_ids
+        self._join_run([r for r in reqs[:batch.num_decodes] if not r.stop_ids or r.stop_ids == eos])
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         self._step_seq = step_id
-        if reqs:
-            self._inflight_steps.append((step_id, reqs))
+        step_reqs = reqs if run_rows is None else run_rows.reqs + reqs
+        if step_reqs:
+            self._inflight_steps.append((step_id, step_reqs))
         return batch.output(self.block_table, bs, finished, step_id)
+
+    def _schedule_run(self, budget: int) -> tuple[_RunRows | None, int, int]:
+        """The decode run's part of a step, as arrays: every row takes one token, in row order as far as the
+        budget goes, except those whose last token is in flight (they give up their seat: counted as leaving).
+        Returns the rows scheduled (None if none), the budget left and the leaving count. A KV-block shortage
+        where some row crosses a block boundary sends every row back to the per-request path (which chooses whom
+        to preempt), before anything changed."""
+        run = self._run
+        if not len(run):
+            return None, budget, 0
+        gone = (run.pending > 0) & (run.num_out >= run.max_outputs)  # final token in flight: done
+        leaving = int(np.count_nonzero(gone))
+        count = len(run) - leaving
+        sel: slice | np.ndarray = slice(None)
+        if leaving or count > budget:  # some rows only: those not leaving, as many as the budget takes, in order
+            sel = np.flatnonzero(~gone)[:budget]
+            count = len(sel)
+        crossing = np.flatnonzero(run.computed >= run.capacity) if isinstance(sel, slice) else \
+            sel[run.computed[sel] >= run.capacity[sel]]
+        if len(crossing) and not self.allocator.can_allocate(len(crossing)):
+            self._leave_run(np.arange(len(run)))  # the per-request path chooses whom to preempt
+            return None, budget, 0
+        if len(crossing):  # a decode crosses into exactly one new block: all of them in one allocation
+            bs, blocks = self.block_size, self.allocator.allocate(len(crossing))
+            for i, block in zip(crossing.tolist(), blocks, strict=True):
+                req = run.reqs[i]
+                req.block_ids.append(block)
+                req.kv_capacity += bs
+            self.block_table.append_one_each(run.slots[crossing], blocks)
+            run.capacity[crossing] += bs
+        if not count:
+            return None, budget, leaving
+        if isinstance(sel, slice):
+            reqs, snapshots = list(run.reqs), run.snapshots()
+        else:
+            reqs, snaps = [run.reqs[i] for i in sel.tolist()], run.snapshots()
+            snapshots = tuple(snaps[i] for i in sel.tolist())
+        starts = run.computed[sel].copy()
+        slots = run.slots[sel].copy()
+        tokens = np.where(run.pending[sel] > 0, -slots - 1, run.last_token[sel])  # slots.placeholder, vectorised
+        run.computed[sel] += 1
+        run.inflight[sel] += 1
+        run.pending[sel] += 1
+        run.num_out[sel] += 1
+        return _RunRows(reqs, run.req_ids[sel].copy(), slots, starts, tokens, snapshots), budget - count, leaving
+
+    def _join_run(self, reqs: list[Request]) -> None:
+        self._run.join(reqs)
+        for req in reqs:
+            req.run = self._run
+
+    def _leave_run(self, rows: np.ndarray) -> list[Request]:
+        """Send run rows back to the per-request path (their requests' fields written back)."""
+        gone = self._run.leave(rows)
+        for req in gone:
+            req.run = None
+        return gone
+
+    def _leave_run_of(self, req: Request) -> None:
+        if req.run is not None:
+            self._leave_run(np.array([self._run.row_of_slot[req.slot]]))
 
     def _take(self, req: Request, n: int, batch: _StepArrays) -> None:
         """Schedule ``n`` tokens of ``req`` (a prefill chunk, or any chunk of an admitted request) and advance it."""
-        start = req.num_computed_tokens
+        start = req.computed
         stop = start + n
         batch.tokens.extend(req.token_slice(start, stop))
         batch.reqs.append(req)
@@ -345,11 +441,11 @@ class Scheduler:
         batch.lens.append(n)
         sample = stop == req.num_tokens
         batch.samples.append(sample)
-        req.num_computed_tokens = stop
-        req.inflight += 1
+        req.computed = stop
+        req.steps_inflight += 1
         if sample:
-            req.output_token_ids.append(placeholder(req.slot))
-            req.num_pending += 1
+            req.outputs.append(placeholder(req.slot))
+            req.pending += 1
 
     def _grow(self, req: Request, need_total: int, batch: _StepArrays) -> bool:
         """Give ``req`` blocks up to ``need_total``, preempting later requests not scheduled in this step
@@ -363,7 +459,8 @@ class Scheduler:
             if self._inflight_steps:  # victims' state may be speculative: leave req out, sync first
                 self.wants_sync = True
                 return False
-            scheduled = set(batch.reqs) if scheduled is None else scheduled
+            if scheduled is None:
+                scheduled = set(batch.reqs) if batch.run is None else set(batch.reqs).union(batch.run.reqs)
             victim = next((r for r in reversed(self.running) if r not in scheduled), None)
             assert victim is not None  # req itself is running and unscheduled
             self._preempt(victim)
@@ -405,7 +502,7 @@ class Scheduler:
         """Register ``req``'s full blocks of known tokens whose KV is scheduled (by steps scheduled before now, or
         by the one being scheduled, whose readers come in later steps), past those already cached."""
         bs = self.block_size
-        full = min(req.num_computed_tokens, req.num_tokens - req.num_pending) // bs
+        full = min(req.computed, req.num_tokens - req.pending) // bs
         done = req.num_cached_blocks
         if full <= done:
             return
@@ -426,12 +523,13 @@ class Scheduler:
         req.num_cached_blocks = 0
 
     def _preempt(self, req: Request) -> None:
-        assert not req.inflight, "preemption with a step in flight (the scheduler syncs first)"
+        self._leave_run_of(req)
+        assert not req.steps_inflight, "preemption with a step in flight (the scheduler syncs first)"
         self._free_blocks(req)
         self.block_table.clear(req.slot)
         self.slots.free(req.slot)
         req.slot = -1
-        req.num_computed_tokens = 0
+        req.computed = 0
         req.status = WAITING
         req.num_preemptions += 1
         self.num_preemptions += 1
@@ -456,13 +554,57 @@ class Scheduler:
         invalid = self._invalid_samples(reqs, samples, sampled)
         self._inflight_steps.popleft()
         done: list[Request] = []
-        if not invalid and all(samples):  # the steady state (decodes): every row samples, every token valid
+        if invalid and len(self._run):  # the per-request path for every row: it ends those requests
+            self._leave_run(np.arange(len(self._run)))
+        rest: Sequence[int] = range(len(reqs))
+        if len(self._run):
+            rest = self._update_run_rows(sched, sampled, done)
+        if len(rest) == len(reqs) and not invalid and all(samples):  # decodes, all on the per-request path
             self._update_decodes(reqs, cast("Sequence[int]", sampled), done)
-            if done:
-                self.running = [r for r in self.running if r.status is RUNNING]
-            return done
-        for i_req, (req, token, sample) in enumerate(zip(reqs, sampled, samples, strict=True)):
-            req.inflight -= 1
+        elif rest:
+            self._update_rows(reqs, sampled, samples, invalid, rest, done)
+        if done:
+            self.running = [r for r in self.running if r.status is RUNNING]
+        return done
+
+    def _update_run_rows(self, sched: SchedulerOutput, sampled: Sequence[int | None], done: list[Request]
+                         ) -> list[int]:
+        """``update`` for the step's rows whose requests are in the decode run now (joined before or after this
+        step was scheduled: the run holds their state either way), as arrays: their tokens recorded, the stop
+        checks (EOS, length) vectorised; the few that stop leave the run and finish. Returns the other rows."""
+        run = self._run
+        pos = run.row_of_slot[sched.slots]
+        in_run = pos >= 0
+        if in_run.all() and sched.sample.all():
+            rest: list[int] = []
+        else:
+            rest = np.flatnonzero(~in_run).tolist()
+            idle = in_run & ~sched.sample  # a chunk that sampled nothing (a prefill before it joined)
+            if idle.any():
+                run.inflight[pos[idle]] -= 1
+            picked = np.flatnonzero(in_run & sched.sample)
+            if not len(picked):
+                return rest
+            pos = pos[picked]
+            sampled = [sampled[i] for i in picked.tolist()]
+        tokens = np.array(sampled, dtype=np.int64)  # ints: update() checked them
+        run.record(pos, tokens)
+        stop = run.num_out[pos] - run.pending[pos] >= run.max_outputs[pos]
+        eos = self.eos_token_ids
+        if eos:
+            stop |= run.eos_stops[pos] & np.isin(tokens, np.fromiter(eos, np.int64, count=len(eos)))
+        if stop.any():
+            for req, token in zip(self._leave_run(pos[stop]), tokens[stop].tolist(), strict=True):
+                self._finish(req, self._stop_reason(req, token), in_running=False)
+                done.append(req)
+        return rest
+
+    def _update_rows(self, reqs: list[Request], sampled: Sequence[int | None], samples: list[bool],
+                     invalid: set[int], rows: Sequence[int], done: list[Request]) -> None:
+        """``update``'s per-request path for the step's rows ``rows``: each row's token, its stop checks."""
+        for i_req in rows:
+            req, token, sample = reqs[i_req], sampled[i_req], samples[i_req]
+            req.steps_inflight -= 1
             if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
                 self.last_discarded.append(req.req_id)
                 self._release_if_idle(req)
@@ -474,30 +616,27 @@ class Scheduler:
                 done.append(req)
                 continue
             assert token is not None  # a sampling row's token (_invalid_samples found none missing)
-            pending = req.num_pending
-            out = req.output_token_ids
+            pending = req.pending
+            out = req.outputs
             out[-pending] = token  # its oldest placeholder (pending >= 1: this step sampled it)
-            req.num_pending = pending - 1
+            req.pending = pending - 1
             if token in req.stop_ids or len(out) - pending >= req.max_outputs - 1:
                 self._finish(req, self._stop_reason(req, token), in_running=False)
                 done.append(req)
-        if done:
-            self.running = [r for r in self.running if r.status is RUNNING]
-        return done
 
     def _update_decodes(self, reqs: list[Request], sampled: Sequence[int], done: list[Request]) -> None:
         """``update``'s loop for a step whose every row samples and whose every token is valid: the same checks,
         without the per-row sample flag and validity lookup."""
         for req, token in zip(reqs, sampled, strict=True):
-            req.inflight -= 1
+            req.steps_inflight -= 1
             if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
                 self.last_discarded.append(req.req_id)
                 self._release_if_idle(req)
                 continue
-            pending = req.num_pending
-            out = req.output_token_ids
+            pending = req.pending
+            out = req.outputs
             out[-pending] = token  # its oldest placeholder (pending >= 1: this step sampled it)
-            req.num_pending = pending - 1
+            req.pending = pending - 1
             if token in req.stop_ids or len(out) - pending >= req.max_outputs - 1:
                 self._finish(req, self._stop_reason(req, token), in_running=False)
                 done.append(req)
@@ -534,7 +673,7 @@ class Scheduler:
 
     def _release_if_idle(self, req: Request) -> None:
         """Free a finished request's KV blocks and slot once no step in flight reads or writes them."""
-        if req.inflight:
+        if req.steps_inflight:
             return
         if req.forgotten:
             self.requests.pop(req.req_id, None)
@@ -547,9 +686,10 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, error: str | None = None, *, in_running: bool = True) -> None:
         """``in_running=False``: the caller takes finished requests out of ``running`` itself (all at once)."""
-        if req.num_pending:  # outputs of steps still in flight, past the finishing token: discarded
-            del req.output_token_ids[len(req.output_token_ids) - req.num_pending:]
-            req.num_pending = 0
+        self._leave_run_of(req)
+        if req.pending:  # outputs of steps still in flight, past the finishing token: discarded
+            del req.outputs[len(req.outputs) - req.pending:]
+            req.pending = 0
         if in_running and req.status is RUNNING:
             self.running.remove(req)
         if req.status is WAITING and req in self.waiting:
@@ -571,13 +711,27 @@ def _reads_whole_history(req: Request) -> bool:
 _SLOT, _REQ_ID, _SNAPSHOT = attrgetter("slot"), attrgetter("req_id"), attrgetter("snapshot")
 
 
-class _StepArrays:
-    """One step's requests as ``schedule()`` collects them: first the decodes (one token each, all sampling,
-    only their start recorded), then chunks with their lengths and sample flags."""
+@dataclass(frozen=True)
+class _RunRows:
+    """The decode run's rows of one step (``Scheduler._schedule_run``): one token each, all sampling."""
 
-    __slots__ = ("reqs", "starts", "tokens", "lens", "samples", "num_decodes")
+    reqs: list[Request]
+    req_ids: np.ndarray
+    slots: np.ndarray
+    starts: np.ndarray
+    tokens: np.ndarray
+    snapshots: tuple[RequestSnapshot, ...]
+
+
+class _StepArrays:
+    """One step's requests as ``schedule()`` collects them: first the decode run's rows (arrays), then the
+    other decodes (one token each, all sampling, only their start recorded), then chunks with their lengths and
+    sample flags."""
+
+    __slots__ = ("run", "reqs", "starts", "tokens", "lens", "samples", "num_decodes")
 
     def __init__(self) -> None:
+        self.run: _RunRows | None = None
         self.reqs: list[Request] = []
         self.starts: list[int] = []
         self.tokens: list[int] = []
@@ -595,9 +749,20 @@ class _StepArrays:
             lens[d:] = self.lens
             sample[d:] = self.samples
         slots = np.fromiter(map(_SLOT, reqs), dtype=np.int64, count=n)
+        req_ids = np.fromiter(map(_REQ_ID, reqs), dtype=np.int64, count=n)
+        tokens = np.array(self.tokens, dtype=np.int64)
+        snapshots = tuple(map(_SNAPSHOT, reqs))
+        run = self.run
+        if run is not None:
+            r = len(run.reqs)
+            starts = np.concatenate((run.starts, starts)) if n else run.starts
+            lens = np.concatenate((np.ones(r, dtype=np.int64), lens))
+            sample = np.concatenate((np.ones(r, dtype=bool), sample))
+            slots = np.concatenate((run.slots, slots)) if n else run.slots
+            req_ids = np.concatenate((run.req_ids, req_ids)) if n else run.req_ids
+            tokens = np.concatenate((run.tokens, tokens)) if n else run.tokens
+            snapshots = run.snapshots + snapshots
         held = (starts + lens + (block_size - 1)) // block_size  # a request holds exactly what its tokens need
         return SchedulerOutput.from_arrays(
-            req_ids=np.fromiter(map(_REQ_ID, reqs), dtype=np.int64, count=n), slots=slots, num_computed=starts,
-            query_lens=lens, sample=sample, token_ids=np.array(self.tokens, dtype=np.int64),
-            blocks=BlockRows(table, slots, held), requests=tuple(map(_SNAPSHOT, reqs)), finished_req_ids=finished,
-            step_id=step_id)
+            req_ids=req_ids, slots=slots, num_computed=starts, query_lens=lens, sample=sample, token_ids=tokens,
+            blocks=BlockRows(table, slots, held), requests=snapshots, finished_req_ids=finished, step_id=step_id)
