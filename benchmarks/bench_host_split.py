@@ -2,15 +2,16 @@
 scheduler, the engine core's output emission, the step's inputs, the model's own forward, sampling (LM head
 included) and the front's output processing, each as a fixed part plus a part per running request.
 
-The engine core runs in this process with the synchronous loop on the zero-time emulated device, so one thread
-does everything and each part's thread CPU time is exact; the parts are timed by wrapping the methods that do
-them (``PARTS``). The model is ``bench_host_overhead``'s near-null Qwen3-MoE (hidden 16, one layer, vocabulary
+The engine core runs in this process on the zero-time emulated device, with the synchronous loop (one thread
+does everything) or, ``--loop default``, the pipelined one (the step thread launches, this thread schedules and
+processes); each part's thread CPU time is exact either way, timed by wrapping the methods that do it
+(``PARTS``). The model is ``bench_host_overhead``'s near-null Qwen3-MoE (hidden 16, one layer, vocabulary
 512), 1-token prompts, greedy. Per step: (a ``--decode-tokens + 1``-token call less a 1-token call) / the extra
 steps, the median of ``--repeats``. On a GPU the forward and the sampling's kernels are device time; here the
 CPU computes them, and their cost per request sets a floor under the host's growth with the batch.
 
-Usage: ``python benchmarks/bench_host_split.py [--requests 256 1024] [--repeats 3] [--decode-tokens 32]
-[--output CSV]``.
+Usage: ``python benchmarks/bench_host_split.py [--requests 256 1024] [--loop sync|default] [--repeats 3]
+[--decode-tokens 32] [--output CSV]``.
 """
 from __future__ import annotations
 
@@ -68,11 +69,11 @@ def _timed(fn: Callable[..., Any], part: str, spent: dict[str, float]) -> Callab
     return wrapper
 
 
-def measure(model_dir: str, requests: int, decode_tokens: int, repeats: int, spent: dict[str, float]
+def measure(model_dir: str, loop: str, requests: int, decode_tokens: int, repeats: int, spent: dict[str, float]
             ) -> dict[str, float]:
     """µs per decode step of each part (and the process total), medians over ``repeats``."""
     prompts = prompts_for(requests, 1)
-    llm = open_engine("inproc", "sync", model_dir, requests, max(1024, requests), decode_tokens + 9, 0.0)
+    llm = open_engine("inproc", loop, model_dir, requests, max(1024, requests), decode_tokens + 9, 0.0)
     try:
         timed(llm, prompts, decode_tokens + 1)  # warm-up
         per_step: dict[str, list[float]] = defaultdict(list)
@@ -96,9 +97,10 @@ def measure(model_dir: str, requests: int, decode_tokens: int, repeats: int, spe
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--requests", type=int, nargs=2, default=[256, 1024], metavar=("LO", "HI"))
+    p.add_argument("--loop", choices=("sync", "default"), default="sync")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--decode-tokens", type=int, default=32)
-    p.add_argument("--output", default=str(RESULTS_DIR / "host_split.csv"))
+    p.add_argument("--output", default=None, help="default: benchmarks/results/host_split_<loop>.csv")
     args = p.parse_args()
     lo, hi = args.requests
     if not 1 <= lo < hi:
@@ -116,18 +118,19 @@ def main() -> int:
     instrument(spent)
     with tempfile.TemporaryDirectory(prefix="ubatch-bench-split-") as cache_dir:
         model_dir = str(resolve_model_path(MODEL, cache_dir))
-        at = {n: measure(model_dir, n, args.decode_tokens, args.repeats, spent) for n in (lo, hi)}
+        at = {n: measure(model_dir, args.loop, n, args.decode_tokens, args.repeats, spent) for n in (lo, hi)}
     rows = []
     for part in [*PARTS, TOTAL]:
         a, b = at[lo][part], at[hi][part]
         per_request = (b - a) / (hi - lo)
-        rows.append({"part": part, f"us_per_step_{lo}": round(a, 1), f"us_per_step_{hi}": round(b, 1),
-                     "fixed_us": round(a - per_request * lo, 1), "per_request_us": round(per_request, 3)})
+        rows.append({"loop": args.loop, "part": part, f"us_per_step_{lo}": round(a, 1),
+                     f"us_per_step_{hi}": round(b, 1), "fixed_us": round(a - per_request * lo, 1),
+                     "per_request_us": round(per_request, 3)})
     print(f"{'part':16} {lo:>10} {hi:>10} {'fixed':>8} {'per req':>8}  (µs per decode step)")
     for r in rows:
         print(f"{r['part']:16} {r[f'us_per_step_{lo}']:10.1f} {r[f'us_per_step_{hi}']:10.1f} {r['fixed_us']:8.1f} "
               f"{r['per_request_us']:8.3f}")
-    write_csv(rows, args.output)
+    write_csv(rows, args.output or RESULTS_DIR / f"host_split_{args.loop}.csv")
     return 0
 
 

@@ -5,7 +5,8 @@ Each step takes running requests first (decodes, then chunked prefills), then ad
 admitted request not yet scheduled (recompute; its draws do not change); admission never preempts, so FCFS
 guarantees progress. ``schedule()`` advances requests as if their step had run (placeholders for sampled
 tokens) and ``update()`` fills in the real tokens, so step N+1 can be scheduled before N's results; with a step
-in flight nothing is preempted (``wants_sync``).
+in flight nothing is preempted (``wants_sync``). Steady decodes are scheduled and updated as arrays, in the
+decode run (``decode_run.py``), with Python per request only where a request's state changes.
 
 Prefix caching (on by default, as vLLM V1): a request being admitted takes the longest run of cached full blocks
 of its known tokens (never its last token, which must be computed to sample), and a request's full blocks are
