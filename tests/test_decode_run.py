@@ -1,7 +1,7 @@
 """The scheduler's decode run (``runner/core/decode_run.py``): steady decodes held as arrays. Every request's
 tokens and finish equal the request generated alone, through every way a row leaves the run (EOS, length, stop
-token ids kept out of it, aborts, preemption under a small KV pool, a budget smaller than the run, invalid
-samples), in the synchronous and the overlap loop; the run really carries the decodes; and a request read from
+token ids, aborts, preemption under a small KV pool, a budget smaller than the run, invalid samples), in the
+synchronous and the overlap loop; the run really carries the decodes; and a request read from
 outside while in the run shows the same state the per-request path would."""
 from __future__ import annotations
 
@@ -130,3 +130,29 @@ def test_an_invalid_sample_in_the_run_ends_that_request_only() -> None:
     tokens[bad] = -1  # the sampler's INVALID_TOKEN
     assert sched.update(out, tokens) == [a]
     assert a.finish_reason == "error" and b.status != FINISHED and len(b.output_token_ids) == 4
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_stop_token_ids_stop_a_request_inside_the_run(overlap: bool) -> None:
+    """A request with stop_token_ids (as every request of a checkpoint whose generation config adds EOS ids)
+    decodes in the run and stops there on one of them, with vLLM's stop_reason."""
+    plain = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    want, _ = reference_generate([5, 6, 7], plain, VOCAB, 0)
+    stop_token = want[6]
+    first = want.index(stop_token)
+    params = SamplingParams(temperature=0.0, max_tokens=20, stop_token_ids=[stop_token, VOCAB - 1])
+    runner_box: list[Scheduler] = []
+    runner = RunWatcher(runner_box, {}, num_kv_blocks=64, eos=VOCAB - 2)
+    sched = make_sched(runner)
+    runner_box.append(sched)
+    req = sched.add_request([5, 6, 7], params, 0, req_id=0)
+    other = sched.add_request([8, 9], plain, 1, req_id=1)
+    executor = ForwardExecutor() if overlap else None
+    try:
+        run_steps(sched, runner, executor=executor)
+    finally:
+        if executor is not None:
+            executor.close()
+    assert runner.most_rows == 2  # both decoded in the run
+    assert (req.output_token_ids, req.finish_reason, req.stop_reason) == (want[:first + 1], "stop", stop_token)
+    assert other.output_token_ids == reference_generate([8, 9], plain, VOCAB, 1)[0]

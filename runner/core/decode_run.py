@@ -1,14 +1,14 @@
 """The scheduler's steady decodes as arrays: running requests that decode one token a step, their per-step state
 in numpy rows, so that scheduling them and applying their results costs no Python per request.
 
-A request joins the run once the scheduler has scheduled it as a plain decode (its prompt is computed, its stop
-set is at most the EOS ids); from then on the run's arrays hold the fields a decode step changes
-(``num_computed_tokens``, ``inflight``, ``num_pending``, its new tokens and its last token) and its
-``Request`` object's copies of them are stale. It leaves the run, its fields written
-back, whenever anything else is to happen to it: it finishes, is aborted or preempted, or the scheduler needs the
-per-request path for the whole batch (a budget or KV-block shortage, an invalid sample). While in the run its
-output list holds its real tokens only; the tokens it generates collect in :attr:`DecodeRun.history` and join
-the list when it leaves (or when the history fills up), followed by one placeholder per step still in flight.
+A request joins the run once the scheduler has scheduled it as a plain decode (its prompt is computed; it stops
+on at most ``MAX_RUN_STOP_IDS`` token ids, EOS included, which a ``[rows, k]`` table holds). From then on the
+run's arrays hold the fields a decode step changes (``num_computed_tokens``, ``inflight``, ``num_pending``, its
+new tokens and its last token); its ``Request`` reads them from here while it is in the run. It leaves the run,
+its fields written back, whenever anything else is to happen to it: it finishes, is aborted or preempted, or the
+scheduler needs the per-request path for the whole batch (a KV-block shortage, an invalid sample). While in the
+run its output list holds its real tokens only; the tokens it generates collect in :attr:`DecodeRun.history`
+and join the list when it leaves (or when the history fills up), followed by one placeholder per step in flight.
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ Member = TypeVar("Member", bound=RunMember)
 
 HISTORY_STEPS = 64  # tokens a row keeps in the array before they are appended to its request's list
 _COLUMNS = ("slots", "req_ids", "computed", "capacity", "num_out", "pending", "inflight", "max_outputs",
-            "last_token", "eos_stops", "history_len")
+            "last_token", "history_len")
 
 
 class DecodeRun(Generic[Member]):
@@ -49,18 +49,21 @@ class DecodeRun(Generic[Member]):
 
     Columns (int64 unless said): ``slots``, ``req_ids``, ``computed`` (num_computed_tokens), ``capacity``
     (tokens its KV blocks hold), ``num_out`` (outputs, placeholders included), ``pending`` (placeholders),
-    ``inflight`` (steps in flight), ``max_outputs``, ``last_token`` (its newest real token), ``eos_stops``
-    (bool: EOS ends it), ``history_len`` (tokens in ``history`` not yet in its list). ``row_of_slot[s]`` is the
+    ``inflight`` (steps in flight), ``max_outputs``, ``last_token`` (its newest real token), ``history_len``
+    (tokens in ``history`` not yet in its list); ``stop_ids`` ``[rows, k]``: the tokens that stop each row, padded
+    with -1 (never a token). ``row_of_slot[s]`` is the
     row of the request in slot ``s``, or -1."""
 
     def __init__(self, num_slots: int) -> None:
         self.reqs: list[Member] = []
         self.row_of_slot = np.full(num_slots, -1, dtype=np.int64)
         for name in _COLUMNS:
-            setattr(self, name, np.zeros(0, dtype=bool if name == "eos_stops" else np.int64))
+            setattr(self, name, np.zeros(0, dtype=np.int64))
+        self.stop_ids = np.full((0, 1), -1, dtype=np.int64)
         self.history = np.zeros((0, HISTORY_STEPS), dtype=np.int64)
         self._snapshots: tuple[RequestSnapshot, ...] | None = None
 
+    stop_ids: np.ndarray
     slots: np.ndarray
     req_ids: np.ndarray
     computed: np.ndarray
@@ -70,7 +73,6 @@ class DecodeRun(Generic[Member]):
     inflight: np.ndarray
     max_outputs: np.ndarray
     last_token: np.ndarray
-    eos_stops: np.ndarray
     history_len: np.ndarray
 
     def __len__(self) -> int:
@@ -102,13 +104,20 @@ class DecodeRun(Generic[Member]):
             rows["inflight"].append(req.steps_inflight)
             rows["max_outputs"].append(req.max_outputs)
             rows["last_token"].append(out[-1] if out else req.prompt_token_ids[-1])
-            rows["eos_stops"].append(bool(req.stop_ids))  # joined only if its stop set is empty or the EOS ids
             rows["history_len"].append(0)
         first = len(self.reqs)
         self.reqs.extend(reqs)
         for name in _COLUMNS:
             old = getattr(self, name)
             setattr(self, name, np.concatenate((old, np.array(rows[name], dtype=old.dtype))))
+        width = max(self.stop_ids.shape[1], *(len(r.stop_ids) for r in reqs))
+        stops = np.full((len(reqs), width), -1, dtype=np.int64)
+        for j, req in enumerate(reqs):
+            stops[j, :len(req.stop_ids)] = sorted(req.stop_ids)
+        old_stops = self.stop_ids
+        if old_stops.shape[1] < width:
+            old_stops = np.pad(old_stops, ((0, 0), (0, width - old_stops.shape[1])), constant_values=-1)
+        self.stop_ids = np.concatenate((old_stops, stops))
         self.history = np.concatenate((self.history, np.zeros((len(reqs), self.history.shape[1]), np.int64)))
         self.row_of_slot[self.slots[first:]] = np.arange(first, len(self.reqs))
         self._snapshots = None
@@ -127,6 +136,7 @@ class DecodeRun(Generic[Member]):
         for name in _COLUMNS:
             setattr(self, name, getattr(self, name)[keep])
         self.history = self.history[keep]
+        self.stop_ids = self.stop_ids[keep]
         self.row_of_slot[self.slots] = np.arange(len(self.reqs))
         self._snapshots = None
         return gone
@@ -163,6 +173,10 @@ class DecodeRun(Generic[Member]):
         self.history_len[:] = 0
 
     # ---- a step ------------------------------------------------------------------------------------------
+    def stops(self, rows: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """Whether ``tokens[i]`` is a stop token of row ``rows[i]`` (bool per row)."""
+        return (self.stop_ids[rows] == tokens[:, None]).any(axis=1)
+
     def record(self, rows: np.ndarray, tokens: np.ndarray) -> None:
         """The real tokens of a processed step for rows ``rows`` (each in the run, each with a step in flight)."""
         if int(self.history_len.max(initial=0)) >= self.history.shape[1]:

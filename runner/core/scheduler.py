@@ -39,6 +39,9 @@ from runner.core.slots import SlotPool, placeholder
 from runner.sampling_params import SamplingParams, SamplingParamsError
 
 WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+# A decode joins the decode run if it stops on at most this many token ids (EOS and stop_token_ids): the run
+# checks them as a [rows, k] table.
+MAX_RUN_STOP_IDS = 16
 FINISH_REASONS = ("stop", "length", "abort", "error")
 # Why a request whose step sampled no valid token ends (its logits were NaN or infinite once its sampling
 # settings were applied: a model overflow, or extreme settings); the rank goes on with the other requests.
@@ -362,8 +365,7 @@ class Scheduler:
             for req in reqs[batch.num_decodes:]:  # chunks; decodes' blocks are cached when they are freed
                 self._cache_full_blocks(req)
         # this step's plain decodes outside the run join it (their fields include this step)
-        eos = self.eos_token_ids
-        self._join_run([r for r in reqs[:batch.num_decodes] if not r.stop_ids or r.stop_ids == eos])
+        self._join_run([r for r in reqs[:batch.num_decodes] if len(r.stop_ids) <= MAX_RUN_STOP_IDS])
         finished, self._finished_since_schedule = self._finished_since_schedule, []
         self._step_seq = step_id
         step_reqs = reqs if run_rows is None else run_rows.reqs + reqs
@@ -591,9 +593,7 @@ class Scheduler:
         tokens = np.array(sampled, dtype=np.int64)  # ints: update() checked them
         run.record(pos, tokens)
         stop = run.num_out[pos] - run.pending[pos] >= run.max_outputs[pos]
-        eos = self.eos_token_ids
-        if eos:
-            stop |= run.eos_stops[pos] & np.isin(tokens, np.fromiter(eos, np.int64, count=len(eos)))
+        stop |= run.stops(pos, tokens)
         if stop.any():
             for req, token in zip(self._leave_run(pos[stop]), tokens[stop].tolist(), strict=True):
                 self._finish(req, self._stop_reason(req, token), in_running=False)
