@@ -159,7 +159,9 @@ def test_engine_death_fails_running_requests_and_stops_the_server() -> None:
     with ServerThread(engine) as srv, srv.http() as http:
         stream = Background(lambda: sse_events(http.post("/v1/completions", json={**LONG, "stream": True})))
         full = Background(lambda: srv.client().completions.create(**LONG))
-        wait_until(lambda: len(engine.running) == 2, "both requests to run")
+        # a few tokens each: the stream's first chunk (and its 200) is out, so its failure is an SSE error event
+        wait_until(lambda: len(engine.running) == 2 and all(
+            len(s.token_ids) >= 3 for r in list(engine.running.values()) for s in r.samples), "both requests to run")
 
         async def kill() -> None:
             engine.kill("DP rank 1 (pid 4242) exited with status -9")
