@@ -156,3 +156,30 @@ def test_stop_token_ids_stop_a_request_inside_the_run(overlap: bool) -> None:
     assert runner.most_rows == 2  # both decoded in the run
     assert (req.output_token_ids, req.finish_reason, req.stop_reason) == (want[:first + 1], "stop", stop_token)
     assert other.output_token_ids == reference_generate([8, 9], plain, VOCAB, 1)[0]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_long_generations_pass_through_the_history_flush(overlap: bool) -> None:
+    """More tokens in the run than its history holds (HISTORY_STEPS): they move to the request's list on the way
+    and the outputs still equal the reference, also for a request aborted after the flush."""
+    from runner.core.decode_run import HISTORY_STEPS
+
+    plain = SamplingParams(temperature=0.0, max_tokens=2 * HISTORY_STEPS + 9, ignore_eos=True)
+    runner_box: list[Scheduler] = []
+    runner = RunWatcher(runner_box, {HISTORY_STEPS + 20: 1}, num_kv_blocks=128, eos=VOCAB - 2)
+    sched = make_sched(runner)
+    runner_box.append(sched)
+    reqs = [sched.add_request([3 + i, 4, 5], plain, i, req_id=i) for i in range(3)]
+    executor = ForwardExecutor() if overlap else None
+    try:
+        run_steps(sched, runner, executor=executor)
+    finally:
+        if executor is not None:
+            executor.close()
+    for i, req in enumerate(reqs):
+        want, _ = reference_generate([3 + i, 4, 5], plain, VOCAB, i)
+        if i == 1:
+            assert req.finish_reason == "abort" and HISTORY_STEPS < len(req.output_token_ids) < len(want)
+            assert req.output_token_ids == want[:len(req.output_token_ids)]
+        else:
+            assert (req.output_token_ids, req.finish_reason) == (want, "length")
