@@ -169,8 +169,8 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
         "experts_512": PASS, "experts_2048": MISS, "attention_512x512": PASS, "attention_256x4096": MISS,
         "graph_step": PASS, "graph_dbo": PASS, "eager": PASS, "graph_memory": PASS, "throughput": PASS,
         "host_time": PASS, "engine_dbo": PASS, "engine_dbo_link": PASS, "gpu_idle": MISS, "step_thread": MISS,
-        "pipelined_throughput": MISS, "fp8_weights": PASS, "fp8_throughput": PASS, "fp8_experts": PASS,
-        "fp8_agreement": PASS, "gpu_tests": PASS, "make_test": MISS}
+        "pipelined_throughput": MISS, "batch_1024": MISS, "host_1024": MISS, "fp8_weights": PASS,
+        "fp8_throughput": PASS, "fp8_experts": PASS, "fp8_agreement": PASS, "gpu_tests": PASS, "make_test": MISS}
     assert v["engine_dbo"][1] == "0.99x default flags (30,690 vs 31,000 output tok/s; 0/130 steps ubatched)"
     assert v["engine_dbo_link"][1] == ("1.40x default flags, 90 % of the link hidden (link latency_us=20,gbps=51.2: "
                                        "comm/compute 1 of 2.50 ms per step; 128/138 steps ubatched)")
@@ -194,6 +194,25 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
     assert v["fp8_agreement"][1] == ("95.0 % of 64 x 16 positions up to the first divergence (50/64 prompts "
                                      "identical; 96.0 % of positions equal); bf16 against itself in half batches: "
                                      "97.5 %")
+
+
+def test_the_1024_request_goals_compare_with_the_256_run() -> None:
+    """engine_doc's 256 run: 31,000 tok/s, host 4.00 ms per step (CPU thread 2 + forward 2). At 1024: 45,000
+    tok/s and host 7.00 ms (CPU thread 5): 1.45x; the host grew 1.75x, 0.50 + 0.00391 ms per request."""
+    big = engine_doc(tok_s=45000.0)
+    big["measured"]["loop"]["cpu_work_s"] = 0.65
+    v = verdicts(parts(engine=engine_doc(), engine_1024=big))
+    assert v["batch_1024"] == (PASS, "1.45x (45,000 vs 31,000 output tok/s)")
+    assert v["host_1024"] == (PASS, "1.75x (host 4.00 ms per step at 256, 7.00 at 1024: 3.00 ms + 3.91 µs per "
+                                    "request)")
+    big["measured"]["loop"]["cpu_work_s"] = 1.3  # CPU thread 10 ms: host 12 ms, 3x
+    slow = engine_doc(tok_s=38000.0)
+    slow["measured"]["num_errors"] = 2
+    v = verdicts(parts(engine=engine_doc(), engine_1024=slow))
+    assert v["batch_1024"] == (MISS, "1.23x (38,000 vs 31,000 output tok/s) (2 requests failed)")
+    assert verdicts(parts(engine=engine_doc(), engine_1024=big))["host_1024"][0] == MISS
+    assert verdicts(parts(engine=engine_doc()))["batch_1024"] == (MISS, "not measured: the engine_1024 part did "
+                                                                        "not run")
 
 
 def test_pipelining_goals_pass_on_a_busy_gpu_and_compare_with_the_same_kind_of_gpu() -> None:

@@ -263,7 +263,8 @@ def test_parts_on_cpu_give_results_the_goals_and_report_read(tmp_path: Path) -> 
     plan = [Part("env", "env", 120, env_part), Part("model", "model", 120, model_part),
             *([] if gpu else [Part("bench", "bench", 120, bench_part)]),
             Part("engine", "engine", 300, lambda c: engine_part(c, False)),
-            Part("engine_dbo", "dbo", 300, lambda c: engine_part(c, True))]
+            Part("engine_dbo", "dbo", 300, lambda c: engine_part(c, True)),
+            Part("engine_1024", "1024", 300, lambda c: engine_part(c, False, 1024))]
     results = run_parts(plan, ctx, {}, deadline=time.monotonic() + 3600, save=lambda r: write_outputs(r, tmp_path),
                         say=lambda s: None)
     p = results["parts"]
@@ -273,7 +274,7 @@ def test_parts_on_cpu_give_results_the_goals_and_report_read(tmp_path: Path) -> 
     if not gpu:
         assert p["bench"]["status"] == "failed" and p["bench"]["error"] == "exit status 2"
         assert "bench_gpu: needs a CUDA GPU" in p["bench"]["tail"]
-    for name, dbo in (("engine", False), ("engine_dbo", True)):
+    for name, dbo in (("engine", False), ("engine_dbo", True), ("engine_1024", False)):
         data = p[name]["data"]
         assert p[name]["status"] == "ok", p[name]
         assert (data["measured"]["num_requests"], data["measured"]["num_output_tokens"]) == (4, 12)
@@ -293,7 +294,12 @@ def test_parts_on_cpu_give_results_the_goals_and_report_read(tmp_path: Path) -> 
         assert verdicts["graph_step"][1].startswith("not measured: the bench part gave no figures (failed")
         assert "bench_gpu: needs a CUDA GPU" in report
     assert json.loads((tmp_path / "results.json").read_text())["goals"] == evaluate(p)
-    assert "===== engine --enable-dbo:" in (tmp_path / "log.txt").read_text()
+    log = (tmp_path / "log.txt").read_text()
+    assert "===== engine --enable-dbo:" in log
+    # 1024 prompts and seats; the test's engine_args come after and shrink the run to 4
+    assert "===== engine_1024: " in log and " --num-prompts 1024 --max-num-seqs 1024 " in log
+    assert verdicts["batch_1024"][0] == MISS and "x (" in verdicts["batch_1024"][1]
+    assert verdicts["host_1024"] == (MISS, "not measured: the engine run has no host_ms")
 
 
 def test_the_fp8_part_on_cpu_compares_the_engine_quantised_while_loading_with_it_unquantised(tmp_path: Path) -> None:
@@ -340,8 +346,8 @@ def test_the_fp8_part_on_cpu_compares_the_engine_quantised_while_loading_with_it
 def test_children_import_the_repo_and_benchmarks_first(tmp_path: Path) -> None:
     env = child_env(context(tmp_path))
     assert env["PYTHONPATH"].split(":")[:2] == [str(REPO), str(REPO / "benchmarks")]
-    assert [p.name for p in all_parts()] == ["env", "tests", "model", "bench", "engine", "engine_dbo", "engine_fp8",
-                                             "engine_link", "serve"]
+    assert [p.name for p in all_parts()] == ["env", "tests", "model", "bench", "engine", "engine_dbo", "engine_1024",
+                                             "engine_fp8", "engine_link", "serve"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the part really runs (minutes, the 1.2B model)")

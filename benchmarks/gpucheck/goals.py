@@ -29,6 +29,10 @@ TOKENS_PER_S_BEFORE_PIPELINING = {"H200": 38_331, "H100": 41_330}
 PIPELINED_SPEEDUP = 1.8
 PIPELINED_GPU_IDLE_PCT = 15.0
 STEP_THREAD_HOST_MS = 1.0
+# The same call at 1024 concurrent requests (engine_1024) against 256: its output tok/s, and the host's time per
+# step, which should grow by at most this much (the CPU goal of the same name)
+BATCH_1024_SPEEDUP = 1.3
+HOST_GROWTH_1024 = 2.0
 # --quantization fp8 against the same checkpoint unquantised (engine_fp8): weight memory, output tok/s on the
 # GPUs with FP8 tensor cores the goal is set for, one layer's FP8 experts against their weight-read limit, and
 # greedy agreement up to the first divergence (fp8_figures)
@@ -225,6 +229,37 @@ def step_thread(parts: dict[str, Any]) -> tuple[bool, str]:
     return fig["forward_host_ms"] <= STEP_THREAD_HOST_MS, f"{fig['forward_host_ms']:.2f} ms per step"
 
 
+def _figures_256_1024(parts: dict[str, Any], needs: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The engine's figures at 256 (the engine part) and 1024 concurrent requests (engine_1024)."""
+    from gpucheck.engine_figures import engine_figures
+
+    at_256, at_1024 = engine_figures(engine_data(parts)), engine_figures(part_data(parts, "engine_1024"))
+    for name, fig in (("engine", at_256), ("engine_1024", at_1024)):
+        if needs not in fig:
+            raise NotMeasured(f"the {name} run has no {needs}")
+    return at_256, at_1024
+
+
+def batch_1024(parts: dict[str, Any]) -> tuple[bool, str]:
+    at_256, at_1024 = _figures_256_1024(parts, "output_tokens_per_s")
+    ratio = at_1024["output_tokens_per_s"] / at_256["output_tokens_per_s"]
+    text = (f"{ratio:.2f}x ({at_1024['output_tokens_per_s']:,.0f} vs {at_256['output_tokens_per_s']:,.0f} output "
+            "tok/s)")
+    if at_1024["num_errors"]:
+        text += f" ({at_1024['num_errors']} requests failed)"
+    return ratio >= BATCH_1024_SPEEDUP and not at_1024["num_errors"], text
+
+
+def host_growth_1024(parts: dict[str, Any]) -> tuple[bool, str]:
+    """The host's time per step at 1024 requests against 256, as fixed + per request (a line through both)."""
+    at_256, at_1024 = _figures_256_1024(parts, "host_ms")
+    lo, hi = at_256["host_ms"], at_1024["host_ms"]
+    per_request_us = 1e3 * (hi - lo) / (1024 - 256)
+    return hi <= HOST_GROWTH_1024 * lo, (
+        f"{hi / lo:.2f}x (host {lo:.2f} ms per step at 256, {hi:.2f} at 1024: {lo - 256e-3 * per_request_us:.2f} ms "
+        f"+ {per_request_us:.2f} µs per request)")
+
+
 def pipelined_throughput(parts: dict[str, Any]) -> tuple[bool, str]:
     fig = _engine_figures(parts, "output_tokens_per_s")
     gpu = (part_data(parts, "env").get("gpu") or "")
@@ -348,6 +383,10 @@ GOALS: tuple[Goal, ...] = (
                         "ms per step", step_thread),
     Goal("pipelined_throughput", f"Default flags, 256 x 128 tokens: >= {PIPELINED_SPEEDUP:g}x the output tok/s "
                                  "before pipelining (H200 >= 69k, H100 >= 74k)", pipelined_throughput),
+    Goal("batch_1024", f"Default flags, 1024 x 128 tokens: >= {BATCH_1024_SPEEDUP:g}x the output tok/s of 256 x 128",
+         batch_1024),
+    Goal("host_1024", f"Default flags: host time per step at 1024 requests <= {HOST_GROWTH_1024:g}x at 256",
+         host_growth_1024),
     Goal("fp8_weights", f"--quantization fp8: weight memory <= {FP8_WEIGHT_RATIO:g}x bf16 (1.2B model)", fp8_weights),
     Goal("fp8_throughput", f"--quantization fp8, default flags, 256 x 128 tokens: >= {FP8_TOKENS_RATIO:g}x bf16's "
                            f"output tok/s ({' / '.join(FP8_TOKENS_GPUS)})", fp8_throughput),

@@ -182,13 +182,17 @@ def bench_part(ctx: Context) -> dict[str, Any]:
                                str(ctx.cache_dir)], path)
 
 
-def engine_part(ctx: Context, dbo: bool) -> dict[str, Any]:
-    path = ctx.work_dir / ("engine_dbo.json" if dbo else "engine.json")
+def engine_part(ctx: Context, dbo: bool, requests: int = 256) -> dict[str, Any]:
+    """The engine on the 1.2B model, ``requests`` prompts at once (``--max-num-seqs`` as many)."""
+    name = "engine_dbo" if dbo else "engine" if requests == 256 else f"engine_{requests}"
+    path = ctx.work_dir / f"{name}.json"
     # Two measured calls: the first pays one-time costs (Triton compiles for shapes not met at start-up, first
     # use of a kernel), the second is the engine's steady state; the report shows both.
     args = ["-m", "gpucheck.engine_run", "--cache-dir", str(ctx.cache_dir), "--out", str(path), "--repeats", "2"]
+    if requests != 256:
+        args += ["--num-prompts", str(requests), "--max-num-seqs", str(requests)]
     args += list(ctx.options.get("engine_args", ())) + (["--enable-dbo"] if dbo else [])
-    return _run(ctx, "engine --enable-dbo" if dbo else "engine", args, path)
+    return _run(ctx, "engine --enable-dbo" if dbo else "engine" if requests == 256 else name, args, path)
 
 
 def engine_link_part(ctx: Context) -> dict[str, Any]:
@@ -262,6 +266,8 @@ def all_parts() -> list[Part]:
         Part("bench", "kernels and the decode step against their limits (bench_gpu.py --quick)", 120, bench_part),
         Part("engine", "the engine with default flags, 256 x 128 tokens", 90, lambda c: engine_part(c, False)),
         Part("engine_dbo", "the same with --enable-dbo", 90, lambda c: engine_part(c, True)),
+        Part("engine_1024", "the engine with default flags, 1024 x 128 tokens", 90,
+             lambda c: engine_part(c, False, 1024)),
         Part("engine_fp8", "--quantization fp8 vs bf16: weights, tok/s, greedy agreement, FP8 experts", 150,
              engine_fp8_part),
         Part("engine_link", "default flags vs --enable-dbo, emulated link at comm = compute", 240, engine_link_part),
