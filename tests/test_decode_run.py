@@ -9,8 +9,7 @@ import random
 
 import pytest
 
-from fake_runner import FakeRunner, forward_step, reference_generate, run_steps
-from runner.core.overlap_loop import ForwardExecutor
+from fake_runner import FakeRunner, forward_step, reference_generate, run_wave
 from runner.core.runner_output import ModelRunnerOutput
 from runner.core.scheduler import FINISHED, Request, Scheduler
 from runner.core.scheduler_output import SchedulerOutput
@@ -62,12 +61,7 @@ def test_every_request_equals_its_reference(overlap: bool, seqs: int, budget: in
     reqs: list[Request] = []
     for i, (prompt, params) in enumerate(workload(3, 30)):
         reqs.append(sched.add_request(prompt, params, request_seed(params, i), req_id=i))
-    executor = ForwardExecutor() if overlap else None
-    try:
-        run_steps(sched, runner, executor=executor)
-    finally:
-        if executor is not None:
-            executor.close()
+    run_wave(sched, runner, overlap)
     assert runner.most_rows >= 3, "the decode run never carried the steady decodes"
     for i, (req, (prompt, params)) in enumerate(zip(reqs, workload(3, 30), strict=True)):
         assert req.status == FINISHED
@@ -147,12 +141,7 @@ def test_stop_token_ids_stop_a_request_inside_the_run(overlap: bool) -> None:
     runner_box.append(sched)
     req = sched.add_request([5, 6, 7], params, 0, req_id=0)
     other = sched.add_request([8, 9], plain, 1, req_id=1)
-    executor = ForwardExecutor() if overlap else None
-    try:
-        run_steps(sched, runner, executor=executor)
-    finally:
-        if executor is not None:
-            executor.close()
+    run_wave(sched, runner, overlap)
     assert runner.most_rows == 2  # both decoded in the run
     assert (req.output_token_ids, req.finish_reason, req.stop_reason) == (want[:first + 1], "stop", stop_token)
     assert other.output_token_ids == reference_generate([8, 9], plain, VOCAB, 1)[0]
@@ -170,12 +159,7 @@ def test_long_generations_pass_through_the_history_flush(overlap: bool) -> None:
     sched = make_sched(runner)
     runner_box.append(sched)
     reqs = [sched.add_request([3 + i, 4, 5], plain, i, req_id=i) for i in range(3)]
-    executor = ForwardExecutor() if overlap else None
-    try:
-        run_steps(sched, runner, executor=executor)
-    finally:
-        if executor is not None:
-            executor.close()
+    run_wave(sched, runner, overlap)
     for i, req in enumerate(reqs):
         want, _ = reference_generate([3 + i, 4, 5], plain, VOCAB, i)
         if i == 1:
