@@ -45,14 +45,13 @@ _COLUMNS = ("slots", "req_ids", "computed", "capacity", "num_out", "pending", "i
 
 
 class DecodeRun(Generic[Member]):
-    """Members in steady decode, one row each, in the order they joined (module docstring).
+    """Requests in steady decode, one row each, in the order they joined (module docstring).
 
-    Columns (int64 unless said): ``slots``, ``req_ids``, ``computed`` (num_computed_tokens), ``capacity``
-    (tokens its KV blocks hold), ``num_out`` (outputs, placeholders included), ``pending`` (placeholders),
-    ``inflight`` (steps in flight), ``max_outputs``, ``last_token`` (its newest real token), ``history_len``
-    (tokens in ``history`` not yet in its list); ``stop_ids`` ``[rows, k]``: the tokens that stop each row, padded
-    with -1 (never a token). ``row_of_slot[s]`` is the
-    row of the request in slot ``s``, or -1."""
+    Columns (int64): ``slots``, ``req_ids``, ``computed`` (num_computed_tokens), ``capacity`` (tokens its KV
+    blocks hold), ``num_out`` (outputs, placeholders included), ``pending`` (placeholders), ``inflight`` (steps
+    in flight), ``max_outputs``, ``last_token`` (its newest real token), ``history_len`` (tokens in ``history``
+    not yet in its list); ``stop_ids`` ``[rows, k]``: the tokens that stop each row, padded with -1 (never a
+    token). ``row_of_slot[s]`` is the row of the request in slot ``s``, or -1."""
 
     def __init__(self, num_slots: int) -> None:
         self.reqs: list[Member] = []
