@@ -562,9 +562,7 @@ class Scheduler:
         rest: Sequence[int] = range(len(reqs))
         if len(self._run):
             rest = self._update_run_rows(sched, sampled, done)
-        if len(rest) == len(reqs) and not invalid and all(samples):  # decodes, all on the per-request path
-            self._update_decodes(reqs, cast("Sequence[int]", sampled), done)
-        elif rest:
+        if rest:
             self._update_rows(reqs, sampled, samples, invalid, rest, done)
         if done:
             self.running = [r for r in self.running if r.status is RUNNING]
@@ -617,23 +615,6 @@ class Scheduler:
                 done.append(req)
                 continue
             assert token is not None  # a sampling row's token (_invalid_samples found none missing)
-            pending = req.pending
-            out = req.outputs
-            out[-pending] = token  # its oldest placeholder (pending >= 1: this step sampled it)
-            req.pending = pending - 1
-            if token in req.stop_ids or len(out) - pending >= req.max_outputs - 1:
-                self._finish(req, self._stop_reason(req, token), in_running=False)
-                done.append(req)
-
-    def _update_decodes(self, reqs: list[Request], sampled: Sequence[int], done: list[Request]) -> None:
-        """``update``'s loop for a step whose every row samples and whose every token is valid: the same checks,
-        without the per-row sample flag and validity lookup."""
-        for req, token in zip(reqs, sampled, strict=True):
-            req.steps_inflight -= 1
-            if req.status is FINISHED:  # stopped or aborted while this step ran: its token is discarded
-                self.last_discarded.append(req.req_id)
-                self._release_if_idle(req)
-                continue
             pending = req.pending
             out = req.outputs
             out[-pending] = token  # its oldest placeholder (pending >= 1: this step sampled it)
