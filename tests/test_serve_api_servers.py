@@ -146,7 +146,9 @@ def test_a_profile_window_comes_back_to_the_api_server_that_stopped_it(server: S
 
 def test_sigterm_drains_both_and_exits_0_with_no_process_left(tiny_chat_checkpoint: TinyCheckpoint) -> None:
     model = str(tiny_chat_checkpoint.path)
-    with two_front_ends(model, "--shutdown-timeout 3") as srv:
+    # 10 ms a step on the emulated device: 480 tokens outlast the 3 s drain, so the server is still draining (not
+    # gone) when the refused requests below arrive, however fast the host is
+    with two_front_ends(model, "--shutdown-timeout 3 --emulate-device step_us=10000") as srv:
         assert srv.proc is not None
         children = descendants(srv.proc.pid)  # the rank and both API servers
         assert len(children) >= 3
