@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from future_token_map import FutureTokenMap
-from runner.core.overlap_loop import ForwardExecutor, LoopStats, OnResults, make_step_loop
+from runner.core.overlap_loop import ForwardExecutor, LoopStats, OnResults, StepLauncher, make_step_loop
 from runner.core.runner_output import ModelRunnerOutput, PendingStep
 from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.core.scheduler import Scheduler
@@ -162,7 +162,7 @@ def run_wave(sched: Any, runner: Any, overlap: bool, before_launch: Any = None) 
             executor.close()
 
 
-def run_steps(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: ForwardExecutor | None = None,
+def run_steps(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: StepLauncher | None = None,
               consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
               on_results: OnResults | None = None, step_timeout_s: float | None = None) -> LoopStats:
     """Step ``sched`` until no DP rank has work (:func:`make_step_loop`'s arguments); returns the loop's stats."""

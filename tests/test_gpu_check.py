@@ -180,7 +180,7 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
     assert v["graph_step"][1] == "2.50 ms (512 tokens at context 512)"
     assert v["graph_dbo"][1] == "1.39x graph without DBO, 90 % of the link hidden"
     assert v["eager"][1] == "0 host syncs in a step (most of 4 eager rows); eager DBO 1.05x eager at comm/compute 1"
-    assert v["host_time"][1] == ("host 4.00 ms (CPU thread 2.00 + forward thread 2.00) vs GPU 7.00 ms per step; "
+    assert v["host_time"][1] == ("host 4.00 ms (CPU thread 2.00 + launches 2.00) vs GPU 7.00 ms per step; "
                                  "GPU idle 30 %")
     assert v["make_test"][1].startswith("not measured: this check ran the GPU tests only")
     assert v["gpu_idle"][1] == "GPU idle 30 % (wall 10.00 ms, GPU 7.00 ms per step)"

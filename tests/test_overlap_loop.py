@@ -20,7 +20,14 @@ from devices import device_args
 from fake_runner import FakeRunner, forward_step, reference_generate, run_steps
 from future_token_map import FutureTokenMap
 from runner.config import RunnerConfig
-from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepTimeoutError
+from runner.core.overlap_loop import (
+    ForwardExecutor,
+    InlineLauncher,
+    LoopStats,
+    StepLauncher,
+    StepTimeoutError,
+    make_step_launcher,
+)
 from runner.core.runner_output import ModelRunnerOutput
 from runner.core.scheduler import Request, Scheduler
 from runner.core.scheduler_output import SchedulerOutput
@@ -80,9 +87,10 @@ class InFlightGuard:
         sched.allocator.allocate, sched.slots.alloc = guarded_allocate, guarded_alloc_slot  # type: ignore[method-assign]
 
 
-def drive(runner: Any, arrivals: Arrivals, overlap: bool, guard: bool = False, **sched_kw: Any
-          ) -> tuple[Scheduler, LoopStats, InFlightGuard | None]:
-    """Run the loop to completion, adding ``arrivals[k]`` right before the k-th step is scheduled."""
+def drive(runner: Any, arrivals: Arrivals, overlap: bool, guard: bool = False, inline: bool = False,
+          **sched_kw: Any) -> tuple[Scheduler, LoopStats, InFlightGuard | None]:
+    """Run the loop to completion, adding ``arrivals[k]`` right before the k-th step is scheduled; with
+    ``overlap``, steps launch on a forward thread, or in this thread when ``inline``."""
     sched = make_sched(runner, **sched_kw)
     g = InFlightGuard(sched) if guard else None
     added = []
@@ -92,7 +100,9 @@ def drive(runner: Any, arrivals: Arrivals, overlap: bool, guard: bool = False, *
             sched.add_request(prompt, params, request_seed(params, 1000 + rid), req_id=rid)
             added.append(rid)
 
-    executor = ForwardExecutor() if overlap else None
+    executor: StepLauncher | None = None
+    if overlap:
+        executor = InlineLauncher() if inline else ForwardExecutor()
     try:
         stats = run_steps(sched, runner, executor=executor, before_launch=before_launch)
     finally:
@@ -145,14 +155,16 @@ def assert_clean(sched: Scheduler) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- equivalence
+@pytest.mark.parametrize("inline", [False, True], ids=["forward-thread", "inline"])
 @pytest.mark.parametrize("num_kv_blocks", [256, 24])  # 24 blocks of 4: preemption (the loop syncs first)
-def test_overlap_on_equals_off_with_arrivals_chunking_stops_and_preemption(num_kv_blocks: int) -> None:
+def test_overlap_on_equals_off_with_arrivals_chunking_stops_and_preemption(num_kv_blocks: int, inline: bool) -> None:
     arrivals = workload(seed=num_kv_blocks, n=60, max_step=120)
     runs = {}
     for overlap in (False, True):
         runner = FakeRunner(vocab_size=VOCAB, block_size=4, num_kv_blocks=num_kv_blocks, max_model_len=48,
                             eos_token_ids=[7, 11])
-        sched, stats, guard = drive(runner, arrivals, overlap, guard=True, max_num_seqs=6, max_num_batched_tokens=16)
+        sched, stats, guard = drive(runner, arrivals, overlap, guard=True, inline=inline, max_num_seqs=6,
+                                    max_num_batched_tokens=16)
         assert_clean(sched)
         assert guard is not None and guard.violations == []
         runs[overlap] = (outputs(sched), stats, sched.num_preemptions)
@@ -387,6 +399,21 @@ def test_executor_thread_sets_torch_threads_and_reports_errors() -> None:
     ex.close()
     with pytest.raises(RuntimeError, match="closed"):
         ex.submit(lambda: 0)
+
+
+def test_steps_launch_inline_where_they_queue_on_a_device_and_on_a_thread_where_the_cpu_computes_them() -> None:
+    for device, emulated in ((torch.device("cpu"), True), (torch.device("cuda", 1), False)):
+        assert isinstance(make_step_launcher(device, emulated_device=emulated), InlineLauncher)
+    for cpu_device in (torch.device("cpu"), None):  # the CPU's forward, a stand-in that names no device
+        launcher = make_step_launcher(cpu_device)
+        assert isinstance(launcher, ForwardExecutor) and launcher.thread_id != threading.get_ident()
+        launcher.close()
+    inline = InlineLauncher(torch.device("cpu"))
+    assert inline.thread_id is None
+    assert inline.submit(threading.get_ident).result() == threading.get_ident()  # in the caller's thread
+    with pytest.raises(ZeroDivisionError):
+        inline.submit(lambda: 1 / 0).result()
+    assert inline.submit(lambda: 5).result() == 5 and inline.busy_s > 0
 
 
 def test_a_step_that_never_ends_is_a_timeout_naming_the_executor_not_a_hang() -> None:

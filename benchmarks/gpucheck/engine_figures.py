@@ -3,16 +3,16 @@
 - ``wall_ms``: the step loop's wall time per step (``LoopStats.wall_s / num_steps``);
 - ``gpu_ms``: the GPU's busy time per step, the union of its kernels, copies and memsets in the profiled run;
 - ``cpu_thread_ms``: the CPU thread's scheduling and result processing per step (``LoopStats.cpu_work_s``);
-- ``forward_host_ms``: the forward thread's own work per step, ``(forward_busy_s - read_wait_s) / num_steps``:
-  input and metadata preparation, launches, the step's Python, less its wait for the sampled ids
-  (``LoopStats.read_wait_s``, the step's one host read; 0 since the step loop reads the results on the CPU
-  thread, after launching the next step, so this is the step thread's whole busy time, its launches). A run
-  without that counter falls back to
+- ``forward_host_ms``: the launches' own work per step, ``(forward_busy_s - read_wait_s) / num_steps``: input
+  and metadata preparation, launches, the step's Python, less its wait for the sampled ids (``LoopStats.
+  read_wait_s``, the step's one host read; 0 since the step loop reads the results after launching the next
+  step). On a GPU the scheduling thread launches each step itself (``InlineLauncher``); a run that launched on a
+  forward thread counts that thread's busy time. A run without that counter falls back to
   ``max(0, forward_busy_s / num_steps - gpu_ms)``, which also counted launch-bound waits as host work;
-- ``forward_cpu_ms``: the forward thread's CPU time in the same calls per step (``LoopStats.forward_cpu_s``,
-  ``time.thread_time``). ``forward_host_ms`` is wall time: it also counts the waits for the GIL while the CPU
-  thread runs Python (each torch call releases the GIL, and the CPU thread may keep it for its whole schedule or
-  update), so ``forward_host_ms - forward_cpu_ms`` is the forward thread's time lost to the other thread;
+- ``forward_cpu_ms``: the launching thread's CPU time in the same calls per step (``LoopStats.forward_cpu_s``,
+  ``time.thread_time``). ``forward_host_ms`` is wall time: with a forward thread it also counts the waits for the
+  GIL while the CPU thread runs Python, so ``forward_host_ms - forward_cpu_ms`` is the time lost to the other
+  thread (launched inline, only what other processes take from the core);
 - ``host_ms = cpu_thread_ms + forward_host_ms``: the host's work for one step. Both terms are wall times that
   count the GIL waits of their thread, so the time one thread waits for the other is in both. When it is below
   ``gpu_ms`` the host can keep the GPU busy (the overlap loop runs the CPU thread's share beside the GPU). Every

@@ -176,7 +176,7 @@ def host_time(parts: dict[str, Any]) -> tuple[bool, str]:
     if "host_ms" not in fig:
         raise NotMeasured("the engine run has no profiled GPU time or no step-loop counters")
     return fig["host_ms"] < fig["gpu_ms"], (
-        f"host {fig['host_ms']:.2f} ms (CPU thread {fig['cpu_thread_ms']:.2f} + forward thread "
+        f"host {fig['host_ms']:.2f} ms (CPU thread {fig['cpu_thread_ms']:.2f} + launches "
         f"{fig['forward_host_ms']:.2f}) vs GPU {fig['gpu_ms']:.2f} ms per step; GPU idle {fig['gpu_idle_pct']:.0f} %")
 
 

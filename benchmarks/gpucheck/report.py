@@ -98,8 +98,8 @@ ENGINE_ROWS = (("output tok/s", "output_tokens_per_s"), ("output tok/s, first ca
                ("ubatched steps", "num_ubatched_steps"), ("failed requests", "num_errors"),
                ("wall ms / step", "wall_ms"), ("GPU busy ms / step", "gpu_ms"), ("host ms / step", "host_ms"),
                ("host: CPU thread (schedule, outputs)", "cpu_thread_ms"),
-               ("host: forward thread, not waiting on the GPU", "forward_host_ms"),
-               ("host: forward thread's CPU time (the rest waits for the GIL)", "forward_cpu_ms"),
+               ("host: launches, not waiting on the GPU", "forward_host_ms"),
+               ("host: launches' CPU time (the rest waits for the GIL)", "forward_cpu_ms"),
                ("GPU idle %", "gpu_idle_pct"), ("graph memory MiB", "graph_mib"))
 
 

@@ -22,7 +22,14 @@ from typing import cast
 import numpy as np
 
 from runner.config import RunnerConfig
-from runner.core.overlap_loop import ForwardExecutor, LoopStats, StepLoop, make_step_loop, use_overlap_loop
+from runner.core.overlap_loop import (
+    LoopStats,
+    StepLauncher,
+    StepLoop,
+    make_step_launcher,
+    make_step_loop,
+    use_overlap_loop,
+)
 from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from runner.core.runner_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
 from runner.core.runner_protocol import ModelRunnerProtocol
@@ -78,7 +85,7 @@ class EngineCore:
         self.before_launch = before_launch
         self.scheduler = Scheduler.from_runner(cfg, runner)
         self.last_loop_stats: LoopStats | None = None  # the loop of the last wave that ended
-        self._executor: ForwardExecutor | None = None
+        self._executor: StepLauncher | None = None
         self._loop: StepLoop | None = None
         self._live: set[int] = set()  # requests added and neither aborted by the client nor reported finished
         # gathered while steps run, until take_outputs(): plain tokens as arrays, per step; structs by request
@@ -137,7 +144,7 @@ class EngineCore:
         if self._loop is None:
             self._loop = make_step_loop(
                 self.scheduler, self.runner,
-                executor=self._forward_executor() if use_overlap_loop(
+                executor=self._step_launcher() if use_overlap_loop(
                     self.cfg.disable_overlap_schedule, self.runner.device,
                     emulated_device=self.cfg.emulate_device is not None) else None,
                 consecutive_prefill_overlap=not self.cfg.disable_consecutive_prefill_overlap,
@@ -315,10 +322,12 @@ class EngineCore:
             self._due_array = None
 
     # ------------------------------------------------------------------ lifetime
-    def _forward_executor(self) -> ForwardExecutor:
-        """The persistent thread steps run on with the overlap loop (created on first use, closed by close())."""
+    def _step_launcher(self) -> StepLauncher:
+        """What launches the overlap loop's steps (created on first use, closed by close()): the scheduling
+        thread itself where the runner queues steps on a device, a persistent forward thread otherwise."""
         if self._executor is None:
-            self._executor = ForwardExecutor(device=self.runner.device)
+            self._executor = make_step_launcher(self.runner.device,
+                                                emulated_device=self.cfg.emulate_device is not None)
         return self._executor
 
     @property

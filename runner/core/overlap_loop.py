@@ -1,13 +1,15 @@
 """The engine's step loop: synchronous, or overlapped as SGLang's overlap scheduler and vLLM's async scheduling.
 
-Overlapped, ``schedule N+1 -> launch N+1 -> read N's results -> process N -> schedule N+2``: one executor thread
-launches steps in order (``runner.launch``) and never reads a result, so the device always has the next step
-queued while the host works; the runner resolves placeholders for tokens still in flight from the steps it
-launched before. Every wait is bounded by ``step_timeout_s``; ``LoopStats`` records the launches that had to wait
-and why. Design: docs/design_notes.md, "Engine core: scheduler and step loops".
+Overlapped, ``schedule N+1 -> launch N+1 -> read N's results -> process N -> schedule N+2``: steps are launched
+in order (``runner.launch``), in the scheduling thread where the runner queues them on a device, on one executor
+thread where the forward computes on the host (``make_step_launcher``); a launch never reads a result, so the
+device always has the next step queued while the host works; the runner resolves placeholders for tokens still
+in flight from the steps it launched before. Every wait is bounded by ``step_timeout_s``; ``LoopStats`` records
+the launches that had to wait and why. Design: docs/design_notes.md, "Engine core: scheduler and step loops".
 """
 from __future__ import annotations
 
+import abc
 import collections
 import functools
 import queue
@@ -31,34 +33,16 @@ T = TypeVar("T")
 OnResults = Callable[[SchedulerOutput, ModelRunnerOutput, list[Request]], None]
 
 
-class ForwardExecutor:
-    """One persistent thread that runs submitted steps in order: the CPU's forward stream.
+class StepLauncher(abc.ABC):
+    """Runs the overlap loop's step launches in order and times them: ``busy_s`` accumulates the time spent
+    launching, ``busy_cpu_s`` the launching thread's CPU time in it (``time.thread_time``: without the waits for
+    the GIL that ``busy_s`` also counts). ``submit(fn)`` returns a Future of ``fn()``'s result or exception."""
 
-    A new Python thread ignores the process's ``torch.set_num_threads`` (and, on CUDA, the current device),
-    so both are set inside it. ``busy_s`` accumulates the time spent running steps, ``busy_cpu_s`` the thread's
-    CPU time in them (``time.thread_time``: without the waits for the GIL that ``busy_s`` also counts).
-    """
+    name = "launcher"
 
-    def __init__(self, num_threads: int | None = None, device: torch.device | None = None,
-                 name: str = "ubatch-forward") -> None:
-        self.num_threads = num_threads if num_threads is not None else torch.get_num_threads()
-        self.device = device
-        self.name = name
+    def __init__(self) -> None:
         self.busy_s = 0.0
         self.busy_cpu_s = 0.0
-        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
-
-    def _loop(self) -> None:
-        torch.set_num_threads(self.num_threads)
-        if self.device is not None and torch.device(self.device).type == "cuda":
-            torch.cuda.set_device(self.device)
-        while True:
-            job = self._queue.get()
-            if job is None:
-                return
-            job()
 
     def _run(self, fn: Callable[[], T], fut: Future[T]) -> None:
         if not fut.set_running_or_notify_cancel():
@@ -74,6 +58,75 @@ class ForwardExecutor:
             self.busy_s += time.perf_counter() - t0  # before the result: a waiter then sees the total
             self.busy_cpu_s += time.thread_time() - c0
             fut.set_result(result)
+
+    @property
+    def thread_id(self) -> int | None:
+        """The ``threading.get_ident()`` of a thread of the launcher's own (None: launches run in the caller's)."""
+        return None
+
+    @abc.abstractmethod
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Launch ``fn`` after every step submitted before it."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop what the launcher started."""
+
+
+class InlineLauncher(StepLauncher):
+    """Launches a step at once, in the scheduling thread: for a runner that queues its steps on a device (a GPU,
+    the emulated device), whose launch only builds inputs and queues work. The scheduling thread launches N+1,
+    then reads N, so the device still has the next step queued, with no hand-off between threads and no second
+    thread taking the GIL at every torch call: vLLM's single-process executor does the same (``UniProcExecutor``
+    runs ``execute_model`` in the engine core's thread and hands back a completed Future; only the read of the
+    sampled ids waits for the device). On CUDA the calling thread is made current on the runner's device."""
+
+    name = "inline"
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        super().__init__()
+        self._cuda_index: int | None = None
+        if device is not None and torch.device(device).type == "cuda":
+            self._cuda_index = torch.device(device).index or 0
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
+            torch.cuda.set_device(self._cuda_index)
+        fut: Future[T] = Future()
+        self._run(fn, fut)
+        return fut
+
+    def close(self) -> None:
+        """Nothing to stop: launches ran in the caller's thread."""
+
+
+class ForwardExecutor(StepLauncher):
+    """One persistent thread that runs submitted steps in order: for a forward computed on the CPU, whose torch
+    kernels release the GIL, so the scheduling thread's Python can run beside them.
+
+    A new Python thread ignores the process's ``torch.set_num_threads`` (and, on CUDA, the current device),
+    so both are set inside it.
+    """
+
+    def __init__(self, num_threads: int | None = None, device: torch.device | None = None,
+                 name: str = "ubatch-forward") -> None:
+        super().__init__()
+        self.num_threads = num_threads if num_threads is not None else torch.get_num_threads()
+        self.device = device
+        self.name = name
+        self._queue: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        torch.set_num_threads(self.num_threads)
+        if self.device is not None and torch.device(self.device).type == "cuda":
+            torch.cuda.set_device(self.device)
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            job()
 
     @property
     def thread_id(self) -> int | None:
@@ -158,7 +211,18 @@ def use_overlap_loop(disable_overlap_schedule: bool | None, device: torch.device
     return torch.device(device).type != "cpu"
 
 
-def make_step_loop(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: ForwardExecutor | None = None,
+def make_step_launcher(device: torch.device | None, emulated_device: bool = False) -> StepLauncher:
+    """Where the overlap loop launches its steps: in the scheduling thread (:class:`InlineLauncher`) where the
+    runner queues them on a device (a GPU, or the CPU with ``--emulate-device``, whose forward stands for a GPU
+    launch's host work); on a thread of its own (:class:`ForwardExecutor`) where the forward is computed on the
+    host (the CPU, a stand-in runner that names no device), so that its GIL-free kernels run beside the
+    scheduling thread's work."""
+    if device is not None and (emulated_device or torch.device(device).type != "cpu"):
+        return InlineLauncher(device)
+    return ForwardExecutor(device=device)
+
+
+def make_step_loop(sched: Scheduler, runner: ModelRunnerProtocol, *, executor: StepLauncher | None = None,
                    consecutive_prefill_overlap: bool = True, before_launch: Callable[[int], None] | None = None,
                    on_results: OnResults | None = None, step_timeout_s: float | None = None) -> StepLoop:
     """A loop over ``sched`` that runs one iteration per :meth:`step` call: overlapped on ``executor``, or
@@ -236,7 +300,7 @@ class StepTimeoutError(TimeoutError):
 class OverlapStepLoop:
     """Schedule N+1 and launch it, then process N while N+1 runs (module docstring)."""
 
-    def __init__(self, sched: Scheduler, runner: ModelRunnerProtocol, executor: ForwardExecutor,
+    def __init__(self, sched: Scheduler, runner: ModelRunnerProtocol, executor: StepLauncher,
                  consecutive_prefill_overlap: bool, before_launch: Callable[[int], None] | None,
                  on_results: OnResults | None, step_timeout_s: float | None = None) -> None:
         self.sched, self.runner, self.executor = sched, runner, executor
