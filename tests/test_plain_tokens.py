@@ -100,16 +100,24 @@ def test_plain_tokens_and_structs_add_up_to_each_request_generated_alone(overlap
     assert steady, "no step where every running request's token came as a plain token alone"
 
 
-def test_a_step_with_logprobs_sends_structs_with_them() -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_only_the_rows_with_logprobs_become_structs(overlap: bool) -> None:
     params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2 if i == 1 else None)
               for i in range(len(PROMPTS))]
-    steps = run_core(params, overlap=False)
+    steps = run_core(params, overlap=overlap)
     for outputs in steps:
         assert 1 not in outputs.request_ids.tolist()
         for out in outputs.outputs:
             if out.request_id == 1 and out.new_token_ids:
                 assert out.new_logprobs is not None and len(out.new_logprobs) == len(out.new_token_ids)
-    assert len(tokens_by_request(steps)[1]) == 6
+            else:
+                assert out.new_logprobs is None
+    # the other requests of the steps with logprobs still decode as plain tokens
+    steady = [o for o in steps if len(o.outputs) == 1 and o.num_new_tokens == len(PROMPTS)]
+    assert steady and all(o.outputs[0].request_id == 1 for o in steady)
+    got = tokens_by_request(steps)
+    for i, p in enumerate(params):
+        assert got[i] == reference_generate(PROMPTS[i], p, VOCAB, request_seed(p, 100 + i))[0], f"request {i}"
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])

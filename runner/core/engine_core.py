@@ -212,7 +212,7 @@ class EngineCore:
         are ``done``. The step's sampling rows become plain tokens with numpy (no Python per request) except the
         few that need a struct: a finished request (its last token goes with its finish), a discarded token, a
         request's first output (it carries ``num_cached_tokens``), a request that already has a struct in this
-        take, and every row of a step with log-probabilities.
+        take, and a row with log-probabilities (the others of its step stay plain).
         """
         finished = set(done)
         if output.prompt_logprobs is not None:
@@ -222,9 +222,6 @@ class EngineCore:
             return
         # a sampling row's token is an int (Scheduler.update checked it); only those rows are read below
         sampled = cast("list[int]", output.sampled_token_ids)
-        if output.logprobs is not None:
-            self._add_token_outputs(out, sampled, output.logprobs, finished, range(n))
-            return
         if out.sample.all():
             rows: np.ndarray | None = None
             ids, tokens = out.req_ids, np.fromiter(sampled, np.int64, count=n)
@@ -233,9 +230,13 @@ class EngineCore:
             ids = out.req_ids[rows]
             tokens = np.fromiter((sampled[i] for i in rows.tolist()), np.int64, count=len(rows))
         special = self._special_rows(ids, done)
-        if special is not None:
+        if output.logprobs is not None:  # the rows that asked for log-probabilities carry them in a struct
+            asked = np.fromiter((e is not None for e in output.logprobs), bool, count=n)
+            asked = asked if rows is None else asked[rows]
+            special = asked if special is None else special | asked
+        if special is not None and special.any():
             where = np.flatnonzero(special)
-            self._add_token_outputs(out, sampled, None, finished,
+            self._add_token_outputs(out, sampled, output.logprobs, finished,
                                     (where if rows is None else rows[where]).tolist())
             keep = ~special
             ids, tokens = ids[keep], tokens[keep]
