@@ -43,9 +43,14 @@ class FutureTokenBook:
 
     def claim(self, req_ids: np.ndarray, slots: np.ndarray) -> None:
         """Consume the entries of ``slots`` for the reads of ``req_ids``; raises on a foreign or stale read."""
-        inside = slots < self.capacity
-        owners = np.where(inside, self._owner[np.minimum(slots, self.capacity - 1)], -1)
-        stored = inside & self._stored[np.minimum(slots, self.capacity - 1)]
+        if not len(slots):
+            return
+        if int(slots.max()) < self.capacity:  # every slot exists (always, but for a bug)
+            owners, stored = self._owner[slots], self._stored[slots]
+        else:
+            inside = slots < self.capacity
+            owners = np.where(inside, self._owner[np.minimum(slots, self.capacity - 1)], -1)
+            stored = inside & self._stored[np.minimum(slots, self.capacity - 1)]
         bad = np.flatnonzero((owners != req_ids) | ~stored)
         if bad.size:
             i = int(bad[0])
@@ -63,6 +68,8 @@ class FutureTokenBook:
         ids = out.token_ids
         if not len(ids) or int(ids.min()) >= 0:
             return None
+        if len(ids) == out.num_reqs and int(ids.max()) < 0:  # a decode step: every input is a placeholder
+            return np.arange(len(ids)), out.req_ids, -ids - 1
         where = np.flatnonzero(ids < 0)
         owners = np.repeat(out.req_ids, out.query_lens)[where]
         return where, owners, -ids[where] - 1
