@@ -28,6 +28,9 @@ DTYPE_ALIASES = {"auto": "auto", "float32": "float32", "float": "float32", "fp32
                  "float16": "float16", "half": "float16", "fp16": "float16"}
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATION_METHODS = ("fp8",)  # --quantization (runner/models/quantization/scheme.py)
+# --load-format: the checkpoint's safetensors ("auto", "safetensors"), or random weights from config.json alone
+# ("dummy", vLLM's, for benchmarks: runner/models/dummy_weights.py)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 # DP > 1 with expert parallelism needs a real all-to-all; this is what the CLI and LLM() pick when unset: the
 # phase-aware one (SGLang's default ``--deepep-mode auto``), high-throughput layout for prefill, low-latency
 # for decode.
@@ -110,6 +113,7 @@ class RunnerConfig:
     dtype: str = "auto"  # the checkpoint's dtype; float32 checkpoints run bf16 on a GPU (vLLM's auto)
     # None | "fp8": an FP8 checkpoint runs as it is either way; "fp8" quantises an unquantised one while loading
     quantization: str | None = None
+    load_format: str = "auto"  # LOAD_FORMATS
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False
     enable_dbo: bool = False
@@ -177,6 +181,9 @@ class RunnerConfig:
             if not isinstance(getattr(self, name), bool) and not (name == "disable_overlap_schedule"
                                                                   and self.disable_overlap_schedule is None):
                 raise ConfigError(name, f"{name} must be True or False, got {getattr(self, name)!r}")
+        _choice("load_format", self.load_format, LOAD_FORMATS)
+        if self.load_format == "safetensors":  # what "auto" reads: checkpoints here are safetensors only
+            self.load_format = "auto"
         _choice("ubatch_split", self.ubatch_split, UBATCH_SPLITS)
         _choice("dbo_dp_rule", self.dbo_dp_rule, DBO_DP_RULES)
         _choice("dbo_cost_model", self.dbo_cost_model, DBO_COST_MODELS)

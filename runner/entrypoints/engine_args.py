@@ -20,6 +20,7 @@ from runner.config import (
     DBO_DP_RULES,
     DBO_SCHEDULES,
     DTYPES,
+    LOAD_FORMATS,
     UBATCH_SPLITS,
     ConfigError,
     RunnerConfig,
@@ -79,6 +80,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     add("--quantization", "-q", metavar="METHOD",
         help="fp8: an FP8 checkpoint runs as it is (also without this flag); an unquantized one is quantized per "
              "128x128 block while loading (default: none)")
+    add("--load-format", choices=LOAD_FORMATS,
+        help="auto or safetensors: the checkpoint's weights; dummy: random weights from config.json alone, on the "
+             "device, nothing read from disk (vLLM's, for benchmarks) (default: auto)")
     add("--data-parallel-size", "-dp", type=int, metavar="N",
         help="DP ranks (spawned here unless under torchrun, where it is the world size)")
     add("--enable-expert-parallel", action="store_true", default=None,

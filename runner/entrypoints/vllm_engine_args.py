@@ -69,8 +69,6 @@ VLLM_ENGINE_ARGS: tuple[VllmEngineArg, ...] = (
                   "written"),
     VllmEngineArg("tokenizer_mode", _none_or("auto"), "'auto' (transformers' tokenizer of the checkpoint)",
                   "leave it 'auto'"),
-    VllmEngineArg("load_format", _none_or("auto", "safetensors"), "'auto' or 'safetensors'",
-                  "save the checkpoint as safetensors"),
     VllmEngineArg("disable_custom_all_reduce", _any_bool, "True or False (there is no custom all-reduce)",
                   "pass a bool"),
     VllmEngineArg("distributed_executor_backend", _none_or("mp", "external_launcher"),
@@ -133,7 +131,6 @@ def add_vllm_engine_args(p: argparse.ArgumentParser) -> None:
     add("--revision", metavar="REV", help="none only: checkpoints are local directories (default: none)")
     add("--download-dir", metavar="DIR", help="none only: nothing is downloaded (default: none)")
     add("--tokenizer-mode", metavar="MODE", help="auto only (default: auto)")
-    add("--load-format", metavar="FORMAT", help="auto or safetensors (default: auto)")
     add("--disable-custom-all-reduce", action="store_true", default=None,
         help="accepted: there is no custom all-reduce (default: off)")
     add("--distributed-executor-backend", metavar="BACKEND", help="mp: DP ranks are processes this command starts; "

@@ -37,6 +37,7 @@ from torch.overrides import TorchFunctionMode
 from runner.config import ConfigError
 from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
+from runner.models.dummy_weights import dummy_weights
 from runner.models.quantization.convert import Fp8Plan, apply_fp8, plan_from_checkpoint, plan_online, quantize_online
 from runner.models.quantization.dense_fp8_gemm import select_dense_fp8_gemm
 from runner.models.quantization.scheme import FP8_METHOD, Fp8Scheme, check_quantization_arg
@@ -343,18 +344,26 @@ def fp8_scheme(config: BaseMoEConfig, quantization: str | None, path: Path) -> F
 
 def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: torch.dtype | None = None,
                cache_dir: str | os.PathLike | None = None, device: torch.device | str = "cpu",
-               quantization: str | None = None, deep_gemm_module: ModuleType | None = None
-               ) -> tuple[MoECausalLM, BaseMoEConfig]:
+               quantization: str | None = None, deep_gemm_module: ModuleType | None = None,
+               load_format: str = "auto", seed: int = 0) -> tuple[MoECausalLM, BaseMoEConfig]:
     """Build the model for ``config.json``'s architecture and load this rank's weights.
 
     ``dtype`` defaults to :func:`auto_dtype` of the config's ``torch_dtype``/``dtype`` on ``device``; it is the
     compute dtype, and that of every weight an FP8 checkpoint does not quantise. ``quantization``: ``None`` or
     ``'fp8'`` (:func:`fp8_scheme`). ``deep_gemm_module``: a module with DeepGEMM's API for the dense FP8 linears
-    instead of the real package (the tests' CPU stand-in; :func:`select_dense_fp8_gemm`).
+    instead of the real package (the tests' CPU stand-in; :func:`select_dense_fp8_gemm`). ``load_format``
+    ``'dummy'``: random weights (``runner/models/dummy_weights.py``, drawn from ``seed``), no file but
+    ``config.json`` read.
     """
     path = resolve_model_path(model, cache_dir)
     config = load_config(path)
     scheme = fp8_scheme(config, quantization, path)
+    dummy = load_format == "dummy"
+    if dummy and scheme is not None and not scheme.online:
+        raise CheckpointError(path / "config.json", "load_format='dummy' draws the weights of an unquantised model, "
+                              "but this config declares an FP8 checkpoint (quantization_config), whose weights and "
+                              "scales come from its files; to benchmark FP8 weights, drop quantization_config and "
+                              "pass quantization='fp8'")
     dtype = dtype or auto_dtype(config.dtype, device)
     cls = get_model_class(config.architectures[0])
     with torch.device("meta"), skip_weight_init():  # every parameter is overwritten by the checkpoint
@@ -367,13 +376,15 @@ def load_model(model: str, parallel: MoEParallelConfig | None = None, dtype: tor
             apply_fp8(net, plan, select_dense_fp8_gemm(torch.device(device), deep_gemm_module))
         check_spec_covers_parameters(net)
         net.to_empty(device=device)
-        weights = iter_checkpoint(path, net)
+        weights = dummy_weights(net, dtype, device, seed) if dummy else iter_checkpoint(path, net)
         if plan is not None and plan.scheme.online:
             weights = quantize_online(weights, net, plan)
         net.load_weights(weights)
     except CheckpointError:
         raise
     except ValueError as e:  # weights.py: a missing, unexpected or mis-shaped tensor
+        if dummy:
+            raise CheckpointError(path, f"{e} (random weights: load_format='dummy')") from None
         files = ", ".join(f.name for f in checkpoint_files(path))
         raise CheckpointError(path, f"{e} (checkpoint files: {files}){_cache_hint(path)}") from None
     return net.eval(), config

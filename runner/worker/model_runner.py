@@ -106,7 +106,8 @@ class ModelRunner:
             enable_sbo(parallel, device=self.device)
         torch.manual_seed(cfg.seed)
         self.model, self.model_config = load_model(cfg.model, parallel, resolve_dtype(cfg.dtype), cfg.cache_dir,
-                                                   self.device, quantization=cfg.quantization)
+                                                   self.device, quantization=cfg.quantization,
+                                                   load_format=cfg.load_format, seed=cfg.seed)
         self.model.set_dbo_schedule(cfg.dbo_schedule)  # where the ubatches yield (runner/models/schedules.py)
         if cfg.enable_dbo and not self.model.has_moe_layers:
             if rank == 0:
