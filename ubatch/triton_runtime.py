@@ -12,6 +12,8 @@ import os
 import threading
 from types import ModuleType
 
+import torch
+
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on", "y"})
 
 # The interpreter is not thread-safe: each launch monkey-patches triton.language for its duration and
@@ -43,3 +45,15 @@ def import_triton(feature: str) -> tuple[ModuleType, ModuleType]:
 def launch_guard(interpret: bool) -> contextlib.AbstractContextManager[object]:
     """Serialise interpreted launches (see INTERPRETER_LOCK); compiled launches need no lock."""
     return INTERPRETER_LOCK if interpret else contextlib.nullcontext()
+
+
+def launch_mode(feature: str, device: torch.device) -> bool:
+    """Whether a launch of ``feature`` on ``device`` runs interpreted: CUDA tensors need compiled Triton, any
+    other device ``TRITON_INTERPRET=1``; a mismatch is a RuntimeError naming ``feature`` and the device."""
+    interpret = interpreter_enabled()
+    if device.type == "cuda" and interpret:
+        raise RuntimeError(f"{feature} got CUDA tensors, but TRITON_INTERPRET=1 selects Triton's CPU interpreter; "
+                           "unset it to run the compiled kernels")
+    if device.type != "cuda" and not interpret:
+        raise RuntimeError(f"{feature} got tensors on {device}; without TRITON_INTERPRET=1 they need CUDA tensors")
+    return interpret

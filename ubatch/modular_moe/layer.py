@@ -29,6 +29,7 @@ from ubatch.forward_context import maybe_get_forward_context
 from ubatch.fp8 import FP8_DTYPE, Fp8Tensor, scale_shape
 from ubatch.modular_moe.config import MoEParallelConfig
 from ubatch.modular_moe.experts import make_experts, resolve_experts_backend
+from ubatch.modular_moe.fused_router import fused_select_experts
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.router import ScoringFunc, select_experts
 from ubatch.modular_moe.runtime import MoERuntime
@@ -86,6 +87,9 @@ class FusedMoE(nn.Module):
         else:
             self.e_score_correction_bias = None
         self.shared_experts = shared_experts
+        #: route with the fused Triton kernel (``fused_tails``) where this layer's routing has no groups and no
+        #: correction bias; grouped or biased routing always runs ``select_experts``
+        self.fused_router = False
         self._kernels: dict[str, FusedMoEModularKernel] = {}
         #: (w13 block, w2 block) once the experts are FP8 (:meth:`use_fp8_weights`), else None
         self.fp8_blocks: tuple[tuple[int, int], tuple[int, int]] | None = None
@@ -208,13 +212,22 @@ class FusedMoE(nn.Module):
             self.load_expert_weight(e, "up", w13[e, i:])
             self.load_expert_weight(e, "down", w2[e])
 
+    @property
+    def routes_fused(self) -> bool:
+        """Whether this layer's routing runs the fused kernel: ``fused_router`` set, no groups, no bias."""
+        return self.fused_router and self.num_expert_group is None and self.e_score_correction_bias is None
+
     def forward(self, hidden_states: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         with trace.compute_span("route", "R"):
-            topk_weights, topk_ids = select_experts(
-                router_logits, self.top_k, self.renormalize, scoring_func=self.scoring_func,
-                num_expert_group=self.num_expert_group, topk_group=self.topk_group,
-                e_score_correction_bias=self.e_score_correction_bias,
-                routed_scaling_factor=self.routed_scaling_factor, group_scoring=self.group_scoring)
+            if self.routes_fused:
+                topk_weights, topk_ids = fused_select_experts(router_logits, self.top_k, self.renormalize,
+                                                              self.scoring_func, self.routed_scaling_factor)
+            else:
+                topk_weights, topk_ids = select_experts(
+                    router_logits, self.top_k, self.renormalize, scoring_func=self.scoring_func,
+                    num_expert_group=self.num_expert_group, topk_group=self.topk_group,
+                    e_score_correction_bias=self.e_score_correction_bias,
+                    routed_scaling_factor=self.routed_scaling_factor, group_scoring=self.group_scoring)
             topk_ids = route_padding_nowhere(topk_ids)
         kernel = self.kernel_for(self.runtime.backend_for_step())
         w13, w2 = self.expert_weights()

@@ -69,6 +69,12 @@ def select_experts(
     return topk_weights, topk_ids
 
 
+def check_router_args(router_logits: torch.Tensor, top_k: int, scoring_func: str) -> int:
+    """What every router checks without groups or bias: 2-D logits, ``top_k`` in ``[1, E]``, a known scoring
+    function; returns ``E``."""
+    return _validate(router_logits, top_k, scoring_func, None, None, None)
+
+
 def _mask_to_top_groups(scores_for_choice: torch.Tensor, num_groups: int, topk_group: int,
                         group_scoring: str = "top2_sum") -> torch.Tensor:
     """-inf out every expert outside the ``topk_group`` best groups (group score: sum of its top-2, or max).
