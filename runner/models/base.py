@@ -19,6 +19,7 @@ from runner.models.weights import WeightSpec, load_hf_weights, wants_weight
 from ubatch import trace
 from ubatch.forward_context import get_forward_context
 from ubatch.modular_moe.config import MoEParallelConfig
+from ubatch.modular_moe.layer import FusedMoE
 from ubatch.modular_moe.runtime import MoERuntime
 
 
@@ -45,7 +46,13 @@ def check_and_bind(layers: list[nn.Module], caches: list[torch.Tensor], specs: l
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm residual block (attention, then MLP or MoE) with Hugging Face's parameter names."""
+    """Pre-norm residual block (attention, then MLP or MoE) with Hugging Face's parameter names.
+
+    ``forward(positions, hidden, residual, ...) -> (mlp_out, residual)`` as vLLM's layers: the residual add
+    after the MLP is left to the next layer's input norm (or the model's final norm), so each add runs fused
+    with the norm after it (:meth:`RMSNorm.add_and_norm`; one Triton kernel under ``fused_tails``). The first
+    layer gets ``residual=None``. The adds and norms are HF's, in HF's dtypes, in either case.
+    """
 
     def __init__(self, layer_idx: int, self_attn: nn.Module, mlp: nn.Module, hidden_size: int, eps: float,
                  dtype: torch.dtype | None) -> None:
@@ -56,15 +63,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(hidden_size, eps, dtype)
         self.post_attention_layernorm = RMSNorm(hidden_size, eps, dtype)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with trace.compute_span("residual", "N"):  # the previous layer's residual add, with this input norm
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         with trace.compute_span("attention", "A", layer=self.layer_idx):
-            hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), rope, cos, sin)
+            attn = self.self_attn(positions, normed, rope, cos, sin)
         with trace.compute_span("mlp_norm", "N"):
-            normed = self.post_attention_layernorm(hidden)
-        out = self.mlp(normed)
-        with trace.compute_span("residual", "N"):
-            return hidden + out
+            normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(normed), residual
 
 
 def moe_or_dense_layer(config: Any, layer_idx: int, self_attn: nn.Module, make_moe: Callable[[], nn.Module],
@@ -117,15 +124,27 @@ class MoECausalLM(nn.Module):
         with trace.compute_span("embed", "N"):
             hidden = self.model.embed_tokens(input_ids)
             cos, sin = self.rotary_emb.cos_sin(positions, hidden.dtype)
+        residual: torch.Tensor | None = None
         for layer in self.model.layers:
-            hidden = layer(positions, hidden, self.rotary_emb, cos, sin)
-        with trace.compute_span("final_norm", "N"):
-            return self.model.norm(hidden)
+            hidden, residual = layer(positions, hidden, residual, self.rotary_emb, cos, sin)
+        with trace.compute_span("final_norm", "N"):  # the last layer's residual add, with the final norm
+            return self.model.norm.add_and_norm(hidden, residual)[0]
 
     @property
     def has_moe_layers(self) -> bool:
         """Whether any layer routes tokens to experts: without one, DBO has no all-to-all to overlap."""
         return bool(self.weight_spec().moe_layers)
+
+    def set_fused_tails(self, enabled: bool) -> None:
+        """Run every RMSNorm (with its residual add), the q/k norm with RoPE and the routers without groups or
+        bias as fused Triton kernels (``True``) or as torch ops (``False``): the resolved ``fused_tails``
+        setting (``ubatch.fused_tails.resolve_fused_tails``). DeepSeek's MLA RoPE and grouped or biased
+        routing always run as torch ops."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding)):
+                module.fused = enabled
+            elif isinstance(module, FusedMoE):
+                module.fused_router = enabled
 
     def set_dbo_schedule(self, name: str) -> None:
         """Pick where the ubatches yield (``--dbo-schedule``); a schedule this family cannot run is an error."""

@@ -172,20 +172,20 @@ class DeepseekV2DecoderLayer(DecoderLayer):
         super().__init__(*args, **kwargs)
         self.schedule = schedule
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, rope: RotaryEmbedding,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
+                rope: RotaryEmbedding, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.schedule.staged():
-            return super().forward(positions, hidden, rope, cos, sin)
+            return super().forward(positions, hidden, residual, rope, cos, sin)
+        with trace.compute_span("residual", "N"):
+            normed, residual = self.input_layernorm.add_and_norm(hidden, residual)
         with trace.compute_span("attn0", "A0", layer=self.layer_idx):
-            prepared = self.self_attn.prepare(self.input_layernorm(hidden), rope, cos, sin)
+            prepared = self.self_attn.prepare(normed, rope, cos, sin)
         stage_boundary()
         with trace.compute_span("attn1", "A1", layer=self.layer_idx):
-            hidden = hidden + self.self_attn.core(positions, *prepared)
+            attn = self.self_attn.core(positions, *prepared)
         with trace.compute_span("mlp_norm", "N"):
-            normed = self.post_attention_layernorm(hidden)
-        out = self.mlp(normed)  # gate + routing (the rest of ATTN-1), then dispatch, SHARED, MLP, combine
-        with trace.compute_span("residual", "N"):
-            return hidden + out
+            normed, residual = self.post_attention_layernorm.add_and_norm(attn, residual)
+        return self.mlp(normed), residual  # gate + routing (the rest of ATTN-1), then dispatch, SHARED, MLP, combine
 
 
 class DeepseekV2ForCausalLM(MoECausalLM):

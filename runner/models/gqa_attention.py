@@ -57,6 +57,8 @@ class GQAAttention(nn.Module):
         self.k_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias, dtype=dtype)
         self.v_proj = nn.Linear(h, nkv * d, bias=cfg.qkv_bias, dtype=dtype)
         self.o_proj = nn.Linear(nh * d, h, bias=cfg.o_bias, dtype=dtype)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.norm_eps, dtype)
             self.k_norm = RMSNorm(d, cfg.norm_eps, dtype)
@@ -78,9 +80,7 @@ class GQAAttention(nn.Module):
         q = self.q_proj(hidden).view(t, c.num_heads, c.head_dim)
         k = self.k_proj(hidden).view(t, c.num_kv_heads, c.head_dim)
         v = self.v_proj(hidden).view(t, c.num_kv_heads, c.head_dim)
-        if c.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotate_prefix(rope, q, cos, sin), rotate_prefix(rope, k, cos, sin)
+        q, k = rope.norm_and_rotate(q, k, cos, sin, self.q_norm, self.k_norm)
         out = mha_attention(q, k, v, self.kv_cache, meta, self.scaling, positions, self.options())
         return self.o_proj(out.reshape(t, -1))
 
@@ -102,13 +102,6 @@ class GQAAttention(nn.Module):
         if c.sinks:
             shapes[f"{prefix}sinks"] = (c.num_heads,)
         return shapes
-
-
-def rotate_prefix(rope: RotaryEmbedding, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on the first ``rope.dim`` features of each head, the rest passed through (HF's partial rotary)."""
-    if rope.dim == x.shape[-1]:
-        return rope.rotate(x, cos, sin)
-    return torch.cat((rope.rotate(x[..., :rope.dim], cos, sin), x[..., rope.dim:]), dim=-1)
 
 
 def gqa_kv_cache_specs(layers: nn.ModuleList) -> list[KVCacheSpec]:

@@ -3,6 +3,10 @@
 Numerics follow Hugging Face's eager implementations op for op (norm in fp32 then cast back before the
 weight multiply; cos/sin computed in fp32 and cast to the activation dtype), so parity tests can hold
 tight tolerances and greedy decoding matches token for token.
+
+``fused`` on :class:`RMSNorm` and :class:`RotaryEmbedding` (set for a whole model by
+``MoECausalLM.set_fused_tails``, the ``fused_tails`` setting) runs the residual add with its norm, and q/k
+norm with RoPE, as the Triton kernels of ``runner/models/kernels/``, which round at the same points.
 """
 from __future__ import annotations
 
@@ -13,6 +17,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from runner.models.configs import RopeConfig
+from runner.models.kernels.add_rms_norm import add_rms_norm
+from runner.models.kernels.qk_norm_rope import qk_norm_rope
 
 
 class RMSNorm(nn.Module):
@@ -22,12 +28,24 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype))
         self.variance_epsilon = eps
+        self.fused = False  # the add_rms_norm Triton kernel instead of the torch ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return add_rms_norm(x, None, self.weight, self.variance_epsilon)[0]
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(dtype)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm(x + residual), x + residual)``, the add in ``x``'s dtype as HF's residual add;
+        ``residual=None`` (a model's first layer): ``(norm(x), x)``."""
+        if self.fused:
+            return add_rms_norm(x, residual, self.weight, self.variance_epsilon)
+        if residual is not None:
+            x = residual + x
+        return self(x), x
 
 
 class DenseMLP(nn.Module):
@@ -142,6 +160,7 @@ class RotaryEmbedding(nn.Module):
             self.attention_scaling = 1.0
         self._inv_freq_cpu = inv_freq
         self._inv_freq: dict[torch.device, torch.Tensor] = {}
+        self.fused = False  # norm_and_rotate runs the qk_norm_rope Triton kernel instead of the torch ops
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``[T] -> ([T, dim/2], [T, dim/2])`` half-width tables (the two halves of HF's are equal)."""
@@ -161,3 +180,27 @@ class RotaryEmbedding(nn.Module):
             half = x.shape[-1] // 2
             x1, x2 = x[..., :half], x[..., half:]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def rotate_prefix(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """RoPE on the first ``dim`` features of each head of ``x``, the rest passed through (HF's partial
+        rotary)."""
+        if self.dim == x.shape[-1]:
+            return self.rotate(x, cos, sin)
+        return torch.cat((self.rotate(x[..., :self.dim], cos, sin), x[..., self.dim:]), dim=-1)
+
+    def norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        q_norm: RMSNorm | None = None,
+                        k_norm: RMSNorm | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]`` and k ``[T, Hk, D]`` normalised per head (both norms over ``D``, or none), then
+        rotated on their first ``dim`` features (:meth:`rotate_prefix`); one Triton kernel when ``fused``."""
+        if (q_norm is None) != (k_norm is None):
+            raise ValueError("norm_and_rotate takes both q_norm and k_norm, or neither")
+        if self.fused:
+            return qk_norm_rope(q, k, cos, sin, self.dim, interleaved=self.interleaved,
+                                q_weight=None if q_norm is None else q_norm.weight,
+                                k_weight=None if k_norm is None else k_norm.weight,
+                                eps_q=1e-6 if q_norm is None else q_norm.variance_epsilon,
+                                eps_k=1e-6 if k_norm is None else k_norm.variance_epsilon)
+        if q_norm is not None and k_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        return self.rotate_prefix(q, cos, sin), self.rotate_prefix(k, cos, sin)

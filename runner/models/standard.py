@@ -78,10 +78,10 @@ class StandardAttention(nn.Module):
         q = q.view(t, self.num_heads, self.head_dim)
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
-        if self.qk_norm == "per_head":  # Qwen3: each head's head_dim
-            assert self.q_norm is not None and self.k_norm is not None
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+        if self.qk_norm == "per_head":  # Qwen3: each head's head_dim, fused with RoPE under fused_tails
+            q, k = rope.norm_and_rotate(q, k, cos, sin, self.q_norm, self.k_norm)
+        else:
+            q, k = rope.norm_and_rotate(q, k, cos, sin)
         out = mha_attention(q, k, v, self.kv_cache, meta, self.scaling, positions, self.options)
         return self.o_proj(out.reshape(t, -1))
 
