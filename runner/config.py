@@ -49,6 +49,12 @@ def experts_backends() -> tuple[str, ...]:
     return tuple(EXPERTS_CHOICES)
 
 
+def fused_tails_choices() -> tuple[str, ...]:
+    from ubatch.fused_tails import FUSED_TAILS_CHOICES  # imports torch: keep it out of module load
+
+    return FUSED_TAILS_CHOICES
+
+
 def _check_device(value: Any) -> None:
     """A known choice, and ``cuda`` only where CUDA is available (an error here is before any rank starts)."""
     from runner.distributed.device import DEVICE_CHOICES, DeviceUnavailableError, resolve_device_type
@@ -77,6 +83,20 @@ def _check_generation_config(value: Any) -> None:
     if not (Path(value) / "generation_config.json").is_file():
         raise ConfigError("generation_config", f"generation_config {value!r} is neither 'auto', 'vllm' nor a "
                                                "directory holding a generation_config.json")
+
+
+def _check_fused_tails(value: Any, device: str) -> None:
+    """A known choice, and ``on`` only where the kernels can run: the ranks' device is CUDA and Triton imports."""
+    from ubatch.fused_tails import resolve_fused_tails
+
+    _choice("fused_tails", value, fused_tails_choices())
+    if value == "on":
+        from runner.distributed.device import resolve_device_type
+
+        try:
+            resolve_fused_tails(value, resolve_device_type(device))
+        except ValueError as e:
+            raise ConfigError("fused_tails", str(e)) from None
 
 
 class ConfigError(ValueError):
@@ -127,6 +147,8 @@ class RunnerConfig:
     all2all_backend: str = "none"
     experts_backend: str = "auto"  # grouped_mm on a 9.x/10.x GPU, else torch (experts.resolve_experts_backend)
     attention_backend: str = "auto"  # auto: triton on CUDA, torch (the plain reference) on CPU
+    # residual add + RMSNorm, q/k norm + RoPE and router top-k as Triton kernels: auto (on CUDA with Triton) | on | off
+    fused_tails: str = "auto"
     emulate_link: str | None = None
     # runner.worker.emulated_device: every step gets an asynchronous device time of step_us + us_per_token x tokens
     emulate_device: str | None = None
@@ -197,6 +219,7 @@ class RunnerConfig:
         _choice("experts_backend", self.experts_backend, experts_backends())
         _check_device(self.device)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _check_fused_tails(self.fused_tails, self.device)
         if self.emulate_link is not None:
             from ubatch.modular_moe.prepare_finalize.emulated_link import parse_link
 

@@ -125,6 +125,42 @@ def check_device_wait() -> None:
             raise RuntimeError("the device wait does not read %globaltimer:\n" + compiled.asm["ptx"])
 
 
+def check_fused_tails() -> None:
+    """The fused tails (``fused_tails``) at Qwen3-MoE's shapes, bf16 activations: the residual add + RMSNorm
+    (hidden 2048 and 4096), q/k norm + RoPE (head dim 128, full and half rotary, both layouts, with and without
+    the norm) and the router (128 experts, top-8; softmax and sigmoid)."""
+    from runner.models.kernels import add_rms_norm, qk_norm_rope
+    from ubatch.modular_moe import fused_router
+
+    # what each launcher does before loading its kernel
+    add_rms_norm.triton, add_rms_norm.tl = triton, triton.language
+    qk_norm_rope.triton, qk_norm_rope.tl = triton, triton.language
+    fused_router.triton, fused_router.tl = triton, triton.language
+    norm = add_rms_norm._load_kernel()
+    ptrs: tuple[str, ...] = ("x_ptr", "res_ptr", "w_ptr", "out_ptr", "res_out_ptr")
+    for block_n in (2048, 4096):
+        for has_residual in (True, False):
+            compile_kernel(norm, {**{p: "*bf16" for p in ptrs}, "eps": "fp32"},
+                           dict(HAS_RESIDUAL=has_residual, BLOCK_N=block_n),
+                           num_warps=add_rms_norm.num_warps_for(block_n),
+                           divisible=(*ptrs, "n_cols", "stride_x", "stride_r", "stride_o", "stride_ro"))
+    rope = qk_norm_rope._load_kernel()
+    ptrs = ("q_ptr", "k_ptr", "cos_ptr", "sin_ptr", "qw_ptr", "kw_ptr", "q_out_ptr", "k_out_ptr")
+    for has_norm, interleaved, tail in ((True, False, 0), (False, False, 0), (True, True, 0), (True, False, 64)):
+        half = (128 - tail) // 2
+        compile_kernel(rope, {**{p: "*bf16" for p in ptrs}, "eps_q": "fp32", "eps_k": "fp32"},
+                       dict(HAS_NORM=has_norm, INTERLEAVED=interleaved, HAS_TAIL=tail > 0,
+                            BLOCK_H=qk_norm_rope.TILE_ELEMENTS // (2 * half), BLOCK_HALF=half, BLOCK_TAIL=max(tail, 1)),
+                       divisible=(*ptrs, "head_dim", "stride_qt", "stride_qh", "stride_kt", "stride_kh",
+                                  "stride_qot", "stride_qoh", "stride_kot", "stride_koh"))
+    router = fused_router._load_kernel()
+    for sigmoid in (False, True):
+        compile_kernel(router, dict(logits_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64", scaling="fp32"),
+                       dict(SIGMOID=sigmoid, RENORMALIZE=True, TOP_K=8, BLOCK_E=128, BLOCK_K=8), num_warps=1,
+                       divisible=("logits_ptr", "weights_ptr", "ids_ptr", "num_experts", "stride_l", "stride_w",
+                                  "stride_i"))
+
+
 if __name__ == "__main__":
     if interpreter_enabled():
         sys.exit("run with TRITON_INTERPRET=0: interpreter-mode kernels cannot be compiled")
@@ -132,3 +168,4 @@ if __name__ == "__main__":
     check_moe_experts()
     check_paged_decode()
     check_device_wait()
+    check_fused_tails()

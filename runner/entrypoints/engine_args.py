@@ -27,6 +27,7 @@ from runner.config import (
     all2all_backends,
     config_fields,
     experts_backends,
+    fused_tails_choices,
     make_config,
 )
 from runner.distributed.device import DEVICE_CHOICES
@@ -121,6 +122,10 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
              "9.x/10.x GPU, torch elsewhere")
     add("--attention-backend", choices=ATTENTION_BACKENDS,
         help="auto: triton (paged decode kernel, SDPA prefill) on CUDA, torch (plain reference) on CPU")
+    add("--fused-tails", choices=fused_tails_choices(),
+        help="the residual add with its RMSNorm, q/k RMSNorm with RoPE and the router's top-k as fused Triton "
+             "kernels: auto (on CUDA where Triton imports, torch ops elsewhere), on (an error without CUDA and "
+             "Triton), off (torch ops)")
     add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10 "
         "(default: none, the all-to-alls cost what they cost)")
     add("--emulate-device", metavar="SPEC",

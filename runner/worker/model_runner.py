@@ -52,6 +52,7 @@ from runner.worker.step_inputs import StagedFields, StepInputs, StepInputSizes
 from ubatch import trace
 from ubatch.distributed import new_ep_groups
 from ubatch.forward_context import DPMetadata, set_forward_context
+from ubatch.fused_tails import resolve_fused_tails
 from ubatch.log_once import log_once
 from ubatch.modular_moe.config import MoEParallelConfig, enable_sbo
 from ubatch.modular_moe.experts import resolve_experts_backend
@@ -109,6 +110,9 @@ class ModelRunner:
                                                    self.device, quantization=cfg.quantization,
                                                    load_format=cfg.load_format, seed=cfg.seed)
         self.model.set_dbo_schedule(cfg.dbo_schedule)  # where the ubatches yield (runner/models/schedules.py)
+        # --fused-tails: norms, q/k norm + RoPE and routers as Triton kernels (auto: on CUDA where Triton imports)
+        self.fused_tails = resolve_fused_tails(cfg.fused_tails, self.device)
+        self.model.set_fused_tails(self.fused_tails)
         if cfg.enable_dbo and not self.model.has_moe_layers:
             if rank == 0:
                 logger.warning("%s has no MoE layers: --enable-dbo has nothing to overlap (DBO hides the MoE "
