@@ -5,9 +5,13 @@ and replayed, against the larger of the memory and FLOP limits measured on the G
 step eager / eager-DBO / graph / graph-DBO, without a link and with the link calibrated to comm/compute 0.5, 1, 2.
 ``qwen3-30b`` (only when named): one layer of Qwen3-30B-A3B's experts (128 of intermediate 768, hidden 2048, top 8)
 at 256 and 2048 tokens for every experts backend against the same limit, and that time for its 48 layers.
+``tails`` (only when named): each fused pointwise tail (``--fused-tails``: residual add + RMSNorm, q/k RMSNorm +
+RoPE, router top-k) against the torch ops it replaces, at the benchmark model's and Qwen3-30B-A3B's shapes, 256
+and 2048 tokens, eager and replayed, each against its bandwidth limit (bytes read + written / measured copy rate).
 Writes CSVs under ``benchmarks/results/`` and, with ``--json``, JSON rewritten after each row (what ``make
 gpu-check`` reads; ``--quick`` is its short form). Without a GPU it exits 2. Usage: ``python
-benchmarks/bench_gpu.py [--sections kernels step qwen3-30b] [--iters 20] [--ratios 0.5 1 2] [--quick] [--json PATH]``.
+benchmarks/bench_gpu.py [--sections kernels step qwen3-30b tails] [--iters 20] [--ratios 0.5 1 2] [--quick]
+[--json PATH]``.
 """
 from __future__ import annotations
 
@@ -49,10 +53,12 @@ QUICK_ITERS, QUICK_RATIOS = 5, (1.0,)
 # Qwen3-30B-A3B's published shape; the ``qwen3-30b`` section times one layer's experts (random bf16 weights made
 # on the device), the figure a decode step of the full model repeats once per layer
 QWEN3_30B_A3B = {"num_hidden_layers": 48, "num_experts": 128, "moe_intermediate_size": 768, "hidden_size": 2048,
-                 "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts_per_tok": 8}
+                 "num_attention_heads": 32, "num_key_value_heads": 4, "num_experts_per_tok": 8, "head_dim": 128}
 QWEN3_30B_KERNEL = "experts (Qwen3-30B-A3B layer)"
 QWEN3_30B_TOKENS = (256, 2048)
-SECTIONS = ("kernels", "step", "qwen3-30b")
+TAILS = ("add + RMSNorm", "q/k RMSNorm + RoPE", "router top-k")  # the ``tails`` section's kernels
+TAILS_TOKENS = (256, 2048)
+SECTIONS = ("kernels", "step", "qwen3-30b", "tails")
 
 Row = dict[str, Any]
 Emit = Callable[[Row], None]  # called with each row as soon as it is measured
@@ -220,6 +226,85 @@ def attention_rows(limits: Limits, iters: int, emit: Emit = print) -> list[Row]:
             rows.append(row)
             emit(row)
         del cache
+    return rows
+
+
+# ---- the fused tails -----------------------------------------------------------------------------------
+def tails_traffic(kernel: str, cfg: dict[str, Any], tokens: int) -> int:
+    """Bytes one call of a fused tail reads plus writes on ``tokens`` tokens of ``cfg``, bf16 activations:
+    add + RMSNorm reads x, the residual and the weight and writes the output and the new residual; q/k norm +
+    RoPE reads q, k, cos, sin and both norm weights and writes q and k; the router reads fp32 logits and writes
+    fp32 weights and int64 ids."""
+    h, d, k = cfg["hidden_size"], cfg["head_dim"], cfg["num_experts_per_tok"]
+    heads = cfg["num_attention_heads"] + cfg["num_key_value_heads"]
+    if kernel == "add + RMSNorm":
+        return (4 * tokens * h + h) * 2
+    if kernel == "q/k RMSNorm + RoPE":
+        return (2 * tokens * heads * d + tokens * d + 2 * d) * 2
+    if kernel == "router top-k":
+        return tokens * cfg["num_experts"] * 4 + tokens * k * (4 + 8)
+    raise ValueError(f"unknown tail {kernel!r}; expected one of {TAILS}")
+
+
+def tail_runs(kernel: str, cfg: dict[str, Any], tokens: int) -> dict[str, Callable[[], Any]]:
+    """``{"fused": ..., "torch": ...}``: the two implementations of one tail on random bf16 inputs made on the
+    device, each a call returning its outputs as one tuple."""
+    from runner.models.configs import RopeConfig
+    from runner.models.layers import RMSNorm, RotaryEmbedding
+    from ubatch.modular_moe.fused_router import fused_select_experts
+    from ubatch.modular_moe.router import select_experts
+
+    torch.manual_seed(0)
+    dev, bf16 = "cuda", torch.bfloat16
+    h, d = cfg["hidden_size"], cfg["head_dim"]
+    if kernel == "add + RMSNorm":
+        x, residual = torch.randn(tokens, h, device=dev, dtype=bf16), torch.randn(tokens, h, device=dev, dtype=bf16)
+        fused, plain = (RMSNorm(h, 1e-6, bf16).to(dev).requires_grad_(False) for _ in range(2))
+        fused.fused = True
+        return {"fused": lambda: fused.add_and_norm(x, residual), "torch": lambda: plain.add_and_norm(x, residual)}
+    if kernel == "q/k RMSNorm + RoPE":
+        q = torch.randn(tokens, cfg["num_attention_heads"], d, device=dev, dtype=bf16)
+        k = torch.randn(tokens, cfg["num_key_value_heads"], d, device=dev, dtype=bf16)
+        q_norm, k_norm = (RMSNorm(d, 1e-6, bf16).to(dev).requires_grad_(False) for _ in range(2))
+        ropes = {name: RotaryEmbedding(d, RopeConfig(rope_theta=1e6)) for name in ("fused", "torch")}
+        ropes["fused"].fused = True
+        cos, sin = ropes["torch"].cos_sin(torch.arange(tokens, device=dev) * 7, bf16)
+        return {name: functools.partial(rope.norm_and_rotate, q, k, cos, sin, q_norm, k_norm)
+                for name, rope in ropes.items()}
+    if kernel == "router top-k":
+        logits = torch.randn(tokens, cfg["num_experts"], device=dev)  # fp32: no ties, so one id order
+        top_k = cfg["num_experts_per_tok"]
+        return {"fused": lambda: fused_select_experts(logits, top_k, True),
+                "torch": lambda: select_experts(logits, top_k, True)}
+    raise ValueError(f"unknown tail {kernel!r}; expected one of {TAILS}")
+
+
+def tails_rows(limits: Limits, iters: int, emit: Emit = print) -> list[Row]:
+    """Each tail, fused and torch, at the benchmark model's and Qwen3-30B-A3B's shapes: eager and replayed
+    times against the tail's bandwidth limit, and the fused outputs' largest difference from torch's."""
+    rows = []
+    copy_bytes_per_s = 2 * limits.read_bytes_per_s  # read + write, as the traffic counts them
+    for model, cfg in ((MODEL, MODEL_CONFIG), ("Qwen3-30B-A3B", QWEN3_30B_A3B)):
+        for tokens in TAILS_TOKENS:
+            for kernel in TAILS:
+                limit = tails_traffic(kernel, cfg, tokens) / copy_bytes_per_s * 1e3
+                runs = tail_runs(kernel, cfg, tokens)
+                reference = runs["torch"]()
+                for name, run in runs.items():
+                    row: Row = {"kernel": kernel, "model": model, "backend": name, "shape": experts_shape(tokens),
+                                "limit_ms": round(limit, 4)}
+                    try:
+                        out = run()
+                        row["max_abs_err"] = max(float((a.double() - b.double()).abs().max())
+                                                 for a, b in zip(out, reference, strict=True))
+                        row["eager_ms"] = round(cuda_median_ms(run, iters), 4)
+                        row["eager_x_limit"] = round(row["eager_ms"] / limit, 1)
+                        row["graph_ms"] = round(cuda_median_ms(as_graph(run), iters), 4)
+                        row["graph_x_limit"] = round(row["graph_ms"] / limit, 1)
+                    except Exception as exc:  # noqa: BLE001
+                        row["eager_ms"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                    rows.append(row)
+                    emit(row)
     return rows
 
 
@@ -422,11 +507,20 @@ def qwen3_30b_section(args: argparse.Namespace, results: Results) -> None:
         write_csv(rows, RESULTS_DIR / "gpu_qwen3_30b_experts.csv")
 
 
+def tails_section(args: argparse.Namespace, results: Results) -> None:
+    """The fused tails against torch (``tails_rows``), a table and, outside ``--quick``, a CSV."""
+    rows = tails_rows(Limits(args.iters), args.iters, results.emitter("tails"))
+    print_table("fused tails (ms; x limit = time / (bytes read + written / measured copy rate))", rows)
+    if not args.quick:
+        write_csv(rows, RESULTS_DIR / "gpu_tails.csv")
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sections", nargs="+", default=["kernels", "step"], choices=SECTIONS,
                    help="qwen3-30b (not run by default): one Qwen3-30B-A3B layer's experts at "
-                        f"{' and '.join(map(str, QWEN3_30B_TOKENS))} tokens, each backend against the limit")
+                        f"{' and '.join(map(str, QWEN3_30B_TOKENS))} tokens, each backend against the limit; "
+                        "tails (not run by default): the fused pointwise tails against torch's ops")
     p.add_argument("--iters", type=int, default=None, help=f"default 20 ({QUICK_ITERS} with --quick)")
     p.add_argument("--ratios", nargs="+", type=float, default=None,
                    help="comm/compute ratios of the step section (default 0.5 1 2; 1 with --quick)")
@@ -477,6 +571,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         except Exception as exc:  # noqa: BLE001
             traceback.print_exc()
             results.error("qwen3-30b", exc)
+        gc.collect()
+        torch.cuda.empty_cache()
+    if "tails" in args.sections:
+        try:
+            tails_section(args, results)
+        except Exception as exc:  # noqa: BLE001
+            traceback.print_exc()
+            results.error("tails", exc)
         gc.collect()
         torch.cuda.empty_cache()
     if "step" in args.sections:

@@ -20,7 +20,8 @@ import bench_gpu  # noqa: E402
 from common import write_csv  # noqa: E402
 
 
-@pytest.mark.parametrize("args", [[], ["--sections", "qwen3-30b"]], ids=["default", "qwen3-30b"])
+@pytest.mark.parametrize("args", [[], ["--sections", "qwen3-30b"], ["--sections", "tails"]],
+                         ids=["default", "qwen3-30b", "tails"])
 def test_exits_2_and_says_why_without_a_gpu(args: list[str]) -> None:
     if torch.cuda.is_available():
         pytest.skip("has a GPU")
@@ -59,6 +60,19 @@ def test_experts_traffic_of_a_qwen3_30b_layer() -> None:
     cfg = bench_gpu.QWEN3_30B_A3B
     assert bench_gpu.experts_traffic(cfg, 256, 128) == (128 * 9_437_184 + 2_097_152, 19_327_352_832)
     assert bench_gpu.experts_traffic(cfg, 2048, 100) == (100 * 9_437_184 + 16_777_216, 154_618_822_656)
+
+
+def test_tails_section_is_named_and_its_traffic() -> None:
+    """Bytes read + written per call at Qwen3-30B-A3B's shapes, bf16 activations: add + RMSNorm moves four
+    [T, 2048] rows and the weight; q/k norm + RoPE 36 heads of 128 in and out, a 64 + 64 cos/sin row per token and
+    two 128 weights; the router reads 128 fp32 logits and writes 8 fp32 weights and 8 int64 ids per token."""
+    assert bench_gpu.parse_args(["--sections", "tails"]).sections == ["tails"]
+    cfg = bench_gpu.QWEN3_30B_A3B
+    assert bench_gpu.tails_traffic("add + RMSNorm", cfg, 256) == 4_198_400
+    assert bench_gpu.tails_traffic("q/k RMSNorm + RoPE", cfg, 256) == 4_784_640
+    assert bench_gpu.tails_traffic("router top-k", cfg, 2048) == 1_245_184
+    with pytest.raises(ValueError, match="unknown tail 'gelu'"):
+        bench_gpu.tails_traffic("gelu", cfg, 1)
 
 
 def test_csv_columns_are_every_rows_keys(tmp_path: Path) -> None:
