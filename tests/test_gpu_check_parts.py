@@ -21,11 +21,13 @@ sys.path[:0] = [str(REPO / "benchmarks")]
 
 import bench_gpu  # noqa: E402
 from gpucheck import (  # noqa: E402
+    engine_qwen3_30b,
     parts,
     select_tests,
     wheels,
 )
 from gpucheck.goals import MISS, evaluate  # noqa: E402
+from gpucheck.main import parse_args  # noqa: E402
 from gpucheck.outcomes import count_tests  # noqa: E402
 from gpucheck.parts import (  # noqa: E402
     GPU_TEST_FILES,
@@ -36,6 +38,7 @@ from gpucheck.parts import (  # noqa: E402
     engine_fp8_part,
     engine_link_part,
     engine_part,
+    engine_qwen3_30b_part,
     env_part,
     gpu_test_files,
     model_part,
@@ -347,7 +350,32 @@ def test_children_import_the_repo_and_benchmarks_first(tmp_path: Path) -> None:
     env = child_env(context(tmp_path))
     assert env["PYTHONPATH"].split(":")[:2] == [str(REPO), str(REPO / "benchmarks")]
     assert [p.name for p in all_parts()] == ["env", "tests", "model", "bench", "engine", "engine_dbo", "engine_1024",
-                                             "engine_fp8", "engine_link", "serve"]
+                                             "engine_fp8", "engine_link", "serve", "engine_qwen3_30b"]
+    assert [p.name for p in all_parts() if p.optional] == ["engine_qwen3_30b"]
+    assert "engine_qwen3_30b" not in parse_args([]).parts  # run only when named
+    assert parse_args(["--parts", "engine_qwen3_30b"]).parts == ["engine_qwen3_30b"]
+
+
+def test_the_qwen3_30b_part_runs_the_engine_on_random_weights_from_a_config_alone(tmp_path: Path,
+                                                                                  monkeypatch) -> None:
+    """``engine_qwen3_30b`` run for real on the CPU with the tiny model's shape in place of Qwen3-30B-A3B's: the
+    part writes ``config.json`` alone and the engine draws the weights (``--load-format dummy``)."""
+    from runner.models.loader import TINY_MODELS
+
+    monkeypatch.setattr(engine_qwen3_30b, "CONFIG", TINY_MODELS["tiny-qwen3-moe"])
+    workload = ["--device", "cpu", "--num-prompts", "4", "--prompt-len", "8", "--max-tokens", "3",
+                "--max-num-seqs", "4"]
+    out = engine_qwen3_30b_part(context(tmp_path, engine_args=workload))
+    assert out["status"] == "ok", out
+    data = out["data"]
+    model_dir = tmp_path / engine_qwen3_30b.NAME
+    assert data["model_dir"] == str(model_dir) and sorted(f.name for f in model_dir.iterdir()) == ["config.json"]
+    assert data["flags"]["load_format"] == "dummy" and " --load-format dummy" in data["cli_equivalent"]
+    assert (data["measured"]["num_requests"], data["measured"]["num_output_tokens"]) == (4, 12)
+    verdicts = {g["key"]: (g["verdict"], g["measured"]) for g in evaluate({"engine_qwen3_30b": out})}
+    assert verdicts["qwen3_30b_throughput"][0] == MISS and " output tok/s (" in verdicts["qwen3_30b_throughput"][1]
+    report = render({"parts": {"engine_qwen3_30b": out}, "goals": evaluate({"engine_qwen3_30b": out})})
+    assert "| Qwen3-30B-A3B shape |" in report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the part really runs (minutes, the 1.2B model)")

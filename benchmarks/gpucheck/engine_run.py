@@ -41,7 +41,8 @@ def cli_equivalent(flags: dict[str, Any], args: argparse.Namespace) -> str:
     return (f"python -m runner generate --model {flags['model']}{cache} --max-num-seqs {args.max_num_seqs} "
             f"--num-prompts {args.num_prompts} --random-prompt-len {args.prompt_len} --max-tokens {args.max_tokens} "
             f"--ignore-eos" + (" --enable-dbo" if args.enable_dbo else "") +
-            (f" --device {args.device}" if args.device else ""))
+            (f" --device {args.device}" if args.device else "") +
+            (f" --load-format {args.load_format}" if args.load_format else ""))
 
 
 def engine_info(llm: Any) -> dict[str, Any]:
@@ -124,6 +125,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--device", default=None, help="default: the engine's (auto)")
+    p.add_argument("--load-format", default=None, help="the engine's --load-format (dummy: random weights from the "
+                   "model directory's config.json)")
     p.add_argument("--no-profile", action="store_true", help="skip the profiled run")
     p.add_argument("--repeats", type=int, default=1,
                    help="measured calls in a row (default 1); each one's figures go to 'measured_runs', the last "
@@ -148,6 +151,8 @@ def main() -> int:
         flags["enable_dbo"] = True
     if args.device:
         flags["device"] = args.device
+    if args.load_format:
+        flags["load_format"] = args.load_format
     doc: dict[str, Any] = {"cli_equivalent": cli_equivalent(flags, args), "flags": flags, "model_dir": model_dir,
                            "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
                                         "max_tokens": args.max_tokens}}

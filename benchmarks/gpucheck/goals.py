@@ -41,6 +41,9 @@ FP8_TOKENS_RATIO = 1.2
 FP8_TOKENS_GPUS = ("H100", "H200")
 FP8_EXPERTS_X = 1.3
 FP8_AGREEMENT_PCT = 90.0
+# The engine part's workload on the Qwen3-30B-A3B shape (the optional engine_qwen3_30b part): output tok/s on one
+# H200: 70 % of its bandwidth limit (at 256 requests nearly every expert is read once per decode step)
+QWEN3_30B_TOKENS_PER_S = 12_000
 
 
 class NotMeasured(Exception):
@@ -345,6 +348,19 @@ def fp8_agreement(parts: dict[str, Any]) -> tuple[bool, str]:
     return fig["agreement_pct"] >= FP8_AGREEMENT_PCT, text
 
 
+def qwen3_30b_throughput(parts: dict[str, Any]) -> tuple[bool, str]:
+    from gpucheck.engine_figures import engine_figures
+
+    fig = engine_figures(part_data(parts, "engine_qwen3_30b"))
+    if not fig:
+        raise NotMeasured("the engine_qwen3_30b run did not finish its measured generate")
+    tok_s = fig["output_tokens_per_s"]
+    text = f"{tok_s:,.0f} output tok/s"
+    if "wall_ms" in fig:
+        text += f" ({fig['wall_ms']:.2f} ms per step)"
+    return tok_s >= QWEN3_30B_TOKENS_PER_S and not fig["num_errors"], text
+
+
 def _tests(parts: dict[str, Any], full: bool) -> tuple[bool, str]:
     data = part_data(parts, "tests")
     if full and data.get("mode") != "full":
@@ -394,6 +410,9 @@ GOALS: tuple[Goal, ...] = (
                         "weights and scales once (fastest FP8 kernel)", fp8_experts),
     Goal("fp8_agreement", f"--quantization fp8 greedy tokens equal bf16's on >= {FP8_AGREEMENT_PCT:g} % of the first "
                           "16 positions of 64 prompts (up to the first divergence)", fp8_agreement),
+    Goal("qwen3_30b_throughput", f"Qwen3-30B-A3B shape, random weights, default flags, 256 x 128 tokens: >= "
+                                 f"{QWEN3_30B_TOKENS_PER_S:,} output tok/s (`--parts engine_qwen3_30b`)",
+         qwen3_30b_throughput),
     Goal("gpu_tests", "GPU tests pass (pytest -m cuda and the GPU-sensitive files) on the GPU",
          lambda parts: _tests(parts, full=False)),
     Goal("make_test", "make test on the one-GPU machine passes", lambda parts: _tests(parts, full=True)),

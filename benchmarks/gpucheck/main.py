@@ -52,12 +52,15 @@ def commit(repo: Path) -> str | None:
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     names = [p.name for p in all_parts()]
+    default = [p.name for p in all_parts() if not p.optional]
     p = argparse.ArgumentParser(prog="gpu_check.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path(os.environ.get("GPU_CHECK_OUT") or DEFAULT_OUT),
                    help=f"report directory (default: $GPU_CHECK_OUT or {DEFAULT_OUT})")
     p.add_argument("--time-limit-s", type=float, default=TIME_LIMIT_S,
                    help=f"the whole check's deadline; parts left when it passes are skipped (default {TIME_LIMIT_S})")
-    p.add_argument("--parts", nargs="+", choices=names, default=names, help="run only these parts (in check order)")
+    p.add_argument("--parts", nargs="+", choices=names, default=default,
+                   help="run only these parts, in check order (default: all but the optional "
+                        f"{', '.join(sorted(set(names) - set(default)))})")
     p.add_argument("--tests", choices=["gpu", "full"], default="gpu",
                    help="gpu: the GPU-sensitive files and cuda-marked tests; full: what make test runs")
     p.add_argument("--cache-dir", type=Path, default=Path(os.environ.get("GPU_CHECK_CACHE") or DEFAULT_CACHE),

@@ -195,6 +195,17 @@ def engine_part(ctx: Context, dbo: bool, requests: int = 256) -> dict[str, Any]:
     return _run(ctx, "engine --enable-dbo" if dbo else "engine" if requests == 256 else name, args, path)
 
 
+def engine_qwen3_30b_part(ctx: Context) -> dict[str, Any]:
+    """The engine part's workload on a Qwen3-30B-A3B-shaped model with random weights drawn on the GPU
+    (``gpucheck.engine_qwen3_30b``)."""
+    from gpucheck.engine_qwen3_30b import write_config
+
+    path = ctx.work_dir / "engine_qwen3_30b.json"
+    args = ["-m", "gpucheck.engine_run", "--model", str(write_config(ctx.work_dir)), "--load-format", "dummy",
+            "--out", str(path), "--repeats", "2"]
+    return _run(ctx, "engine, Qwen3-30B-A3B shape", args + list(ctx.options.get("engine_args", ())), path)
+
+
 def engine_link_part(ctx: Context) -> dict[str, Any]:
     """Default flags against ``--enable-dbo`` with the emulated link calibrated to comm = compute
     (``gpucheck.engine_link``)."""
@@ -272,4 +283,6 @@ def all_parts() -> list[Part]:
              engine_fp8_part),
         Part("engine_link", "default flags vs --enable-dbo, emulated link at comm = compute", 240, engine_link_part),
         Part("serve", "bench-serve --compare dbo", 150, serve_part),
+        Part("engine_qwen3_30b", "the engine part's workload on a Qwen3-30B-A3B-shaped model, random weights "
+             "(--load-format dummy)", 300, engine_qwen3_30b_part, optional=True),
     ]

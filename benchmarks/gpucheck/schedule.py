@@ -43,6 +43,7 @@ class Part:
     title: str
     budget_s: float
     run: Callable[[Context], dict[str, Any]]
+    optional: bool = False  # run only when named in --parts (too long for the check's default time limit)
 
 
 def run_parts(parts: Sequence[Part], ctx: Context, results: dict[str, Any], *, deadline: float,
