@@ -170,7 +170,12 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
         "graph_step": PASS, "graph_dbo": PASS, "eager": PASS, "graph_memory": PASS, "throughput": PASS,
         "host_time": PASS, "engine_dbo": PASS, "engine_dbo_link": PASS, "gpu_idle": MISS, "step_thread": MISS,
         "pipelined_throughput": MISS, "batch_1024": MISS, "host_1024": MISS, "fp8_weights": PASS,
-        "fp8_throughput": PASS, "fp8_experts": PASS, "fp8_agreement": PASS, "gpu_tests": PASS, "make_test": MISS}
+        "fp8_throughput": PASS, "fp8_experts": PASS, "fp8_agreement": PASS, "qwen3_30b_throughput": MISS,
+        "gpu_tests": PASS, "make_test": MISS}
+    assert v["qwen3_30b_throughput"][1] == "not measured: the engine_qwen3_30b part did not run"
+    for tok_s, verdict in ((13_000.0, PASS), (11_000.0, MISS)):  # the optional part, run
+        got = verdicts(parts(engine_qwen3_30b=engine_doc(tok_s=tok_s)))["qwen3_30b_throughput"]
+        assert got == (verdict, f"{tok_s:,.0f} output tok/s (10.00 ms per step)")
     assert v["engine_dbo"][1] == "0.99x default flags (30,690 vs 31,000 output tok/s; 0/130 steps ubatched)"
     assert v["engine_dbo_link"][1] == ("1.40x default flags, 90 % of the link hidden (link latency_us=20,gbps=51.2: "
                                        "comm/compute 1 of 2.50 ms per step; 128/138 steps ubatched)")
