@@ -25,6 +25,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,17 +98,20 @@ def cpu_ms(fn: Callable[[], object], iters: int) -> float:
 
 def tune_one(shape: tuple[int, int, int], num_tokens: int, top_k: int, dtype_name: str, device: str,
              candidates: Sequence[TritonMoEConfig], budget_s: float, iters: int,
-             log: Callable[[str], None] = print) -> tuple[TritonMoEConfig, float, int]:
-    """The fastest candidate for one token count, its time (ms), and how many candidates ran in the budget."""
+             log: Callable[[str], None] = print) -> tuple[TritonMoEConfig, float, int, float]:
+    """The fastest candidate for one token count, its time (ms), how many candidates ran in the budget, and the
+    default configuration's time (ms: what the experts run without a table)."""
     from triton.runtime.errors import OutOfResources
 
     from ubatch.modular_moe.experts.triton_experts import TritonExperts
 
     tokens, w13, w2 = make_problem(shape, num_tokens, top_k, dtype_name, device)
-    reference = TritonExperts(config=default_config(num_tokens, shape[0])).run(tokens, w13, w2).float()
+    default = TritonExperts(config=default_config(num_tokens, shape[0]))
+    reference = default.run(tokens, w13, w2).float()
     from bench_gpu import cuda_median_ms  # the GPU benchmarks' CUDA-event timer
 
     timer = cuda_median_ms if device == "cuda" else cpu_ms
+    default_ms = timer(functools.partial(default.run, tokens, w13, w2), iters)
     tol = 1e-5 if DTYPES[dtype_name] == torch.float32 else 2 * 2.0**-7
     deadline = time.monotonic() + budget_s
     best: tuple[TritonMoEConfig, float] | None = None
@@ -131,19 +135,26 @@ def tune_one(shape: tuple[int, int, int], num_tokens: int, top_k: int, dtype_nam
             best = (config, ms)
     if best is None:
         raise RuntimeError(f"no candidate ran for {num_tokens} tokens of shape {shape}")
-    return best[0], best[1], tried
+    return best[0], best[1], tried, default_ms
 
 
 def tune(shape: tuple[int, int, int], token_counts: Sequence[int], top_k: int, dtype_name: str, device: str,
          device_name: str, out_dir: Path, budget_s: float, iters: int,
-         candidates: Callable[[int, int], Sequence[TritonMoEConfig]] = search_space) -> Path:
-    """Tune every token count of one shape and write its table; returns the file written."""
+         candidates: Callable[[int, int], Sequence[TritonMoEConfig]] = search_space
+         ) -> tuple[Path, list[dict[str, Any]]]:
+    """Tune every token count of one shape and write its table; returns the file written and one row per token
+    count (the configuration kept, its time, the default configuration's, the candidates timed)."""
     table: dict[str, dict[str, int]] = {}
+    rows: list[dict[str, Any]] = []
     for num_tokens in token_counts:
-        config, ms, tried = tune_one(shape, num_tokens, top_k, dtype_name, device, candidates(num_tokens, shape[0]),
-                                     budget_s / len(token_counts), iters)
-        print(f"E,N,K={shape} tokens={num_tokens}: {config} {ms:.4f} ms (best of {tried})", flush=True)
+        config, ms, tried, default_ms = tune_one(shape, num_tokens, top_k, dtype_name, device,
+                                                 candidates(num_tokens, shape[0]), budget_s / len(token_counts),
+                                                 iters)
+        print(f"E,N,K={shape} tokens={num_tokens}: {config} {ms:.4f} ms (best of {tried}; default "
+              f"{default_ms:.4f} ms)", flush=True)
         table[str(num_tokens)] = config.to_json()
+        rows.append({"tokens": num_tokens, "config": config.to_json(), "ms": ms, "default_ms": default_ms,
+                     "tried": tried})
     block = FP8_BLOCK if dtype_name == "fp8" else None
     name = table_file_names(*shape, device_name, config_dtype(str(DTYPES[dtype_name]).removeprefix("torch."), block),
                             block)[0]
@@ -151,7 +162,7 @@ def tune(shape: tuple[int, int, int], token_counts: Sequence[int], top_k: int, d
     path = out_dir / name
     path.write_text(json.dumps(table, indent=4) + "\n")
     print(f"wrote {path}", flush=True)
-    return path
+    return path, rows
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -164,6 +175,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=1800.0, help="total sweep time, split over shapes and counts")
     p.add_argument("--iters", type=int, default=20, help="timed calls per candidate")
     p.add_argument("--out-dir", type=Path, default=Path("moe_configs"), help="where the table files go")
+    p.add_argument("--json", type=Path, default=None,
+                   help="also write what was tuned (each table, per token count its time and the default's) here")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU interpreter, tiny shape, two candidates: checks the path and the table format")
     args = p.parse_args(argv)
@@ -176,8 +189,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # read when the experts are first built, below
-        tune(DRY_RUN_SHAPE, DRY_RUN_TOKENS, 2, "float32", "cpu", "cpu", args.out_dir, args.budget_s, 1,
-             candidates=lambda _tokens, _experts: DRY_RUN_CONFIGS)
+        done = [tune(DRY_RUN_SHAPE, DRY_RUN_TOKENS, 2, "float32", "cpu", "cpu", args.out_dir, args.budget_s, 1,
+                     candidates=lambda _tokens, _experts: DRY_RUN_CONFIGS)]
+        write_summary(args.json, "cpu", [DRY_RUN_SHAPE], done)
         return 0
     if not torch.cuda.is_available():
         print("tune_moe: needs a CUDA GPU (torch.cuda.is_available() is False): it times the Triton kernels "
@@ -187,10 +201,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("tune_moe: give at least one --shape E,N,K", file=sys.stderr)
         return 2
     device_name = torch.cuda.get_device_name()
+    done = []
     for shape in args.shape:
-        tune(shape, args.tokens, args.top_k, args.dtype, "cuda", device_name, args.out_dir,
-             args.budget_s / len(args.shape), args.iters)
+        done.append(tune(shape, args.tokens, args.top_k, args.dtype, "cuda", device_name, args.out_dir,
+                         args.budget_s / len(args.shape), args.iters))
+        write_summary(args.json, device_name, args.shape[:len(done)], done)  # a stopped run keeps what it tuned
     return 0
+
+
+def write_summary(path: Path | None, device_name: str, shapes: Sequence[tuple[int, int, int]],
+                  done: Sequence[tuple[Path, list[dict[str, Any]]]]) -> None:
+    """``--json``: the GPU, and per shape its table's path and rows (nothing without ``--json``)."""
+    if path is None:
+        return
+    tables = [{"shape": list(shape), "path": str(table), "rows": rows}
+              for shape, (table, rows) in zip(shapes, done, strict=True)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device_name": device_name, "tables": tables}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

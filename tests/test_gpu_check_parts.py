@@ -45,6 +45,7 @@ from gpucheck.parts import (  # noqa: E402
     sanitized_tests,
     serve_command,
     serve_part,
+    tune_moe_part,
 )
 from gpucheck.report import render  # noqa: E402
 from gpucheck.schedule import Context, Part, run_parts, write_outputs  # noqa: E402
@@ -350,8 +351,8 @@ def test_children_import_the_repo_and_benchmarks_first(tmp_path: Path) -> None:
     env = child_env(context(tmp_path))
     assert env["PYTHONPATH"].split(":")[:2] == [str(REPO), str(REPO / "benchmarks")]
     assert [p.name for p in all_parts()] == ["env", "tests", "model", "bench", "engine", "engine_dbo", "engine_1024",
-                                             "engine_fp8", "engine_link", "serve", "engine_qwen3_30b"]
-    assert [p.name for p in all_parts() if p.optional] == ["engine_qwen3_30b"]
+                                             "engine_fp8", "engine_link", "serve", "engine_qwen3_30b", "tune_moe"]
+    assert [p.name for p in all_parts() if p.optional] == ["engine_qwen3_30b", "tune_moe"]
     assert "engine_qwen3_30b" not in parse_args([]).parts  # run only when named
     assert parse_args(["--parts", "engine_qwen3_30b"]).parts == ["engine_qwen3_30b"]
 
@@ -376,6 +377,25 @@ def test_the_qwen3_30b_part_runs_the_engine_on_random_weights_from_a_config_alon
     assert verdicts["qwen3_30b_throughput"][0] == MISS and " output tok/s (" in verdicts["qwen3_30b_throughput"][1]
     report = render({"parts": {"engine_qwen3_30b": out}, "goals": evaluate({"engine_qwen3_30b": out})})
     assert "| Qwen3-30B-A3B shape |" in report
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the part really tunes (minutes)")
+def test_the_tune_part_needs_a_gpu_and_its_report_section_reads_the_tuners_summary(tmp_path: Path) -> None:
+    out = tune_moe_part(context(tmp_path))
+    assert (out["status"], out["error"], out["data"]) == ("failed", "exit status 2", None)
+    assert "tune_moe: needs a CUDA GPU" in out["tail"]
+    pytest.importorskip("triton")
+    summary = tmp_path / "tuned.json"  # the summary the part reads, from the tuner's dry run
+    proc = subprocess.run([sys.executable, "benchmarks/tune_moe.py", "--dry-run", "--out-dir", str(tmp_path / "t"),
+                           "--json", str(summary)], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(summary.read_text())
+    report = render({"parts": {"tune_moe": {"status": "ok", "data": doc}}, "goals": []})
+    name = Path(doc["tables"][0]["path"]).name
+    assert "## Tuned Triton experts tables" in report and f"`{name}` (E, N, K = 4, 64, 32):" in report
+    rows = [line for line in report.splitlines() if " GROUP_SIZE_M=" in line]
+    assert [r.split(" | ")[0] for r in rows] == ["| 1", "| 8"]  # a row per token count, the candidates timed
+    assert all(r.split(" | ")[4] == "2" for r in rows)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the part really runs (minutes, the 1.2B model)")

@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ubatch.modular_moe.experts import make_experts
+from ubatch.modular_moe.experts import make_experts, triton_configs
 from ubatch.modular_moe.experts.triton_configs import (
+    BUILTIN_CONFIG_DIR,
     CONFIG_DIR_ENV,
     TritonMoEConfig,
     config_dtype,
@@ -100,13 +101,40 @@ def test_unknown_gpu_gets_the_default(tmp_path: Path, monkeypatch: pytest.Monkey
     assert table is None and "E=4,N=64,K=32,device_name=NVIDIA_B200,dtype=float32.json" in how and "default" in how
     monkeypatch.delenv(CONFIG_DIR_ENV, raising=False)
     assert find_table(None, E, I, H, "cpu", "float32", None) == (
-        None, f"{CONFIG_DIR_ENV} is not set; using the default configurations")
+        None, f"no table {_cpu_table_name()} or {_cpu_table_name(with_k=False)} in {BUILTIN_CONFIG_DIR} "
+              f"({CONFIG_DIR_ENV} is not set); using the default configurations")
     monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path))
     table, _ = find_table(None, E, I, H, "cpu", "float32", None)
     assert table is not None and table.lookup(12) == TritonMoEConfig(16, 32, 32, 4, 4, 3)
     monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path / "missing"))
     with pytest.raises(FileNotFoundError, match="missing does not exist"):
         find_table(None, E, I, H, "cpu", "float32", None)
+
+
+def test_the_tables_shipped_with_the_package_come_after_the_users(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    builtin, user = tmp_path / "builtin", tmp_path / "user"
+    builtin.mkdir()
+    user.mkdir()
+    monkeypatch.setattr(triton_configs, "BUILTIN_CONFIG_DIR", builtin)
+    _write(builtin, _cpu_table_name(), {"4": TABLE["1"]})
+    monkeypatch.delenv(CONFIG_DIR_ENV, raising=False)
+    table, how = find_table(None, E, I, H, "cpu", "float32", None)
+    assert table is not None and table.path.parent == builtin and how == f"using the tuned table {table.path}"
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(user))  # a directory of the user's, without this shape: the package's
+    table, _ = find_table(None, E, I, H, "cpu", "float32", None)
+    assert table is not None and table.path.parent == builtin
+    _write(user, _cpu_table_name(with_k=False), {"4": TABLE["12"]})  # the user's wins, even under vLLM's name
+    table, _ = find_table(None, E, I, H, "cpu", "float32", None)
+    assert table is not None and table.path.parent == user and table.lookup(4).group_m == 4
+    table, _ = find_table(tmp_path / "builtin", E, I, H, "NVIDIA B200", "float32", None)  # explicit: only there
+    assert table is None
+
+
+def test_the_package_ships_its_table_directory() -> None:
+    assert triton_configs.BUILTIN_CONFIG_DIR.is_dir()
+    for path in triton_configs.BUILTIN_CONFIG_DIR.glob("*.json"):  # every committed table loads
+        assert load_table(path).entries
 
 
 def test_default_rule() -> None:

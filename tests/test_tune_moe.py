@@ -3,6 +3,7 @@ search space, and the refusal to tune without a GPU."""
 from __future__ import annotations
 
 import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -21,15 +22,23 @@ from tune_moe import DRY_RUN_CONFIGS, DRY_RUN_SHAPE, DRY_RUN_TOKENS, parse_shape
 
 def test_dry_run_writes_a_table_the_loader_reads(tmp_path: Path) -> None:
     pytest.importorskip("triton")
-    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out-dir", str(tmp_path)], cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    summary = tmp_path / "summary" / "tuned.json"
+    proc = subprocess.run([sys.executable, str(SCRIPT), "--dry-run", "--out-dir", str(tmp_path / "tables"), "--json",
+                           str(summary)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     name = table_file_names(*DRY_RUN_SHAPE, "cpu", "float32", None)[0]
-    assert [p.name for p in tmp_path.iterdir()] == [name]
-    table = load_table(tmp_path / name)
+    assert [p.name for p in (tmp_path / "tables").iterdir()] == [name]
+    table = load_table(tmp_path / "tables" / name)
     assert sorted(table.entries) == list(DRY_RUN_TOKENS)
     assert all(config in DRY_RUN_CONFIGS for config in table.entries.values())
-    assert f"wrote {tmp_path / name}" in proc.stdout
+    assert f"wrote {tmp_path / 'tables' / name}" in proc.stdout
+    doc = json.loads(summary.read_text())  # what gpu-check's tune_moe part reports
+    assert doc["device_name"] == "cpu" and [t["shape"] for t in doc["tables"]] == [list(DRY_RUN_SHAPE)]
+    rows = doc["tables"][0]["rows"]
+    assert doc["tables"][0]["path"] == str(tmp_path / "tables" / name)
+    assert [r["tokens"] for r in rows] == list(DRY_RUN_TOKENS) and all(r["tried"] == len(DRY_RUN_CONFIGS) for r in rows)
+    assert [r["config"] for r in rows] == [table.entries[t].to_json() for t in DRY_RUN_TOKENS]
+    assert all(r["ms"] > 0 and r["default_ms"] > 0 for r in rows)
 
 
 def test_exits_2_and_says_why_without_a_gpu() -> None:

@@ -206,6 +206,23 @@ def engine_qwen3_30b_part(ctx: Context) -> dict[str, Any]:
     return _run(ctx, "engine, Qwen3-30B-A3B shape", args + list(ctx.options.get("engine_args", ())), path)
 
 
+TUNE_TOKENS = (1, 16, 64, 128, 256, 512, 1024, 2048)  # the decode sizes of the engine parts and bench_gpu's
+TUNE_BUDGET_S = 240
+
+
+def tune_moe_part(ctx: Context) -> dict[str, Any]:
+    """``benchmarks/tune_moe.py`` for the experts of the 1.2B model and of Qwen3-30B-A3B (both top 8): the tables
+    go to the report directory (``moe_configs/``), to be committed to ``ubatch/modular_moe/experts/configs``."""
+    from bench_gpu import MODEL_CONFIG, QWEN3_30B_A3B
+
+    path = ctx.work_dir / "tune_moe.json"
+    args = ["benchmarks/tune_moe.py", "--top-k", "8", "--tokens", *map(str, TUNE_TOKENS), "--budget-s",
+            str(TUNE_BUDGET_S), "--out-dir", str(ctx.out_dir / "moe_configs"), "--json", str(path)]
+    for cfg in (MODEL_CONFIG, QWEN3_30B_A3B):
+        args += ["--shape", f"{cfg['num_experts']},{cfg['moe_intermediate_size']},{cfg['hidden_size']}"]
+    return _run(ctx, "tune_moe", args, path)
+
+
 def engine_link_part(ctx: Context) -> dict[str, Any]:
     """Default flags against ``--enable-dbo`` with the emulated link calibrated to comm = compute
     (``gpucheck.engine_link``)."""
@@ -285,4 +302,6 @@ def all_parts() -> list[Part]:
         Part("serve", "bench-serve --compare dbo", 150, serve_part),
         Part("engine_qwen3_30b", "the engine part's workload on a Qwen3-30B-A3B-shaped model, random weights "
              "(--load-format dummy)", 300, engine_qwen3_30b_part, optional=True),
+        Part("tune_moe", "tune the Triton experts' launch tables for the 1.2B model's and Qwen3-30B-A3B's shapes",
+             TUNE_BUDGET_S + 60, tune_moe_part, optional=True),
     ]

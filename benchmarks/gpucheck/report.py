@@ -6,6 +6,7 @@ part-way still gets a report of what it measured, and parts that failed show the
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from pathlib import Path
 from typing import Any
 
 from gpucheck.engine_figures import engine_figures
@@ -101,6 +102,19 @@ ENGINE_ROWS = (("output tok/s", "output_tokens_per_s"), ("output tok/s, first ca
                ("host: launches, not waiting on the GPU", "forward_host_ms"),
                ("host: launches' CPU time (the rest waits for the GIL)", "forward_cpu_ms"),
                ("GPU idle %", "gpu_idle_pct"), ("graph memory MiB", "graph_mib"))
+
+
+def tune_section(data: dict[str, Any]) -> list[str]:
+    """Each table ``tune_moe`` wrote: per token count the configuration kept against the default one."""
+    lines = [f"On {data.get('device_name')}; the files are in `moe_configs/` beside this report: copy them to "
+             "`ubatch/modular_moe/experts/configs/`.", ""]
+    for t in data.get("tables") or []:
+        lines += [f"`{Path(t['path']).name}` (E, N, K = {', '.join(map(str, t['shape']))}):", ""]
+        lines += table(["tokens", "tuned ms", "default ms", "speed-up", "candidates", "configuration"],
+                       [(r["tokens"], r["ms"], r["default_ms"], r["default_ms"] / r["ms"] if r["ms"] else None,
+                         r["tried"], " ".join(f"{k}={v}" for k, v in r["config"].items())) for r in t["rows"]])
+        lines += [""]
+    return lines
 
 
 def engine_section(runs: dict[str, dict[str, Any]]) -> list[str]:
@@ -254,6 +268,9 @@ def render(results: dict[str, Any]) -> str:
     lines += ["", "## The engine with an emulated link at comm = compute (`gpucheck.engine_link`)", "",
               *engine_link_section(_data(results, "engine_link"))]
     lines += ["", "## Server (`bench-serve --compare dbo`)", "", *serve_section(parts.get("serve") or {})]
+    tuned = _data(results, "tune_moe")
+    if tuned:
+        lines += ["", "## Tuned Triton experts tables (`--parts tune_moe`)", "", *tune_section(tuned)]
     failed = [(n, p) for n, p in parts.items() if p.get("tail")]
     if failed:
         lines += ["", "## End of the output of parts that did not finish cleanly"]

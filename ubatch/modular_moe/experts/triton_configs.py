@@ -7,8 +7,10 @@ how ``benchmarks/tune_moe.py`` writes it). Its keys are token counts, its values
 ``BLOCK_SIZE_M/N/K``, ``GROUP_SIZE_M``, ``num_warps``, ``num_stages``; a launch with ``M`` tokens takes the
 entry of the nearest token count. So vLLM's published tables drop in unchanged.
 
-Tables are looked up in the directory named by ``UBATCH_MOE_CONFIG_DIR`` (or one passed explicitly), the
-``K``-qualified name first. Without a table, :func:`default_config` (vLLM's untuned rule) applies.
+Tables are looked up in the directory named by ``UBATCH_MOE_CONFIG_DIR``, then in the tables that ship with the
+package (:data:`BUILTIN_CONFIG_DIR`, as vLLM's ``fused_moe/configs``; tuned by ``benchmarks/tune_moe.py`` on the
+GPU they name), or only in a directory passed explicitly; the ``K``-qualified name first. Without a table,
+:func:`default_config` (vLLM's untuned rule) applies: the documented default for a GPU no table names.
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 __all__ = [
+    "BUILTIN_CONFIG_DIR",
     "CONFIG_DIR_ENV",
     "MoEConfigTable",
     "TritonMoEConfig",
@@ -30,6 +33,7 @@ __all__ = [
 ]
 
 CONFIG_DIR_ENV = "UBATCH_MOE_CONFIG_DIR"
+BUILTIN_CONFIG_DIR = Path(__file__).resolve().parent / "configs"  # the tables committed with the package
 _FIELDS = ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M", "num_warps", "num_stages")
 _IGNORED_KEYS = ("triton_version",)  # metadata vLLM's newer tables carry next to the token counts
 _IGNORED_FIELDS = ("SPLIT_K",)  # vLLM's kernels take it (always 1); this kernel has no split-K
@@ -159,19 +163,24 @@ def load_table(path: Path) -> MoEConfigTable:
 
 def find_table(config_dir: Path | None, num_experts: int, inter: int, hidden: int, device_name: str,
                dtype: str | None, block_shape: tuple[int, int] | None) -> tuple[MoEConfigTable | None, str]:
-    """The table for this shape and GPU in ``config_dir`` (``$UBATCH_MOE_CONFIG_DIR`` when None), and a
-    sentence saying which file was used, or which were looked for, for the log line."""
-    if config_dir is None:
+    """The table for this shape and GPU, and a sentence saying which file was used, or which were looked for
+    where, for the log line: in ``config_dir`` alone when given, else in ``$UBATCH_MOE_CONFIG_DIR`` (when set)
+    and then :data:`BUILTIN_CONFIG_DIR`."""
+    if config_dir is not None:
+        dirs = [config_dir]
+    else:
         env = os.environ.get(CONFIG_DIR_ENV)
-        if not env:
-            return None, f"{CONFIG_DIR_ENV} is not set; using the default configurations"
-        config_dir = Path(env)
-    if not config_dir.is_dir():
-        raise FileNotFoundError(f"MoE config directory {config_dir} does not exist (from {CONFIG_DIR_ENV} or "
-                                "the experts' config_dir)")
+        dirs = ([Path(env)] if env else []) + [BUILTIN_CONFIG_DIR]
+    for d in dirs:
+        if d is not BUILTIN_CONFIG_DIR and not d.is_dir():
+            raise FileNotFoundError(f"MoE config directory {d} does not exist (from {CONFIG_DIR_ENV} or the "
+                                    "experts' config_dir)")
     names = table_file_names(num_experts, inter, hidden, device_name, dtype, block_shape)
-    for name in names:
-        path = config_dir / name
-        if path.is_file():
-            return load_table(path), f"using the tuned table {path}"
-    return None, f"no table {' or '.join(names)} in {config_dir}; using the default configurations"
+    for d in dirs:
+        for name in names:
+            path = d / name
+            if path.is_file():
+                return load_table(path), f"using the tuned table {path}"
+    where = " or ".join(str(d) for d in dirs)
+    unset = f" ({CONFIG_DIR_ENV} is not set)" if config_dir is None and not os.environ.get(CONFIG_DIR_ENV) else ""
+    return None, f"no table {' or '.join(names)} in {where}{unset}; using the default configurations"
