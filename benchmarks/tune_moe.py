@@ -6,7 +6,9 @@ its output is checked against the default configuration's first, so a table can 
 that compute the same thing. The table goes to ``--out-dir`` under the name the experts look up
 (``E=..,N=..,K=..,device_name=..[,dtype=..][,block_shape=..].json``, vLLM's format), for
 ``UBATCH_MOE_CONFIG_DIR``. ``--budget-s`` bounds the sweep: each token count gets an equal share, and its
-search stops (keeping the best so far) when the share is spent.
+search stops (keeping the best so far) when the share is spent. ``--json`` also writes, per token count, the
+kept configuration's time, the default configuration's, and ``grouped_mm``'s on the same problem (the engine's
+``auto`` backend where it is the fused kernel), so a table's gain and the backend to prefer are on record.
 
 ``--dry-run`` runs the same path on the CPU in Triton's interpreter (tiny shape, two candidates, float32),
 to check the script and its table format without a GPU. Without a GPU and without ``--dry-run`` it exits 2.
@@ -32,6 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ubatch.fp8 import Fp8Tensor, quantize_blocks
+from ubatch.modular_moe.experts import make_experts
 from ubatch.modular_moe.experts.triton_configs import (
     TritonMoEConfig,
     config_dtype,
@@ -98,9 +101,10 @@ def cpu_ms(fn: Callable[[], object], iters: int) -> float:
 
 def tune_one(shape: tuple[int, int, int], num_tokens: int, top_k: int, dtype_name: str, device: str,
              candidates: Sequence[TritonMoEConfig], budget_s: float, iters: int,
-             log: Callable[[str], None] = print) -> tuple[TritonMoEConfig, float, int, float]:
-    """The fastest candidate for one token count, its time (ms), how many candidates ran in the budget, and the
-    default configuration's time (ms: what the experts run without a table)."""
+             log: Callable[[str], None] = print) -> tuple[TritonMoEConfig, float, int, float, dict[str, float]]:
+    """The fastest candidate for one token count, its time (ms), how many candidates ran in the budget, the
+    default configuration's time (ms: what the experts run without a table), and the other experts backends'
+    times on the same problem (:func:`other_backends`)."""
     from triton.runtime.errors import OutOfResources
 
     from ubatch.modular_moe.experts.triton_experts import TritonExperts
@@ -112,6 +116,8 @@ def tune_one(shape: tuple[int, int, int], num_tokens: int, top_k: int, dtype_nam
 
     timer = cuda_median_ms if device == "cuda" else cpu_ms
     default_ms = timer(functools.partial(default.run, tokens, w13, w2), iters)
+    others = {name: timer(functools.partial(make_experts(name).run, tokens, w13, w2), iters)
+              for name in other_backends(device)}
     tol = 1e-5 if DTYPES[dtype_name] == torch.float32 else 2 * 2.0**-7
     deadline = time.monotonic() + budget_s
     best: tuple[TritonMoEConfig, float] | None = None
@@ -135,7 +141,17 @@ def tune_one(shape: tuple[int, int, int], num_tokens: int, top_k: int, dtype_nam
             best = (config, ms)
     if best is None:
         raise RuntimeError(f"no candidate ran for {num_tokens} tokens of shape {shape}")
-    return best[0], best[1], tried, default_ms
+    return best[0], best[1], tried, default_ms, others
+
+
+def other_backends(device: str) -> tuple[str, ...]:
+    """The experts backends the tuned kernel is timed against: ``grouped_mm`` where it is the fused kernel (what
+    ``--experts-backend auto`` picks there), on the CPU ``torch`` (the dry run)."""
+    from ubatch.modular_moe.experts.grouped_mm_experts import has_fused_grouped_mm
+
+    if device == "cpu":
+        return ("torch",)
+    return ("grouped_mm",) if has_fused_grouped_mm(device) else ()
 
 
 def tune(shape: tuple[int, int, int], token_counts: Sequence[int], top_k: int, dtype_name: str, device: str,
@@ -147,14 +163,14 @@ def tune(shape: tuple[int, int, int], token_counts: Sequence[int], top_k: int, d
     table: dict[str, dict[str, int]] = {}
     rows: list[dict[str, Any]] = []
     for num_tokens in token_counts:
-        config, ms, tried, default_ms = tune_one(shape, num_tokens, top_k, dtype_name, device,
-                                                 candidates(num_tokens, shape[0]), budget_s / len(token_counts),
-                                                 iters)
+        config, ms, tried, default_ms, others = tune_one(shape, num_tokens, top_k, dtype_name, device,
+                                                         candidates(num_tokens, shape[0]),
+                                                         budget_s / len(token_counts), iters)
         print(f"E,N,K={shape} tokens={num_tokens}: {config} {ms:.4f} ms (best of {tried}; default "
-              f"{default_ms:.4f} ms)", flush=True)
+              f"{default_ms:.4f} ms" + "".join(f"; {n} {t:.4f} ms" for n, t in others.items()) + ")", flush=True)
         table[str(num_tokens)] = config.to_json()
         rows.append({"tokens": num_tokens, "config": config.to_json(), "ms": ms, "default_ms": default_ms,
-                     "tried": tried})
+                     "tried": tried, "other_backends_ms": others})
     block = FP8_BLOCK if dtype_name == "fp8" else None
     name = table_file_names(*shape, device_name, config_dtype(str(DTYPES[dtype_name]).removeprefix("torch."), block),
                             block)[0]

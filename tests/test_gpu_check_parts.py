@@ -395,7 +395,8 @@ def test_the_tune_part_needs_a_gpu_and_its_report_section_reads_the_tuners_summa
     assert "## Tuned Triton experts tables" in report and f"`{name}` (E, N, K = 4, 64, 32):" in report
     rows = [line for line in report.splitlines() if " GROUP_SIZE_M=" in line]
     assert [r.split(" | ")[0] for r in rows] == ["| 1", "| 8"]  # a row per token count, the candidates timed
-    assert all(r.split(" | ")[4] == "2" for r in rows)
+    assert all(r.split(" | ")[5] == "2" for r in rows)  # after the torch experts' ms: the alternative timed
+    assert "| tokens | tuned ms | default ms | speed-up | torch ms | candidates | configuration |" in report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the part really runs (minutes, the 1.2B model)")

@@ -39,6 +39,7 @@ def test_dry_run_writes_a_table_the_loader_reads(tmp_path: Path) -> None:
     assert [r["tokens"] for r in rows] == list(DRY_RUN_TOKENS) and all(r["tried"] == len(DRY_RUN_CONFIGS) for r in rows)
     assert [r["config"] for r in rows] == [table.entries[t].to_json() for t in DRY_RUN_TOKENS]
     assert all(r["ms"] > 0 and r["default_ms"] > 0 for r in rows)
+    assert all(list(r["other_backends_ms"]) == ["torch"] and r["other_backends_ms"]["torch"] > 0 for r in rows)
 
 
 def test_exits_2_and_says_why_without_a_gpu() -> None:

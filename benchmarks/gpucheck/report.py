@@ -110,9 +110,12 @@ def tune_section(data: dict[str, Any]) -> list[str]:
              "`ubatch/modular_moe/experts/configs/`.", ""]
     for t in data.get("tables") or []:
         lines += [f"`{Path(t['path']).name}` (E, N, K = {', '.join(map(str, t['shape']))}):", ""]
-        lines += table(["tokens", "tuned ms", "default ms", "speed-up", "candidates", "configuration"],
+        others = sorted({name for r in t["rows"] for name in r.get("other_backends_ms") or {}})
+        lines += table(["tokens", "tuned ms", "default ms", "speed-up", *(f"{n} ms" for n in others), "candidates",
+                        "configuration"],
                        [(r["tokens"], r["ms"], r["default_ms"], r["default_ms"] / r["ms"] if r["ms"] else None,
-                         r["tried"], " ".join(f"{k}={v}" for k, v in r["config"].items())) for r in t["rows"]])
+                         *((r.get("other_backends_ms") or {}).get(n) for n in others), r["tried"],
+                         " ".join(f"{k}={v}" for k, v in r["config"].items())) for r in t["rows"]])
         lines += [""]
     return lines
 
