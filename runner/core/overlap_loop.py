@@ -19,7 +19,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
-from typing import TypeVar, Union
+from typing import Generic, Protocol, TypeVar, Union, cast
 
 import torch
 
@@ -30,13 +30,21 @@ from runner.core.scheduler_output import SchedulerOutput
 from ubatch import trace
 
 T = TypeVar("T")
+T_co = TypeVar("T_co", covariant=True)
 OnResults = Callable[[SchedulerOutput, ModelRunnerOutput, list[Request]], None]
+
+
+class Launch(Protocol[T_co]):
+    """A submitted launch: ``result(timeout)`` returns what it returned, or raises what it raised (a
+    ``concurrent.futures.Future`` is one)."""
+
+    def result(self, timeout: float | None = None) -> T_co: ...
 
 
 class StepLauncher(abc.ABC):
     """Runs the overlap loop's step launches in order and times them: ``busy_s`` accumulates the time spent
     launching, ``busy_cpu_s`` the launching thread's CPU time in it (``time.thread_time``: without the waits for
-    the GIL that ``busy_s`` also counts). ``submit(fn)`` returns a Future of ``fn()``'s result or exception."""
+    the GIL that ``busy_s`` also counts). ``submit(fn)`` returns a :class:`Launch` of ``fn()``."""
 
     name = "launcher"
 
@@ -44,20 +52,14 @@ class StepLauncher(abc.ABC):
         self.busy_s = 0.0
         self.busy_cpu_s = 0.0
 
-    def _run(self, fn: Callable[[], T], fut: Future[T]) -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
+    def _timed(self, fn: Callable[[], T]) -> T:
+        """``fn()``, its time added to ``busy_s`` / ``busy_cpu_s`` whether it returns or raises."""
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
-            result = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed to the waiting CPU thread
-            self.busy_s += time.perf_counter() - t0
-            self.busy_cpu_s += time.thread_time() - c0
-            fut.set_exception(exc)
-        else:
+            return fn()
+        finally:
             self.busy_s += time.perf_counter() - t0  # before the result: a waiter then sees the total
             self.busy_cpu_s += time.thread_time() - c0
-            fut.set_result(result)
 
     @property
     def thread_id(self) -> int | None:
@@ -65,12 +67,24 @@ class StepLauncher(abc.ABC):
         return None
 
     @abc.abstractmethod
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
+    def submit(self, fn: Callable[[], T]) -> Launch[T]:
         """Launch ``fn`` after every step submitted before it."""
 
     @abc.abstractmethod
     def close(self) -> None:
         """Stop what the launcher started."""
+
+
+class _Done(Generic[T]):
+    """A launch that already ran: its value, or the exception it raised."""
+
+    def __init__(self, value: T | None = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+
+    def result(self, timeout: float | None = None) -> T:
+        if self._error is not None:
+            raise self._error
+        return cast(T, self._value)
 
 
 class InlineLauncher(StepLauncher):
@@ -89,12 +103,13 @@ class InlineLauncher(StepLauncher):
         if device is not None and torch.device(device).type == "cuda":
             self._cuda_index = torch.device(device).index or 0
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
+    def submit(self, fn: Callable[[], T]) -> Launch[T]:
         if self._cuda_index is not None and torch.cuda.current_device() != self._cuda_index:
             torch.cuda.set_device(self._cuda_index)
-        fut: Future[T] = Future()
-        self._run(fn, fut)
-        return fut
+        try:
+            return _Done(self._timed(fn))
+        except BaseException as exc:  # noqa: BLE001 - raised by result(), where the loop reads the launch
+            return _Done(error=exc)
 
     def close(self) -> None:
         """Nothing to stop: launches ran in the caller's thread."""
@@ -133,12 +148,22 @@ class ForwardExecutor(StepLauncher):
         """The executor thread's ``threading.get_ident()`` (set once ``start()`` has returned)."""
         return self._thread.ident
 
-    def submit(self, fn: Callable[[], T]) -> Future[T]:
+    def submit(self, fn: Callable[[], T]) -> Launch[T]:
         if not self._thread.is_alive():
             raise RuntimeError("the forward executor is closed")
         fut: Future[T] = Future()
         self._queue.put(functools.partial(self._run, fn, fut))
         return fut
+
+    def _run(self, fn: Callable[[], T], fut: Future[T]) -> None:
+        if not fut.set_running_or_notify_cancel():
+            return
+        try:
+            result = self._timed(fn)
+        except BaseException as exc:  # noqa: BLE001 - handed to the waiting CPU thread
+            fut.set_exception(exc)
+        else:
+            fut.set_result(result)
 
     def close(self) -> None:
         if self._thread.is_alive():
@@ -288,7 +313,7 @@ class SyncStepLoop:
 class _Launched:
     out: SchedulerOutput
     # set by the executor once the step is launched (its PendingStep)
-    launched: Future[PendingStep | None] | None = None
+    launched: Launch[PendingStep | None] | None = None
     launch_started: float = 0.0  # perf_counter when the executor began launching it
     pending: PendingStep | None = None  # once launched: its results, read by the CPU thread
 
