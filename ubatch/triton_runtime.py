@@ -8,12 +8,16 @@ compiler, per process").
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
+from collections.abc import Callable
 from types import ModuleType
+from typing import TypeVar
 
 import torch
 
+K = TypeVar("K")
 _TRUE_STRINGS = frozenset({"1", "true", "yes", "on", "y"})
 
 # The interpreter is not thread-safe: each launch monkey-patches triton.language for its duration and
@@ -40,6 +44,21 @@ def import_triton(feature: str) -> tuple[ModuleType, ModuleType]:
     except ImportError as exc:
         raise ImportError(f"{feature} needs the Triton package: pip install ubatch[triton]") from exc
     return triton, tl
+
+
+def kernels_per_mode(define: Callable[[], K]) -> Callable[[], K]:
+    """``define`` (which decorates a module's kernels and returns them) as a loader that runs it once per
+    interpreter mode and keeps what it returned: a kernel decorated in one mode cannot run in the other."""
+    by_mode: dict[bool, K] = {}
+
+    @functools.wraps(define)
+    def load() -> K:
+        mode = interpreter_enabled()
+        if mode not in by_mode:
+            by_mode[mode] = define()
+        return by_mode[mode]
+
+    return load
 
 
 def launch_guard(interpret: bool) -> contextlib.AbstractContextManager[object]:

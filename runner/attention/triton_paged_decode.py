@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ubatch.sbo import DeviceProps
-from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard
+from ubatch.triton_runtime import import_triton, interpreter_enabled, kernels_per_mode, launch_guard
 
 __all__ = ["DecodeLaunchPlan", "choose_num_splits", "paged_decode_attention", "plan_decode_launch"]
 
@@ -24,7 +24,6 @@ __all__ = ["DecodeLaunchPlan", "choose_num_splits", "paged_decode_attention", "p
 # defining function's __globals__ (closure variables are invisible to it).
 triton: Any = None
 tl: Any = None
-_KERNELS: dict[bool, tuple[Any, Any]] = {}
 # The stage-1 loop body, a @triton.jit helper; bound here by _load_kernels in interpreter mode only, since the
 # interpreter resolves kernel names in this module's globals. Compiled kernels find it in their closure (the
 # compiler reads closure variables before globals), so a process's compiled kernels never see this binding.
@@ -215,11 +214,9 @@ def _num_sms(device: torch.device) -> int:
     return DeviceProps.of(device).sm_count if device.type == "cuda" else 1  # cached per device index
 
 
+@kernels_per_mode
 def _load_kernels() -> tuple[Any, Any]:
-    """Decorate the kernels once per interpreter mode (a kernel decorated in one mode cannot run in the other)."""
-    interpret = interpreter_enabled()
-    if interpret in _KERNELS:
-        return _KERNELS[interpret]
+    """Decorate the kernels (once per interpreter mode: ``kernels_per_mode``)."""
 
     @triton.jit
     def _attend_keys(
@@ -260,7 +257,7 @@ def _load_kernels() -> tuple[Any, Any]:
         l_i = l_i * alpha + tl.sum(p, 1)
         return acc, l_i, m_new
 
-    if interpret:
+    if interpreter_enabled():
         globals()["_attend_keys"] = _attend_keys
 
     # ``num_splits`` is a runtime argument, not a constexpr, and never specialised (``do_not_specialize``): the
@@ -369,8 +366,7 @@ def _load_kernels() -> tuple[Any, Any]:
         o = num / tl.where(den > 0, den, 1.0)
         tl.store(out_ptr + req * stride_or + head * stride_oh + offs_dv, o.to(out_ptr.dtype.element_ty), mask=dv_mask)
 
-    _KERNELS[interpret] = (_split_kv_kernel, _merge_kernel)
-    return _KERNELS[interpret]
+    return (_split_kv_kernel, _merge_kernel)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,

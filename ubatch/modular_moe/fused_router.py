@@ -18,20 +18,17 @@ from typing import Any
 import torch
 
 from ubatch.modular_moe.router import ScoringFunc, check_router_args
-from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard, launch_mode
+from ubatch.triton_runtime import import_triton, kernels_per_mode, launch_guard, launch_mode
 
 __all__ = ["fused_select_experts"]
 
 triton: Any = None
 tl: Any = None
-_KERNELS: dict[bool, Any] = {}
 
 
+@kernels_per_mode
 def _load_kernel() -> Any:
-    """Decorate the kernel once per interpreter mode (a kernel decorated in one mode cannot run in the other)."""
-    interpret = interpreter_enabled()
-    if interpret in _KERNELS:
-        return _KERNELS[interpret]
+    """Decorate the kernel (once per interpreter mode: ``kernels_per_mode``)."""
 
     @triton.jit
     def _topk_router_kernel(
@@ -65,7 +62,6 @@ def _load_kernel() -> Any:
         tl.store(weights_ptr + row * stride_w + offs_k, top_w, mask=k_mask)
         tl.store(ids_ptr + row * stride_i + offs_k, top_i, mask=k_mask)
 
-    _KERNELS[interpret] = _topk_router_kernel
     return _topk_router_kernel
 
 

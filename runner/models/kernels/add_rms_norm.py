@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard, launch_mode
+from ubatch.triton_runtime import import_triton, kernels_per_mode, launch_guard, launch_mode
 
 __all__ = ["add_rms_norm"]
 
@@ -25,14 +25,11 @@ __all__ = ["add_rms_norm"]
 # function's __globals__ (closure variables are invisible to it).
 triton: Any = None
 tl: Any = None
-_KERNELS: dict[bool, Any] = {}
 
 
+@kernels_per_mode
 def _load_kernel() -> Any:
-    """Decorate the kernel once per interpreter mode (a kernel decorated in one mode cannot run in the other)."""
-    interpret = interpreter_enabled()
-    if interpret in _KERNELS:
-        return _KERNELS[interpret]
+    """Decorate the kernel (once per interpreter mode: ``kernels_per_mode``)."""
 
     @triton.jit
     def _add_rms_norm_kernel(
@@ -54,7 +51,6 @@ def _load_kernel() -> Any:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * stride_o + offs, (normed * w).to(out_ptr.dtype.element_ty), mask=mask)
 
-    _KERNELS[interpret] = _add_rms_norm_kernel
     return _add_rms_norm_kernel
 
 

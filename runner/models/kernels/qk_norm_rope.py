@@ -21,22 +21,19 @@ from typing import Any
 
 import torch
 
-from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard, launch_mode
+from ubatch.triton_runtime import import_triton, kernels_per_mode, launch_guard, launch_mode
 
 __all__ = ["qk_norm_rope"]
 
 triton: Any = None
 tl: Any = None
-_KERNELS: dict[bool, Any] = {}
 # Elements of one program's tile of heads (a power of two); BLOCK_H is this over the padded rotary half-width.
 TILE_ELEMENTS = 2048
 
 
+@kernels_per_mode
 def _load_kernel() -> Any:
-    """Decorate the kernel once per interpreter mode (a kernel decorated in one mode cannot run in the other)."""
-    interpret = interpreter_enabled()
-    if interpret in _KERNELS:
-        return _KERNELS[interpret]
+    """Decorate the kernel (once per interpreter mode: ``kernels_per_mode``)."""
 
     @triton.jit
     def _qk_norm_rope_kernel(
@@ -112,7 +109,6 @@ def _load_kernel() -> Any:
             tl.store(qo_row + off3[None, :], x3, mask=mq3)
             tl.store(ko_row + off3[None, :], x3, mask=mk3)
 
-    _KERNELS[interpret] = _qk_norm_rope_kernel
     return _qk_norm_rope_kernel
 
 

@@ -48,7 +48,7 @@ from ubatch.modular_moe.experts.triton_configs import (
     find_table,
 )
 from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens
-from ubatch.triton_runtime import import_triton, interpreter_enabled, launch_guard
+from ubatch.triton_runtime import import_triton, interpreter_enabled, kernels_per_mode, launch_guard
 
 __all__ = ["TritonExperts"]
 
@@ -58,7 +58,6 @@ logger = logging.getLogger("ubatch.experts")
 # defining function's __globals__ (closure variables are invisible to it).
 triton: Any = None
 tl: Any = None
-_KERNELS: dict[bool, tuple[Any, Any]] = {}
 
 
 def _import_triton() -> None:
@@ -67,11 +66,9 @@ def _import_triton() -> None:
     triton, tl = import_triton("The 'triton' experts backend")
 
 
+@kernels_per_mode
 def _load_kernels() -> tuple[Any, Any]:
-    """Decorate the kernels once per interpreter mode (a kernel decorated in one mode cannot run in the other)."""
-    interpret = interpreter_enabled()
-    if interpret in _KERNELS:
-        return _KERNELS[interpret]
+    """Decorate the kernels (once per interpreter mode: ``kernels_per_mode``)."""
 
     @triton.jit
     def _fused_w13_silu_mul_kernel(
@@ -182,8 +179,7 @@ def _load_kernels() -> tuple[Any, Any]:
         out_ptrs = out_ptr + ids[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & n_mask[None, :])
 
-    _KERNELS[interpret] = (_fused_w13_silu_mul_kernel, _w2_kernel)
-    return _KERNELS[interpret]
+    return (_fused_w13_silu_mul_kernel, _w2_kernel)
 
 
 _NO_FP8: dict[str, Any] = {"FP8_W": False, "SCALE_BN": 1, "SCALE_BK": 1}
