@@ -83,3 +83,23 @@ def test_csv_columns_are_every_rows_keys(tmp_path: Path) -> None:
     with open(tmp_path / "k.csv", newline="") as fh:
         assert list(csv.reader(fh)) == [["backend", "graph_ms", "graph_x_limit"],
                                         ["torch", "not capturable: RuntimeError", ""], ["triton", "0.5", "2.0"]]
+
+
+def test_a_run_that_cannot_be_captured_keeps_its_eager_figures(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``time_against_limit``: the eager time and its multiple of the limit stand; the graph column says why it
+    is missing instead of failing the row (the CUDA timer and capture replaced: each call's time is the next number)."""
+    times = iter([0.5, 0.25, 0.5])
+    monkeypatch.setattr(bench_gpu, "cuda_median_ms", lambda run, iters: next(times))
+    monkeypatch.setattr(bench_gpu, "as_graph", lambda run: run)
+    row: bench_gpu.Row = {}
+    bench_gpu.time_against_limit(row, lambda: None, 0.2, iters=3)
+    assert row == {"eager_ms": 0.5, "eager_x_limit": 2.5, "graph_ms": 0.25, "graph_x_limit": 1.25}
+
+    def no_capture(run: object) -> None:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(bench_gpu, "as_graph", no_capture)
+    row = {}
+    bench_gpu.time_against_limit(row, lambda: None, 0.2, iters=3)
+    assert row == {"eager_ms": 0.5, "eager_x_limit": 2.5,
+                   "graph_ms": "not capturable: RuntimeError: operation not permitted when stream is capturing"}

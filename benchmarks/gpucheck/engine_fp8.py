@@ -136,7 +136,7 @@ def fp8_read_bytes(w13: Fp8Tensor, w2: Fp8Tensor, touched: int) -> int:
 def experts_rows(w13: Fp8Tensor, w2: Fp8Tensor, tokens: int, top_k: int, iters: int) -> dict[str, Any]:
     """Each FP8-capable backend and the engine's default one on ``tokens`` routed tokens, against the FP8
     weight-read limit (module docstring), with its error against the torch experts on the dequantised weights."""
-    from bench_gpu import as_graph, copy_bandwidth, cuda_median_ms, experts_shape
+    from bench_gpu import copy_bandwidth, experts_shape, time_against_limit
     from ubatch.modular_moe.experts import make_experts, resolve_experts_backend
     from ubatch.modular_moe.types import ExpertTokens
 
@@ -162,13 +162,7 @@ def experts_rows(w13: Fp8Tensor, w2: Fp8Tensor, tokens: int, top_k: int, iters: 
             run = functools.partial(backend.run, batch, w13, w2)
             out = run().float()
             row["max_rel_err"] = f"{((out - reference).abs().max() / reference.abs().max()).item():.1e}"
-            row["eager_ms"] = round(cuda_median_ms(run, iters), 4)
-            row["eager_x_limit"] = round(row["eager_ms"] / limit, 2)
-            try:
-                row["graph_ms"] = round(cuda_median_ms(as_graph(run), iters), 4)
-                row["graph_x_limit"] = round(row["graph_ms"] / limit, 2)
-            except Exception as exc:  # noqa: BLE001 - recorded in the row: the report says why
-                row["graph_ms"] = f"not capturable: {type(exc).__name__}: {str(exc)[:100]}"
+            time_against_limit(row, run, limit, iters, digits=4)
         except Exception as exc:  # noqa: BLE001 - e.g. deep_gemm does not import: the row says so
             row["eager_ms"] = f"{type(exc).__name__}: {str(exc)[:150]}"
         rows.append(row)
