@@ -568,20 +568,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.error("kernels", exc)
         gc.collect()
         torch.cuda.empty_cache()
-    if "qwen3-30b" in args.sections:
+    for name, section in (("qwen3-30b", qwen3_30b_section), ("tails", tails_section)):
+        if name not in args.sections:
+            continue
         try:
-            qwen3_30b_section(args, results)
-        except Exception as exc:  # noqa: BLE001
+            section(args, results)
+        except Exception as exc:  # noqa: BLE001 - recorded; the next section still runs
             traceback.print_exc()
-            results.error("qwen3-30b", exc)
-        gc.collect()
-        torch.cuda.empty_cache()
-    if "tails" in args.sections:
-        try:
-            tails_section(args, results)
-        except Exception as exc:  # noqa: BLE001
-            traceback.print_exc()
-            results.error("tails", exc)
+            results.error(name, exc)
         gc.collect()
         torch.cuda.empty_cache()
     if "step" in args.sections:

@@ -157,14 +157,20 @@ def graph_memory(parts: dict[str, Any]) -> tuple[bool, str]:
     return nbytes <= GRAPH_MEMORY_LIMIT_BYTES and not dropped, text
 
 
-def throughput(parts: dict[str, Any]) -> tuple[bool, str]:
+def measured_throughput(data: dict[str, Any], run: str) -> tuple[dict[str, Any], float, str]:
+    """An engine part's figures, its output tok/s and the goal text's start; ``run`` names it if it did not
+    finish its measured generate."""
     from gpucheck.engine_figures import engine_figures
 
-    fig = engine_figures(engine_data(parts))
+    fig = engine_figures(data)
     if not fig:
-        raise NotMeasured("the engine run did not finish its measured generate")
+        raise NotMeasured(f"the {run} run did not finish its measured generate")
     tok_s = fig["output_tokens_per_s"]
-    text = f"{tok_s:,.0f} output tok/s"
+    return fig, tok_s, f"{tok_s:,.0f} output tok/s"
+
+
+def throughput(parts: dict[str, Any]) -> tuple[bool, str]:
+    fig, tok_s, text = measured_throughput(engine_data(parts), "engine")
     if "first_call_tokens_per_s" in fig:
         text += f" (a second call; the first, with one-time costs: {fig['first_call_tokens_per_s']:,.0f})"
     if fig["num_errors"]:
@@ -349,13 +355,7 @@ def fp8_agreement(parts: dict[str, Any]) -> tuple[bool, str]:
 
 
 def qwen3_30b_throughput(parts: dict[str, Any]) -> tuple[bool, str]:
-    from gpucheck.engine_figures import engine_figures
-
-    fig = engine_figures(part_data(parts, "engine_qwen3_30b"))
-    if not fig:
-        raise NotMeasured("the engine_qwen3_30b run did not finish its measured generate")
-    tok_s = fig["output_tokens_per_s"]
-    text = f"{tok_s:,.0f} output tok/s"
+    fig, tok_s, text = measured_throughput(part_data(parts, "engine_qwen3_30b"), "engine_qwen3_30b")
     if "wall_ms" in fig:
         text += f" ({fig['wall_ms']:.2f} ms per step)"
     return tok_s >= QWEN3_30B_TOKENS_PER_S and not fig["num_errors"], text
