@@ -10,8 +10,8 @@ from dataclasses import fields
 
 import pytest
 
+from runner.core.logprob_rows import LogprobRows, TokenLogprobs
 from runner.core.requests import EngineCoreOutput
-from runner.core.runner_output import TokenLogprobs
 from runner.engine.byte_level import byte_level_table
 from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.output_processor import OutputProcessor
@@ -153,7 +153,7 @@ def test_output_processor_streams_equal_with_and_without_bytes(tok) -> None:
             if finish is not None:
                 del live[eid]
             entries = [TokenLogprobs(t, -0.5, 1, [t, 3], [-0.5, -1.0]) for t in new]
-            outputs.append(EngineCoreOutput(eid, new, entries, finish, None))
+            outputs.append(EngineCoreOutput(eid, new, LogprobRows.of_entries(entries), finish, None))
         got = with_bytes.process_outputs(outputs, now=100.0 + step)
         assert got == without.process_outputs(outputs, now=100.0 + step)
         for eid in got[1]:

@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
+from runner.core.logprob_rows import LogprobRows, TokenLogprobs
 from runner.core.requests import EngineCoreOutput
-from runner.core.runner_output import TokenLogprobs
 from runner.engine.detokenizer import IncrementalDetokenizer, find_stop_string
 from runner.engine.generation_config import GenerationConfig, GenerationConfigError, load_generation_config
 from runner.engine.output_processor import OutputProcessor
@@ -219,7 +219,8 @@ def test_generation_config_field_is_validated() -> None:
 # ---------------------------------------------------------------------------------------------- output processor
 def out(rid: int, tokens: list[int], finish: str | None = None, stop_reason: int | None = None,
         logprobs: list[TokenLogprobs] | None = None, error: str | None = None) -> EngineCoreOutput:
-    return EngineCoreOutput(rid, tokens, logprobs, finish, stop_reason, error)
+    return EngineCoreOutput(rid, tokens, None if logprobs is None else LogprobRows.of_entries(logprobs), finish,
+                            stop_reason, error)
 
 
 def test_output_kinds(tok) -> None:
@@ -304,7 +305,7 @@ def test_logprobs_become_vllm_dicts_with_decoded_tokens(tok) -> None:
                      engine_request_ids=[0])
     a, b = tok.encode("fox", add_special_tokens=False)[:1] + tok.encode(" brown", add_special_tokens=False)[:1]
     entries = [TokenLogprobs(a, -0.5, 1, [a, b, 9], [-0.5, -1.5, -2.0]),
-               TokenLogprobs(b, -3.0, 4, [a, 9], [-0.25, -1.0])]
+               TokenLogprobs(b, -3.0, 4, [a, 9, b], [-0.25, -1.0, -3.0])]
     (ro,), _ = proc.process_outputs([out(0, [a, b], "length", logprobs=entries)])
     c = ro.outputs[0]
     assert c.cumulative_logprob == -3.5

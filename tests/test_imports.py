@@ -118,7 +118,7 @@ RUNNER_LAYERS = ("entrypoints", "engine", "core", "worker", "models", "attention
 # (vLLM's worker imports ``vllm.v1.core.sched.output`` the same way): the model runner implements it, so
 # ``worker`` may import these modules of ``core`` and no other, and they import no layer above ``models``
 # (test_the_step_contract_imports_no_layer_above_models), so no path through them leads back into core.
-STEP_CONTRACT = frozenset({"runner.core.scheduler_output", "runner.core.runner_output"})
+STEP_CONTRACT = frozenset({"runner.core.scheduler_output", "runner.core.runner_output", "runner.core.logprob_rows"})
 
 
 def _runner_layer(module: str) -> int | None:
@@ -146,8 +146,8 @@ def test_the_step_contract_imports_no_layer_above_models() -> None:
     graph = import_graph()
     assert graph.keys() >= STEP_CONTRACT
     models = RUNNER_LAYERS.index("models")
-    above = sorted(f"{m} -> {t}" for m in STEP_CONTRACT for t in graph[m]
-                   if (layer := _runner_layer(t)) is not None and layer < models)
+    above = sorted(f"{m} -> {t}" for m in STEP_CONTRACT for t in graph[m]  # the contract's modules aside
+                   if t not in STEP_CONTRACT and (layer := _runner_layer(t)) is not None and layer < models)
     assert above == []
 
 

@@ -12,12 +12,13 @@ from fake_runner import FakeRunner, reference_generate
 from runner.config import RunnerConfig
 from runner.core.engine_core import EngineCore
 from runner.core.engine_core_proc import CoreLoop
+from runner.core.logprob_rows import LogprobRows, LogprobTokens, StepLogprobs, TokenLogprobs
 from runner.core.messages import ENCODER, OUTPUT_DECODER, CoreStats, Outputs
 from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from runner.core.runner_output import ModelRunnerOutput, TokenLogprobs
+from runner.core.runner_output import ModelRunnerOutput
 from runner.core.scheduler_output import SchedulerOutput
 from runner.engine.output_processor import OutputProcessor
-from runner.outputs import RequestOutput
+from runner.outputs import Logprob, RequestOutput
 from runner.sampling_params import RequestOutputKind, SamplingParams
 from runner.worker.sampler import request_seed
 from tiny_checkpoint import build_tokenizer
@@ -37,7 +38,7 @@ class LogprobsRunner(FakeRunner):
         entries: list[TokenLogprobs | None] = [
             None if token is None or snap.sampling.logprobs is None else TokenLogprobs(token, -1.0, 1, [], [])
             for token, snap in zip(output.sampled_token_ids, sched.requests, strict=True)]
-        return ModelRunnerOutput(output.sampled_token_ids, entries if any(entries) else None)
+        return ModelRunnerOutput(output.sampled_token_ids, StepLogprobs.of_entries(entries) if any(entries) else None)
 
 
 def run_core(params: list[SamplingParams], *, overlap: bool, abort_at: tuple[int, int] | None = None
@@ -101,23 +102,37 @@ def test_plain_tokens_and_structs_add_up_to_each_request_generated_alone(overlap
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
-def test_only_the_rows_with_logprobs_become_structs(overlap: bool) -> None:
-    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2 if i == 1 else None)
+def test_rows_with_logprobs_travel_as_arrays_beside_the_plain_tokens(overlap: bool) -> None:
+    """A running request with log-probabilities gets its steady tokens in a step's ``LogprobTokens`` (its
+    rows as arrays, no struct), the others stay plain; its first output and its finish are structs with its
+    rows; every request's tokens equal its run alone, and each row is for the token it came with."""
+    params = [SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2 if i in (1, 4) else None)
               for i in range(len(PROMPTS))]
     steps = run_core(params, overlap=overlap)
+    array_rows: dict[int, int] = {}
     for outputs in steps:
-        assert 1 not in outputs.request_ids.tolist()
+        assert not {1, 4} & set(outputs.request_ids.tolist())
+        for block in outputs.logprob_tokens:
+            assert set(block.ids().tolist()) <= {1, 4}
+            for rid in block.ids().tolist():
+                array_rows[rid] = array_rows.get(rid, 0) + 1
         for out in outputs.outputs:
-            if out.request_id == 1 and out.new_token_ids:
-                assert out.new_logprobs is not None and len(out.new_logprobs) == len(out.new_token_ids)
+            if out.request_id in (1, 4) and out.new_token_ids:
+                assert out.new_logprobs is not None and out.new_logprobs.ids().tolist() == out.new_token_ids
             else:
                 assert out.new_logprobs is None
-    # the other requests of the steps with logprobs still decode as plain tokens
-    steady = [o for o in steps if len(o.outputs) == 1 and o.num_new_tokens == len(PROMPTS)]
-    assert steady and all(o.outputs[0].request_id == 1 for o in steady)
-    got = tokens_by_request(steps)
+    assert array_rows == {1: 4, 4: 4}  # six tokens: the first and the last in structs
+    steady = [o for o in steps if o.outputs == [] and o.num_new_tokens == len(PROMPTS)]
+    assert steady and all(sorted(o.logprob_tokens[0].ids().tolist()) == [1, 4] for o in steady)
+    got = tokens_by_request(steps)  # the sequence view: a struct per array token, its row with it
     for i, p in enumerate(params):
         assert got[i] == reference_generate(PROMPTS[i], p, VOCAB, request_seed(p, 100 + i))[0], f"request {i}"
+    for outputs in steps:
+        for out in outputs:
+            assert (out.new_logprobs is not None and bool(out.new_token_ids)) == (out.request_id in (1, 4)
+                                                                                 and bool(out.new_token_ids))
+            if out.new_logprobs is not None:
+                assert out.new_logprobs.ids().tolist() == out.new_token_ids
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
@@ -182,15 +197,22 @@ class TwoClients:
 
 
 def test_each_client_gets_its_own_requests_plain_tokens() -> None:
-    rank = TwoClients({10: 0, 11: 1, 12: 0, 13: 1})
+    rank = TwoClients({10: 0, 11: 1, 12: 0, 13: 1, 20: 1, 21: 0, 22: 1})
+    rows = LogprobRows.of_entries([TokenLogprobs(t, -0.5 * t, t, [t, 0], [-0.1, -0.2]) for t in (5, 6, 7, 8)])
+    block = LogprobTokens.of(np.array([20, 21, 22, 98]), np.array([2, 1, 2, 2]), rows)
     outs = EngineCoreOutputs([EngineCoreOutput(13, [9], finish_reason="stop")], np.array([10, 11, 12, 99]),
-                             np.array([1, 2, 3, 4]))
+                             np.array([1, 2, 3, 4]), [block])
     CoreLoop._send_outputs(rank, outs)  # type: ignore[arg-type]  # the fields it reads
     (zero,), (one,) = rank.sent
     assert zero.engine_core_outputs().request_ids.tolist() == [10, 12]
     assert zero.engine_core_outputs().token_ids.tolist() == [1, 3] and zero.outputs == []
     assert one.engine_core_outputs().request_ids.tolist() == [11]
     assert [o.request_id for o in one.outputs] == [13] and 13 not in rank.client_of  # finished: routed, dropped
+    # the rows with log-probabilities: each client its own, each with its row
+    assert [(b.ids().tolist(), b.counts().tolist(), list(b.rows)) for b in zero.logprob_tokens] == \
+        [([21], [1], [rows[1]])]
+    assert [(b.ids().tolist(), b.counts().tolist(), list(b.rows)) for b in one.logprob_tokens] == \
+        [([20, 22], [2, 2], [rows[0], rows[2]])]
 
 
 def summary(outputs: list[RequestOutput]) -> list[tuple[str, str, list[int], str | None, bool]]:
@@ -227,3 +249,55 @@ def test_the_front_reads_the_arrays_as_it_reads_structs(kind: RequestOutputKind)
     assert aborted == [1]
     b_final = [g for g in got if g[0] == "b" and g[4]]
     assert len(b_final) == 1 and b_final[0][3] == "stop"
+
+
+@pytest.mark.parametrize("kind", [RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY])
+def test_the_front_reads_logprob_arrays_as_it_reads_structs(kind: RequestOutputKind) -> None:
+    """Tokens with log-probabilities in a step's arrays (``LogprobTokens``, two requests asking for 1 and 2
+    alternatives in rows 2 wide) give the same RequestOutputs, log-probability dicts, cumulative sums and
+    aborts (request b stops on a stop string) as the same outputs read one struct at a time."""
+    tokenizer = build_tokenizer()
+    hello, world = tokenizer.encode("hello"), tokenizer.encode(" world")
+
+    def rows(tokens: list[int], step: int) -> LogprobRows:
+        return LogprobRows.of_entries([TokenLogprobs(t, -0.25 * (step + j + 1), 1 + j, [t, 7], [-0.1 * step, -2.5])
+                                       for j, t in enumerate(tokens)])
+
+    steps = [EngineCoreOutputs([EngineCoreOutput(0, [hello[0]], rows([hello[0]], 0).take(slice(0, 1), 1),
+                                                 num_cached_tokens=0),
+                                EngineCoreOutput(1, [hello[0]], rows([hello[0]], 0), num_cached_tokens=0)])]
+    for k, t in enumerate([*hello[1:], *world], start=1):
+        steps.append(EngineCoreOutputs((), logprob_tokens=[
+            LogprobTokens.of(np.array([0, 1]), np.array([1, 2]), rows([t, t], k))]))
+    steps.append(EngineCoreOutputs([EngineCoreOutput(0, [hello[0]], rows([hello[0]], 99).take(slice(0, 1), 1),
+                                                     finish_reason="length")]))
+    results = []
+    for as_structs in (False, True):
+        processor = OutputProcessor(tokenizer, 64)
+        for rid, engine_id, stop, n in (("a", 0, None, 1), ("b", 1, ["o w"], 2)):
+            params = SamplingParams(temperature=0.0, max_tokens=32, output_kind=kind, stop=stop, logprobs=n)
+            processor.add_request(rid, None, [5, 6], params, engine_request_ids=[engine_id])
+        got: list[tuple[tuple[str, str, list[int], str | None, bool], list[dict[int, Logprob]] | None,
+                        float | None]] = []
+        aborted: list[int] = []
+        for outputs in steps:
+            outs, to_abort = processor.process_outputs(list(outputs) if as_structs else outputs, now=1.0)
+            got.extend(((o.request_id, c.text, list(c.token_ids), c.finish_reason, o.finished), c.logprobs,
+                        c.cumulative_logprob) for o in outs for c in o.outputs)
+            aborted.extend(to_abort)
+        results.append((got, aborted))
+    assert results[0] == results[1]
+    got, aborted = results[0]
+    assert aborted == [1]
+    delta = kind == RequestOutputKind.DELTA
+
+    def positions(rid: str) -> list[dict[int, Logprob]]:  # every token's dict: DELTA's joined, else the last's
+        outs = [lps or [] for s, lps, _ in got if s[0] == rid and (delta or s[4])]
+        return [p for lps in outs for p in lps]
+
+    a_lps, b_lps = positions("a"), positions("b")
+    assert len(a_lps) == len(hello) + len(world) + 1
+    assert all(len(position) == 1 for position in a_lps)  # logprobs=1: the sampled token is the top one
+    a_cum = [cum for s, _, cum in got if s[0] == "a" and s[4]][0]
+    assert a_cum == pytest.approx(sum(lp.logprob for position in a_lps for lp in position.values()))
+    assert b_lps and all(set(position) >= {7} for position in b_lps)  # logprobs=2: the second, id 7

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from runner.core.logprob_rows import LogprobRows, TokenLogprobs
 from runner.core.messages import ENCODER, OUTPUT_DECODER, CoreStats, Outputs
 from runner.core.requests import EngineCoreOutput
-from runner.core.runner_output import TokenLogprobs
 
 FIELDS = ("request_id", "new_token_ids", "new_logprobs", "finish_reason", "stop_reason", "error",
           "num_prompt_tokens", "new_prompt_logprobs", "prompt_logprobs_start", "num_cached_tokens", "finished")
@@ -17,8 +17,10 @@ CASES = [
     EngineCoreOutput(0, [2], finish_reason="stop", stop_reason=2, num_prompt_tokens=1),
     EngineCoreOutput(3, finish_reason="error", error="prompt token id 99 is outside the vocabulary"),
     EngineCoreOutput(4, finish_reason="abort", error="the engine is shutting down"),
-    EngineCoreOutput(5, [9], [TokenLogprobs(9, -0.25, 1, [9, 4], [-0.25, -1.5])], num_prompt_tokens=4),
-    EngineCoreOutput(6, num_prompt_tokens=8, new_prompt_logprobs=[TokenLogprobs(3, -2.0, 5, [], [])],
+    EngineCoreOutput(5, [9], LogprobRows.of_entries([TokenLogprobs(9, -0.25, 1, [9, 4], [-0.25, -1.5])]),
+                     num_prompt_tokens=4),
+    EngineCoreOutput(6, num_prompt_tokens=8,
+                     new_prompt_logprobs=LogprobRows.of_entries([TokenLogprobs(3, -2.0, 5, [], [])]),
                      prompt_logprobs_start=1),
     EngineCoreOutput(8),
     EngineCoreOutput(9, [3], num_prompt_tokens=300, num_cached_tokens=288),

@@ -22,6 +22,7 @@ from typing import cast
 import numpy as np
 
 from runner.config import RunnerConfig
+from runner.core.logprob_rows import LogprobRows, LogprobTokens, StepLogprobs
 from runner.core.overlap_loop import (
     LoopStats,
     StepLauncher,
@@ -31,7 +32,7 @@ from runner.core.overlap_loop import (
     use_overlap_loop,
 )
 from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
-from runner.core.runner_output import ModelRunnerOutput, PromptLogprobs, TokenLogprobs
+from runner.core.runner_output import ModelRunnerOutput, PromptLogprobs
 from runner.core.runner_protocol import ModelRunnerProtocol
 from runner.core.scheduler import FINISHED, Request, Scheduler
 from runner.core.scheduler_output import SchedulerOutput
@@ -88,8 +89,10 @@ class EngineCore:
         self._executor: StepLauncher | None = None
         self._loop: StepLoop | None = None
         self._live: set[int] = set()  # requests added and neither aborted by the client nor reported finished
-        # gathered while steps run, until take_outputs(): plain tokens as arrays, per step; structs by request
+        # gathered while steps run, until take_outputs(): plain tokens and tokens with log-probabilities as
+        # arrays, per step; structs by request
         self._plain_tokens: list[tuple[np.ndarray, np.ndarray]] = []
+        self._logprob_tokens: list[LogprobTokens] = []
         self._step_outputs: dict[int, EngineCoreOutput] = {}
         self._first_output_due: set[int] = set()  # added, first output (with num_cached_tokens) not yet made
         self._due_array: np.ndarray | None = None  # that set as an array (None: rebuild)
@@ -193,11 +196,12 @@ class EngineCore:
             out.stop_reason, out.error = req.stop_reason, req.error
         self._step_outputs = {}
         parts, self._plain_tokens = self._plain_tokens, []
+        blocks, self._logprob_tokens = self._logprob_tokens, []
         if not parts:
-            return EngineCoreOutputs(list(by_id.values()))
+            return EngineCoreOutputs(list(by_id.values()), logprob_tokens=blocks)
         ids, tokens = parts[0] if len(parts) == 1 else (np.concatenate([p[0] for p in parts]),
                                                         np.concatenate([p[1] for p in parts]))
-        return EngineCoreOutputs(list(by_id.values()), ids, tokens)
+        return EngineCoreOutputs(list(by_id.values()), ids, tokens, blocks)
 
     def _end_wave(self) -> None:
         loop, self._loop = self._loop, None
@@ -209,10 +213,10 @@ class EngineCore:
 
         ``update`` has just applied the step: a sampling request got its token unless it had finished before
         (a stop found in an earlier step, an abort: ``Scheduler.last_discarded``), and the requests it finished
-        are ``done``. The step's sampling rows become plain tokens with numpy (no Python per request) except the
-        few that need a struct: a finished request (its last token goes with its finish), a discarded token, a
-        request's first output (it carries ``num_cached_tokens``), a request that already has a struct in this
-        take, and a row with log-probabilities (the others of its step stay plain).
+        are ``done``. The step's sampling rows become array tokens with numpy (no Python per request), plain or
+        with their log-probabilities' rows, except the few that need a struct: a finished request (its last token
+        goes with its finish), a discarded token, a request's first output (it carries ``num_cached_tokens``),
+        and a request that already has a struct in this take.
         """
         finished = set(done)
         if output.prompt_logprobs is not None:
@@ -230,16 +234,20 @@ class EngineCore:
             ids = out.req_ids[rows]
             tokens = np.fromiter((sampled[i] for i in rows.tolist()), np.int64, count=len(rows))
         special = self._special_rows(ids, done)
-        if output.logprobs is not None:  # the rows that asked for log-probabilities carry them in a struct
-            asked = np.fromiter((e is not None for e in output.logprobs), bool, count=n)
-            asked = asked if rows is None else asked[rows]
-            special = asked if special is None else special | asked
+        lp = output.logprobs
         if special is not None and special.any():
             where = np.flatnonzero(special)
-            self._add_token_outputs(out, sampled, output.logprobs, finished,
-                                    (where if rows is None else rows[where]).tolist())
+            self._add_token_outputs(out, sampled, lp, finished, (where if rows is None else rows[where]).tolist())
             keep = ~special
             ids, tokens = ids[keep], tokens[keep]
+            rows = np.flatnonzero(keep) if rows is None else rows[keep]
+        if lp is not None and len(ids):  # the rows with log-probabilities: their arrays, the others plain
+            lp_row = lp.index() if rows is None else lp.index()[rows]
+            asked = lp_row >= 0
+            if asked.any():
+                picked = lp_row[asked]
+                self._logprob_tokens.append(LogprobTokens.of(ids[asked], lp.num_top[picked], lp.rows.take(picked)))
+                ids, tokens = ids[~asked], tokens[~asked]
         if len(ids):
             self._plain_tokens.append((ids, tokens))
 
@@ -264,29 +272,30 @@ class EngineCore:
             self._due_array = np.fromiter(due, np.int64, count=len(due))
         return self._due_array
 
-    def _add_token_outputs(self, out: SchedulerOutput, sampled: list[int],
-                           logprobs: list[TokenLogprobs | None] | None, finished: set[Request],
-                           rows: Iterable[int]) -> None:
+    def _add_token_outputs(self, out: SchedulerOutput, sampled: list[int], logprobs: StepLogprobs | None,
+                           finished: set[Request], rows: Iterable[int]) -> None:
         """Structs for the sampling ``rows`` of a processed step (the ones :meth:`_on_results` does not make
         plain tokens), appended to a request's struct of this take if it has one."""
         live, step_outputs = self.scheduler.requests, self._step_outputs
         req_ids, sample = out.req_ids, out.sample
+        lp_row = None if logprobs is None else logprobs.index()
         for i in rows:
             rid = int(req_ids[i])
             req = live.get(rid)
             if not sample[i] or req is None or not _reports_token(req, finished):  # none, or discarded
                 continue
             token = sampled[i]
-            entry = logprobs[i] if logprobs is not None else None
+            entry = None if lp_row is None or lp_row[i] < 0 else cast("StepLogprobs", logprobs).row(int(lp_row[i]))
             prev = step_outputs.get(rid)
             if prev is None:
-                step_outputs[rid] = EngineCoreOutput(rid, [token], None if entry is None else [entry],
+                step_outputs[rid] = EngineCoreOutput(rid, [token], entry,
                                                      num_prompt_tokens=len(out.requests[i].prompt_token_ids),
                                                      num_cached_tokens=self._take_num_cached_tokens(req))
             else:  # a second processed step in one take (a sync point): append
                 prev.new_token_ids.append(token)
                 if entry is not None:
-                    prev.new_logprobs = (prev.new_logprobs or []) + [entry]
+                    prev.new_logprobs = entry if prev.new_logprobs is None else \
+                        LogprobRows.concat([prev.new_logprobs, entry])
 
     def _add_prompt_logprobs(self, out: SchedulerOutput, entries: list[PromptLogprobs | None],
                              finished: set[Request]) -> None:
@@ -300,13 +309,13 @@ class EngineCore:
             prev = self._step_outputs.get(rid)
             if prev is None:
                 self._step_outputs[rid] = EngineCoreOutput(rid, num_prompt_tokens=len(snap.prompt_token_ids),
-                                                           new_prompt_logprobs=list(chunk.entries),
+                                                           new_prompt_logprobs=chunk.rows,
                                                            prompt_logprobs_start=chunk.start,
                                                            num_cached_tokens=self._take_num_cached_tokens(req))
             elif prev.new_prompt_logprobs is None:
-                prev.new_prompt_logprobs, prev.prompt_logprobs_start = list(chunk.entries), chunk.start
+                prev.new_prompt_logprobs, prev.prompt_logprobs_start = chunk.rows, chunk.start
             elif prev.prompt_logprobs_start + len(prev.new_prompt_logprobs) == chunk.start:
-                prev.new_prompt_logprobs.extend(chunk.entries)
+                prev.new_prompt_logprobs = LogprobRows.concat([prev.new_prompt_logprobs, chunk.rows])
 
     def _take_num_cached_tokens(self, req: Request) -> int | None:
         """The ``num_cached_tokens`` of a request's next output: its value on the first output made once the

@@ -242,7 +242,7 @@ class CoreLoop:
 
     def _send_outputs(self, outputs: EngineCoreOutputs, force_stats: bool = False) -> None:
         """Each client gets its requests' outputs; the stats go along, and alone to a client without outputs
-        when ``force_stats`` or its last ones are ``STATS_INTERVAL_S`` old. With one client the plain tokens go
+        when ``force_stats`` or its last ones are ``STATS_INTERVAL_S`` old. With one client the array tokens go
         as they are (an aborted request makes none: the engine core drops its tokens); with several, each
         client's are picked out by its requests' ids."""
         now = time.monotonic()
@@ -251,21 +251,25 @@ class CoreLoop:
             client = self.client_of.pop(out.request_id, None) if out.finished else self.client_of.get(out.request_id)
             if client is not None:  # None: aborted by its client, which expects nothing more
                 per_client[client].append(out)
-        ids, tokens = outputs.request_ids, outputs.token_ids
+        ids, tokens, blocks = outputs.request_ids, outputs.token_ids, outputs.logprob_tokens
         if len(self.outs) == 1:
-            plain = [(ids, tokens)]
+            arrays = [(ids, tokens, blocks)]
         else:
-            client_of = self.client_of.get
-            owner = np.fromiter((client_of(r, -1) for r in ids.tolist()), np.int64, count=len(ids))
-            plain = [(ids[owner == c], tokens[owner == c]) for c in range(len(self.outs))]
+            owner, block_owners = _owners(self.client_of, ids), [_owners(self.client_of, b.ids()) for b in blocks]
+            arrays = [(ids[owner == c], tokens[owner == c],
+                       [block.take(np.flatnonzero(o == c)) for block, o in zip(blocks, block_owners, strict=True)
+                        if (o == c).any()])
+                      for c in range(len(self.outs))]
         stats: CoreStats | None = None
         for client, mine in enumerate(per_client):
-            mine_ids, mine_tokens = plain[client]
-            if mine or len(mine_ids) or force_stats or now - self._last_stats[client] >= STATS_INTERVAL_S:
+            mine_ids, mine_tokens, mine_blocks = arrays[client]
+            if mine or len(mine_ids) or mine_blocks or force_stats or \
+                    now - self._last_stats[client] >= STATS_INTERVAL_S:
                 stats = stats if stats is not None else self._stats()
                 self._last_stats[client] = now
                 self.outs[client].send(ENCODER.encode(
-                    Outputs.of(self.rank, EngineCoreOutputs(mine, mine_ids, mine_tokens), stats)))
+                    Outputs.of(self.rank, EngineCoreOutputs(mine, mine_ids, mine_tokens, mine_blocks), stats)))
+
 
     def _stats(self) -> CoreStats:
         core, runner = self.core, self.core.runner
@@ -279,3 +283,9 @@ class CoreLoop:
                          comm_s=comm[0] if comm else 0.0, comm_exposed_s=comm[1] if comm else 0.0,
                          dbo_buckets=[] if cost_model is None else [DBOBucketStat(d.label, d.dbo_on, d.ratio)
                                                                     for d in cost_model.decisions()])
+
+
+def _owners(client_of: dict[int, int], request_ids: np.ndarray) -> np.ndarray:
+    """The client of each request (-1: aborted by its client)."""
+    get = client_of.get
+    return np.fromiter((get(r, -1) for r in request_ids.tolist()), np.int64, count=len(request_ids))

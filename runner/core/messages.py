@@ -16,6 +16,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from runner.core.logprob_rows import LogprobTokens
 from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 
 
@@ -113,24 +114,31 @@ class Ready(msgspec.Struct, tag="ready"):
 
 class Outputs(msgspec.Struct, tag="outputs"):
     """A rank's outputs for one client (``requests.EngineCoreOutputs``): the plain tokens as two arrays of
-    little-endian int64 in bytes (request ids, token ids; ``np.frombuffer`` reads them without a copy), then one
-    array-like struct per other output (values only, no field names)."""
+    little-endian int64 in bytes (request ids, token ids; ``np.frombuffer`` reads them without a copy), the
+    tokens with log-probabilities as arrays too (a ``LogprobTokens`` per step), then one array-like struct per
+    other output (values only, no field names)."""
 
     rank: int
     outputs: list[EngineCoreOutput]
     stats: CoreStats
     token_request_ids: bytes = b""
     token_ids: bytes = b""
+    logprob_tokens: list[LogprobTokens] = []
 
     @classmethod
     def of(cls, rank: int, outputs: EngineCoreOutputs, stats: CoreStats) -> Outputs:
-        return cls(rank, outputs.outputs, stats, _int64_bytes(outputs.request_ids), _int64_bytes(outputs.token_ids))
+        return cls(rank, outputs.outputs, stats, _int64_bytes(outputs.request_ids), _int64_bytes(outputs.token_ids),
+                   outputs.logprob_tokens)
+
+    @property
+    def has_array_tokens(self) -> bool:
+        return bool(self.token_ids) or bool(self.logprob_tokens)
 
     def engine_core_outputs(self, outputs: list[EngineCoreOutput] | None = None) -> EngineCoreOutputs:
         """The outputs as the engine core made them (``outputs``: these structs instead of the message's)."""
         return EngineCoreOutputs(self.outputs if outputs is None else outputs,
                                  np.frombuffer(self.token_request_ids, dtype=INT64),
-                                 np.frombuffer(self.token_ids, dtype=INT64))
+                                 np.frombuffer(self.token_ids, dtype=INT64), self.logprob_tokens)
 
 
 INT64 = np.dtype("<i8")

@@ -8,35 +8,26 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-
-@dataclass
-class TokenLogprobs:
-    """One sampled token: its log-probability and rank (1 = the most likely token), and the ``top_n`` most
-    likely tokens with theirs, most likely first."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
+from runner.core.logprob_rows import LogprobRows, StepLogprobs
 
 
 @dataclass
 class PromptLogprobs:
-    """One prefill chunk's prompt log-probabilities: ``entries[j]`` is prompt token ``start + j`` (``start`` >= 1:
-    the first prompt token has none) given the tokens before it, with the ``top_n`` most likely there."""
+    """One prefill chunk's prompt log-probabilities: row ``j`` of ``rows`` is prompt token ``start + j``
+    (``start`` >= 1: the first prompt token has none) given the tokens before it, with the ``top_n`` most likely
+    there."""
 
     start: int
-    entries: list[TokenLogprobs]
+    rows: LogprobRows
 
 
 @dataclass
 class ModelRunnerOutput:
     """``sampled_token_ids[i]`` belongs to ``SchedulerOutput.chunks[i]`` (None: that chunk sampled nothing).
-    ``logprobs``, when not None, is aligned the same way (None where a chunk asked for none)."""
+    ``logprobs``, when not None, has the rows of the chunks whose requests asked (``positions``: chunk indices)."""
 
     sampled_token_ids: list[int | None]
-    logprobs: list[TokenLogprobs | None] | None = None
+    logprobs: StepLogprobs | None = None
     prompt_logprobs: list[PromptLogprobs | None] | None = None  # per chunk, where its request asked for them
 
 

@@ -426,7 +426,7 @@ class MPClient:
                     if out.finish_reason is not None:
                         ranks[r].outstanding -= 1
                     mine.append(out)
-        if mine or msg.token_ids:
+        if mine or msg.has_array_tokens:
             self._process(msg.engine_core_outputs(mine))
         if self._num_clients > 1:  # the rank counts every client's requests; its outputs to us are processed
             rank.others = max(0, msg.stats.num_running + msg.stats.num_waiting - rank.outstanding)

@@ -23,11 +23,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from runner.core.logprob_rows import LogprobTokens
 from runner.core.requests import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from runner.engine.byte_level import byte_level_table
 from runner.engine.detokenizer import IncrementalDetokenizer
 from runner.engine.generation_config import GenerationConfig
-from runner.engine.logprobs import LogprobsState, PromptLogprobsState
+from runner.engine.logprobs import LogprobsState, PromptLogprobsState, TokenTexts
 from runner.engine.parallel_sampling import ParentRequest, child_default_seed, child_params
 from runner.engine.tokenizer import Tokenizer
 from runner.outputs import CompletionOutput, RequestMetrics, RequestOutput
@@ -100,6 +101,8 @@ class OutputProcessor:
         self.request_states: dict[int, RequestState] = {}  # by engine request id
         # single tokens' texts per decoding options (skip_special_tokens, spaces_between_special_tokens)
         self._token_texts: dict[tuple[bool, bool], dict[int, str]] = {}
+        # the texts of log-probabilities' tokens: decoded alone with special tokens kept
+        self._logprob_texts = TokenTexts(tokenizer, self._token_texts.setdefault((False, True), {}))
         self._byte_table = None if tokenizer is None else byte_level_table(tokenizer)  # byte-level: tokens' bytes
         self._children: dict[str, list[int]] = {}  # client request id -> its live engine request ids
 
@@ -131,7 +134,7 @@ class OutputProcessor:
         parent = ParentRequest(request_id, base, ids) if base.n > 1 else None
         metrics = RequestMetrics(arrival_time=arrival)
         prompt_len = len(prompt_token_ids) if isinstance(prompt_token_ids, list) else 0
-        prompt_logprobs = PromptLogprobsState(self.tokenizer, base.prompt_logprobs, prompt_len)
+        prompt_logprobs = PromptLogprobsState(self._logprob_texts, base.prompt_logprobs, prompt_len)
         states, requests = [], []
         for index, engine_id in enumerate(ids):
             child = child_params(base, index) if parent is not None else base
@@ -142,7 +145,7 @@ class OutputProcessor:
                 engine_id, request_id, index, parent, prompt, prompt_token_ids, base.output_kind,
                 IncrementalDetokenizer(self.tokenizer, prompt_token_ids, child, self._token_texts.setdefault(
                     (child.skip_special_tokens, child.spaces_between_special_tokens), {}), self._byte_table),
-                LogprobsState(self.tokenizer, child.logprobs), metrics, prompt_logprobs))
+                LogprobsState(self._logprob_texts, child.logprobs), metrics, prompt_logprobs))
             requests.append(EngineCoreRequest(engine_id, prompt_token_ids, child,
                                               default_seed=child_default_seed(default_seed, index),
                                               arrival_time=arrival))
@@ -184,14 +187,16 @@ class OutputProcessor:
         """Turn one batch of engine-core outputs (from any DP rank, any order) into RequestOutputs; returns
         them and the engine request ids that stopped here (a stop string, or bad log-probabilities) and must
         be aborted in the engine core. Outputs of unknown (aborted, finished) requests are ignored. An engine
-        core's :class:`EngineCoreOutputs` are read as they came: its plain tokens from the arrays, then its
-        structs."""
+        core's :class:`EngineCoreOutputs` are read as they came: its array tokens (plain, then with
+        log-probabilities), then its structs."""
         now = time.time() if now is None else now
         request_outputs: list[RequestOutput] = []
         to_abort: list[int] = []
         structs: Iterable[EngineCoreOutput] = outputs
         if isinstance(outputs, EngineCoreOutputs):
             self._process_plain_tokens(outputs, now, request_outputs, to_abort)
+            for block in outputs.logprob_tokens:
+                self._process_logprob_tokens(block, now, request_outputs, to_abort)
             structs = outputs.outputs
         states = self.request_states
         for out in structs:
@@ -228,12 +233,8 @@ class OutputProcessor:
             state = states.get(engine_id)
             if state is None:
                 continue
-            metrics = state.metrics
-            if metrics.first_token_time is None:
-                metrics.first_token_time = now
-            metrics.last_token_time = now
             new_ids = [token]
-            stop_string = state.detokenizer.update(new_ids, False)
+            stop_string = _arrive(state, new_ids, now)
             if stop_string is None:
                 if state.quiet:
                     continue
@@ -242,6 +243,23 @@ class OutputProcessor:
                     continue
             self._emit(state, EngineCoreOutput(engine_id, new_ids), None if stop_string is None else "stop",
                        stop_string, now, request_outputs, to_abort)
+
+    def _process_logprob_tokens(self, block: LogprobTokens, now: float, request_outputs: list[RequestOutput],
+                                to_abort: list[int]) -> None:
+        """:meth:`process_outputs` for one step's tokens with log-probabilities (one new token of a running
+        request each, with its row): the arrays read as lists once, then a row per request."""
+        states = self.request_states
+        rows = block.rows.lists()
+        for engine_id, token, logprob, rank, top_ids, top_lps in zip(block.ids().tolist(), *rows, strict=True):
+            state = states.get(engine_id)
+            if state is None:
+                continue
+            new_ids = [token]
+            stop_string = _arrive(state, new_ids, now)
+            if state.wants_logprobs:  # as _emit: rows a request did not ask for are not kept
+                state.logprobs.add(token, logprob, rank, top_ids, top_lps)
+            self._finish_output(state, new_ids, None, None, False, None if stop_string is None else "stop",
+                                stop_string, now, request_outputs, to_abort)
 
     @staticmethod
     def _plain_output(state: RequestState, new_ids: list[int]) -> RequestOutput:
@@ -258,12 +276,21 @@ class OutputProcessor:
               to_abort: list[int]) -> None:
         """The rest of :meth:`process_outputs` for one output once its text is updated (``finish_reason`` and
         ``stop_reason`` include a stop string found here): log-probabilities, the RequestOutput, the finish."""
-        new_ids, error = out.new_token_ids, out.error
+        new_ids = out.new_token_ids
         problem = None  # the two updates return None at once where nothing was asked nor sent: skipped
         if state.wants_logprobs:
             problem = state.logprobs.update(new_ids, out.new_logprobs)
         if problem is None and out.new_prompt_logprobs:
             problem = state.prompt_logprobs.update(out.prompt_logprobs_start, out.new_prompt_logprobs)
+        self._finish_output(state, new_ids, problem, out.error, out.finished, finish_reason, stop_reason, now,
+                            request_outputs, to_abort)
+
+    def _finish_output(self, state: RequestState, new_ids: list[int], problem: str | None, error: str | None,
+                       finished_in_core: bool, finish_reason: str | None, stop_reason: int | str | None, now: float,
+                       request_outputs: list[RequestOutput], to_abort: list[int]) -> None:
+        """The RequestOutput of one output whose text and log-probabilities are in: ``problem`` (the engine's
+        log-probabilities do not fit) finishes the request with an error; a finish here that the engine core did
+        not report (``finished_in_core``: a stop string, a problem) adds the request to ``to_abort``."""
         if problem is not None:
             finish_reason, stop_reason, error = "error", None, f"request {state.request_id!r}: {problem}"
         if finish_reason is not None and error is not None:
@@ -275,7 +302,7 @@ class OutputProcessor:
             request_outputs.append(result)
         if finish_reason is not None:
             self._finish(state)
-            if not out.finished:  # stopped here: the engine core still runs it
+            if not finished_in_core:  # stopped here: the engine core still runs it
                 to_abort.append(state.engine_request_id)
 
     def _request_output(self, state: RequestState, new_ids: list[int], finish_reason: str | None,
@@ -303,3 +330,13 @@ class OutputProcessor:
         if state.parent is not None and state.parent.running:
             return
         self._children.pop(state.request_id, None)
+
+
+def _arrive(state: RequestState, new_ids: list[int], now: float) -> str | None:
+    """A running request's array token arrives: its metrics' timestamps, then its text; returns the stop string
+    that text completed, or None."""
+    metrics = state.metrics
+    if metrics.first_token_time is None:
+        metrics.first_token_time = now
+    metrics.last_token_time = now
+    return state.detokenizer.update(new_ids, False)

@@ -270,7 +270,7 @@ class ModelRunner:
             if step.picks is None:
                 return ModelRunnerOutput(cast("list[int | None]", result.token_ids), result.logprobs, prompt_lps)
             return ModelRunnerOutput(_scatter(result.token_ids, step.picks, n),
-                                     None if result.logprobs is None else _scatter(result.logprobs, step.picks, n),
+                                     None if result.logprobs is None else result.logprobs.scattered(step.picks, n),
                                      prompt_lps)
 
         return PendingStep(read)

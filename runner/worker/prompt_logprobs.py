@@ -14,7 +14,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from runner.core.runner_output import PromptLogprobs, TokenLogprobs
+from runner.core.logprob_rows import LogprobRows
+from runner.core.runner_output import PromptLogprobs
 from runner.core.scheduler_output import SchedulerOutput
 from runner.worker import sampling_ops as ops
 
@@ -50,10 +51,11 @@ def prompt_logprobs(sched: SchedulerOutput, hidden: torch.Tensor,
         lp = ops.raw_logprobs(compute_logits(hidden.index_select(0, rows)))
         chosen = torch.tensor(ids, dtype=torch.int64, device=hidden.device)
         logprob, rank = ops.token_logprobs(lp, chosen)
-        top = lp.topk(top_n, dim=-1) if top_n else None
-        values, ranks = logprob.tolist(), rank.tolist()
-        top_ids = top.indices.tolist() if top is not None else [[] for _ in ids]
-        top_lps = top.values.tolist() if top is not None else [[] for _ in ids]
-        out[i] = PromptLogprobs(start, [TokenLogprobs(t, v, int(r), ti, tl) for t, v, r, ti, tl in
-                                        zip(ids, values, ranks, top_ids, top_lps, strict=True)])
+        if top_n:
+            top = lp.topk(top_n, dim=-1)
+            top_ids, top_lps = top.indices.cpu().numpy(), top.values.cpu().numpy()
+        else:
+            top_ids, top_lps = np.zeros((len(ids), 0), np.int64), np.zeros((len(ids), 0), np.float64)
+        out[i] = PromptLogprobs(start, LogprobRows.of(np.array(ids, dtype=np.int64), logprob.cpu().numpy(),
+                                                      rank.cpu().numpy(), top_ids, top_lps))
     return out

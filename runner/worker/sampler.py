@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from runner.core.runner_output import TokenLogprobs
+from runner.core.logprob_rows import LogprobRows, StepLogprobs
 from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker import sampling_ops as ops
@@ -35,11 +35,11 @@ def request_seed(params: SamplingParams, default_seed: int) -> int:
 
 @dataclass
 class SamplerOutput:
-    """``token_ids[i]`` for row ``i``; ``logprobs[i]`` for a row that asked (else None); ``logprobs`` is None
-    when no row asked."""
+    """``token_ids[i]`` for row ``i``; ``logprobs`` the rows that asked for log-probabilities (None when none
+    did; ``logprobs[i]`` is row ``i``'s, or None)."""
 
     token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
+    logprobs: StepLogprobs | None = None
 
 
 @dataclass
@@ -258,7 +258,7 @@ def read_back(meta: SamplingMetadata, sampled: torch.Tensor,
     result packed into one float64 tensor (token ids and ranks are below 2**53, so exact), copied once."""
     if lp is None:
         return SamplerOutput(sampled.tolist())  # the step's only wait for the device
-    return unpack(meta, _packed(sampled, lp).tolist())
+    return unpack(meta, _packed(sampled, lp).cpu().numpy())
 
 
 def _packed(sampled: torch.Tensor, lp: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -300,26 +300,24 @@ class PendingSample:
         try:
             if self.copy.event is not None:
                 self.sampler.wait_for_copy(self.copy.event, timeout_s)
-            values = self.copy.host.tolist()  # on the CPU, the step's wait for the forward's results
             if self.meta is None or not self.has_logprobs:
-                return SamplerOutput(values)
-            return unpack(self.meta, values)
+                return SamplerOutput(self.copy.host.tolist())  # on the CPU, the step's wait for the forward
+            return unpack(self.meta, self.copy.host.numpy())
         finally:
             self.sampler.read_back_s += time.perf_counter() - t0
 
 
-def unpack(meta: SamplingMetadata, values: list[float]) -> SamplerOutput:
+def unpack(meta: SamplingMetadata, values: np.ndarray) -> SamplerOutput:
     """A :class:`SamplerOutput` from the packed float64 results of :func:`read_back` (sampled ids, then the
-    logprob rows' logprob, rank, top ids and top logprobs)."""
+    logprob rows' logprob, rank, top ids and top logprobs), the logprob rows as arrays (numpy slices of the
+    packed values, no Python per row)."""
     n = meta.num_rows
-    ids = [int(v) for v in values[:n]]
+    ids = values[:n].astype(np.int64)
     num = len(meta.logprob_row_ids)
     k = meta.max_logprobs
+    positions = np.array(meta.logprob_row_ids, dtype=np.int64)
     logprob, rank = values[n:n + num], values[n + num:n + 2 * num]
     top_ids, top_lps = values[n + 2 * num:n + 2 * num + num * k], values[n + 2 * num + num * k:]
-    out: list[TokenLogprobs | None] = [None] * n
-    for j, (row, count) in enumerate(zip(meta.logprob_row_ids, meta.num_logprobs, strict=True)):
-        out[row] = TokenLogprobs(token_id=ids[row], logprob=logprob[j], rank=int(rank[j]),
-                                 top_token_ids=[int(t) for t in top_ids[j * k:j * k + count]],
-                                 top_logprobs=top_lps[j * k:j * k + count])
-    return SamplerOutput(ids, out)
+    rows = LogprobRows.of(ids[positions], logprob, rank.astype(np.int64), top_ids.astype(np.int64).reshape(num, k),
+                          top_lps.reshape(num, k))
+    return SamplerOutput(ids.tolist(), StepLogprobs(positions, np.array(meta.num_logprobs, dtype=np.int64), rows, n))
