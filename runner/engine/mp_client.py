@@ -211,6 +211,8 @@ class EngineProcesses:
         still running and release the sockets. Returns the ranks that had to be stopped; a ``LaunchInterrupted``
         (a stop signal the caller armed) during the graceful wait stops them at once and is re-raised naming them.
         Idempotent; what interpreter exit runs for a synchronous client."""
+        if self.group is None and self.ctx is None:  # closed already: nothing to import (a collected LLM at exit)
+            return []
         from runner.distributed.launch import LaunchInterrupted
 
         atexit.unregister(self.close)
