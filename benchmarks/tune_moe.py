@@ -6,12 +6,18 @@ its output is checked against the default configuration's first, so a table can 
 that compute the same thing. The table goes to ``--out-dir`` under the name the experts look up
 (``E=..,N=..,K=..,device_name=..[,dtype=..][,block_shape=..].json``, vLLM's format), for
 ``UBATCH_MOE_CONFIG_DIR``. ``--budget-s`` bounds the sweep: each token count gets an equal share, and its
-search stops (keeping the best so far) when the share is spent. ``--json`` also writes, per token count, the
-kept configuration's time, the default configuration's, and ``grouped_mm``'s on the same problem (the engine's
-``auto`` backend where it is the fused kernel), so a table's gain and the backend to prefer are on record.
+search stops (keeping the best so far) when the share is spent. Each token count also times ``grouped_mm`` on
+the same problem (where it is the fused kernel); beside the table goes the backend-choice table
+(``...,backends.json``, ``ubatch/modular_moe/experts/backend_choice.py``): per token count the tuned Triton time,
+every other backend's, and the fastest of the ones that can be mixed per bucket (``triton``, ``grouped_mm``),
+which ``--experts-backend auto`` then runs at that count. ``--json`` also writes, per token count, the kept
+configuration's time, the default configuration's, the other backends' and the backend chosen, and both files'
+paths, so a table's gain and the backend to prefer are on record.
 
 ``--dry-run`` runs the same path on the CPU in Triton's interpreter (tiny shape, two candidates, float32),
-to check the script and its table format without a GPU. Without a GPU and without ``--dry-run`` it exits 2.
+to check the script and its tables' formats without a GPU; the other backend timed there is ``torch``, which
+cannot be mixed per bucket, so its time is recorded and ``triton`` is chosen. Without a GPU and without
+``--dry-run`` it exits 2.
 Usage: ``python benchmarks/tune_moe.py --shape 128,768,2048 --top-k 8 [--dtype bfloat16|fp8] [--tokens 1 64 ...]
 [--budget-s 1800] [--out-dir DIR]`` or ``python benchmarks/tune_moe.py --dry-run --out-dir DIR``.
 """
@@ -35,8 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from ubatch.fp8 import Fp8Tensor, quantize_blocks
 from ubatch.modular_moe.experts import make_experts
+from ubatch.modular_moe.experts.backend_choice import write_choice_table
 from ubatch.modular_moe.experts.triton_configs import (
     TritonMoEConfig,
+    choice_file_name,
     config_dtype,
     default_config,
     table_file_names,
@@ -146,7 +154,8 @@ def tune_one(shape: tuple[int, int, int], num_tokens: int, top_k: int, dtype_nam
 
 def other_backends(device: str) -> tuple[str, ...]:
     """The experts backends the tuned kernel is timed against: ``grouped_mm`` where it is the fused kernel (what
-    ``--experts-backend auto`` picks there), on the CPU ``torch`` (the dry run)."""
+    ``--experts-backend auto`` runs there without a backend-choice table, and the other backend a bucket may
+    choose), on the CPU ``torch`` (the dry run: recorded, never chosen)."""
     from ubatch.modular_moe.experts.grouped_mm_experts import has_fused_grouped_mm
 
     if device == "cpu":
@@ -157,10 +166,12 @@ def other_backends(device: str) -> tuple[str, ...]:
 def tune(shape: tuple[int, int, int], token_counts: Sequence[int], top_k: int, dtype_name: str, device: str,
          device_name: str, out_dir: Path, budget_s: float, iters: int,
          candidates: Callable[[int, int], Sequence[TritonMoEConfig]] = search_space
-         ) -> tuple[Path, list[dict[str, Any]]]:
-    """Tune every token count of one shape and write its table; returns the file written and one row per token
-    count (the configuration kept, its time, the default configuration's, the candidates timed)."""
+         ) -> tuple[Path, Path, list[dict[str, Any]]]:
+    """Tune every token count of one shape and write its Triton table and its backend-choice table; returns both
+    files and one row per token count (the configuration kept, its time, the default configuration's, the
+    candidates timed, the other backends' times, the backend ``auto`` runs there)."""
     table: dict[str, dict[str, int]] = {}
+    measured: dict[int, dict[str, float]] = {}
     rows: list[dict[str, Any]] = []
     for num_tokens in token_counts:
         config, ms, tried, default_ms, others = tune_one(shape, num_tokens, top_k, dtype_name, device,
@@ -169,16 +180,21 @@ def tune(shape: tuple[int, int, int], token_counts: Sequence[int], top_k: int, d
         print(f"E,N,K={shape} tokens={num_tokens}: {config} {ms:.4f} ms (best of {tried}; default "
               f"{default_ms:.4f} ms" + "".join(f"; {n} {t:.4f} ms" for n, t in others.items()) + ")", flush=True)
         table[str(num_tokens)] = config.to_json()
+        measured[num_tokens] = {"triton": ms, **others}
         rows.append({"tokens": num_tokens, "config": config.to_json(), "ms": ms, "default_ms": default_ms,
                      "tried": tried, "other_backends_ms": others})
     block = FP8_BLOCK if dtype_name == "fp8" else None
-    name = table_file_names(*shape, device_name, config_dtype(str(DTYPES[dtype_name]).removeprefix("torch."), block),
-                            block)[0]
+    key = (*shape, device_name, config_dtype(str(DTYPES[dtype_name]).removeprefix("torch."), block), block)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / name
+    path = out_dir / table_file_names(*key)[0]
     path.write_text(json.dumps(table, indent=4) + "\n")
     print(f"wrote {path}", flush=True)
-    return path, rows
+    choice_path = out_dir / choice_file_name(*key)
+    choices = write_choice_table(choice_path, measured)
+    for row in rows:
+        row["backend"] = choices.entries[row["tokens"]].backend
+    print(f"wrote {choice_path}", flush=True)
+    return path, choice_path, rows
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -192,7 +208,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=20, help="timed calls per candidate")
     p.add_argument("--out-dir", type=Path, default=Path("moe_configs"), help="where the table files go")
     p.add_argument("--json", type=Path, default=None,
-                   help="also write what was tuned (each table, per token count its time and the default's) here")
+                   help="also write what was tuned (both tables' paths; per token count the time, the default's, "
+                        "the other backends' and the backend auto runs there) here")
     p.add_argument("--dry-run", action="store_true",
                    help="CPU interpreter, tiny shape, two candidates: checks the path and the table format")
     args = p.parse_args(argv)
@@ -226,12 +243,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def write_summary(path: Path | None, device_name: str, shapes: Sequence[tuple[int, int, int]],
-                  done: Sequence[tuple[Path, list[dict[str, Any]]]]) -> None:
-    """``--json``: the GPU, and per shape its table's path and rows (nothing without ``--json``)."""
+                  done: Sequence[tuple[Path, Path, list[dict[str, Any]]]]) -> None:
+    """``--json``: the GPU, and per shape its Triton table's path, its backend-choice table's and the rows
+    (nothing without ``--json``)."""
     if path is None:
         return
-    tables = [{"shape": list(shape), "path": str(table), "rows": rows}
-              for shape, (table, rows) in zip(shapes, done, strict=True)]
+    tables = [{"shape": list(shape), "path": str(table), "choice_path": str(choices), "rows": rows}
+              for shape, (table, choices, rows) in zip(shapes, done, strict=True)]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"device_name": device_name, "tables": tables}, indent=2) + "\n")
 

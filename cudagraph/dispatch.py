@@ -174,7 +174,9 @@ _ALL2ALL_BLOCKERS = {
     "deepep_high_throughput": "DeepEP high-throughput mode syncs with the host (vLLM forces eager for it)",
 }
 # Experts backends not listed capture: grouped_mm (device-side offsets), triton, deep_gemm. Callers pass the
-# resolved name (``auto`` is resolved by ``ubatch.modular_moe.experts.resolve_experts_backend`` first).
+# resolved name (``auto`` is resolved by ``ubatch.modular_moe.experts.resolve_experts_backend`` first); a layer
+# whose ``auto`` runs per-bucket members from a backend-choice table runs only triton and grouped_mm, so it
+# captures wherever that answer does.
 _EXPERTS_BLOCKERS = {
     "torch": "experts backend torch selects each expert's tokens with nonzero() (a host sync); "
              "use --experts-backend auto (grouped_mm on a 9.x/10.x GPU), grouped_mm, triton or deep_gemm "

@@ -145,7 +145,10 @@ class RunnerConfig:
     dbo_schedule: str = "moe"  # yields in the MoE kernel only | "deepseek": DeepSeek's decode pipeline
     tbo_token_distribution_threshold: float = 0.48
     all2all_backend: str = "none"
-    experts_backend: str = "auto"  # grouped_mm on a 9.x/10.x GPU, else torch (experts.resolve_experts_backend)
+    # auto: on CUDA, a layer with a backend-choice table for its shape and GPU (benchmarks/tune_moe.py writes it)
+    # runs the fastest measured of triton/grouped_mm per token-count bucket (experts.auto); otherwise, and for
+    # device-only decisions (graph capture, SBO), grouped_mm on a 9.x/10.x GPU, else torch (resolve_experts_backend)
+    experts_backend: str = "auto"
     attention_backend: str = "auto"  # auto: triton on CUDA, torch (the plain reference) on CPU
     # residual add + RMSNorm, q/k norm + RoPE and router top-k as Triton kernels: auto (on CUDA with Triton) | on | off
     fused_tails: str = "auto"

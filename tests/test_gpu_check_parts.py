@@ -398,7 +398,9 @@ def test_the_tune_part_needs_a_gpu_and_its_report_section_reads_the_tuners_summa
     rows = [line for line in report.splitlines() if " GROUP_SIZE_M=" in line]
     assert [r.split(" | ")[0] for r in rows] == ["| 1", "| 8"]  # a row per token count, the candidates timed
     assert all(r.split(" | ")[5] == "2" for r in rows)  # after the torch experts' ms: the alternative timed
-    assert "| tokens | tuned ms | default ms | speed-up | torch ms | candidates | configuration |" in report
+    assert all(r.split(" | ")[6] == "triton" for r in rows)  # what auto runs there (torch is never chosen)
+    assert f"`{Path(doc['tables'][0]['choice_path']).name}`" in report
+    assert "| tokens | tuned ms | default ms | speed-up | torch ms | candidates | auto runs | configuration |" in report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the part really runs (minutes, the 1.2B model)")

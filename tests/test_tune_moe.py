@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ubatch.modular_moe.experts.triton_configs import default_config, load_table, table_file_names
+from ubatch.modular_moe.experts.backend_choice import load_choice_table
+from ubatch.modular_moe.experts.triton_configs import choice_file_name, default_config, load_table, table_file_names
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "tune_moe.py"
@@ -27,7 +28,8 @@ def test_dry_run_writes_a_table_the_loader_reads(tmp_path: Path) -> None:
                            str(summary)], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     name = table_file_names(*DRY_RUN_SHAPE, "cpu", "float32", None)[0]
-    assert [p.name for p in (tmp_path / "tables").iterdir()] == [name]
+    choice_name = choice_file_name(*DRY_RUN_SHAPE, "cpu", "float32", None)
+    assert sorted(p.name for p in (tmp_path / "tables").iterdir()) == sorted([name, choice_name])
     table = load_table(tmp_path / "tables" / name)
     assert sorted(table.entries) == list(DRY_RUN_TOKENS)
     assert all(config in DRY_RUN_CONFIGS for config in table.entries.values())
@@ -40,6 +42,15 @@ def test_dry_run_writes_a_table_the_loader_reads(tmp_path: Path) -> None:
     assert [r["config"] for r in rows] == [table.entries[t].to_json() for t in DRY_RUN_TOKENS]
     assert all(r["ms"] > 0 and r["default_ms"] > 0 for r in rows)
     assert all(list(r["other_backends_ms"]) == ["torch"] and r["other_backends_ms"]["torch"] > 0 for r in rows)
+    # the backend-choice table beside it: torch's time recorded, never chosen (it cannot be mixed per bucket)
+    assert doc["tables"][0]["choice_path"] == str(tmp_path / "tables" / choice_name)
+    assert f"wrote {tmp_path / 'tables' / choice_name}" in proc.stdout
+    choices = load_choice_table(tmp_path / "tables" / choice_name)
+    assert sorted(choices.entries) == list(DRY_RUN_TOKENS) and choices.backends == ("triton",)
+    for r in rows:
+        entry = choices.entries[r["tokens"]]
+        assert entry.ms == {"triton": r["ms"], "torch": r["other_backends_ms"]["torch"]}
+        assert r["backend"] == entry.backend == "triton"
 
 
 def test_exits_2_and_says_why_without_a_gpu() -> None:

@@ -105,17 +105,20 @@ ENGINE_ROWS = (("output tok/s", "output_tokens_per_s"), ("output tok/s, first ca
 
 
 def tune_section(data: dict[str, Any]) -> list[str]:
-    """Each table ``tune_moe`` wrote: per token count the configuration kept against the default one."""
+    """Each table ``tune_moe`` wrote: per token count the configuration kept against the default one, and the
+    backend ``--experts-backend auto`` runs there (from the backend-choice table written beside it)."""
     lines = [f"On {data.get('device_name')}; the files are in `moe_configs/` beside this report: copy them to "
              "`ubatch/modular_moe/experts/configs/`.", ""]
     for t in data.get("tables") or []:
         lines += [f"`{Path(t['path']).name}` (E, N, K = {', '.join(map(str, t['shape']))}):", ""]
         others = sorted({name for r in t["rows"] for name in r.get("other_backends_ms") or {}})
         lines += table(["tokens", "tuned ms", "default ms", "speed-up", *(f"{n} ms" for n in others), "candidates",
-                        "configuration"],
+                        "auto runs", "configuration"],
                        [(r["tokens"], r["ms"], r["default_ms"], r["default_ms"] / r["ms"] if r["ms"] else None,
-                         *((r.get("other_backends_ms") or {}).get(n) for n in others), r["tried"],
+                         *((r.get("other_backends_ms") or {}).get(n) for n in others), r["tried"], r.get("backend"),
                          " ".join(f"{k}={v}" for k, v in r["config"].items())) for r in t["rows"]])
+        if t.get("choice_path"):
+            lines += ["", f"`auto runs`: the backend-choice table `{Path(t['choice_path']).name}`."]
         lines += [""]
     return lines
 

@@ -176,19 +176,21 @@ class ModelRunner:
     def _moe_parallel_config(self) -> MoEParallelConfig:
         cfg = self.cfg
         capacity = cfg.max_dispatch_tokens_per_rank or cfg.max_num_batched_tokens
-        self.experts_backend = resolve_experts_backend(cfg.experts_backend, self.device)  # "auto" -> a backend
+        # "auto" -> the backend the capture, SBO and report decisions read; the layers get "auto" itself and pick
+        # per token-count bucket where a measured table names this GPU and shape (experts/auto.py)
+        self.experts_backend = resolve_experts_backend(cfg.experts_backend, self.device)
         if cfg.experts_backend != self.experts_backend and self.rank == 0:
             log_once(logger, logging.INFO,
                      f"--experts-backend {cfg.experts_backend}: using {self.experts_backend} on {self.device}")
         if cfg.enable_expert_parallel and self.world_size > 1:
             groups = new_ep_groups(NUM_UBATCHES, timeout_s=cfg.dist_timeout_s)
             return MoEParallelConfig(ep_rank=self.rank, ep_size=self.world_size, all2all_backend=cfg.all2all_backend,
-                                     experts_backend=self.experts_backend, ep_groups=groups,
+                                     experts_backend=cfg.experts_backend, ep_groups=groups,
                                      max_dispatch_tokens_per_rank=capacity, emulate_link=cfg.emulate_link)
         if cfg.all2all_backend != "none":
             raise ValueError(f"--all2all-backend {cfg.all2all_backend} moves tokens between expert-parallel ranks; "
                              "it needs --enable-expert-parallel and --data-parallel-size > 1 (or use 'none')")
-        return MoEParallelConfig(experts_backend=self.experts_backend, max_dispatch_tokens_per_rank=capacity,
+        return MoEParallelConfig(experts_backend=cfg.experts_backend, max_dispatch_tokens_per_rank=capacity,
                                  emulate_link=cfg.emulate_link)
 
     # ---- one step ----------------------------------------------------------------------------------

@@ -28,7 +28,8 @@ from ubatch import trace
 from ubatch.forward_context import maybe_get_forward_context
 from ubatch.fp8 import FP8_DTYPE, Fp8Tensor, scale_shape
 from ubatch.modular_moe.config import MoEParallelConfig
-from ubatch.modular_moe.experts import make_experts, resolve_experts_backend
+from ubatch.modular_moe.experts.auto import experts_for_layer
+from ubatch.modular_moe.experts.base import MoEExperts
 from ubatch.modular_moe.fused_router import fused_select_experts
 from ubatch.modular_moe.kernel import FusedMoEModularKernel
 from ubatch.modular_moe.router import ScoringFunc, select_experts
@@ -133,17 +134,26 @@ class FusedMoE(nn.Module):
     def kernel_for(self, backend: str) -> FusedMoEModularKernel:
         """Built on first use: the backend needs the process groups, which exist only once ranks are up.
 
-        An ``experts_backend`` of ``auto`` is resolved here, by the device the weights are on by then.
+        An ``experts_backend`` of ``auto`` is resolved here, by the device the weights are on by then and this
+        layer's shape (:func:`~ubatch.modular_moe.experts.auto.experts_for_layer`: a backend per token-count
+        bucket where a backend-choice table exists for it).
         """
         kernel = self._kernels.get(backend)
         if kernel is None:
             device = self.w13_weight.device
             pf = self.runtime.prepare_finalize(self.num_experts, self.hidden_size, device, backend)
-            experts = make_experts(resolve_experts_backend(self.parallel.experts_backend, device))
+            experts = self._make_experts(device)
             experts.check_extras(self.extras())
             kernel = FusedMoEModularKernel(pf, experts, self.shared_experts, sbo=self.parallel.sbo)
             self._kernels[backend] = kernel
         return kernel
+
+    def _make_experts(self, device: torch.device) -> MoEExperts:
+        """The experts backend for this layer's shape, keyed as the Triton tables are: local experts, intermediate
+        and hidden size, the weights' dtype (FP8 ones by their ``w13`` block shape)."""
+        fp8_block = self.fp8_blocks[0] if self.fp8_blocks is not None else None
+        return experts_for_layer(self.parallel.experts_backend, device, self.w13_weight.shape[0],
+                                 self.intermediate_size, self.hidden_size, self.w13_weight.dtype, fp8_block)
 
     def extras(self) -> ExpertMLPExtras | None:
         """The experts' biases and activation, ``None`` for plain SiLU-and-mul without biases."""

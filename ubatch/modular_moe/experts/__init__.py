@@ -3,9 +3,14 @@
 Backends are imported only inside ``make_experts``: ``triton`` (about 1 GB) and ``deep_gemm`` (CUDA only) are
 optional, and Triton kernels must be decorated after ``TRITON_INTERPRET`` is settled.
 
-``auto`` (the engine's default) is not a backend but a rule, :func:`resolve_experts_backend`, applied where
-the device is known: ``grouped_mm`` on a GPU whose ``torch._grouped_mm`` is the fused kernel (capturable, so
-CUDA graphs stay on), ``torch`` everywhere else (the CPU figures in docs/benchmarks.md were measured with it).
+``auto`` (the engine's default) is not a backend but a rule. Where a layer's shape is known (``FusedMoE``
+builds its kernel: :func:`~ubatch.modular_moe.experts.auto.experts_for_layer`), a CUDA device with a
+backend-choice table for that shape and GPU (written by ``benchmarks/tune_moe.py``, :mod:`.backend_choice`) gets
+the fastest measured backend per token-count bucket (:class:`~.bucketed_experts.BucketedExperts`, ``triton`` or
+``grouped_mm`` per call size). Otherwise, and for callers that know only the device,
+:func:`resolve_experts_backend`: ``grouped_mm`` on a GPU whose ``torch._grouped_mm`` is the fused kernel
+(capturable, so CUDA graphs stay on), ``torch`` everywhere else (the CPU figures in docs/benchmarks.md were
+measured with it; the CPU never reads a table).
 """
 from __future__ import annotations
 
@@ -28,6 +33,11 @@ def resolve_experts_backend(name: str, device: torch.device | str) -> str:
     ``auto``: ``grouped_mm`` on a CUDA device of compute capability 9.x/10.x (where ``torch._grouped_mm`` is
     the fused kernel, no host sync), ``torch`` on CPU and on other GPUs (there ``torch._grouped_mm`` would sync
     with the host on every GEMM, so ``grouped_mm`` refuses to run).
+
+    This is the device-only answer, for decisions made without a layer's shape (CUDA-graph capture blockers,
+    SBO modes, benchmarks). A layer may run per-bucket members from a backend-choice table instead; those are
+    only ``triton`` and ``grouped_mm``, both capturable and neither ``deep_gemm``, so for these decisions they
+    behave as ``grouped_mm`` (and where this answer is ``torch``, graphs are merely refused, never wrong).
     """
     if name != AUTO:
         if name not in EXPERTS_BACKENDS:

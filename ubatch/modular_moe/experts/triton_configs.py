@@ -11,24 +11,38 @@ Tables are looked up in the directory named by ``UBATCH_MOE_CONFIG_DIR``, then i
 package (:data:`BUILTIN_CONFIG_DIR`, as vLLM's ``fused_moe/configs``; tuned by ``benchmarks/tune_moe.py`` on the
 GPU they name), or only in a directory passed explicitly; the ``K``-qualified name first. Without a table,
 :func:`default_config` (vLLM's untuned rule) applies: the documented default for a GPU no table names.
+
+The same directories, in the same order (:func:`config_dirs`, :func:`find_config_file`), hold the backend-choice
+tables ``--experts-backend auto`` reads (:func:`choice_file_name`, :mod:`.backend_choice`); both kinds of table
+are keyed by token count and take the nearest one (:func:`nearest_bucket`).
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
 
 __all__ = [
     "BUILTIN_CONFIG_DIR",
     "CONFIG_DIR_ENV",
     "MoEConfigTable",
     "TritonMoEConfig",
+    "choice_file_name",
+    "config_dirs",
     "config_dtype",
     "default_config",
     "device_file_name",
+    "device_table_name",
+    "find_config_file",
     "find_table",
     "load_table",
+    "nearest_bucket",
+    "read_count_table",
     "table_file_names",
 ]
 
@@ -74,7 +88,13 @@ class MoEConfigTable:
 
     def lookup(self, num_tokens: int) -> TritonMoEConfig:
         """The entry of the token count nearest ``num_tokens`` (the smaller one on a tie, as vLLM's ``min``)."""
-        return self.entries[min(self.entries, key=lambda m: abs(m - num_tokens))]
+        return self.entries[nearest_bucket(self.entries, num_tokens)]
+
+
+def nearest_bucket(buckets: Iterable[int], num_tokens: int) -> int:
+    """The bucket (a table's token count) nearest ``num_tokens``: the smaller one on a tie, as vLLM's ``min``
+    over the keys in ascending order."""
+    return min(sorted(buckets), key=lambda m: abs(m - num_tokens))
 
 
 def default_config(num_tokens: int, num_experts: int) -> TritonMoEConfig:
@@ -89,6 +109,13 @@ def device_file_name(device_name: str) -> str:
     """A GPU name as file names spell it: spaces become underscores, every H200 variant is ``NVIDIA_H200``."""
     name = device_name.replace(" ", "_")
     return "NVIDIA_H200" if "H200" in name.split("_") else name
+
+
+@functools.cache
+def device_table_name(device: torch.device) -> str:
+    """The name tables are keyed by for ``device``: ``torch.cuda.get_device_name`` (``cpu`` off CUDA: the
+    interpreter); cached, as the Triton experts ask it every launch."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def config_dtype(dtype_name: str, fp8_block: tuple[int, int] | None) -> str | None:
@@ -112,6 +139,14 @@ def table_file_names(num_experts: int, inter: int, hidden: int, device_name: str
     if block_shape is not None:
         suffix += f",block_shape=[{block_shape[0]},{block_shape[1]}]"
     return (f"E={num_experts},N={inter},K={hidden}{suffix}.json", f"E={num_experts},N={inter}{suffix}.json")
+
+
+def choice_file_name(num_experts: int, inter: int, hidden: int, device_name: str, dtype: str | None,
+                     block_shape: tuple[int, int] | None) -> str:
+    """The backend-choice table's name (:mod:`.backend_choice`): the ``K``-qualified Triton table name with
+    ``,backends.json`` for ``.json`` (no vLLM counterpart, so no name without ``K``; vLLM's format stays untouched)."""
+    name = table_file_names(num_experts, inter, hidden, device_name, dtype, block_shape)[0]
+    return name.removesuffix(".json") + ",backends.json"
 
 
 def _entry(path: Path, key: str, value: object) -> TritonMoEConfig:
@@ -143,29 +178,35 @@ def load_table(path: Path) -> MoEConfigTable:
     Fields an entry leaves out take :class:`TritonMoEConfig`'s defaults (vLLM's tables omit ``num_stages``
     in places, as Triton has a default for it).
     """
+    raw = read_count_table(path, "configuration", _IGNORED_KEYS)
+    return MoEConfigTable(path, {count: _entry(path, key, value) for count, (key, value) in raw.items()})
+
+
+def read_count_table(path: Path, what: str, ignored_keys: tuple[str, ...] = ()) -> dict[int, tuple[str, object]]:
+    """A JSON object of token count -> ``what``, as token count -> (the key as written, its raw value), keys in
+    ``ignored_keys`` left out; a file that is not such an object, or has no entries, raises ``ValueError`` naming
+    it and the key."""
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not valid JSON ({exc})") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected an object of token count -> configuration, got {type(raw).__name__}")
-    entries: dict[int, TritonMoEConfig] = {}
+        raise ValueError(f"{path}: expected an object of token count -> {what}, got {type(raw).__name__}")
+    entries: dict[int, tuple[str, object]] = {}
     for key, value in raw.items():
-        if key in _IGNORED_KEYS:
+        if key in ignored_keys:
             continue
         if not key.isdigit() or int(key) < 1:
             raise ValueError(f"{path}: key {key!r} is not a positive token count")
-        entries[int(key)] = _entry(path, key, value)
+        entries[int(key)] = (key, value)
     if not entries:
         raise ValueError(f"{path}: no token-count entries")
-    return MoEConfigTable(path, entries)
+    return entries
 
 
-def find_table(config_dir: Path | None, num_experts: int, inter: int, hidden: int, device_name: str,
-               dtype: str | None, block_shape: tuple[int, int] | None) -> tuple[MoEConfigTable | None, str]:
-    """The table for this shape and GPU, and a sentence saying which file was used, or which were looked for
-    where, for the log line: in ``config_dir`` alone when given, else in ``$UBATCH_MOE_CONFIG_DIR`` (when set)
-    and then :data:`BUILTIN_CONFIG_DIR`."""
+def config_dirs(config_dir: Path | None) -> list[Path]:
+    """Where tables are looked up, in order: ``config_dir`` alone when given, else ``$UBATCH_MOE_CONFIG_DIR``
+    (when set) and then :data:`BUILTIN_CONFIG_DIR`; a directory named that does not exist raises."""
     if config_dir is not None:
         dirs = [config_dir]
     else:
@@ -175,12 +216,30 @@ def find_table(config_dir: Path | None, num_experts: int, inter: int, hidden: in
         if d is not BUILTIN_CONFIG_DIR and not d.is_dir():
             raise FileNotFoundError(f"MoE config directory {d} does not exist (from {CONFIG_DIR_ENV} or the "
                                     "experts' config_dir)")
-    names = table_file_names(num_experts, inter, hidden, device_name, dtype, block_shape)
+    return dirs
+
+
+def find_config_file(config_dir: Path | None, names: Sequence[str]) -> tuple[Path | None, str]:
+    """The first of ``names`` found in :func:`config_dirs` (each directory in turn, ``names`` in order), or
+    ``None`` and where they were looked for (``"no table A or B in D1 or D2[ (... is not set)]"``)."""
+    dirs = config_dirs(config_dir)
     for d in dirs:
         for name in names:
             path = d / name
             if path.is_file():
-                return load_table(path), f"using the tuned table {path}"
+                return path, ""
     where = " or ".join(str(d) for d in dirs)
     unset = f" ({CONFIG_DIR_ENV} is not set)" if config_dir is None and not os.environ.get(CONFIG_DIR_ENV) else ""
-    return None, f"no table {' or '.join(names)} in {where}{unset}; using the default configurations"
+    return None, f"no table {' or '.join(names)} in {where}{unset}"
+
+
+def find_table(config_dir: Path | None, num_experts: int, inter: int, hidden: int, device_name: str,
+               dtype: str | None, block_shape: tuple[int, int] | None) -> tuple[MoEConfigTable | None, str]:
+    """The table for this shape and GPU, and a sentence saying which file was used, or which were looked for
+    where, for the log line: in ``config_dir`` alone when given, else in ``$UBATCH_MOE_CONFIG_DIR`` (when set)
+    and then :data:`BUILTIN_CONFIG_DIR`."""
+    names = table_file_names(num_experts, inter, hidden, device_name, dtype, block_shape)
+    path, missing = find_config_file(config_dir, names)
+    if path is None:
+        return None, f"{missing}; using the default configurations"
+    return load_table(path), f"using the tuned table {path}"

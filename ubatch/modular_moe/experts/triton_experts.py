@@ -28,7 +28,6 @@ a tuned table or vLLM's untuned rule (:mod:`~ubatch.modular_moe.experts.triton_c
 """
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 from pathlib import Path
@@ -45,6 +44,7 @@ from ubatch.modular_moe.experts.triton_configs import (
     TritonMoEConfig,
     config_dtype,
     default_config,
+    device_table_name,
     find_table,
 )
 from ubatch.modular_moe.types import ExpertMLPExtras, ExpertTokens
@@ -195,12 +195,6 @@ def _scale_consts(w: Fp8Tensor) -> dict[str, Any]:
     return {"FP8_W": True, "SCALE_BN": w.block[0], "SCALE_BK": w.block[1]}
 
 
-@functools.cache
-def _device_name(device: torch.device) -> str:
-    """The GPU's name tables are keyed by (``cpu`` under the interpreter); cached, as it is asked every launch."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
 def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
@@ -254,7 +248,7 @@ class TritonExperts(MoEExperts):
         """The configuration a launch with ``num_tokens`` tokens (rows per expert in the masked layout) uses."""
         if self.fixed_config is not None:
             return self.fixed_config
-        device_name = _device_name(device)
+        device_name = device_table_name(device)
         table_dtype = config_dtype(str(dtype).removeprefix("torch."), fp8_block)
         key = (device_name, num_experts, inter, hidden, table_dtype, fp8_block)
         with self._tables_lock:
