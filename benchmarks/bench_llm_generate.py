@@ -15,7 +15,8 @@ serves running decodes first, admits the wave over many steps and the decode ste
 them part-full). The synchronous loop pays host + device per step, so its host time is its wall less the device
 time; the default loop should take max(host, device). The host time at 256 and 1024 requests is split into a
 fixed part and a per-request part (a line through the two points). ``same_tokens``: every engine's tokens
-equal the in-process synchronous loop's.
+equal the in-process synchronous loop's. ``--logprobs N``: every request also asks for N log-probabilities per
+token (the engine's rows as arrays, the front's vLLM dicts per token).
 
 ``--profile`` adds, at each request count on the zero-time device (where the host sets the pace), the default
 engine in its own process with a cProfile of this (the front) process, the engine process's CPU per thread and
@@ -23,7 +24,7 @@ its trace of the host phases, and a cProfile of the in-process default engine; l
 medians of ``--repeats``.
 
 Usage: ``python benchmarks/bench_llm_generate.py [--requests 256 1024] [--device-ms 0 3 10] [--repeats 3]
-[--decode-tokens 32] [--max-num-batched-tokens 1024] [--prompt-len 1] [--profile] [--output CSV]``.
+[--decode-tokens 32] [--max-num-batched-tokens 1024] [--prompt-len 1] [--logprobs N] [--profile] [--output CSV]``.
 """
 from __future__ import annotations
 
@@ -101,17 +102,18 @@ class Call:
     tokens: list[list[int]]
 
 
-def timed(llm: Any, prompts: list[list[int]], tokens: int, *, cold: bool = True) -> Call:
+def timed(llm: Any, prompts: list[list[int]], tokens: int, *, cold: bool = True, logprobs: int | None = None
+          ) -> Call:
     """One call: its wall and CPU seconds, the engine steps it took, and every request's tokens. CPU time is
     what the host's work costs whatever else the machine runs; wall time is what a user waits. ``cold``: the
     prefix cache is emptied first, untimed, so that every call computes its prompts (the same prompts run again
-    would be cache hits from ``--prompt-len`` 17 on)."""
+    would be cache hits from ``--prompt-len`` 17 on). ``logprobs``: every request asks for that many."""
     from runner.sampling_params import SamplingParams
 
     if cold:
         empty_prefix_cache(llm)
 
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, logprobs=logprobs)
     e0, c0, t0 = engine_cpu_s(llm), time.process_time(), time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     wall, cpu, engine = time.perf_counter() - t0, time.process_time() - c0, engine_cpu_s(llm) - e0
@@ -127,7 +129,7 @@ FIGURES = ("wall_ms", "front_cpu_ms", "engine_cpu_ms", "steps_per_token")
 
 
 def measure(model_dir: str, prompts: list[list[int]], budget: int, device_ms: float, repeats: int,
-            decode_tokens: int) -> tuple[dict[tuple[str, str], dict[str, float]], bool]:
+            decode_tokens: int, logprobs: int | None = None) -> tuple[dict[tuple[str, str], dict[str, float]], bool]:
     """Every engine's :data:`FIGURES` per decode step (medians of repeats), and whether all their tokens
     agreed."""
     requests = len(prompts)
@@ -143,8 +145,8 @@ def measure(model_dir: str, prompts: list[list[int]], budget: int, device_ms: fl
         tokens: dict[tuple[str, str], list[list[list[int]]]] = {key: [] for key in ENGINES}
         for _ in range(repeats):
             for key, llm in engines.items():
-                short = timed(llm, prompts, 1)
-                long = timed(llm, prompts, decode_tokens + 1)
+                short = timed(llm, prompts, 1, logprobs=logprobs)
+                long = timed(llm, prompts, decode_tokens + 1, logprobs=logprobs)
                 steps = long.steps - short.steps
                 got = figures[key]
                 got["wall_ms"].append(1e3 * (long.wall_s - short.wall_s) / steps)
@@ -161,12 +163,12 @@ def measure(model_dir: str, prompts: list[list[int]], budget: int, device_ms: fl
 
 
 def run(requests: list[int], device_ms: list[float], repeats: int, decode_tokens: int, budget: int,
-        prompt_len: int, model_dir: str) -> list[dict[str, Any]]:
+        prompt_len: int, model_dir: str, logprobs: int | None = None) -> list[dict[str, Any]]:
     rows = []
     for n in requests:
         prompts = prompts_for(n, prompt_len)
         for ms in device_ms:
-            med, same = measure(model_dir, prompts, budget, ms, repeats, decode_tokens)
+            med, same = measure(model_dir, prompts, budget, ms, repeats, decode_tokens, logprobs)
             for placement in PLACEMENTS:
                 d, s = med[(placement, "default")], med[(placement, "sync")]
                 default, sync = d["wall_ms"], s["wall_ms"]
@@ -182,7 +184,8 @@ def run(requests: list[int], device_ms: list[float], repeats: int, decode_tokens
                              "steps_per_token": round(max(med[(placement, loop)]["steps_per_token"]
                                                           for loop in LOOPS), 3),
                              "same_tokens": same, "repeats": repeats, "decode_tokens": decode_tokens,
-                             "prompt_len": prompt_len, "max_num_batched_tokens": budget})
+                             "prompt_len": prompt_len, "max_num_batched_tokens": budget,
+                             "logprobs": "" if logprobs is None else logprobs})
             print(f"done: {n} requests, device {ms:g} ms", file=sys.stderr)
     return rows
 
@@ -436,6 +439,8 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=1,
                    help="prompt tokens per request; requests x prompt-len <= the budget prefills every request in "
                         "one step, so that every decode step carries all of them (steps_per_token 1)")
+    p.add_argument("--logprobs", type=int, default=None,
+                   help="every request asks for this many log-probabilities per token (vLLM's logprobs)")
     p.add_argument("--profile", action="store_true", help="also profile the front and engine processes")
     p.add_argument("--output", default=str(RESULTS_DIR / "llm_generate.csv"),
                    help="the step times; the host split and the profile go next to it (_host_split, _profile)")
@@ -450,7 +455,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="ubatch-bench-llm-") as cache_dir:
         model_dir = str(resolve_model_path(MODEL, cache_dir))  # a directory: the engine process finds it too
         rows = run(args.requests, args.device_ms, args.repeats, args.decode_tokens, args.max_num_batched_tokens,
-                   args.prompt_len, model_dir)
+                   args.prompt_len, model_dir, args.logprobs)
         prof = (profile(args.requests, args.decode_tokens, args.max_num_batched_tokens, args.prompt_len,
                         args.repeats, model_dir, cache_dir) if args.profile else [])
     split = host_split(rows)
