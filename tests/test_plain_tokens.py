@@ -301,3 +301,57 @@ def test_the_front_reads_logprob_arrays_as_it_reads_structs(kind: RequestOutputK
     a_cum = [cum for s, _, cum in got if s[0] == "a" and s[4]][0]
     assert a_cum == pytest.approx(sum(lp.logprob for position in a_lps for lp in position.values()))
     assert b_lps and all(set(position) >= {7} for position in b_lps)  # logprobs=2: the second, id 7
+
+
+class CountingSink:
+    """Records what the server's metrics would see (``protocol.MetricsSink``) and each request's outputs."""
+
+    def __init__(self) -> None:
+        self.tokens = 0
+        self.finished: dict[str, int] = {}
+        self.outputs: list[RequestOutput] = []
+
+    def on_tokens(self, num_new_tokens: int, ttft_s: float | None, itl_s: list[float]) -> None:
+        self.tokens += num_new_tokens
+
+    def on_request_finished(self, output: RequestOutput, num_prompt_tokens: int, num_generation_tokens: int) -> None:
+        self.finished[output.request_id] = num_generation_tokens
+
+    def on_prompt_tokens(self, num_tokens: int) -> None:
+        pass
+
+    def on_engine_stats(self, stats: object) -> None:
+        pass
+
+    def put(self, output: RequestOutput) -> None:
+        self.outputs.append(output)
+
+    def fail(self, exc: BaseException) -> None:
+        raise AssertionError(f"no request should fail: {exc}")
+
+    def end(self) -> None:
+        pass
+
+
+def test_the_servers_token_counts_include_tokens_with_logprobs() -> None:
+    """The server's request tracker counts every array token, plain or with log-probabilities, for the
+    generation-token metrics and each finished request's count."""
+    from runner.engine.simple_output import RequestTracker
+
+    tracker, sink = RequestTracker(build_tokenizer()), CountingSink()
+    ids = iter(range(100))
+    for rid, lp in (("plain", None), ("with-lp", 1)):
+        tracker.add(rid, None, [5, 6], SamplingParams(temperature=0.0, max_tokens=4, logprobs=lp), sink,
+                    lambda: next(ids))
+    rows = [LogprobRows.of_entries([TokenLogprobs(t, -0.5, 1, [t], [-0.5])]) for t in (7, 8, 9, 10)]
+    steps = [EngineCoreOutputs([EngineCoreOutput(0, [7], num_cached_tokens=0),
+                                EngineCoreOutput(1, [7], rows[0], num_cached_tokens=0)])]
+    steps += [EngineCoreOutputs((), np.array([0]), np.array([t]),
+                                [LogprobTokens.of(np.array([1]), np.array([1]), rows[k])]) for k, t in ((1, 8), (2, 9))]
+    steps.append(EngineCoreOutputs([EngineCoreOutput(0, [10], finish_reason="length"),
+                                    EngineCoreOutput(1, [10], rows[3], finish_reason="length")]))
+    for outputs in steps:
+        assert tracker.process(outputs, sink) == []
+    assert sink.tokens == 8 and sink.finished == {"plain": 4, "with-lp": 4}
+    final = [o for o in sink.outputs if o.request_id == "with-lp" and o.finished]
+    assert len(final) == 1

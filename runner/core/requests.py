@@ -98,6 +98,14 @@ class EngineCoreOutputs(Sequence[EngineCoreOutput]):
     def _num_array_tokens(self) -> int:
         return len(self.request_ids) + sum(len(block) for block in self.logprob_tokens)
 
+    def array_request_ids(self) -> list[int]:
+        """The request of each array token (one new token each), plain ones first: what counts tokens per
+        request (metrics) reads, without making structs."""
+        ids = self.request_ids.tolist()
+        for block in self.logprob_tokens:
+            ids += block.ids().tolist()
+        return ids
+
     def __len__(self) -> int:
         return self._num_array_tokens() + len(self.outputs)
 

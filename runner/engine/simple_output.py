@@ -78,7 +78,7 @@ class RequestTracker:
         now = time.time()
         states, last_token, generated = self.processor.request_states, self._last_token, self._generated
         num_tokens, gaps = 0, []
-        counts = itertools.chain(zip(outputs.request_ids.tolist(), itertools.repeat(1)),
+        counts = itertools.chain(zip(outputs.array_request_ids(), itertools.repeat(1)),
                                  ((out.request_id, len(out.new_token_ids)) for out in outputs.outputs))
         for engine_id, num_new in counts:
             if not num_new:
@@ -97,7 +97,7 @@ class RequestTracker:
         if metrics is not None and num_tokens:
             metrics.on_tokens(num_tokens, None, gaps)
         request_outputs, to_abort = self.processor.process_outputs(outputs, now)
-        for out in outputs.outputs:  # a plain token never finishes a request
+        for out in outputs.outputs:  # an array token never finishes a request
             if out.finish_reason is not None:
                 last_token.pop(out.request_id, None)
         for engine_id in to_abort:
