@@ -278,14 +278,13 @@ class EngineCore:
         plain tokens), appended to a request's struct of this take if it has one."""
         live, step_outputs = self.scheduler.requests, self._step_outputs
         req_ids, sample = out.req_ids, out.sample
-        lp_row = None if logprobs is None else logprobs.index()
         for i in rows:
             rid = int(req_ids[i])
             req = live.get(rid)
             if not sample[i] or req is None or not _reports_token(req, finished):  # none, or discarded
                 continue
             token = sampled[i]
-            entry = None if lp_row is None or lp_row[i] < 0 else cast("StepLogprobs", logprobs).row(int(lp_row[i]))
+            entry = None if logprobs is None else logprobs.row_at(i)
             prev = step_outputs.get(rid)
             if prev is None:
                 step_outputs[rid] = EngineCoreOutput(rid, [token], entry,

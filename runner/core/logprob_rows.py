@@ -10,7 +10,7 @@ from them. :class:`TokenLogprobs` is one row as an object, for readers that want
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import msgspec
@@ -173,6 +173,7 @@ class StepLogprobs:
     num_top: np.ndarray
     rows: LogprobRows
     size: int
+    _where: np.ndarray | None = field(default=None, init=False, repr=False)
 
     @classmethod
     def of_entries(cls, entries: Sequence[TokenLogprobs | None]) -> StepLogprobs:
@@ -189,14 +190,20 @@ class StepLogprobs:
         return mask
 
     def index(self) -> np.ndarray:
-        """For each of the step's rows its row of ``rows``, -1 where it asked for none."""
-        where = np.full(self.size, -1, dtype=np.int64)
-        where[self.positions] = np.arange(len(self.positions))
-        return where
+        """For each of the step's rows its row of ``rows``, -1 where it asked for none (made once)."""
+        if self._where is None:
+            self._where = np.full(self.size, -1, dtype=np.int64)
+            self._where[self.positions] = np.arange(len(self.positions))
+        return self._where
 
     def row(self, j: int) -> LogprobRows:
         """Row ``j`` of ``rows`` alone, cut to its request's count."""
         return self.rows.take(slice(j, j + 1), int(self.num_top[j]))
+
+    def row_at(self, position: int) -> LogprobRows | None:
+        """The step's row ``position`` alone (cut to its request's count), None where it asked for none."""
+        j = int(self.index()[position])
+        return None if j < 0 else self.row(j)
 
     def scattered(self, picks: np.ndarray, size: int) -> StepLogprobs:
         """The same rows placed among ``size`` rows, sampled row ``i`` at ``picks[i]``."""
@@ -212,8 +219,8 @@ class StepLogprobs:
     __hash__ = None  # type: ignore[assignment]  # mutable, compared by value
 
     def __getitem__(self, i: int) -> TokenLogprobs | None:
-        j = int(self.index()[i])
-        return None if j < 0 else self.row(j)[0]
+        row = self.row_at(i)
+        return None if row is None else row[0]
 
     def __iter__(self) -> Iterator[TokenLogprobs | None]:
         return (self[i] for i in range(self.size))
