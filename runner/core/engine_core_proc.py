@@ -257,8 +257,8 @@ class CoreLoop:
         else:
             owner, block_owners = _owners(self.client_of, ids), [_owners(self.client_of, b.ids()) for b in blocks]
             arrays = [(ids[owner == c], tokens[owner == c],
-                       [block.take(np.flatnonzero(o == c)) for block, o in zip(blocks, block_owners, strict=True)
-                        if (o == c).any()])
+                       [block.take(picked) for block, o in zip(blocks, block_owners, strict=True)
+                        if len(picked := np.flatnonzero(o == c))])
                       for c in range(len(self.outs))]
         stats: CoreStats | None = None
         for client, mine in enumerate(per_client):
@@ -269,7 +269,6 @@ class CoreLoop:
                 self._last_stats[client] = now
                 self.outs[client].send(ENCODER.encode(
                     Outputs.of(self.rank, EngineCoreOutputs(mine, mine_ids, mine_tokens, mine_blocks), stats)))
-
 
     def _stats(self) -> CoreStats:
         core, runner = self.core, self.core.runner

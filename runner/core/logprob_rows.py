@@ -83,6 +83,12 @@ class LogprobRows(msgspec.Struct, array_like=True, gc=False):
     def ids(self) -> np.ndarray:
         return np.frombuffer(self.token_ids, INT64)
 
+    def values(self) -> np.ndarray:
+        return np.frombuffer(self.logprobs, FLOAT64)
+
+    def rank_values(self) -> np.ndarray:
+        return np.frombuffer(self.ranks, INT64)
+
     def top_ids(self) -> np.ndarray:
         return np.frombuffer(self.top_token_ids, INT64).reshape(len(self), self.num_top)
 
@@ -90,16 +96,18 @@ class LogprobRows(msgspec.Struct, array_like=True, gc=False):
         return np.frombuffer(self.top_logprobs, FLOAT64).reshape(len(self), self.num_top)
 
     def lists(self) -> LogprobLists:
-        return LogprobLists(self.ids().tolist(), np.frombuffer(self.logprobs, FLOAT64).tolist(),
-                            np.frombuffer(self.ranks, INT64).tolist(), self.top_ids().tolist(),
-                            self.top_values().tolist())
+        return LogprobLists(self.ids().tolist(), self.values().tolist(), self.rank_values().tolist(),
+                            self.top_ids().tolist(), self.top_values().tolist())
 
     def take(self, rows: np.ndarray | slice, num_top: int | None = None) -> LogprobRows:
         """The rows ``rows`` picks (indices or a slice), their top columns cut to ``num_top`` when given."""
         k = self.num_top if num_top is None else min(num_top, self.num_top)
-        return LogprobRows.of(self.ids()[rows], np.frombuffer(self.logprobs, FLOAT64)[rows],
-                              np.frombuffer(self.ranks, INT64)[rows], self.top_ids()[rows, :k],
-                              self.top_values()[rows, :k])
+        return LogprobRows.of(self.ids()[rows], self.values()[rows], self.rank_values()[rows],
+                              self.top_ids()[rows, :k], self.top_values()[rows, :k])
+
+    def row(self, i: int, num_top: int) -> LogprobRows:
+        """Row ``i`` alone, its top columns cut to ``num_top`` (its request's count)."""
+        return self.take(slice(i, i + 1), num_top)
 
     @staticmethod
     def concat(parts: Sequence[LogprobRows]) -> LogprobRows:
@@ -115,9 +123,8 @@ class LogprobRows(msgspec.Struct, array_like=True, gc=False):
         if not -len(self) <= i < len(self):
             raise IndexError(f"row {i} of {len(self)}")
         i %= len(self)
-        return TokenLogprobs(int(self.ids()[i]), float(np.frombuffer(self.logprobs, FLOAT64)[i]),
-                             int(np.frombuffer(self.ranks, INT64)[i]), self.top_ids()[i].tolist(),
-                             self.top_values()[i].tolist())
+        return TokenLogprobs(int(self.ids()[i]), float(self.values()[i]), int(self.rank_values()[i]),
+                             self.top_ids()[i].tolist(), self.top_values()[i].tolist())
 
     def __iter__(self) -> Iterator[TokenLogprobs]:
         lists = self.lists()
@@ -153,7 +160,7 @@ class LogprobTokens(msgspec.Struct, array_like=True, gc=False):
 
     def row(self, i: int) -> LogprobRows:
         """Row ``i`` alone, cut to its request's count."""
-        return self.rows.take(slice(i, i + 1), int(self.counts()[i]))
+        return self.rows.row(i, int(self.counts()[i]))
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -183,12 +190,6 @@ class StepLogprobs:
         return cls(np.array(positions, dtype=np.int64), np.full(len(positions), rows.num_top, dtype=np.int64), rows,
                    len(entries))
 
-    def asked(self) -> np.ndarray:
-        """Which of the step's rows carry log-probabilities (bool ``[size]``)."""
-        mask = np.zeros(self.size, dtype=bool)
-        mask[self.positions] = True
-        return mask
-
     def index(self) -> np.ndarray:
         """For each of the step's rows its row of ``rows``, -1 where it asked for none (made once)."""
         if self._where is None:
@@ -198,7 +199,7 @@ class StepLogprobs:
 
     def row(self, j: int) -> LogprobRows:
         """Row ``j`` of ``rows`` alone, cut to its request's count."""
-        return self.rows.take(slice(j, j + 1), int(self.num_top[j]))
+        return self.rows.row(j, int(self.num_top[j]))
 
     def row_at(self, position: int) -> LogprobRows | None:
         """The step's row ``position`` alone (cut to its request's count), None where it asked for none."""

@@ -93,8 +93,8 @@ class MoEConfigTable:
 
 def nearest_bucket(buckets: Iterable[int], num_tokens: int) -> int:
     """The bucket (a table's token count) nearest ``num_tokens``: the smaller one on a tie, as vLLM's ``min``
-    over the keys in ascending order."""
-    return min(sorted(buckets), key=lambda m: abs(m - num_tokens))
+    over the keys in ascending order (whatever order the file lists them in)."""
+    return min(buckets, key=lambda m: (abs(m - num_tokens), m))
 
 
 def default_config(num_tokens: int, num_experts: int) -> TritonMoEConfig:
