@@ -36,9 +36,15 @@ demo: install
 SANITIZED_TESTS ?= tests/test_moe_ep.py tests/test_sbo.py tests/test_cudagraph_dispatch.py \
 	tests/test_e2e_dbo.py tests/test_moe_padding_and_sizing.py tests/test_graph_memory.py
 
+# The suite runs on TEST_WORKERS pytest-xdist processes (0: in this one), a file to a worker (module fixtures such
+# as a started server are set up once). Much of it waits on child processes, servers and timeouts, so two
+# workers halve the wall time on a 2-core machine. Every test holds its own ports, sockets and temporary files.
+TEST_WORKERS ?= 2
+XDIST = -n $(TEST_WORKERS) --dist loadfile
+
 test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -rs $(PYTEST_ARGS)
-	OMP_NUM_THREADS=1 $(PY) -m pytest -rs --stream-sanitizer $(PYTEST_ARGS) $(SANITIZED_TESTS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -rs $(XDIST) $(PYTEST_ARGS)
+	OMP_NUM_THREADS=1 $(PY) -m pytest -rs $(XDIST) --stream-sanitizer $(PYTEST_ARGS) $(SANITIZED_TESTS)
 
 # The Triton tests again on the oldest Triton that setup.cfg allows (triton>=3.6: torch 2.11 pins 3.6.0 on the
 # GPU machines), in a venv of their own with the CPU torch wheel; the kernels run in Triton's interpreter and
@@ -50,14 +56,14 @@ TRITON_MIN_TESTS ?= tests/test_triton_paged_decode.py tests/test_experts.py test
 
 $(TRITON_MIN_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(TRITON_MIN_VENV)/bin/python || python3 -m venv $(TRITON_MIN_VENV)
-	$(TRITON_MIN_VENV)/bin/python -m pip install -q torch==2.13.0 triton==$(TRITON_MIN) 'pytest>=8' 'hypothesis>=6.100'
+	$(TRITON_MIN_VENV)/bin/python -m pip install -q torch==2.13.0 triton==$(TRITON_MIN) 'pytest>=8' 'pytest-xdist>=3.5' 'hypothesis>=6.100'
 	$(TRITON_MIN_VENV)/bin/python -m pip install -q -e .
 	touch $@
 
 .PHONY: test-triton-min
 test-triton-min: $(TRITON_MIN_VENV)/.installed
 	$(TRITON_MIN_VENV)/bin/python -c "import triton, sys; sys.exit(triton.__version__ != '$(TRITON_MIN)' and 'expected triton $(TRITON_MIN), got ' + triton.__version__)"
-	OMP_NUM_THREADS=1 $(TRITON_MIN_VENV)/bin/python -m pytest -rs $(PYTEST_ARGS) -k triton $(TRITON_MIN_TESTS)
+	OMP_NUM_THREADS=1 $(TRITON_MIN_VENV)/bin/python -m pytest -rs $(XDIST) $(PYTEST_ARGS) -k triton $(TRITON_MIN_TESTS)
 
 bench: install
 	$(PY) benchmarks/report.py
