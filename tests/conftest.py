@@ -81,6 +81,11 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Files holding a slow (multi-process or long) test run first, each file's order kept: pytest-xdist hands
+    # out whole files in this order (make test), so the longest start early and no worker ends the run alone
+    # on one of them.
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: item.path not in slow_files)
     if torch.cuda.is_available():
         return
     skip_cuda = pytest.mark.skip(reason="needs a CUDA GPU")

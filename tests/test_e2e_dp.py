@@ -22,6 +22,8 @@ import pytest
 from devices import device_args, device_for
 from runner.distributed.launch import launch
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 BASE: dict[str, Any] = dict(
     model="tiny-qwen3-moe", data_parallel_size=2, enable_expert_parallel=True, all2all_backend="torch_ll",

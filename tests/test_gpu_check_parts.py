@@ -263,6 +263,7 @@ def test_model_prep_on_cpu_writes_what_the_engine_writes(tmp_path: Path) -> None
     assert model_part(context(tmp_path, model_args=TINY))["data"]["existed"] is True
 
 
+@pytest.mark.slow  # each part in a process of its own
 def test_parts_on_cpu_give_results_the_goals_and_report_read(tmp_path: Path) -> None:
     ctx = context(tmp_path, model_args=TINY, engine_args=TINY_ENGINE)
     gpu = torch.cuda.is_available()  # there the bench part would really run: minutes, and the 1.2B model

@@ -369,6 +369,7 @@ def test_module_imports_without_triton() -> None:
 
 
 # ------------------------------------------------------------------------------------------------ compiled
+@pytest.mark.slow  # compiles every kernel in a child process
 def test_kernels_compile_for_sm90() -> None:
     """Every Triton kernel of the project compiles to an sm_90 cubin (ahead of time: no GPU needed)."""
     pytest.importorskip("triton")
