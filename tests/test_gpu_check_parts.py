@@ -197,6 +197,19 @@ def test_gpu_tests_run_on_xdist_workers_where_it_imports_else_say_so(tmp_path: P
         assert "--tests full" in said[0] and f"Note: {out['data']['note']}" in render_tests(out["data"])
 
 
+@pytest.mark.parametrize("xdist", [True, False], ids=["xdist", "no-xdist"])
+def test_full_tests_run_what_make_test_runs_on_the_same_workers(tmp_path: Path, xdist: bool) -> None:
+    ctx = context(tmp_path, tests="full")
+    ctx.python = fake_python(tmp_path, xdist)
+    out = parts.tests_part(ctx, say=pytest.fail)
+    runs = [line for line in (tmp_path / "log.txt").read_text().splitlines() if line.startswith("ARGS ")]
+    workers = min(TEST_WORKERS, (os.cpu_count() or 2) // 2) if xdist else None
+    assert out["status"] == "ok" and out["data"]["workers"] == workers and len(runs) == 2
+    assert all((f" -n {workers} --dist loadfile" in args) is xdist and (" -n " in args) is xdist for args in runs)
+    assert runs[1].endswith("--stream-sanitizer " + " ".join(sanitized_tests((REPO / "Makefile").read_text())))
+    assert "--stream-sanitizer" not in runs[0] and "note" not in out["data"]
+
+
 def render_tests(data: dict) -> str:
     from gpucheck.report import tests_section
 

@@ -116,36 +116,41 @@ def no_xdist_note(python: str) -> str:
             "--parts tests --tests full")
 
 
+def xdist_args(workers: int | None) -> list[str]:
+    """pytest's arguments for ``workers`` pytest-xdist workers, whole files to each (none: one process)."""
+    return ["-n", str(workers), "--dist", "loadfile"] if workers else []
+
+
 def gpu_test_args(base: list[str], workers: int | None) -> list[str]:
     """The gpu tests' pytest arguments: ``base``, the workers (none: one process), the slowest tests listed."""
     # Without the triton_interpreter-marked tests: on a GPU machine each one runs in a TRITON_INTERPRET=1 child
     # process (tests/conftest.py), seconds apiece, on CPU tensors; CI runs them. On an H100 they kept this run
     # from getting past 15 % of its files in 150 s.
-    parallel = ["-n", str(workers), "--dist", "loadfile"] if workers else []
-    return base + parallel + ["--durations", "15", "-m", "not triton_interpreter", "tests"]
+    return base + xdist_args(workers) + ["--durations", "15", "-m", "not triton_interpreter", "tests"]
 
 
 def tests_part(ctx: Context, say: Callable[[str], None] = print) -> dict[str, Any]:
     """``--tests gpu`` (default): the GPU-sensitive files and every cuda-marked test, one pytest run, on
     pytest-xdist workers where it imports (else in one process, with a note said and reported).
-    ``--tests full``: what ``make test`` runs, the suite and then the sanitized files."""
+    ``--tests full``: what ``make test`` runs, the suite and then the sanitized files, on the same workers."""
     mode = ctx.options.get("tests", "gpu")
     base = ["-m", "pytest", "-rs", "-q", "-p", "no:cacheprovider", "-p", "gpucheck.select_tests",
             "--continue-on-collection-errors"]
     data: dict[str, Any] = {"mode": mode, "runs": []}
+    if mode not in ("gpu", "full"):
+        raise ValueError(f"tests mode must be gpu or full, got {mode!r}")
+    workers = xdist_workers(ctx)
+    data["workers"] = workers
     if mode == "gpu":
         files = gpu_test_files(ctx.repo)
-        workers = xdist_workers(ctx)
-        data["workers"] = workers
         if workers is None:
             data["note"] = no_xdist_note(ctx.python)
             say(f"gpu-check: {data['note']}")
         runs = [("gpu tests", gpu_test_args(base, workers), {"GPU_CHECK_TEST_FILES": " ".join(files)})]
-    elif mode == "full":
-        files = sanitized_tests((ctx.repo / "Makefile").read_text())
-        runs = [("suite", base, {}), ("sanitized", base + ["--stream-sanitizer", *files], {})]
     else:
-        raise ValueError(f"tests mode must be gpu or full, got {mode!r}")
+        files = sanitized_tests((ctx.repo / "Makefile").read_text())
+        runs = [("suite", base + xdist_args(workers), {}),
+                ("sanitized", base + xdist_args(workers) + ["--stream-sanitizer", *files], {})]
     deadline_left = ctx.timeout_s
     data["files"] = files
     result: dict[str, Any] = {"status": "ok"}
