@@ -29,6 +29,7 @@ os.environ.setdefault("TRITON_INTERPRET", "0" if torch.cuda.is_available() else 
 
 import pytest
 
+from child_pytest import child_pytest_env
 from env_guard import process_state_module, process_state_session, process_state_test  # noqa: F401
 from stream_sanitizer_plugin import (  # noqa: F401  (--stream-sanitizer)
     pytest_addoption,
@@ -65,7 +66,7 @@ def pytest_pyfunc_call(pyfuncitem: pytest.Function) -> bool | None:
     interpret = needed_triton_mode(pyfuncitem)
     if interpret is None or interpret == TRITON_INTERPRETS:
         return None
-    env = dict(os.environ, TRITON_INTERPRET="1" if interpret else "0")
+    env = child_pytest_env(TRITON_INTERPRET="1" if interpret else "0")
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs", pyfuncitem.nodeid]
     proc = subprocess.run(cmd, cwd=pyfuncitem.config.rootpath, env=env, capture_output=True, text=True,
                           timeout=600)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from child_pytest import child_pytest_env
 from env_guard import GUARDED_ENV, ProcessState
 
 TESTS = Path(__file__).resolve().parent
@@ -77,9 +78,10 @@ def test_last_of_the_module(hidden_gpus):
 def test_a_leak_fails_the_test_that_made_it_and_is_put_back(tmp_path: Path) -> None:
     (tmp_path / "test_leaky.py").write_text(textwrap.dedent(LEAKY))
     (tmp_path / "test_module_fixture.py").write_text(textwrap.dedent(MODULE_FIXTURE))
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
-    env.update(PYTHONPATH=os.pathsep.join([str(TESTS), env.get("PYTHONPATH", "")]), TRITON_INTERPRET="1",
-               EXPECTED_TRITON_INTERPRET="1", COLUMNS="1000")  # COLUMNS: short summary lines untruncated
+    env = child_pytest_env(drop=("CUDA_VISIBLE_DEVICES",),
+                           PYTHONPATH=os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+                           TRITON_INTERPRET="1", EXPECTED_TRITON_INTERPRET="1",
+                           COLUMNS="1000")  # COLUMNS: short summary lines untruncated
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rE", "-p", "no:cacheprovider", "-p", "env_guard",
                            "test_leaky.py", "test_module_fixture.py"], cwd=tmp_path, env=env, capture_output=True,
                           text=True, timeout=300)

@@ -20,6 +20,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(REPO / "benchmarks")]
 
 import bench_gpu  # noqa: E402
+from child_pytest import child_pytest_env  # noqa: E402
 from gpucheck import (  # noqa: E402
     engine_qwen3_30b,
     parts,
@@ -125,10 +126,8 @@ def test_plugin_keeps_the_listed_files_and_every_cuda_test_and_records_outcomes(
         def test_gpu(): pytest.skip("no gpu here")
         """))
     log = tmp_path / "outcomes.jsonl"
-    # The child is a plain pytest even when this test runs on an xdist worker (whose variables would make the
-    # plugin leave the log to a controller the child does not have).
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_XDIST")}
-    env.update(PYTHONPATH=str(REPO / "benchmarks"), GPU_CHECK_TEST_FILES="t/test_a.py", GPU_CHECK_TEST_LOG=str(log))
+    env = child_pytest_env(PYTHONPATH=str(REPO / "benchmarks"), GPU_CHECK_TEST_FILES="t/test_a.py",
+                           GPU_CHECK_TEST_LOG=str(log))
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
                            "gpucheck.select_tests", "t"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=120)

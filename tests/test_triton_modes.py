@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from child_pytest import child_pytest_env
 from ubatch.modular_moe.experts import make_experts
 from ubatch.modular_moe.experts.torch_experts import TorchExperts
 from ubatch.modular_moe.types import ExpertTokens
@@ -39,7 +40,7 @@ def test_a_compiling_process_hands_interpreter_tests_to_a_child() -> None:
     pytest.importorskip("triton")
     node = f"{Path(__file__).relative_to(REPO)}::test_interpreted_kernels_run_on_cpu_tensors"
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rP", node],
-                          cwd=REPO, env=dict(os.environ, TRITON_INTERPRET="0"), capture_output=True, text=True,
+                          cwd=REPO, env=child_pytest_env(TRITON_INTERPRET="0"), capture_output=True, text=True,
                           timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0 and "1 passed" in proc.stdout, output[-4000:]
