@@ -34,7 +34,7 @@ demo: install
 # Not listed: files whose every test runs all its kernels on one CPU stream (the overlap loop's, the wrapper's
 # own), where the sanitizer has no pair of streams to order and so cannot fail; they run on a GPU in gpu-check.
 SANITIZED_TESTS ?= tests/test_moe_ep.py tests/test_sbo.py tests/test_cudagraph_dispatch.py \
-	tests/test_e2e_dbo.py tests/test_moe_padding_and_sizing.py tests/test_graph_memory.py
+	tests/test_e2e_dbo.py tests/test_moe_padding_and_sizing.py tests/test_graph_memory.py tests/test_graph_head.py
 
 # The suite runs on TEST_WORKERS pytest-xdist processes (0: in this one), a file to a worker (module fixtures such
 # as a started server are set up once). Much of it waits on child processes, servers and timeouts, so two

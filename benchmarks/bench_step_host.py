@@ -16,9 +16,13 @@ figure). Per steady decode step of ``--requests`` requests, on the overlap loop 
 
 The baseline (``--baseline``, a git revision) is exported with ``git archive`` and both trees run in child
 processes, alternately, ``--repeats`` times; figures are medians. The greedy tokens of both trees are compared.
+``--graphs`` compares instead, in this tree, decode graphs (the eager stand-in, each replay counted as one launch
+and left out of the CPU figures as the forward is) whose greedy steps sample eagerly against the same graphs
+sampling in their head graph (``cuda_graphs.greedy_sampling_head``): the ``ops`` column is what the head saves a
+GPU's step thread in launches.
 On a CPU the gain understates a GPU's: there a host-to-device copy and a pinned staging buffer cost nothing,
 and an op costs its dispatch, not a kernel launch. Usage: ``python benchmarks/bench_step_host.py [--baseline
-REV] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5] [--output CSV]``.
+REV | --graphs] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5] [--output CSV]``.
 """
 from __future__ import annotations
 
@@ -40,8 +44,10 @@ ROOT = HERE.parents[1]
 EDGE = 2  # launches left out at each end of a wave
 
 
-def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str) -> dict[str, Any]:
-    """One child's figures for the tree first on ``sys.path`` (see ``child``)."""
+def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,
+            graphs: str = "none") -> dict[str, Any]:
+    """One child's figures for the tree first on ``sys.path`` (see ``child``); ``graphs``: none, or decode graphs
+    on the eager stand-in whose greedy steps sample eagerly (``eager-sampling``) or in their head (``head``)."""
     import random
     import threading
     import time
@@ -65,6 +71,8 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str)
     assert isinstance(runner, model_runner.ModelRunner)
     model = runner.model
     local = threading.local()
+    if graphs != "none":
+        install_stand_in_graphs(runner, local, head=graphs == "head")
 
     class Ops(TorchDispatchMode):
         def __init__(self) -> None:
@@ -84,22 +92,23 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str)
     state = {"count_ops": False}
 
     def timed_forward(*args: Any, **kwargs: Any) -> Any:
-        local.in_forward = True
+        was, local.in_forward = getattr(local, "in_forward", False), True
         t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return forward(*args, **kwargs)
         finally:
             local.fwd_wall += time.perf_counter() - t0
             local.fwd_cpu += time.thread_time() - c0
-            local.in_forward = False
+            local.in_forward = was
 
     def timed_launch(self: Any, sched: Any) -> Any:
         local.fwd_wall = local.fwd_cpu = 0.0
         decode = sched.num_reqs == requests and sched.is_uniform_decode
         if state["count_ops"] and decode:
+            local.replays = 0
             with Ops() as mode:
                 out = launch(self, sched)
-            ops.append(mode.count)
+            ops.append(mode.count + local.replays)  # a graph replay: one launch
             return out
         t0, c0 = time.perf_counter(), time.thread_time()
         out = launch(self, sched)
@@ -149,16 +158,46 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str)
             "steps": steps, "tokens": tokens}
 
 
-def child(tree: str, args: argparse.Namespace) -> dict[str, Any]:
+def install_stand_in_graphs(runner: Any, local: Any, head: bool) -> None:
+    """Capture ``runner``'s decode graph ladder on the eager stand-in (with or without the head) and install it; a
+    replay runs with ``local.in_forward`` set, counted as one op (on a GPU it is one launch), its time left out of
+    the launch's as the forward's is."""
+    import time
+
+    from cudagraph.backends import EagerReplayBackend
+    from runner.worker.cuda_graphs import make_graph_runner
+
+    class OneLaunch(EagerReplayBackend):
+        def replay(self, graph: Any) -> None:
+            local.replays = getattr(local, "replays", 0) + 1
+            was, local.in_forward = getattr(local, "in_forward", False), True
+            wall, cpu = local.fwd_wall, local.fwd_cpu  # the replay's time replaces its forward's
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                super().replay(graph)
+            finally:
+                local.in_forward = was
+                local.fwd_wall = wall + time.perf_counter() - t0
+                local.fwd_cpu = cpu + time.thread_time() - c0
+
+    graph_runner = make_graph_runner(runner, backend=OneLaunch(), num_warmups=0, progress=False)
+    if not head:
+        graph_runner.head = None
+    graph_runner.capture()
+    runner.graph_runner = graph_runner
+
+
+def child(tree: str, args: argparse.Namespace, graphs: str = "none") -> dict[str, Any]:
     """Run :func:`measure` in a fresh interpreter that imports ``runner`` from ``tree``."""
     code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/benchmarks', sys.argv[2]]; "
             "import bench_step_host as b; "
             "print('RESULT ' + json.dumps(b.measure(int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5]), "
-            "sys.argv[6])))")
+            "sys.argv[6], *sys.argv[7:])))")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
     with tempfile.TemporaryDirectory(prefix="ubatch-bench-step-host-") as cache:
+        modes = [] if graphs == "none" else [graphs]  # a baseline's measure() may not take it
         proc = subprocess.run([sys.executable, "-c", code, tree, str(HERE.parent), str(args.requests),
-                               str(args.device_ms), str(args.decode_tokens), cache],
+                               str(args.device_ms), str(args.decode_tokens), cache, *modes],
                               env=env, capture_output=True, text=True, timeout=600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode or not lines:
@@ -181,21 +220,27 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", default="main", help="git revision to compare with (default: main)")
+    p.add_argument("--graphs", action="store_true",
+                   help="compare, in this tree, stand-in decode graphs sampling eagerly and in their head")
     p.add_argument("--requests", type=int, default=256, help="decode requests running together")
     p.add_argument("--device-ms", type=float, default=3.0, help="emulated device time per step")
     p.add_argument("--decode-tokens", type=int, default=32, help="output tokens per request")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--output", default=str(RESULTS_DIR / "step_host.csv"))
+    p.add_argument("--output", default=None, help="CSV (default: results/step_host.csv, step_host_graphs.csv)")
     args = p.parse_args()
+    args.output = args.output or str(RESULTS_DIR / ("step_host_graphs.csv" if args.graphs else "step_host.csv"))
     if args.decode_tokens < 4 * EDGE + 4:
         raise SystemExit(f"--decode-tokens must be at least {4 * EDGE + 4}")
     with tempfile.TemporaryDirectory(prefix="ubatch-baseline-") as base:
-        sha = export(args.baseline, base)
-        trees = {f"baseline {args.baseline} ({sha[:7]})": base, "this tree": str(ROOT)}
+        if args.graphs:
+            trees = {"graphs, eager sampling": (str(ROOT), "eager-sampling"), "graphs, head": (str(ROOT), "head")}
+        else:
+            sha = export(args.baseline, base)
+            trees = {f"baseline {args.baseline} ({sha[:7]})": (base, "none"), "this tree": (str(ROOT), "none")}
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
         for _ in range(args.repeats):
-            for name, tree in trees.items():
-                runs[name].append(child(tree, args))
+            for name, (tree, graphs) in trees.items():
+                runs[name].append(child(tree, args, graphs))
     reference = next(iter(runs.values()))[0]["tokens"]
     same = all(r["tokens"] == reference for rs in runs.values() for r in rs)
     rows = [{"tree": name, "requests": args.requests, "device_ms": args.device_ms,

@@ -4,8 +4,10 @@ A size is warmed up eagerly, then captured; a DBO step is ``UBatchWrapper.run_ub
 a replay is buffer copies plus one ``graph.replay()`` (no threads, no handoffs, no Python per layer). cuBLAS is
 touched on every ubatch worker thread before the first capture. Graphs share one pool, are captured largest
 first under ``no_grad`` and keep only their outputs; a size that runs out of memory is dropped
-(``CaptureReport``). What a graph needs from the engine's attention is passed in (this package knows nothing of
-``runner``). Design: docs/design_notes.md, "Model runner", "CUDA graphs and the memory budget".
+(``CaptureReport``). A *head* -- a function of the forward's output: the engine's LM head and greedy pick -- is
+captured as a second graph after each forward graph, so a step the head serves replays that too. What a graph
+needs from the engine (its attention, its head) is passed in (this package knows nothing of ``runner``).
+Design: docs/design_notes.md, "Model runner", "CUDA graphs and the memory budget".
 """
 from __future__ import annotations
 
@@ -66,6 +68,9 @@ CapturableAttention = Callable[[torch.nn.Module], contextlib.AbstractContextMana
 # must keep the same graphs: a graph replays its collectives, and a peer running eager at that size would
 # build a step of another padded size.
 CaptureAgreement = Callable[[bool], bool]
+# A function of a forward graph's output (every row, padding included) captured as its own graph after it; it
+# must be capturable (no host sync) and local to the rank (no collective).
+GraphHead = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -76,6 +81,8 @@ class GraphEntry:
     input_ids: torch.Tensor  # the views the graph reads
     positions: torch.Tensor
     metadata: list[Any]
+    head_graph: Any = None  # the head's graph over ``output`` (None: the runner has no head)
+    head_output: torch.Tensor | None = None  # static: overwritten by the next replay of the head graph
 
 
 @dataclass
@@ -133,7 +140,8 @@ class GraphRunner:
     """Owns the capture plan, the persistent metadata buffers, one memory pool and the graphs.
 
     Per step the runner calls :meth:`padded_num_tokens` (how many tokens to build the step with) and then
-    :meth:`try_replay` (the output, or ``NotImplemented`` to run eager). Input ids and positions are the
+    :meth:`try_replay` (the output, or ``NotImplemented`` to run eager); after a replay, :meth:`replay_head` gives
+    the ``head``'s result for the same rows with one more graph launch. Input ids and positions are the
     runner's own persistent buffers, so a replay copies nothing but the attention metadata.
     """
 
@@ -142,8 +150,10 @@ class GraphRunner:
                  sizes: Sequence[int], wrapper: Any = None, dbo_decode_threshold: int = 32,
                  keys: Sequence[GraphKey] | None = None, backend: GraphBackend | None = None,
                  num_warmups: int = 2, progress: bool = True, real_token_mask: torch.Tensor | None = None,
-                 agree: CaptureAgreement | None = None, capture_stream: streams.Stream | None = None) -> None:
+                 agree: CaptureAgreement | None = None, capture_stream: streams.Stream | None = None,
+                 head: GraphHead | None = None) -> None:
         self.model, self.wrapper = model, wrapper
+        self.head = head
         self.agree = agree
         self.input_ids, self.positions = input_ids, positions
         # The caller's persistent [max_tokens] bool buffer marking real rows: captured graphs read it, so the
@@ -171,6 +181,8 @@ class GraphRunner:
         self.graphs: dict[GraphKey, GraphEntry] = {}
         self.stats: collections.Counter[Why] = collections.Counter()
         self.last_replayed = False  # whether the latest try_replay replayed a graph (the DBO cost model reads it)
+        self._last_entry: GraphEntry | None = None  # the graph the latest try_replay replayed
+        self.num_head_replays = 0
         self.warmed_threads: set[int] = set()
         self.report: CaptureReport | None = None  # the last capture's (graph memory per size, sizes dropped)
 
@@ -256,7 +268,7 @@ class GraphRunner:
             oom = exc
         # agree() is a collective every DP rank must reach, so it is called before entry is looked at
         if self.agree is not None and not self.agree(entry is not None) and entry is not None:
-            self.backend.release(entry.graph)  # a DP peer ran out of memory at this size: keep the plans identical
+            self._release(entry)  # a DP peer ran out of memory at this size: keep the plans identical
             entry = None
         self.backend.synchronize()
         if entry is not None:
@@ -313,7 +325,30 @@ class GraphRunner:
             except CaptureRuleError:
                 self.backend.release(graph)
                 raise
-        return GraphEntry(key, graph, out, ids, pos, metas)
+        entry = GraphEntry(key, graph, out, ids, pos, metas)
+        if self.head is not None:
+            try:
+                entry.head_graph, entry.head_output = self._capture_head(out)
+            except BaseException:
+                self.backend.release(graph)  # the size is dropped (out of memory) or the capture fails whole
+                raise
+        return entry
+
+    def _capture_head(self, output: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """The head's graph over a forward graph's static ``output``: warmed up and captured on the capture
+        stream, after the forward's capture (its rows hold what the capture's padding rows computed)."""
+        head = self.head
+        assert head is not None
+
+        def run() -> torch.Tensor:
+            with torch.no_grad():
+                return head(output)
+
+        with streams.stream(self.capture_stream):
+            for _ in range(self.num_warmups):
+                run()
+        self.backend.synchronize()
+        return self.backend.capture(run, self.pool, self.capture_stream)
 
     def _run_eager(self, key: GraphKey, ids: torch.Tensor, pos: torch.Tensor, metas: list[Any],
                    slices: list[UBatchSlice]) -> torch.Tensor:
@@ -345,14 +380,21 @@ class GraphRunner:
         next capture: a new stream per capture would get a new cuBLAS workspace per worker thread, which torch
         keeps per (handle, stream) for the life of the process) and the persistent metadata buffers.
         """
-        graphs = [entry.graph for entry in self.graphs.values()]
+        entries = list(self.graphs.values())
         self.graphs.clear()  # the entries hold the static outputs and metadata views
-        for graph in graphs:
-            self.backend.release(graph)
-        del graphs
+        self._last_entry = None
+        for entry in entries:
+            self._release(entry)
+        del entries
         self.pool = None
         self.report = None
         self.backend.synchronize()
+
+    def _release(self, entry: GraphEntry) -> None:
+        """Release an entry's graphs (its head's first: it reads the forward's output)."""
+        if entry.head_graph is not None:
+            self.backend.release(entry.head_graph)
+        self.backend.release(entry.graph)
 
     # ---- dispatch and replay ---------------------------------------------------------------------------
     def padded_num_tokens(self, num_tokens: int, is_uniform_decode: bool, decision: Any) -> int:
@@ -388,6 +430,7 @@ class GraphRunner:
         d = self.dispatch(meta, slices, input_ids.shape[0])
         self.stats[d.why] += 1
         self.last_replayed = d.replay
+        self._last_entry = None
         if d.key is None:
             logger.debug("eager step: %s (%s)", d.why.value, d.detail)
             return NotImplemented
@@ -398,4 +441,22 @@ class GraphRunner:
                 static.copy_(given)
         with trace.compute_span("graph_replay", "G"):  # one span per replay (a captured graph records none inside)
             self.backend.replay(entry.graph)
+        self._last_entry = entry
         return entry.output
+
+    @property
+    def head_ready(self) -> bool:
+        """Whether :meth:`replay_head` can serve the step just replayed (the runner has a head and the latest
+        :meth:`try_replay` replayed a graph)."""
+        return self._last_entry is not None and self._last_entry.head_graph is not None
+
+    def replay_head(self) -> torch.Tensor:
+        """The head's result over the rows of the graph replayed last (every row of its size: the caller takes
+        its real rows), by one more graph launch. Static: valid until the next replay of that size's head."""
+        entry = self._last_entry
+        if entry is None or entry.head_graph is None or entry.head_output is None:
+            raise RuntimeError("replay_head: the latest step replayed no graph with a head (check head_ready)")
+        with trace.compute_span("head_replay", "G"):
+            self.backend.replay(entry.head_graph)
+        self.num_head_replays += 1
+        return entry.head_output

@@ -97,6 +97,30 @@ def test_a_dbo_replay_makes_no_handoffs(monkeypatch: pytest.MonkeyPatch) -> None
         runner.close()
 
 
+@pytest.mark.parametrize("dbo", [False, True], ids=["plain", "dbo"])
+def test_greedy_decode_samples_in_the_head_graph_as_eager(dbo: bool) -> None:
+    """The engine's own graphs: each greedy decode step replays its forward graph and then that graph's head (LM
+    head and greedy pick); the tokens equal an eager runner's (on CPU, the eager stand-in: test_graph_head.py)."""
+    from graph_replays import record_replays
+    from test_graph_head import DECODE_STEPS, GREEDY, NUM_REQS, generate
+
+    params = [GREEDY] * NUM_REQS
+    eager = make_runner(enable_dbo=dbo, enforce_eager=True, **GPU)
+    try:
+        assert eager.graph_runner is None
+        want = generate(eager, params)
+    finally:
+        eager.close()
+    runner = make_runner(enable_dbo=dbo, **GPU)
+    try:
+        assert runner.graph_runner is not None  # captured by the runner itself, the head with each size
+        replays = record_replays(runner.graph_runner)
+        assert generate(runner, params) == want
+        assert len(replays.forward) == DECODE_STEPS and replays.heads == replays.forward
+    finally:
+        runner.close()
+
+
 def test_capture_clear_cycles_with_threads_do_not_leak() -> None:
     runner = make_runner("threads", emulate_link=LINK, **GPU)
     try:
@@ -117,9 +141,10 @@ def test_capture_clear_cycles_with_threads_do_not_leak() -> None:
 
 
 def test_a_ladder_holds_little_more_than_its_outputs_after_capture() -> None:
-    """Captured without autograd, the graphs keep only their static outputs allocated: the pool's other blocks
-    are free for the next (smaller) capture to reuse. With grad enabled each output kept its step's saved
-    activations, so graph memory grew with every size of the ladder (and leaked per capture/clear cycle)."""
+    """Captured without autograd, the graphs (forwards and their heads) keep only their static outputs allocated:
+    the pool's other blocks are free for the next (smaller) capture to reuse. With grad enabled each output kept
+    its step's saved activations, so graph memory grew with every size of the ladder (and leaked per
+    capture/clear cycle)."""
     runner = make_runner("greenlet", **GPU)
     try:
         gr = manager.make_graph_runner(runner, progress=False)  # the default ladder up to max_num_seqs=16
@@ -131,7 +156,8 @@ def test_a_ladder_holds_little_more_than_its_outputs_after_capture() -> None:
         report = gr.capture()
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - before
-        outputs = sum(-(-e.output.numel() * e.output.element_size() // 512) * 512 for e in gr.graphs.values())
+        kept = [t for e in gr.graphs.values() for t in (e.output, e.head_output) if t is not None]
+        outputs = sum(-(-t.numel() * t.element_size() // 512) * 512 for t in kept)  # forwards' and heads' outputs
         assert len(report.bytes_by_key) == len(gr.graphs) and not report.dropped
         assert held <= outputs + 64 * 1024, (held, outputs, report.memory_table())
         gr.clear()

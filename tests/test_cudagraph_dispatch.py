@@ -533,16 +533,16 @@ def test_mixed_batches_never_replay_and_a_dbo_decode_step_replays(qwen_runner) -
 def test_a_failed_capture_names_the_graph_and_leaves_nothing_behind(qwen_runner) -> None:
     runner, _ = qwen_runner
 
-    class FailSecond(EagerReplayBackend):
+    class FailSecondSize(EagerReplayBackend):
         calls = 0
 
         def capture(self, fn, pool, stream):
-            FailSecond.calls += 1
-            if FailSecond.calls == 2:
+            FailSecondSize.calls += 1
+            if FailSecondSize.calls == 3:  # the second size's forward (each size's head is captured after it)
                 raise RuntimeError("operation not permitted when stream is capturing")
             return super().capture(fn, pool, stream)
 
-    gr = manager.make_graph_runner(runner, sizes=[1, 8], backend=FailSecond(), num_warmups=0, progress=False)
+    gr = manager.make_graph_runner(runner, sizes=[1, 8], backend=FailSecondSize(), num_warmups=0, progress=False)
     with pytest.raises(RuntimeError, match=r"graph for 3 failed: operation not permitted.*--enforce-eager"):
         gr.capture()
     assert not gr.graphs

@@ -12,12 +12,11 @@ from typing import Any
 import pytest
 
 from cudagraph import GraphKey
-from cudagraph.backends import EagerReplayBackend
+from graph_replays import install_graphs
 from runner.config import RunnerConfig
 from runner.core.runner_output import ModelRunnerOutput
 from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
-from runner.worker.cuda_graphs import make_graph_runner
 from runner.worker.dbo_cost_model import Execution, StepRecord
 from runner.worker.model_runner import ModelRunner
 from ubatch import trace
@@ -57,22 +56,10 @@ def runner_with_graphs(times: dict[tuple[bool, Execution], float]) -> tuple[Mode
                        num_kv_blocks=NUM_REQS * BLOCKS_PER_REQ)
     runner = ModelRunner(cfg)
     assert runner.graph_runner is None and runner.cost_model is not None  # CPU: no graphs of its own
-    graph_runner = make_graph_runner(runner, backend=EagerReplayBackend(), num_warmups=0, progress=False)
-    graph_runner.capture()
-    runner.graph_runner = runner.cost_model.graph_runner = graph_runner
+    replays = install_graphs(runner)
     timer = ScriptedTimer(times)
     runner.cost_model.timer = timer
-    replayed: list[GraphKey] = []
-    key_of = {id(entry.graph): key for key, entry in graph_runner.graphs.items()}
-    backend = graph_runner.backend
-
-    class Counting(EagerReplayBackend):
-        def replay(self, graph: Any) -> None:
-            replayed.append(key_of[id(graph)])
-            backend.replay(graph)
-
-    graph_runner.backend = Counting()
-    return runner, timer, replayed
+    return runner, timer, replays.forward
 
 
 def chunk(i: int, tokens: list[int], computed: int) -> ScheduledChunk:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
@@ -22,8 +22,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from cudagraph import GraphKey  # noqa: E402
-from cudagraph.backends import EagerReplayBackend  # noqa: E402
 from fp8_checkpoint import write_fp8_pair  # noqa: E402
+from graph_replays import install_graphs  # noqa: E402
 from runner.config import RunnerConfig  # noqa: E402
 from runner.core.runner_output import ModelRunnerOutput  # noqa: E402
 from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput  # noqa: E402
@@ -31,7 +31,6 @@ from runner.models import loader  # noqa: E402
 from runner.models.quantization.fp8_linear import Fp8Linear  # noqa: E402
 from runner.sampling_params import SamplingParams  # noqa: E402
 from runner.worker import model_runner  # noqa: E402
-from runner.worker.cuda_graphs import make_graph_runner  # noqa: E402
 from runner.worker.model_runner import ModelRunner  # noqa: E402
 from standins import deep_gemm as dg  # noqa: E402
 from test_fp8_checkpoints import QWEN, make_hf  # noqa: E402
@@ -98,24 +97,6 @@ def greedy_tokens(runner: ModelRunner) -> list[list[int]]:
     return tokens
 
 
-def with_graphs(runner: ModelRunner) -> list[GraphKey]:
-    """Capture the runner's graph ladder on the eager stand-in and install it; returns the graphs replayed."""
-    graph_runner = make_graph_runner(runner, backend=EagerReplayBackend(), num_warmups=0, progress=False)
-    graph_runner.capture()
-    runner.graph_runner = graph_runner
-    replayed: list[GraphKey] = []
-    key_of = {id(entry.graph): key for key, entry in graph_runner.graphs.items()}
-    inner = graph_runner.backend
-
-    class Counting(EagerReplayBackend):
-        def replay(self, graph: Any) -> None:
-            replayed.append(key_of[id(graph)])
-            inner.replay(graph)
-
-    graph_runner.backend = Counting()
-    return replayed
-
-
 def test_fp8_tokens_with_graphs_and_dbo_equal_tokens_without(fp8_checkpoint: Path, dense_gemm: str) -> None:
     eager = fp8_runner(fp8_checkpoint)
     try:
@@ -131,12 +112,13 @@ def test_fp8_tokens_with_graphs_and_dbo_equal_tokens_without(fp8_checkpoint: Pat
         assert linears and all(m.weight.dtype == FP8_DTYPE for m in linears)
         assert any(m.uses_fp8_gemm() for m in linears) is (dense_gemm == "deep_gemm_standin")
         assert all(moe.w13_weight.dtype == FP8_DTYPE for moe in model.weight_spec().moe_layers.values())
-        replayed = with_graphs(graphed)
+        replays = install_graphs(graphed)
         got = greedy_tokens(graphed)
         assert graphed.wrapper is not None
         graph_ubatched = graphed.wrapper.num_ubatched_steps
     finally:
         graphed.close()
     assert got == want
-    assert replayed == [GraphKey(8, (4, 4))] * DECODE_STEPS  # every decode step replayed the DBO graph
+    # every decode step replayed the DBO graph, and its head sampled the greedy rows
+    assert replays.forward == replays.heads == [GraphKey(8, (4, 4))] * DECODE_STEPS
     assert eager_ubatched >= DECODE_STEPS and graph_ubatched > 0

@@ -36,7 +36,8 @@ def oom(what: str = "graph") -> torch.cuda.OutOfMemoryError:
 
 class OomAbove(EagerReplayBackend):
     """The eager stand-in, but a capture whose output has more than ``limit`` rows runs out of memory (after the
-    step ran, as a real capture's allocation fails part-way). Records what it released."""
+    step ran, as a real capture's allocation fails part-way). Records the forward captures it tried (a head's
+    output, the sampled ids, has one dimension) and what it released."""
 
     def __init__(self, limit: int, fail: Callable[[int], bool] | None = None) -> None:
         self.fail = fail or (lambda rows: rows > limit)
@@ -45,7 +46,8 @@ class OomAbove(EagerReplayBackend):
 
     def capture(self, fn: Any, pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
         graph, out = super().capture(fn, pool, stream)
-        self.attempts.append(out.shape[0])
+        if out.dim() == 2:
+            self.attempts.append(out.shape[0])
         if self.fail(out.shape[0]):
             raise oom(f"capture of {out.shape[0]} tokens")
         return graph, out
@@ -164,7 +166,7 @@ def test_dp_ranks_drop_the_sizes_any_rank_could_not_capture(runner, caplog) -> N
     with caplog.at_level(logging.WARNING, logger="ubatch.cudagraph"):
         report = gr.capture()
     assert votes == [True] * 7 and report.dropped == [GraphKey(12, (6, 6))] and report.first_oom is None
-    assert len(backend.released) == 1 and GraphKey(12, (6, 6)) not in gr.graphs
+    assert len(backend.released) == 2 and GraphKey(12, (6, 6)) not in gr.graphs  # its forward and head graphs
     assert "another DP rank ran out of memory capturing; dropped sizes 12" in caplog.text
 
 
@@ -244,23 +246,24 @@ def test_is_out_of_memory_walks_the_exception_chain() -> None:
 # ---- graph memory per size ------------------------------------------------------------------------------
 def test_the_report_carries_graph_memory_per_size(runner) -> None:
     class Metered(EagerReplayBackend):
-        """Device memory falls by 1000 bytes per captured token (a stand-in for the driver's free memory)."""
+        """Device memory falls by 1000 bytes per captured token of a forward graph and 100 per row of its head (a
+        stand-in for the driver's free memory): a size's figure holds both."""
 
         def __init__(self) -> None:
             self.free = 10**9
 
         def capture(self, fn: Any, pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
             graph, out = super().capture(fn, pool, stream)
-            self.free -= 1000 * out.shape[0]
+            self.free -= (1000 if out.dim() == 2 else 100) * out.shape[0]
             return graph, out
 
         def free_memory(self) -> int:
             return self.free
 
     report = graph_runner(runner, Metered()).capture()
-    assert report.memory_table() == [("16[dbo 8+8]", 16000), ("12[dbo 6+6]", 12000), ("8[dbo 4+4]", 8000),
-                                     ("4[dbo 2+2]", 4000), ("3", 3000), ("2", 2000), ("1", 1000)]
-    assert report.graph_bytes == 46000 == sum(report.bytes_by_key.values())
+    assert report.memory_table() == [("16[dbo 8+8]", 17600), ("12[dbo 6+6]", 13200), ("8[dbo 4+4]", 8800),
+                                     ("4[dbo 2+2]", 4400), ("3", 3300), ("2", 2200), ("1", 1100)]
+    assert report.graph_bytes == 50600 == sum(report.bytes_by_key.values())
 
 
 def test_dropped_message_wording() -> None:

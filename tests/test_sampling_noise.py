@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from runner.worker.sampling_noise import (
+    INVALID_TOKEN,
     MASK64,
     draw_by_inverse_cdf_,
     row_uniform,
@@ -94,3 +95,13 @@ def test_inverse_cdf_never_lands_past_the_last_kept_token() -> None:
     logits[2, [0, 7]] = torch.tensor([3.0, 20.0])
     got = draw_by_inverse_cdf_(logits, torch.full((3,), 1 - 2.0 ** -24))
     assert got.tolist() == [2, 2, 7]
+
+
+def test_a_row_without_a_distribution_draws_the_invalid_token() -> None:
+    """NaN, +inf, or every token removed: no distribution, so ``INVALID_TOKEN``; the other rows draw as usual."""
+    logits = torch.zeros(4, 8)
+    logits[1, 3] = float("nan")
+    logits[2, 5] = float("inf")
+    logits[3] = float("-inf")
+    got = draw_by_inverse_cdf_(logits, torch.full((4,), 0.5))
+    assert got.dtype == torch.int64 and got.tolist() == [4, INVALID_TOKEN, INVALID_TOKEN, INVALID_TOKEN]

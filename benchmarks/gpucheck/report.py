@@ -134,7 +134,11 @@ def engine_section(runs: dict[str, dict[str, Any]]) -> list[str]:
         g = (d.get("engine") or {}).get("graphs") or {}
         if not g.get("enabled"):
             return "off" if g else ""
-        return f"{len(g.get('sizes') or [])} plain + {len(g.get('dbo_sizes') or [])} DBO, dropped {g.get('dropped')}"
+        measured = d.get("measured") or {}
+        replays = (measured.get("graph_steps") or {}).get("replay")  # cudagraph.Why.REPLAY
+        heads = "" if replays is None else f"; {measured.get('head_replays')} of {replays} replays sampled in the head"
+        return (f"{len(g.get('sizes') or [])} plain + {len(g.get('dbo_sizes') or [])} DBO, dropped {g.get('dropped')}"
+                + heads)
 
     rows += [("DBO cost model", *("; ".join((runs[n].get("measured") or {}).get("dbo_decisions") or []) or ""
                                   for n in names)),

@@ -1,10 +1,10 @@
 """The engine's CUDA-graph wiring: builds a ``cudagraph.GraphRunner`` for a ModelRunner.
 
-``cudagraph`` knows nothing of the engine; this module hands it the engine's capturable decode
-attention (``runner.attention.graph``, through the runner's attention backend) and the KV block
-reserved for graph padding. That block is the extra one the ModelRunner allocates past the scheduler's
-range (``num_kv_blocks + 1`` blocks, ids ``0 .. num_kv_blocks``), so padded graph rows write their KV
-where no request ever reads.
+``cudagraph`` knows nothing of the engine; this module hands it the engine's capturable decode attention
+(``runner.attention.graph``, through the runner's attention backend), the graphs' head (the LM head and the greedy
+pick, :func:`greedy_sampling_head`) and the KV block reserved for graph padding. That block is the extra one the
+ModelRunner allocates past the scheduler's range (``num_kv_blocks + 1`` blocks, ids ``0 .. num_kv_blocks``), so
+padded graph rows write their KV where no request ever reads.
 """
 from __future__ import annotations
 
@@ -18,13 +18,14 @@ from torch.distributed import ProcessGroup
 
 from cudagraph.backends import GraphBackend
 from cudagraph.dispatch import GraphKey, capture_blocker, plan_captures
-from cudagraph.manager import CaptureAgreement, GraphRunner
+from cudagraph.manager import CaptureAgreement, GraphHead, GraphRunner
 from cudagraph.sizes import resolve_capture_sizes
 from runner.attention.backend import AttentionBackend
 from runner.attention.graph import DecodeMetadataBuffers, capturable_attention
 from runner.config import RunnerConfig
 from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
+from runner.worker.sampler import greedy_rows
 from ubatch.log_once import log_once
 from ubatch.streams import Stream
 from ubatch.wrapper import UBatchWrapper
@@ -127,6 +128,18 @@ def planned_keys(model_runner: CapturingRunner, sizes: Sequence[int] | str | Non
                          both_kinds=wrapper is not None and cfg.dbo_cost_model == "measured")
 
 
+def greedy_sampling_head(model: MoECausalLM) -> GraphHead:
+    """The head captured after every decode graph: the LM head and each row's greedy token (``INVALID_TOKEN``
+    where its logits are not finite), what the sampler computes for a step whose rows are all greedy with no
+    other option (``Sampler.only_greedy``). Such a step's sampling is then one graph launch, not the LM head's
+    and the argmax's kernels launched one by one."""
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        return greedy_rows(model.compute_logits(hidden))
+
+    return head
+
+
 def make_graph_runner(model_runner: CapturingRunner, *, sizes: Sequence[int] | str | None = None,
                       backend: GraphBackend | None = None, num_warmups: int = 2, progress: bool | None = None,
                       wrapper: UBatchWrapper | None | _Default = _RUNNERS_WRAPPER,
@@ -154,6 +167,7 @@ def make_graph_runner(model_runner: CapturingRunner, *, sizes: Sequence[int] | s
                        agree=capture_agreement(model_runner.dp_group),
                        # one capture stream per runner for the life of the process, trial capture included
                        capture_stream=model_runner.graph_capture_stream,
+                       head=greedy_sampling_head(model_runner.model),
                        progress=(model_runner.rank == 0) if progress is None else progress)
 
 

@@ -431,17 +431,23 @@ class ModelRunner:
         written, the inputs of requests with penalties recorded first -- the penalty counts are kept here, on
         the forward side, from the input ids resolved on the device (``runner/worker/penalties.py``), so they
         are exact when the step was launched before its predecessor's tokens reached the host. A step of
-        decodes only samples every row of ``hidden`` as it is."""
+        decodes only samples every row of ``hidden`` as it is; where its graph replayed and every row is greedy
+        with no other option, the graph's head (``cuda_graphs.greedy_sampling_head``) samples them in one more
+        graph launch."""
         n = sched.num_reqs
         step = self.sampler.prepare(sched, self.inputs.prefix("input_ids", sched.num_tokens))
         if not len(step):
             return None
         m = len(step)
-        if step.picks is None and sched.num_tokens == n:  # one token per request, all sampling
-            last = hidden[:n]
-        else:  # their last tokens' rows, staged with the step's inputs (_stage_sampling)
-            last = hidden.index_select(0, self.inputs.prefix("sample_rows", m))
-        sampled, pending = self.sampler.launch_step(self.model.compute_logits(last), step)
+        decodes = step.picks is None and sched.num_tokens == n  # one token per request, all sampling
+        graphs = self.graph_runner
+        if decodes and graphs is not None and graphs.head_ready and self.sampler.only_greedy(step):
+            sampled = graphs.replay_head()[:n]
+            pending = self.sampler.launch_greedy(sampled)
+        else:
+            # a decode step's rows as they are, or the last tokens' rows staged with the inputs (_stage_sampling)
+            last = hidden[:n] if decodes else hidden.index_select(0, self.inputs.prefix("sample_rows", m))
+            sampled, pending = self.sampler.launch_step(self.model.compute_logits(last), step)
         self.future_tokens.store_(sched.req_ids if step.picks is None else sched.req_ids[step.picks], step.slots,
                                   sampled, self.inputs.prefix("sample_slots", m))
         return step, pending

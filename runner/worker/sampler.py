@@ -156,12 +156,23 @@ class Sampler:
         """Sample one token per row of ``step`` (at least one) on the device without waiting for it: the
         sampled-id tensor (for the next step's placeholders) and the pending read of the results."""
         self._check(logits, len(step))
-        if not step.settings.flags[step.rows].any():  # greedy rows and nothing else: the argmax alone
+        if self.only_greedy(step):  # the argmax alone
             sampled = greedy_rows(logits if logits.dtype == torch.float32 else logits.float())
-            return sampled, PendingSample(self, None, start_read(sampled, None), False)
+            return sampled, self.launch_greedy(sampled)
         meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
         sampled, lp = sample_on_device(logits, meta, self.penalties)
         return sampled, PendingSample(self, meta, start_read(sampled, lp), lp is not None)
+
+    @staticmethod
+    def only_greedy(step: StepRows) -> bool:
+        """Whether every row of ``step`` is greedy with no other option (no penalty, bias, ``min_tokens`` or
+        logprobs): its tokens are then the raw logits' argmax, which a decode graph's head computes too
+        (``runner/worker/cuda_graphs.py``)."""
+        return not step.settings.flags[step.rows].any()
+
+    def launch_greedy(self, sampled: torch.Tensor) -> PendingSample:
+        """The pending read of greedy tokens already computed on the device (``sampled``, one per row)."""
+        return PendingSample(self, None, start_read(sampled, None), False)
 
     # ---- rows given by hand -------------------------------------------------------------------------------
     def record_inputs(self, chunks: Sequence[ScheduledChunk]) -> None:
@@ -278,8 +289,8 @@ def start_read(sampled: torch.Tensor, lp: tuple[torch.Tensor, ...] | None) -> Ho
     """Start copying a step's results (the sampled ids, or every result packed as in :func:`read_back`) to the
     host: on CUDA a ``non_blocking`` copy into pinned memory and an event after it; nothing waits here."""
     packed = sampled if lp is None else _packed(sampled, lp)
-    if packed.device.type != "cuda":
-        return HostCopy(packed, None)
+    if packed.device.type != "cuda":  # a copy too: ``sampled`` may be a graph's output, rewritten by its next replay
+        return HostCopy(packed.clone() if lp is None else packed, None)
     host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
     host.copy_(packed, non_blocking=True)
     event = torch.cuda.Event()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from runner.worker.sampling_ops import finite
+
 MASK64 = 0xFFFF_FFFF_FFFF_FFFF
 
 
@@ -71,4 +73,4 @@ def draw_by_inverse_cdf_(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.
     total = cdf[:, -1]
     target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
     drawn = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
-    return drawn.masked_fill_(~torch.isfinite(peak.squeeze(1)), INVALID_TOKEN)
+    return torch.where(finite(peak.squeeze(1)), drawn, INVALID_TOKEN)

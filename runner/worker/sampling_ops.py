@@ -100,8 +100,8 @@ def greedy_tokens(logits: torch.Tensor, invalid: int) -> torch.Tensor:
     NaN counts as the largest, so the value at the argmax is non-finite exactly when the row's maximum is).
 
     On the CPU numpy over the logits' memory: the argmax, the value at it and the check. Elsewhere
-    :func:`greedy_tokens_torch`: three kernels, the maximum and its index from one reduction (``torch.max``
-    returns ``torch.argmax``'s index, the first on ties)."""
+    :func:`greedy_tokens_torch`: four kernels, the maximum and its index from one reduction (``torch.max``
+    returns ``torch.argmax``'s index, the first on ties), then :func:`finite` and the pick."""
     if logits.device.type != "cpu":
         return greedy_tokens_torch(logits, invalid)
     x = logits.numpy()
@@ -114,7 +114,13 @@ def greedy_tokens(logits: torch.Tensor, invalid: int) -> torch.Tensor:
 def greedy_tokens_torch(logits: torch.Tensor, invalid: int) -> torch.Tensor:
     """:func:`greedy_tokens` as tensor work on the logits' device."""
     best, ids = logits.max(dim=-1)
-    return torch.where(best.isfinite(), ids, invalid)
+    return torch.where(finite(best), ids, invalid)
+
+
+def finite(x: torch.Tensor) -> torch.Tensor:
+    """``torch.isfinite(x)`` for floating ``x`` as two kernels, ``|x| < inf`` (False for NaN and both infinities):
+    ``torch.isfinite`` is four (``x == x`` and ``|x| != inf``, multiplied)."""
+    return x.abs() < float("inf")
 
 
 def raw_logprobs(logits: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,174 @@
+"""The decode graphs' head: a greedy decode step samples in one more graph launch (the eager stand-in on CPU).
+
+After each forward graph the runner captures its head, the LM head and the greedy pick of every row
+(``runner/worker/cuda_graphs.py``). A decode step whose graph replayed and whose rows are all greedy with no
+other option replays the head; any other step samples eagerly from the graph's hidden rows. Tokens equal a runner
+without graphs in every case, and the graph that served each step is recorded, not only the tokens.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from cudagraph import GraphKey
+from cudagraph.backends import EagerReplayBackend
+from graph_replays import install_graphs
+from runner.config import RunnerConfig
+from runner.core.runner_output import ModelRunnerOutput
+from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
+from runner.sampling_params import SamplingParams
+from runner.worker import cuda_graphs
+from runner.worker.model_runner import ModelRunner
+from runner.worker.sampling_noise import INVALID_TOKEN
+from test_graph_memory import OomAbove, oom
+
+NUM_REQS, PROMPT, BLOCKS_PER_REQ, DECODE_STEPS = 8, 5, 8, 4
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def make_runner() -> ModelRunner:
+    """On the machine's device, float32; the torch experts (a host sync) keep the runner from capturing graphs of
+    its own on a GPU too, so the eager stand-in's are the only ones (gpu-check runs this file)."""
+    return ModelRunner(RunnerConfig(dtype="float32", experts_backend="torch", max_num_seqs=NUM_REQS,
+                                    max_model_len=BLOCKS_PER_REQ * 4, max_num_batched_tokens=64, block_size=4,
+                                    num_kv_blocks=NUM_REQS * BLOCKS_PER_REQ))
+
+
+def chunk(i: int, tokens: list[int], computed: int, params: SamplingParams) -> ScheduledChunk:
+    return ScheduledChunk(i, tokens, computed, list(range(i * BLOCKS_PER_REQ, (i + 1) * BLOCKS_PER_REQ)), True,
+                          params, 1000 + i, slot=i, prompt_len=PROMPT)
+
+
+def prompt(i: int) -> list[int]:
+    return [(5 * i + 3 * j) % 60 + 1 for j in range(PROMPT)]
+
+
+def by_request(reqs: range, out: ModelRunnerOutput | None) -> dict[int, int]:
+    """A step's sampled token per request (every request of these steps samples)."""
+    assert out is not None and all(t is not None for t in out.sampled_token_ids), out
+    return {i: int(t) for i, t in zip(reqs, out.sampled_token_ids, strict=True) if t is not None}
+
+
+def decode_step(reqs: range, last: dict[int, int], step: int, params: list[SamplingParams]) -> SchedulerOutput:
+    return SchedulerOutput([chunk(i, [last[i]], PROMPT + step, params[i]) for i in reqs])
+
+
+def generate(runner: ModelRunner, params: list[SamplingParams], reqs: range = range(NUM_REQS)) -> list[dict[int, int]]:
+    """A prefill of the requests ``reqs`` (eager: a mixed batch), then ``DECODE_STEPS`` decode steps of them."""
+    steps = [by_request(reqs, runner.step(SchedulerOutput([chunk(i, prompt(i), 0, params[i]) for i in reqs])))]
+    for s in range(DECODE_STEPS):
+        steps.append(by_request(reqs, runner.step(decode_step(reqs, steps[-1], s, params))))
+    return steps
+
+
+def eager_tokens(params: list[SamplingParams], reqs: range = range(NUM_REQS)) -> list[dict[int, int]]:
+    runner = make_runner()
+    try:
+        assert runner.graph_runner is None  # no graphs of its own (make_runner)
+        return generate(runner, params, reqs)
+    finally:
+        runner.close()
+
+
+@pytest.fixture
+def graphed() -> Any:
+    runner = make_runner()
+    replays = install_graphs(runner)
+    yield runner, replays
+    runner.close()
+
+
+def test_greedy_decode_steps_sample_in_the_head_graph(graphed) -> None:
+    runner, replays = graphed
+    params = [GREEDY] * NUM_REQS
+    assert generate(runner, params) == eager_tokens(params)
+    assert replays.forward == replays.heads == [GraphKey(8)] * DECODE_STEPS
+    assert runner.graph_runner.num_head_replays == DECODE_STEPS
+
+
+@pytest.mark.parametrize("other", [
+    SamplingParams(temperature=0.8, seed=7),
+    SamplingParams(temperature=0.0, logprobs=2),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3),
+    SamplingParams(temperature=0.0, min_tokens=3),
+    SamplingParams(temperature=0.0, logit_bias={5: 3.0}),
+], ids=["seeded-draw", "logprobs", "penalty", "min-tokens", "logit-bias"])
+def test_a_step_with_any_other_row_samples_eagerly_from_the_graphs_rows(graphed, other: SamplingParams) -> None:
+    """One row that is not plain greedy: the forward graphs replay, no head does, the tokens are eager's."""
+    runner, replays = graphed
+    params = [GREEDY] * (NUM_REQS - 1) + [other]
+    assert generate(runner, params) == eager_tokens(params)
+    assert replays.forward == [GraphKey(8)] * DECODE_STEPS and replays.heads == []
+
+
+def test_steps_launched_before_either_is_read_keep_their_own_tokens(graphed) -> None:
+    """The head's output is static, rewritten by the next replay of its size: a launched step's tokens are
+    copied off it at launch, so two steps of one size in flight each read their own (the overlap loop's order)."""
+    runner, replays = graphed
+    first, second = range(0, 4), range(4, 8)
+    params = [GREEDY] * NUM_REQS
+    want = eager_tokens(params, first)[-1] | eager_tokens(params, second)[-1]
+    last: dict[int, int] = {}
+    for reqs in (first, second):
+        last |= by_request(reqs, runner.step(SchedulerOutput([chunk(i, prompt(i), 0, GREEDY) for i in reqs])))
+    for s in range(DECODE_STEPS):
+        launched = [(reqs, runner.launch(decode_step(reqs, last, s, params))) for reqs in (first, second)]
+        for reqs, pending in launched:
+            assert pending is not None
+            last |= by_request(reqs, pending.result(30.0))
+    assert last == want
+    assert replays.heads == [GraphKey(4)] * (2 * DECODE_STEPS)
+
+
+class HeadOutOfMemory(OomAbove):
+    """The eager stand-in, but the capture of the 4-token graph's head runs out of memory (its forward captured)."""
+
+    def capture(self, fn: Any, pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
+        graph, out = EagerReplayBackend.capture(self, fn, pool, stream)
+        if out.dim() == 2:
+            self.attempts.append(out.shape[0])
+        elif out.shape[0] == 4:
+            raise oom("the head of 4 tokens")
+        return graph, out
+
+
+def test_a_head_out_of_memory_drops_its_size_and_releases_its_forward_graph(caplog) -> None:
+    runner = make_runner()
+    try:
+        backend = HeadOutOfMemory(0)
+        gr = cuda_graphs.make_graph_runner(runner, backend=backend, num_warmups=0, progress=False)
+        report = gr.capture()
+        assert report.dropped == [GraphKey(4)] and sorted(gr.graphs) == [GraphKey(1), GraphKey(2), GraphKey(8)]
+        assert backend.attempts == [8, 4, 2, 1]
+        assert [type(g) for g in backend.released] == [tuple]  # the 4-token forward graph: (callable, output)
+        assert backend.released[0][1].shape[0] == 4
+    finally:
+        runner.close()
+
+
+def test_replay_head_names_what_is_missing() -> None:
+    runner = make_runner()
+    try:
+        replays = install_graphs(runner)
+        gr = runner.graph_runner
+        assert gr is not None and not gr.head_ready and replays.heads == []
+        with pytest.raises(RuntimeError, match="replayed no graph with a head"):
+            gr.replay_head()
+    finally:
+        runner.close()
+
+
+def test_the_head_marks_rows_whose_logits_are_not_finite() -> None:
+    runner = make_runner()
+    try:
+        head = cuda_graphs.greedy_sampling_head(runner.model)
+        hidden = torch.randn(3, runner.model_config.hidden_size, device=runner.device)
+        hidden[1] = float("nan")
+        with torch.no_grad():  # as the capture runs it
+            ids = head(hidden)
+            want = runner.model.compute_logits(hidden).argmax(dim=-1)
+        assert ids.tolist() == [int(want[0]), INVALID_TOKEN, int(want[2])]
+    finally:
+        runner.close()
