@@ -3,7 +3,8 @@
 After each forward graph the runner captures its head, the LM head and the greedy pick of every row
 (``runner/worker/cuda_graphs.py``). A decode step whose graph replayed and whose rows are all greedy with no
 other option replays the head; any other step samples eagerly from the graph's hidden rows. Tokens equal a runner
-without graphs in every case, and the graph that served each step is recorded, not only the tokens.
+without graphs in every case, by hand-built steps and through ``LLM.generate``, and the graph that served each
+step is recorded, not only the tokens.
 """
 from __future__ import annotations
 
@@ -172,3 +173,35 @@ def test_the_head_marks_rows_whose_logits_are_not_finite() -> None:
         assert ids.tolist() == [int(want[0]), INVALID_TOKEN, int(want[2])]
     finally:
         runner.close()
+
+
+def test_llm_generate_samples_greedy_decode_steps_in_the_head(tmp_path) -> None:
+    """The public path, pipelined on the emulated device (a step launched before its predecessor is read, its
+    placeholders resolved on the device from the head's tokens): with the stand-in graphs installed, every greedy
+    decode step replays the head and a call with one seeded sampled request replays none; the tokens equal the
+    engine's without graphs."""
+    from runner.entrypoints.llm import LLM
+
+    prompts = [[(5 * i + j) % 400 for j in range(6)] for i in range(6)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    mixed = [greedy] * 5 + [SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)]
+
+    def run(graphs: bool) -> tuple[list[list[int]], list[tuple[int, int]]]:
+        llm = LLM(model="tiny-qwen3-moe", cache_dir=str(tmp_path / "cache"), device="cpu", dtype="float32",
+                  experts_backend="torch", max_num_seqs=6, emulate_device="step_us=300")
+        try:
+            replays = install_graphs(llm.model_runner) if graphs else None
+            tokens, counts = [], []
+            for params in (greedy, mixed):
+                tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
+                if replays is not None:
+                    counts.append((len(replays.forward), len(replays.heads)))
+            assert llm.last_loop_stats is not None and llm.last_loop_stats.num_placeholders_resolved > 0
+            return tokens, counts
+        finally:
+            llm.close()
+
+    eager, _ = run(graphs=False)
+    graphed, counts = run(graphs=True)
+    assert graphed == eager
+    assert counts == [(7, 7), (14, 7)]  # 7 decode steps a call, each replayed; the heads only in the greedy call
