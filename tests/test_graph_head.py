@@ -29,10 +29,11 @@ NUM_REQS, PROMPT, BLOCKS_PER_REQ, DECODE_STEPS = 8, 5, 8, 4
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make_runner() -> ModelRunner:
-    """On the machine's device, float32; the torch experts (a host sync) keep the runner from capturing graphs of
-    its own on a GPU too, so the eager stand-in's are the only ones (gpu-check runs this file)."""
-    return ModelRunner(RunnerConfig(dtype="float32", experts_backend="torch", max_num_seqs=NUM_REQS,
+def make_runner(dtype: str = "float32") -> ModelRunner:
+    """On the machine's device, float32 unless asked; the torch experts (a host sync) keep the runner from
+    capturing graphs of its own on a GPU too, so the eager stand-in's are the only ones (gpu-check runs this
+    file)."""
+    return ModelRunner(RunnerConfig(dtype=dtype, experts_backend="torch", max_num_seqs=NUM_REQS,
                                     max_model_len=BLOCKS_PER_REQ * 4, max_num_batched_tokens=64, block_size=4,
                                     num_kv_blocks=NUM_REQS * BLOCKS_PER_REQ))
 
@@ -205,3 +206,36 @@ def test_llm_generate_samples_greedy_decode_steps_in_the_head(tmp_path) -> None:
     graphed, counts = run(graphs=True)
     assert graphed == eager
     assert counts == [(7, 7), (14, 7)]  # 7 decode steps a call, each replayed; the heads only in the greedy call
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "head"])
+def test_a_bfloat16_models_greedy_steps_pick_from_its_own_dtype(monkeypatch, graphs: bool) -> None:
+    """Greedy rows take the argmax of the LM head's bfloat16 logits, eagerly and in the head, and the tokens are
+    those of the float32 logits (the cast is exact): a run whose every step upcasts gives the same."""
+    from runner.models.base import MoECausalLM
+    from runner.worker import sampler as sampler_module
+
+    seen: set[torch.dtype] = set()
+    greedy_rows = sampler_module.greedy_rows
+
+    def recording(logits: torch.Tensor) -> torch.Tensor:
+        seen.add(logits.dtype)
+        return greedy_rows(logits)
+
+    def run() -> list[dict[int, int]]:
+        runner = make_runner("bfloat16")
+        try:
+            if graphs:
+                install_graphs(runner)
+            return generate(runner, [GREEDY] * NUM_REQS)
+        finally:
+            runner.close()
+
+    monkeypatch.setattr(sampler_module, "greedy_rows", recording)
+    monkeypatch.setattr(cuda_graphs, "greedy_rows", recording)
+    tokens = run()
+    assert seen == {torch.bfloat16}
+    compute_logits = MoECausalLM.compute_logits
+    monkeypatch.setattr(MoECausalLM, "compute_logits", lambda self, hidden, upcast=True: compute_logits(self, hidden))
+    seen.clear()
+    assert run() == tokens and seen == {torch.float32}

@@ -244,3 +244,14 @@ def test_greedy_tokens_equal_argmax_with_the_non_finite_check() -> None:
             got = fn(logits, -1)
             assert got.dtype == torch.int64 and got.tolist() == expected
     assert expected[3] == -1 and expected[4] == -1 and expected[5] == -1 and expected[6] == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_greedy_tokens_of_the_models_dtype_equal_those_of_its_float32_cast(dtype: torch.dtype) -> None:
+    """A greedy pick takes the LM head's logits in the model's dtype (no float32 copy): the cast is exact, so the
+    indices and the non-finite rows are those of the cast, on both paths (numpy has no bfloat16: cast there)."""
+    x = (_hard_rows(10) * 0.37).to(dtype)  # values that round in ``dtype``: ties appear that float32 would split
+    want = ops.greedy_tokens(x.float(), -1).tolist()
+    for fn in (ops.greedy_tokens, ops.greedy_tokens_torch):
+        assert fn(x, -1).tolist() == want
+    assert want[3] == want[4] == want[5] == -1

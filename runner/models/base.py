@@ -150,10 +150,11 @@ class MoECausalLM(nn.Module):
         """Pick where the ubatches yield (``--dbo-schedule``); a schedule this family cannot run is an error."""
         self.dbo_schedule.name = check_schedule(name, self.supported_dbo_schedules, type(self).__name__)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """The LM head's logits ``[T, V]``, float32; ``upcast=False``: in the model's dtype, for a greedy pick, whose
+        argmax is the same (the cast to float32 is exact) without writing and reading a float32 copy."""
+        logits = F.linear(hidden, self.model.embed_tokens.weight) if self.lm_head is None else self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def kv_cache_specs(self) -> list[KVCacheSpec]:
         raise NotImplementedError

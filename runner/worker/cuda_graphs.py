@@ -135,7 +135,7 @@ def greedy_sampling_head(model: MoECausalLM) -> GraphHead:
     and the argmax's kernels launched one by one."""
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
-        return greedy_rows(model.compute_logits(hidden))
+        return greedy_rows(model.compute_logits(hidden, upcast=False))
 
     return head
 

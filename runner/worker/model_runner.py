@@ -440,14 +440,16 @@ class ModelRunner:
             return None
         m = len(step)
         decodes = step.picks is None and sched.num_tokens == n  # one token per request, all sampling
+        greedy = self.sampler.only_greedy(step)
         graphs = self.graph_runner
-        if decodes and graphs is not None and graphs.head_ready and self.sampler.only_greedy(step):
+        if decodes and greedy and graphs is not None and graphs.head_ready:
             sampled = graphs.replay_head()[:n]
             pending = self.sampler.launch_greedy(sampled)
         else:
-            # a decode step's rows as they are, or the last tokens' rows staged with the inputs (_stage_sampling)
+            # a decode step's rows as they are, or the last tokens' rows staged with the inputs (_stage_sampling);
+            # greedy rows take the argmax of the model's dtype (the same as of a float32 copy)
             last = hidden[:n] if decodes else hidden.index_select(0, self.inputs.prefix("sample_rows", m))
-            sampled, pending = self.sampler.launch_step(self.model.compute_logits(last), step)
+            sampled, pending = self.sampler.launch_step(self.model.compute_logits(last, upcast=not greedy), step)
         self.future_tokens.store_(sched.req_ids if step.picks is None else sched.req_ids[step.picks], step.slots,
                                   sampled, self.inputs.prefix("sample_slots", m))
         return step, pending

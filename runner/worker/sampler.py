@@ -156,8 +156,8 @@ class Sampler:
         """Sample one token per row of ``step`` (at least one) on the device without waiting for it: the
         sampled-id tensor (for the next step's placeholders) and the pending read of the results."""
         self._check(logits, len(step))
-        if self.only_greedy(step):  # the argmax alone
-            sampled = greedy_rows(logits if logits.dtype == torch.float32 else logits.float())
+        if self.only_greedy(step):  # the argmax alone, in the logits' dtype (a float32 copy has the same)
+            sampled = greedy_rows(logits)
             return sampled, self.launch_greedy(sampled)
         meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
         sampled, lp = sample_on_device(logits, meta, self.penalties)

@@ -97,14 +97,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def greedy_tokens(logits: torch.Tensor, invalid: int) -> torch.Tensor:
     """Each row's argmax (as :func:`argmax_rows`), or ``invalid`` where the row's largest logit is not finite (a
-    NaN counts as the largest, so the value at the argmax is non-finite exactly when the row's maximum is).
+    NaN counts as the largest, so the value at the argmax is non-finite exactly when the row's maximum is). Any
+    floating dtype: the result is that of the logits cast to float32, which is exact.
 
     On the CPU numpy over the logits' memory: the argmax, the value at it and the check. Elsewhere
     :func:`greedy_tokens_torch`: four kernels, the maximum and its index from one reduction (``torch.max``
     returns ``torch.argmax``'s index, the first on ties), then :func:`finite` and the pick."""
     if logits.device.type != "cpu":
         return greedy_tokens_torch(logits, invalid)
-    x = logits.numpy()
+    x = (logits.float() if logits.dtype == torch.bfloat16 else logits).numpy()  # numpy has no bfloat16
     ids = x.argmax(axis=-1)
     best = np.take_along_axis(x, ids[:, None], axis=1)[:, 0]
     ids[~np.isfinite(best)] = invalid
