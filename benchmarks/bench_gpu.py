@@ -5,12 +5,16 @@ and replayed, against the larger of the memory and FLOP limits measured on the G
 step eager / eager-DBO / graph / graph-DBO, without a link and with the link calibrated to comm/compute 0.5, 1, 2.
 ``qwen3-30b`` (only when named): one layer of Qwen3-30B-A3B's experts (128 of intermediate 768, hidden 2048, top 8)
 at 256 and 2048 tokens for every experts backend against the same limit, and that time for its 48 layers.
+``sampling``: a decode step's sampling of 256 and 1024 rows at the benchmark model's vocabulary and Qwen3's, LM
+head included, greedy (from float32 logits as before, and from the model's bf16 ones as now; replayed, the
+decode graphs' head), with a temperature, and with top-k, top-p, min-p and logprobs: GPU time eager and replayed
+and the host's launch time, against the LM head's limit.
 ``tails`` (only when named): each fused pointwise tail (``--fused-tails``: residual add + RMSNorm, q/k RMSNorm +
 RoPE, router top-k) against the torch ops it replaces, at the benchmark model's and Qwen3-30B-A3B's shapes, 256
 and 2048 tokens, eager and replayed, each against its bandwidth limit (bytes read + written / measured copy rate).
 Writes CSVs under ``benchmarks/results/`` and, with ``--json``, JSON rewritten after each row (what ``make
 gpu-check`` reads; ``--quick`` is its short form). Without a GPU it exits 2. Usage: ``python
-benchmarks/bench_gpu.py [--sections kernels step qwen3-30b tails] [--iters 20] [--ratios 0.5 1 2] [--quick]
+benchmarks/bench_gpu.py [--sections kernels sampling step qwen3-30b tails] [--iters 20] [--ratios 0.5 1 2] [--quick]
 [--json PATH]``.
 """
 from __future__ import annotations
@@ -22,6 +26,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
@@ -58,7 +63,11 @@ QWEN3_30B_KERNEL = "experts (Qwen3-30B-A3B layer)"
 QWEN3_30B_TOKENS = (256, 2048)
 TAILS = ("add + RMSNorm", "q/k RMSNorm + RoPE", "router top-k")  # the ``tails`` section's kernels
 TAILS_TOKENS = (256, 2048)
-SECTIONS = ("kernels", "step", "qwen3-30b", "tails")
+SAMPLING_KERNEL = "LM head + sampling"
+SAMPLING_ROWS = (256, 1024)
+SAMPLING_VOCABS = (MODEL_CONFIG["vocab_size"], 151936)  # the benchmark model's, Qwen3's
+SAMPLING_MODES = ("greedy, float32 logits", "greedy", "temperature", "top-k, top-p, min-p, logprobs 5")
+SECTIONS = ("kernels", "sampling", "step", "qwen3-30b", "tails")
 
 Row = dict[str, Any]
 Emit = Callable[[Row], None]  # called with each row as soon as it is measured
@@ -311,6 +320,79 @@ def tails_rows(limits: Limits, iters: int, emit: Emit = print) -> list[Row]:
     return rows
 
 
+def sampling_shape(rows: int, vocab: int) -> str:
+    """The ``shape`` of a sampling row."""
+    return f"{rows} rows x {vocab} vocab"
+
+
+def sampling_runs(rows: int, vocab: int, hidden: int, device: str = "cuda") -> dict[str, Callable[[], Any]]:
+    """Each sampling mode of :data:`SAMPLING_MODES` on ``rows`` random bf16 hidden rows made on the device: the LM
+    head (bf16, ``[vocab, hidden]``), then the pick as the engine runs it (``sampler.sample_on_device`` with the
+    step's metadata built once, as a decode step's is)."""
+    import numpy as np
+
+    from runner.sampling_params import SamplingParams
+    from runner.worker.sampler import greedy_rows, sample_on_device
+    from runner.worker.sampling_metadata import build_sampling_metadata
+    from runner.worker.sampling_settings import SamplingSettings
+
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    weight = torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16) * hidden ** -0.5
+
+    def logits() -> torch.Tensor:
+        return torch.nn.functional.linear(x, weight)
+
+    def sampled_with(params: SamplingParams) -> Callable[[], Any]:
+        settings = SamplingSettings.of_rows([params] * rows, list(range(rows)), [16] * rows, vocab)
+        index = np.arange(rows)
+        meta = build_sampling_metadata(settings, index, index, np.full(rows, 3), device)
+        return lambda: sample_on_device(logits(), meta)
+
+    return {"greedy, float32 logits": lambda: greedy_rows(logits().float()),
+            "greedy": lambda: greedy_rows(logits()),
+            "temperature": sampled_with(SamplingParams(temperature=0.8, seed=1)),
+            "top-k, top-p, min-p, logprobs 5": sampled_with(SamplingParams(temperature=0.8, seed=1, top_k=50,
+                                                                            top_p=0.9, min_p=0.05, logprobs=5))}
+
+
+def host_launch_us(fn: Callable[[], Any], iters: int) -> float:
+    """Median host microseconds to launch one call of ``fn`` (the GPU drained before each, not waited on)."""
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
+def sampling_rows(limits: Limits, iters: int, emit: Emit = print) -> list[Row]:
+    """Each sampling mode at each (rows, vocabulary): GPU ms eager and replayed against the LM head's limit
+    (reading its weight, or its FLOPs), and the host's µs to launch it eagerly and as a replay."""
+    hidden = MODEL_CONFIG["hidden_size"]
+    out = []
+    for vocab in SAMPLING_VOCABS:
+        for rows in SAMPLING_ROWS:
+            limit = limits.ms(vocab * hidden * 2, 2 * rows * hidden * vocab)
+            for mode, run in sampling_runs(rows, vocab, hidden).items():
+                row: Row = {"kernel": SAMPLING_KERNEL, "shape": sampling_shape(rows, vocab), "backend": mode,
+                            "limit_ms": round(limit, 4)}
+                try:
+                    time_against_limit(row, run, limit, iters, digits=4)
+                    row["eager_host_us"] = round(host_launch_us(run, iters), 1)
+                    if isinstance(row.get("graph_ms"), float):
+                        row["graph_host_us"] = round(host_launch_us(as_graph(run), iters), 1)
+                except Exception as exc:  # noqa: BLE001 - recorded in the row
+                    row["eager_ms"] = f"{type(exc).__name__}: {str(exc)[:100]}"
+                out.append(row)
+                emit(row)
+            gc.collect()
+            torch.cuda.empty_cache()
+    return out
+
+
 # ---- the decode step ------------------------------------------------------------------------------------
 def count_host_syncs(fn: Callable[[], Any]) -> int:
     """Host syncs CUDA reports for one call of ``fn`` (sync debug mode "warn" warns once per sync)."""
@@ -510,6 +592,15 @@ def qwen3_30b_section(args: argparse.Namespace, results: Results) -> None:
         write_csv(rows, RESULTS_DIR / "gpu_qwen3_30b_experts.csv")
 
 
+def sampling_section(args: argparse.Namespace, results: Results) -> None:
+    """The sampling rows (``sampling_rows``), a table and, outside ``--quick``, a CSV."""
+    rows = sampling_rows(Limits(args.iters), args.iters, results.emitter("sampling"))
+    print_table("LM head + sampling (ms; x limit = time / the LM head's memory or FLOP limit; host µs to launch)",
+                rows)
+    if not args.quick:
+        write_csv(rows, RESULTS_DIR / "gpu_sampling.csv")
+
+
 def tails_section(args: argparse.Namespace, results: Results) -> None:
     """The fused tails against torch (``tails_rows``), a table and, outside ``--quick``, a CSV."""
     rows = tails_rows(Limits(args.iters), args.iters, results.emitter("tails"))
@@ -520,7 +611,7 @@ def tails_section(args: argparse.Namespace, results: Results) -> None:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--sections", nargs="+", default=["kernels", "step"], choices=SECTIONS,
+    p.add_argument("--sections", nargs="+", default=["kernels", "sampling", "step"], choices=SECTIONS,
                    help="qwen3-30b (not run by default): one Qwen3-30B-A3B layer's experts at "
                         f"{' and '.join(map(str, QWEN3_30B_TOKENS))} tokens, each backend against the limit; "
                         "tails (not run by default): the fused pointwise tails against torch's ops")
@@ -568,7 +659,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             results.error("kernels", exc)
         gc.collect()
         torch.cuda.empty_cache()
-    for name, section in (("qwen3-30b", qwen3_30b_section), ("tails", tails_section)):
+    for name, section in (("sampling", sampling_section), ("qwen3-30b", qwen3_30b_section),
+                          ("tails", tails_section)):
         if name not in args.sections:
             continue
         try:

@@ -46,7 +46,7 @@ def test_overlap_is_the_time_both_sets_run() -> None:
 
 
 def test_qwen3_30b_section_is_named_not_default() -> None:
-    assert bench_gpu.parse_args([]).sections == ["kernels", "step"]
+    assert bench_gpu.parse_args([]).sections == ["kernels", "sampling", "step"]
     assert bench_gpu.parse_args(["--sections", "qwen3-30b"]).sections == ["qwen3-30b"]
     cfg = bench_gpu.QWEN3_30B_A3B
     assert (cfg["num_hidden_layers"], cfg["num_experts"], cfg["moe_intermediate_size"], cfg["hidden_size"],
@@ -103,3 +103,17 @@ def test_a_run_that_cannot_be_captured_keeps_its_eager_figures(monkeypatch: pyte
     bench_gpu.time_against_limit(row, lambda: None, 0.2, iters=3)
     assert row == {"eager_ms": 0.5, "eager_x_limit": 2.5,
                    "graph_ms": "not capturable: RuntimeError: operation not permitted when stream is capturing"}
+
+
+def test_sampling_modes_run_as_the_engine_samples_and_greedy_needs_no_float32_copy() -> None:
+    """The sampling section's runs on CPU tensors: each mode samples one token per row, and greedy from the bf16
+    logits picks what greedy from their float32 copy picks (the engine's greedy steps skip the copy)."""
+    runs = bench_gpu.sampling_runs(16, 512, 64, device="cpu")
+    assert list(runs) == list(bench_gpu.SAMPLING_MODES)
+    out = {mode: run() for mode, run in runs.items()}
+    assert out["greedy"].tolist() == out["greedy, float32 logits"].tolist()
+    for mode in ("temperature", "top-k, top-p, min-p, logprobs 5"):
+        sampled, logprobs = out[mode]
+        assert sampled.shape == (16,) and bool(((sampled >= 0) & (sampled < 512)).all())
+        assert (logprobs is None) is (mode == "temperature")
+    assert bench_gpu.sampling_shape(256, 8192) == "256 rows x 8192 vocab"

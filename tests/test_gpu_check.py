@@ -63,9 +63,11 @@ def kernel(kernel_name: str, shape: str, backend: str, limit: float, eager: Any,
     return row
 
 
-def bench_doc(*, eager_syncs: int = 0, hidden: float = 90.0, graph_dbo_ms: float = 3.6) -> dict[str, Any]:
+def bench_doc(*, eager_syncs: int = 0, hidden: float = 90.0, graph_dbo_ms: float = 3.6,
+              greedy_ms: float = 0.04) -> dict[str, Any]:
     """A bench_gpu.py --quick JSON: grouped_mm experts 1.5x / 3.5x, triton attention 1.8x (graph) and 2.5x
-    (eager only), graph step 2.5 ms, graph DBO 5.0 / graph_dbo_ms at comm = compute, eager DBO 1.05x."""
+    (eager only), graph step 2.5 ms, graph DBO 5.0 / graph_dbo_ms at comm = compute, eager DBO 1.05x, greedy
+    sampling of 256 rows ``greedy_ms`` replayed."""
     e, a = bench_gpu.experts_shape, bench_gpu.attention_shape
     kernels = [kernel("experts", e(512), "torch", 0.2, 8.0, "not capturable: RuntimeError"),
                kernel("experts", e(512), "grouped_mm", 0.2, 0.4, 0.3),
@@ -81,9 +83,14 @@ def bench_doc(*, eager_syncs: int = 0, hidden: float = 90.0, graph_dbo_ms: float
                                 graph_mib=40.0 if m.startswith("graph") else None,
                                 host_syncs=None if m.startswith("graph") else (eager_syncs if m == "eager" else 0))
              for m in linked]
+    shape = bench_gpu.sampling_shape(256, bench_gpu.MODEL_CONFIG["vocab_size"])
+    sampling = [{"kernel": bench_gpu.SAMPLING_KERNEL, "shape": shape, "backend": mode, "limit_ms": 0.01,
+                 "eager_ms": eager, "graph_ms": graph, "eager_host_us": 80.0, "graph_host_us": 9.0}
+                for mode, eager, graph in (("greedy, float32 logits", 0.09, 0.05), ("greedy", 0.06, greedy_ms),
+                                           ("temperature", 0.3, 0.21))]
     return {"device": "H100", "iters": 5, "step_tokens": 512, "step_context": 512, "limits": {"copy_tb_s": 3.0},
             "default_backends": {"experts": "grouped_mm", "attention": "triton"}, "kernels": kernels, "step": step,
-            "errors": {}}
+            "sampling": sampling, "errors": {}}
 
 
 def engine_doc(*, graph_bytes: int = 3 * 10**9, dropped: tuple[int, ...] = (), tok_s: float = 31000.0,
@@ -169,7 +176,7 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
         "experts_512": PASS, "experts_2048": MISS, "attention_512x512": PASS, "attention_256x4096": MISS,
         "graph_step": PASS, "graph_dbo": PASS, "eager": PASS, "graph_memory": PASS, "throughput": PASS,
         "host_time": PASS, "engine_dbo": PASS, "engine_dbo_link": PASS, "gpu_idle": MISS, "step_thread": MISS,
-        "pipelined_throughput": MISS, "batch_1024": MISS, "host_1024": MISS, "fp8_weights": PASS,
+        "sampling": PASS, "pipelined_throughput": MISS, "batch_1024": MISS, "host_1024": MISS, "fp8_weights": PASS,
         "fp8_throughput": PASS, "fp8_experts": PASS, "fp8_agreement": PASS, "qwen3_30b_throughput": MISS,
         "gpu_tests": PASS, "make_test": MISS}
     assert v["qwen3_30b_throughput"][1] == "not measured: the engine_qwen3_30b part did not run"
@@ -190,6 +197,8 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
     assert v["make_test"][1].startswith("not measured: this check ran the GPU tests only")
     assert v["gpu_idle"][1] == "GPU idle 30 % (wall 10.00 ms, GPU 7.00 ms per step)"
     assert v["step_thread"][1] == "2.00 ms per step"
+    assert v["sampling"][1] == ("greedy 0.040 ms (graph; LM head included, 256 rows x 8192 vocab); with a "
+                                "temperature 0.210 ms (graph)")
     assert v["pipelined_throughput"][1] == "not measured: the env part did not run"
     assert v["fp8_weights"][1] == "0.531x (1.06 GiB FP8 vs 2.00 GiB bfloat16)"
     assert v["fp8_throughput"][1] == "1.29x (40,000 vs 31,000 output tok/s; experts backend grouped_mm)"
@@ -221,15 +230,15 @@ def test_the_1024_request_goals_compare_with_the_256_run() -> None:
 
 
 def test_pipelining_goals_pass_on_a_busy_gpu_and_compare_with_the_same_kind_of_gpu() -> None:
-    """GPU 9.5 of 10 ms a step, the step thread 0.8 ms (the read of the results is on the other thread), and
+    """GPU 9.6 of 10 ms a step, the step thread 0.4 ms (the read of the results is on the other thread), and
     70k tok/s: enough on an H200 (1.8 x 38,331), not on an H100 (1.8 x 41,330)."""
     doc = engine_doc(tok_s=70000.0)
-    doc["profiled"]["gpu_busy_s"] = 1.235
-    doc["measured"]["loop"].update(forward_busy_s=0.104, read_wait_s=0.0)
+    doc["profiled"]["gpu_busy_s"] = 1.248
+    doc["measured"]["loop"].update(forward_busy_s=0.052, read_wait_s=0.0)
     for gpu, verdict in (("NVIDIA H200", PASS), ("NVIDIA H100 80GB HBM3", MISS)):
         v = verdicts(parts(engine=doc, env={"gpu": gpu}))
-        assert v["gpu_idle"] == (PASS, "GPU idle 5 % (wall 10.00 ms, GPU 9.50 ms per step)")
-        assert v["step_thread"] == (PASS, "0.80 ms per step")
+        assert v["gpu_idle"] == (PASS, "GPU idle 4 % (wall 10.00 ms, GPU 9.60 ms per step)")
+        assert v["step_thread"] == (PASS, "0.40 ms per step")
         assert v["pipelined_throughput"][0] == verdict
     assert v["pipelined_throughput"][1] == "70,000 output tok/s, 1.69x the H100's 41,330 before pipelining"
     v = verdicts(parts(engine=doc, env={"gpu": "NVIDIA A100"}))
@@ -241,6 +250,8 @@ def test_pipelining_goals_pass_on_a_busy_gpu_and_compare_with_the_same_kind_of_g
     (dict(bench=bench_doc(eager_syncs=3)), "eager", "3 host syncs in a step"),
     (dict(bench=bench_doc(hidden=80.0)), "graph_dbo", "80 % of the link hidden"),
     (dict(bench=bench_doc(graph_dbo_ms=4.5)), "graph_dbo", "1.11x graph without DBO"),
+    (dict(bench=bench_doc(greedy_ms=0.45)), "sampling", "greedy 0.450 ms (graph"),
+    (dict(bench={**bench_doc(), "sampling": []}), "sampling", "not measured: no greedy sampling row for 256 rows"),
     (dict(engine=engine_doc(graph_bytes=5 * 10**9)), "graph_memory", "4768 MiB for 4 graphs (largest 256)"),
     (dict(engine=engine_doc(dropped=(256,))), "graph_memory", "dropped (out of memory): [256]"),
     (dict(engine=engine_doc(enabled=False)), "graph_memory", "CUDA graphs were off"),
@@ -420,6 +431,7 @@ def test_report_has_one_pass_or_miss_line_per_goal_and_every_part() -> None:
     assert "| output tok/s | 31,000 | 20,000 |" in text
     assert "| host ms / step | 4 | 4 |" in text
     assert "| DBO cost model |  | decode 256-511 tok replayed: DBO off (0.57x) |" in text
+    assert "| 256 rows x 8192 vocab | greedy | 0.01 | 0.06 | 0.04 | 80 | 9 |" in text
     assert ("| CUDA graphs | 4 plain + 0 DBO, dropped []; 254 of 254 replays sampled in the head | 4 plain + 0 DBO, "
             "dropped [] |") in text
     assert "Link `latency_us=20,gbps=51.2`: comm/compute 1 of 2.50 ms of GPU compute per step" in text
