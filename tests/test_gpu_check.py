@@ -176,9 +176,9 @@ def test_every_goal_is_decided_on_recorded_figures() -> None:
         "experts_512": PASS, "experts_2048": MISS, "attention_512x512": PASS, "attention_256x4096": MISS,
         "graph_step": PASS, "graph_dbo": PASS, "eager": PASS, "graph_memory": PASS, "throughput": PASS,
         "host_time": PASS, "engine_dbo": PASS, "engine_dbo_link": PASS, "gpu_idle": MISS, "step_thread": MISS,
-        "sampling": PASS, "pipelined_throughput": MISS, "batch_1024": MISS, "host_1024": MISS, "fp8_weights": PASS,
-        "fp8_throughput": PASS, "fp8_experts": PASS, "fp8_agreement": PASS, "qwen3_30b_throughput": MISS,
-        "gpu_tests": PASS, "make_test": MISS}
+        "sampling": PASS, "pipelined_throughput": MISS, "host_off_path_throughput": MISS, "batch_1024": MISS,
+        "host_1024": MISS, "fp8_weights": PASS, "fp8_throughput": PASS, "fp8_experts": PASS, "fp8_agreement": PASS,
+        "qwen3_30b_throughput": MISS, "gpu_tests": PASS, "make_test": MISS}
     assert v["qwen3_30b_throughput"][1] == "not measured: the engine_qwen3_30b part did not run"
     for tok_s, verdict in ((13_000.0, PASS), (11_000.0, MISS)):  # the optional part, run
         got = verdicts(parts(engine_qwen3_30b=engine_doc(tok_s=tok_s)))["qwen3_30b_throughput"]
@@ -241,6 +241,12 @@ def test_pipelining_goals_pass_on_a_busy_gpu_and_compare_with_the_same_kind_of_g
         assert v["step_thread"] == (PASS, "0.40 ms per step")
         assert v["pipelined_throughput"][0] == verdict
     assert v["pipelined_throughput"][1] == "70,000 output tok/s, 1.69x the H100's 41,330 before pipelining"
+    assert v["host_off_path_throughput"][1] == ("not measured: the goal is set for the H200; this run was on "
+                                                "'NVIDIA H100 80GB HBM3' (70,000 output tok/s)")
+    for tok_s, verdict in ((70_000.0, MISS), (101_000.0, PASS)):
+        got = verdicts(parts(engine=engine_doc(tok_s=tok_s), env={"gpu": "NVIDIA H200"}))["host_off_path_throughput"]
+        assert got == (verdict, f"{tok_s:,.0f} output tok/s, {tok_s / 61_517:.2f}x the H200's 61,517 of the "
+                                "pipelined loop")
     v = verdicts(parts(engine=doc, env={"gpu": "NVIDIA A100"}))
     assert v["pipelined_throughput"] == (MISS, "not measured: no figure before pipelining for the GPU "
                                                "'NVIDIA A100' (known: H200, H100)")
