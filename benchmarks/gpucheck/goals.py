@@ -80,13 +80,19 @@ def _num(value: Any) -> float | None:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
-def kernel_x(row: dict[str, Any]) -> tuple[float, str] | None:
-    """(time over the limit, "graph"|"eager") of a kernel row: the graph figure where it was captured."""
+def row_figure(row: dict[str, Any], figure: str) -> tuple[float, str] | None:
+    """(``graph_<figure>``, "graph") of a bench row where it was captured, else (``eager_<figure>``, "eager");
+    None where neither ran."""
     for mode in ("graph", "eager"):
-        x = _num(row.get(f"{mode}_x_limit"))
+        x = _num(row.get(f"{mode}_{figure}"))
         if x is not None:
             return x, mode
     return None
+
+
+def kernel_x(row: dict[str, Any]) -> tuple[float, str] | None:
+    """(time over the limit, "graph"|"eager") of a kernel row: the graph figure where it was captured."""
+    return row_figure(row, "x_limit")
 
 
 def kernel_goal(kernel: str, shape: str, limit_x: float,
@@ -253,20 +259,12 @@ def sampling(parts: dict[str, Any]) -> tuple[bool, str]:
     rows = {r.get("backend"): r for r in part_data(parts, "bench").get("sampling", []) if r.get("shape") == shape}
     if "greedy" not in rows:
         raise NotMeasured(f"no greedy sampling row for {shape}")
-
-    def timed(row: dict[str, Any]) -> tuple[float, str] | None:
-        for mode in ("graph", "eager"):
-            ms = _num(row.get(f"{mode}_ms"))
-            if ms is not None:
-                return ms, mode
-        return None
-
-    got = timed(rows["greedy"])
+    got = row_figure(rows["greedy"], "ms")
     if got is None:
         raise NotMeasured(f"greedy sampling at {shape} did not run: {rows['greedy'].get('eager_ms')}")
     ms, mode = got
     text = f"greedy {ms:.3f} ms ({mode}; LM head included, {shape})"
-    other = timed(rows["temperature"]) if "temperature" in rows else None
+    other = row_figure(rows["temperature"], "ms") if "temperature" in rows else None
     if other is not None:
         text += f"; with a temperature {other[0]:.3f} ms ({other[1]})"
     return ms <= SAMPLING_GPU_MS, text
