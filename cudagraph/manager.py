@@ -336,7 +336,8 @@ class GraphRunner:
 
     def _capture_head(self, output: torch.Tensor) -> tuple[Any, torch.Tensor]:
         """The head's graph over a forward graph's static ``output``: warmed up and captured on the capture
-        stream, after the forward's capture (its rows hold what the capture's padding rows computed)."""
+        stream, after the forward's capture. The warm-ups read whatever ``output`` holds (a CUDA capture computes
+        nothing): the head must take any values, as the greedy pick does (a non-finite row is marked)."""
         head = self.head
         assert head is not None
 
