@@ -180,8 +180,7 @@ class GraphRunner:
         self.pool: Any = None
         self.graphs: dict[GraphKey, GraphEntry] = {}
         self.stats: collections.Counter[Why] = collections.Counter()
-        self.last_replayed = False  # whether the latest try_replay replayed a graph (the DBO cost model reads it)
-        self._last_entry: GraphEntry | None = None  # the graph the latest try_replay replayed
+        self.last_replay: GraphEntry | None = None  # the graph the latest try_replay replayed (None: eager)
         self.num_head_replays = 0
         self.warmed_threads: set[int] = set()
         self.report: CaptureReport | None = None  # the last capture's (graph memory per size, sizes dropped)
@@ -383,7 +382,7 @@ class GraphRunner:
         """
         entries = list(self.graphs.values())
         self.graphs.clear()  # the entries hold the static outputs and metadata views
-        self._last_entry = None
+        self.last_replay = None
         for entry in entries:
             self._release(entry)
         del entries
@@ -430,8 +429,7 @@ class GraphRunner:
         """
         d = self.dispatch(meta, slices, input_ids.shape[0])
         self.stats[d.why] += 1
-        self.last_replayed = d.replay
-        self._last_entry = None
+        self.last_replay = None
         if d.key is None:
             logger.debug("eager step: %s (%s)", d.why.value, d.detail)
             return NotImplemented
@@ -442,19 +440,24 @@ class GraphRunner:
                 static.copy_(given)
         with trace.compute_span("graph_replay", "G"):  # one span per replay (a captured graph records none inside)
             self.backend.replay(entry.graph)
-        self._last_entry = entry
+        self.last_replay = entry
         return entry.output
+
+    @property
+    def last_replayed(self) -> bool:
+        """Whether the latest :meth:`try_replay` replayed a graph (the DBO cost model reads it)."""
+        return self.last_replay is not None
 
     @property
     def head_ready(self) -> bool:
         """Whether :meth:`replay_head` can serve the step just replayed (the runner has a head and the latest
         :meth:`try_replay` replayed a graph)."""
-        return self._last_entry is not None and self._last_entry.head_graph is not None
+        return self.last_replay is not None and self.last_replay.head_graph is not None
 
     def replay_head(self) -> torch.Tensor:
         """The head's result over the rows of the graph replayed last (every row of its size: the caller takes
         its real rows), by one more graph launch. Static: valid until the next replay of that size's head."""
-        entry = self._last_entry
+        entry = self.last_replay
         if entry is None or entry.head_graph is None or entry.head_output is None:
             raise RuntimeError("replay_head: the latest step replayed no graph with a head (check head_ready)")
         with trace.compute_span("head_replay", "G"):

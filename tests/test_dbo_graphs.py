@@ -164,7 +164,7 @@ def test_a_size_whose_dbo_step_runs_eager_is_left_to_the_thresholds() -> None:
 
     def no_dbo_replay(meta: Any, slices: Any, input_ids: Any, positions: Any) -> Any:
         if slices:
-            graph_runner.last_replayed = False
+            graph_runner.last_replay = None
             return NotImplemented  # the runner runs the step eager
         return original(meta, slices, input_ids, positions)
 
