@@ -131,7 +131,7 @@ def planned_keys(model_runner: CapturingRunner, sizes: Sequence[int] | str | Non
 def greedy_sampling_head(model: MoECausalLM) -> GraphHead:
     """The head captured after every decode graph: the LM head and each row's greedy token (``INVALID_TOKEN``
     where its logits are not finite), what the sampler computes for a step whose rows are all greedy with no
-    other option (``Sampler.only_greedy``). Such a step's sampling is then one graph launch, not the LM head's
+    other option (``StepRows.only_greedy``). Such a step's sampling is then one graph launch, not the LM head's
     and the argmax's kernels launched one by one."""
 
     def head(hidden: torch.Tensor) -> torch.Tensor:

@@ -440,7 +440,7 @@ class ModelRunner:
             return None
         m = len(step)
         decodes = step.picks is None and sched.num_tokens == n  # one token per request, all sampling
-        greedy = self.sampler.only_greedy(step)
+        greedy = step.only_greedy
         graphs = self.graph_runner
         if decodes and greedy and graphs is not None and graphs.head_ready:
             sampled = graphs.replay_head()[:n]

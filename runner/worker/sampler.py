@@ -9,6 +9,7 @@ not depend on its batch, DP rank or DBO. Design: docs/design_notes.md, "Model ru
 """
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -56,6 +57,13 @@ class StepRows:
 
     def __len__(self) -> int:
         return len(self.rows)
+
+    @functools.cached_property
+    def only_greedy(self) -> bool:
+        """Whether every row is greedy with no other option (no penalty, bias, ``min_tokens`` or logprobs): its
+        tokens are then the raw logits' argmax, which a decode graph's head computes too
+        (``runner/worker/cuda_graphs.py``). Read once per step, by the model runner and the sampler."""
+        return not self.settings.flags[self.rows].any()
 
 
 class Sampler:
@@ -156,19 +164,12 @@ class Sampler:
         """Sample one token per row of ``step`` (at least one) on the device without waiting for it: the
         sampled-id tensor (for the next step's placeholders) and the pending read of the results."""
         self._check(logits, len(step))
-        if self.only_greedy(step):  # the argmax alone, in the logits' dtype (a float32 copy has the same)
+        if step.only_greedy:  # the argmax alone, in the logits' dtype (a float32 copy has the same)
             sampled = greedy_rows(logits)
             return sampled, self.launch_greedy(sampled)
         meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
         sampled, lp = sample_on_device(logits, meta, self.penalties)
         return sampled, PendingSample(self, meta, start_read(sampled, lp), lp is not None)
-
-    @staticmethod
-    def only_greedy(step: StepRows) -> bool:
-        """Whether every row of ``step`` is greedy with no other option (no penalty, bias, ``min_tokens`` or
-        logprobs): its tokens are then the raw logits' argmax, which a decode graph's head computes too
-        (``runner/worker/cuda_graphs.py``)."""
-        return not step.settings.flags[step.rows].any()
 
     def launch_greedy(self, sampled: torch.Tensor) -> PendingSample:
         """The pending read of greedy tokens already computed on the device (``sampled``, one per row)."""
