@@ -78,7 +78,7 @@ def run_figures(llm: Any, outputs: list[Any]) -> dict[str, Any]:
     if loop is not None:
         out["loop"] = {**{k: v for k, v in dataclasses.asdict(loop).items() if k != "sync_reasons"},
                        "sync_reasons": dict(loop.sync_reasons)}
-    graph_runner = getattr(llm.runner, "graph_runner", None)
+    graph_runner = llm.model_runner.graph_runner
     if graph_runner is not None:  # counts since the engine started (the warm-up and earlier calls included)
         out["graph_steps"] = {why.value: n for why, n in graph_runner.stats.items()}
         out["head_replays"] = graph_runner.num_head_replays
