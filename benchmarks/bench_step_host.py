@@ -17,12 +17,14 @@ figure). Per steady decode step of ``--requests`` requests, on the overlap loop 
 The baseline (``--baseline``, a git revision) is exported with ``git archive`` and both trees run in child
 processes, alternately, ``--repeats`` times; figures are medians. The greedy tokens of both trees are compared.
 ``--graphs`` compares instead, in this tree, decode graphs (the eager stand-in, each replay counted as one launch
-and left out of the CPU figures as the forward is) whose greedy steps sample eagerly against the same graphs
-sampling in their head graph (``cuda_graphs.greedy_sampling_head``): the ``ops`` column is what the head saves a
-GPU's step thread in launches.
+and left out of the CPU figures as the forward is) whose steps sample eagerly against the same graphs sampling in
+their heads (``cuda_graphs.greedy_sampling_head``; with ``--temperature T`` > 0 every request draws at that
+temperature, ``cuda_graphs.draw_sampling_head``): the ``ops`` column is what a head saves a GPU's step thread in
+launches.
 On a CPU the gain understates a GPU's: there a host-to-device copy and a pinned staging buffer cost nothing,
 and an op costs its dispatch, not a kernel launch. Usage: ``python benchmarks/bench_step_host.py [--baseline
-REV | --graphs] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5] [--output CSV]``.
+REV | --graphs] [--temperature 0] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5] [--output
+CSV]``.
 """
 from __future__ import annotations
 
@@ -45,9 +47,10 @@ EDGE = 2  # launches left out at each end of a wave
 
 
 def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,
-            graphs: str = "none") -> dict[str, Any]:
+            graphs: str = "none", temperature: str = "0") -> dict[str, Any]:
     """One child's figures for the tree first on ``sys.path`` (see ``child``); ``graphs``: none, or decode graphs
-    on the eager stand-in whose greedy steps sample eagerly (``eager-sampling``) or in their head (``head``)."""
+    on the eager stand-in whose steps sample eagerly (``eager-sampling``) or in their heads (``head``); every
+    request samples at ``temperature`` (0: greedy; a string, as the child's command line gives it)."""
     import random
     import threading
     import time
@@ -124,7 +127,7 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,
     prompts = [[rng.randrange(runner.vocab_size) for _ in range(PROMPT_LEN)] for _ in range(requests)]
 
     def wave(n: int) -> tuple[list[list[int]], float, int]:
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        params = SamplingParams(temperature=float(temperature), max_tokens=n, ignore_eos=True)
         for i, p in enumerate(prompts):
             core.add_request(EngineCoreRequest(i, p, params))
         tokens: dict[int, list[int]] = {i: [] for i in range(requests)}
@@ -159,7 +162,7 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,
 
 
 def install_stand_in_graphs(runner: Any, local: Any, head: bool) -> None:
-    """Capture ``runner``'s decode graph ladder on the eager stand-in (with or without the head) and install it; a
+    """Capture ``runner``'s decode graph ladder on the eager stand-in (with or without its heads) and install it; a
     replay runs with ``local.in_forward`` set, counted as one op (on a GPU it is one launch), its time left out of
     the launch's as the forward's is."""
     import time
@@ -182,7 +185,7 @@ def install_stand_in_graphs(runner: Any, local: Any, head: bool) -> None:
 
     graph_runner = make_graph_runner(runner, backend=OneLaunch(), num_warmups=0, progress=False)
     if not head:
-        graph_runner.head = None
+        graph_runner.heads = {}
     graph_runner.capture()
     runner.graph_runner = graph_runner
 
@@ -195,7 +198,9 @@ def child(tree: str, args: argparse.Namespace, graphs: str = "none") -> dict[str
             "sys.argv[6], *sys.argv[7:])))")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
     with tempfile.TemporaryDirectory(prefix="ubatch-bench-step-host-") as cache:
-        modes = [] if graphs == "none" else [graphs]  # a baseline's measure() may not take it
+        # a baseline's measure() may not take them
+        modes = ([] if graphs == "none" and not args.temperature else [graphs]) + \
+            ([str(args.temperature)] if args.temperature else [])
         proc = subprocess.run([sys.executable, "-c", code, tree, str(HERE.parent), str(args.requests),
                                str(args.device_ms), str(args.decode_tokens), cache, *modes],
                               env=env, capture_output=True, text=True, timeout=600)
@@ -221,7 +226,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", default="main", help="git revision to compare with (default: main)")
     p.add_argument("--graphs", action="store_true",
-                   help="compare, in this tree, stand-in decode graphs sampling eagerly and in their head")
+                   help="compare, in this tree, stand-in decode graphs sampling eagerly and in their heads")
+    p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
     p.add_argument("--requests", type=int, default=256, help="decode requests running together")
     p.add_argument("--device-ms", type=float, default=3.0, help="emulated device time per step")
     p.add_argument("--decode-tokens", type=int, default=32, help="output tokens per request")
@@ -231,6 +237,8 @@ def main() -> None:
     args.output = args.output or str(RESULTS_DIR / ("step_host_graphs.csv" if args.graphs else "step_host.csv"))
     if args.decode_tokens < 4 * EDGE + 4:
         raise SystemExit(f"--decode-tokens must be at least {4 * EDGE + 4}")
+    if args.temperature < 0:
+        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     with tempfile.TemporaryDirectory(prefix="ubatch-baseline-") as base:
         if args.graphs:
             trees = {"graphs, eager sampling": (str(ROOT), "eager-sampling"), "graphs, head": (str(ROOT), "head")}
@@ -243,7 +251,7 @@ def main() -> None:
                 runs[name].append(child(tree, args, graphs))
     reference = next(iter(runs.values()))[0]["tokens"]
     same = all(r["tokens"] == reference for rs in runs.values() for r in rs)
-    rows = [{"tree": name, "requests": args.requests, "device_ms": args.device_ms,
+    rows = [{"tree": name, "requests": args.requests, "device_ms": args.device_ms, "temperature": args.temperature,
              **{k: round(statistics.median(r[k] for r in rs), 3)
                 for k in ("cpu_ms", "wall_ms", "ops", "forward_ms", "loop_ms")},
              "steps": rs[0]["steps"], "same_tokens": same, "repeats": args.repeats} for name, rs in runs.items()]

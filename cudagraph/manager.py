@@ -4,9 +4,10 @@ A size is warmed up eagerly, then captured; a DBO step is ``UBatchWrapper.run_ub
 a replay is buffer copies plus one ``graph.replay()`` (no threads, no handoffs, no Python per layer). cuBLAS is
 touched on every ubatch worker thread before the first capture. Graphs share one pool, are captured largest
 first under ``no_grad`` and keep only their outputs; a size that runs out of memory is dropped
-(``CaptureReport``). A *head* -- a function of the forward's output: the engine's LM head and greedy pick -- is
-captured as a second graph after each forward graph, so a step the head serves replays that too. What a graph
-needs from the engine (its attention, its head) is passed in (this package knows nothing of ``runner``).
+(``CaptureReport``). *Heads* -- named functions of the forward's output: the engine's LM head with its greedy pick,
+and with its draw -- are captured as more graphs after each forward graph, so a step a head serves replays that
+too. What a graph needs from the engine (its attention, its heads) is passed in (this package knows nothing of
+``runner``).
 Design: docs/design_notes.md, "Model runner", "CUDA graphs and the memory budget".
 """
 from __future__ import annotations
@@ -15,7 +16,7 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -69,8 +70,17 @@ CapturableAttention = Callable[[torch.nn.Module], contextlib.AbstractContextMana
 # build a step of another padded size.
 CaptureAgreement = Callable[[bool], bool]
 # A function of a forward graph's output (every row, padding included) captured as its own graph after it; it
-# must be capturable (no host sync) and local to the rank (no collective).
+# must be capturable (no host sync) and local to the rank (no collective). Other inputs it reads are the caller's
+# persistent buffers, written before a replay as the forward's input ids are.
 GraphHead = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class HeadGraph:
+    """One head's graph over a forward graph's output, and its own static output (overwritten by its next replay)."""
+
+    graph: Any
+    output: torch.Tensor
 
 
 @dataclass
@@ -81,8 +91,7 @@ class GraphEntry:
     input_ids: torch.Tensor  # the views the graph reads
     positions: torch.Tensor
     metadata: list[Any]
-    head_graph: Any = None  # the head's graph over ``output`` (None: the runner has no head)
-    head_output: torch.Tensor | None = None  # static: overwritten by the next replay of the head graph
+    heads: dict[str, HeadGraph] = field(default_factory=dict)  # by name, over ``output``, in capture order
 
 
 @dataclass
@@ -141,7 +150,7 @@ class GraphRunner:
 
     Per step the runner calls :meth:`padded_num_tokens` (how many tokens to build the step with) and then
     :meth:`try_replay` (the output, or ``NotImplemented`` to run eager); after a replay, :meth:`replay_head` gives
-    the ``head``'s result for the same rows with one more graph launch. Input ids and positions are the
+    a head's result for the same rows with one more graph launch. Input ids and positions are the
     runner's own persistent buffers, so a replay copies nothing but the attention metadata.
     """
 
@@ -151,9 +160,9 @@ class GraphRunner:
                  keys: Sequence[GraphKey] | None = None, backend: GraphBackend | None = None,
                  num_warmups: int = 2, progress: bool = True, real_token_mask: torch.Tensor | None = None,
                  agree: CaptureAgreement | None = None, capture_stream: streams.Stream | None = None,
-                 head: GraphHead | None = None) -> None:
+                 heads: Mapping[str, GraphHead] | None = None) -> None:
         self.model, self.wrapper = model, wrapper
-        self.head = head
+        self.heads = dict(heads or {})
         self.agree = agree
         self.input_ids, self.positions = input_ids, positions
         # The caller's persistent [max_tokens] bool buffer marking real rows: captured graphs read it, so the
@@ -181,7 +190,7 @@ class GraphRunner:
         self.graphs: dict[GraphKey, GraphEntry] = {}
         self.stats: collections.Counter[Why] = collections.Counter()
         self.last_replay: GraphEntry | None = None  # the graph the latest try_replay replayed (None: eager)
-        self.num_head_replays = 0
+        self.num_head_replays: collections.Counter[str] = collections.Counter()  # by head name
         self.warmed_threads: set[int] = set()
         self.report: CaptureReport | None = None  # the last capture's (graph memory per size, sizes dropped)
 
@@ -325,20 +334,19 @@ class GraphRunner:
                 self.backend.release(graph)
                 raise
         entry = GraphEntry(key, graph, out, ids, pos, metas)
-        if self.head is not None:
-            try:
-                entry.head_graph, entry.head_output = self._capture_head(out)
-            except BaseException:
-                self.backend.release(graph)  # the size is dropped (out of memory) or the capture fails whole
-                raise
+        try:
+            for name, head in self.heads.items():
+                entry.heads[name] = self._capture_head(head, out)
+        except BaseException:
+            self._release(entry)  # the size is dropped (out of memory) or the capture fails whole
+            raise
         return entry
 
-    def _capture_head(self, output: torch.Tensor) -> tuple[Any, torch.Tensor]:
-        """The head's graph over a forward graph's static ``output``: warmed up and captured on the capture
-        stream, after the forward's capture. The warm-ups read whatever ``output`` holds (a CUDA capture computes
-        nothing): the head must take any values, as the greedy pick does (a non-finite row is marked)."""
-        head = self.head
-        assert head is not None
+    def _capture_head(self, head: GraphHead, output: torch.Tensor) -> HeadGraph:
+        """``head``'s graph over a forward graph's static ``output``: warmed up and captured on the capture
+        stream, after the forward's capture. The warm-ups read whatever ``output`` and the head's other buffers
+        hold (a CUDA capture computes nothing): a head must take any values, as the greedy pick does (a
+        non-finite row is marked)."""
 
         def run() -> torch.Tensor:
             with torch.no_grad():
@@ -348,7 +356,7 @@ class GraphRunner:
             for _ in range(self.num_warmups):
                 run()
         self.backend.synchronize()
-        return self.backend.capture(run, self.pool, self.capture_stream)
+        return HeadGraph(*self.backend.capture(run, self.pool, self.capture_stream))
 
     def _run_eager(self, key: GraphKey, ids: torch.Tensor, pos: torch.Tensor, metas: list[Any],
                    slices: list[UBatchSlice]) -> torch.Tensor:
@@ -391,9 +399,9 @@ class GraphRunner:
         self.backend.synchronize()
 
     def _release(self, entry: GraphEntry) -> None:
-        """Release an entry's graphs (its head's first: it reads the forward's output)."""
-        if entry.head_graph is not None:
-            self.backend.release(entry.head_graph)
+        """Release an entry's graphs (its heads' first, the last captured first: they read the forward's output)."""
+        for head in reversed(entry.heads.values()):
+            self.backend.release(head.graph)
         self.backend.release(entry.graph)
 
     # ---- dispatch and replay ---------------------------------------------------------------------------
@@ -448,19 +456,20 @@ class GraphRunner:
         """Whether the latest :meth:`try_replay` replayed a graph (the DBO cost model reads it)."""
         return self.last_replay is not None
 
-    @property
-    def head_ready(self) -> bool:
-        """Whether :meth:`replay_head` can serve the step just replayed (the runner has a head and the latest
-        :meth:`try_replay` replayed a graph)."""
-        return self.last_replay is not None and self.last_replay.head_graph is not None
+    def head_ready(self, name: str) -> bool:
+        """Whether :meth:`replay_head` can serve the step just replayed with head ``name`` (the latest
+        :meth:`try_replay` replayed a graph, and that size has the head)."""
+        return self.last_replay is not None and name in self.last_replay.heads
 
-    def replay_head(self) -> torch.Tensor:
-        """The head's result over the rows of the graph replayed last (every row of its size: the caller takes
+    def replay_head(self, name: str) -> torch.Tensor:
+        """Head ``name``'s result over the rows of the graph replayed last (every row of its size: the caller takes
         its real rows), by one more graph launch. Static: valid until the next replay of that size's head."""
         entry = self.last_replay
-        if entry is None or entry.head_graph is None or entry.head_output is None:
-            raise RuntimeError("replay_head: the latest step replayed no graph with a head (check head_ready)")
-        with trace.compute_span("head_replay", "G"):
-            self.backend.replay(entry.head_graph)
-        self.num_head_replays += 1
-        return entry.head_output
+        head = None if entry is None else entry.heads.get(name)
+        if head is None:
+            raise RuntimeError(f"replay_head: the latest step replayed no graph with a {name!r} head (check "
+                               f"head_ready; heads captured: {sorted(self.heads)})")
+        with trace.compute_span(f"head_replay_{name}", "G"):
+            self.backend.replay(head.graph)
+        self.num_head_replays[name] += 1
+        return head.output

@@ -1,8 +1,8 @@
 """Install captured decode graphs (the eager stand-in) in a model runner and record which ones its steps replay.
 
-A runner's steps replay a forward graph per decode step and, when every row is greedy with no other option, the
-head graph after it (the LM head and the greedy pick); the tests read which graph served each step, not only
-that the tokens matched.
+A runner's steps replay a forward graph per decode step and, when the rows' settings let one of its heads sample
+them, that head graph after it (the LM head with the greedy pick, or with the draw); the tests read which graph
+served each step, not only that the tokens matched.
 """
 from __future__ import annotations
 
@@ -18,23 +18,25 @@ from runner.worker.model_runner import ModelRunner
 
 @dataclass
 class Replays:
-    """The keys of the forward graphs replayed, in order, and of the heads replayed after them."""
+    """The keys of the forward graphs replayed, in order, and of the heads replayed after them, by head name."""
 
     forward: list[GraphKey] = field(default_factory=list)
-    heads: list[GraphKey] = field(default_factory=list)
+    heads: dict[str, list[GraphKey]] = field(default_factory=dict)
 
 
 def record_replays(graph_runner: GraphRunner) -> Replays:
     """Wrap ``graph_runner``'s (captured) backend so every replay is recorded by its graph's key."""
     replays = Replays()
     forward = {id(entry.graph): key for key, entry in graph_runner.graphs.items()}
-    heads = {id(entry.head_graph): key for key, entry in graph_runner.graphs.items() if entry.head_graph is not None}
+    heads = {id(head.graph): (name, key) for key, entry in graph_runner.graphs.items()
+             for name, head in entry.heads.items()}
     inner = graph_runner.backend
 
     class Recording(EagerReplayBackend):
         def replay(self, graph: Any) -> None:
             if id(graph) in heads:
-                replays.heads.append(heads[id(graph)])
+                name, key = heads[id(graph)]
+                replays.heads.setdefault(name, []).append(key)
             else:
                 replays.forward.append(forward[id(graph)])
             inner.replay(graph)

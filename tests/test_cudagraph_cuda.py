@@ -97,14 +97,18 @@ def test_a_dbo_replay_makes_no_handoffs(monkeypatch: pytest.MonkeyPatch) -> None
         runner.close()
 
 
+@pytest.mark.parametrize("head", ["greedy", "draw"])
 @pytest.mark.parametrize("dbo", [False, True], ids=["plain", "dbo"])
-def test_greedy_decode_samples_in_the_head_graph_as_eager(dbo: bool) -> None:
-    """The engine's own graphs: each greedy decode step replays its forward graph and then that graph's head (LM
-    head and greedy pick); the tokens equal an eager runner's (on CPU, the eager stand-in: test_graph_head.py)."""
+def test_decode_samples_in_the_head_graphs_as_eager(dbo: bool, head: str) -> None:
+    """The engine's own graphs: each decode step replays its forward graph and then that graph's head (the LM head
+    with the greedy pick, or with each row's draw by its temperature for rows greedy or drawing); the tokens equal an
+    eager runner's (on CPU, the eager stand-in: test_graph_head.py)."""
     from graph_replays import record_replays
+    from runner.sampling_params import SamplingParams
     from test_graph_head import DECODE_STEPS, GREEDY, NUM_REQS, generate
 
-    params = [GREEDY] * NUM_REQS
+    params = [GREEDY] * NUM_REQS if head == "greedy" else \
+        [GREEDY, *(SamplingParams(temperature=0.5 + 0.25 * i, seed=i) for i in range(NUM_REQS - 1))]
     eager = make_runner(enable_dbo=dbo, enforce_eager=True, **GPU)
     try:
         assert eager.graph_runner is None
@@ -113,10 +117,10 @@ def test_greedy_decode_samples_in_the_head_graph_as_eager(dbo: bool) -> None:
         eager.close()
     runner = make_runner(enable_dbo=dbo, **GPU)
     try:
-        assert runner.graph_runner is not None  # captured by the runner itself, the head with each size
+        assert runner.graph_runner is not None  # captured by the runner itself, the heads with each size
         replays = record_replays(runner.graph_runner)
         assert generate(runner, params) == want
-        assert len(replays.forward) == DECODE_STEPS and replays.heads == replays.forward
+        assert len(replays.forward) == DECODE_STEPS and replays.heads == {head: replays.forward}
     finally:
         runner.close()
 
@@ -156,7 +160,7 @@ def test_a_ladder_holds_little_more_than_its_outputs_after_capture() -> None:
         report = gr.capture()
         torch.cuda.synchronize()
         held = torch.cuda.memory_allocated() - before
-        kept = [t for e in gr.graphs.values() for t in (e.output, e.head_output) if t is not None]
+        kept = [t for e in gr.graphs.values() for t in (e.output, *(h.output for h in e.heads.values()))]
         outputs = sum(-(-t.numel() * t.element_size() // 512) * 512 for t in kept)  # forwards' and heads' outputs
         assert len(report.bytes_by_key) == len(gr.graphs) and not report.dropped
         assert held <= outputs + 64 * 1024, (held, outputs, report.memory_table())

@@ -120,5 +120,5 @@ def test_fp8_tokens_with_graphs_and_dbo_equal_tokens_without(fp8_checkpoint: Pat
         graphed.close()
     assert got == want
     # every decode step replayed the DBO graph, and its head sampled the greedy rows
-    assert replays.forward == replays.heads == [GraphKey(8, (4, 4))] * DECODE_STEPS
+    assert replays.forward == replays.heads["greedy"] == [GraphKey(8, (4, 4))] * DECODE_STEPS
     assert eager_ubatched >= DECODE_STEPS and graph_ubatched > 0

@@ -425,7 +425,7 @@ def test_report_has_one_pass_or_miss_line_per_goal_and_every_part() -> None:
     results["parts"]["engine_dbo"]["data"]["measured"]["dbo_decisions"] = ["decode 256-511 tok replayed: DBO off "
                                                                            "(0.57x)"]
     results["parts"]["engine"]["data"]["measured"].update(graph_steps={"replay": 254, "mixed batch": 6},
-                                                          head_replays=254)
+                                                          head_replays={"greedy": 250, "draw": 4})
     results["parts"]["engine_link"] = {"status": "ok", "data": engine_link_doc()}
     results["parts"]["engine_fp8"] = {"status": "ok", "data": engine_fp8_doc()}
     results["parts"]["serve"] = {"status": "not available", "error": "python -m runner bench-serve --help: no"}
@@ -438,8 +438,8 @@ def test_report_has_one_pass_or_miss_line_per_goal_and_every_part() -> None:
     assert "| host ms / step | 4 | 4 |" in text
     assert "| DBO cost model |  | decode 256-511 tok replayed: DBO off (0.57x) |" in text
     assert "| 256 rows x 8192 vocab | greedy | 0.01 | 0.06 | 0.04 | 80 | 9 |" in text
-    assert ("| CUDA graphs | 4 plain + 0 DBO, dropped []; 254 of 254 replays sampled in the head | 4 plain + 0 DBO, "
-            "dropped [] |") in text
+    assert ("| CUDA graphs | 4 plain + 0 DBO, dropped []; 254 of 254 replays sampled in a head (4 draw, 250 greedy) "
+            "| 4 plain + 0 DBO, dropped [] |") in text
     assert "Link `latency_us=20,gbps=51.2`: comm/compute 1 of 2.50 ms of GPU compute per step" in text
     assert "| output tok/s | 15,000 | 21,000 |" in text and "| link hidden % |  | 90 |" in text
     assert "Not available: python -m runner bench-serve --help: no" in text

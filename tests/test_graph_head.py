@@ -1,10 +1,11 @@
-"""The decode graphs' head: a greedy decode step samples in one more graph launch (the eager stand-in on CPU).
+"""The decode graphs' heads: a decode step samples in one more graph launch (the eager stand-in on CPU).
 
-After each forward graph the runner captures its head, the LM head and the greedy pick of every row
-(``runner/worker/cuda_graphs.py``). A decode step whose graph replayed and whose rows are all greedy with no
-other option replays the head; any other step samples eagerly from the graph's hidden rows. Tokens equal a runner
-without graphs in every case, by hand-built steps and through ``LLM.generate``, and the graph that served each
-step is recorded, not only the tokens.
+After each forward graph the runner captures two heads (``runner/worker/cuda_graphs.py``): the LM head with the
+greedy pick of every row, and with each row's draw by its staged temperature and uniform. A decode step whose
+graph replayed replays the greedy head when every row is greedy with no other option, the draw head when every row
+is greedy or draws with at most a temperature; any other step samples eagerly from the graph's hidden rows.
+Tokens equal a runner without graphs in every case, by hand-built steps and through ``LLM.generate``, and the
+graph that served each step is recorded, not only the tokens.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from test_graph_memory import OomAbove, oom
 
 NUM_REQS, PROMPT, BLOCKS_PER_REQ, DECODE_STEPS = 8, 5, 8, 4
 GREEDY = SamplingParams(temperature=0.0)
+ALL_DECODES = [GraphKey(8)] * DECODE_STEPS
 
 
 def make_runner(dtype: str = "float32") -> ModelRunner:
@@ -86,23 +88,39 @@ def test_greedy_decode_steps_sample_in_the_head_graph(graphed) -> None:
     runner, replays = graphed
     params = [GREEDY] * NUM_REQS
     assert generate(runner, params) == eager_tokens(params)
-    assert replays.forward == replays.heads == [GraphKey(8)] * DECODE_STEPS
-    assert runner.graph_runner.num_head_replays == DECODE_STEPS
+    assert replays.forward == ALL_DECODES and replays.heads == {"greedy": ALL_DECODES}
+    assert runner.graph_runner.num_head_replays == {"greedy": DECODE_STEPS}
+
+
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0.8, seed=7)] + [GREEDY] * (NUM_REQS - 1),
+    [SamplingParams(temperature=t, seed=s) for t, s in zip([1.0, 0.5, 1.7, 0.8] * 2, range(NUM_REQS), strict=True)],
+    [SamplingParams(temperature=1.0)] * NUM_REQS,
+], ids=["one-draw-among-greedy", "temperatures", "unseeded"])
+def test_decode_steps_that_draw_with_a_temperature_sample_in_the_draw_head(graphed, params) -> None:
+    """Rows that draw with at most a temperature, alone or among greedy rows (seeded or with the engine's seed per
+    request): each decode step replays the draw head after its forward graph, with the tokens of eager sampling."""
+    runner, replays = graphed
+    assert generate(runner, params) == eager_tokens(params)
+    assert replays.forward == ALL_DECODES and replays.heads == {"draw": ALL_DECODES}
 
 
 @pytest.mark.parametrize("other", [
-    SamplingParams(temperature=0.8, seed=7),
+    SamplingParams(temperature=0.8, seed=7, top_k=5),
+    SamplingParams(temperature=0.8, seed=7, top_p=0.9),
+    SamplingParams(temperature=0.8, seed=7, min_p=0.1),
     SamplingParams(temperature=0.0, logprobs=2),
     SamplingParams(temperature=0.0, repetition_penalty=1.3),
     SamplingParams(temperature=0.0, min_tokens=3),
     SamplingParams(temperature=0.0, logit_bias={5: 3.0}),
-], ids=["seeded-draw", "logprobs", "penalty", "min-tokens", "logit-bias"])
+], ids=["top-k", "top-p", "min-p", "logprobs", "penalty", "min-tokens", "logit-bias"])
 def test_a_step_with_any_other_row_samples_eagerly_from_the_graphs_rows(graphed, other: SamplingParams) -> None:
-    """One row that is not plain greedy: the forward graphs replay, no head does, the tokens are eager's."""
+    """One row that neither head samples, among greedy and drawing rows: the forward graphs replay, no head does,
+    the tokens are eager's."""
     runner, replays = graphed
-    params = [GREEDY] * (NUM_REQS - 1) + [other]
+    params = [GREEDY] * (NUM_REQS - 2) + [SamplingParams(temperature=0.9, seed=3), other]
     assert generate(runner, params) == eager_tokens(params)
-    assert replays.forward == [GraphKey(8)] * DECODE_STEPS and replays.heads == []
+    assert replays.forward == ALL_DECODES and replays.heads == {}
 
 
 def test_steps_launched_before_either_is_read_keep_their_own_tokens(graphed) -> None:
@@ -121,31 +139,62 @@ def test_steps_launched_before_either_is_read_keep_their_own_tokens(graphed) -> 
             assert pending is not None
             last |= by_request(reqs, pending.result(30.0))
     assert last == want
-    assert replays.heads == [GraphKey(4)] * (2 * DECODE_STEPS)
+    assert replays.heads == {"greedy": [GraphKey(4)] * (2 * DECODE_STEPS)}
+
+
+def test_draw_steps_launched_before_either_is_read_keep_their_own_tokens(graphed) -> None:
+    """The draw head's inputs are one persistent buffer, rewritten for every draw step: the second step's
+    temperatures and uniforms do not reach the first's draw (stream order on a GPU), and each step's tokens are
+    copied off the static output at launch."""
+    runner, replays = graphed
+    first, second = range(0, 4), range(4, 8)
+    params = [SamplingParams(temperature=0.6 + 0.2 * i, seed=i) for i in range(NUM_REQS)]
+    want = eager_tokens(params, first)[-1] | eager_tokens(params, second)[-1]
+    last: dict[int, int] = {}
+    for reqs in (first, second):
+        steps = SchedulerOutput([chunk(i, prompt(i), 0, params[i]) for i in reqs])
+        last |= by_request(reqs, runner.step(steps))
+    for s in range(DECODE_STEPS):
+        launched = [(reqs, runner.launch(decode_step(reqs, last, s, params))) for reqs in (first, second)]
+        for reqs, pending in launched:
+            assert pending is not None
+            last |= by_request(reqs, pending.result(30.0))
+    assert last == want
+    assert replays.heads == {"draw": [GraphKey(4)] * (2 * DECODE_STEPS)}
 
 
 class HeadOutOfMemory(OomAbove):
-    """The eager stand-in, but the capture of the 4-token graph's head runs out of memory (its forward captured)."""
+    """The eager stand-in, but the capture of the 4-token graph's ``fail_at``-th head (1: the greedy head, 2: the
+    draw head) runs out of memory, after its forward graph and any earlier head were captured."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__(0)
+        self.fail_at, self.heads_of_4 = fail_at, 0
 
     def capture(self, fn: Any, pool: Any, stream: Any) -> tuple[Any, torch.Tensor]:
         graph, out = EagerReplayBackend.capture(self, fn, pool, stream)
         if out.dim() == 2:
             self.attempts.append(out.shape[0])
         elif out.shape[0] == 4:
-            raise oom("the head of 4 tokens")
+            self.heads_of_4 += 1
+            if self.heads_of_4 == self.fail_at:
+                raise oom("a head of 4 tokens")
         return graph, out
 
 
-def test_a_head_out_of_memory_drops_its_size_and_releases_its_forward_graph(caplog) -> None:
+@pytest.mark.parametrize("fail_at", [1, 2], ids=["greedy-head", "draw-head"])
+def test_a_head_out_of_memory_drops_its_size_and_releases_its_other_graphs(fail_at: int) -> None:
+    """The size is dropped; what was captured of it is released, the heads before the forward graph that they read."""
     runner = make_runner()
     try:
-        backend = HeadOutOfMemory(0)
+        backend = HeadOutOfMemory(fail_at)
         gr = cuda_graphs.make_graph_runner(runner, backend=backend, num_warmups=0, progress=False)
         report = gr.capture()
         assert report.dropped == [GraphKey(4)] and sorted(gr.graphs) == [GraphKey(1), GraphKey(2), GraphKey(8)]
         assert backend.attempts == [8, 4, 2, 1]
-        assert [type(g) for g in backend.released] == [tuple]  # the 4-token forward graph: (callable, output)
-        assert backend.released[0][1].shape[0] == 4
+        # the stand-in's graphs are (callable, output): a head's output is the sampled ids, the forward's 2-D
+        assert [g[1].dim() for g in backend.released] == [1] * (fail_at - 1) + [2]
+        assert all(g[1].shape[0] == 4 for g in backend.released)
     finally:
         runner.close()
 
@@ -155,48 +204,59 @@ def test_replay_head_names_what_is_missing() -> None:
     try:
         replays = install_graphs(runner)
         gr = runner.graph_runner
-        assert gr is not None and not gr.head_ready and replays.heads == []
-        with pytest.raises(RuntimeError, match="replayed no graph with a head"):
-            gr.replay_head()
+        assert gr is not None and not gr.head_ready("greedy") and replays.heads == {}
+        with pytest.raises(RuntimeError, match=r"replayed no graph with a 'draw' head .*\['draw', 'greedy'\]"):
+            gr.replay_head("draw")
     finally:
         runner.close()
 
 
-def test_the_head_marks_rows_whose_logits_are_not_finite() -> None:
+def test_the_heads_mark_rows_whose_logits_are_not_finite() -> None:
+    """A row whose hidden state is NaN samples ``INVALID_TOKEN`` in both heads (greedy and drawing rows), which the
+    engine turns into an error for that request alone; the other rows are the sampler's."""
     runner = make_runner()
     try:
-        head = cuda_graphs.greedy_sampling_head(runner.model)
-        hidden = torch.randn(3, runner.model_config.hidden_size, device=runner.device)
+        hidden = torch.randn(4, runner.model_config.hidden_size, device=runner.device)
         hidden[1] = float("nan")
-        with torch.no_grad():  # as the capture runs it
-            ids = head(hidden)
-            want = runner.model.compute_logits(hidden).argmax(dim=-1)
-        assert ids.tolist() == [int(want[0]), INVALID_TOKEN, int(want[2])]
+        uniforms = [0.25, 0.5, -1.0, 0.75]  # rows 0, 1 and 3 draw, row 2 is greedy
+        runner.draw_inputs[:4] = torch.tensor([[1.0, u] for u in uniforms])
+        with torch.no_grad():  # as the capture runs them
+            greedy = cuda_graphs.greedy_sampling_head(runner.model)(hidden)
+            drawn = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs)(hidden)
+            logits = runner.model.compute_logits(hidden)
+            want_greedy = logits.argmax(dim=-1)
+            cdf = logits.softmax(dim=-1).cumsum(dim=-1)
+        assert greedy.tolist() == [int(want_greedy[0]), INVALID_TOKEN, int(want_greedy[2]), int(want_greedy[3])]
+        want_drawn = [int((cdf[r] <= uniforms[r]).sum()) for r in (0, 3)]
+        assert drawn.tolist() == [want_drawn[0], INVALID_TOKEN, int(want_greedy[2]), want_drawn[1]]
     finally:
         runner.close()
 
 
 def test_llm_generate_samples_greedy_decode_steps_in_the_head(tmp_path) -> None:
     """The public path, pipelined on the emulated device (a step launched before its predecessor is read, its
-    placeholders resolved on the device from the head's tokens): with the stand-in graphs installed, every greedy
-    decode step replays the head and a call with one seeded sampled request replays none; the tokens equal the
-    engine's without graphs."""
+    placeholders resolved on the device from the head's tokens): with the stand-in graphs installed, every decode
+    step of a greedy call replays the greedy head, of a call with seeded and unseeded draws the draw head, and of a
+    call with one top-p request no head; the tokens equal the engine's without graphs."""
     from runner.entrypoints.llm import LLM
 
     prompts = [[(5 * i + j) % 400 for j in range(6)] for i in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    mixed = [greedy] * 5 + [SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True)]
+    mixed = [greedy] * 4 + [SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True),
+                            SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)]
+    top_p = [*mixed[:5], SamplingParams(temperature=1.0, top_p=0.8, seed=5, max_tokens=8, ignore_eos=True)]
 
-    def run(graphs: bool) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    def run(graphs: bool) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
         llm = LLM(model="tiny-qwen3-moe", cache_dir=str(tmp_path / "cache"), device="cpu", dtype="float32",
                   experts_backend="torch", max_num_seqs=6, emulate_device="step_us=300")
         try:
             replays = install_graphs(llm.model_runner) if graphs else None
             tokens, counts = [], []
-            for params in (greedy, mixed):
+            for params in (greedy, mixed, top_p):
                 tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
                 if replays is not None:
-                    counts.append((len(replays.forward), len(replays.heads)))
+                    counts.append((len(replays.forward), len(replays.heads.get("greedy", [])),
+                                   len(replays.heads.get("draw", []))))
             assert llm.last_loop_stats is not None and llm.last_loop_stats.num_placeholders_resolved > 0
             return tokens, counts
         finally:
@@ -205,7 +265,7 @@ def test_llm_generate_samples_greedy_decode_steps_in_the_head(tmp_path) -> None:
     eager, _ = run(graphs=False)
     graphed, counts = run(graphs=True)
     assert graphed == eager
-    assert counts == [(7, 7), (14, 7)]  # 7 decode steps a call, each replayed; the heads only in the greedy call
+    assert counts == [(7, 7, 0), (14, 7, 7), (21, 7, 7)]  # 7 decode steps a call, each replayed
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "head"])
@@ -227,6 +287,7 @@ def test_a_bfloat16_models_greedy_steps_pick_from_its_own_dtype(monkeypatch, gra
         try:
             if graphs:
                 install_graphs(runner)
+                seen.clear()  # the captures ran both heads (the draw head's pick is of float32 logits)
             return generate(runner, [GREEDY] * NUM_REQS)
         finally:
             runner.close()

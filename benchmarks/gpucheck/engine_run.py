@@ -81,7 +81,7 @@ def run_figures(llm: Any, outputs: list[Any]) -> dict[str, Any]:
     graph_runner = llm.model_runner.graph_runner
     if graph_runner is not None:  # counts since the engine started (the warm-up and earlier calls included)
         out["graph_steps"] = {why.value: n for why, n in graph_runner.stats.items()}
-        out["head_replays"] = graph_runner.num_head_replays
+        out["head_replays"] = dict(graph_runner.num_head_replays)  # by head: greedy, draw
     errors = [o.error for o in outputs if o.error is not None]
     if errors:
         out["first_errors"] = errors[:3]

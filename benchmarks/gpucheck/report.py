@@ -142,7 +142,9 @@ def engine_section(runs: dict[str, dict[str, Any]]) -> list[str]:
             return "off" if g else ""
         measured = d.get("measured") or {}
         replays = (measured.get("graph_steps") or {}).get("replay")  # cudagraph.Why.REPLAY
-        heads = "" if replays is None else f"; {measured.get('head_replays')} of {replays} replays sampled in the head"
+        by_head = measured.get("head_replays") or {}
+        heads = "" if replays is None else (f"; {sum(by_head.values())} of {replays} replays sampled in a head ("
+                                            + ", ".join(f"{n} {k}" for k, n in sorted(by_head.items())) + ")")
         return (f"{len(g.get('sizes') or [])} plain + {len(g.get('dbo_sizes') or [])} DBO, dropped {g.get('dropped')}"
                 + heads)
 

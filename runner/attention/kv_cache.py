@@ -136,6 +136,15 @@ def host_to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     return t.to(device)
 
 
+def copy_from_host_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """Copy the host tensor ``src`` into ``dst`` (a persistent buffer a captured graph reads) without making the
+    host wait: as :func:`host_to_device`, through pinned memory on CUDA, which torch's caching host allocator keeps
+    alive until the copy has run."""
+    if dst.device.type == "cuda":
+        return dst.copy_(src.pin_memory(), non_blocking=True)
+    return dst.copy_(src)
+
+
 #: Byte alignment of each array in a packed host-to-device copy (the widest dtype packed: int64).
 PACK_ALIGN = 8
 

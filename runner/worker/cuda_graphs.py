@@ -1,10 +1,11 @@
 """The engine's CUDA-graph wiring: builds a ``cudagraph.GraphRunner`` for a ModelRunner.
 
 ``cudagraph`` knows nothing of the engine; this module hands it the engine's capturable decode attention
-(``runner.attention.graph``, through the runner's attention backend), the graphs' head (the LM head and the greedy
-pick, :func:`greedy_sampling_head`) and the KV block reserved for graph padding. That block is the extra one the
-ModelRunner allocates past the scheduler's range (``num_kv_blocks + 1`` blocks, ids ``0 .. num_kv_blocks``), so
-padded graph rows write their KV where no request ever reads.
+(``runner.attention.graph``, through the runner's attention backend), the graphs' heads (the LM head with the
+greedy pick, :func:`greedy_sampling_head`, and with the draw, :func:`draw_sampling_head`) and the KV block
+reserved for graph padding. That block is the extra one the ModelRunner allocates past the scheduler's range
+(``num_kv_blocks + 1`` blocks, ids ``0 .. num_kv_blocks``), so padded graph rows write their KV where no request
+ever reads.
 """
 from __future__ import annotations
 
@@ -25,7 +26,9 @@ from runner.attention.graph import DecodeMetadataBuffers, capturable_attention
 from runner.config import RunnerConfig
 from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
-from runner.worker.sampler import greedy_rows
+from runner.worker.sampler import SamplingHead, greedy_rows
+from runner.worker.sampling_noise import draw_by_inverse_cdf_
+from runner.worker.sampling_ops import apply_temperature_
 from ubatch.log_once import log_once
 from ubatch.streams import Stream
 from ubatch.wrapper import UBatchWrapper
@@ -87,6 +90,10 @@ class CapturingRunner(Protocol):
 
     @property
     def real_token_mask(self) -> torch.Tensor: ...
+
+    @property
+    def draw_inputs(self) -> torch.Tensor:
+        """``[max_tokens, 2]`` float32: each row's temperature and uniform, staged before a draw head replays."""
 class _Default(enum.Enum):
     """The ``wrapper`` argument's default: the model runner's own UBatchWrapper (None is a value: no DBO)."""
 
@@ -129,7 +136,7 @@ def planned_keys(model_runner: CapturingRunner, sizes: Sequence[int] | str | Non
 
 
 def greedy_sampling_head(model: MoECausalLM) -> GraphHead:
-    """The head captured after every decode graph: the LM head and each row's greedy token (``INVALID_TOKEN``
+    """A head captured after every decode graph: the LM head and each row's greedy token (``INVALID_TOKEN``
     where its logits are not finite), what the sampler computes for a step whose rows are all greedy with no
     other option (``StepRows.only_greedy``). Such a step's sampling is then one graph launch, not the LM head's
     and the argmax's kernels launched one by one."""
@@ -138,6 +145,29 @@ def greedy_sampling_head(model: MoECausalLM) -> GraphHead:
         return greedy_rows(model.compute_logits(hidden, upcast=False))
 
     return head
+
+
+def draw_sampling_head(model: MoECausalLM, draw_inputs: torch.Tensor) -> GraphHead:
+    """The head for a step of greedy rows and rows that draw with at most a temperature (``SamplingHead.DRAW``):
+    the LM head in float32, each row's argmax, and each row's draw from its logits over its temperature by its
+    uniform, both staged in ``draw_inputs`` (``Sampler.draw_inputs``); a negative uniform takes the argmax. The
+    same operations as the eager sampler, on every row, so each row's token is the sampler's."""
+
+    def head(hidden: torch.Tensor) -> torch.Tensor:
+        n = hidden.shape[0]
+        logits = model.compute_logits(hidden)
+        greedy = greedy_rows(logits)
+        temperature, uniform = draw_inputs[:n, 0], draw_inputs[:n, 1]
+        drawn = draw_by_inverse_cdf_(apply_temperature_(logits, temperature), uniform)
+        return torch.where(uniform >= 0, drawn, greedy)
+
+    return head
+
+
+def sampling_heads(model_runner: CapturingRunner) -> dict[str, GraphHead]:
+    """The heads captured after every decode graph, by :class:`SamplingHead` value, greedy first."""
+    return {SamplingHead.GREEDY.value: greedy_sampling_head(model_runner.model),
+            SamplingHead.DRAW.value: draw_sampling_head(model_runner.model, model_runner.draw_inputs)}
 
 
 def make_graph_runner(model_runner: CapturingRunner, *, sizes: Sequence[int] | str | None = None,
@@ -167,7 +197,7 @@ def make_graph_runner(model_runner: CapturingRunner, *, sizes: Sequence[int] | s
                        agree=capture_agreement(model_runner.dp_group),
                        # one capture stream per runner for the life of the process, trial capture included
                        capture_stream=model_runner.graph_capture_stream,
-                       head=greedy_sampling_head(model_runner.model),
+                       heads=sampling_heads(model_runner),
                        progress=(model_runner.rank == 0) if progress is None else progress)
 
 

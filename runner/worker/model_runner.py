@@ -31,7 +31,13 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from runner.attention import make_attention_backend
-from runner.attention.kv_cache import allocate_kv_caches, attention_arrays, blocks_needed, build_attention_metadata
+from runner.attention.kv_cache import (
+    allocate_kv_caches,
+    attention_arrays,
+    blocks_needed,
+    build_attention_metadata,
+    copy_from_host_,
+)
 from runner.attention.metadata import PagedAttentionMetadata
 from runner.config import ConfigError, RunnerConfig
 from runner.core.runner_output import ModelRunnerOutput, PendingStep, PromptLogprobs
@@ -47,7 +53,7 @@ from runner.worker.device_future_map import DeviceFutureMap
 from runner.worker.emulated_device import DeviceSpec, EmulatedDevice
 from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
 from runner.worker.prompt_logprobs import prompt_logprobs
-from runner.worker.sampler import PendingSample, Sampler, StepRows
+from runner.worker.sampler import GREEDY_UNIFORM, PendingSample, Sampler, SamplingHead, StepRows
 from runner.worker.step_inputs import StagedFields, StepInputs, StepInputSizes
 from ubatch import trace
 from ubatch.distributed import new_ep_groups
@@ -147,6 +153,8 @@ class ModelRunner:
         self.input_ids = self.inputs.input_ids
         self.positions = self.inputs.positions
         self.real_token_mask = self.inputs.real_token_mask
+        # each row's temperature and uniform, staged before a decode graph's draw head replays (cuda_graphs.py)
+        self.draw_inputs = torch.tensor([1.0, GREEDY_UNIFORM], device=self.device).repeat(self.max_tokens_per_step, 1)
         self.future_tokens = DeviceFutureMap(self.device)  # placeholders resolved on the device
         self.emulated_device = EmulatedDevice(DeviceSpec.parse(cfg.emulate_device)) \
             if cfg.emulate_device is not None else None
@@ -431,25 +439,28 @@ class ModelRunner:
         written, the inputs of requests with penalties recorded first -- the penalty counts are kept here, on
         the forward side, from the input ids resolved on the device (``runner/worker/penalties.py``), so they
         are exact when the step was launched before its predecessor's tokens reached the host. A step of
-        decodes only samples every row of ``hidden`` as it is; where its graph replayed and every row is greedy
-        with no other option, the graph's head (``cuda_graphs.greedy_sampling_head``) samples them in one more
-        graph launch."""
+        decodes only samples every row of ``hidden`` as it is; where its graph replayed and the rows' settings
+        let one of the graph's heads sample them (``StepRows.sampling_head``: every row greedy with no other
+        option, or greedy or drawing with at most a temperature), that head does, in one more graph launch."""
         n = sched.num_reqs
         step = self.sampler.prepare(sched, self.inputs.prefix("input_ids", sched.num_tokens))
         if not len(step):
             return None
         m = len(step)
         decodes = step.picks is None and sched.num_tokens == n  # one token per request, all sampling
-        greedy = step.only_greedy
         graphs = self.graph_runner
-        if decodes and greedy and graphs is not None and graphs.head_ready:
-            sampled = graphs.replay_head()[:n]
-            pending = self.sampler.launch_greedy(sampled)
+        head = step.sampling_head if decodes and graphs is not None else None
+        if head is not None and graphs is not None and graphs.head_ready(head.value):
+            if head is SamplingHead.DRAW:
+                copy_from_host_(self.draw_inputs[:n], torch.from_numpy(self.sampler.draw_inputs(step)))
+            sampled = graphs.replay_head(head.value)[:n]
+            pending = self.sampler.launch_read(sampled)
         else:
             # a decode step's rows as they are, or the last tokens' rows staged with the inputs (_stage_sampling);
             # greedy rows take the argmax of the model's dtype (the same as of a float32 copy)
             last = hidden[:n] if decodes else hidden.index_select(0, self.inputs.prefix("sample_rows", m))
-            sampled, pending = self.sampler.launch_step(self.model.compute_logits(last, upcast=not greedy), step)
+            sampled, pending = self.sampler.launch_step(self.model.compute_logits(last, upcast=not step.only_greedy),
+                                                        step)
         self.future_tokens.store_(sched.req_ids if step.picks is None else sched.req_ids[step.picks], step.slots,
                                   sampled, self.inputs.prefix("sample_slots", m))
         return step, pending

@@ -9,6 +9,7 @@ not depend on its batch, DP rank or DBO. Design: docs/design_notes.md, "Model ru
 """
 from __future__ import annotations
 
+import enum
 import functools
 import time
 from collections.abc import Iterable, Sequence
@@ -24,8 +25,8 @@ from runner.worker import sampling_ops as ops
 from runner.worker.event_wait import EventWaiter
 from runner.worker.penalties import PenaltyState, apply_penalties_
 from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, settings_of_rows
-from runner.worker.sampling_noise import INVALID_TOKEN, draw_by_inverse_cdf_
-from runner.worker.sampling_settings import PENALTIES, SamplingSettings
+from runner.worker.sampling_noise import INVALID_TOKEN, draw_by_inverse_cdf_, row_uniforms
+from runner.worker.sampling_settings import PENALTIES, RANDOM, TEMPERATURE, SamplingSettings
 
 
 def request_seed(params: SamplingParams, default_seed: int) -> int:
@@ -41,6 +42,23 @@ class SamplerOutput:
 
     token_ids: list[int]
     logprobs: StepLogprobs | None = None
+
+
+class SamplingHead(enum.Enum):
+    """The samplings a decode graph's heads compute (``runner/worker/cuda_graphs.py``), by the rows' settings.
+
+    ``GREEDY``: every row greedy with no other option, the argmax of the raw logits. ``DRAW``: every row greedy or
+    drawing with at most a temperature (no top-k, top-p, min-p, penalty, bias, ``min_tokens`` or logprobs; the
+    OpenAI API's defaults), each row's draw from its staged temperature and uniform (:meth:`Sampler.draw_inputs`)."""
+
+    GREEDY = "greedy"
+    DRAW = "draw"
+
+
+#: the flags a row of a ``DRAW`` head's step may have
+_DRAW_FLAGS = RANDOM | TEMPERATURE
+#: what :meth:`Sampler.draw_inputs` stages as a greedy row's uniform (any negative value: the head takes its argmax)
+GREEDY_UNIFORM = -1.0
 
 
 @dataclass
@@ -63,7 +81,15 @@ class StepRows:
         """Whether every row is greedy with no other option (no penalty, bias, ``min_tokens`` or logprobs): its
         tokens are then the raw logits' argmax, which a decode graph's head computes too
         (``runner/worker/cuda_graphs.py``). Read once per step, by the model runner and the sampler."""
-        return not self.settings.flags[self.rows].any()
+        return self.sampling_head is SamplingHead.GREEDY
+
+    @functools.cached_property
+    def sampling_head(self) -> SamplingHead | None:
+        """The head that samples these rows as the sampler would (:class:`SamplingHead`), or None: no head does."""
+        used = int(np.bitwise_or.reduce(self.settings.flags[self.rows])) if len(self.rows) else 0
+        if not used:
+            return SamplingHead.GREEDY
+        return SamplingHead.DRAW if not used & ~_DRAW_FLAGS else None
 
 
 class Sampler:
@@ -166,14 +192,27 @@ class Sampler:
         self._check(logits, len(step))
         if step.only_greedy:  # the argmax alone, in the logits' dtype (a float32 copy has the same)
             sampled = greedy_rows(logits)
-            return sampled, self.launch_greedy(sampled)
+            return sampled, self.launch_read(sampled)
         meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
         sampled, lp = sample_on_device(logits, meta, self.penalties)
         return sampled, PendingSample(self, meta, start_read(sampled, lp), lp is not None)
 
-    def launch_greedy(self, sampled: torch.Tensor) -> PendingSample:
-        """The pending read of greedy tokens already computed on the device (``sampled``, one per row)."""
+    def launch_read(self, sampled: torch.Tensor) -> PendingSample:
+        """The pending read of tokens already sampled on the device (``sampled``, one per row, no logprobs): a
+        graph head's."""
         return PendingSample(self, None, start_read(sampled, None), False)
+
+    @staticmethod
+    def draw_inputs(step: StepRows) -> np.ndarray:
+        """What a ``DRAW`` head reads for ``step``'s rows: ``[rows, 2]`` float32, each row's temperature (1 for a
+        greedy row) and its draw's uniform (:data:`GREEDY_UNIFORM` for a greedy row), the values
+        :func:`build_sampling_metadata` gives the eager draw, rounded to float32 the same way."""
+        settings, rows = step.settings, step.rows
+        out = np.empty((len(rows), 2), dtype=np.float32)
+        out[:, 0] = settings.temperature[rows]
+        uniforms = row_uniforms(settings.seed_hash[rows], step.output_index)
+        out[:, 1] = np.where(settings.flags[rows] & RANDOM, uniforms, GREEDY_UNIFORM)
+        return out
 
     # ---- rows given by hand -------------------------------------------------------------------------------
     def record_inputs(self, chunks: Sequence[ScheduledChunk]) -> None:
