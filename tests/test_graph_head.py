@@ -123,44 +123,27 @@ def test_a_step_with_any_other_row_samples_eagerly_from_the_graphs_rows(graphed,
     assert replays.forward == ALL_DECODES and replays.heads == {}
 
 
-def test_steps_launched_before_either_is_read_keep_their_own_tokens(graphed) -> None:
-    """The head's output is static, rewritten by the next replay of its size: a launched step's tokens are
-    copied off it at launch, so two steps of one size in flight each read their own (the overlap loop's order)."""
+@pytest.mark.parametrize("head", ["greedy", "draw"])
+def test_steps_launched_before_either_is_read_keep_their_own_tokens(graphed, head: str) -> None:
+    """A head's output is static, rewritten by the next replay of its size: a launched step's tokens are copied off
+    it at launch, so two steps of one size in flight each read their own (the overlap loop's order). The draw head's
+    inputs are one persistent buffer, rewritten for every draw step: the second step's temperatures and uniforms do
+    not reach the first's draw (stream order on a GPU)."""
     runner, replays = graphed
     first, second = range(0, 4), range(4, 8)
-    params = [GREEDY] * NUM_REQS
+    params = [GREEDY] * NUM_REQS if head == "greedy" else \
+        [SamplingParams(temperature=0.6 + 0.2 * i, seed=i) for i in range(NUM_REQS)]
     want = eager_tokens(params, first)[-1] | eager_tokens(params, second)[-1]
     last: dict[int, int] = {}
     for reqs in (first, second):
-        last |= by_request(reqs, runner.step(SchedulerOutput([chunk(i, prompt(i), 0, GREEDY) for i in reqs])))
+        last |= by_request(reqs, runner.step(SchedulerOutput([chunk(i, prompt(i), 0, params[i]) for i in reqs])))
     for s in range(DECODE_STEPS):
         launched = [(reqs, runner.launch(decode_step(reqs, last, s, params))) for reqs in (first, second)]
         for reqs, pending in launched:
             assert pending is not None
             last |= by_request(reqs, pending.result(30.0))
     assert last == want
-    assert replays.heads == {"greedy": [GraphKey(4)] * (2 * DECODE_STEPS)}
-
-
-def test_draw_steps_launched_before_either_is_read_keep_their_own_tokens(graphed) -> None:
-    """The draw head's inputs are one persistent buffer, rewritten for every draw step: the second step's
-    temperatures and uniforms do not reach the first's draw (stream order on a GPU), and each step's tokens are
-    copied off the static output at launch."""
-    runner, replays = graphed
-    first, second = range(0, 4), range(4, 8)
-    params = [SamplingParams(temperature=0.6 + 0.2 * i, seed=i) for i in range(NUM_REQS)]
-    want = eager_tokens(params, first)[-1] | eager_tokens(params, second)[-1]
-    last: dict[int, int] = {}
-    for reqs in (first, second):
-        steps = SchedulerOutput([chunk(i, prompt(i), 0, params[i]) for i in reqs])
-        last |= by_request(reqs, runner.step(steps))
-    for s in range(DECODE_STEPS):
-        launched = [(reqs, runner.launch(decode_step(reqs, last, s, params))) for reqs in (first, second)]
-        for reqs, pending in launched:
-            assert pending is not None
-            last |= by_request(reqs, pending.result(30.0))
-    assert last == want
-    assert replays.heads == {"draw": [GraphKey(4)] * (2 * DECODE_STEPS)}
+    assert replays.heads == {head: [GraphKey(4)] * (2 * DECODE_STEPS)}
 
 
 class HeadOutOfMemory(OomAbove):
