@@ -18,13 +18,13 @@ The baseline (``--baseline``, a git revision) is exported with ``git archive`` a
 processes, alternately, ``--repeats`` times; figures are medians. The greedy tokens of both trees are compared.
 ``--graphs`` compares instead, in this tree, decode graphs (the eager stand-in, each replay counted as one launch
 and left out of the CPU figures as the forward is) whose steps sample eagerly against the same graphs sampling in
-their heads (``cuda_graphs.greedy_sampling_head``; with ``--temperature T`` > 0 every request draws at that
-temperature, ``cuda_graphs.draw_sampling_head``): the ``ops`` column is what a head saves a GPU's step thread in
-launches.
+their heads (``cuda_graphs.sampling_heads``): every request greedy (``--sampling greedy``), drawing at temperature
+1 (``draw``), or with Qwen3's ``generation_config``, temperature 0.6, top-k 20, top-p 0.95 (``top-k``); the ``ops``
+column is what a head saves a GPU's step thread in launches.
 On a CPU the gain understates a GPU's: there a host-to-device copy and a pinned staging buffer cost nothing,
 and an op costs its dispatch, not a kernel launch. Usage: ``python benchmarks/bench_step_host.py [--baseline
-REV | --graphs] [--temperature 0] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5] [--output
-CSV]``.
+REV | --graphs] [--sampling greedy|draw|top-k] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5]
+[--output CSV]``.
 """
 from __future__ import annotations
 
@@ -44,13 +44,15 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 EDGE = 2  # launches left out at each end of a wave
+# --sampling: each request's (temperature, top-k, top-p)
+SAMPLING = {"greedy": (0.0, 0, 1.0), "draw": (1.0, 0, 1.0), "top-k": (0.6, 20, 0.95)}
 
 
 def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,
-            graphs: str = "none", temperature: str = "0") -> dict[str, Any]:
+            graphs: str = "none", sampling: str = "greedy") -> dict[str, Any]:
     """One child's figures for the tree first on ``sys.path`` (see ``child``); ``graphs``: none, or decode graphs
     on the eager stand-in whose steps sample eagerly (``eager-sampling``) or in their heads (``head``); every
-    request samples at ``temperature`` (0: greedy; a string, as the child's command line gives it)."""
+    request samples with :data:`SAMPLING`'s ``sampling`` settings."""
     import random
     import threading
     import time
@@ -127,7 +129,8 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,
     prompts = [[rng.randrange(runner.vocab_size) for _ in range(PROMPT_LEN)] for _ in range(requests)]
 
     def wave(n: int) -> tuple[list[list[int]], float, int]:
-        params = SamplingParams(temperature=float(temperature), max_tokens=n, ignore_eos=True)
+        temperature, top_k, top_p = SAMPLING[sampling]
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, ignore_eos=True)
         for i, p in enumerate(prompts):
             core.add_request(EngineCoreRequest(i, p, params))
         tokens: dict[int, list[int]] = {i: [] for i in range(requests)}
@@ -199,8 +202,8 @@ def child(tree: str, args: argparse.Namespace, graphs: str = "none") -> dict[str
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
     with tempfile.TemporaryDirectory(prefix="ubatch-bench-step-host-") as cache:
         # a baseline's measure() may not take them
-        modes = ([] if graphs == "none" and not args.temperature else [graphs]) + \
-            ([str(args.temperature)] if args.temperature else [])
+        modes = ([] if graphs == "none" and args.sampling == "greedy" else [graphs]) + \
+            ([] if args.sampling == "greedy" else [args.sampling])
         proc = subprocess.run([sys.executable, "-c", code, tree, str(HERE.parent), str(args.requests),
                                str(args.device_ms), str(args.decode_tokens), cache, *modes],
                               env=env, capture_output=True, text=True, timeout=600)
@@ -227,7 +230,7 @@ def main() -> None:
     p.add_argument("--baseline", default="main", help="git revision to compare with (default: main)")
     p.add_argument("--graphs", action="store_true",
                    help="compare, in this tree, stand-in decode graphs sampling eagerly and in their heads")
-    p.add_argument("--temperature", type=float, default=0.0, help="every request's temperature (0: greedy)")
+    p.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy", help="every request's sampling")
     p.add_argument("--requests", type=int, default=256, help="decode requests running together")
     p.add_argument("--device-ms", type=float, default=3.0, help="emulated device time per step")
     p.add_argument("--decode-tokens", type=int, default=32, help="output tokens per request")
@@ -237,8 +240,6 @@ def main() -> None:
     args.output = args.output or str(RESULTS_DIR / ("step_host_graphs.csv" if args.graphs else "step_host.csv"))
     if args.decode_tokens < 4 * EDGE + 4:
         raise SystemExit(f"--decode-tokens must be at least {4 * EDGE + 4}")
-    if args.temperature < 0:
-        raise SystemExit(f"--temperature must be >= 0, got {args.temperature}")
     with tempfile.TemporaryDirectory(prefix="ubatch-baseline-") as base:
         if args.graphs:
             trees = {"graphs, eager sampling": (str(ROOT), "eager-sampling"), "graphs, head": (str(ROOT), "head")}
@@ -251,7 +252,7 @@ def main() -> None:
                 runs[name].append(child(tree, args, graphs))
     reference = next(iter(runs.values()))[0]["tokens"]
     same = all(r["tokens"] == reference for rs in runs.values() for r in rs)
-    rows = [{"tree": name, "requests": args.requests, "device_ms": args.device_ms, "temperature": args.temperature,
+    rows = [{"tree": name, "requests": args.requests, "device_ms": args.device_ms, "sampling": args.sampling,
              **{k: round(statistics.median(r[k] for r in rs), 3)
                 for k in ("cpu_ms", "wall_ms", "ops", "forward_ms", "loop_ms")},
              "steps": rs[0]["steps"], "same_tokens": same, "repeats": args.repeats} for name, rs in runs.items()]

@@ -13,6 +13,7 @@ from runner.attention.kv_cache import host_to_device
 from runner.sampling_params import SamplingParamsError
 from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow
 from runner.worker.sampling_noise import row_uniform
+from runner.worker.sampling_ops import TOP_K_WIDTH
 
 
 class _Pack:
@@ -156,7 +157,8 @@ def reference_sampling_metadata(rows: Sequence[SamplingRow], vocab_size: int, de
     return SamplingMetadata(
         num_rows=n, num_random=nr, random_rows=v.get("random_rows"), uniforms=v.get("uniforms"),
         temperature=v.get("temperature"), min_p_rows=v.get("min_p_rows"), min_p=v.get("min_p"),
-        top_k_rows=v.get("top_k_rows"), top_k=v.get("top_k"), max_top_k=max(top_k, default=0),
+        top_k_rows=v.get("top_k_rows"), top_k=v.get("top_k"),
+        top_k_width=max(*top_k, min(TOP_K_WIDTH, vocab_size)) if top_k else 0,
         top_k_p_floor=v.get("top_k_p_floor"), top_p_rows=v.get("top_p_rows"), top_p_floor=v.get("top_p_floor"),
         stop_mask=(v["stop_rows"], v["stop_toks"]) if stop_rows else None,
         bias=(v["bias_rows"], v["bias_toks"], v["bias_vals"]) if bias_rows else None,

@@ -1,9 +1,11 @@
 """The decode graphs' heads: a decode step samples in one more graph launch (the eager stand-in on CPU).
 
-After each forward graph the runner captures two heads (``runner/worker/cuda_graphs.py``): the LM head with the
-greedy pick of every row, and with each row's draw by its staged temperature and uniform. A decode step whose
-graph replayed replays the greedy head when every row is greedy with no other option, the draw head when every row
-is greedy or draws with at most a temperature; any other step samples eagerly from the graph's hidden rows.
+After each forward graph the runner captures three heads (``runner/worker/cuda_graphs.py``): the LM head with the
+greedy pick of every row, with each row's draw by its staged temperature and uniform, and with that draw after
+each row's top-k and top-p. A decode step whose graph replayed replays the greedy head when every row is greedy
+with no other option, the draw head when every row is greedy or draws with at most a temperature, the top-k head
+when rows also use top-k (at most ``TOP_K_WIDTH``) with or without top-p; any other step samples eagerly from the
+graph's hidden rows.
 Tokens equal a runner without graphs in every case, by hand-built steps and through ``LLM.generate``, and the
 graph that served each step is recorded, not only the tokens.
 """
@@ -24,6 +26,7 @@ from runner.sampling_params import SamplingParams
 from runner.worker import cuda_graphs
 from runner.worker.model_runner import ModelRunner
 from runner.worker.sampling_noise import INVALID_TOKEN
+from runner.worker.sampling_ops import TOP_K_WIDTH
 from test_graph_memory import OomAbove, oom
 
 NUM_REQS, PROMPT, BLOCKS_PER_REQ, DECODE_STEPS = 8, 5, 8, 4
@@ -105,20 +108,35 @@ def test_decode_steps_that_draw_with_a_temperature_sample_in_the_draw_head(graph
     assert replays.forward == ALL_DECODES and replays.heads == {"draw": ALL_DECODES}
 
 
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0.6, top_k=20, top_p=0.95)] * NUM_REQS,  # Qwen3's generation_config
+    [GREEDY, SamplingParams(temperature=0.9, seed=3), SamplingParams(temperature=0.8, seed=7, top_k=5),
+     *(SamplingParams(temperature=0.7 + 0.1 * i, seed=i, top_k=1 + 9 * i, top_p=1 - 0.05 * i) for i in range(4)),
+     SamplingParams(temperature=1.2, seed=8, top_k=TOP_K_WIDTH)],
+], ids=["qwen3-defaults", "mixed"])
+def test_decode_steps_with_top_k_sample_in_the_top_k_head(graphed, params) -> None:
+    """Rows that draw with top-k of at most ``TOP_K_WIDTH``, some with top-p, among greedy and plain drawing rows:
+    each decode step replays the top-k head, with the tokens of eager sampling (which gathers the same width)."""
+    runner, replays = graphed
+    assert generate(runner, params) == eager_tokens(params)
+    assert replays.forward == ALL_DECODES and replays.heads == {"top_k": ALL_DECODES}
+
+
 @pytest.mark.parametrize("other", [
-    SamplingParams(temperature=0.8, seed=7, top_k=5),
+    SamplingParams(temperature=0.8, seed=7, top_k=TOP_K_WIDTH + 1),
     SamplingParams(temperature=0.8, seed=7, top_p=0.9),
-    SamplingParams(temperature=0.8, seed=7, min_p=0.1),
+    SamplingParams(temperature=0.8, seed=7, top_k=5, min_p=0.1),
     SamplingParams(temperature=0.0, logprobs=2),
     SamplingParams(temperature=0.0, repetition_penalty=1.3),
     SamplingParams(temperature=0.0, min_tokens=3),
     SamplingParams(temperature=0.0, logit_bias={5: 3.0}),
-], ids=["top-k", "top-p", "min-p", "logprobs", "penalty", "min-tokens", "logit-bias"])
+], ids=["wide-top-k", "top-p-alone", "min-p", "logprobs", "penalty", "min-tokens", "logit-bias"])
 def test_a_step_with_any_other_row_samples_eagerly_from_the_graphs_rows(graphed, other: SamplingParams) -> None:
-    """One row that neither head samples, among greedy and drawing rows: the forward graphs replay, no head does,
-    the tokens are eager's."""
+    """One row that no head samples, among greedy, drawing and top-k rows: the forward graphs replay, no head
+    does, the tokens are eager's."""
     runner, replays = graphed
-    params = [GREEDY] * (NUM_REQS - 2) + [SamplingParams(temperature=0.9, seed=3), other]
+    params = [GREEDY] * (NUM_REQS - 3) + [SamplingParams(temperature=0.9, seed=3),
+                                          SamplingParams(temperature=0.9, seed=4, top_k=3, top_p=0.9), other]
     assert generate(runner, params) == eager_tokens(params)
     assert replays.forward == ALL_DECODES and replays.heads == {}
 
@@ -148,7 +166,7 @@ def test_steps_launched_before_either_is_read_keep_their_own_tokens(graphed, hea
 
 class HeadOutOfMemory(OomAbove):
     """The eager stand-in, but the capture of the 4-token graph's ``fail_at``-th head (1: the greedy head, 2: the
-    draw head) runs out of memory, after its forward graph and any earlier head were captured."""
+    draw head, 3: the top-k head) runs out of memory, after its forward graph and any earlier head were captured."""
 
     def __init__(self, fail_at: int) -> None:
         super().__init__(0)
@@ -165,7 +183,7 @@ class HeadOutOfMemory(OomAbove):
         return graph, out
 
 
-@pytest.mark.parametrize("fail_at", [1, 2], ids=["greedy-head", "draw-head"])
+@pytest.mark.parametrize("fail_at", [1, 2, 3], ids=["greedy-head", "draw-head", "top-k-head"])
 def test_a_head_out_of_memory_drops_its_size_and_releases_its_other_graphs(fail_at: int) -> None:
     """The size is dropped; what was captured of it is released, the heads before the forward graph that they read."""
     runner = make_runner()
@@ -188,58 +206,63 @@ def test_replay_head_names_what_is_missing() -> None:
         replays = install_graphs(runner)
         gr = runner.graph_runner
         assert gr is not None and not gr.head_ready("greedy") and replays.heads == {}
-        with pytest.raises(RuntimeError, match=r"replayed no graph with a 'draw' head .*\['draw', 'greedy'\]"):
+        with pytest.raises(RuntimeError, match=r"replayed no graph with a 'draw' head .*\['draw', 'greedy', 'top_k'\]"):
             gr.replay_head("draw")
     finally:
         runner.close()
 
 
 def test_the_heads_mark_rows_whose_logits_are_not_finite() -> None:
-    """A row whose hidden state is NaN samples ``INVALID_TOKEN`` in both heads (greedy and drawing rows), which the
+    """A row whose hidden state is NaN samples ``INVALID_TOKEN`` in every head (greedy and drawing rows), which the
     engine turns into an error for that request alone; the other rows are the sampler's."""
     runner = make_runner()
     try:
         hidden = torch.randn(4, runner.model_config.hidden_size, device=runner.device)
         hidden[1] = float("nan")
         uniforms = [0.25, 0.5, -1.0, 0.75]  # rows 0, 1 and 3 draw, row 2 is greedy
-        runner.draw_inputs[:4] = torch.tensor([[1.0, u] for u in uniforms])
+        runner.draw_inputs[:4] = torch.tensor([[1.0, u, 0.0, -1.0] for u in uniforms])  # no top-k, no top-p
         with torch.no_grad():  # as the capture runs them
             greedy = cuda_graphs.greedy_sampling_head(runner.model)(hidden)
             drawn = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs)(hidden)
+            runner.draw_inputs[0, 2] = 1  # row 0: top-k 1, its argmax
+            top_k = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs, top_k=True)(hidden)
             logits = runner.model.compute_logits(hidden)
             want_greedy = logits.argmax(dim=-1)
             cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         assert greedy.tolist() == [int(want_greedy[0]), INVALID_TOKEN, int(want_greedy[2]), int(want_greedy[3])]
         want_drawn = [int((cdf[r] <= uniforms[r]).sum()) for r in (0, 3)]
         assert drawn.tolist() == [want_drawn[0], INVALID_TOKEN, int(want_greedy[2]), want_drawn[1]]
+        assert top_k.tolist() == [int(want_greedy[0]), INVALID_TOKEN, int(want_greedy[2]), want_drawn[1]]
     finally:
         runner.close()
 
 
-def test_llm_generate_samples_greedy_decode_steps_in_the_head(tmp_path) -> None:
+def test_llm_generate_samples_decode_steps_in_the_heads(tmp_path) -> None:
     """The public path, pipelined on the emulated device (a step launched before its predecessor is read, its
     placeholders resolved on the device from the head's tokens): with the stand-in graphs installed, every decode
-    step of a greedy call replays the greedy head, of a call with seeded and unseeded draws the draw head, and of a
-    call with one top-p request no head; the tokens equal the engine's without graphs."""
+    step of a greedy call replays the greedy head, of a call with seeded and unseeded draws the draw head, of a call
+    with Qwen3's defaults (temperature, top-k, top-p) the top-k head, and of a call with one top-p request without
+    top-k no head; the tokens equal the engine's without graphs."""
     from runner.entrypoints.llm import LLM
 
     prompts = [[(5 * i + j) % 400 for j in range(6)] for i in range(6)]
     greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     mixed = [greedy] * 4 + [SamplingParams(temperature=0.8, seed=3, max_tokens=8, ignore_eos=True),
                             SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)]
+    qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, max_tokens=8, ignore_eos=True)
     top_p = [*mixed[:5], SamplingParams(temperature=1.0, top_p=0.8, seed=5, max_tokens=8, ignore_eos=True)]
 
-    def run(graphs: bool) -> tuple[list[list[int]], list[tuple[int, int, int]]]:
+    def run(graphs: bool) -> tuple[list[list[int]], list[tuple[int, ...]]]:
         llm = LLM(model="tiny-qwen3-moe", cache_dir=str(tmp_path / "cache"), device="cpu", dtype="float32",
                   experts_backend="torch", max_num_seqs=6, emulate_device="step_us=300")
         try:
             replays = install_graphs(llm.model_runner) if graphs else None
             tokens, counts = [], []
-            for params in (greedy, mixed, top_p):
+            for params in (greedy, mixed, qwen3, top_p):
                 tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
                 if replays is not None:
-                    counts.append((len(replays.forward), len(replays.heads.get("greedy", [])),
-                                   len(replays.heads.get("draw", []))))
+                    counts.append((len(replays.forward),
+                                   *(len(replays.heads.get(h, [])) for h in ("greedy", "draw", "top_k"))))
             assert llm.last_loop_stats is not None and llm.last_loop_stats.num_placeholders_resolved > 0
             return tokens, counts
         finally:
@@ -248,7 +271,7 @@ def test_llm_generate_samples_greedy_decode_steps_in_the_head(tmp_path) -> None:
     eager, _ = run(graphs=False)
     graphed, counts = run(graphs=True)
     assert graphed == eager
-    assert counts == [(7, 7, 0), (14, 7, 7), (21, 7, 7)]  # 7 decode steps a call, each replayed
+    assert counts == [(7, 7, 0, 0), (14, 7, 7, 0), (21, 7, 7, 7), (28, 7, 7, 7)]  # 7 decode steps a call, replayed
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "head"])

@@ -95,7 +95,7 @@ def test_temperature_min_p_top_k_top_p_equal_transformers_in_a_mixed_batch(captu
 
 @pytest.mark.parametrize("top_k", [1, 2, 7, 63])
 def test_top_k_alone_equals_transformers(top_k: int) -> None:
-    """Per-row k (the gathered ``max_top_k`` largest: a ``topk``, no sort of the vocabulary)."""
+    """Per-row k (the gathered ``width`` largest: a ``topk``, no sort of the vocabulary)."""
     logits = logits_batch(4, top_k)
     logits[1, :5] = logits[1].max()  # ties at the top are kept together, as transformers does
     ks = torch.tensor([top_k, max(top_k - 1, 1), top_k, 63])
@@ -119,6 +119,21 @@ def test_top_p_after_top_k_equals_transformers(top_p: float) -> None:
         if p is not None:
             ref = hf(TopPLogitsWarper(p), ref)
         assert torch.equal(got[i], ref), i
+
+
+def test_top_k_where_leaves_rows_without_top_k_and_equals_top_k_on_the_others() -> None:
+    """The graph head's top-k (every row computed): a row with ``top_k`` 0 is untouched; the others equal
+    :func:`apply_top_k_` on those rows alone, bit for bit, with and without top-p (floor ``-1``: as if none)."""
+    logits = logits_batch(6, 17)
+    ks = torch.tensor([0, 5, 20, 0, 1, 40])
+    floor = torch.tensor([0.5, -1.0, 0.1, -1.0, 0.3, -1.0])
+    got = ops.apply_top_k_where_(logits.clone(), ks, ops.TOP_K_WIDTH, floor)
+    on = torch.tensor([1, 2, 4, 5])
+    want = ops.apply_top_k_(logits[on].clone(), ks[on], ops.TOP_K_WIDTH, floor[on])
+    assert torch.equal(got[on], want)
+    assert torch.equal(got[[0, 3]], logits[[0, 3]])
+    without_p = torch.tensor([1, 5])  # floor -1 gives top-k's threshold exactly, as no floor at all
+    assert torch.equal(got[without_p], ops.apply_top_k_(logits[without_p].clone(), ks[without_p], ops.TOP_K_WIDTH))
 
 
 @pytest.mark.parametrize("top_p", [0.05, 0.3, 0.5, 0.9, 0.99])

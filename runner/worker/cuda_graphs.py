@@ -2,10 +2,10 @@
 
 ``cudagraph`` knows nothing of the engine; this module hands it the engine's capturable decode attention
 (``runner.attention.graph``, through the runner's attention backend), the graphs' heads (the LM head with the
-greedy pick, :func:`greedy_sampling_head`, and with the draw, :func:`draw_sampling_head`) and the KV block
-reserved for graph padding. That block is the extra one the ModelRunner allocates past the scheduler's range
-(``num_kv_blocks + 1`` blocks, ids ``0 .. num_kv_blocks``), so padded graph rows write their KV where no request
-ever reads.
+greedy pick, :func:`greedy_sampling_head`, and with the draw, :func:`draw_sampling_head`, after top-k and top-p
+too with ``top_k=True``) and the KV block reserved for graph padding. That block is the extra one the ModelRunner
+allocates past the scheduler's range (``num_kv_blocks + 1`` blocks, ids ``0 .. num_kv_blocks``), so padded graph
+rows write their KV where no request ever reads.
 """
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ from runner.attention.graph import DecodeMetadataBuffers, capturable_attention
 from runner.config import RunnerConfig
 from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
-from runner.worker.sampler import SamplingHead, greedy_rows
+from runner.worker.sampler import DRAW_COLUMNS, SamplingHead, greedy_rows
 from runner.worker.sampling_noise import draw_by_inverse_cdf_
-from runner.worker.sampling_ops import apply_temperature_
+from runner.worker.sampling_ops import TOP_K_WIDTH, apply_temperature_, apply_top_k_where_
 from ubatch.log_once import log_once
 from ubatch.streams import Stream
 from ubatch.wrapper import UBatchWrapper
@@ -93,7 +93,7 @@ class CapturingRunner(Protocol):
 
     @property
     def draw_inputs(self) -> torch.Tensor:
-        """``[max_tokens, 2]`` float32: each row's temperature and uniform, staged before a draw head replays."""
+        """``[max_tokens, 4]`` float32: each row's ``sampler.DRAW_COLUMNS``, staged before a draw head replays."""
 class _Default(enum.Enum):
     """The ``wrapper`` argument's default: the model runner's own UBatchWrapper (None is a value: no DBO)."""
 
@@ -147,27 +147,35 @@ def greedy_sampling_head(model: MoECausalLM) -> GraphHead:
     return head
 
 
-def draw_sampling_head(model: MoECausalLM, draw_inputs: torch.Tensor) -> GraphHead:
-    """The head for a step of greedy rows and rows that draw with at most a temperature (``SamplingHead.DRAW``):
-    the LM head in float32, each row's argmax, and each row's draw from its logits over its temperature by its
-    uniform, both staged in ``draw_inputs`` (``Sampler.draw_inputs``); a negative uniform takes the argmax. The
-    same operations as the eager sampler, on every row, so each row's token is the sampler's."""
+def draw_sampling_head(model: MoECausalLM, draw_inputs: torch.Tensor, top_k: bool = False) -> GraphHead:
+    """The head for a step of greedy rows and rows that draw with at most a temperature (``SamplingHead.DRAW``) or,
+    with ``top_k``, with a temperature, top-k and top-p (``SamplingHead.TOP_K``): the LM head in float32, each row's
+    argmax, and each row's draw from its logits over its temperature, after its top-k and top-p (of
+    ``TOP_K_WIDTH`` gathered logits, as the eager sampler's for such a step), by its uniform, all staged in
+    ``draw_inputs`` (``Sampler.draw_inputs``); a negative uniform takes the argmax. The same operations as the
+    eager sampler, on every row, so each row's token is the sampler's."""
+    columns = {name: draw_inputs[:, i] for i, name in enumerate(DRAW_COLUMNS)}
+    width = min(TOP_K_WIDTH, model.config.vocab_size)
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[0]
         logits = model.compute_logits(hidden)
         greedy = greedy_rows(logits)
-        temperature, uniform = draw_inputs[:n, 0], draw_inputs[:n, 1]
-        drawn = draw_by_inverse_cdf_(apply_temperature_(logits, temperature), uniform)
-        return torch.where(uniform >= 0, drawn, greedy)
+        x = apply_temperature_(logits, columns["temperature"][:n])
+        if top_k:
+            apply_top_k_where_(x, columns["top_k"][:n].long(), width, columns["top_p_floor"][:n])
+        uniform = columns["uniform"][:n]
+        return torch.where(uniform >= 0, draw_by_inverse_cdf_(x, uniform), greedy)
 
     return head
 
 
 def sampling_heads(model_runner: CapturingRunner) -> dict[str, GraphHead]:
     """The heads captured after every decode graph, by :class:`SamplingHead` value, greedy first."""
-    return {SamplingHead.GREEDY.value: greedy_sampling_head(model_runner.model),
-            SamplingHead.DRAW.value: draw_sampling_head(model_runner.model, model_runner.draw_inputs)}
+    model, inputs = model_runner.model, model_runner.draw_inputs
+    return {SamplingHead.GREEDY.value: greedy_sampling_head(model),
+            SamplingHead.DRAW.value: draw_sampling_head(model, inputs),
+            SamplingHead.TOP_K.value: draw_sampling_head(model, inputs, top_k=True)}
 
 
 def make_graph_runner(model_runner: CapturingRunner, *, sizes: Sequence[int] | str | None = None,

@@ -53,7 +53,7 @@ from runner.worker.device_future_map import DeviceFutureMap
 from runner.worker.emulated_device import DeviceSpec, EmulatedDevice
 from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
 from runner.worker.prompt_logprobs import prompt_logprobs
-from runner.worker.sampler import GREEDY_UNIFORM, PendingSample, Sampler, SamplingHead, StepRows
+from runner.worker.sampler import NEUTRAL_DRAW_INPUTS, PendingSample, Sampler, SamplingHead, StepRows
 from runner.worker.step_inputs import StagedFields, StepInputs, StepInputSizes
 from ubatch import trace
 from ubatch.distributed import new_ep_groups
@@ -153,8 +153,8 @@ class ModelRunner:
         self.input_ids = self.inputs.input_ids
         self.positions = self.inputs.positions
         self.real_token_mask = self.inputs.real_token_mask
-        # each row's temperature and uniform, staged before a decode graph's draw head replays (cuda_graphs.py)
-        self.draw_inputs = torch.tensor([1.0, GREEDY_UNIFORM], device=self.device).repeat(self.max_tokens_per_step, 1)
+        # each row's sampling settings (sampler.DRAW_COLUMNS), staged before a decode graph's draw heads replay
+        self.draw_inputs = torch.tensor(NEUTRAL_DRAW_INPUTS, device=self.device).repeat(self.max_tokens_per_step, 1)
         self.future_tokens = DeviceFutureMap(self.device)  # placeholders resolved on the device
         self.emulated_device = EmulatedDevice(DeviceSpec.parse(cfg.emulate_device)) \
             if cfg.emulate_device is not None else None
@@ -441,7 +441,8 @@ class ModelRunner:
         are exact when the step was launched before its predecessor's tokens reached the host. A step of
         decodes only samples every row of ``hidden`` as it is; where its graph replayed and the rows' settings
         let one of the graph's heads sample them (``StepRows.sampling_head``: every row greedy with no other
-        option, or greedy or drawing with at most a temperature), that head does, in one more graph launch."""
+        option; or greedy or drawing with a temperature, maybe top-k and top-p), that head does, in one more graph
+        launch."""
         n = sched.num_reqs
         step = self.sampler.prepare(sched, self.inputs.prefix("input_ids", sched.num_tokens))
         if not len(step):
@@ -451,7 +452,7 @@ class ModelRunner:
         graphs = self.graph_runner
         head = step.sampling_head if decodes and graphs is not None else None
         if head is not None and graphs is not None and graphs.head_ready(head.value):
-            if head is SamplingHead.DRAW:
+            if head is not SamplingHead.GREEDY:
                 copy_from_host_(self.draw_inputs[:n], torch.from_numpy(self.sampler.draw_inputs(step)))
             sampled = graphs.replay_head(head.value)[:n]
             pending = self.sampler.launch_read(sampled)

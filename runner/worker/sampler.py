@@ -26,7 +26,7 @@ from runner.worker.event_wait import EventWaiter
 from runner.worker.penalties import PenaltyState, apply_penalties_
 from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, settings_of_rows
 from runner.worker.sampling_noise import INVALID_TOKEN, draw_by_inverse_cdf_, row_uniforms
-from runner.worker.sampling_settings import PENALTIES, RANDOM, TEMPERATURE, SamplingSettings
+from runner.worker.sampling_settings import PENALTIES, RANDOM, TEMPERATURE, TOP_K, TOP_P, SamplingSettings
 
 
 def request_seed(params: SamplingParams, default_seed: int) -> int:
@@ -45,20 +45,31 @@ class SamplerOutput:
 
 
 class SamplingHead(enum.Enum):
-    """The samplings a decode graph's heads compute (``runner/worker/cuda_graphs.py``), by the rows' settings.
+    """The samplings a decode graph's heads compute (``runner/worker/cuda_graphs.py``), by the rows' settings; a row
+    that draws does so from its staged settings (:meth:`Sampler.draw_inputs`).
 
-    ``GREEDY``: every row greedy with no other option, the argmax of the raw logits. ``DRAW``: every row greedy or
-    drawing with at most a temperature (no top-k, top-p, min-p, penalty, bias, ``min_tokens`` or logprobs; the
-    OpenAI API's defaults), each row's draw from its staged temperature and uniform (:meth:`Sampler.draw_inputs`)."""
+    - ``GREEDY``: every row greedy with no other option, the argmax of the raw logits.
+    - ``DRAW``: every row greedy or drawing with at most a temperature (the OpenAI API's defaults).
+    - ``TOP_K``: every row greedy or drawing with a temperature and top-k of at most ``TOP_K_WIDTH``, each with or
+      without top-p (a checkpoint's ``generation_config`` such as Qwen3's: 0.6, top-k 20, top-p 0.95).
+
+    None of them takes min-p, top-p without top-k (a sort of the vocabulary), penalties, a logit bias,
+    ``min_tokens`` or logprobs: a step with such a row samples eagerly."""
 
     GREEDY = "greedy"
     DRAW = "draw"
+    TOP_K = "top_k"
 
 
-#: the flags a row of a ``DRAW`` head's step may have
+#: the flags a row of a ``DRAW`` head's step may have, and of a ``TOP_K`` head's
 _DRAW_FLAGS = RANDOM | TEMPERATURE
+_TOP_K_FLAGS = _DRAW_FLAGS | TOP_K | TOP_P
 #: what :meth:`Sampler.draw_inputs` stages as a greedy row's uniform (any negative value: the head takes its argmax)
 GREEDY_UNIFORM = -1.0
+#: the columns of :meth:`Sampler.draw_inputs`
+DRAW_COLUMNS = ("temperature", "uniform", "top_k", "top_p_floor")
+#: what a row that uses none of them stages (temperature 1 and top-k 0 leave its logits as they are; top-p floor -1)
+NEUTRAL_DRAW_INPUTS = (1.0, GREEDY_UNIFORM, 0.0, -1.0)
 
 
 @dataclass
@@ -86,10 +97,15 @@ class StepRows:
     @functools.cached_property
     def sampling_head(self) -> SamplingHead | None:
         """The head that samples these rows as the sampler would (:class:`SamplingHead`), or None: no head does."""
-        used = int(np.bitwise_or.reduce(self.settings.flags[self.rows])) if len(self.rows) else 0
+        flags = self.settings.flags[self.rows]
+        used = int(np.bitwise_or.reduce(flags)) if len(flags) else 0
         if not used:
             return SamplingHead.GREEDY
-        return SamplingHead.DRAW if not used & ~_DRAW_FLAGS else None
+        if not used & ~_DRAW_FLAGS:
+            return SamplingHead.DRAW
+        if used & ~_TOP_K_FLAGS or np.any((flags & (TOP_K | TOP_P)) == TOP_P):  # top-p without top-k sorts the row
+            return None
+        return SamplingHead.TOP_K if self.settings.top_k[self.rows].max() <= ops.TOP_K_WIDTH else None
 
 
 class Sampler:
@@ -204,14 +220,17 @@ class Sampler:
 
     @staticmethod
     def draw_inputs(step: StepRows) -> np.ndarray:
-        """What a ``DRAW`` head reads for ``step``'s rows: ``[rows, 2]`` float32, each row's temperature (1 for a
-        greedy row) and its draw's uniform (:data:`GREEDY_UNIFORM` for a greedy row), the values
-        :func:`build_sampling_metadata` gives the eager draw, rounded to float32 the same way."""
+        """What the ``DRAW`` and ``TOP_K`` heads read for ``step``'s rows: ``[rows, 4]`` float32 in the order of
+        :data:`DRAW_COLUMNS`, each row's temperature (1 for a greedy row), its draw's uniform (:data:`GREEDY_UNIFORM`
+        for a greedy row), its top-k (0: none; exact in float32) and its ``1 - top_p`` (-1: none), the values
+        :func:`build_sampling_metadata` gives the eager sampler, rounded to float32 the same way."""
         settings, rows = step.settings, step.rows
-        out = np.empty((len(rows), 2), dtype=np.float32)
+        out = np.empty((len(rows), len(DRAW_COLUMNS)), dtype=np.float32)
         out[:, 0] = settings.temperature[rows]
         uniforms = row_uniforms(settings.seed_hash[rows], step.output_index)
         out[:, 1] = np.where(settings.flags[rows] & RANDOM, uniforms, GREEDY_UNIFORM)
+        out[:, 2] = settings.top_k[rows]
+        out[:, 3] = settings.top_p_floor[rows]
         return out
 
     # ---- rows given by hand -------------------------------------------------------------------------------
@@ -277,7 +296,7 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
             ops.on_rows_(xr, meta.min_p_rows, lambda sub: ops.apply_min_p_(sub, min_p))
         if top_k is not None:
             ops.on_rows_(xr, meta.top_k_rows,
-                         lambda sub: ops.apply_top_k_(sub, top_k, meta.max_top_k, meta.top_k_p_floor))
+                         lambda sub: ops.apply_top_k_(sub, top_k, meta.top_k_width, meta.top_k_p_floor))
         if top_p_floor is not None:
             ops.on_rows_(xr, meta.top_p_rows, lambda sub: ops.apply_top_p_(sub, top_p_floor))
         assert meta.uniforms is not None

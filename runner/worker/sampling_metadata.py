@@ -23,6 +23,7 @@ import torch
 from runner.attention.kv_cache import host_to_device
 from runner.sampling_params import SamplingParams
 from runner.worker.sampling_noise import row_uniforms
+from runner.worker.sampling_ops import TOP_K_WIDTH
 from runner.worker.sampling_settings import (
     LOGIT_BIAS,
     LOGPROBS,
@@ -76,7 +77,7 @@ class SamplingMetadata:
     min_p: torch.Tensor | None
     top_k_rows: torch.Tensor | None  # indices into the random rows with top-k (and maybe top-p)
     top_k: torch.Tensor | None  # int64 in [1, vocab)
-    max_top_k: int
+    top_k_width: int  # how many of each row's largest logits top-k gathers: the largest k, at least TOP_K_WIDTH
     top_k_p_floor: torch.Tensor | None  # their 1 - top_p (-1: no top-p); None: none of them has top-p
     top_p_rows: torch.Tensor | None  # indices into the random rows with top-p and no top-k
     top_p_floor: torch.Tensor | None  # float32: 1 - top_p
@@ -154,7 +155,7 @@ def build_sampling_metadata(settings: SamplingSettings, rows: np.ndarray, slots:
     flags = settings.flags[rows]
     used = int(np.bitwise_or.reduce(flags)) if n else 0
     pack = _Pack()
-    num_random, max_top_k = 0, 0
+    num_random, top_k_width = 0, 0
     if used & RANDOM:
         r = np.flatnonzero(flags & RANDOM)
         num_random = len(r)
@@ -170,7 +171,7 @@ def build_sampling_metadata(settings: SamplingSettings, rows: np.ndarray, slots:
         if used & TOP_K:
             j = np.flatnonzero(r_flags & TOP_K)
             top_k = settings.top_k[r_rows[j]]
-            max_top_k = int(top_k.max())
+            top_k_width = max(int(top_k.max()), min(TOP_K_WIDTH, settings.vocab_size))
             _subset(pack, "top_k_rows", j, num_random)
             pack.ints("top_k", top_k)
             if np.any(r_flags[j] & TOP_P):
@@ -215,7 +216,7 @@ def build_sampling_metadata(settings: SamplingSettings, rows: np.ndarray, slots:
     return SamplingMetadata(
         num_rows=n, num_random=num_random, random_rows=v.get("random_rows"), uniforms=v.get("uniforms"),
         temperature=v.get("temperature"), min_p_rows=v.get("min_p_rows"), min_p=v.get("min_p"),
-        top_k_rows=v.get("top_k_rows"), top_k=v.get("top_k"), max_top_k=max_top_k,
+        top_k_rows=v.get("top_k_rows"), top_k=v.get("top_k"), top_k_width=top_k_width,
         top_k_p_floor=v.get("top_k_p_floor"), top_p_rows=v.get("top_p_rows"), top_p_floor=v.get("top_p_floor"),
         stop_mask=(v["stop_rows"], v["stop_toks"]) if stop_mask else None,
         bias=(v["bias_rows"], v["bias_toks"], v["bias_vals"]) if bias else None,

@@ -3,10 +3,10 @@
 Each one equals transformers' processor for the same setting (``tests/test_sampling_ops.py`` compares them on
 batches that mix settings): ``MinNewTokensLengthLogitsProcessor`` (min_tokens), ``TemperatureLogitsWarper``,
 ``MinPLogitsWarper``, ``TopKLogitsWarper`` and ``TopPLogitsWarper`` (their ``min_tokens_to_keep=1``). Rows
-with top-k (and maybe top-p) sort only their ``max_top_k`` largest logits; rows with top-p alone sort the
-vocabulary, as vLLM's ``apply_top_k_top_p`` (``vllm/v1/sample/ops/topk_topp_sampler.py``). Every transform
-works in place on float32 logits and uses no operation whose output shape depends on data, so none makes the
-host wait for the device.
+with top-k (and maybe top-p) sort only their largest logits, at least :data:`TOP_K_WIDTH` of them; rows with
+top-p alone sort the vocabulary, as vLLM's ``apply_top_k_top_p`` (``vllm/v1/sample/ops/topk_topp_sampler.py``).
+Every transform works in place on float32 logits and uses no operation whose output shape depends on data, so
+none makes the host wait for the device.
 """
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ import numpy as np
 import torch
 
 NEG_INF = float("-inf")
+#: How many of each row's largest logits top-k gathers at least (capped by the vocabulary): a step whose top-k are
+#: at most this many gathers exactly this many, the fixed shape a decode graph's top-k head computes with
+#: (``runner/worker/cuda_graphs.py``), so its rows get the same thresholds eagerly and in the head.
+TOP_K_WIDTH = 64
 
 
 def on_rows_(x: torch.Tensor, rows: torch.Tensor | None, fn: Callable[[torch.Tensor], object]) -> torch.Tensor:
@@ -51,24 +55,39 @@ def apply_min_p_(logits: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return logits.masked_fill_(probs < threshold, NEG_INF)
 
 
-def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor, max_top_k: int,
+def apply_top_k_(logits: torch.Tensor, top_k: torch.Tensor, width: int,
                  top_p_floor: torch.Tensor | None = None) -> torch.Tensor:
     """Keep each row's ``top_k`` largest logits (ties with the k-th kept), then, where ``top_p_floor`` (``1 -
     top_p``, ``-1`` for off) is given, the smallest set of those whose probability reaches ``top_p``.
 
-    ``top_k`` ``[rows]`` int64 in ``[1, max_top_k]``. Only the ``max_top_k`` largest logits are gathered and
-    sorted (``topk``), not the vocabulary: top-p after top-k needs only the tokens top-k kept, and the
-    softmax over them equals the softmax over the row with every other token removed. The result is a
-    per-row threshold, applied to the whole row.
+    ``top_k`` ``[rows]`` int64 in ``[1, width]``. Only the ``width`` largest logits are gathered and sorted
+    (``topk``), not the vocabulary: top-p after top-k needs only the tokens top-k kept, and the softmax over them
+    equals the softmax over the row with every other token removed. The result is a per-row threshold, applied to
+    the whole row.
     """
-    top = logits.topk(max_top_k, dim=-1).values  # descending
+    return logits.masked_fill_(logits < _top_k_threshold(logits, top_k, width, top_p_floor), NEG_INF)
+
+
+def apply_top_k_where_(logits: torch.Tensor, top_k: torch.Tensor, width: int,
+                       top_p_floor: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_top_k_` on the rows whose ``top_k`` is positive, with the same threshold; a row whose ``top_k``
+    is 0 is left as it is. Every row is computed, so the shapes do not depend on which rows use top-k (a graph
+    head's). A row with ``top_p_floor`` ``-1`` gets top-k's threshold exactly, as if none was given."""
+    kth = _top_k_threshold(logits, top_k.clamp_min(1), width, top_p_floor)
+    return logits.masked_fill_(logits < torch.where(top_k.unsqueeze(1) > 0, kth, NEG_INF), NEG_INF)
+
+
+def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, width: int,
+                     top_p_floor: torch.Tensor | None) -> torch.Tensor:
+    """Each row's smallest logit to keep, ``[rows, 1]`` (:func:`apply_top_k_`)."""
+    top = logits.topk(width, dim=-1).values  # descending
     kth = top.gather(1, (top_k - 1).unsqueeze(1))
     if top_p_floor is not None:
         ascending = top.masked_fill_(top < kth, NEG_INF).flip(-1)
         drop = ascending.softmax(dim=-1).cumsum_(dim=-1) <= top_p_floor.unsqueeze(1)
         drop[:, -1] = False
         kth = torch.maximum(kth, ascending.masked_fill_(drop, float("inf")).amin(dim=-1, keepdim=True))
-    return logits.masked_fill_(logits < kth, NEG_INF)
+    return kth
 
 
 def apply_top_p_(logits: torch.Tensor, top_p_floor: torch.Tensor) -> torch.Tensor:
