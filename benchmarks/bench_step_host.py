@@ -15,15 +15,16 @@ figure). Per steady decode step of ``--requests`` requests, on the overlap loop 
 - ``loop_ms``: the step loop's wall time per step (with the forward, and whatever else the machine runs).
 
 The baseline (``--baseline``, a git revision) is exported with ``git archive`` and both trees run in child
-processes, alternately, ``--repeats`` times; figures are medians. The greedy tokens of both trees are compared.
+processes, alternately, ``--repeats`` times; figures are medians. The tokens of both trees are compared. Each
+``--sampling`` is measured in turn: every request greedy (``greedy``), drawing at temperature 1 (``draw``), or with
+Qwen3's ``generation_config``, temperature 0.6, top-k 20, top-p 0.95 (``top-k``).
 ``--graphs`` compares instead, in this tree, decode graphs (the eager stand-in, each replay counted as one launch
 and left out of the CPU figures as the forward is) whose steps sample eagerly against the same graphs sampling in
-their heads (``cuda_graphs.sampling_heads``): every request greedy (``--sampling greedy``), drawing at temperature
-1 (``draw``), or with Qwen3's ``generation_config``, temperature 0.6, top-k 20, top-p 0.95 (``top-k``); the ``ops``
-column is what a head saves a GPU's step thread in launches.
+their heads (``cuda_graphs.sampling_heads``): the ``ops`` column is what a head saves a GPU's step thread in
+launches.
 On a CPU the gain understates a GPU's: there a host-to-device copy and a pinned staging buffer cost nothing,
 and an op costs its dispatch, not a kernel launch. Usage: ``python benchmarks/bench_step_host.py [--baseline
-REV | --graphs] [--sampling greedy|draw|top-k] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5]
+REV | --graphs] [--sampling greedy draw top-k] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5]
 [--output CSV]``.
 """
 from __future__ import annotations
@@ -193,7 +194,7 @@ def install_stand_in_graphs(runner: Any, local: Any, head: bool) -> None:
     runner.graph_runner = graph_runner
 
 
-def child(tree: str, args: argparse.Namespace, graphs: str = "none") -> dict[str, Any]:
+def child(tree: str, args: argparse.Namespace, graphs: str = "none", sampling: str = "greedy") -> dict[str, Any]:
     """Run :func:`measure` in a fresh interpreter that imports ``runner`` from ``tree``."""
     code = ("import json, sys; sys.path[:0] = [sys.argv[1], sys.argv[1] + '/benchmarks', sys.argv[2]]; "
             "import bench_step_host as b; "
@@ -202,8 +203,8 @@ def child(tree: str, args: argparse.Namespace, graphs: str = "none") -> dict[str
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": tree}
     with tempfile.TemporaryDirectory(prefix="ubatch-bench-step-host-") as cache:
         # a baseline's measure() may not take them
-        modes = ([] if graphs == "none" and args.sampling == "greedy" else [graphs]) + \
-            ([] if args.sampling == "greedy" else [args.sampling])
+        modes = ([] if graphs == "none" and sampling == "greedy" else [graphs]) + \
+            ([] if sampling == "greedy" else [sampling])
         proc = subprocess.run([sys.executable, "-c", code, tree, str(HERE.parent), str(args.requests),
                                str(args.device_ms), str(args.decode_tokens), cache, *modes],
                               env=env, capture_output=True, text=True, timeout=600)
@@ -230,7 +231,8 @@ def main() -> None:
     p.add_argument("--baseline", default="main", help="git revision to compare with (default: main)")
     p.add_argument("--graphs", action="store_true",
                    help="compare, in this tree, stand-in decode graphs sampling eagerly and in their heads")
-    p.add_argument("--sampling", choices=sorted(SAMPLING), default="greedy", help="every request's sampling")
+    p.add_argument("--sampling", choices=list(SAMPLING), nargs="+", default=["greedy"],
+                   help="every request's sampling, one measurement each")
     p.add_argument("--requests", type=int, default=256, help="decode requests running together")
     p.add_argument("--device-ms", type=float, default=3.0, help="emulated device time per step")
     p.add_argument("--decode-tokens", type=int, default=32, help="output tokens per request")
@@ -246,22 +248,26 @@ def main() -> None:
         else:
             sha = export(args.baseline, base)
             trees = {f"baseline {args.baseline} ({sha[:7]})": (base, "none"), "this tree": (str(ROOT), "none")}
-        runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-        for _ in range(args.repeats):
-            for name, (tree, graphs) in trees.items():
-                runs[name].append(child(tree, args, graphs))
-    reference = next(iter(runs.values()))[0]["tokens"]
-    same = all(r["tokens"] == reference for rs in runs.values() for r in rs)
-    rows = [{"tree": name, "requests": args.requests, "device_ms": args.device_ms, "sampling": args.sampling,
-             **{k: round(statistics.median(r[k] for r in rs), 3)
-                for k in ("cpu_ms", "wall_ms", "ops", "forward_ms", "loop_ms")},
-             "steps": rs[0]["steps"], "same_tokens": same, "repeats": args.repeats} for name, rs in runs.items()]
+        rows = []
+        for sampling in args.sampling:
+            runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+            for _ in range(args.repeats):
+                for name, (tree, graphs) in trees.items():
+                    runs[name].append(child(tree, args, graphs, sampling))
+            reference = next(iter(runs.values()))[0]["tokens"]
+            same = all(r["tokens"] == reference for rs in runs.values() for r in rs)
+            rows += [{"tree": name, "sampling": sampling, "requests": args.requests, "device_ms": args.device_ms,
+                      **{k: round(statistics.median(r[k] for r in rs), 3)
+                         for k in ("cpu_ms", "wall_ms", "ops", "forward_ms", "loop_ms")},
+                      "steps": rs[0]["steps"], "same_tokens": same, "repeats": args.repeats}
+                     for name, rs in runs.items()]
     print("per steady decode step, medians of the repeats: step thread CPU and wall ms in the launch (forward "
           "excluded), torch ops per launch, the forward's CPU ms and the loop's wall ms per step")
-    print(f"{'tree':<28} {'cpu_ms':>7} {'wall_ms':>8} {'ops':>5} {'forward_ms':>10} {'loop_ms':>8}  same tokens")
+    print(f"{'tree':<28} {'sampling':<8} {'cpu_ms':>7} {'wall_ms':>8} {'ops':>5} {'forward_ms':>10} {'loop_ms':>8}  "
+          "same tokens")
     for r in rows:
-        print(f"{r['tree']:<28} {r['cpu_ms']:>7.3f} {r['wall_ms']:>8.3f} {r['ops']:>5g} {r['forward_ms']:>10.3f} "
-              f"{r['loop_ms']:>8.3f}  {'yes' if same else 'NO'}")
+        print(f"{r['tree']:<28} {r['sampling']:<8} {r['cpu_ms']:>7.3f} {r['wall_ms']:>8.3f} {r['ops']:>5g} "
+              f"{r['forward_ms']:>10.3f} {r['loop_ms']:>8.3f}  {'yes' if r['same_tokens'] else 'NO'}")
     write_csv(rows, args.output)
 
 
