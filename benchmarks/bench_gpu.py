@@ -7,9 +7,9 @@ step eager / eager-DBO / graph / graph-DBO, without a link and with the link cal
 at 256 and 2048 tokens for every experts backend against the same limit, and that time for its 48 layers.
 ``sampling``: a decode step's sampling of 256 and 1024 rows at the benchmark model's vocabulary and Qwen3's, LM
 head included, greedy (from float32 logits as before, and from the model's bf16 ones as now; replayed, the
-decode graphs' head), with a temperature, with Qwen3's temperature, top-k and top-p (the last two replayed: what the
-decode graphs' draw heads run), and with top-k, top-p, min-p and logprobs: GPU time eager and replayed and the
-host's launch time, against the LM head's limit.
+decode graphs' head), with a temperature, with Qwen3's temperature, top-k and top-p, with Llama 3's temperature and
+top-p (the last three replayed: what the decode graphs' draw heads run), and with top-k, top-p, min-p and logprobs:
+GPU time eager and replayed and the host's launch time, against the LM head's limit.
 ``tails`` (only when named): each fused pointwise tail (``--fused-tails``: residual add + RMSNorm, q/k RMSNorm +
 RoPE, router top-k) against the torch ops it replaces, at the benchmark model's and Qwen3-30B-A3B's shapes, 256
 and 2048 tokens, eager and replayed, each against its bandwidth limit (bytes read + written / measured copy rate).
@@ -68,7 +68,7 @@ SAMPLING_KERNEL = "LM head + sampling"
 SAMPLING_ROWS = (256, 1024)
 SAMPLING_VOCABS = (MODEL_CONFIG["vocab_size"], 151936)  # the benchmark model's, Qwen3's
 SAMPLING_MODES = ("greedy, float32 logits", "greedy", "temperature", "qwen3: temperature, top-k 20, top-p",
-                  "top-k, top-p, min-p, logprobs 5")
+                  "llama3: temperature, top-p", "top-k, top-p, min-p, logprobs 5")
 SECTIONS = ("kernels", "sampling", "step", "qwen3-30b", "tails")
 
 Row = dict[str, Any]
@@ -356,6 +356,7 @@ def sampling_runs(rows: int, vocab: int, hidden: int, device: str = "cuda") -> d
             "temperature": sampled_with(SamplingParams(temperature=0.8, seed=1)),
             "qwen3: temperature, top-k 20, top-p": sampled_with(SamplingParams(temperature=0.6, seed=1, top_k=20,
                                                                               top_p=0.95)),
+            "llama3: temperature, top-p": sampled_with(SamplingParams(temperature=0.6, seed=1, top_p=0.9)),
             "top-k, top-p, min-p, logprobs 5": sampled_with(SamplingParams(temperature=0.8, seed=1, top_k=50,
                                                                             top_p=0.9, min_p=0.05, logprobs=5))}
 

@@ -17,14 +17,15 @@ figure). Per steady decode step of ``--requests`` requests, on the overlap loop 
 The baseline (``--baseline``, a git revision) is exported with ``git archive`` and both trees run in child
 processes, alternately, ``--repeats`` times; figures are medians. The tokens of both trees are compared. Each
 ``--sampling`` is measured in turn: every request greedy (``greedy``), drawing at temperature 1 (``draw``), or with
-Qwen3's ``generation_config``, temperature 0.6, top-k 20, top-p 0.95 (``top-k``).
+a checkpoint's ``generation_config``: Qwen3's temperature 0.6, top-k 20, top-p 0.95 (``top-k``), Llama 3's
+temperature 0.6, top-p 0.9 (``top-p``).
 ``--graphs`` compares instead, in this tree, decode graphs (the eager stand-in, each replay counted as one launch
 and left out of the CPU figures as the forward is) whose steps sample eagerly against the same graphs sampling in
 their heads (``cuda_graphs.sampling_heads``): the ``ops`` column is what a head saves a GPU's step thread in
 launches.
 On a CPU the gain understates a GPU's: there a host-to-device copy and a pinned staging buffer cost nothing,
 and an op costs its dispatch, not a kernel launch. Usage: ``python benchmarks/bench_step_host.py [--baseline
-REV | --graphs] [--sampling greedy draw top-k] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5]
+REV | --graphs] [--sampling greedy draw top-k top-p] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5]
 [--output CSV]``.
 """
 from __future__ import annotations
@@ -46,7 +47,7 @@ HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 EDGE = 2  # launches left out at each end of a wave
 # --sampling: each request's (temperature, top-k, top-p)
-SAMPLING = {"greedy": (0.0, 0, 1.0), "draw": (1.0, 0, 1.0), "top-k": (0.6, 20, 0.95)}
+SAMPLING = {"greedy": (0.0, 0, 1.0), "draw": (1.0, 0, 1.0), "top-k": (0.6, 20, 0.95), "top-p": (0.6, 0, 0.9)}
 
 
 def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,

@@ -112,7 +112,8 @@ def test_sampling_modes_run_as_the_engine_samples_and_greedy_needs_no_float32_co
     assert list(runs) == list(bench_gpu.SAMPLING_MODES)
     out = {mode: run() for mode, run in runs.items()}
     assert out["greedy"].tolist() == out["greedy, float32 logits"].tolist()
-    for mode in ("temperature", "qwen3: temperature, top-k 20, top-p", "top-k, top-p, min-p, logprobs 5"):
+    for mode in ("temperature", "qwen3: temperature, top-k 20, top-p", "llama3: temperature, top-p",
+                 "top-k, top-p, min-p, logprobs 5"):
         sampled, logprobs = out[mode]
         assert sampled.shape == (16,) and bool(((sampled >= 0) & (sampled < 512)).all())
         assert (logprobs is None) is (mode != "top-k, top-p, min-p, logprobs 5")

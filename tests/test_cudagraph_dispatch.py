@@ -538,7 +538,7 @@ def test_a_failed_capture_names_the_graph_and_leaves_nothing_behind(qwen_runner)
 
         def capture(self, fn, pool, stream):
             FailSecondSize.calls += 1
-            if FailSecondSize.calls == 5:  # the second size's forward (each size's 3 heads are captured after it)
+            if FailSecondSize.calls == 6:  # the second size's forward (each size's 4 heads are captured after it)
                 raise RuntimeError("operation not permitted when stream is capturing")
             return super().capture(fn, pool, stream)
 

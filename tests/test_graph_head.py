@@ -1,11 +1,11 @@
 """The decode graphs' heads: a decode step samples in one more graph launch (the eager stand-in on CPU).
 
-After each forward graph the runner captures three heads (``runner/worker/cuda_graphs.py``): the LM head with the
-greedy pick of every row, with each row's draw by its staged temperature and uniform, and with that draw after
-each row's top-k and top-p. A decode step whose graph replayed replays the greedy head when every row is greedy
-with no other option, the draw head when every row is greedy or draws with at most a temperature, the top-k head
-when rows also use top-k (at most ``TOP_K_WIDTH``) with or without top-p; any other step samples eagerly from the
-graph's hidden rows.
+After each forward graph the runner captures four heads (``runner/worker/cuda_graphs.py``): the LM head with the
+greedy pick of every row, with each row's draw by its staged temperature and uniform, with that draw after each
+row's top-k and top-p, and after top-p alone too. A decode step whose graph replayed replays the greedy head when
+every row is greedy with no other option, the draw head when every row is greedy or draws with at most a
+temperature, the top-k head when rows also use top-k (at most ``TOP_K_WIDTH``) with or without top-p, the top-p head
+when some row uses top-p without top-k; any other step samples eagerly from the graph's hidden rows.
 Tokens equal a runner without graphs in every case, by hand-built steps and through ``LLM.generate``, and the
 graph that served each step is recorded, not only the tokens.
 """
@@ -25,6 +25,7 @@ from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker import cuda_graphs
 from runner.worker.model_runner import ModelRunner
+from runner.worker.sampler import SamplingHead
 from runner.worker.sampling_noise import INVALID_TOKEN
 from runner.worker.sampling_ops import TOP_K_WIDTH
 from test_graph_memory import OomAbove, oom
@@ -122,21 +123,34 @@ def test_decode_steps_with_top_k_sample_in_the_top_k_head(graphed, params) -> No
     assert replays.forward == ALL_DECODES and replays.heads == {"top_k": ALL_DECODES}
 
 
+@pytest.mark.parametrize("params", [
+    [SamplingParams(temperature=0.6, top_p=0.9)] * NUM_REQS,  # Llama 3's generation_config
+    [GREEDY, SamplingParams(temperature=0.9, seed=3), SamplingParams(temperature=0.8, seed=7, top_k=5, top_p=0.9),
+     *(SamplingParams(temperature=0.7 + 0.1 * i, seed=i, top_p=0.5 + 0.1 * i) for i in range(5))],
+], ids=["llama3-defaults", "mixed"])
+def test_decode_steps_with_top_p_alone_sample_in_the_top_p_head(graphed, params) -> None:
+    """Rows that draw with top-p and no top-k (a sort of the row), among greedy, drawing and top-k rows: each decode
+    step replays the top-p head, with the tokens of eager sampling."""
+    runner, replays = graphed
+    assert generate(runner, params) == eager_tokens(params)
+    assert replays.forward == ALL_DECODES and replays.heads == {"top_p": ALL_DECODES}
+
+
 @pytest.mark.parametrize("other", [
     SamplingParams(temperature=0.8, seed=7, top_k=TOP_K_WIDTH + 1),
-    SamplingParams(temperature=0.8, seed=7, top_p=0.9),
     SamplingParams(temperature=0.8, seed=7, top_k=5, min_p=0.1),
     SamplingParams(temperature=0.0, logprobs=2),
     SamplingParams(temperature=0.0, repetition_penalty=1.3),
     SamplingParams(temperature=0.0, min_tokens=3),
     SamplingParams(temperature=0.0, logit_bias={5: 3.0}),
-], ids=["wide-top-k", "top-p-alone", "min-p", "logprobs", "penalty", "min-tokens", "logit-bias"])
+], ids=["wide-top-k", "min-p", "logprobs", "penalty", "min-tokens", "logit-bias"])
 def test_a_step_with_any_other_row_samples_eagerly_from_the_graphs_rows(graphed, other: SamplingParams) -> None:
-    """One row that no head samples, among greedy, drawing and top-k rows: the forward graphs replay, no head
+    """One row that no head samples, among greedy, drawing, top-k and top-p rows: the forward graphs replay, no head
     does, the tokens are eager's."""
     runner, replays = graphed
-    params = [GREEDY] * (NUM_REQS - 3) + [SamplingParams(temperature=0.9, seed=3),
-                                          SamplingParams(temperature=0.9, seed=4, top_k=3, top_p=0.9), other]
+    params = [GREEDY] * (NUM_REQS - 4) + [SamplingParams(temperature=0.9, seed=3),
+                                          SamplingParams(temperature=0.9, seed=4, top_k=3, top_p=0.9),
+                                          SamplingParams(temperature=0.9, seed=5, top_p=0.8), other]
     assert generate(runner, params) == eager_tokens(params)
     assert replays.forward == ALL_DECODES and replays.heads == {}
 
@@ -166,7 +180,8 @@ def test_steps_launched_before_either_is_read_keep_their_own_tokens(graphed, hea
 
 class HeadOutOfMemory(OomAbove):
     """The eager stand-in, but the capture of the 4-token graph's ``fail_at``-th head (1: the greedy head, 2: the
-    draw head, 3: the top-k head) runs out of memory, after its forward graph and any earlier head were captured."""
+    draw head, 3: the top-k head, 4: the top-p head) runs out of memory, after its forward graph and any earlier
+    head were captured."""
 
     def __init__(self, fail_at: int) -> None:
         super().__init__(0)
@@ -183,7 +198,7 @@ class HeadOutOfMemory(OomAbove):
         return graph, out
 
 
-@pytest.mark.parametrize("fail_at", [1, 2, 3], ids=["greedy-head", "draw-head", "top-k-head"])
+@pytest.mark.parametrize("fail_at", [1, 2, 3, 4], ids=["greedy-head", "draw-head", "top-k-head", "top-p-head"])
 def test_a_head_out_of_memory_drops_its_size_and_releases_its_other_graphs(fail_at: int) -> None:
     """The size is dropped; what was captured of it is released, the heads before the forward graph that they read."""
     runner = make_runner()
@@ -206,7 +221,7 @@ def test_replay_head_names_what_is_missing() -> None:
         replays = install_graphs(runner)
         gr = runner.graph_runner
         assert gr is not None and not gr.head_ready("greedy") and replays.heads == {}
-        with pytest.raises(RuntimeError, match=r"replayed no graph with a 'draw' head .*\['draw', 'greedy', 'top_k'\]"):
+        with pytest.raises(RuntimeError, match=r"no graph with a 'draw' head .*\['draw', 'greedy', 'top_k', 'top_p'\]"):
             gr.replay_head("draw")
     finally:
         runner.close()
@@ -225,14 +240,18 @@ def test_the_heads_mark_rows_whose_logits_are_not_finite() -> None:
             greedy = cuda_graphs.greedy_sampling_head(runner.model)(hidden)
             drawn = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs)(hidden)
             runner.draw_inputs[0, 2] = 1  # row 0: top-k 1, its argmax
-            top_k = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs, top_k=True)(hidden)
+            top_k = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs, SamplingHead.TOP_K)(hidden)
+            # row 0: top-p 0.001 alone; the largest probability of 512 is above it, so the row keeps its argmax alone
+            runner.draw_inputs[0, 2:] = torch.tensor([0.0, 0.999])
+            top_p = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs, SamplingHead.TOP_P)(hidden)
             logits = runner.model.compute_logits(hidden)
             want_greedy = logits.argmax(dim=-1)
             cdf = logits.softmax(dim=-1).cumsum(dim=-1)
         assert greedy.tolist() == [int(want_greedy[0]), INVALID_TOKEN, int(want_greedy[2]), int(want_greedy[3])]
         want_drawn = [int((cdf[r] <= uniforms[r]).sum()) for r in (0, 3)]
         assert drawn.tolist() == [want_drawn[0], INVALID_TOKEN, int(want_greedy[2]), want_drawn[1]]
-        assert top_k.tolist() == [int(want_greedy[0]), INVALID_TOKEN, int(want_greedy[2]), want_drawn[1]]
+        assert top_k.tolist() == top_p.tolist() == [int(want_greedy[0]), INVALID_TOKEN, int(want_greedy[2]),
+                                                    want_drawn[1]]
     finally:
         runner.close()
 
@@ -241,8 +260,8 @@ def test_llm_generate_samples_decode_steps_in_the_heads(tmp_path) -> None:
     """The public path, pipelined on the emulated device (a step launched before its predecessor is read, its
     placeholders resolved on the device from the head's tokens): with the stand-in graphs installed, every decode
     step of a greedy call replays the greedy head, of a call with seeded and unseeded draws the draw head, of a call
-    with Qwen3's defaults (temperature, top-k, top-p) the top-k head, and of a call with one top-p request without
-    top-k no head; the tokens equal the engine's without graphs."""
+    with Qwen3's defaults (temperature, top-k, top-p) the top-k head, of a call with one top-p request without top-k
+    the top-p head, and of a call with a min-p request none; the tokens equal the engine's without graphs."""
     from runner.entrypoints.llm import LLM
 
     prompts = [[(5 * i + j) % 400 for j in range(6)] for i in range(6)]
@@ -251,6 +270,7 @@ def test_llm_generate_samples_decode_steps_in_the_heads(tmp_path) -> None:
                             SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True)]
     qwen3 = SamplingParams(temperature=0.6, top_k=20, top_p=0.95, max_tokens=8, ignore_eos=True)
     top_p = [*mixed[:5], SamplingParams(temperature=1.0, top_p=0.8, seed=5, max_tokens=8, ignore_eos=True)]
+    min_p = [*mixed[:5], SamplingParams(temperature=1.0, min_p=0.1, seed=5, max_tokens=8, ignore_eos=True)]
 
     def run(graphs: bool) -> tuple[list[list[int]], list[tuple[int, ...]]]:
         llm = LLM(model="tiny-qwen3-moe", cache_dir=str(tmp_path / "cache"), device="cpu", dtype="float32",
@@ -258,11 +278,11 @@ def test_llm_generate_samples_decode_steps_in_the_heads(tmp_path) -> None:
         try:
             replays = install_graphs(llm.model_runner) if graphs else None
             tokens, counts = [], []
-            for params in (greedy, mixed, qwen3, top_p):
+            for params in (greedy, mixed, qwen3, top_p, min_p):
                 tokens += [list(o.outputs[0].token_ids) for o in llm.generate(prompts, params, use_tqdm=False)]
                 if replays is not None:
                     counts.append((len(replays.forward),
-                                   *(len(replays.heads.get(h, [])) for h in ("greedy", "draw", "top_k"))))
+                                   *(len(replays.heads.get(h, [])) for h in ("greedy", "draw", "top_k", "top_p"))))
             assert llm.last_loop_stats is not None and llm.last_loop_stats.num_placeholders_resolved > 0
             return tokens, counts
         finally:
@@ -271,7 +291,8 @@ def test_llm_generate_samples_decode_steps_in_the_heads(tmp_path) -> None:
     eager, _ = run(graphs=False)
     graphed, counts = run(graphs=True)
     assert graphed == eager
-    assert counts == [(7, 7, 0, 0), (14, 7, 7, 0), (21, 7, 7, 7), (28, 7, 7, 7)]  # 7 decode steps a call, replayed
+    # 7 decode steps a call, each replayed
+    assert counts == [(7, 7, 0, 0, 0), (14, 7, 7, 0, 0), (21, 7, 7, 7, 0), (28, 7, 7, 7, 7), (35, 7, 7, 7, 7)]
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "head"])

@@ -166,7 +166,7 @@ def test_dp_ranks_drop_the_sizes_any_rank_could_not_capture(runner, caplog) -> N
     with caplog.at_level(logging.WARNING, logger="ubatch.cudagraph"):
         report = gr.capture()
     assert votes == [True] * 7 and report.dropped == [GraphKey(12, (6, 6))] and report.first_oom is None
-    assert len(backend.released) == 4 and GraphKey(12, (6, 6)) not in gr.graphs  # its forward and head graphs
+    assert len(backend.released) == 5 and GraphKey(12, (6, 6)) not in gr.graphs  # its forward and head graphs
     assert "another DP rank ran out of memory capturing; dropped sizes 12" in caplog.text
 
 
@@ -247,7 +247,7 @@ def test_is_out_of_memory_walks_the_exception_chain() -> None:
 def test_the_report_carries_graph_memory_per_size(runner) -> None:
     class Metered(EagerReplayBackend):
         """Device memory falls by 1000 bytes per captured token of a forward graph and 100 per row of each of its
-        three heads (a stand-in for the driver's free memory): a size's figure holds all four."""
+        four heads (a stand-in for the driver's free memory): a size's figure holds all five."""
 
         def __init__(self) -> None:
             self.free = 10**9
@@ -261,9 +261,9 @@ def test_the_report_carries_graph_memory_per_size(runner) -> None:
             return self.free
 
     report = graph_runner(runner, Metered()).capture()
-    assert report.memory_table() == [("16[dbo 8+8]", 20800), ("12[dbo 6+6]", 15600), ("8[dbo 4+4]", 10400),
-                                     ("4[dbo 2+2]", 5200), ("3", 3900), ("2", 2600), ("1", 1300)]
-    assert report.graph_bytes == 59800 == sum(report.bytes_by_key.values())
+    assert report.memory_table() == [("16[dbo 8+8]", 22400), ("12[dbo 6+6]", 16800), ("8[dbo 4+4]", 11200),
+                                     ("4[dbo 2+2]", 5600), ("3", 4200), ("2", 2800), ("1", 1400)]
+    assert report.graph_bytes == 64400 == sum(report.bytes_by_key.values())
 
 
 def test_dropped_message_wording() -> None:

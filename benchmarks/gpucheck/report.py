@@ -84,7 +84,7 @@ def bench_section(bench: dict[str, Any]) -> list[str]:
                     for r in bench.get("kernels", [])])
     if bench.get("sampling"):
         lines += ["", "A decode step's sampling, LM head included (graph: replayed, as a decode graph's heads sample "
-                      "greedy, temperature and Qwen3 rows; host µs: the launch):", ""]
+                      "greedy, temperature, Qwen3 and Llama 3 rows; host µs: the launch):", ""]
         lines += table(["shape", "mode", "limit ms", "eager ms", "graph ms", "eager host µs", "graph host µs"],
                        [(r.get("shape"), r.get("backend"), r.get("limit_ms"), r.get("eager_ms"), r.get("graph_ms"),
                          r.get("eager_host_us"), r.get("graph_host_us")) for r in bench["sampling"]])

@@ -3,7 +3,7 @@
 ``cudagraph`` knows nothing of the engine; this module hands it the engine's capturable decode attention
 (``runner.attention.graph``, through the runner's attention backend), the graphs' heads (the LM head with the
 greedy pick, :func:`greedy_sampling_head`, and with the draw, :func:`draw_sampling_head`, after top-k and top-p
-too with ``top_k=True``) and the KV block reserved for graph padding. That block is the extra one the ModelRunner
+as the head's kind asks) and the KV block reserved for graph padding. That block is the extra one the ModelRunner
 allocates past the scheduler's range (``num_kv_blocks + 1`` blocks, ids ``0 .. num_kv_blocks``), so padded graph
 rows write their KV where no request ever reads.
 """
@@ -28,7 +28,7 @@ from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
 from runner.worker.sampler import DRAW_COLUMNS, SamplingHead, greedy_rows
 from runner.worker.sampling_noise import draw_by_inverse_cdf_
-from runner.worker.sampling_ops import TOP_K_WIDTH, apply_temperature_, apply_top_k_where_
+from runner.worker.sampling_ops import TOP_K_WIDTH, apply_temperature_, apply_top_k_where_, apply_top_p_
 from ubatch.log_once import log_once
 from ubatch.streams import Stream
 from ubatch.wrapper import UBatchWrapper
@@ -147,13 +147,16 @@ def greedy_sampling_head(model: MoECausalLM) -> GraphHead:
     return head
 
 
-def draw_sampling_head(model: MoECausalLM, draw_inputs: torch.Tensor, top_k: bool = False) -> GraphHead:
-    """The head for a step of greedy rows and rows that draw with at most a temperature (``SamplingHead.DRAW``) or,
-    with ``top_k``, with a temperature, top-k and top-p (``SamplingHead.TOP_K``): the LM head in float32, each row's
-    argmax, and each row's draw from its logits over its temperature, after its top-k and top-p (of
-    ``TOP_K_WIDTH`` gathered logits, as the eager sampler's for such a step), by its uniform, all staged in
+def draw_sampling_head(model: MoECausalLM, draw_inputs: torch.Tensor,
+                       kind: SamplingHead = SamplingHead.DRAW) -> GraphHead:
+    """The head of ``kind`` (``SamplingHead.DRAW``, ``TOP_K`` or ``TOP_P``) for a step of greedy rows and rows that
+    draw: the LM head in float32, each row's argmax, and each row's draw from its logits over its temperature (for
+    ``TOP_K`` and ``TOP_P`` after its top-k and top-p, of ``TOP_K_WIDTH`` gathered logits as the eager sampler's for
+    such a step; for ``TOP_P`` then after its top-p alone over its sorted row) by its uniform, all staged in
     ``draw_inputs`` (``Sampler.draw_inputs``); a negative uniform takes the argmax. The same operations as the
     eager sampler, on every row, so each row's token is the sampler's."""
+    if kind not in (SamplingHead.DRAW, SamplingHead.TOP_K, SamplingHead.TOP_P):
+        raise ValueError(f"draw_sampling_head: {kind} is not a head that draws")
     columns = {name: draw_inputs[:, i] for i, name in enumerate(DRAW_COLUMNS)}
     width = min(TOP_K_WIDTH, model.config.vocab_size)
 
@@ -162,8 +165,11 @@ def draw_sampling_head(model: MoECausalLM, draw_inputs: torch.Tensor, top_k: boo
         logits = model.compute_logits(hidden)
         greedy = greedy_rows(logits)
         x = apply_temperature_(logits, columns["temperature"][:n])
-        if top_k:
-            apply_top_k_where_(x, columns["top_k"][:n].long(), width, columns["top_p_floor"][:n])
+        if kind is not SamplingHead.DRAW:
+            top_k, floor = columns["top_k"][:n].long(), columns["top_p_floor"][:n]
+            apply_top_k_where_(x, top_k, width, floor)
+            if kind is SamplingHead.TOP_P:  # the rows without top-k (a floor of -1 leaves a row as it is)
+                apply_top_p_(x, torch.where(top_k > 0, -1.0, floor))
         uniform = columns["uniform"][:n]
         return torch.where(uniform >= 0, draw_by_inverse_cdf_(x, uniform), greedy)
 
@@ -174,8 +180,8 @@ def sampling_heads(model_runner: CapturingRunner) -> dict[str, GraphHead]:
     """The heads captured after every decode graph, by :class:`SamplingHead` value, greedy first."""
     model, inputs = model_runner.model, model_runner.draw_inputs
     return {SamplingHead.GREEDY.value: greedy_sampling_head(model),
-            SamplingHead.DRAW.value: draw_sampling_head(model, inputs),
-            SamplingHead.TOP_K.value: draw_sampling_head(model, inputs, top_k=True)}
+            **{kind.value: draw_sampling_head(model, inputs, kind)
+               for kind in (SamplingHead.DRAW, SamplingHead.TOP_K, SamplingHead.TOP_P)}}
 
 
 def make_graph_runner(model_runner: CapturingRunner, *, sizes: Sequence[int] | str | None = None,

@@ -52,16 +52,19 @@ class SamplingHead(enum.Enum):
     - ``DRAW``: every row greedy or drawing with at most a temperature (the OpenAI API's defaults).
     - ``TOP_K``: every row greedy or drawing with a temperature and top-k of at most ``TOP_K_WIDTH``, each with or
       without top-p (a checkpoint's ``generation_config`` such as Qwen3's: 0.6, top-k 20, top-p 0.95).
+    - ``TOP_P``: the same, and rows with top-p without top-k, which sort their row of the vocabulary (Llama 3's:
+      0.6, top-p 0.9).
 
-    None of them takes min-p, top-p without top-k (a sort of the vocabulary), penalties, a logit bias,
-    ``min_tokens`` or logprobs: a step with such a row samples eagerly."""
+    None of them takes min-p, a top-k above ``TOP_K_WIDTH``, penalties, a logit bias, ``min_tokens`` or logprobs:
+    a step with such a row samples eagerly."""
 
     GREEDY = "greedy"
     DRAW = "draw"
     TOP_K = "top_k"
+    TOP_P = "top_p"
 
 
-#: the flags a row of a ``DRAW`` head's step may have, and of a ``TOP_K`` head's
+#: the flags a row of a ``DRAW`` head's step may have, and of a ``TOP_K`` or ``TOP_P`` head's
 _DRAW_FLAGS = RANDOM | TEMPERATURE
 _TOP_K_FLAGS = _DRAW_FLAGS | TOP_K | TOP_P
 #: what :meth:`Sampler.draw_inputs` stages as a greedy row's uniform (any negative value: the head takes its argmax)
@@ -103,9 +106,10 @@ class StepRows:
             return SamplingHead.GREEDY
         if not used & ~_DRAW_FLAGS:
             return SamplingHead.DRAW
-        if used & ~_TOP_K_FLAGS or np.any((flags & (TOP_K | TOP_P)) == TOP_P):  # top-p without top-k sorts the row
+        if used & ~_TOP_K_FLAGS or self.settings.top_k[self.rows].max() > ops.TOP_K_WIDTH:
             return None
-        return SamplingHead.TOP_K if self.settings.top_k[self.rows].max() <= ops.TOP_K_WIDTH else None
+        top_p_alone = np.any((flags & (TOP_K | TOP_P)) == TOP_P)  # top-p without top-k sorts the row
+        return SamplingHead.TOP_P if top_p_alone else SamplingHead.TOP_K
 
 
 class Sampler:
@@ -220,7 +224,7 @@ class Sampler:
 
     @staticmethod
     def draw_inputs(step: StepRows) -> np.ndarray:
-        """What the ``DRAW`` and ``TOP_K`` heads read for ``step``'s rows: ``[rows, 4]`` float32 in the order of
+        """What the heads that draw read for ``step``'s rows: ``[rows, 4]`` float32 in the order of
         :data:`DRAW_COLUMNS`, each row's temperature (1 for a greedy row), its draw's uniform (:data:`GREEDY_UNIFORM`
         for a greedy row), its top-k (0: none; exact in float32) and its ``1 - top_p`` (-1: none), the values
         :func:`build_sampling_metadata` gives the eager sampler, rounded to float32 the same way."""

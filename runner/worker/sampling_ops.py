@@ -94,8 +94,9 @@ def apply_top_p_(logits: torch.Tensor, top_p_floor: torch.Tensor) -> torch.Tenso
     """Keep the smallest set of each row's largest logits whose probability reaches ``top_p``: as in
     transformers, a token goes when the probability of the tokens at or below it (ascending order) is at most
     ``top_p_floor = 1 - top_p`` (``-1``: off for that row), and the most likely token always stays. One sort of
-    the row (vLLM's ``apply_top_k_top_p`` for rows without top-k)."""
-    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    the row (vLLM's ``apply_top_k_top_p`` for rows without top-k), stable: tokens of equal logits go or stay by
+    their ids, whichever rows the batch holds."""
+    sorted_logits, order = logits.sort(dim=-1, descending=False, stable=True)
     drop = sorted_logits.softmax(dim=-1).cumsum_(dim=-1) <= top_p_floor.unsqueeze(1)
     drop[:, -1] = False
     return logits.masked_fill_(drop.scatter(1, order, drop), NEG_INF)
