@@ -101,8 +101,9 @@ def test_a_dbo_replay_makes_no_handoffs(monkeypatch: pytest.MonkeyPatch) -> None
 @pytest.mark.parametrize("dbo", [False, True], ids=["plain", "dbo"])
 def test_decode_samples_in_the_head_graphs_as_eager(dbo: bool, head: str) -> None:
     """The engine's own graphs: each decode step replays its forward graph and then that graph's head (the LM head
-    with the greedy pick, or with each row's draw by its temperature, maybe after top-k and top-p or top-p alone, for
-    rows greedy or drawing); the tokens equal an eager runner's (on CPU, the eager stand-in: test_graph_head.py)."""
+    with the greedy pick, or with each row's draw by its temperature, maybe after top-k and top-p or after top-p
+    alone, for rows greedy or drawing); the tokens equal an eager runner's (on CPU, the eager stand-in:
+    test_graph_head.py)."""
     from graph_replays import record_replays
     from runner.sampling_params import SamplingParams
     from test_graph_head import DECODE_STEPS, GREEDY, NUM_REQS, generate
@@ -110,8 +111,8 @@ def test_decode_samples_in_the_head_graphs_as_eager(dbo: bool, head: str) -> Non
     def drawing(i: int) -> SamplingParams:
         if head == "draw":
             return SamplingParams(temperature=0.5 + 0.25 * i, seed=i)
-        if head == "top_p" and i % 2:  # top-p alone, beside top-k rows
-            return SamplingParams(temperature=0.5 + 0.25 * i, seed=i, top_p=0.9)
+        if head == "top_p":
+            return SamplingParams(temperature=0.5 + 0.25 * i, seed=i, top_p=0.5 + 0.05 * i)
         return SamplingParams(temperature=0.5 + 0.25 * i, seed=i, top_k=1 + 9 * i, top_p=0.95)
 
     params = [GREEDY] * NUM_REQS if head == "greedy" else [GREEDY, *(drawing(i) for i in range(NUM_REQS - 1))]

@@ -2,10 +2,11 @@
 
 After each forward graph the runner captures four heads (``runner/worker/cuda_graphs.py``): the LM head with the
 greedy pick of every row, with each row's draw by its staged temperature and uniform, with that draw after each
-row's top-k and top-p, and after top-p alone too. A decode step whose graph replayed replays the greedy head when
-every row is greedy with no other option, the draw head when every row is greedy or draws with at most a
+row's top-k and top-p, and after each row's top-p alone. A decode step whose graph replayed replays the greedy head
+when every row is greedy with no other option, the draw head when every row is greedy or draws with at most a
 temperature, the top-k head when rows also use top-k (at most ``TOP_K_WIDTH``) with or without top-p, the top-p head
-when some row uses top-p without top-k; any other step samples eagerly from the graph's hidden rows.
+when rows also use top-p without top-k (and none top-k); any other step samples eagerly from the graph's hidden
+rows.
 Tokens equal a runner without graphs in every case, by hand-built steps and through ``LLM.generate``, and the
 graph that served each step is recorded, not only the tokens.
 """
@@ -125,12 +126,12 @@ def test_decode_steps_with_top_k_sample_in_the_top_k_head(graphed, params) -> No
 
 @pytest.mark.parametrize("params", [
     [SamplingParams(temperature=0.6, top_p=0.9)] * NUM_REQS,  # Llama 3's generation_config
-    [GREEDY, SamplingParams(temperature=0.9, seed=3), SamplingParams(temperature=0.8, seed=7, top_k=5, top_p=0.9),
-     *(SamplingParams(temperature=0.7 + 0.1 * i, seed=i, top_p=0.5 + 0.1 * i) for i in range(5))],
+    [GREEDY, SamplingParams(temperature=0.9, seed=3),
+     *(SamplingParams(temperature=0.7 + 0.1 * i, seed=i, top_p=0.5 + 0.1 * i) for i in range(6))],
 ], ids=["llama3-defaults", "mixed"])
 def test_decode_steps_with_top_p_alone_sample_in_the_top_p_head(graphed, params) -> None:
-    """Rows that draw with top-p and no top-k (a sort of the row), among greedy, drawing and top-k rows: each decode
-    step replays the top-p head, with the tokens of eager sampling."""
+    """Rows that draw with top-p and no top-k (a sort of the row), among greedy and drawing rows: each decode step
+    replays the top-p head, with the tokens of eager sampling."""
     runner, replays = graphed
     assert generate(runner, params) == eager_tokens(params)
     assert replays.forward == ALL_DECODES and replays.heads == {"top_p": ALL_DECODES}
@@ -138,19 +139,19 @@ def test_decode_steps_with_top_p_alone_sample_in_the_top_p_head(graphed, params)
 
 @pytest.mark.parametrize("other", [
     SamplingParams(temperature=0.8, seed=7, top_k=TOP_K_WIDTH + 1),
+    SamplingParams(temperature=0.8, seed=7, top_p=0.9),
     SamplingParams(temperature=0.8, seed=7, top_k=5, min_p=0.1),
     SamplingParams(temperature=0.0, logprobs=2),
     SamplingParams(temperature=0.0, repetition_penalty=1.3),
     SamplingParams(temperature=0.0, min_tokens=3),
     SamplingParams(temperature=0.0, logit_bias={5: 3.0}),
-], ids=["wide-top-k", "min-p", "logprobs", "penalty", "min-tokens", "logit-bias"])
+], ids=["wide-top-k", "top-p-alone-beside-top-k", "min-p", "logprobs", "penalty", "min-tokens", "logit-bias"])
 def test_a_step_with_any_other_row_samples_eagerly_from_the_graphs_rows(graphed, other: SamplingParams) -> None:
-    """One row that no head samples, among greedy, drawing, top-k and top-p rows: the forward graphs replay, no head
-    does, the tokens are eager's."""
+    """One row that no head samples among greedy, drawing and top-k rows (or whose step none does: top-p alone beside
+    top-k): the forward graphs replay, no head does, the tokens are eager's."""
     runner, replays = graphed
-    params = [GREEDY] * (NUM_REQS - 4) + [SamplingParams(temperature=0.9, seed=3),
-                                          SamplingParams(temperature=0.9, seed=4, top_k=3, top_p=0.9),
-                                          SamplingParams(temperature=0.9, seed=5, top_p=0.8), other]
+    params = [GREEDY] * (NUM_REQS - 3) + [SamplingParams(temperature=0.9, seed=3),
+                                          SamplingParams(temperature=0.9, seed=4, top_k=3, top_p=0.9), other]
     assert generate(runner, params) == eager_tokens(params)
     assert replays.forward == ALL_DECODES and replays.heads == {}
 

@@ -151,10 +151,10 @@ def draw_sampling_head(model: MoECausalLM, draw_inputs: torch.Tensor,
                        kind: SamplingHead = SamplingHead.DRAW) -> GraphHead:
     """The head of ``kind`` (``SamplingHead.DRAW``, ``TOP_K`` or ``TOP_P``) for a step of greedy rows and rows that
     draw: the LM head in float32, each row's argmax, and each row's draw from its logits over its temperature (for
-    ``TOP_K`` and ``TOP_P`` after its top-k and top-p, of ``TOP_K_WIDTH`` gathered logits as the eager sampler's for
-    such a step; for ``TOP_P`` then after its top-p alone over its sorted row) by its uniform, all staged in
-    ``draw_inputs`` (``Sampler.draw_inputs``); a negative uniform takes the argmax. The same operations as the
-    eager sampler, on every row, so each row's token is the sampler's."""
+    ``TOP_K`` after its top-k and top-p, of ``TOP_K_WIDTH`` gathered logits as the eager sampler's for such a step;
+    for ``TOP_P`` after its top-p over its sorted row) by its uniform, all staged in ``draw_inputs``
+    (``Sampler.draw_inputs``); a negative uniform takes the argmax. The same operations as the eager sampler, on
+    every row (a top-k of 0, a top-p floor of -1 leave a row as it is), so each row's token is the sampler's."""
     if kind not in (SamplingHead.DRAW, SamplingHead.TOP_K, SamplingHead.TOP_P):
         raise ValueError(f"draw_sampling_head: {kind} is not a head that draws")
     columns = {name: draw_inputs[:, i] for i, name in enumerate(DRAW_COLUMNS)}
@@ -165,11 +165,10 @@ def draw_sampling_head(model: MoECausalLM, draw_inputs: torch.Tensor,
         logits = model.compute_logits(hidden)
         greedy = greedy_rows(logits)
         x = apply_temperature_(logits, columns["temperature"][:n])
-        if kind is not SamplingHead.DRAW:
-            top_k, floor = columns["top_k"][:n].long(), columns["top_p_floor"][:n]
-            apply_top_k_where_(x, top_k, width, floor)
-            if kind is SamplingHead.TOP_P:  # the rows without top-k (a floor of -1 leaves a row as it is)
-                apply_top_p_(x, torch.where(top_k > 0, -1.0, floor))
+        if kind is SamplingHead.TOP_K:
+            apply_top_k_where_(x, columns["top_k"][:n].long(), width, columns["top_p_floor"][:n])
+        elif kind is SamplingHead.TOP_P:
+            apply_top_p_(x, columns["top_p_floor"][:n])
         uniform = columns["uniform"][:n]
         return torch.where(uniform >= 0, draw_by_inverse_cdf_(x, uniform), greedy)
 

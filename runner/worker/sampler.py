@@ -52,11 +52,12 @@ class SamplingHead(enum.Enum):
     - ``DRAW``: every row greedy or drawing with at most a temperature (the OpenAI API's defaults).
     - ``TOP_K``: every row greedy or drawing with a temperature and top-k of at most ``TOP_K_WIDTH``, each with or
       without top-p (a checkpoint's ``generation_config`` such as Qwen3's: 0.6, top-k 20, top-p 0.95).
-    - ``TOP_P``: the same, and rows with top-p without top-k, which sort their row of the vocabulary (Llama 3's:
-      0.6, top-p 0.9).
+    - ``TOP_P``: every row greedy or drawing with a temperature and maybe top-p without top-k, which sorts its row
+      of the vocabulary (Llama 3's: 0.6, top-p 0.9).
 
-    None of them takes min-p, a top-k above ``TOP_K_WIDTH``, penalties, a logit bias, ``min_tokens`` or logprobs:
-    a step with such a row samples eagerly."""
+    None of them takes min-p, a top-k above ``TOP_K_WIDTH``, penalties, a logit bias, ``min_tokens`` or logprobs,
+    nor a step that mixes top-k rows with rows of top-p alone (rare: a checkpoint's defaults give every request the
+    same; a head for both would run top-k's stages in every Llama step): such a step samples eagerly."""
 
     GREEDY = "greedy"
     DRAW = "draw"
@@ -106,10 +107,13 @@ class StepRows:
             return SamplingHead.GREEDY
         if not used & ~_DRAW_FLAGS:
             return SamplingHead.DRAW
-        if used & ~_TOP_K_FLAGS or self.settings.top_k[self.rows].max() > ops.TOP_K_WIDTH:
+        if used & ~_TOP_K_FLAGS:
             return None
-        top_p_alone = np.any((flags & (TOP_K | TOP_P)) == TOP_P)  # top-p without top-k sorts the row
-        return SamplingHead.TOP_P if top_p_alone else SamplingHead.TOP_K
+        if not used & TOP_K:  # top-p alone sorts the row
+            return SamplingHead.TOP_P
+        if np.any((flags & (TOP_K | TOP_P)) == TOP_P) or self.settings.top_k[self.rows].max() > ops.TOP_K_WIDTH:
+            return None
+        return SamplingHead.TOP_K
 
 
 class Sampler:
