@@ -2,8 +2,9 @@
 
 Default flags but ``--max-num-seqs``: ``LLM(model="bench-qwen3-moe-1b", cache_dir=..., max_num_seqs=256[,
 enable_dbo=True])`` (the check's cache directory holds the checkpoint ``model_prep`` wrote),
-random prompts as ``python -m runner generate`` makes them, greedy, a fixed number of new tokens each. One
-short warm-up call (as ``python -m runner bench`` does), then, each call from an empty prefix cache (as there):
+random prompts as ``python -m runner generate`` makes them, greedy (``--sampling``: or a checkpoint's sampling
+defaults, :data:`SAMPLING`), a fixed number of new tokens each. One short warm-up call (as ``python -m runner
+bench`` does), then, each call from an empty prefix cache (as there):
 
 - ``measured``: one ``generate`` of the whole workload; the engine's own counters (``LLM.last_stats``,
   ``LLM.last_loop_stats``);
@@ -34,15 +35,24 @@ from ubatch.trace_metrics import length
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the torch profiler's GPU activity in a Chrome trace
+# --sampling: each request's (temperature, top-k, top-p); Qwen3's and Llama 3's generation_config defaults
+SAMPLING = {"greedy": (0.0, 0, 1.0), "qwen3": (0.6, 20, 0.95), "llama3": (0.6, 0, 0.9)}
 
 
 def cli_equivalent(flags: dict[str, Any], args: argparse.Namespace) -> str:
     cache = f" --cache-dir {flags['cache_dir']}" if "cache_dir" in flags else ""
     return (f"python -m runner generate --model {flags['model']}{cache} --max-num-seqs {args.max_num_seqs} "
             f"--num-prompts {args.num_prompts} --random-prompt-len {args.prompt_len} --max-tokens {args.max_tokens} "
-            f"--ignore-eos" + (" --enable-dbo" if args.enable_dbo else "") +
+            f"--ignore-eos" + sampling_flags(args.sampling) + (" --enable-dbo" if args.enable_dbo else "") +
             (f" --device {args.device}" if args.device else "") +
             (f" --load-format {args.load_format}" if args.load_format else ""))
+
+
+def sampling_flags(name: str) -> str:
+    """The CLI's sampling flags for ``--sampling name`` (none for greedy, the CLI's default)."""
+    temperature, top_k, top_p = SAMPLING[name]
+    return "" if name == "greedy" else (f" --temperature {temperature}" + (f" --top-k {top_k}" if top_k else "")
+                                        + f" --top-p {top_p}")
 
 
 def engine_info(llm: Any) -> dict[str, Any]:
@@ -128,6 +138,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--sampling", choices=list(SAMPLING), default="greedy", help="every request's sampling settings")
     p.add_argument("--device", default=None, help="default: the engine's (auto)")
     p.add_argument("--load-format", default=None, help="the engine's --load-format (dummy: random weights from the "
                    "model directory's config.json)")
@@ -159,7 +170,7 @@ def main() -> int:
         flags["load_format"] = args.load_format
     doc: dict[str, Any] = {"cli_equivalent": cli_equivalent(flags, args), "flags": flags, "model_dir": model_dir,
                            "workload": {"num_prompts": args.num_prompts, "prompt_len": args.prompt_len,
-                                        "max_tokens": args.max_tokens}}
+                                        "max_tokens": args.max_tokens, "sampling": args.sampling}}
     write_json(doc, args.out)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     if cuda:
@@ -176,7 +187,9 @@ def main() -> int:
         write_json(doc, args.out)
         prompts = random_prompts(args.num_prompts, args.prompt_len, 0.0, model_config(model_dir).vocab_size,
                                  llm.cfg.seed)
-        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+        temperature, top_k, top_p = SAMPLING[args.sampling]
+        sampling = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                  ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
                      use_tqdm=False)
         doc["measured_runs"] = []

@@ -200,6 +200,15 @@ def engine_part(ctx: Context, dbo: bool, requests: int = 256) -> dict[str, Any]:
     return _run(ctx, "engine --enable-dbo" if dbo else "engine" if requests == 256 else name, args, path)
 
 
+def engine_sampled_part(ctx: Context) -> dict[str, Any]:
+    """The engine part's workload, every request sampling with Qwen3's defaults (temperature 0.6, top-k 20, top-p
+    0.95): the decode graphs' top-k head samples its steps."""
+    path = ctx.work_dir / "engine_sampled.json"
+    args = ["-m", "gpucheck.engine_run", "--cache-dir", str(ctx.cache_dir), "--out", str(path), "--repeats", "2",
+            "--sampling", "qwen3"]
+    return _run(ctx, "engine, Qwen3 sampling", args + list(ctx.options.get("engine_args", ())), path)
+
+
 def engine_qwen3_30b_part(ctx: Context) -> dict[str, Any]:
     """The engine part's workload on a Qwen3-30B-A3B-shaped model with random weights drawn on the GPU
     (``gpucheck.engine_qwen3_30b``)."""
@@ -305,6 +314,8 @@ def all_parts() -> list[Part]:
              engine_fp8_part),
         Part("engine_link", "default flags vs --enable-dbo, emulated link at comm = compute", 240, engine_link_part),
         Part("serve", "bench-serve --compare dbo", 150, serve_part),
+        Part("engine_sampled", "the engine part's workload sampling with Qwen3's defaults (temperature, top-k, "
+             "top-p)", 90, engine_sampled_part, optional=True),
         Part("engine_qwen3_30b", "the engine part's workload on a Qwen3-30B-A3B-shaped model, random weights "
              "(--load-format dummy)", 300, engine_qwen3_30b_part, optional=True),
         Part("tune_moe", "tune the Triton experts' launch tables for the 1.2B model's and Qwen3-30B-A3B's shapes",

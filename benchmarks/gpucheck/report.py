@@ -275,11 +275,13 @@ def render(results: dict[str, Any]) -> str:
     lines += ["", "## Kernels and the decode step (`bench_gpu.py --quick`)", "",
               *bench_section(_data(results, "bench"))]
     lines += ["", "## The engine as a user runs it (1.2B model, 256 prompts x 128 new tokens, --max-num-seqs 256; "
-              "1024 of each; and, with --parts engine_qwen3_30b, a Qwen3-30B-A3B-shaped model with random weights)",
+              "1024 of each; and, with --parts engine_sampled or engine_qwen3_30b, sampling with Qwen3's defaults, "
+              "a Qwen3-30B-A3B-shaped model with random weights)",
               "",
               *engine_section({"default flags": _data(results, "engine"),
                                "--enable-dbo": _data(results, "engine_dbo"),
                                "default flags, 1024": _data(results, "engine_1024"),
+                               "Qwen3 sampling": _data(results, "engine_sampled"),
                                "Qwen3-30B-A3B shape": _data(results, "engine_qwen3_30b")})]
     lines += ["", "## FP8 against bf16 (`gpucheck.engine_fp8`: the same checkpoint, `--quantization fp8`)", "",
               *engine_fp8_section(_data(results, "engine_fp8"))]
