@@ -16,17 +16,17 @@ figure). Per steady decode step of ``--requests`` requests, on the overlap loop 
 
 The baseline (``--baseline``, a git revision) is exported with ``git archive`` and both trees run in child
 processes, alternately, ``--repeats`` times; figures are medians. The tokens of both trees are compared. Each
-``--sampling`` is measured in turn: every request greedy (``greedy``), drawing at temperature 1 (``draw``), or with
-a checkpoint's ``generation_config``: Qwen3's temperature 0.6, top-k 20, top-p 0.95 (``top-k``), Llama 3's
-temperature 0.6, top-p 0.9 (``top-p``).
+``--sampling`` is measured in turn (``common.SAMPLING_SETTINGS``): every request greedy (``greedy``), drawing at
+temperature 1 (``draw``), or with a checkpoint's ``generation_config``: Qwen3's temperature 0.6, top-k 20, top-p
+0.95 (``qwen3``), Llama 3's temperature 0.6, top-p 0.9 (``llama3``).
 ``--graphs`` compares instead, in this tree, decode graphs (the eager stand-in, each replay counted as one launch
 and left out of the CPU figures as the forward is) whose steps sample eagerly against the same graphs sampling in
 their heads (``cuda_graphs.sampling_heads``): the ``ops`` column is what a head saves a GPU's step thread in
 launches.
 On a CPU the gain understates a GPU's: there a host-to-device copy and a pinned staging buffer cost nothing,
 and an op costs its dispatch, not a kernel launch. Usage: ``python benchmarks/bench_step_host.py [--baseline
-REV | --graphs] [--sampling greedy draw top-k top-p] [--requests 256] [--device-ms 3] [--decode-tokens 32] [--repeats 5]
-[--output CSV]``.
+REV | --graphs] [--sampling greedy draw qwen3 llama3] [--requests 256] [--device-ms 3] [--decode-tokens 32]
+[--repeats 5] [--output CSV]``.
 """
 from __future__ import annotations
 
@@ -46,15 +46,13 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 EDGE = 2  # launches left out at each end of a wave
-# --sampling: each request's (temperature, top-k, top-p)
-SAMPLING = {"greedy": (0.0, 0, 1.0), "draw": (1.0, 0, 1.0), "top-k": (0.6, 20, 0.95), "top-p": (0.6, 0, 0.9)}
 
 
 def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,
             graphs: str = "none", sampling: str = "greedy") -> dict[str, Any]:
     """One child's figures for the tree first on ``sys.path`` (see ``child``); ``graphs``: none, or decode graphs
     on the eager stand-in whose steps sample eagerly (``eager-sampling``) or in their heads (``head``); every
-    request samples with :data:`SAMPLING`'s ``sampling`` settings."""
+    request samples with ``common.SAMPLING_SETTINGS[sampling]``."""
     import random
     import threading
     import time
@@ -63,6 +61,7 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from bench_host_overhead import MODEL, PROMPT_LEN
+    from common import SAMPLING_SETTINGS
     from runner.core.engine_core import EngineCore
     from runner.core.requests import EngineCoreRequest
     from runner.entrypoints.llm import LLM
@@ -131,7 +130,7 @@ def measure(requests: int, device_ms: float, decode_tokens: int, cache_dir: str,
     prompts = [[rng.randrange(runner.vocab_size) for _ in range(PROMPT_LEN)] for _ in range(requests)]
 
     def wave(n: int) -> tuple[list[list[int]], float, int]:
-        temperature, top_k, top_p = SAMPLING[sampling]
+        temperature, top_k, top_p = SAMPLING_SETTINGS[sampling]
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, max_tokens=n, ignore_eos=True)
         for i, p in enumerate(prompts):
             core.add_request(EngineCoreRequest(i, p, params))
@@ -226,13 +225,13 @@ def export(revision: str, into: str) -> str:
 
 def main() -> None:
     sys.path.insert(0, str(HERE.parent))
-    from common import RESULTS_DIR, write_csv
+    from common import RESULTS_DIR, SAMPLING_SETTINGS, write_csv
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--baseline", default="main", help="git revision to compare with (default: main)")
     p.add_argument("--graphs", action="store_true",
                    help="compare, in this tree, stand-in decode graphs sampling eagerly and in their heads")
-    p.add_argument("--sampling", choices=list(SAMPLING), nargs="+", default=["greedy"],
+    p.add_argument("--sampling", choices=list(SAMPLING_SETTINGS), nargs="+", default=["greedy"],
                    help="every request's sampling, one measurement each")
     p.add_argument("--requests", type=int, default=256, help="decode requests running together")
     p.add_argument("--device-ms", type=float, default=3.0, help="emulated device time per step")

@@ -22,6 +22,10 @@ def write_csv(rows: Sequence[dict[str, Any]], path: str | Path) -> None:
     print(f"wrote {path}")
 
 
+#: each request's (temperature, top-k, top-p) by name: greedy; temperature 1, the OpenAI API's default; the sampling
+#: defaults of Qwen3's and of Llama 3's generation_config.json (the decode graphs' greedy, draw, top-k and top-p heads)
+SAMPLING_SETTINGS = {"greedy": (0.0, 0, 1.0), "draw": (1.0, 0, 1.0), "qwen3": (0.6, 20, 0.95), "llama3": (0.6, 0, 0.9)}
+
 #: latency the calibrated emulated link charges per transfer (benchmarks that set the link relative to compute)
 LINK_LATENCY_US = 20.0
 

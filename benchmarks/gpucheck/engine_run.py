@@ -3,8 +3,8 @@
 Default flags but ``--max-num-seqs``: ``LLM(model="bench-qwen3-moe-1b", cache_dir=..., max_num_seqs=256[,
 enable_dbo=True])`` (the check's cache directory holds the checkpoint ``model_prep`` wrote),
 random prompts as ``python -m runner generate`` makes them, greedy (``--sampling``: or a checkpoint's sampling
-defaults, :data:`SAMPLING`), a fixed number of new tokens each. One short warm-up call (as ``python -m runner
-bench`` does), then, each call from an empty prefix cache (as there):
+defaults, ``common.SAMPLING_SETTINGS``), a fixed number of new tokens each. One short warm-up call (as ``python
+-m runner bench`` does), then, each call from an empty prefix cache (as there):
 
 - ``measured``: one ``generate`` of the whole workload; the engine's own counters (``LLM.last_stats``,
   ``LLM.last_loop_stats``);
@@ -28,15 +28,13 @@ from typing import Any
 
 import torch
 
-from common import empty_prefix_cache, write_json
+from common import SAMPLING_SETTINGS, empty_prefix_cache, write_json
 from ubatch.trace_metrics import length
 
 # this benchmark reads the in-process engine (its runner, core or loop statistics): the engine core stays here
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # the torch profiler's GPU activity in a Chrome trace
-# --sampling: each request's (temperature, top-k, top-p); Qwen3's and Llama 3's generation_config defaults
-SAMPLING = {"greedy": (0.0, 0, 1.0), "qwen3": (0.6, 20, 0.95), "llama3": (0.6, 0, 0.9)}
 
 
 def cli_equivalent(flags: dict[str, Any], args: argparse.Namespace) -> str:
@@ -50,7 +48,7 @@ def cli_equivalent(flags: dict[str, Any], args: argparse.Namespace) -> str:
 
 def sampling_flags(name: str) -> str:
     """The CLI's sampling flags for ``--sampling name`` (none for greedy, the CLI's default)."""
-    temperature, top_k, top_p = SAMPLING[name]
+    temperature, top_k, top_p = SAMPLING_SETTINGS[name]
     return "" if name == "greedy" else (f" --temperature {temperature}" + (f" --top-k {top_k}" if top_k else "")
                                         + f" --top-p {top_p}")
 
@@ -138,7 +136,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--sampling", choices=list(SAMPLING), default="greedy", help="every request's sampling settings")
+    p.add_argument("--sampling", choices=list(SAMPLING_SETTINGS), default="greedy",
+                   help="every request's sampling settings")
     p.add_argument("--device", default=None, help="default: the engine's (auto)")
     p.add_argument("--load-format", default=None, help="the engine's --load-format (dummy: random weights from the "
                    "model directory's config.json)")
@@ -187,7 +186,7 @@ def main() -> int:
         write_json(doc, args.out)
         prompts = random_prompts(args.num_prompts, args.prompt_len, 0.0, model_config(model_dir).vocab_size,
                                  llm.cfg.seed)
-        temperature, top_k, top_p = SAMPLING[args.sampling]
+        temperature, top_k, top_p = SAMPLING_SETTINGS[args.sampling]
         sampling = SamplingParams(max_tokens=args.max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                                   ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True),
