@@ -40,6 +40,7 @@ from gpucheck.parts import (  # noqa: E402
     engine_link_part,
     engine_part,
     engine_qwen3_30b_part,
+    engine_sampled_part,
     env_part,
     gpu_test_files,
     model_part,
@@ -368,8 +369,9 @@ def test_children_import_the_repo_and_benchmarks_first(tmp_path: Path) -> None:
     env = child_env(context(tmp_path))
     assert env["PYTHONPATH"].split(":")[:2] == [str(REPO), str(REPO / "benchmarks")]
     assert [p.name for p in all_parts()] == ["env", "tests", "model", "bench", "engine", "engine_dbo", "engine_1024",
-                                             "engine_fp8", "engine_link", "serve", "engine_qwen3_30b", "tune_moe"]
-    assert [p.name for p in all_parts() if p.optional] == ["engine_qwen3_30b", "tune_moe"]
+                                             "engine_fp8", "engine_link", "serve", "engine_sampled", "engine_qwen3_30b",
+                                             "tune_moe"]
+    assert [p.name for p in all_parts() if p.optional] == ["engine_sampled", "engine_qwen3_30b", "tune_moe"]
     assert "engine_qwen3_30b" not in parse_args([]).parts  # run only when named
     assert parse_args(["--parts", "engine_qwen3_30b"]).parts == ["engine_qwen3_30b"]
 
@@ -394,6 +396,21 @@ def test_the_qwen3_30b_part_runs_the_engine_on_random_weights_from_a_config_alon
     assert verdicts["qwen3_30b_throughput"][0] == MISS and " output tok/s (" in verdicts["qwen3_30b_throughput"][1]
     report = render({"parts": {"engine_qwen3_30b": out}, "goals": evaluate({"engine_qwen3_30b": out})})
     assert "| Qwen3-30B-A3B shape |" in report
+
+
+def test_the_sampled_engine_part_samples_with_qwen3s_defaults(tmp_path: Path) -> None:
+    """``engine_sampled`` run for real on the CPU with the tiny model: every request samples with Qwen3's defaults,
+    the command line a user would run says so, and the report gives the part its engine column."""
+    workload = ["--model", "tiny-qwen3-moe", "--device", "cpu", "--num-prompts", "4", "--prompt-len", "8",
+                "--max-tokens", "3", "--max-num-seqs", "4"]
+    out = engine_sampled_part(context(tmp_path, engine_args=workload))
+    assert out["status"] == "ok", out
+    data = out["data"]
+    assert data["workload"]["sampling"] == "qwen3"
+    assert data["cli_equivalent"].endswith("--ignore-eos --temperature 0.6 --top-k 20 --top-p 0.95 --device cpu")
+    assert (data["measured"]["num_requests"], data["measured"]["num_output_tokens"]) == (4, 12)
+    report = render({"parts": {"engine_sampled": out}, "goals": evaluate({"engine_sampled": out})})
+    assert "| Qwen3 sampling |" in report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the part really tunes (minutes)")
