@@ -53,7 +53,7 @@ from runner.worker.device_future_map import DeviceFutureMap
 from runner.worker.emulated_device import DeviceSpec, EmulatedDevice
 from runner.worker.memory_budget import fit_kv_cache_to_memory, initial_num_kv_blocks
 from runner.worker.prompt_logprobs import prompt_logprobs
-from runner.worker.sampler import NEUTRAL_DRAW_INPUTS, PendingSample, Sampler, SamplingHead, StepRows
+from runner.worker.sampler import DRAW_COLUMNS, PendingSample, Sampler, SamplingHead, StepRows
 from runner.worker.step_inputs import StagedFields, StepInputs, StepInputSizes
 from ubatch import trace
 from ubatch.distributed import new_ep_groups
@@ -154,7 +154,8 @@ class ModelRunner:
         self.positions = self.inputs.positions
         self.real_token_mask = self.inputs.real_token_mask
         # each row's sampling settings (sampler.DRAW_COLUMNS), staged before a decode graph's draw heads replay
-        self.draw_inputs = torch.tensor(NEUTRAL_DRAW_INPUTS, device=self.device).repeat(self.max_tokens_per_step, 1)
+        self.draw_inputs = torch.tensor(list(DRAW_COLUMNS.values()), device=self.device).repeat(
+            self.max_tokens_per_step, 1)
         self.future_tokens = DeviceFutureMap(self.device)  # placeholders resolved on the device
         self.emulated_device = EmulatedDevice(DeviceSpec.parse(cfg.emulate_device)) \
             if cfg.emulate_device is not None else None
@@ -450,7 +451,7 @@ class ModelRunner:
         m = len(step)
         decodes = step.picks is None and sched.num_tokens == n  # one token per request, all sampling
         graphs = self.graph_runner
-        head = step.sampling_head if decodes and graphs is not None else None
+        head = step.sampling_head if decodes else None
         if head is not None and graphs is not None and graphs.head_ready(head.value):
             if head is not SamplingHead.GREEDY:
                 copy_from_host_(self.draw_inputs[:n], torch.from_numpy(self.sampler.draw_inputs(step)))

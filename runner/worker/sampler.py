@@ -70,10 +70,9 @@ _DRAW_FLAGS = RANDOM | TEMPERATURE
 _TOP_K_FLAGS = _DRAW_FLAGS | TOP_K | TOP_P
 #: what :meth:`Sampler.draw_inputs` stages as a greedy row's uniform (any negative value: the head takes its argmax)
 GREEDY_UNIFORM = -1.0
-#: the columns of :meth:`Sampler.draw_inputs`
-DRAW_COLUMNS = ("temperature", "uniform", "top_k", "top_p_floor")
-#: what a row that uses none of them stages (temperature 1 and top-k 0 leave its logits as they are; top-p floor -1)
-NEUTRAL_DRAW_INPUTS = (1.0, GREEDY_UNIFORM, 0.0, -1.0)
+#: the columns of :meth:`Sampler.draw_inputs`, in order, with what a row that uses none of them stages (temperature 1,
+#: top-k 0 and top-p floor -1 leave its logits as they are; the uniform marks it greedy)
+DRAW_COLUMNS = {"temperature": 1.0, "uniform": GREEDY_UNIFORM, "top_k": 0.0, "top_p_floor": -1.0}
 
 
 @dataclass
@@ -94,8 +93,8 @@ class StepRows:
     @functools.cached_property
     def only_greedy(self) -> bool:
         """Whether every row is greedy with no other option (no penalty, bias, ``min_tokens`` or logprobs): its
-        tokens are then the raw logits' argmax, which a decode graph's head computes too
-        (``runner/worker/cuda_graphs.py``). Read once per step, by the model runner and the sampler."""
+        tokens are then the raw logits' argmax, which the decode graphs' greedy head computes too
+        (``runner/worker/cuda_graphs.py``)."""
         return self.sampling_head is SamplingHead.GREEDY
 
     @functools.cached_property
@@ -233,13 +232,11 @@ class Sampler:
         for a greedy row), its top-k (0: none; exact in float32) and its ``1 - top_p`` (-1: none), the values
         :func:`build_sampling_metadata` gives the eager sampler, rounded to float32 the same way."""
         settings, rows = step.settings, step.rows
-        out = np.empty((len(rows), len(DRAW_COLUMNS)), dtype=np.float32)
-        out[:, 0] = settings.temperature[rows]
         uniforms = row_uniforms(settings.seed_hash[rows], step.output_index)
-        out[:, 1] = np.where(settings.flags[rows] & RANDOM, uniforms, GREEDY_UNIFORM)
-        out[:, 2] = settings.top_k[rows]
-        out[:, 3] = settings.top_p_floor[rows]
-        return out
+        columns = {"temperature": settings.temperature[rows],
+                   "uniform": np.where(settings.flags[rows] & RANDOM, uniforms, GREEDY_UNIFORM),
+                   "top_k": settings.top_k[rows], "top_p_floor": settings.top_p_floor[rows]}
+        return np.stack([columns[name] for name in DRAW_COLUMNS], axis=1).astype(np.float32)
 
     # ---- rows given by hand -------------------------------------------------------------------------------
     def record_inputs(self, chunks: Sequence[ScheduledChunk]) -> None:
