@@ -8,8 +8,10 @@ at 256 and 2048 tokens for every experts backend against the same limit, and tha
 ``sampling``: a decode step's sampling of 256 and 1024 rows at the benchmark model's vocabulary and Qwen3's, LM
 head included, greedy (from float32 logits as before, and from the model's bf16 ones as now; replayed, the
 decode graphs' head), with a temperature, with Qwen3's temperature, top-k and top-p, with Llama 3's temperature and
-top-p (the last three replayed: what the decode graphs' draw heads run), and with top-k, top-p, min-p and logprobs:
-GPU time eager and replayed and the host's launch time, against the LM head's limit.
+top-p (the last three replayed: what the decode graphs' draw heads run), with top-k, top-p, min-p and logprobs,
+and the three draw heads as the engine captures them with the fused tails on (the draw by the fused kernel,
+``runner/worker/fused_draw.py``): GPU time eager and replayed and the host's launch time, against the LM head's
+limit.
 ``tails`` (only when named): each fused pointwise tail (``--fused-tails``: residual add + RMSNorm, q/k RMSNorm +
 RoPE, router top-k) against the torch ops it replaces, at the benchmark model's and Qwen3-30B-A3B's shapes, 256
 and 2048 tokens, eager and replayed, each against its bandwidth limit (bytes read + written / measured copy rate).
@@ -68,7 +70,11 @@ SAMPLING_KERNEL = "LM head + sampling"
 SAMPLING_ROWS = (256, 1024)
 SAMPLING_VOCABS = (MODEL_CONFIG["vocab_size"], 151936)  # the benchmark model's, Qwen3's
 SAMPLING_MODES = ("greedy, float32 logits", "greedy", "temperature", "qwen3: temperature, top-k 20, top-p",
-                  "llama3: temperature, top-p", "top-k, top-p, min-p, logprobs 5")
+                  "llama3: temperature, top-p", "top-k, top-p, min-p, logprobs 5",
+                  "temperature, fused draw (draw head)", "qwen3, fused draw (top-k head)",
+                  "llama3, fused draw (top-p head)")
+# the modes that draw with the fused kernel (runner/worker/fused_draw.py), which needs Triton on the device
+FUSED_SAMPLING_MODES = SAMPLING_MODES[-3:]
 SECTIONS = ("kernels", "sampling", "step", "qwen3-30b", "tails")
 
 Row = dict[str, Any]
@@ -330,11 +336,14 @@ def sampling_shape(rows: int, vocab: int) -> str:
 def sampling_runs(rows: int, vocab: int, hidden: int, device: str = "cuda") -> dict[str, Callable[[], Any]]:
     """Each sampling mode of :data:`SAMPLING_MODES` on ``rows`` random bf16 hidden rows made on the device: the LM
     head (bf16, ``[vocab, hidden]``), then the pick as the engine runs it (``sampler.sample_on_device`` with the
-    step's metadata built once, as a decode step's is)."""
+    step's metadata built once, as a decode step's is). The fused-draw modes run a graph head as the engine
+    captures it with the fused tails on (``cuda_graphs.draw_sampling_head``, its inputs staged once): every row
+    drawing, the draw and top-k heads' kernel dividing and cutting as it reads."""
     import numpy as np
 
     from runner.sampling_params import SamplingParams
-    from runner.worker.sampler import greedy_rows, sample_on_device
+    from runner.worker.cuda_graphs import draw_sampling_head
+    from runner.worker.sampler import DRAW_COLUMNS, SamplingHead, greedy_rows, sample_on_device
     from runner.worker.sampling_metadata import build_sampling_metadata
     from runner.worker.sampling_settings import SamplingSettings
 
@@ -351,6 +360,13 @@ def sampling_runs(rows: int, vocab: int, hidden: int, device: str = "cuda") -> d
         meta = build_sampling_metadata(settings, index, index, np.full(rows, 3), device)
         return lambda: sample_on_device(logits(), meta)
 
+    def head(kind: SamplingHead, temperature: float, top_k: int, top_p: float) -> Callable[[], Any]:
+        staged = {"temperature": temperature, "uniform": 0.5, "top_k": float(top_k), "top_p_floor": 1 - top_p}
+        inputs = torch.tensor([[staged[name] for name in DRAW_COLUMNS]] * rows, device=device)
+        run = draw_sampling_head(lambda h: torch.nn.functional.linear(h, weight).float(), vocab, inputs, kind,
+                                 fused=True)
+        return lambda: run(x)
+
     return {"greedy, float32 logits": lambda: greedy_rows(logits().float()),
             "greedy": lambda: greedy_rows(logits()),
             "temperature": sampled_with(SamplingParams(temperature=0.8, seed=1)),
@@ -358,7 +374,10 @@ def sampling_runs(rows: int, vocab: int, hidden: int, device: str = "cuda") -> d
                                                                               top_p=0.95)),
             "llama3: temperature, top-p": sampled_with(SamplingParams(temperature=0.6, seed=1, top_p=0.9)),
             "top-k, top-p, min-p, logprobs 5": sampled_with(SamplingParams(temperature=0.8, seed=1, top_k=50,
-                                                                            top_p=0.9, min_p=0.05, logprobs=5))}
+                                                                            top_p=0.9, min_p=0.05, logprobs=5)),
+            "temperature, fused draw (draw head)": head(SamplingHead.DRAW, 0.8, 0, 1.0),
+            "qwen3, fused draw (top-k head)": head(SamplingHead.TOP_K, 0.6, 20, 0.95),
+            "llama3, fused draw (top-p head)": head(SamplingHead.TOP_P, 0.6, 0, 0.9)}
 
 
 def host_launch_us(fn: Callable[[], Any], iters: int) -> float:

@@ -105,16 +105,32 @@ def test_a_run_that_cannot_be_captured_keeps_its_eager_figures(monkeypatch: pyte
                    "graph_ms": "not capturable: RuntimeError: operation not permitted when stream is capturing"}
 
 
+@pytest.mark.triton_interpreter  # the fused-draw modes' kernel
 def test_sampling_modes_run_as_the_engine_samples_and_greedy_needs_no_float32_copy() -> None:
     """The sampling section's runs on CPU tensors: each mode samples one token per row, and greedy from the bf16
-    logits picks what greedy from their float32 copy picks (the engine's greedy steps skip the copy)."""
+    logits picks what greedy from their float32 copy picks (the engine's greedy steps skip the copy); a fused-draw
+    mode's head draws what its mode's settings keep (a token of the row's top 20, for the top-k head)."""
+    pytest.importorskip("triton")
     runs = bench_gpu.sampling_runs(16, 512, 64, device="cpu")
     assert list(runs) == list(bench_gpu.SAMPLING_MODES)
     out = {mode: run() for mode, run in runs.items()}
     assert out["greedy"].tolist() == out["greedy, float32 logits"].tolist()
+    for mode in bench_gpu.FUSED_SAMPLING_MODES:
+        assert out[mode].shape == (16,) and bool(((out[mode] >= 0) & (out[mode] < 512)).all())
+    logits = runs_logits(16, 512, 64)
+    kept = logits >= logits.topk(20, dim=-1).values[:, -1:]  # top-k 20, ties with the 20th kept (bf16 logits tie)
+    assert bool(kept.gather(1, out["qwen3, fused draw (top-k head)"][:, None]).all())
     for mode in ("temperature", "qwen3: temperature, top-k 20, top-p", "llama3: temperature, top-p",
                  "top-k, top-p, min-p, logprobs 5"):
         sampled, logprobs = out[mode]
         assert sampled.shape == (16,) and bool(((sampled >= 0) & (sampled < 512)).all())
         assert (logprobs is None) is (mode != "top-k, top-p, min-p, logprobs 5")
     assert bench_gpu.sampling_shape(256, 8192) == "256 rows x 8192 vocab"
+
+
+def runs_logits(rows: int, vocab: int, hidden: int) -> torch.Tensor:
+    """The logits :func:`bench_gpu.sampling_runs` samples from (its seeded hidden rows and LM head), float32."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden, dtype=torch.bfloat16)
+    weight = torch.randn(vocab, hidden, dtype=torch.bfloat16) * hidden ** -0.5
+    return torch.nn.functional.linear(x, weight).float()

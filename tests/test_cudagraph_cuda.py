@@ -103,7 +103,8 @@ def test_decode_samples_in_the_head_graphs_as_eager(dbo: bool, head: str) -> Non
     """The engine's own graphs: each decode step replays its forward graph and then that graph's head (the LM head
     with the greedy pick, or with each row's draw by its temperature, maybe after top-k and top-p or after top-p
     alone, for rows greedy or drawing); the tokens equal an eager runner's (on CPU, the eager stand-in:
-    test_graph_head.py)."""
+    test_graph_head.py). Both draw with the fused kernel (``fused_draw.py``), as the fused tails' default has it on
+    CUDA."""
     from graph_replays import record_replays
     from runner.sampling_params import SamplingParams
     from test_graph_head import DECODE_STEPS, GREEDY, NUM_REQS, generate
@@ -125,6 +126,7 @@ def test_decode_samples_in_the_head_graphs_as_eager(dbo: bool, head: str) -> Non
     runner = make_runner(enable_dbo=dbo, **GPU)
     try:
         assert runner.graph_runner is not None  # captured by the runner itself, the heads with each size
+        assert runner.sampler.fused_draw and eager.sampler.fused_draw  # the fused tails' auto: the kernel draws
         replays = record_replays(runner.graph_runner)
         assert generate(runner, params) == want
         assert len(replays.forward) == DECODE_STEPS and replays.heads == {head: replays.forward}

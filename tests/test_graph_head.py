@@ -36,13 +36,16 @@ GREEDY = SamplingParams(temperature=0.0)
 ALL_DECODES = [GraphKey(8)] * DECODE_STEPS
 
 
-def make_runner(dtype: str = "float32") -> ModelRunner:
+def make_runner(dtype: str = "float32", fused_draw: bool = False) -> ModelRunner:
     """On the machine's device, float32 unless asked; the torch experts (a host sync) keep the runner from
     capturing graphs of its own on a GPU too, so the eager stand-in's are the only ones (gpu-check runs this
-    file)."""
-    return ModelRunner(RunnerConfig(dtype=dtype, experts_backend="torch", max_num_seqs=NUM_REQS,
-                                    max_model_len=BLOCKS_PER_REQ * 4, max_num_batched_tokens=64, block_size=4,
-                                    num_kv_blocks=NUM_REQS * BLOCKS_PER_REQ))
+    file). ``fused_draw``: its sampler, and the heads then captured, draw with the fused kernel (as the fused
+    tails set it on CUDA; on the CPU under Triton's interpreter)."""
+    runner = ModelRunner(RunnerConfig(dtype=dtype, experts_backend="torch", max_num_seqs=NUM_REQS,
+                                      max_model_len=BLOCKS_PER_REQ * 4, max_num_batched_tokens=64, block_size=4,
+                                      num_kv_blocks=NUM_REQS * BLOCKS_PER_REQ))
+    runner.sampler.fused_draw = fused_draw
+    return runner
 
 
 def chunk(i: int, tokens: list[int], computed: int, params: SamplingParams) -> ScheduledChunk:
@@ -72,8 +75,9 @@ def generate(runner: ModelRunner, params: list[SamplingParams], reqs: range = ra
     return steps
 
 
-def eager_tokens(params: list[SamplingParams], reqs: range = range(NUM_REQS)) -> list[dict[int, int]]:
-    runner = make_runner()
+def eager_tokens(params: list[SamplingParams], reqs: range = range(NUM_REQS),
+                 fused_draw: bool = False) -> list[dict[int, int]]:
+    runner = make_runner(fused_draw=fused_draw)
     try:
         assert runner.graph_runner is None  # no graphs of its own (make_runner)
         return generate(runner, params, reqs)
@@ -135,6 +139,48 @@ def test_decode_steps_with_top_p_alone_sample_in_the_top_p_head(graphed, params)
     runner, replays = graphed
     assert generate(runner, params) == eager_tokens(params)
     assert replays.forward == ALL_DECODES and replays.heads == {"top_p": ALL_DECODES}
+
+
+QWEN3 = [SamplingParams(temperature=0.6, top_k=20, top_p=0.95, seed=i) for i in range(NUM_REQS)]
+LLAMA3 = [SamplingParams(temperature=0.6, top_p=0.9, seed=i) for i in range(NUM_REQS)]
+
+
+@pytest.mark.triton_interpreter
+@pytest.mark.parametrize("params,head", [
+    ([GREEDY] * 2 + [SamplingParams(temperature=0.5 + 0.2 * i, seed=i) for i in range(NUM_REQS - 2)], "draw"),
+    ([GREEDY, SamplingParams(temperature=0.9, seed=3), *QWEN3[2:]], "top_k"),
+    ([GREEDY, SamplingParams(temperature=0.9, seed=3), *LLAMA3[2:]], "top_p"),
+    ([*QWEN3[:4], SamplingParams(temperature=0.8, seed=9, min_p=0.1), *QWEN3[5:]], None),
+], ids=["draw", "top-k", "top-p", "eager"])
+def test_fused_draws_give_the_eager_samplers_tokens_in_every_head(monkeypatch, params, head: str | None) -> None:
+    """With the fused draw (the fused tails on CUDA), each head draws with the kernel -- the draw and top-k heads
+    dividing by the temperature and cutting at top-k's threshold inside it, the row left as it is -- and gives the
+    tokens of the eager sampler, which draws with the same kernel after its torch transforms; a step no head takes
+    draws with it eagerly. Every draw of both runners is the kernel's."""
+    from runner.worker import fused_draw
+    from runner.worker import sampler as sampler_module
+
+    launches: list[int] = []
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        launches.append(args[0].shape[0])
+        return fused_draw.fused_draw(*args, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "draw_fused", counted)
+    monkeypatch.setattr(cuda_graphs, "fused_draw", counted)
+    monkeypatch.setattr(sampler_module, "draw_by_inverse_cdf_", None)  # the torch draw is not called
+    monkeypatch.setattr(cuda_graphs, "draw_rows", sampler_module.draw_rows)
+    want = eager_tokens(params, fused_draw=True)
+    eager_launches, launches[:] = len(launches), []
+    runner = make_runner(fused_draw=True)
+    try:
+        replays = install_graphs(runner)
+        launches.clear()  # the captures ran the heads
+        assert generate(runner, params) == want
+        assert replays.forward == ALL_DECODES and replays.heads == ({} if head is None else {head: ALL_DECODES})
+    finally:
+        runner.close()
+    assert eager_launches == len(launches) == 1 + DECODE_STEPS  # the prefill's draw, then each decode step's
 
 
 @pytest.mark.parametrize("other", [
@@ -236,15 +282,16 @@ def test_the_heads_mark_rows_whose_logits_are_not_finite() -> None:
         hidden = torch.randn(4, runner.model_config.hidden_size, device=runner.device)
         hidden[1] = float("nan")
         uniforms = [0.25, 0.5, -1.0, 0.75]  # rows 0, 1 and 3 draw, row 2 is greedy
+        lm_head = (runner.model.compute_logits, runner.vocab_size)
         runner.draw_inputs[:4] = torch.tensor([[1.0, u, 0.0, -1.0] for u in uniforms])  # no top-k, no top-p
         with torch.no_grad():  # as the capture runs them
             greedy = cuda_graphs.greedy_sampling_head(runner.model)(hidden)
-            drawn = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs)(hidden)
+            drawn = cuda_graphs.draw_sampling_head(*lm_head, runner.draw_inputs)(hidden)
             runner.draw_inputs[0, 2] = 1  # row 0: top-k 1, its argmax
-            top_k = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs, SamplingHead.TOP_K)(hidden)
+            top_k = cuda_graphs.draw_sampling_head(*lm_head, runner.draw_inputs, SamplingHead.TOP_K)(hidden)
             # row 0: top-p 0.001 alone; the largest probability of 512 is above it, so the row keeps its argmax alone
             runner.draw_inputs[0, 2:] = torch.tensor([0.0, 0.999])
-            top_p = cuda_graphs.draw_sampling_head(runner.model, runner.draw_inputs, SamplingHead.TOP_P)(hidden)
+            top_p = cuda_graphs.draw_sampling_head(*lm_head, runner.draw_inputs, SamplingHead.TOP_P)(hidden)
             logits = runner.model.compute_logits(hidden)
             want_greedy = logits.argmax(dim=-1)
             cdf = logits.softmax(dim=-1).cumsum(dim=-1)

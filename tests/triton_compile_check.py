@@ -161,6 +161,20 @@ def check_fused_tails() -> None:
                                   "stride_i"))
 
 
+def check_fused_draw() -> None:
+    """The sampler's fused draw (``runner/worker/fused_draw.py``) over Qwen3's vocabulary in float32 logits:
+    temperature and top-k's threshold, each on and off."""
+    from runner.worker import fused_draw
+
+    fused_draw.triton, fused_draw.tl = triton, triton.language  # what the launcher does before loading its kernel
+    kernel = fused_draw._load_kernel()
+    for has_temp, has_thr in ((False, False), (True, False), (True, True)):
+        compile_kernel(kernel, dict(logits_ptr="*fp32", temp_ptr="*fp32", thr_ptr="*fp32", u_ptr="*fp32",
+                                    out_ptr="*i64"),
+                       dict(HAS_TEMP=has_temp, HAS_THR=has_thr, INVALID=-1, BLOCK_V=fused_draw.BLOCK),
+                       num_warps=fused_draw.NUM_WARPS, divisible=("logits_ptr", "stride", "n_cols"))
+
+
 if __name__ == "__main__":
     if interpreter_enabled():
         sys.exit("run with TRITON_INTERPRET=0: interpreter-mode kernels cannot be compiled")
@@ -169,3 +183,4 @@ if __name__ == "__main__":
     check_paged_decode()
     check_device_wait()
     check_fused_tails()
+    check_fused_draw()

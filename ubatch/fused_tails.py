@@ -1,7 +1,8 @@
 """The ``fused_tails`` setting: whether a decoder step's pointwise tails run as fused Triton kernels.
 
-The tails are the residual add with its RMSNorm, q/k RMSNorm with RoPE (``runner/models/kernels/``) and the
-router's scoring with top-k (:mod:`ubatch.modular_moe.fused_router`). ``auto`` fuses them where the model runs on
+The tails are the residual add with its RMSNorm, q/k RMSNorm with RoPE (``runner/models/kernels/``), the
+router's scoring with top-k (:mod:`ubatch.modular_moe.fused_router`) and the sampler's draw
+(``runner/worker/fused_draw.py``). ``auto`` fuses them where the model runs on
 CUDA and Triton imports, ``on`` insists (an error elsewhere), ``off`` keeps the torch ops, which match Hugging
 Face op for op. The choice is made once per rank, from the device, never per call.
 """

@@ -123,9 +123,9 @@ def add_engine_args(p: argparse.ArgumentParser, model_required: bool = False) ->
     add("--attention-backend", choices=ATTENTION_BACKENDS,
         help="auto: triton (paged decode kernel, SDPA prefill) on CUDA, torch (plain reference) on CPU")
     add("--fused-tails", choices=fused_tails_choices(),
-        help="the residual add with its RMSNorm, q/k RMSNorm with RoPE and the router's top-k as fused Triton "
-             "kernels: auto (on CUDA where Triton imports, torch ops elsewhere), on (an error without CUDA and "
-             "Triton), off (torch ops)")
+        help="the residual add with its RMSNorm, q/k RMSNorm with RoPE, the router's top-k and the sampler's draw "
+             "as fused Triton kernels: auto (on CUDA where Triton imports, torch ops elsewhere), on (an error "
+             "without CUDA and Triton), off (torch ops)")
     add("--emulate-link", metavar="SPEC", help="model the interconnect, e.g. latency_us=50,gbps=10 "
         "(default: none, the all-to-alls cost what they cost)")
     add("--emulate-device", metavar="SPEC",

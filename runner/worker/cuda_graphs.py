@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -26,9 +26,15 @@ from runner.attention.graph import DecodeMetadataBuffers, capturable_attention
 from runner.config import RunnerConfig
 from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
-from runner.worker.sampler import DRAW_COLUMNS, SamplingHead, greedy_rows
-from runner.worker.sampling_noise import draw_by_inverse_cdf_
-from runner.worker.sampling_ops import TOP_K_WIDTH, apply_temperature_, apply_top_k_where_, apply_top_p_
+from runner.worker.fused_draw import fused_draw
+from runner.worker.sampler import DRAW_COLUMNS, Sampler, SamplingHead, draw_rows, greedy_rows
+from runner.worker.sampling_ops import (
+    TOP_K_WIDTH,
+    apply_temperature_,
+    apply_top_k_where_,
+    apply_top_p_,
+    top_k_threshold_of,
+)
 from ubatch.log_once import log_once
 from ubatch.streams import Stream
 from ubatch.wrapper import UBatchWrapper
@@ -94,6 +100,12 @@ class CapturingRunner(Protocol):
     @property
     def draw_inputs(self) -> torch.Tensor:
         """``[max_tokens, 4]`` float32: each row's ``sampler.DRAW_COLUMNS``, staged before a draw head replays."""
+
+    @property
+    def sampler(self) -> Sampler:
+        """The rank's sampler, whose ``fused_draw`` the heads follow."""
+
+
 class _Default(enum.Enum):
     """The ``wrapper`` argument's default: the model runner's own UBatchWrapper (None is a value: no DBO)."""
 
@@ -147,39 +159,63 @@ def greedy_sampling_head(model: MoECausalLM) -> GraphHead:
     return head
 
 
-def draw_sampling_head(model: MoECausalLM, draw_inputs: torch.Tensor,
-                       kind: SamplingHead = SamplingHead.DRAW) -> GraphHead:
+def draw_sampling_head(compute_logits: Callable[[torch.Tensor], torch.Tensor], vocab_size: int,
+                       draw_inputs: torch.Tensor, kind: SamplingHead = SamplingHead.DRAW,
+                       fused: bool = False) -> GraphHead:
     """The head of ``kind`` (``SamplingHead.DRAW``, ``TOP_K`` or ``TOP_P``) for a step of greedy rows and rows that
-    draw: the LM head in float32, each row's argmax, and each row's draw from its logits over its temperature (for
-    ``TOP_K`` after its top-k and top-p, of ``TOP_K_WIDTH`` gathered logits as the eager sampler's for such a step;
-    for ``TOP_P`` after its top-p over its sorted row) by its uniform, all staged in ``draw_inputs``
-    (``Sampler.draw_inputs``); a negative uniform takes the argmax. The same operations as the eager sampler, on
-    every row (a top-k of 0, a top-p floor of -1 leave a row as it is), so each row's token is the sampler's."""
+    draw: the LM head in float32 (``compute_logits``: the model's, or a benchmark's), each row's argmax, and each
+    row's draw from its logits over its temperature (for ``TOP_K`` after its top-k and top-p, of ``TOP_K_WIDTH``
+    gathered logits as the eager sampler's for such a step; for ``TOP_P`` after its top-p over its sorted row) by
+    its uniform, all staged in ``draw_inputs`` (``Sampler.draw_inputs``); a negative uniform takes the argmax. The
+    same operations as the eager sampler, on every row (a top-k of 0, a top-p floor of -1 leave a row as it is), so
+    each row's token is the sampler's.
+
+    ``fused`` (the sampler's ``fused_draw``): the draw is the fused kernel's, as the sampler's then is; for
+    ``DRAW`` and ``TOP_K`` the kernel also divides by the temperature and drops what top-k's threshold drops, so
+    the row is read, not rewritten: the threshold comes from the gathered logits, divided
+    (:func:`~runner.worker.sampling_ops.top_k_threshold_of`)."""
     if kind not in (SamplingHead.DRAW, SamplingHead.TOP_K, SamplingHead.TOP_P):
         raise ValueError(f"draw_sampling_head: {kind} is not a head that draws")
     columns = {name: draw_inputs[:, i] for i, name in enumerate(DRAW_COLUMNS)}
-    width = min(TOP_K_WIDTH, model.config.vocab_size)
+    width = min(TOP_K_WIDTH, vocab_size)
 
     def head(hidden: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[0]
-        logits = model.compute_logits(hidden)
+        logits = compute_logits(hidden)
         greedy = greedy_rows(logits)
-        x = apply_temperature_(logits, columns["temperature"][:n])
-        if kind is SamplingHead.TOP_K:
-            apply_top_k_where_(x, columns["top_k"][:n].long(), width, columns["top_p_floor"][:n])
-        elif kind is SamplingHead.TOP_P:
-            apply_top_p_(x, columns["top_p_floor"][:n])
-        uniform = columns["uniform"][:n]
-        return torch.where(uniform >= 0, draw_by_inverse_cdf_(x, uniform), greedy)
+        temperature, uniform = columns["temperature"][:n], columns["uniform"][:n]
+        if fused and kind is not SamplingHead.TOP_P:
+            cut = (top_k_cut(logits, temperature, columns["top_k"][:n].long(), columns["top_p_floor"][:n], width)
+                   if kind is SamplingHead.TOP_K else None)
+            drawn = fused_draw(logits, uniform, temperature, cut)
+        else:
+            x = apply_temperature_(logits, temperature)
+            if kind is SamplingHead.TOP_K:
+                apply_top_k_where_(x, columns["top_k"][:n].long(), width, columns["top_p_floor"][:n])
+            elif kind is SamplingHead.TOP_P:
+                apply_top_p_(x, columns["top_p_floor"][:n])
+            drawn = draw_rows(x, uniform, fused)
+        return torch.where(uniform >= 0, drawn, greedy)
 
     return head
+
+
+def top_k_cut(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p_floor: torch.Tensor,
+              width: int) -> torch.Tensor:
+    """Each row's top-k threshold (and top-p's within it) over ``logits / temperature``, from the ``width``
+    largest logits divided; ``-inf`` for a row whose ``top_k`` is 0: ``[rows]``, the cut of
+    :func:`apply_top_k_where_`."""
+    top = logits.topk(width, dim=-1).values.div_(temperature.unsqueeze(1))
+    kth = top_k_threshold_of(top, top_k.clamp_min(1), top_p_floor).squeeze(1)
+    return torch.where(top_k > 0, kth, float("-inf"))
 
 
 def sampling_heads(model_runner: CapturingRunner) -> dict[str, GraphHead]:
     """The heads captured after every decode graph, by :class:`SamplingHead` value, greedy first."""
     model, inputs = model_runner.model, model_runner.draw_inputs
     return {SamplingHead.GREEDY.value: greedy_sampling_head(model),
-            **{kind.value: draw_sampling_head(model, inputs, kind)
+            **{kind.value: draw_sampling_head(model.compute_logits, model.config.vocab_size, inputs, kind,
+                                              model_runner.sampler.fused_draw)
                for kind in (SamplingHead.DRAW, SamplingHead.TOP_K, SamplingHead.TOP_P)}}
 
 

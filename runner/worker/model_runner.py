@@ -145,7 +145,8 @@ class ModelRunner:
         self.wrapper = UBatchWrapper(self.model, UBatchConfig(NUM_UBATCHES, handoff_timeout_s=cfg.dist_timeout_s),
                                      self.device) if cfg.enable_dbo else None
         self.max_tokens_per_step = cfg.max_num_batched_tokens
-        self.sampler = Sampler(self.vocab_size, self.device, self.eos_token_ids)  # batched, on the model's device
+        # batched, on the model's device; its draws are the fused kernel's where the fused tails run
+        self.sampler = Sampler(self.vocab_size, self.device, self.eos_token_ids, fused_draw=self.fused_tails)
         # Persistent step inputs (ids, positions, mask, attention metadata, placeholder and sampling rows): one
         # device buffer written through pinned staging, one copy per step (runner/worker/step_inputs.py).
         self.inputs = StepInputs(StepInputSizes(self.max_tokens_per_step, cfg.max_num_seqs,

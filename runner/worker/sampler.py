@@ -5,7 +5,8 @@ Every stage runs over the rows that use it at once and is skipped when none does
 other option is the argmax alone, with no metadata built); the only wait for the device is one read of the
 results. Settings live in a per-slot table (``sampling_settings.py``), so a step is read as
 arrays; a draw's uniform is a function of (seed, output index) (``sampling_noise.py``), so a row's token does
-not depend on its batch, DP rank or DBO. Design: docs/design_notes.md, "Model runner", "Sampler".
+not depend on its batch, DP rank or DBO. Where the fused tails are on (CUDA), every draw is the fused kernel's
+(``fused_draw.py``), eager or in a graph head. Design: docs/design_notes.md, "Model runner", "Sampler".
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from runner.core.scheduler_output import ScheduledChunk, SchedulerOutput
 from runner.sampling_params import SamplingParams
 from runner.worker import sampling_ops as ops
 from runner.worker.event_wait import EventWaiter
+from runner.worker.fused_draw import fused_draw as draw_fused
 from runner.worker.penalties import PenaltyState, apply_penalties_
 from runner.worker.sampling_metadata import SamplingMetadata, SamplingRow, build_sampling_metadata, settings_of_rows
 from runner.worker.sampling_noise import INVALID_TOKEN, draw_by_inverse_cdf_, row_uniforms
@@ -119,10 +121,12 @@ class Sampler:
     """One rank's sampler: the EOS ids ``min_tokens`` holds back, the requests' settings a row per request slot
     (``settings``, written once per request) and the per-slot penalty state (on ``device``)."""
 
-    def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: Iterable[int] = ()) -> None:
+    def __init__(self, vocab_size: int, device: torch.device | str, eos_token_ids: Iterable[int] = (),
+                 fused_draw: bool = False) -> None:
         self.vocab_size = vocab_size
         self.device = torch.device(device)
         self.eos_token_ids = frozenset(eos_token_ids)
+        self.fused_draw = fused_draw  # draw with the fused kernel (draw_rows), as the graph heads then do
         self.penalties = PenaltyState(vocab_size, self.device)
         self.settings = SamplingSettings(vocab_size, self.eos_token_ids)
         # Seconds spent in read_back, the step's one wait for the device: the step loop subtracts it from the
@@ -217,7 +221,7 @@ class Sampler:
             sampled = greedy_rows(logits)
             return sampled, self.launch_read(sampled)
         meta = build_sampling_metadata(step.settings, step.rows, step.slots, step.output_index, self.device)
-        sampled, lp = sample_on_device(logits, meta, self.penalties)
+        sampled, lp = sample_on_device(logits, meta, self.penalties, self.fused_draw)
         return sampled, PendingSample(self, meta, start_read(sampled, lp), lp is not None)
 
     def launch_read(self, sampled: torch.Tensor) -> PendingSample:
@@ -252,7 +256,7 @@ class Sampler:
         if not rows:
             return SamplerOutput([])
         meta = self.metadata(rows)
-        return self._read_back(meta, *sample_on_device(logits, meta, self.penalties))
+        return self._read_back(meta, *sample_on_device(logits, meta, self.penalties, self.fused_draw))
 
     def _read_back(self, meta: SamplingMetadata, sampled: torch.Tensor,
                    lp: tuple[torch.Tensor, ...] | None) -> SamplerOutput:
@@ -269,10 +273,11 @@ class Sampler:
             raise ValueError(f"got {logits.shape[0]} logit rows but {num_rows} rows to sample")
 
 
-def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: PenaltyState | None = None
-                     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: PenaltyState | None = None,
+                     fused: bool = False) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
     """The sampled ids ``[rows]`` and, when asked, the logprob tensors (sampled logprob, rank, top ids, top
-    logprobs over the logprob rows); nothing is read back here."""
+    logprobs over the logprob rows); nothing is read back here. ``fused``: draw with the fused kernel
+    (:func:`draw_rows`)."""
     lp = None
     if meta.wants_logprobs:
         lp = ops.raw_logprobs(logits if meta.logprob_rows is None else logits.index_select(0, meta.logprob_rows))
@@ -305,7 +310,7 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
         if top_p_floor is not None:
             ops.on_rows_(xr, meta.top_p_rows, lambda sub: ops.apply_top_p_(sub, top_p_floor))
         assert meta.uniforms is not None
-        drawn = draw_by_inverse_cdf_(xr, meta.uniforms)
+        drawn = draw_rows(xr, meta.uniforms, fused)
         if sampled is None:
             sampled = drawn
         else:  # some rows greedy: the random ones are a subset, named by random_rows
@@ -318,6 +323,14 @@ def sample_on_device(logits: torch.Tensor, meta: SamplingMetadata, penalties: Pe
     logprob, rank = ops.token_logprobs(lp, chosen)
     top = lp.topk(meta.max_logprobs, dim=-1) if meta.max_logprobs else None
     return sampled, (logprob, rank, *((top.indices, top.values) if top is not None else ()))
+
+
+def draw_rows(logits: torch.Tensor, uniforms: torch.Tensor, fused: bool) -> torch.Tensor:
+    """Each row's draw from ``softmax(logits)`` by its uniform: the fused kernel where ``fused``
+    (:func:`~runner.worker.fused_draw.fused_draw`, reads ``logits``), else the torch ops
+    (:func:`~runner.worker.sampling_noise.draw_by_inverse_cdf_`, overwrites them). The two round differently, so
+    one process draws every row one way."""
+    return draw_fused(logits, uniforms) if fused else draw_by_inverse_cdf_(logits, uniforms)
 
 
 def greedy_rows(logits: torch.Tensor) -> torch.Tensor:

@@ -80,7 +80,15 @@ def apply_top_k_where_(logits: torch.Tensor, top_k: torch.Tensor, width: int,
 def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, width: int,
                      top_p_floor: torch.Tensor | None) -> torch.Tensor:
     """Each row's smallest logit to keep, ``[rows, 1]`` (:func:`apply_top_k_`)."""
-    top = logits.topk(width, dim=-1).values  # descending
+    return top_k_threshold_of(logits.topk(width, dim=-1).values, top_k, top_p_floor)
+
+
+def top_k_threshold_of(top: torch.Tensor, top_k: torch.Tensor, top_p_floor: torch.Tensor | None) -> torch.Tensor:
+    """:func:`_top_k_threshold` from each row's ``width`` largest logits, in descending order (overwritten).
+
+    Dividing a row by a positive temperature keeps its order (rounding is monotone), so the largest logits of
+    ``logits / t`` are those of ``logits``, divided: a graph head gathers before it divides, and gets the
+    threshold the eager sampler gets from the divided row."""
     kth = top.gather(1, (top_k - 1).unsqueeze(1))
     if top_p_floor is not None:
         ascending = top.masked_fill_(top < kth, NEG_INF).flip(-1)
