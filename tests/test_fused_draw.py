@@ -25,12 +25,14 @@ def _needs_triton() -> None:
     pytest.importorskip("triton")
 
 
-@pytest.fixture(params=[4096, 64], ids=["one-block", "blocks-of-64"])
+@pytest.fixture(params=[(4096, 4), (32, 2)], ids=["one-chunk", "chunks-of-64"])
 def block(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
-    """The kernel's block width: the default (one block for these vocabularies) and 64 (a walk of several blocks,
-    the last one partial)."""
-    monkeypatch.setattr(fused_draw_module, "BLOCK", request.param)
-    return int(request.param)
+    """The kernels' block width and blocks per chunk: the defaults (one block, one chunk for these vocabularies)
+    and chunks of two 32-wide blocks (several chunks to a row, the last one partial)."""
+    width, per_chunk = request.param
+    monkeypatch.setattr(fused_draw_module, "BLOCK", width)
+    monkeypatch.setattr(fused_draw_module, "CHUNK_BLOCKS", per_chunk)
+    return int(width)
 
 
 def reference(y: torch.Tensor, u: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
@@ -48,7 +50,7 @@ def reference(y: torch.Tensor, u: torch.Tensor) -> tuple[np.ndarray, np.ndarray]
 @pytest.mark.triton_interpreter
 def test_draws_are_the_inverse_cdf_of_the_divided_and_cut_rows(block: int) -> None:
     g = torch.Generator().manual_seed(1)
-    rows, vocab = 48, 203
+    rows, vocab = 32, 203
     x = torch.randn(rows, vocab, generator=g) * 3
     u = torch.rand(rows, generator=g) * U_MAX
     t = torch.rand(rows, generator=g) * 1.5 + 0.2
@@ -70,12 +72,13 @@ def test_draws_are_the_inverse_cdf_of_the_divided_and_cut_rows(block: int) -> No
 @pytest.mark.triton_interpreter
 def test_a_removed_token_is_never_drawn_whatever_the_uniform(block: int) -> None:
     """Rows with most tokens removed, every uniform from 0 to the largest: the token is always one kept, the first
-    kept one at 0 and the last kept one at the largest (each kept token holds a fair share here)."""
-    vocab = 140
+    kept one at 0 and the last kept one at the largest (each kept token holds a fair share here; with chunks of
+    64, kept tokens sit in three chunks and none in the fourth)."""
+    vocab = 200
     kept = [3, 17, 18, 64, 139]
     row = torch.full((vocab,), NEG_INF)
     row[kept] = torch.tensor([0.5, 0.0, 1.0, -0.5, 0.25])
-    u = torch.cat([torch.tensor([0.0, U_MAX]), torch.linspace(0, U_MAX, 100)])
+    u = torch.cat([torch.tensor([0.0, U_MAX]), torch.linspace(0, U_MAX, 60)])
     got = fused_draw(row.expand(len(u), vocab).contiguous(), u).tolist()
     assert set(got) <= set(kept) and got[:2] == [kept[0], kept[-1]]
     assert set(got) == set(kept)  # and each is drawn somewhere along the uniforms

@@ -162,18 +162,21 @@ def check_fused_tails() -> None:
 
 
 def check_fused_draw() -> None:
-    """The sampler's fused draw (``runner/worker/fused_draw.py``) over Qwen3's vocabulary in float32 logits:
-    temperature and top-k's threshold, each on and off."""
+    """The sampler's fused draw (``runner/worker/fused_draw.py``: peak, total, walk) over float32 logits: plain,
+    with a temperature, and with both a temperature and top-k's threshold."""
     from runner.worker import fused_draw
 
-    fused_draw.triton, fused_draw.tl = triton, triton.language  # what the launcher does before loading its kernel
-    kernel = fused_draw._load_kernel()
-    for has_temp, has_thr in ((False, False), (True, False), (True, True)):
-        compile_kernel(kernel, dict(logits_ptr="*fp32", temp_ptr="*fp32", thr_ptr="*fp32", u_ptr="*fp32",
-                                    out_ptr="*i64"),
-                       dict(HAS_TEMP=has_temp, HAS_THR=has_thr, INVALID=-1, BLOCK_V=fused_draw.BLOCK),
-                       num_warps=fused_draw.NUM_WARPS, divisible=("logits_ptr", "stride", "n_cols"))
-
+    fused_draw.triton, fused_draw.tl = triton, triton.language  # what the launcher does before loading its kernels
+    row_args = dict(logits_ptr="*fp32", temp_ptr="*fp32", thr_ptr="*fp32", u_ptr="*fp32", peaks_ptr="*fp32",
+                    sums_ptr="*fp32", out_ptr="*i64")
+    for kernel in fused_draw._load_kernels():
+        for has_temp, has_thr in ((False, False), (True, False), (True, True)):
+            sizes = dict(HAS_TEMP=has_temp, HAS_THR=has_thr, BLOCK_V=fused_draw.BLOCK,
+                         CHUNK_BLOCKS=fused_draw.CHUNK_BLOCKS)
+            if "NCH" in kernel.arg_names:
+                sizes["NCH"] = 16  # Qwen3's 10 chunks
+            compile_kernel(kernel, {k: v for k, v in row_args.items() if k in kernel.arg_names}, sizes,
+                           num_warps=fused_draw.NUM_WARPS, divisible=("logits_ptr", "stride", "n_cols"))
 
 if __name__ == "__main__":
     if interpreter_enabled():
