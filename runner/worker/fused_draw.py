@@ -48,6 +48,7 @@ tl: Any = None
 # @triton.jit helpers of the kernels; bound here by _load_kernels in interpreter mode only, since the interpreter
 # resolves kernel names in this module's globals (compiled kernels find them in their closure).
 _load_y: Any = None
+_chunk_of: Any = None
 _row_peak: Any = None
 _walk_block: Any = None
 
@@ -66,6 +67,17 @@ def _load_kernels() -> tuple[Any, Any, Any]:
         if HAS_THR:
             y = tl.where(y < thr, float("-inf"), y)
         return y
+
+    @triton.jit
+    def _chunk_of(temp_ptr, thr_ptr, row, chunk, n_cols, read, HAS_TEMP: tl.constexpr, HAS_THR: tl.constexpr,
+                  BLOCK_V: tl.constexpr, CHUNK_BLOCKS: tl.constexpr):
+        """A (row, chunk) program's first token and end (its start where ``read`` is false: nothing is loaded),
+        and the row's temperature and threshold."""
+        start = chunk * (BLOCK_V * CHUNK_BLOCKS)
+        end = tl.where(read, tl.minimum(start + BLOCK_V * CHUNK_BLOCKS, n_cols), start)
+        t = tl.load(temp_ptr + row) if HAS_TEMP else 1.0
+        thr = tl.load(thr_ptr + row) if HAS_THR else float("-inf")
+        return start, end, t, thr
 
     @triton.jit
     def _row_peak(peaks_ptr, row, n_chunks, u, NCH: tl.constexpr):
@@ -87,7 +99,7 @@ def _load_kernels() -> tuple[Any, Any, Any]:
         return p, c, tl.max(tl.where(p > 0, c, 0.0), 0)
 
     if interpreter_enabled():
-        globals().update(_load_y=_load_y, _row_peak=_row_peak, _walk_block=_walk_block)
+        globals().update(_load_y=_load_y, _chunk_of=_chunk_of, _row_peak=_row_peak, _walk_block=_walk_block)
 
     @triton.jit
     def _peak_kernel(logits_ptr, stride, n_cols, temp_ptr, thr_ptr, u_ptr, peaks_ptr, n_chunks,
@@ -95,10 +107,8 @@ def _load_kernels() -> tuple[Any, Any, Any]:
                      CHUNK_BLOCKS: tl.constexpr):
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         row_ptr = logits_ptr + row * stride
-        start = chunk * (BLOCK_V * CHUNK_BLOCKS)
-        end = tl.where(tl.load(u_ptr + row) >= 0, tl.minimum(start + BLOCK_V * CHUNK_BLOCKS, n_cols), start)
-        t = tl.load(temp_ptr + row) if HAS_TEMP else 1.0
-        thr = tl.load(thr_ptr + row) if HAS_THR else float("-inf")
+        start, end, t, thr = _chunk_of(temp_ptr, thr_ptr, row, chunk, n_cols, tl.load(u_ptr + row) >= 0, HAS_TEMP,
+                                       HAS_THR, BLOCK_V, CHUNK_BLOCKS)
         offs = tl.arange(0, BLOCK_V)
         m = float("-inf")
         nans = 0
@@ -115,10 +125,8 @@ def _load_kernels() -> tuple[Any, Any, Any]:
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         row_ptr = logits_ptr + row * stride
         peak, valid = _row_peak(peaks_ptr, row, n_chunks, tl.load(u_ptr + row), NCH)
-        start = chunk * (BLOCK_V * CHUNK_BLOCKS)
-        end = tl.where(valid, tl.minimum(start + BLOCK_V * CHUNK_BLOCKS, n_cols), start)
-        t = tl.load(temp_ptr + row) if HAS_TEMP else 1.0
-        thr = tl.load(thr_ptr + row) if HAS_THR else float("-inf")
+        start, end, t, thr = _chunk_of(temp_ptr, thr_ptr, row, chunk, n_cols, valid, HAS_TEMP, HAS_THR, BLOCK_V,
+                                       CHUNK_BLOCKS)
         offs = tl.arange(0, BLOCK_V)
         acc = 0.0
         for b in range(CHUNK_BLOCKS):
@@ -144,10 +152,8 @@ def _load_kernels() -> tuple[Any, Any, Any]:
             through = tl.where(k == chunk, total, through)
         target = u * total  # u <= 1 - 2**-24 and total >= 1 (the peak's own term): strictly below total
         owner = valid & (before <= target) & (target < through)
-        start = chunk * (BLOCK_V * CHUNK_BLOCKS)
-        end = tl.where(owner, tl.minimum(start + BLOCK_V * CHUNK_BLOCKS, n_cols), start)
-        t = tl.load(temp_ptr + row) if HAS_TEMP else 1.0
-        thr = tl.load(thr_ptr + row) if HAS_THR else float("-inf")
+        start, end, t, thr = _chunk_of(temp_ptr, thr_ptr, row, chunk, n_cols, owner, HAS_TEMP, HAS_THR, BLOCK_V,
+                                       CHUNK_BLOCKS)
         offs = tl.arange(0, BLOCK_V)
         acc = 0.0
         token = n_cols
