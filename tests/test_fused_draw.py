@@ -3,7 +3,8 @@
 Against a float64 inverse CDF of the same ``y`` (the token whose CDF interval holds ``u * total``), where the
 target is not within rounding of an interval's end; never a removed token, whatever the uniform; NaN, ``+inf`` and
 empty rows invalid, greedy rows (negative uniform) not read; the temperature and threshold folded in give what
-dividing and masking beforehand give, bit for bit; rows alone and in a batch alike; a vocabulary of many blocks.
+dividing and masking beforehand give, bit for bit, and so does a peak given; rows alone and in a batch alike; a
+vocabulary of many chunks.
 On a GPU, compiled, Qwen3's vocabulary against the same reference, and a CUDA graph's replay.
 """
 from __future__ import annotations
@@ -67,6 +68,8 @@ def test_draws_are_the_inverse_cdf_of_the_divided_and_cut_rows(block: int) -> No
     # folded in or done beforehand: the same y (the kernel's division is IEEE's, as torch's), the same tokens
     assert np.array_equal(fused_draw(y, u, None, kth).numpy(), got)
     assert np.array_equal(fused_draw(cut, u).numpy(), got)
+    # the peak given, as a graph head gives it (the row's maximum, divided): the same tokens without its launch
+    assert np.array_equal(fused_draw(x, u, t, kth, peak=x.max(dim=-1).values / t).numpy(), got)
 
 
 @pytest.mark.triton_interpreter
@@ -100,6 +103,8 @@ def test_rows_without_a_distribution_are_invalid_and_greedy_rows_are_not_read(bl
     got = fused_draw(x, u, None, threshold).tolist()
     assert got[:5] == [INVALID_TOKEN] * 5  # row 4 is greedy: its token is the argmax's, taken elsewhere
     assert 0 <= got[5] < vocab
+    given = fused_draw(x, u, None, threshold, peak=x.max(dim=-1).values)  # NaN and +inf peaks: no distribution
+    assert given.tolist() == got
 
 
 @pytest.mark.triton_interpreter
@@ -121,6 +126,8 @@ def test_bad_arguments_are_named() -> None:
         fused_draw(x, torch.zeros(2))
     with pytest.raises(ValueError, match=r"temperature must be \[3\] float32, got \(3,\) torch.float64"):
         fused_draw(x, torch.zeros(3), torch.ones(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"peak must be \[3\] float32, got \(3, 1\)"):
+        fused_draw(x, torch.zeros(3), peak=torch.zeros(3, 1))
     with pytest.raises(ValueError, match="unit stride along the vocabulary"):
         fused_draw(x.t(), torch.zeros(8))
 
@@ -145,6 +152,7 @@ def test_cuda_qwen3_vocabulary_draws_and_graph_capture() -> None:
     assert clear.sum() >= rows - 4
     assert np.array_equal(got.cpu().numpy()[clear], want[clear])
     assert torch.isfinite(cut.gather(1, got[:, None])).all()
+    assert torch.equal(fused_draw(x, u, t, kth, peak=x.max(dim=-1).values / t), got)  # a head's given peak
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = fused_draw(x, u, t, kth)

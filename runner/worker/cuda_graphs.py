@@ -28,11 +28,13 @@ from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
 from runner.worker.fused_draw import fused_draw
 from runner.worker.sampler import DRAW_COLUMNS, Sampler, SamplingHead, draw_rows, greedy_rows
+from runner.worker.sampling_noise import INVALID_TOKEN
 from runner.worker.sampling_ops import (
     TOP_K_WIDTH,
     apply_temperature_,
     apply_top_k_where_,
     apply_top_p_,
+    max_and_greedy,
     top_k_threshold_of,
 )
 from ubatch.log_once import log_once
@@ -170,10 +172,10 @@ def draw_sampling_head(compute_logits: Callable[[torch.Tensor], torch.Tensor], v
     same operations as the eager sampler, on every row (a top-k of 0, a top-p floor of -1 leave a row as it is), so
     each row's token is the sampler's.
 
-    ``fused`` (the sampler's ``fused_draw``): the draw is the fused kernel's, as the sampler's then is; for
-    ``DRAW`` and ``TOP_K`` the kernel also divides by the temperature and drops what top-k's threshold drops, so
-    the row is read, not rewritten: the threshold comes from the gathered logits, divided
-    (:func:`~runner.worker.sampling_ops.top_k_threshold_of`)."""
+    ``fused`` (the sampler's ``fused_draw``): the draw is the fused kernels', as the sampler's then is; for
+    ``DRAW`` and ``TOP_K`` they also divide by the temperature and drop what top-k's threshold drops, so the row
+    is read, not rewritten: the threshold comes from the gathered logits, divided
+    (:func:`~runner.worker.sampling_ops.top_k_threshold_of`), and the peak from the argmax's maximum, divided."""
     if kind not in (SamplingHead.DRAW, SamplingHead.TOP_K, SamplingHead.TOP_P):
         raise ValueError(f"draw_sampling_head: {kind} is not a head that draws")
     columns = {name: draw_inputs[:, i] for i, name in enumerate(DRAW_COLUMNS)}
@@ -182,13 +184,14 @@ def draw_sampling_head(compute_logits: Callable[[torch.Tensor], torch.Tensor], v
     def head(hidden: torch.Tensor) -> torch.Tensor:
         n = hidden.shape[0]
         logits = compute_logits(hidden)
-        greedy = greedy_rows(logits)
         temperature, uniform = columns["temperature"][:n], columns["uniform"][:n]
         if fused and kind is not SamplingHead.TOP_P:
+            best, greedy = max_and_greedy(logits, INVALID_TOKEN)  # the argmax, as greedy_rows', and the peak
             cut = (top_k_cut(logits, temperature, columns["top_k"][:n].long(), columns["top_p_floor"][:n], width)
                    if kind is SamplingHead.TOP_K else None)
-            drawn = fused_draw(logits, uniform, temperature, cut)
+            drawn = fused_draw(logits, uniform, temperature, cut, peak=best / temperature)
         else:
+            greedy = greedy_rows(logits)
             x = apply_temperature_(logits, temperature)
             if kind is SamplingHead.TOP_K:
                 apply_top_k_where_(x, columns["top_k"][:n].long(), width, columns["top_p_floor"][:n])

@@ -80,11 +80,12 @@ def _load_kernels() -> tuple[Any, Any, Any]:
         return start, end, t, thr
 
     @triton.jit
-    def _row_peak(peaks_ptr, row, n_chunks, u, NCH: tl.constexpr):
-        """The row's peak (0 where it has none) and whether it has a distribution and draws: no chunk holds a
-        NaN, the largest ``y`` is finite, the uniform is not negative."""
+    def _row_peak(peaks_ptr, row, n_peaks, u, NCH: tl.constexpr):
+        """The row's peak (0 where it has none) from its ``n_peaks`` partial ones (its chunks', or one given), and
+        whether it has a distribution and draws: no peak is NaN, the largest is finite, the uniform is not
+        negative."""
         c = tl.arange(0, NCH)
-        m = tl.load(peaks_ptr + row * n_chunks + c, mask=c < n_chunks, other=float("-inf"))
+        m = tl.load(peaks_ptr + row * n_peaks + c, mask=c < n_peaks, other=float("-inf"))
         nans = tl.sum((m != m).to(tl.int32), 0)
         peak = tl.max(tl.where(m != m, float("-inf"), m), 0)
         valid = (u >= 0) & (nans == 0) & (peak > float("-inf")) & (peak < float("inf"))
@@ -119,12 +120,12 @@ def _load_kernels() -> tuple[Any, Any, Any]:
         tl.store(peaks_ptr + row * n_chunks + chunk, tl.where(nans > 0, float("nan"), m))
 
     @triton.jit
-    def _total_kernel(logits_ptr, stride, n_cols, temp_ptr, thr_ptr, u_ptr, peaks_ptr, sums_ptr, n_chunks,
+    def _total_kernel(logits_ptr, stride, n_cols, temp_ptr, thr_ptr, u_ptr, peaks_ptr, n_peaks, sums_ptr, n_chunks,
                       HAS_TEMP: tl.constexpr, HAS_THR: tl.constexpr, BLOCK_V: tl.constexpr,
                       CHUNK_BLOCKS: tl.constexpr, NCH: tl.constexpr):
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         row_ptr = logits_ptr + row * stride
-        peak, valid = _row_peak(peaks_ptr, row, n_chunks, tl.load(u_ptr + row), NCH)
+        peak, valid = _row_peak(peaks_ptr, row, n_peaks, tl.load(u_ptr + row), NCH)
         start, end, t, thr = _chunk_of(temp_ptr, thr_ptr, row, chunk, n_cols, valid, HAS_TEMP, HAS_THR, BLOCK_V,
                                        CHUNK_BLOCKS)
         offs = tl.arange(0, BLOCK_V)
@@ -135,13 +136,14 @@ def _load_kernels() -> tuple[Any, Any, Any]:
         tl.store(sums_ptr + row * n_chunks + chunk, acc)
 
     @triton.jit
-    def _walk_kernel(logits_ptr, stride, n_cols, temp_ptr, thr_ptr, u_ptr, peaks_ptr, sums_ptr, out_ptr, n_chunks,
+    def _walk_kernel(logits_ptr, stride, n_cols, temp_ptr, thr_ptr, u_ptr, peaks_ptr, n_peaks, sums_ptr, out_ptr,
+                     n_chunks,
                      HAS_TEMP: tl.constexpr, HAS_THR: tl.constexpr, BLOCK_V: tl.constexpr,
                      CHUNK_BLOCKS: tl.constexpr, NCH: tl.constexpr):
         row, chunk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         row_ptr = logits_ptr + row * stride
         u = tl.load(u_ptr + row)
-        peak, valid = _row_peak(peaks_ptr, row, n_chunks, u, NCH)
+        peak, valid = _row_peak(peaks_ptr, row, n_peaks, u, NCH)
         # the chunks' sums added in chunk order: the row's total, and the sums before and through this chunk
         before = 0.0
         through = 0.0
@@ -168,17 +170,20 @@ def _load_kernels() -> tuple[Any, Any, Any]:
 
 
 def fused_draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.Tensor | None = None,
-               threshold: torch.Tensor | None = None) -> torch.Tensor:
+               threshold: torch.Tensor | None = None, peak: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's drawn token ``[rows]`` int64 (module docstring); ``logits`` ``[rows, vocab]`` (any float dtype,
     unit stride along the vocabulary), ``uniforms``, ``temperature`` (> 0) and ``threshold`` ``[rows]`` float32.
-    Nothing is written but the result and two ``[rows, chunks]`` scratch tensors; shapes alone fix the grids, so
-    the call is capturable in a CUDA graph.
+    ``peak``: each row's largest ``y`` where the caller has it (a graph head's ``max(logits) / temperature``, which
+    is the largest ``logits / temperature``: division keeps the order; NaN where the row holds one), so the first
+    launch is not needed. Nothing is written but the result and ``[rows, chunks]`` scratch tensors; shapes alone
+    fix the grids, so the call is capturable in a CUDA graph.
 
     CUDA tensors run the compiled kernels; CPU tensors need ``TRITON_INTERPRET=1`` (Triton's interpreter)."""
     rows, vocab = logits.shape
     if logits.stride(1) != 1:
         raise ValueError(f"fused_draw: logits need a unit stride along the vocabulary, got strides {logits.stride()}")
-    for name, given in (("uniforms", uniforms), ("temperature", temperature), ("threshold", threshold)):
+    for name, given in (("uniforms", uniforms), ("temperature", temperature), ("threshold", threshold),
+                        ("peak", peak)):
         if given is not None and (given.shape != (rows,) or given.dtype != torch.float32):
             raise ValueError(f"fused_draw: {name} must be [{rows}] float32, got {tuple(given.shape)} {given.dtype}")
     interpret = launch_mode("fused_draw", logits.device)
@@ -189,8 +194,7 @@ def fused_draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.
         return out
     block = min(BLOCK, triton.next_power_of_2(vocab))
     n_chunks = triton.cdiv(vocab, block * CHUNK_BLOCKS)
-    peaks = torch.empty(rows, n_chunks, dtype=torch.float32, device=logits.device)
-    sums = torch.empty_like(peaks)
+    sums = torch.empty(rows, n_chunks, dtype=torch.float32, device=logits.device)
     u = uniforms.contiguous()
     # an unread placeholder where a setting is absent
     row_args = (logits, logits.stride(0), vocab, u if temperature is None else temperature.contiguous(),
@@ -199,9 +203,13 @@ def fused_draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.
                  CHUNK_BLOCKS=CHUNK_BLOCKS, **({} if interpret else {"num_warps": NUM_WARPS}))
     peak_kernel, total_kernel, walk_kernel = _load_kernels()
     grid = (rows, n_chunks)
-    nch = triton.next_power_of_2(n_chunks)
     with launch_guard(interpret):
-        peak_kernel[grid](*row_args, peaks, n_chunks, **sizes)
-        total_kernel[grid](*row_args, peaks, sums, n_chunks, NCH=nch, **sizes)
-        walk_kernel[grid](*row_args, peaks, sums, out, n_chunks, NCH=nch, **sizes)
+        if peak is None:
+            peaks = torch.empty_like(sums)
+            peak_kernel[grid](*row_args, peaks, n_chunks, **sizes)
+        else:
+            peaks = peak.contiguous().view(rows, 1)
+        nch = triton.next_power_of_2(peaks.shape[1])
+        total_kernel[grid](*row_args, peaks, peaks.shape[1], sums, n_chunks, NCH=nch, **sizes)
+        walk_kernel[grid](*row_args, peaks, peaks.shape[1], sums, out, n_chunks, NCH=nch, **sizes)
     return out

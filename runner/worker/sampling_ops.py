@@ -142,8 +142,14 @@ def greedy_tokens(logits: torch.Tensor, invalid: int) -> torch.Tensor:
 
 def greedy_tokens_torch(logits: torch.Tensor, invalid: int) -> torch.Tensor:
     """:func:`greedy_tokens` as tensor work on the logits' device."""
+    return max_and_greedy(logits, invalid)[1]
+
+
+def max_and_greedy(logits: torch.Tensor, invalid: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest logit (NaN where the row holds one) and :func:`greedy_tokens_torch`'s token, from one
+    reduction: a graph head's greedy pick and its draw's peak."""
     best, ids = logits.max(dim=-1)
-    return torch.where(finite(best), ids, invalid)
+    return best, torch.where(finite(best), ids, invalid)
 
 
 def finite(x: torch.Tensor) -> torch.Tensor:
