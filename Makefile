@@ -52,7 +52,7 @@ test: install
 TRITON_MIN ?= 3.6.0
 TRITON_MIN_VENV ?= build/venv-triton-min
 TRITON_MIN_TESTS ?= tests/test_triton_paged_decode.py tests/test_experts.py tests/test_moe_ep.py tests/test_attention_options.py \
-	tests/test_triton_tails.py
+	tests/test_triton_tails.py tests/test_fused_draw.py tests/test_graph_head.py
 
 $(TRITON_MIN_VENV)/.installed: setup.cfg pyproject.toml
 	test -x $(TRITON_MIN_VENV)/bin/python || python3 -m venv $(TRITON_MIN_VENV)

@@ -16,7 +16,6 @@ became asynchronous copies (software-pipelined), since that is what its memory b
 """
 from __future__ import annotations
 
-import itertools
 import re
 import sys
 from pathlib import Path
@@ -171,13 +170,11 @@ def check_fused_draw() -> None:
     row_args = dict(logits_ptr="*fp32", temp_ptr="*fp32", thr_ptr="*fp32", u_ptr="*fp32", peaks_ptr="*fp32",
                     sums_ptr="*fp32", out_ptr="*i64")
     for kernel in fused_draw._load_kernels():
-        # the later two read the peaks of Qwen3's 10 chunks, or a head's one peak per row
-        peak_counts = (16, 1) if "NCH" in kernel.arg_names else (None,)
-        for (has_temp, has_thr), nch in itertools.product(((False, False), (True, False), (True, True)), peak_counts):
-            if nch == 1 and not has_temp:  # a head gives the peak with its temperature
-                continue
+        for has_temp, has_thr in ((False, False), (True, False), (True, True)):
             sizes = dict(HAS_TEMP=has_temp, HAS_THR=has_thr, BLOCK_V=fused_draw.BLOCK,
-                         CHUNK_BLOCKS=fused_draw.CHUNK_BLOCKS, **({} if nch is None else {"NCH": nch}))
+                         CHUNK_BLOCKS=fused_draw.CHUNK_BLOCKS)
+            if "NCH" in kernel.arg_names:
+                sizes["NCH"] = 16  # Qwen3's 10 chunks
             compile_kernel(kernel, {k: v for k, v in row_args.items() if k in kernel.arg_names}, sizes,
                            num_warps=fused_draw.NUM_WARPS, divisible=("logits_ptr", "stride", "n_cols"))
 

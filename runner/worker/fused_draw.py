@@ -148,8 +148,8 @@ def _load_kernels() -> tuple[Any, Any, Any]:
         before = 0.0
         through = 0.0
         total = 0.0
-        for k in range(0, n_chunks):
-            total += tl.load(sums_ptr + row * n_chunks + k)
+        for k in tl.static_range(NCH):  # the sums past the last chunk are 0: adding them changes nothing
+            total += tl.load(sums_ptr + row * n_chunks + k, mask=k < n_chunks, other=0.0)
             before = tl.where(k < chunk, total, before)
             through = tl.where(k == chunk, total, through)
         target = u * total  # u <= 1 - 2**-24 and total >= 1 (the peak's own term): strictly below total
@@ -209,7 +209,7 @@ def fused_draw(logits: torch.Tensor, uniforms: torch.Tensor, temperature: torch.
             peak_kernel[grid](*row_args, peaks, n_chunks, **sizes)
         else:
             peaks = peak.contiguous().view(rows, 1)
-        nch = triton.next_power_of_2(peaks.shape[1])
+        nch = triton.next_power_of_2(max(n_chunks, peaks.shape[1]))  # a row's peaks, and its chunks' sums
         total_kernel[grid](*row_args, peaks, peaks.shape[1], sums, n_chunks, NCH=nch, **sizes)
         walk_kernel[grid](*row_args, peaks, peaks.shape[1], sums, out, n_chunks, NCH=nch, **sizes)
     return out
