@@ -3,7 +3,7 @@ the official ``openai`` client and plain HTTP, a transformers-written checkpoint
 template (``tests/tiny_checkpoint.py``).
 
 What must hold (issue 26): greedy completions and chat equal the offline ``LLM`` token for token, DP=1 and
-DP=2 with EP and DBO; streamed chunks join to the non-streamed response and ``usage`` counts are right; 64
+DP=2 with EP and DBO, and so do completions with random sampling settings; streamed chunks join to the non-streamed response and ``usage`` counts are right; 64
 concurrent streams (mixed lengths, ``n=2``, seeded sampling) give what each gives alone; clients that
 disconnect leave the others alone and the server returns to idle (no request running, KV cache empty);
 errors never reach a rank; an idle server uses almost no CPU; SIGTERM under load exits 0 within the shutdown
@@ -107,6 +107,57 @@ def test_completions_and_chat_equal_offline_and_streams_join(servers: dict[str, 
     if dp == "dp2":
         steps = scrape(srv.base_url, ("ubatch:dbo_ubatched_steps_total",))
         assert steps["ubatch:dbo_ubatched_steps_total"] > 0  # DBO really ran in the server's steps
+
+
+def _random_completion(rng: random.Random) -> tuple[dict[str, Any], dict[str, Any], SamplingParams]:
+    """A completion request with random settings (OpenAI's fields, and vLLM's extra ones), every sampling setting
+    given (the server fills what a request leaves out from the checkpoint's generation_config, as vLLM does), and
+    the offline SamplingParams with the same settings."""
+    body: dict[str, Any] = {"prompt": rng.choice(PROMPTS) + " " * rng.randint(0, 2), "max_tokens": rng.randint(1, 16),
+                            "seed": rng.randrange(100), "temperature": rng.choice([0.0, 0.7, 1.2]), "top_p": 1.0}
+    extra: dict[str, Any] = {"return_token_ids": True, "top_k": 0}
+    drawing = body["temperature"] > 0
+    choices: list[tuple[dict[str, Any], bool, str, list[Any]]] = [
+        (body, drawing, "top_p", [0.5, 0.9]), (body, drawing, "n", [2]), (body, True, "presence_penalty", [0.5, -0.5]),
+        (body, True, "frequency_penalty", [0.5, 1.0]), (body, True, "stop", [["e"], ["o"], [" the"]]),
+        (body, True, "logprobs", [0, 2]), (extra, drawing, "top_k", [1, 5, 50]), (extra, drawing, "min_p", [0.1]),
+        (extra, True, "repetition_penalty", [1.3]), (extra, True, "ignore_eos", [True]),
+        (extra, True, "min_tokens", [min(3, body["max_tokens"])])]
+    for fields, on, field, values in choices:
+        if on and rng.random() < 0.3:
+            fields[field] = rng.choice(values)
+    params = SamplingParams(
+        temperature=body["temperature"], top_p=body["top_p"], top_k=extra["top_k"], min_p=extra.get("min_p", 0.0),
+        seed=body["seed"], max_tokens=body["max_tokens"], presence_penalty=body.get("presence_penalty", 0.0),
+        frequency_penalty=body.get("frequency_penalty", 0.0), repetition_penalty=extra.get("repetition_penalty", 1.0),
+        stop=body.get("stop"), logprobs=body.get("logprobs"), n=body.get("n", 1),
+        ignore_eos=extra.get("ignore_eos", False), min_tokens=extra.get("min_tokens", 0))
+    return body, extra, params
+
+
+@pytest.mark.parametrize("dp", ["dp1", "dp2"])
+def test_random_completion_settings_equal_offline(servers: dict[str, ServerProcess], offline: LLM,
+                                                  tiny_chat_checkpoint: TinyCheckpoint, dp: str) -> None:
+    """40 completion requests, each with random settings (temperature, top-k/top-p/min-p, the three penalties,
+    stop strings, logprobs, ``n``, ``ignore_eos``, ``min_tokens``, a seed), streamed or not: each choice's token
+    ids, text and finish reason equal ``LLM.generate``'s with the same settings."""
+    c, model, rng = client(servers[dp]), str(tiny_chat_checkpoint.path), random.Random(17)
+    for i in range(40):
+        body, extra, params = _random_completion(rng)
+        want = sorted((o.index, list(o.token_ids), o.text, o.finish_reason)
+                      for o in offline.generate([body["prompt"]], params, use_tqdm=False)[0].outputs)
+        if i % 2:
+            joined: dict[int, tuple[list[int], str, str | None]] = {}
+            for chunk in c.completions.create(model=model, stream=True, extra_body=extra, **body):
+                for ch in chunk.choices:
+                    ids, text, finish = joined.get(ch.index, ([], "", None))
+                    joined[ch.index] = (ids + (extra_fields(ch).get("token_ids") or []), text + ch.text,
+                                        ch.finish_reason or finish)
+            got = sorted((index, *choice) for index, choice in joined.items())
+        else:
+            full = c.completions.create(model=model, extra_body=extra, **body)
+            got = sorted((ch.index, extra_fields(ch)["token_ids"], ch.text, ch.finish_reason) for ch in full.choices)
+        assert got == want, (body, extra)
 
 
 def _mixed_requests(n: int = 64) -> list[dict[str, Any]]:
