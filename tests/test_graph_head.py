@@ -169,7 +169,7 @@ def test_fused_draws_give_the_eager_samplers_tokens_in_every_head(monkeypatch, p
     monkeypatch.setattr(sampler_module, "draw_fused", counted)
     monkeypatch.setattr(cuda_graphs, "fused_draw", counted)
     monkeypatch.setattr(sampler_module, "draw_by_inverse_cdf_", None)  # the torch draw is not called
-    monkeypatch.setattr(cuda_graphs, "draw_rows", sampler_module.draw_rows)
+    monkeypatch.setattr(cuda_graphs, "draw_by_inverse_cdf_", None)
     want = eager_tokens(params, fused_draw=True)
     eager_launches, launches[:] = len(launches), []
     runner = make_runner(fused_draw=True)

@@ -2,13 +2,13 @@
 the official ``openai`` client and plain HTTP, a transformers-written checkpoint with a tokenizer and a chat
 template (``tests/tiny_checkpoint.py``).
 
-What must hold (issue 26): greedy completions and chat equal the offline ``LLM`` token for token, DP=1 and
-DP=2 with EP and DBO, and so do completions with random sampling settings; streamed chunks join to the non-streamed response and ``usage`` counts are right; 64
-concurrent streams (mixed lengths, ``n=2``, seeded sampling) give what each gives alone; clients that
-disconnect leave the others alone and the server returns to idle (no request running, KV cache empty);
-errors never reach a rank; an idle server uses almost no CPU; SIGTERM under load exits 0 within the shutdown
-timeout with no process left; a killed rank fails the requests in flight with a 500 naming it and the server
-exits non-zero within ``--dist-timeout-s`` + 10 s.
+What must hold (issue 26): greedy completions and chat equal the offline ``LLM`` token for token, DP=1 and DP=2
+with EP and DBO, and so do completions with random sampling settings; streamed chunks join to the non-streamed
+response and ``usage`` counts are right; 64 concurrent streams (mixed lengths, ``n=2``, seeded sampling) give what
+each gives alone; clients that disconnect leave the others alone and the server returns to idle (no request
+running, KV cache empty); errors never reach a rank; an idle server uses almost no CPU; SIGTERM under load exits 0
+within the shutdown timeout with no process left; a killed rank fails the requests in flight with a 500 naming it
+and the server exits non-zero within ``--dist-timeout-s`` + 10 s.
 """
 from __future__ import annotations
 

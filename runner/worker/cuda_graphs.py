@@ -27,8 +27,8 @@ from runner.config import RunnerConfig
 from runner.models.base import MoECausalLM
 from runner.models.configs import BaseMoEConfig
 from runner.worker.fused_draw import fused_draw
-from runner.worker.sampler import DRAW_COLUMNS, Sampler, SamplingHead, draw_rows, greedy_rows
-from runner.worker.sampling_noise import INVALID_TOKEN
+from runner.worker.sampler import DRAW_COLUMNS, Sampler, SamplingHead, greedy_rows
+from runner.worker.sampling_noise import INVALID_TOKEN, draw_by_inverse_cdf_
 from runner.worker.sampling_ops import (
     TOP_K_WIDTH,
     apply_temperature_,
@@ -175,7 +175,8 @@ def draw_sampling_head(compute_logits: Callable[[torch.Tensor], torch.Tensor], v
     ``fused`` (the sampler's ``fused_draw``): the draw is the fused kernels', as the sampler's then is; for
     ``DRAW`` and ``TOP_K`` they also divide by the temperature and drop what top-k's threshold drops, so the row
     is read, not rewritten: the threshold comes from the gathered logits, divided
-    (:func:`~runner.worker.sampling_ops.top_k_threshold_of`), and the peak from the argmax's maximum, divided."""
+    (:func:`~runner.worker.sampling_ops.top_k_threshold_of`); every fused head takes the draw's peak from the
+    argmax's maximum, divided."""
     if kind not in (SamplingHead.DRAW, SamplingHead.TOP_K, SamplingHead.TOP_P):
         raise ValueError(f"draw_sampling_head: {kind} is not a head that draws")
     columns = {name: draw_inputs[:, i] for i, name in enumerate(DRAW_COLUMNS)}
@@ -185,11 +186,16 @@ def draw_sampling_head(compute_logits: Callable[[torch.Tensor], torch.Tensor], v
         n = hidden.shape[0]
         logits = compute_logits(hidden)
         temperature, uniform = columns["temperature"][:n], columns["uniform"][:n]
-        if fused and kind is not SamplingHead.TOP_P:
+        if fused:
             best, greedy = max_and_greedy(logits, INVALID_TOKEN)  # the argmax, as greedy_rows', and the peak
-            cut = (top_k_cut(logits, temperature, columns["top_k"][:n].long(), columns["top_p_floor"][:n], width)
-                   if kind is SamplingHead.TOP_K else None)
-            drawn = fused_draw(logits, uniform, temperature, cut, peak=best / temperature)
+            peak = best / temperature  # the most likely token survives top-k and top-p
+            if kind is SamplingHead.TOP_P:  # the row sorted: divided and cut by torch ops first
+                x = apply_top_p_(apply_temperature_(logits, temperature), columns["top_p_floor"][:n])
+                drawn = fused_draw(x, uniform, peak=peak)
+            else:
+                cut = (top_k_cut(logits, temperature, columns["top_k"][:n].long(), columns["top_p_floor"][:n], width)
+                       if kind is SamplingHead.TOP_K else None)
+                drawn = fused_draw(logits, uniform, temperature, cut, peak=peak)
         else:
             greedy = greedy_rows(logits)
             x = apply_temperature_(logits, temperature)
@@ -197,7 +203,7 @@ def draw_sampling_head(compute_logits: Callable[[torch.Tensor], torch.Tensor], v
                 apply_top_k_where_(x, columns["top_k"][:n].long(), width, columns["top_p_floor"][:n])
             elif kind is SamplingHead.TOP_P:
                 apply_top_p_(x, columns["top_p_floor"][:n])
-            drawn = draw_rows(x, uniform, fused)
+            drawn = draw_by_inverse_cdf_(x, uniform)
         return torch.where(uniform >= 0, drawn, greedy)
 
     return head
