@@ -39,11 +39,11 @@ ALL_DECODES = [GraphKey(8)] * DECODE_STEPS
 def make_runner(dtype: str = "float32", fused_draw: bool = False) -> ModelRunner:
     """On the machine's device, float32 unless asked; the torch experts (a host sync) keep the runner from
     capturing graphs of its own on a GPU too, so the eager stand-in's are the only ones (gpu-check runs this
-    file). ``fused_draw``: its sampler, and the heads then captured, draw with the fused kernel (as the fused
-    tails set it on CUDA; on the CPU under Triton's interpreter)."""
+    file). ``fused_draw``: on the CPU, under Triton's interpreter (the marked tests), its sampler, and the heads then
+    captured, draw with the fused kernels, as the fused tails set it on CUDA (``test_cudagraph_cuda.py``)."""
     runner = ModelRunner(RunnerConfig(dtype=dtype, experts_backend="torch", max_num_seqs=NUM_REQS,
                                       max_model_len=BLOCKS_PER_REQ * 4, max_num_batched_tokens=64, block_size=4,
-                                      num_kv_blocks=NUM_REQS * BLOCKS_PER_REQ))
+                                      num_kv_blocks=NUM_REQS * BLOCKS_PER_REQ, device="cpu" if fused_draw else "auto"))
     runner.sampler.fused_draw = fused_draw
     return runner
 
