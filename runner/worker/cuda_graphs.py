@@ -35,7 +35,7 @@ from runner.worker.sampling_ops import (
     apply_top_k_where_,
     apply_top_p_,
     max_and_greedy,
-    top_k_threshold_of,
+    top_k_cut,
 )
 from ubatch.log_once import log_once
 from ubatch.streams import Stream
@@ -193,7 +193,9 @@ def draw_sampling_head(compute_logits: Callable[[torch.Tensor], torch.Tensor], v
                 x = apply_top_p_(apply_temperature_(logits, temperature), columns["top_p_floor"][:n])
                 drawn = fused_draw(x, uniform, peak=peak)
             else:
-                cut = (top_k_cut(logits, temperature, columns["top_k"][:n].long(), columns["top_p_floor"][:n], width)
+                # top-k's cut over logits / temperature, from the gathered logits divided (top_k_threshold_of)
+                cut = (top_k_cut(logits.topk(width, dim=-1).values.div_(temperature.unsqueeze(1)),
+                                 columns["top_k"][:n].long(), columns["top_p_floor"][:n]).squeeze(1)
                        if kind is SamplingHead.TOP_K else None)
                 drawn = fused_draw(logits, uniform, temperature, cut, peak=peak)
         else:
@@ -207,16 +209,6 @@ def draw_sampling_head(compute_logits: Callable[[torch.Tensor], torch.Tensor], v
         return torch.where(uniform >= 0, drawn, greedy)
 
     return head
-
-
-def top_k_cut(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p_floor: torch.Tensor,
-              width: int) -> torch.Tensor:
-    """Each row's top-k threshold (and top-p's within it) over ``logits / temperature``, from the ``width``
-    largest logits divided; ``-inf`` for a row whose ``top_k`` is 0: ``[rows]``, the cut of
-    :func:`apply_top_k_where_`."""
-    top = logits.topk(width, dim=-1).values.div_(temperature.unsqueeze(1))
-    kth = top_k_threshold_of(top, top_k.clamp_min(1), top_p_floor).squeeze(1)
-    return torch.where(top_k > 0, kth, float("-inf"))
 
 
 def sampling_heads(model_runner: CapturingRunner) -> dict[str, GraphHead]:

@@ -73,8 +73,15 @@ def apply_top_k_where_(logits: torch.Tensor, top_k: torch.Tensor, width: int,
     """:func:`apply_top_k_` on the rows whose ``top_k`` is positive, with the same threshold; a row whose ``top_k``
     is 0 is left as it is. Every row is computed, so the shapes do not depend on which rows use top-k (a graph
     head's). A row with ``top_p_floor`` ``-1`` gets top-k's threshold exactly, as if none was given."""
-    kth = _top_k_threshold(logits, top_k.clamp_min(1), width, top_p_floor)
-    return logits.masked_fill_(logits < torch.where(top_k.unsqueeze(1) > 0, kth, NEG_INF), NEG_INF)
+    return logits.masked_fill_(logits < top_k_cut(logits.topk(width, dim=-1).values, top_k, top_p_floor), NEG_INF)
+
+
+def top_k_cut(top: torch.Tensor, top_k: torch.Tensor, top_p_floor: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_top_k_where_`'s threshold ``[rows, 1]`` from each row's largest logits in descending order
+    (:func:`top_k_threshold_of`, overwritten): top-k's (and top-p's within it) where ``top_k`` is positive, ``-inf``
+    (nothing removed) where it is 0."""
+    kth = top_k_threshold_of(top, top_k.clamp_min(1), top_p_floor)
+    return torch.where(top_k.unsqueeze(1) > 0, kth, NEG_INF)
 
 
 def _top_k_threshold(logits: torch.Tensor, top_k: torch.Tensor, width: int,
