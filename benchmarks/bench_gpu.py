@@ -333,6 +333,13 @@ def sampling_shape(rows: int, vocab: int) -> str:
     return f"{rows} rows x {vocab} vocab"
 
 
+def sampling_inputs(rows: int, vocab: int, hidden: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """The sampling section's seeded bf16 hidden rows ``[rows, hidden]`` and LM head weight ``[vocab, hidden]``."""
+    torch.manual_seed(0)
+    x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
+    return x, torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16) * hidden ** -0.5
+
+
 def sampling_runs(rows: int, vocab: int, hidden: int, device: str = "cuda") -> dict[str, Callable[[], Any]]:
     """Each sampling mode of :data:`SAMPLING_MODES` on ``rows`` random bf16 hidden rows made on the device: the LM
     head (bf16, ``[vocab, hidden]``), then the pick as the engine runs it (``sampler.sample_on_device`` with the
@@ -347,12 +354,13 @@ def sampling_runs(rows: int, vocab: int, hidden: int, device: str = "cuda") -> d
     from runner.worker.sampling_metadata import build_sampling_metadata
     from runner.worker.sampling_settings import SamplingSettings
 
-    torch.manual_seed(0)
-    x = torch.randn(rows, hidden, device=device, dtype=torch.bfloat16)
-    weight = torch.randn(vocab, hidden, device=device, dtype=torch.bfloat16) * hidden ** -0.5
+    x, weight = sampling_inputs(rows, vocab, hidden, device)
+
+    def lm_head(hidden_rows: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(hidden_rows, weight)
 
     def logits() -> torch.Tensor:
-        return torch.nn.functional.linear(x, weight)
+        return lm_head(x)
 
     def sampled_with(params: SamplingParams) -> Callable[[], Any]:
         settings = SamplingSettings.of_rows([params] * rows, list(range(rows)), [16] * rows, vocab)
@@ -363,8 +371,7 @@ def sampling_runs(rows: int, vocab: int, hidden: int, device: str = "cuda") -> d
     def head(kind: SamplingHead, temperature: float, top_k: int, top_p: float) -> Callable[[], Any]:
         staged = {"temperature": temperature, "uniform": 0.5, "top_k": float(top_k), "top_p_floor": 1 - top_p}
         inputs = torch.tensor([[staged[name] for name in DRAW_COLUMNS]] * rows, device=device)
-        run = draw_sampling_head(lambda h: torch.nn.functional.linear(h, weight).float(), vocab, inputs, kind,
-                                 fused=True)
+        run = draw_sampling_head(lambda h: lm_head(h).float(), vocab, inputs, kind, fused=True)
         return lambda: run(x)
 
     return {"greedy, float32 logits": lambda: greedy_rows(logits().float()),

@@ -130,7 +130,5 @@ def test_sampling_modes_run_as_the_engine_samples_and_greedy_needs_no_float32_co
 
 def runs_logits(rows: int, vocab: int, hidden: int) -> torch.Tensor:
     """The logits :func:`bench_gpu.sampling_runs` samples from (its seeded hidden rows and LM head), float32."""
-    torch.manual_seed(0)
-    x = torch.randn(rows, hidden, dtype=torch.bfloat16)
-    weight = torch.randn(vocab, hidden, dtype=torch.bfloat16) * hidden ** -0.5
+    x, weight = bench_gpu.sampling_inputs(rows, vocab, hidden, device="cpu")
     return torch.nn.functional.linear(x, weight).float()
